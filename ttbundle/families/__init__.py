@@ -1,0 +1,43 @@
+"""Model families, registered in one table. Look-ups are exact: no fuzzy matching."""
+
+from __future__ import annotations
+
+from ..errors import InvalidInput
+from .base import Family
+from .llama import Llama
+
+_FAMILIES: dict[str, Family] = {}
+
+
+def register(family: Family) -> None:
+    if family.name in _FAMILIES:
+        raise ValueError(f"family {family.name!r} registered twice")
+    _FAMILIES[family.name] = family
+
+
+for _f in (Llama(),):
+    register(_f)
+
+
+def get(name: str) -> Family:
+    try:
+        return _FAMILIES[name]
+    except KeyError:
+        raise InvalidInput(f"unknown family {name!r}; supported: {', '.join(_FAMILIES)}") from None
+
+
+def all_families() -> dict[str, Family]:
+    return dict(_FAMILIES)
+
+
+def by_hf_architecture(arch: str) -> Family:
+    for f in _FAMILIES.values():
+        if arch in f.hf_architectures:
+            return f
+    supported = sorted(a for f in _FAMILIES.values() for a in f.hf_architectures)
+    raise InvalidInput(f"config.json: architecture {arch!r} is not supported; "
+                       f"supported: {', '.join(supported)}")
+
+
+def arch_models() -> tuple:
+    return tuple(f.arch_model for f in _FAMILIES.values())

@@ -1,0 +1,350 @@
+"""What a model family declares: dims, tensors, default sharding plan, layer dataflow, HF import.
+
+Shapes follow the device convention (tt_transformers): a linear weight is ``[in, out]`` so that
+``y = x @ W``. Each tensor dim is a :class:`Dim` with a *unit*: ``wq``'s output dim is
+``Dim("num_attention_heads", 32, unit=128)``, 32 heads of 128 columns, so a split over a mesh axis
+is checked in heads, not columns, and the error can say ``num_attention_heads=28 is not divisible
+by mesh axis cols=8``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from ..errors import InvalidInput
+
+# dtype policy groups a tensor can belong to (see spec.DtypePolicy)
+GROUPS = ("embedding", "attention", "mlp", "experts", "router", "lm_head", "norms")
+
+
+@dataclass(frozen=True)
+class Dim:
+    """One tensor dim: ``size`` units of ``unit`` elements each (length = size * unit)."""
+
+    name: str
+    size: int
+    unit: int = 1
+
+    @property
+    def length(self) -> int:
+        return self.size * self.unit
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    """A tensor group: one weight of every layer it appears in (``count`` copies)."""
+
+    name: str
+    group: str  # one of GROUPS
+    dims: tuple[Dim, ...]
+    count: int = 1
+    doc: str = ""
+    # How ttnn holds it: "matrix" (TILE layout, any dtype), "vector" (1-D, bf16 only),
+    # "embedding" (ROW_MAJOR bf16 for ttnn.embedding).
+    kind: str = "matrix"
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(d.length for d in self.dims)
+
+
+@dataclass(frozen=True)
+class KVEntry:
+    """Per token, per layer cache entry: ``heads`` x ``head_dim`` sharded like ``follows``'s dim."""
+
+    name: str
+    heads: Dim
+    head_dim: int
+    follows: tuple[str, int] | None  # (tensor, dim index) whose spec entry shards the heads
+    count: int  # layers that have it
+
+
+# ---- Layer dataflow, just enough for sharding propagation and collective accounting ---------
+@dataclass(frozen=True)
+class Embed:
+    w: str
+    out: str
+
+
+@dataclass(frozen=True)
+class Norm:
+    """Normalization over the full feature dim: needs the whole row on every device."""
+
+    x: str
+    out: str
+    w: str | None = None
+
+
+@dataclass(frozen=True)
+class Linear:
+    """``out = x @ w`` (w is [K, N] or experts [E, K, N])."""
+
+    x: str
+    w: str
+    out: str
+
+
+@dataclass(frozen=True)
+class Local:
+    """Elementwise or per-head compute (rope, attention, SwiGLU): no data crosses devices if the
+    inputs are sharded alike. ``out`` takes ``dims`` sharded like the first input's dims."""
+
+    ins: tuple[str, ...]
+    out: str
+    what: str = ""
+    out_dim: Dim | None = None  # default: the first input's feature dim
+
+
+@dataclass(frozen=True)
+class Combine:
+    """Weighted sum over the expert dim of ``x`` [E, N] -> [N]."""
+
+    x: str
+    out: str
+
+
+@dataclass(frozen=True)
+class Residual:
+    """``residual += x``; x must end up sharded like the residual stream."""
+
+    x: str
+
+
+@dataclass(frozen=True)
+class Logits:
+    """LM head output gathered for sampling (full vocab on every device)."""
+
+    x: str
+
+
+Op = Embed | Norm | Linear | Local | Combine | Residual | Logits
+
+
+@dataclass
+class LayerKind:
+    """A run of identical layers (e.g. DeepSeek's dense first layers vs MoE layers)."""
+
+    name: str
+    count: int
+    ops: list = field(default_factory=list)
+
+
+# ---- Architecture models -----------------------------------------------------------------------
+class RopeScaling(BaseModel):
+    """HF ``rope_scaling``: the rope variants ttbundle implements."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+    rope_type: Literal["default", "linear", "llama3", "yarn"] = "default"
+    """Scaling method; unknown types are rejected rather than silently ignored."""
+    factor: float | None = None
+    """Context extension factor."""
+    original_max_position_embeddings: int | None = None
+    """Context length the base model was trained with."""
+    low_freq_factor: float | None = None
+    """llama3: low-frequency wavelength factor."""
+    high_freq_factor: float | None = None
+    """llama3: high-frequency wavelength factor."""
+    beta_fast: float | None = None
+    """yarn: fast correction bound."""
+    beta_slow: float | None = None
+    """yarn: slow correction bound."""
+    mscale: float | None = None
+    """yarn (DeepSeek): attention scale multiplier."""
+    mscale_all_dim: float | None = None
+    """yarn (DeepSeek): mscale applied over all dims."""
+    truncate: bool | None = None
+    """yarn (GPT-OSS): whether correction range bounds are truncated to integers."""
+
+
+class ArchBase(BaseModel):
+    """Dims shared by every decoder family, named as in Hugging Face ``config.json``."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    vocab_size: int = Field(gt=0)
+    """Tokens in the vocabulary (rows of the embedding)."""
+    hidden_size: int = Field(gt=0)
+    """Width of the residual stream."""
+    intermediate_size: int = Field(gt=0)
+    """Width of the dense MLP's hidden layer."""
+    num_hidden_layers: int = Field(gt=0)
+    """Decoder layers."""
+    num_attention_heads: int = Field(gt=0)
+    """Query heads."""
+    num_key_value_heads: int | None = Field(default=None, gt=0)
+    """Key/value heads (grouped-query attention); defaults to num_attention_heads."""
+    head_dim: int | None = Field(default=None, gt=0)
+    """Width of one head; defaults to hidden_size / num_attention_heads."""
+    max_position_embeddings: int = Field(default=4096, gt=0)
+    """Longest context the model supports."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of the RMS norms."""
+    rope_theta: float = 10000.0
+    """Rotary base frequency."""
+    rope_scaling: RopeScaling | None = None
+    """Rotary scaling (long-context variants)."""
+    tie_word_embeddings: bool = False
+    """LM head shares the embedding matrix (the device still holds a transposed copy)."""
+    hidden_act: Literal["silu", "gelu_pytorch_tanh", "gelu"] = "silu"
+    """MLP activation; others are rejected."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def hd(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+
+class Family:
+    """Base class for a family module. Subclasses fill in the class attributes and methods."""
+
+    name: ClassVar[str]
+    hf_architectures: ClassVar[tuple[str, ...]]
+    arch_model: ClassVar[type[ArchBase]]
+    summary: ClassVar[str] = ""
+
+    # -- declarations ---------------------------------------------------------------------------
+    def tensors(self, a) -> list[TensorDecl]:
+        raise NotImplementedError
+
+    def default_plan(self, a) -> dict[str, tuple]:
+        """PartitionSpec per tensor, declared once for every mesh; axes of size 1 are no-ops."""
+        raise NotImplementedError
+
+    def layers(self, a) -> list[LayerKind]:
+        raise NotImplementedError
+
+    def kv_cache(self, a) -> list[KVEntry]:
+        raise NotImplementedError
+
+    def check(self, a, bundle) -> list:
+        """Family-specific spec checks; a list of ``Diagnostic`` (via ``bundle.locate``)."""
+        return []
+
+    def default_buckets(self, a) -> dict:
+        return {"prefill": [128, 1024], "decode": [1, 8, 32], "prefill_chunk": 1024}
+
+    # -- HF import ------------------------------------------------------------------------------
+    #: HF config keys copied verbatim into the arch model (others are ignored unless listed in
+    #: ``hf_required``); families extend it.
+    hf_keys: ClassVar[tuple[str, ...]] = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
+        "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings", "hidden_act",
+    )
+
+    def from_hf(self, config: dict) -> dict:
+        """Arch fields (a dict, validated later with the spec) from an HF ``config.json``."""
+        out = {"family": self.name}
+        for k in self.hf_keys:
+            if k in config and config[k] is not None:
+                out[k] = config[k]
+        rs = out.get("rope_scaling")
+        if isinstance(rs, dict):
+            rs = dict(rs)
+            if "type" in rs and "rope_type" not in rs:
+                rs["rope_type"] = rs.pop("type")
+            rs.pop("type", None)
+            known = set(RopeScaling.model_fields)
+            out["rope_scaling"] = {k: v for k, v in rs.items() if k in known}
+            if rs.get("rope_type") not in ("default", "linear", "llama3", "yarn"):
+                raise InvalidInput(
+                    f"config.json: rope_scaling.rope_type={rs.get('rope_type')!r} is not supported "
+                    "by ttbundle (supported: default, linear, llama3, yarn)")
+        if "rope_parameters" in config and "rope_theta" not in out:  # transformers>=5 layout
+            rp = config["rope_parameters"] or {}
+            if "rope_theta" in rp:
+                out["rope_theta"] = rp["rope_theta"]
+        act = config.get("hidden_act") or config.get("hidden_activation")
+        if act is not None:
+            out["hidden_act"] = act
+        return out
+
+
+# ---- helpers shared by families ----------------------------------------------------------------
+def attention_tensors(a, count: int, bias: bool = False, qk_norm: bool = False) -> list[TensorDecl]:
+    H, KV, hd, d = a.num_attention_heads, a.kv_heads, a.hd, a.hidden_size
+    hid = Dim("hidden_size", d)
+    t = [
+        TensorDecl("wq", "attention", (hid, Dim("num_attention_heads", H, hd)), count, "query projection"),
+        TensorDecl("wk", "attention", (hid, Dim("num_key_value_heads", KV, hd)), count, "key projection"),
+        TensorDecl("wv", "attention", (hid, Dim("num_key_value_heads", KV, hd)), count, "value projection"),
+        TensorDecl("wo", "attention", (Dim("num_attention_heads", H, hd), hid), count, "output projection"),
+    ]
+    if bias:
+        t += [
+            TensorDecl("bq", "norms", (Dim("num_attention_heads", H, hd),), count, "query bias", "vector"),
+            TensorDecl("bk", "norms", (Dim("num_key_value_heads", KV, hd),), count, "key bias", "vector"),
+            TensorDecl("bv", "norms", (Dim("num_key_value_heads", KV, hd),), count, "value bias", "vector"),
+        ]
+    if qk_norm:
+        t += [
+            TensorDecl("q_norm", "norms", (Dim("head_dim", hd),), count, "per-head query RMSNorm", "vector"),
+            TensorDecl("k_norm", "norms", (Dim("head_dim", hd),), count, "per-head key RMSNorm", "vector"),
+        ]
+    return t
+
+
+def mlp_tensors(a, count: int, intermediate: int | None = None, prefix: str = "") -> list[TensorDecl]:
+    hid = Dim("hidden_size", a.hidden_size)
+    inter = Dim("intermediate_size", intermediate or a.intermediate_size)
+    return [
+        TensorDecl(prefix + "w1", "mlp", (hid, inter), count, "gate projection"),
+        TensorDecl(prefix + "w3", "mlp", (hid, inter), count, "up projection"),
+        TensorDecl(prefix + "w2", "mlp", (inter, hid), count, "down projection"),
+    ]
+
+
+def embedding_tensors(a) -> list[TensorDecl]:
+    return [
+        TensorDecl("embed", "embedding", (Dim("vocab_size", a.vocab_size), Dim("hidden_size", a.hidden_size)),
+                   1, "token embedding", "embedding"),
+        TensorDecl("final_norm", "norms", (Dim("hidden_size", a.hidden_size),), 1, "final RMSNorm", "vector"),
+        TensorDecl("lm_head", "lm_head", (Dim("hidden_size", a.hidden_size), Dim("vocab_size", a.vocab_size)),
+                   1, "output projection" + (" (tied: transposed copy of embed)" if a.tie_word_embeddings else "")),
+    ]
+
+
+def norm_tensors(a, count: int, names=("attn_norm", "ffn_norm")) -> list[TensorDecl]:
+    hid = Dim("hidden_size", a.hidden_size)
+    return [TensorDecl(n, "norms", (hid,), count, n.replace("_", " "), "vector") for n in names]
+
+
+# The tt_transformers-style 2D plan: hidden over rows, heads/intermediate/vocab over cols.
+# On a 1xN mesh the rows entries are no-ops.
+DENSE_PLAN: dict[str, tuple] = {
+    "embed": (None, "cols"),
+    "wq": ("rows", "cols"), "wk": ("rows", "cols"), "wv": ("rows", "cols"), "wo": ("cols", "rows"),
+    "bq": ("cols",), "bk": ("cols",), "bv": ("cols",),
+    "w1": ("rows", "cols"), "w3": ("rows", "cols"), "w2": ("cols", "rows"),
+    "lm_head": ("rows", "cols"),
+}
+
+
+def attention_ops(bias: bool = False, qk_norm: bool = False) -> list:
+    ops = [Norm("h", "x", "attn_norm"), Linear("x", "wq", "q"), Linear("x", "wk", "k"),
+           Linear("x", "wv", "v")]
+    ops.append(Local(("q", "k", "v"), "o", "rope + attention" + (" + qk-norm" if qk_norm else "")
+                     + (" (+bias)" if bias else "")))
+    ops += [Linear("o", "wo", "attn_out"), Residual("attn_out")]
+    return ops
+
+
+def mlp_ops(prefix: str = "", norm: str = "ffn_norm") -> list:
+    return [Norm("h", "x2", norm), Linear("x2", prefix + "w1", "g"), Linear("x2", prefix + "w3", "u"),
+            Local(("g", "u"), "gu", "SwiGLU"), Linear("gu", prefix + "w2", "mlp_out"), Residual("mlp_out")]
+
+
+def head_ops() -> list:
+    return [Norm("h", "hf", "final_norm"), Linear("hf", "lm_head", "logits"), Logits("logits")]
+
+
+def standard_kv(a, count: int) -> list[KVEntry]:
+    kv = Dim("num_key_value_heads", a.kv_heads)
+    return [KVEntry("k", kv, a.hd, ("wk", 1), count), KVEntry("v", kv, a.hd, ("wv", 1), count)]

@@ -1,0 +1,124 @@
+"""Mesh presets and chip facts.
+
+A mesh is a grid of chips with two named axes, ``rows`` (dim 0) and ``cols`` (dim 1), the same
+shape Tenstorrent's plugin opens for a ``MESH_DEVICE`` name. Chip facts come from the ttnn wheel's
+SoC descriptors and its allocator (see docs/meshes.md).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from .errors import InvalidInput
+
+AXES = ("rows", "cols")
+
+
+@dataclass(frozen=True)
+class Chip:
+    arch: str  # "wormhole_b0" | "blackhole"
+    label: str
+    dram_banks: int
+    dram_bank_bytes: int  # allocatable bytes per DRAM bank (ttnn allocator)
+    l1_banks: int
+    l1_bank_bytes: int  # allocatable L1 per worker core
+    compute_grid: tuple[int, int]
+    dram_alignment: int
+
+    @property
+    def dram_bytes(self) -> int:
+        return self.dram_banks * self.dram_bank_bytes
+
+    @property
+    def l1_bytes(self) -> int:
+        return self.l1_banks * self.l1_bank_bytes
+
+
+WORMHOLE = Chip("wormhole_b0", "Wormhole B0", 12, 1_072_693_184, 64, 1_393_312, (8, 8), 32)
+BLACKHOLE = Chip("blackhole", "Blackhole", 8, 4_277_141_376, 130, 1_461_120, (13, 10), 64)
+# P100 is a Blackhole board with 7 DRAM channels.
+BLACKHOLE_P100 = Chip("blackhole", "Blackhole (7 DRAM channels)", 7, 4_277_141_376, 130,
+                      1_461_120, (13, 10), 64)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    name: str
+    shape: tuple[int, int]
+    chip: Chip
+    topology: str  # "linear" | "ring" | "torus"
+    hosts: int = 1
+    note: str = ""
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0]
+
+    @property
+    def cols(self) -> int:
+        return self.shape[1]
+
+    @property
+    def num_devices(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def axis_size(self, axis: str) -> int:
+        return self.shape[AXES.index(axis)]
+
+    def describe(self) -> str:
+        return f"{self.name} {self.rows}x{self.cols}"
+
+
+def _m(name, shape, chip, topology, hosts=1, note=""):
+    return Mesh(name, shape, chip, topology, hosts, note)
+
+
+# Every MESH_DEVICE name Tenstorrent's plugin accepts, plus multi-host Galaxies.
+PRESETS: dict[str, Mesh] = {m.name: m for m in [
+    _m("N150", (1, 1), WORMHOLE, "linear"),
+    _m("N300", (1, 2), WORMHOLE, "linear"),
+    _m("N150x4", (1, 4), WORMHOLE, "linear"),
+    _m("T3K", (1, 8), WORMHOLE, "ring", note="physically 2x4; presented as 1x8 like the plugin"),
+    _m("TG", (8, 4), WORMHOLE, "torus", note="Galaxy; the plugin's worker opens (8,4)"),
+    _m("DUAL_GALAXY", (8, 8), WORMHOLE, "torus", hosts=2),
+    _m("QUAD_GALAXY", (8, 16), WORMHOLE, "torus", hosts=4),
+    _m("P100", (1, 1), BLACKHOLE_P100, "linear"),
+    _m("P150", (1, 1), BLACKHOLE, "linear"),
+    _m("P150x2", (1, 2), BLACKHOLE, "linear"),
+    _m("P300", (1, 2), BLACKHOLE, "linear"),
+    _m("P150x4", (1, 4), BLACKHOLE, "linear"),
+    _m("P300x2", (1, 4), BLACKHOLE, "linear"),
+    _m("P150x8", (1, 8), BLACKHOLE, "ring"),
+    _m("BH-Galaxy", (8, 4), BLACKHOLE, "torus"),
+]}
+
+_TUPLE = re.compile(r"^\s*\(\s*(\d+)\s*,\s*(\d+)\s*\)\s*(?:@\s*(wormhole|blackhole)\s*)?$", re.I)
+
+
+def valid_names() -> str:
+    return ", ".join(list(PRESETS) + ['"(R,C)"', '"(R,C)@blackhole"'])
+
+
+def resolve(name: str) -> Mesh:
+    """A preset by its exact MESH_DEVICE name, or ``"(R,C)"`` (Wormhole) / ``"(R,C)@blackhole"``."""
+    if not isinstance(name, str):
+        raise InvalidInput(f"mesh must be a name or \"(R,C)\", got {name!r}; valid: {valid_names()}")
+    if name in PRESETS:
+        return PRESETS[name]
+    m = _TUPLE.match(name)
+    if m:
+        r, c = int(m.group(1)), int(m.group(2))
+        if r < 1 or c < 1 or r * c > 256:
+            raise InvalidInput(f"mesh {name!r}: rows and cols must be >= 1 with at most 256 chips")
+        chip = BLACKHOLE if (m.group(3) or "").lower() == "blackhole" else WORMHOLE
+        topo = "linear" if r == 1 and c <= 2 else ("ring" if r == 1 else "torus")
+        return Mesh(f"({r},{c})" + ("@blackhole" if chip is BLACKHOLE else ""), (r, c), chip, topo)
+    raise InvalidInput(f"unknown mesh {name!r}; valid: {valid_names()}")
+
+
+def try_resolve(name: str) -> Mesh | None:
+    try:
+        return resolve(name)
+    except InvalidInput:
+        return None

@@ -1,0 +1,544 @@
+"""Partition specs -> per-device shapes, per-chip memory, collectives.
+
+``make_plan(bundle, mesh)`` resolves the sharding plan (family default, then ``sharding.plan``,
+then ``sharding.targets[<mesh>]``), checks every sharded dim divides its mesh axis, derives each
+device's shard shape, accounts DRAM the way ttnn's allocator does (interleaved pages over the
+DRAM banks, each bank's share rounded up to whole aligned pages), and propagates activation
+shardings through the family's layer dataflow to find every collective and its traffic.
+The returned :class:`Plan` is pure data; nothing here touches a weight.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from . import mesh as meshmod
+from .errors import Diagnostic, InvalidInput
+from .families.base import (Combine, Dim, Embed, Linear, Local, Logits, Norm, Residual,
+                            TensorDecl)
+from .mesh import AXES, Mesh
+
+TILE = 32
+TILE_BYTES = {"bf16": 2048, "bfp8": 1088, "bfp4": 576, "f32": 4096}
+ELEM_BYTES = {"bf16": 2, "f32": 4}
+ACT_BYTES = 2  # activations are bf16 on device
+TRACE_BYTES_PER_OP = 8 * 1024  # dispatch commands + runtime args per captured op (estimate)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def axes_of(entry) -> tuple[str, ...]:
+    """PartitionSpec entry -> tuple of axis names (``()`` = replicated)."""
+    if entry is None:
+        return ()
+    if isinstance(entry, str):
+        return (entry,)
+    return tuple(entry)
+
+
+def fmt_entry(entry) -> str:
+    ax = axes_of(entry)
+    return "null" if not ax else ax[0] if len(ax) == 1 else "[" + ",".join(ax) + "]"
+
+
+@dataclass
+class TensorPlan:
+    name: str
+    group: str
+    dtype: str
+    layout: str  # TILE | ROW_MAJOR
+    shape: list[int]
+    spec: list  # one entry per dim
+    device_shape: list[int]
+    count: int  # copies (layers) on each device
+    bytes_per_copy: int  # DRAM bytes per device for one copy, allocator-rounded
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bytes(self) -> int:
+        return self.bytes_per_copy * self.count
+
+    def notation(self) -> str:
+        """JAX-style: ``bf16[4096, 14336@cols]`` (global dims, split axes after ``@``)."""
+        parts = []
+        for n, e in zip(self.shape, self.spec):
+            ax = axes_of(e)
+            parts.append(f"{n}@{'*'.join(ax)}" if ax else str(n))
+        return f"{self.dtype}[{', '.join(parts)}]"
+
+
+@dataclass
+class Collective:
+    layer: str  # layer kind or "embedding" / "head"
+    op: str  # the op that needed it
+    kind: str  # all_gather | all_reduce
+    axes: tuple[str, ...]
+    devices: int  # group size
+    payload_bytes_per_token: int  # per-device tensor size the collective works on
+    traffic_bytes_per_token: int  # bytes each device sends per token (ring algorithm)
+    count: int  # times per forward (layers)
+
+
+@dataclass
+class Memory:
+    weights_by_dtype: dict[str, int]
+    weights: int
+    kv_cache: int
+    activations: int
+    trace_region: int
+    total: int
+    dram: int
+
+    @property
+    def free(self) -> int:
+        return self.dram - self.total
+
+
+@dataclass
+class Plan:
+    bundle_name: str
+    family: str
+    mesh: Mesh
+    tensors: list[TensorPlan]
+    memory: Memory
+    collectives: list[Collective]
+    kv: dict
+    activation_tokens: int
+    num_traces: int
+    diagnostics: list[Diagnostic]
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.memory.dram
+
+    @property
+    def decode_traffic_bytes_per_token(self) -> int:
+        return sum(c.traffic_bytes_per_token * c.count for c in self.collectives)
+
+    def consumers(self) -> list[tuple[str, int]]:
+        """Largest memory consumers per chip, biggest first."""
+        items = [(f"{t.name} ({t.dtype}, x{t.count})", t.bytes) for t in self.tensors]
+        items += [(f"KV cache ({self.kv['dtype']})", self.memory.kv_cache),
+                  ("activations", self.memory.activations), ("trace region", self.memory.trace_region)]
+        return sorted(items, key=lambda x: -x[1])
+
+    def to_json(self) -> dict:
+        m = self.mesh
+        mem = asdict(self.memory)
+        mem["free"] = self.memory.free
+        return {
+            "bundle": self.bundle_name,
+            "family": self.family,
+            "mesh": {"name": m.name, "shape": list(m.shape), "arch": m.chip.arch,
+                     "devices": m.num_devices, "topology": m.topology,
+                     "dram_bytes_per_chip": m.chip.dram_bytes, "l1_bytes_per_chip": m.chip.l1_bytes},
+            "fits": self.fits,
+            "memory": mem,
+            "per_chip": [{"device": [r, c], "bytes": self.memory.total}
+                         for r in range(m.rows) for c in range(m.cols)],
+            "tensors": [{"name": t.name, "group": t.group, "dtype": t.dtype, "layout": t.layout,
+                         "shape": t.shape, "spec": [list(axes_of(e)) or None for e in t.spec],
+                         "device_shape": t.device_shape, "count": t.count,
+                         "bytes_per_copy": t.bytes_per_copy, "bytes": t.bytes,
+                         "notation": t.notation(), "notes": t.notes} for t in self.tensors],
+            "kv_cache": self.kv,
+            "collectives": [{**asdict(c), "axes": list(c.axes)} for c in self.collectives],
+            "decode_traffic_bytes_per_token": self.decode_traffic_bytes_per_token,
+            "activation_tokens": self.activation_tokens,
+            "num_traces": self.num_traces,
+            "diagnostics": [d.to_json() for d in self.diagnostics],
+        }
+
+
+# ---- DRAM accounting ---------------------------------------------------------------------------
+def dram_bytes(pages: int, page_bytes: int, mesh: Mesh) -> int:
+    """Bytes an interleaved DRAM buffer takes on one chip: pages round-robin over the banks, each
+    bank reserving whole pages rounded up to the DRAM alignment."""
+    chip = mesh.chip
+    if pages == 0:
+        return 0
+    per_bank = _cdiv(pages, chip.dram_banks) * _round_up(page_bytes, chip.dram_alignment)
+    return per_bank * chip.dram_banks
+
+
+def tile_pages(shape: list[int]) -> int:
+    """Number of 32x32 tiles of a tensor in TILE layout (last two dims padded to tiles)."""
+    if len(shape) == 1:
+        shape = [1] + list(shape)
+    lead = math.prod(shape[:-2]) if len(shape) > 2 else 1
+    return lead * _cdiv(shape[-2], TILE) * _cdiv(shape[-1], TILE)
+
+
+def tensor_bytes(shape: list[int], dtype: str, layout: str, mesh: Mesh) -> int:
+    if layout == "TILE":
+        return dram_bytes(tile_pages(shape), TILE_BYTES[dtype], mesh)
+    # ROW_MAJOR: one page per row of the last dim (1-D tensors are stored as rows of 32)
+    if len(shape) == 1:
+        return dram_bytes(_cdiv(shape[0], TILE), TILE * ELEM_BYTES[dtype], mesh)
+    return dram_bytes(math.prod(shape[:-1]), shape[-1] * ELEM_BYTES[dtype], mesh)
+
+
+# ---- sharding resolution ------------------------------------------------------------------------
+def resolved_plan(bundle, mesh_name: str) -> tuple[dict[str, tuple], dict[str, tuple]]:
+    """Final PartitionSpec per tensor and, per tensor, the spec key path it came from."""
+    fam, a, s = bundle.family, bundle.arch, bundle.spec
+    names = [t.name for t in fam.tensors(a)]
+    default = fam.default_plan(a)
+    plan, origin = {}, {}
+    for n in names:
+        rank = next(len(t.dims) for t in fam.tensors(a) if t.name == n)
+        plan[n] = tuple(default.get(n, (None,) * rank))
+        origin[n] = None
+    for n, sp in s.sharding.plan.items():
+        if n in plan:
+            plan[n], origin[n] = tuple(sp), ("sharding", "plan", n)
+    for n, sp in s.sharding.targets.get(mesh_name, {}).items():
+        if n in plan:
+            plan[n], origin[n] = tuple(sp), ("sharding", "targets", mesh_name, n)
+    return plan, origin
+
+
+def _divisors_hint(size: int, n: int) -> str:
+    divs = [d for d in (1, 2, 4, 8, 16, 32) if size % d == 0 and d != n]
+    return ", ".join(map(str, divs[-3:]))
+
+
+def shard_dim(d: Dim, axes: tuple[str, ...], mesh: Mesh, policy) -> tuple[int, str | None, str | None]:
+    """Per-device units of ``d`` split over ``axes``; returns (units, note, error)."""
+    n = math.prod(mesh.axis_size(x) for x in axes) if axes else 1
+    if n == 1 or d.size % n == 0:
+        return d.size // n, None, None
+    where = f"mesh axis {'*'.join(axes)}={n} ({mesh.describe()})"
+    arith = f"{d.name}={d.size} is not divisible by {where}"
+    if d.name == "num_key_value_heads" and policy.kv_heads != "error":
+        if policy.kv_heads == "replicate" and n % d.size == 0:
+            return 1, f"each KV head replicated on {n // d.size} devices", None
+        if policy.kv_heads == "pad" or n % d.size:
+            padded = _round_up(d.size, n)
+            if policy.kv_heads == "pad":
+                return padded // n, f"KV heads padded {d.size} -> {padded}", None
+            return 0, None, (f"{arith}, and {n} is not a multiple of {d.size} so heads cannot be "
+                             f"replicated; use sharding.kv_heads: pad, or a mesh axis that divides "
+                             f"or is a multiple of {d.size}")
+    if d.name == "num_attention_heads" and policy.attention_heads == "pad":
+        padded = _round_up(d.size, n)
+        return padded // n, f"query heads padded {d.size} -> {padded}", None
+    if d.name == "vocab_size" and policy.vocab == "pad":
+        padded = _round_up(d.size, n)
+        return padded // n, f"vocab padded {d.size} -> {padded}", None
+    fixes = {"num_attention_heads": "sharding.attention_heads: pad",
+             "num_key_value_heads": "sharding.kv_heads: replicate or pad",
+             "vocab_size": "sharding.vocab: pad"}
+    fix = [f"replicate that dim (null)", f"a mesh whose axis divides {d.size}"
+           + (f" (e.g. {_divisors_hint(d.size, n)})" if _divisors_hint(d.size, n) else "")]
+    if d.name in fixes:
+        fix.insert(0, fixes[d.name])
+    return 0, None, f"{arith}; fix: {' or '.join(fix)}"
+
+
+def _layout(t: TensorDecl) -> str:
+    return "TILE" if t.kind == "matrix" else "ROW_MAJOR"
+
+
+# ---- activation sharding propagation ------------------------------------------------------------
+@dataclass
+class _Act:
+    dims: tuple[Dim, ...]
+    spec: tuple[tuple[str, ...], ...]
+    partial: frozenset
+
+    def local_elems(self, mesh: Mesh) -> int:
+        e = 1
+        for d, ax in zip(self.dims, self.spec):
+            n = math.prod(mesh.axis_size(x) for x in ax) if ax else 1
+            e *= _cdiv(d.length, n)
+        return e
+
+
+class _Tracer:
+    """Walks layer ops, tracking each activation's sharding and emitting collectives."""
+
+    def __init__(self, mesh: Mesh, specs: dict, decls: dict, layer: str, count: int):
+        self.mesh, self.specs, self.decls = mesh, specs, decls
+        self.layer, self.count = layer, count
+        self.acts: dict[str, _Act] = {}
+        self.out: list[Collective] = []
+        self.ops = 0
+        hid = decls["embed"].dims[1] if "embed" in decls else Dim("hidden_size", 1)
+        self.acts["h"] = _Act((hid,), ((),), frozenset())
+
+    def _n(self, axes) -> int:
+        return math.prod(self.mesh.axis_size(a) for a in axes) if axes else 1
+
+    def _emit(self, op: str, kind: str, axes: tuple, act: _Act):
+        n = self._n(axes)
+        if n == 1:
+            return
+        payload = act.local_elems(self.mesh) * ACT_BYTES
+        if kind == "all_reduce":
+            traffic = 2 * (n - 1) * payload // n
+        else:  # all_gather: payload grows n-fold; each device receives (n-1) shards
+            traffic = (n - 1) * payload
+        self.out.append(Collective(self.layer, op, kind, tuple(axes), n, payload, traffic, self.count))
+        self.ops += 1
+
+    def reduce(self, name: str, op: str) -> _Act:
+        a = self.acts[name]
+        if a.partial:
+            self._emit(op, "all_reduce", tuple(sorted(a.partial, key=AXES.index)), a)
+            a = _Act(a.dims, a.spec, frozenset())
+            self.acts[name] = a
+        return a
+
+    def gather(self, name: str, op: str, keep: tuple = ()) -> _Act:
+        """Make ``name`` non-partial and replicated on every dim (except ``keep`` dim indices)."""
+        a = self.reduce(name, op)
+        for i, ax in enumerate(a.spec):
+            if ax and i not in keep:
+                self._emit(op, "all_gather", ax, a)
+                a = _Act(a.dims, a.spec[:i] + ((),) + a.spec[i + 1:], a.partial)
+        self.acts[name] = a
+        return a
+
+    def wspec(self, w: str) -> tuple[tuple[str, ...], ...]:
+        return tuple(axes_of(e) for e in self.specs[w])
+
+    def run(self, op):
+        self.ops += 1
+        if isinstance(op, Embed):
+            ws, wd = self.wspec(op.w), self.decls[op.w].dims
+            self.acts[op.out] = _Act(wd[1:], ws[1:], frozenset(ws[0]))
+            self.gather(op.out, f"embedding({op.w})")
+        elif isinstance(op, Norm):
+            a = self.gather(op.x, f"norm({op.w or op.x})")
+            self.acts[op.out] = _Act(a.dims, a.spec, frozenset())
+        elif isinstance(op, Linear):
+            label = f"{op.x} @ {op.w}"
+            a = self.reduce(op.x, label)
+            ws, wd = self.wspec(op.w), self.decls[op.w].dims
+            k_w = ws[-2]
+            # contraction dim: a sharded input whose axes differ from the weight's is gathered
+            if a.spec[-1] and a.spec[-1] != k_w:
+                a = self.gather(op.x, label, keep=tuple(range(len(a.spec) - 1)))
+            if len(wd) == 3 and len(a.dims) == 2 and a.spec[0] and a.spec[0] != ws[0]:
+                a = self.gather(op.x, label)
+            out_dims = wd[:-2] + (wd[-1],) if len(wd) == 3 else (wd[-1],)
+            out_spec = ws[:-2] + (ws[-1],) if len(wd) == 3 else (ws[-1],)
+            self.acts[op.out] = _Act(out_dims, out_spec, frozenset(k_w))
+        elif isinstance(op, Local):
+            lead = self.reduce(op.ins[0], op.what or op.out)
+            for other in op.ins[1:]:
+                b = self.reduce(other, op.what or op.out)
+                if any(ax and ax != la for ax, la in zip(b.spec, lead.spec)):
+                    self.gather(other, op.what or op.out)
+            dims = (op.out_dim,) if op.out_dim else lead.dims
+            self.acts[op.out] = _Act(dims, lead.spec[-len(dims):], frozenset())
+        elif isinstance(op, Combine):
+            a = self.reduce(op.x, f"combine({op.x})")
+            self.acts[op.out] = _Act(a.dims[1:], a.spec[1:], frozenset(a.spec[0]))
+        elif isinstance(op, Residual):
+            self.gather(op.x, f"residual += {op.x}")
+        elif isinstance(op, Logits):
+            self.gather(op.x, "logits")
+        else:  # pragma: no cover
+            raise TypeError(op)
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+def kv_blocks(rt) -> int:
+    """Blocks for every sequence at full length plus one spare block each (plugin formula)."""
+    return _cdiv(rt.max_num_seqs * rt.max_model_len + rt.kv_block_size * rt.max_num_seqs, rt.kv_block_size)
+
+
+def make_plan(bundle, mesh: Mesh | str) -> Plan:
+    """The plan of ``bundle`` on ``mesh``. Raises InvalidInput listing every divisibility error."""
+    if isinstance(mesh, str):
+        mesh = meshmod.resolve(mesh)
+    fam, a, s = bundle.family, bundle.arch, bundle.spec
+    specs, origin = resolved_plan(bundle, mesh.name)
+    decls = {t.name: t for t in fam.tensors(a)}
+    errors: dict[tuple, tuple[list[str], str, tuple]] = {}
+    tensors: list[TensorPlan] = []
+    target_idx = s.targets.index(mesh.name) if mesh.name in s.targets else None
+
+    for t in decls.values():
+        spec = specs[t.name]
+        dev, notes = [], []
+        for d, e in zip(t.dims, spec):
+            ax = axes_of(e)
+            for x in ax:
+                if x not in AXES:  # schema already limits this; defensive for API callers
+                    raise InvalidInput(f"{t.name}: unknown mesh axis {x!r}; axes are rows, cols")
+            units, note, err = shard_dim(d, ax, mesh, s.sharding)
+            if err:
+                key = (d.name, ax)
+                at = origin[t.name] or (("targets", target_idx) if target_idx is not None else ("targets",))
+                errors.setdefault(key, ([], err, at))[0].append(t.name)
+            if note and note not in notes:
+                notes.append(note)
+            dev.append(units * d.unit)
+        dtype = s.weights.dtypes.dtype_of(t.name, t.group) if t.kind == "matrix" else "bf16"
+        layout = _layout(t)
+        tensors.append(TensorPlan(t.name, t.group, dtype, layout, list(t.shape), list(spec), dev,
+                                  t.count, tensor_bytes(dev, dtype, layout, mesh), notes))
+    if errors:
+        diags = []
+        for (dname, ax), (tnames, msg, at) in errors.items():
+            origin_note = "" if at[0] == "sharding" else " (family default plan)"
+            diags.append(bundle.locate(at, f"{', '.join(tnames)}{origin_note}: {msg}"))
+        raise InvalidInput(f"{bundle.file}: sharding plan does not fit {mesh.describe()}", diags)
+
+    # KV cache: (num_blocks, kv_heads/device, block_size, head_dim) per layer, K and V separately
+    rt = s.runtime
+    blocks = kv_blocks(rt)
+    kv_total, kv_entries = 0, []
+    for e in fam.kv_cache(a):
+        if e.follows:
+            tname, di = e.follows
+            units, _, _ = shard_dim(e.heads, axes_of(specs[tname][di]), mesh, s.sharding)
+        else:
+            units = e.heads.size
+        shape = [blocks, units, rt.kv_block_size, e.head_dim]
+        per_layer = tensor_bytes(shape, rt.kv_cache_dtype, "TILE", mesh)
+        kv_total += per_layer * e.count
+        kv_entries.append({"name": e.name, "device_shape": shape, "layers": e.count,
+                           "bytes_per_layer": per_layer})
+    kv = {"dtype": rt.kv_cache_dtype, "num_blocks": blocks, "block_size": rt.kv_block_size,
+          "entries": kv_entries, "bytes": kv_total}
+
+    # collectives and op counts per layer kind
+    collectives: list[Collective] = []
+    ops_per_forward = 0
+    pro = _Tracer(mesh, specs, decls, "embedding", 1)
+    pro.run(Embed("embed", "h"))
+    collectives += pro.out
+    ops_per_forward += pro.ops
+    act_peak_elems = 0
+    for kind in fam.layers(a):
+        tr = _Tracer(mesh, specs, decls, kind.name, kind.count)
+        for op in kind.ops:
+            tr.run(op)
+        collectives += tr.out
+        ops_per_forward += tr.ops * kind.count
+        act_peak_elems = max(act_peak_elems, sum(x.local_elems(mesh) for x in tr.acts.values()))
+    from .families.base import head_ops
+    head = _Tracer(mesh, specs, decls, "head", 1)
+    for op in head_ops():
+        head.run(op)
+    collectives += head.out
+    ops_per_forward += head.ops
+
+    # activations: every named activation of one layer live at once for the largest prefill shape
+    # (an upper bound; ttnn frees them as it goes), plus last-token logits padded to a tile row
+    bk = bundle.buckets
+    act_tokens = min(max(bk.prefill), bk.prefill_chunk or max(bk.prefill))
+    vocab_dev = next(t.device_shape[-1] for t in tensors if t.name == "lm_head")
+    act_bytes = act_peak_elems * act_tokens * ACT_BYTES + TILE * vocab_dev * ACT_BYTES * max(bk.decode)
+
+    traced_prefill = len(bk.prefill) if rt.trace_mode == "all" else 0
+    traced_decode = len(bk.decode) if rt.trace_mode in ("all", "decode_only") else 0
+    num_traces = traced_prefill + traced_decode
+    trace = rt.trace_region_size if rt.trace_region_size is not None else \
+        _round_up(num_traces * ops_per_forward * TRACE_BYTES_PER_OP, 1 << 20)
+
+    by_dtype: dict[str, int] = {}
+    for t in tensors:
+        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.bytes
+    weights = sum(by_dtype.values())
+    total = weights + kv_total + act_bytes + trace
+    mem = Memory(by_dtype, weights, kv_total, act_bytes, trace, total, mesh.chip.dram_bytes)
+    return Plan(s.name, a.family, mesh, tensors, mem, collectives, kv, act_tokens, num_traces,
+                list(bundle.warnings))
+
+
+def check_mesh(bundle, mesh_name: str) -> list[Diagnostic]:
+    """Mesh-dependent diagnostics for one target (empty when the plan resolves)."""
+    try:
+        make_plan(bundle, mesh_name)
+    except InvalidInput as e:
+        return e.diagnostics or [Diagnostic(e.message, "", bundle.file)]
+    return []
+
+
+# ---- advice when it does not fit ----------------------------------------------------------------
+def _with(bundle, **runtime):
+    spec = bundle.spec.model_copy(update={"runtime": bundle.spec.runtime.model_copy(update=runtime)})
+    return type(bundle)(spec, bundle.arch, bundle.family, bundle.file, bundle.base_dir, bundle.positions)
+
+
+def _with_dtypes(bundle, **groups):
+    pol = bundle.spec.weights.dtypes.model_copy(update=groups)
+    w = bundle.spec.weights.model_copy(update={"dtypes": pol})
+    spec = bundle.spec.model_copy(update={"weights": w})
+    return type(bundle)(spec, bundle.arch, bundle.family, bundle.file, bundle.base_dir, bundle.positions)
+
+
+def fixes(bundle, p: Plan) -> list[str]:
+    """Concrete changes that would make ``p`` fit, each verified by re-planning."""
+    out: list[str] = []
+    mesh, rt = p.mesh, bundle.spec.runtime
+    over = p.memory.total - p.memory.dram
+    # smaller dtypes
+    for groups, label in (({"attention": "bfp8", "mlp": "bfp8", "experts": "bfp8", "lm_head": "bfp8"},
+                           "bfp8 weights (attention, mlp, experts, lm_head)"),
+                          ({"attention": "bfp8", "mlp": "bfp4", "experts": "bfp4", "lm_head": "bfp8"},
+                           "attention bfp8 + mlp/experts bfp4")):
+        try:
+            q = make_plan(_with_dtypes(bundle, **groups), mesh)
+        except InvalidInput:
+            continue
+        if q.memory.weights < p.memory.weights:
+            verdict = "fits" if q.fits else f"still {_gib(q.memory.total - q.memory.dram)} over"
+            out.append(f"weights.dtypes: {label}: weights {_gib(p.memory.weights)} -> "
+                       f"{_gib(q.memory.weights)} per chip ({verdict})")
+            if q.fits:
+                break
+    # bigger mesh of the same chip
+    for cand in sorted(meshmod.PRESETS.values(), key=lambda m: m.num_devices):
+        if cand.chip.arch != mesh.chip.arch or cand.num_devices <= mesh.num_devices:
+            continue
+        try:
+            q = make_plan(bundle, cand)
+        except InvalidInput:
+            continue
+        if q.fits:
+            out.append(f"a bigger mesh: {cand.describe()} ({cand.num_devices} chips) holds "
+                       f"{_gib(q.memory.total)} per chip of {_gib(q.memory.dram)}")
+            break
+    # KV: shorter context or fewer sequences
+    kv_per_token = p.memory.kv_cache / max(1, kv_blocks(rt) * rt.kv_block_size)
+    if p.memory.kv_cache > 0 and over < p.memory.kv_cache:
+        for field_name in ("max_model_len", "max_num_seqs"):
+            cur = getattr(rt, field_name)
+            lo, hi, best = 1, cur - 1, None
+            while lo <= hi:  # largest value that fits, by re-planning
+                mid = (lo + hi) // 2
+                if field_name == "max_model_len":
+                    mid = max(rt.kv_block_size, mid // rt.kv_block_size * rt.kv_block_size)
+                try:
+                    ok = make_plan(_with(bundle, **{field_name: mid}), mesh).fits
+                except InvalidInput:
+                    ok = False
+                if ok:
+                    best, lo = mid, mid + 1
+                else:
+                    hi = mid - 1
+                if field_name == "max_model_len" and mid == rt.kv_block_size and not ok:
+                    break
+            if best:
+                out.append(f"runtime.{field_name}: {cur} -> {best} (KV cache "
+                           f"{_gib(kv_per_token * rt.kv_block_size)} per block per chip)")
+    if not out:
+        out.append("no single change found; combine smaller dtypes with a bigger mesh")
+    return out
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"

@@ -1,0 +1,73 @@
+"""Human-readable renderings of a plan (rich tables). Pure formatting; no decisions here."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .plan import Plan, fmt_entry
+
+
+def human(n: float) -> str:
+    for unit, div in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= div:
+            return f"{n / div:,.2f} {unit}"
+    return f"{int(n):,} B"
+
+
+def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> None:
+    m = p.mesh
+    console.print(f"[bold]{p.bundle_name}[/] ({p.family}) on [bold]{m.describe()}[/]: "
+                  f"{m.num_devices} x {m.chip.label}, {m.topology}, axes rows={m.rows} cols={m.cols}")
+    t = Table(title="per-device shards", title_justify="left", show_edge=False)
+    for col in ("tensor", "global (split@axis)", "spec", "per device", "x", "per chip"):
+        t.add_column(col, justify="right" if col in ("x", "per chip") else "left")
+    for tp in p.tensors:
+        spec = "[" + ", ".join(fmt_entry(e) for e in tp.spec) + "]"
+        dev = f"{tp.dtype}[{', '.join(map(str, tp.device_shape))}]"
+        note = f" ({'; '.join(tp.notes)})" if tp.notes else ""
+        t.add_row(tp.name, Text(tp.notation()), Text(spec), Text(dev + note), str(tp.count), human(tp.bytes))
+    console.print(t)
+
+    mem = p.memory
+    mt = Table(title="per-chip DRAM", title_justify="left", show_edge=False)
+    mt.add_column("what")
+    mt.add_column("bytes", justify="right")
+    mt.add_column("", justify="right")
+    for dt, n in sorted(mem.weights_by_dtype.items()):
+        mt.add_row(f"weights {dt}", f"{n:,}", human(n))
+    kv = p.kv
+    mt.add_row(f"KV cache {kv['dtype']} ({kv['num_blocks']:,} blocks x {kv['block_size']})",
+               f"{mem.kv_cache:,}", human(mem.kv_cache))
+    mt.add_row(f"activations ({p.activation_tokens} tokens)", f"{mem.activations:,}", human(mem.activations))
+    mt.add_row(f"trace region ({p.num_traces} traces)", f"{mem.trace_region:,}", human(mem.trace_region))
+    mt.add_row("[bold]total[/]", f"{mem.total:,}", human(mem.total))
+    mt.add_row(f"chip DRAM ({m.chip.dram_banks} banks x {m.chip.dram_bank_bytes:,})", f"{mem.dram:,}",
+               human(mem.dram))
+    pct = 100 * mem.total / mem.dram
+    verdict = f"[green]fits[/] ({pct:.1f}% used, {human(mem.free)} free)" if p.fits else \
+        f"[red]does not fit[/] ({pct:.1f}% of DRAM, {human(-mem.free)} over)"
+    mt.add_row("[bold]verdict[/]", "", verdict)
+    console.print(mt)
+
+    if p.collectives:
+        ct = Table(title="collectives per forward", title_justify="left", show_edge=False)
+        for col in ("layer", "op", "collective", "axis", "x", "bytes/token/device"):
+            ct.add_column(col, justify="right" if col in ("x", "bytes/token/device") else "left")
+        for c in p.collectives:
+            ct.add_row(c.layer, Text(c.op), c.kind, f"{'*'.join(c.axes)} ({c.devices})", str(c.count),
+                       f"{c.traffic_bytes_per_token:,}")
+        console.print(ct)
+        console.print(f"decode traffic: {p.decode_traffic_bytes_per_token:,} bytes per token per device")
+    else:
+        console.print("collectives: none (nothing is split across devices)")
+
+    if not p.fits:
+        console.print("[bold]largest consumers per chip:[/]")
+        for name, n in p.consumers()[:4]:
+            console.print(Text(f"  {name}: {human(n)}"))
+        if fixes:
+            console.print("[bold]would fit with:[/]")
+            for f in fixes:
+                console.print(Text(f"  - {f}"))

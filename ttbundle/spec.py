@@ -1,0 +1,438 @@
+"""The bundle spec: a typed model of the YAML file, loading with line numbers, semantic checks.
+
+``load(path)`` returns a :class:`Bundle` (the validated spec, the family and its arch dims, and
+a locator for every key), or raises :class:`InvalidInput` carrying *all* problems found, each
+located as ``file:line:col: key.path: message``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from . import families, mesh as meshmod
+from .errors import Diagnostic, InvalidInput
+from .families.base import GROUPS
+from .yamlpos import load_yaml
+
+DType = Literal["bf16", "bfp8", "bfp4"]
+AxisName = Literal["rows", "cols"]
+PartitionEntry = Union[None, AxisName, list[AxisName]]
+PartitionSpec = list[PartitionEntry]
+
+NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+# tt_transformers traces decode for these batch sizes (rows are padded to 32 on device)
+DECODE_TRACE_SIZES = (1, 2, 4, 8, 16, 32)
+TILE = 32
+
+
+def _model_config(**kw):
+    return ConfigDict(extra="forbid", use_attribute_docstrings=True, **kw)
+
+
+class DtypePolicy(BaseModel):
+    """Storage dtype per tensor group. bfp8/bfp4 are Tenstorrent block floats (32x32 tiles, one
+    shared exponent per 16 values): 1,088 and 576 bytes per tile against bf16's 2,048."""
+
+    model_config = _model_config()
+
+    default: DType = "bf16"
+    """Dtype of any group not named below."""
+    embedding: DType | None = None
+    """Token embedding table; ttnn's embedding op reads a ROW_MAJOR bf16 table, so bf16 only."""
+    attention: DType | None = None
+    """q/k/v/o projections (and MLA's low-rank projections)."""
+    mlp: DType | None = None
+    """Dense MLP gate/up/down projections (incl. shared experts)."""
+    experts: DType | None = None
+    """Routed MoE expert weights."""
+    router: DType | None = None
+    """MoE router (gate) weights."""
+    lm_head: DType | None = None
+    """Output projection to the vocabulary."""
+    norms: DType | None = None
+    """1-D tensors (norm weights, biases, attention sinks); ttnn keeps these bf16."""
+    tensors: dict[str, DType] = Field(default_factory=dict)
+    """Per-tensor overrides by tensor name (see `ttbundle plan` for names), e.g. `wo: bf16`."""
+
+    def dtype_of(self, name: str, group: str) -> str:
+        if name in self.tensors:
+            return self.tensors[name]
+        return getattr(self, group, None) or self.default
+
+
+class Weights(BaseModel):
+    """Where the checkpoint is and how it is stored on device."""
+
+    model_config = _model_config()
+
+    source: str | None = None
+    """Directory with `*.safetensors` (or `model.safetensors.index.json` for sharded
+    checkpoints), relative to the spec file. Omit for a plan-only spec."""
+    dtypes: DtypePolicy = Field(default_factory=DtypePolicy)
+    """Storage dtype per tensor group."""
+
+
+class Sharding(BaseModel):
+    """How tensors split over the mesh axes `rows` and `cols`, in PartitionSpec notation: one
+    entry per tensor dim, `null` (replicated), an axis name, or a list of axis names."""
+
+    model_config = _model_config()
+
+    plan: dict[str, PartitionSpec] = Field(default_factory=dict)
+    """Overrides of the family's default plan, by tensor name, e.g. `wq: [null, cols]`."""
+    targets: dict[str, dict[str, PartitionSpec]] = Field(default_factory=dict)
+    """Per-target overrides, keyed by a name from `targets`, applied after `plan`."""
+    kv_heads: Literal["replicate", "pad", "error"] = "replicate"
+    """When KV heads do not divide their axis: `replicate` (each device holds the KV heads its
+    query heads need; needs axis % kv_heads == 0), `pad` (zero heads up to a multiple), `error`."""
+    attention_heads: Literal["pad", "error"] = "error"
+    """When query heads do not divide their axis: `pad` with zero heads, or `error`."""
+    vocab: Literal["pad", "error"] = "pad"
+    """When the vocabulary does not divide its axis in whole tiles: `pad` (extra logits masked)
+    or `error`."""
+
+
+class Buckets(BaseModel):
+    """The fixed shapes traces are captured for."""
+
+    model_config = _model_config()
+
+    prefill: list[int] = Field(default_factory=lambda: [128, 1024])
+    """Prefill sequence lengths (tokens), sorted, unique, multiples of 32."""
+    decode: list[int] = Field(default_factory=lambda: [1, 8, 32])
+    """Decode batch sizes, sorted, unique, each one of 1, 2, 4, 8, 16, 32."""
+    prefill_chunk: int | None = None
+    """Prompts longer than this are prefilled in chunks of this many tokens; must be one of the
+    prefill buckets. Needed when max_model_len exceeds the largest prefill bucket."""
+
+
+class Runtime(BaseModel):
+    """Serving limits and plugin options (same names as Tenstorrent's vLLM plugin)."""
+
+    model_config = _model_config()
+
+    max_model_len: int = Field(default=4096, gt=0)
+    """Longest sequence (prompt + output) served."""
+    max_num_seqs: int = Field(default=32, gt=0)
+    """Sequences decoded together (the KV cache holds this many of max_model_len)."""
+    kv_block_size: int = Field(default=32, gt=0)
+    """Tokens per paged-KV block; a multiple of 32."""
+    kv_cache_dtype: Literal["bf16", "bfp8"] = "bf16"
+    """KV cache storage dtype."""
+    trace_mode: Literal["all", "decode_only", "none"] = "all"
+    """Which phases run as captured traces."""
+    sample_on_device_mode: Literal["all", "decode_only", "off"] = "all"
+    """Where sampling runs on device (token ids come back instead of logits)."""
+    trace_region_size: int | None = Field(default=None, gt=0)
+    """Bytes reserved for captured traces; default: ttbundle's estimate (see `plan`)."""
+
+
+class BundleSpec(BaseModel):
+    """A model deployment on Tenstorrent meshes: architecture, weights, sharding, buckets."""
+
+    model_config = _model_config(title="ttbundle bundle spec")
+
+    name: str
+    """Bundle name: lowercase letters, digits, `-`, `_`, `.`; at most 64 characters."""
+    description: str = ""
+    """Free text shown in `ttbundle ls` and the generated model card."""
+    model: Annotated[Union[families.arch_models()], Field(discriminator="family")] | None = None  # type: ignore[valid-type]
+    """Architecture: `family` plus its dims (HF config.json names). Omit when using `from_hf`."""
+    from_hf: str | None = None
+    """Directory holding a Hugging Face `config.json` to import the architecture from (relative
+    to the spec). Exactly one of `model` / `from_hf`."""
+    tokenizer: str | None = None
+    """Tokenizer directory (HF `tokenizer.json` etc.), relative to the spec; defaults to
+    `from_hf`'s directory or the weights directory."""
+    weights: Weights = Field(default_factory=Weights)
+    """Checkpoint location and storage dtypes."""
+    targets: list[str] = Field(min_length=1)
+    """Meshes to build for: MESH_DEVICE names (N150, N300, T3K, TG, P150, ...) or "(R,C)"."""
+    sharding: Sharding = Field(default_factory=Sharding)
+    """Sharding plan overrides (the family's default plan applies otherwise)."""
+    buckets: Buckets | None = None
+    """Trace buckets; default: the family's."""
+    runtime: Runtime = Field(default_factory=Runtime)
+    """Serving limits and plugin options."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v):
+            raise ValueError("must be 1-64 characters of lowercase letters, digits, '-', '_', '.', "
+                             "starting with a letter or digit (it names files and a Python module)")
+        return v
+
+
+def json_schema() -> dict:
+    schema = BundleSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return schema
+
+
+# ---- loading ------------------------------------------------------------------------------------
+@dataclass
+class Bundle:
+    """A loaded spec plus everything derived from it that later stages need."""
+
+    spec: BundleSpec
+    arch: object  # the family's ArchBase subclass instance
+    family: object  # families.base.Family
+    file: str
+    base_dir: Path
+    positions: dict = field(default_factory=dict)
+    warnings: list[Diagnostic] = field(default_factory=list)
+
+    @property
+    def buckets(self) -> Buckets:
+        return self.spec.buckets or Buckets(**self.family.default_buckets(self.arch))
+
+    def locate(self, path: tuple, message: str, severity: str = "error") -> Diagnostic:
+        return locate(self.file, self.positions, path, message, severity)
+
+    def resolve_path(self, p: str | None) -> Path | None:
+        return None if p is None else (self.base_dir / p)
+
+
+def locate(file, positions, path, message, severity="error") -> Diagnostic:
+    """A diagnostic at ``path``, or at its nearest ancestor that exists in the file."""
+    p = tuple(path)
+    while p and p not in positions:
+        p = p[:-1]
+    line, col = positions.get(p, (None, None))
+    return Diagnostic(message, ".".join(map(str, path)), file, line, col, severity)
+
+
+def _pydantic_message(err: dict) -> str:
+    t, msg = err["type"], err["msg"]
+    if t == "extra_forbidden":
+        return "unknown key; check the spelling (`ttbundle schema` lists every key)"
+    if t == "union_tag_invalid":
+        return (f"unknown family {err.get('input')!r}; supported: "
+                f"{', '.join(families.all_families())}")
+    if t == "union_tag_not_found":
+        return f"missing `family`; one of: {', '.join(families.all_families())}"
+    if t == "literal_error":
+        return f"{msg}, got {err.get('input')!r}"
+    if t == "missing":
+        return "required key is missing"
+    return msg
+
+
+def _loc_path(loc: tuple) -> tuple:
+    # pydantic puts the discriminator tag (e.g. "llama") and union member names into loc
+    out = []
+    for i, p in enumerate(loc):
+        if i > 0 and loc[i - 1] == "model" and isinstance(p, str) and p in families.all_families():
+            continue
+        if isinstance(p, str) and ("[" in p or p in ("str", "list[...]", "literal['rows','cols']")):
+            continue
+        out.append(p)
+    return tuple(out)
+
+
+def load(path: str | Path) -> Bundle:
+    path = Path(path)
+    file = str(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidInput(f"{file}: no such spec file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"{file}: cannot read spec: {e}") from None
+    return loads(text, file, base_dir=path.parent)
+
+
+def loads(text: str, file: str = "<spec>", base_dir: Path | None = None) -> Bundle:
+    data, positions = load_yaml(text, file)
+    if not isinstance(data, dict):
+        raise InvalidInput(f"{file}: invalid spec", [Diagnostic(
+            "a bundle spec is a YAML mapping (name:, model: or from_hf:, targets:, ...)", "", file, 1, 1)])
+    base_dir = base_dir or Path(".")
+    diags: list[Diagnostic] = []
+    hf_arch = None
+    if "from_hf" in data and "model" not in data and isinstance(data["from_hf"], str):
+        try:
+            hf_arch = _import_hf(base_dir / data["from_hf"])
+        except InvalidInput as e:
+            diags.append(locate(file, positions, ("from_hf",), e.message))
+    try:
+        spec = BundleSpec.model_validate(data)
+    except ValidationError as e:
+        for err in e.errors():
+            diags.append(locate(file, positions, _loc_path(err["loc"]), _pydantic_message(err)))
+        raise InvalidInput(f"{file}: invalid spec", diags) from None
+    if diags:
+        raise InvalidInput(f"{file}: invalid spec", diags)
+
+    if (spec.model is None) == (spec.from_hf is None):
+        raise InvalidInput(f"{file}: invalid spec", [locate(
+            file, positions, ("model",) if spec.model else (),
+            "give exactly one of `model:` (family and dims) or `from_hf:` (a directory with config.json)")])
+    if spec.model is not None:
+        arch = spec.model
+    else:
+        try:
+            arch = families.get(hf_arch["family"]).arch_model.model_validate(hf_arch)
+        except ValidationError as e:
+            raise InvalidInput(f"{file}: invalid spec", [locate(
+                file, positions, ("from_hf",),
+                f"config.json: {'.'.join(map(str, err['loc']))}: {_pydantic_message(err)}")
+                for err in e.errors()]) from None
+    bundle = Bundle(spec, arch, families.get(arch.family), file, base_dir, positions)
+    diags = check(bundle)
+    errors = [d for d in diags if d.severity == "error"]
+    bundle.warnings = [d for d in diags if d.severity == "warning"]
+    if errors:
+        raise InvalidInput(f"{file}: invalid spec", diags)
+    return bundle
+
+
+def _import_hf(d: Path) -> dict:
+    cfg = d / "config.json" if d.is_dir() or not d.suffix else d
+    try:
+        config = json.loads(cfg.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InvalidInput(f"{cfg}: not found (from_hf needs a directory with config.json)") from None
+    except (OSError, ValueError) as e:
+        raise InvalidInput(f"{cfg}: not readable JSON: {e}") from None
+    return hf_config_to_arch(config, str(cfg))
+
+
+def hf_config_to_arch(config: dict, where: str = "config.json") -> dict:
+    if not isinstance(config, dict):
+        raise InvalidInput(f"{where}: expected a JSON object")
+    archs = config.get("architectures") or []
+    if not archs:
+        raise InvalidInput(f"{where}: no `architectures` entry; cannot tell the model family")
+    if "text_config" in config and isinstance(config["text_config"], dict):
+        # multimodal wrappers (Gemma 3): the text model's dims live in text_config
+        inner = dict(config["text_config"])
+        inner.setdefault("architectures", archs)
+        config = inner
+    return families.by_hf_architecture(archs[0]).from_hf(config)
+
+
+# ---- semantic checks (mesh-independent) ---------------------------------------------------------
+def check(b: Bundle) -> list[Diagnostic]:
+    """Every mesh-independent rule; ``plan.check_mesh`` adds the per-target ones."""
+    s, a, d = b.spec, b.arch, []
+    names = {t.name: t for t in b.family.tensors(a)}
+
+    for i, t in enumerate(s.targets):
+        if meshmod.try_resolve(t) is None:
+            d.append(b.locate(("targets", i), f"unknown mesh {t!r}; valid: {meshmod.valid_names()}"))
+    if len(set(s.targets)) != len(s.targets):
+        d.append(b.locate(("targets",), "targets are listed twice"))
+
+    # sharding: names, ranks, axes
+    def check_plan(plan: dict, at: tuple):
+        for tname, spec in plan.items():
+            if tname not in names:
+                d.append(b.locate(at + (tname,), f"unknown tensor {tname!r} for family "
+                                  f"{a.family}; tensors: {', '.join(names)}"))
+                continue
+            rank = len(names[tname].dims)
+            if len(spec) != rank:
+                dims = ", ".join(f"{x.name}" for x in names[tname].dims)
+                d.append(b.locate(at + (tname,), f"has {len(spec)} entries but {tname} has {rank} "
+                                  f"dims [{dims}]; give one entry per dim"))
+            used = []
+            for e in spec:
+                used += e if isinstance(e, list) else ([e] if e else [])
+            if len(used) != len(set(used)):
+                d.append(b.locate(at + (tname,), "uses a mesh axis on two dims; an axis can split "
+                                  "one dim of a tensor"))
+    check_plan(s.sharding.plan, ("sharding", "plan"))
+    for tgt, plan in s.sharding.targets.items():
+        if tgt not in s.targets:
+            d.append(b.locate(("sharding", "targets", tgt), f"{tgt!r} is not one of targets "
+                              f"({', '.join(s.targets)})"))
+        check_plan(plan, ("sharding", "targets", tgt))
+
+    # dtypes that ttnn cannot represent
+    pol = s.weights.dtypes
+    for tname in pol.tensors:
+        if tname not in names:
+            d.append(b.locate(("weights", "dtypes", "tensors", tname), f"unknown tensor {tname!r}; "
+                              f"tensors: {', '.join(names)}"))
+    for t in names.values():
+        dt = pol.dtype_of(t.name, t.group)
+        if dt == "bf16" or t.kind == "matrix":
+            continue
+        where = (("weights", "dtypes", "tensors", t.name) if t.name in pol.tensors else
+                 ("weights", "dtypes", t.group) if getattr(pol, t.group, None) else
+                 ("weights", "dtypes", "default"))
+        if t.kind == "vector" and getattr(pol, t.group, None) is None and t.name not in pol.tensors:
+            continue  # 1-D tensors silently stay bf16 under a block-float default
+        reason = ("block floats need TILE layout and ttnn's embedding reads a ROW_MAJOR table"
+                  if t.kind == "embedding" else "block floats need 32x32 tiles; 1-D tensors are kept ROW_MAJOR")
+        d.append(b.locate(where, f"{t.name} cannot be {dt}: {reason}; use bf16"))
+
+    # buckets
+    bk = b.buckets
+    bpath = ("buckets",)
+    for key in ("prefill", "decode"):
+        vals = getattr(bk, key)
+        if not vals:
+            d.append(b.locate(bpath + (key,), "needs at least one bucket"))
+            continue
+        if vals != sorted(vals) or len(set(vals)) != len(vals):
+            d.append(b.locate(bpath + (key,), f"must be sorted and unique, got {vals}; "
+                              f"write {sorted(set(vals))}"))
+        for i, v in enumerate(vals):
+            if v <= 0:
+                d.append(b.locate(bpath + (key, i), f"{v} must be positive"))
+            elif key == "prefill" and v % TILE:
+                d.append(b.locate(bpath + (key, i), f"prefill bucket {v} is not a multiple of {TILE} "
+                                  f"(tile height); use {((v + TILE - 1) // TILE) * TILE}"))
+            elif key == "decode" and v not in DECODE_TRACE_SIZES:
+                d.append(b.locate(bpath + (key, i), f"decode batch {v} is not a traceable size; "
+                                  f"use one of {', '.join(map(str, DECODE_TRACE_SIZES))}"))
+    rt = s.runtime
+    if bk.decode and rt.max_num_seqs > max(bk.decode):
+        d.append(b.locate(("runtime", "max_num_seqs"), f"max_num_seqs={rt.max_num_seqs} exceeds the "
+                          f"largest decode bucket {max(bk.decode)}; lower it or add a bucket "
+                          f"(max {max(DECODE_TRACE_SIZES)})"))
+    if bk.prefill:
+        top = max(bk.prefill)
+        if bk.prefill_chunk is not None:
+            if bk.prefill_chunk not in bk.prefill:
+                d.append(b.locate(bpath + ("prefill_chunk",), f"prefill_chunk={bk.prefill_chunk} "
+                                  f"must be one of the prefill buckets {bk.prefill} (a chunk runs a "
+                                  "traced prefill shape)"))
+            elif bk.prefill_chunk % rt.kv_block_size:
+                d.append(b.locate(bpath + ("prefill_chunk",), f"prefill_chunk={bk.prefill_chunk} "
+                                  f"is not a multiple of runtime.kv_block_size={rt.kv_block_size}"))
+        elif rt.max_model_len > top:
+            d.append(b.locate(bpath + ("prefill",), f"prompts up to max_model_len={rt.max_model_len} "
+                              f"need a prefill bucket >= {rt.max_model_len} (largest is {top}) or "
+                              f"buckets.prefill_chunk (e.g. {top})"))
+    # runtime
+    if rt.kv_block_size % TILE:
+        d.append(b.locate(("runtime", "kv_block_size"), f"kv_block_size={rt.kv_block_size} is not a "
+                          f"multiple of {TILE}"))
+    if rt.max_model_len > a.max_position_embeddings:
+        d.append(b.locate(("runtime", "max_model_len"), f"max_model_len={rt.max_model_len} exceeds the "
+                          f"model's max_position_embeddings={a.max_position_embeddings}"))
+    if rt.trace_mode == "none" and rt.sample_on_device_mode != "off":
+        pass  # sampling on device works untraced too
+    # architecture consistency
+    if a.num_attention_heads % a.kv_heads:
+        d.append(b.locate(("model", "num_key_value_heads"), f"num_attention_heads={a.num_attention_heads}"
+                          f" is not a multiple of num_key_value_heads={a.kv_heads}"))
+    if a.head_dim is None and a.hidden_size % a.num_attention_heads:
+        d.append(b.locate(("model", "hidden_size"), f"hidden_size={a.hidden_size} is not divisible by "
+                          f"num_attention_heads={a.num_attention_heads}; set head_dim"))
+    # paths
+    for key, p in (("weights.source", s.weights.source), ("tokenizer", s.tokenizer)):
+        if p is not None and not b.resolve_path(p).exists():
+            d.append(b.locate(tuple(key.split(".")), f"{b.resolve_path(p)} does not exist"))
+    d += b.family.check(a, b)
+    return d
