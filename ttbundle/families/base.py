@@ -40,7 +40,7 @@ class TensorDecl:
     name: str
     group: str  # one of GROUPS
     dims: tuple[Dim, ...]
-    count: int = 1
+    layers: tuple[int, int] | None = None  # [start, stop) of the layers holding it; None = global
     doc: str = ""
     # How ttnn holds it: "matrix" (TILE layout, any dtype), "vector" (1-D, bf16 only),
     # "embedding" (ROW_MAJOR bf16 for ttnn.embedding).
@@ -49,6 +49,25 @@ class TensorDecl:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(d.length for d in self.dims)
+
+    @property
+    def count(self) -> int:
+        return 1 if self.layers is None else self.layers[1] - self.layers[0]
+
+
+@dataclass(frozen=True)
+class HFName:
+    """Where a canonical tensor comes from in a Hugging Face checkpoint.
+
+    ``hf`` keys may hold ``{i}`` (layer index) and ``{e}`` (expert index: one source per expert,
+    stacked on a new leading dim). ``transform`` names a function in ``families.transforms``
+    taking the list of source tensors (and the arch) and returning the canonical tensor; ``t``
+    transposes an HF Linear weight ``[out, in]`` to the device's ``[in, out]``.
+    """
+
+    tensor: str
+    hf: tuple[str, ...]
+    transform: str = "t"
 
 
 @dataclass(frozen=True)
@@ -220,6 +239,10 @@ class Family:
     def layers(self, a) -> list[LayerKind]:
         raise NotImplementedError
 
+    def hf_names(self, a) -> list[HFName]:
+        """Canonical tensor <- HF checkpoint keys; every tensor of ``tensors()`` appears once."""
+        raise NotImplementedError
+
     def kv_cache(self, a) -> list[KVEntry]:
         raise NotImplementedError
 
@@ -268,52 +291,52 @@ class Family:
 
 
 # ---- helpers shared by families ----------------------------------------------------------------
-def attention_tensors(a, count: int, bias: bool = False, qk_norm: bool = False) -> list[TensorDecl]:
+def attention_tensors(a, layers: tuple[int, int], bias: bool = False, qk_norm: bool = False) -> list[TensorDecl]:
     H, KV, hd, d = a.num_attention_heads, a.kv_heads, a.hd, a.hidden_size
     hid = Dim("hidden_size", d)
     t = [
-        TensorDecl("wq", "attention", (hid, Dim("num_attention_heads", H, hd)), count, "query projection"),
-        TensorDecl("wk", "attention", (hid, Dim("num_key_value_heads", KV, hd)), count, "key projection"),
-        TensorDecl("wv", "attention", (hid, Dim("num_key_value_heads", KV, hd)), count, "value projection"),
-        TensorDecl("wo", "attention", (Dim("num_attention_heads", H, hd), hid), count, "output projection"),
+        TensorDecl("wq", "attention", (hid, Dim("num_attention_heads", H, hd)), layers, "query projection"),
+        TensorDecl("wk", "attention", (hid, Dim("num_key_value_heads", KV, hd)), layers, "key projection"),
+        TensorDecl("wv", "attention", (hid, Dim("num_key_value_heads", KV, hd)), layers, "value projection"),
+        TensorDecl("wo", "attention", (Dim("num_attention_heads", H, hd), hid), layers, "output projection"),
     ]
     if bias:
         t += [
-            TensorDecl("bq", "norms", (Dim("num_attention_heads", H, hd),), count, "query bias", "vector"),
-            TensorDecl("bk", "norms", (Dim("num_key_value_heads", KV, hd),), count, "key bias", "vector"),
-            TensorDecl("bv", "norms", (Dim("num_key_value_heads", KV, hd),), count, "value bias", "vector"),
+            TensorDecl("bq", "norms", (Dim("num_attention_heads", H, hd),), layers, "query bias", "vector"),
+            TensorDecl("bk", "norms", (Dim("num_key_value_heads", KV, hd),), layers, "key bias", "vector"),
+            TensorDecl("bv", "norms", (Dim("num_key_value_heads", KV, hd),), layers, "value bias", "vector"),
         ]
     if qk_norm:
         t += [
-            TensorDecl("q_norm", "norms", (Dim("head_dim", hd),), count, "per-head query RMSNorm", "vector"),
-            TensorDecl("k_norm", "norms", (Dim("head_dim", hd),), count, "per-head key RMSNorm", "vector"),
+            TensorDecl("q_norm", "norms", (Dim("head_dim", hd),), layers, "per-head query RMSNorm", "vector"),
+            TensorDecl("k_norm", "norms", (Dim("head_dim", hd),), layers, "per-head key RMSNorm", "vector"),
         ]
     return t
 
 
-def mlp_tensors(a, count: int, intermediate: int | None = None, prefix: str = "") -> list[TensorDecl]:
+def mlp_tensors(a, layers: tuple[int, int], intermediate: int | None = None, prefix: str = "") -> list[TensorDecl]:
     hid = Dim("hidden_size", a.hidden_size)
     inter = Dim("intermediate_size", intermediate or a.intermediate_size)
     return [
-        TensorDecl(prefix + "w1", "mlp", (hid, inter), count, "gate projection"),
-        TensorDecl(prefix + "w3", "mlp", (hid, inter), count, "up projection"),
-        TensorDecl(prefix + "w2", "mlp", (inter, hid), count, "down projection"),
+        TensorDecl(prefix + "w1", "mlp", (hid, inter), layers, "gate projection"),
+        TensorDecl(prefix + "w3", "mlp", (hid, inter), layers, "up projection"),
+        TensorDecl(prefix + "w2", "mlp", (inter, hid), layers, "down projection"),
     ]
 
 
 def embedding_tensors(a) -> list[TensorDecl]:
     return [
         TensorDecl("embed", "embedding", (Dim("vocab_size", a.vocab_size), Dim("hidden_size", a.hidden_size)),
-                   1, "token embedding", "embedding"),
-        TensorDecl("final_norm", "norms", (Dim("hidden_size", a.hidden_size),), 1, "final RMSNorm", "vector"),
+                   None, "token embedding", "embedding"),
+        TensorDecl("final_norm", "norms", (Dim("hidden_size", a.hidden_size),), None, "final RMSNorm", "vector"),
         TensorDecl("lm_head", "lm_head", (Dim("hidden_size", a.hidden_size), Dim("vocab_size", a.vocab_size)),
-                   1, "output projection" + (" (tied: transposed copy of embed)" if a.tie_word_embeddings else "")),
+                   None, "output projection" + (" (tied: transposed copy of embed)" if a.tie_word_embeddings else "")),
     ]
 
 
-def norm_tensors(a, count: int, names=("attn_norm", "ffn_norm")) -> list[TensorDecl]:
+def norm_tensors(a, layers: tuple[int, int], names=("attn_norm", "ffn_norm")) -> list[TensorDecl]:
     hid = Dim("hidden_size", a.hidden_size)
-    return [TensorDecl(n, "norms", (hid,), count, n.replace("_", " "), "vector") for n in names]
+    return [TensorDecl(n, "norms", (hid,), layers, n.replace("_", " "), "vector") for n in names]
 
 
 # The tt_transformers-style 2D plan: hidden over rows, heads/intermediate/vocab over cols.
@@ -343,6 +366,25 @@ def mlp_ops(prefix: str = "", norm: str = "ffn_norm") -> list:
 
 def head_ops() -> list:
     return [Norm("h", "hf", "final_norm"), Linear("hf", "lm_head", "logits"), Logits("logits")]
+
+
+def standard_hf_names(a, bias: bool = False, qk_norm: bool = False) -> list[HFName]:
+    """HF Llama-style keys (Llama, Qwen2/3, Mistral)."""
+    p = "model.layers.{i}."
+    n = [HFName("embed", ("model.embed_tokens.weight",), "id"),
+         HFName("final_norm", ("model.norm.weight",), "id"),
+         HFName("lm_head", ("model.embed_tokens.weight",) if a.tie_word_embeddings else ("lm_head.weight",), "t"),
+         HFName("wq", (p + "self_attn.q_proj.weight",)), HFName("wk", (p + "self_attn.k_proj.weight",)),
+         HFName("wv", (p + "self_attn.v_proj.weight",)), HFName("wo", (p + "self_attn.o_proj.weight",)),
+         HFName("w1", (p + "mlp.gate_proj.weight",)), HFName("w3", (p + "mlp.up_proj.weight",)),
+         HFName("w2", (p + "mlp.down_proj.weight",)),
+         HFName("attn_norm", (p + "input_layernorm.weight",), "id"),
+         HFName("ffn_norm", (p + "post_attention_layernorm.weight",), "id")]
+    if bias:
+        n += [HFName(f"b{x}", (p + f"self_attn.{x}_proj.bias",), "id") for x in "qkv"]
+    if qk_norm:
+        n += [HFName(f"{x}_norm", (p + f"self_attn.{x}_norm.weight",), "id") for x in "qk"]
+    return n
 
 
 def standard_kv(a, count: int) -> list[KVEntry]:

@@ -13,8 +13,8 @@ class LlamaArch(ArchBase):
 
     family: Literal["llama"] = "llama"
     """Model family."""
-    attention_bias: bool = False
-    """Biases on q/k/v/o projections (off for every published Llama)."""
+    attention_bias: Literal[False] = False
+    """Biases on q/k/v/o projections: not supported (no published Llama uses them)."""
 
 
 class Llama(Family):
@@ -25,8 +25,8 @@ class Llama(Family):
     hf_keys = Family.hf_keys + ("attention_bias",)
 
     def tensors(self, a):
-        L = a.num_hidden_layers
-        return (base.embedding_tensors(a) + base.attention_tensors(a, L, bias=a.attention_bias)
+        L = (0, a.num_hidden_layers)
+        return (base.embedding_tensors(a) + base.attention_tensors(a, L)
                 + base.mlp_tensors(a, L) + base.norm_tensors(a, L))
 
     def default_plan(self, a):
@@ -34,7 +34,10 @@ class Llama(Family):
 
     def layers(self, a):
         return [LayerKind("decoder", a.num_hidden_layers,
-                          base.attention_ops(bias=a.attention_bias) + base.mlp_ops())]
+                          base.attention_ops() + base.mlp_ops())]
+
+    def hf_names(self, a):
+        return base.standard_hf_names(a)
 
     def kv_cache(self, a):
         return base.standard_kv(a, a.num_hidden_layers)
