@@ -113,6 +113,8 @@ class Plan:
     activation_tokens: int
     num_traces: int
     diagnostics: list[Diagnostic]
+    specs: dict = field(default_factory=dict)  # resolved PartitionSpec per tensor
+    programs: list = field(default_factory=list)  # [(layer kind, count, [Step])], embedding first, head last
 
     @property
     def fits(self) -> bool:
@@ -262,6 +264,23 @@ class _Act:
         return e
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step of a layer's per-device program: an op, or a collective inserted before it.
+
+    ``kind`` is "op", "all_reduce" (sum partial results over ``axes``) or "all_gather"
+    (concatenate the shards of feature dim ``dim`` over ``axes``, rows-major). For ops,
+    ``specs`` holds the sharding of each input and of the output as seen by the op.
+    """
+
+    kind: str
+    act: str = ""
+    axes: tuple[str, ...] = ()
+    dim: int = 0
+    op: object = None
+    specs: tuple = ()  # ((name, spec), ...) inputs then output
+
+
 class _Tracer:
     """Walks layer ops, tracking each activation's sharding and emitting collectives."""
 
@@ -270,6 +289,7 @@ class _Tracer:
         self.layer, self.count = layer, count
         self.acts: dict[str, _Act] = {}
         self.out: list[Collective] = []
+        self.steps: list[Step] = []
         self.ops = 0
         hid = decls["embed"].dims[1] if "embed" in decls else Dim("hidden_size", 1)
         self.acts["h"] = _Act((hid,), ((),), frozenset())
@@ -277,7 +297,7 @@ class _Tracer:
     def _n(self, axes) -> int:
         return math.prod(self.mesh.axis_size(a) for a in axes) if axes else 1
 
-    def _emit(self, op: str, kind: str, axes: tuple, act: _Act):
+    def _emit(self, op: str, kind: str, axes: tuple, act: _Act, name: str, dim: int = 0):
         n = self._n(axes)
         if n == 1:
             return
@@ -287,12 +307,13 @@ class _Tracer:
         else:  # all_gather: payload grows n-fold; each device receives (n-1) shards
             traffic = (n - 1) * payload
         self.out.append(Collective(self.layer, op, kind, tuple(axes), n, payload, traffic, self.count))
+        self.steps.append(Step(kind, name, tuple(axes), dim))
         self.ops += 1
 
     def reduce(self, name: str, op: str) -> _Act:
         a = self.acts[name]
         if a.partial:
-            self._emit(op, "all_reduce", tuple(sorted(a.partial, key=AXES.index)), a)
+            self._emit(op, "all_reduce", tuple(sorted(a.partial, key=AXES.index)), a, name)
             a = _Act(a.dims, a.spec, frozenset())
             self.acts[name] = a
         return a
@@ -302,7 +323,7 @@ class _Tracer:
         a = self.reduce(name, op)
         for i, ax in enumerate(a.spec):
             if ax and i not in keep:
-                self._emit(op, "all_gather", ax, a)
+                self._emit(op, "all_gather", ax, a, name, i)
                 a = _Act(a.dims, a.spec[:i] + ((),) + a.spec[i + 1:], a.partial)
         self.acts[name] = a
         return a
@@ -310,15 +331,21 @@ class _Tracer:
     def wspec(self, w: str) -> tuple[tuple[str, ...], ...]:
         return tuple(axes_of(e) for e in self.specs[w])
 
+    def _record(self, op, ins: tuple[str, ...], out: str):
+        specs = tuple((n, self.acts[n].spec) for n in ins) + ((out, self.acts[out].spec),)
+        self.steps.append(Step("op", op=op, specs=specs))
+
     def run(self, op):
         self.ops += 1
         if isinstance(op, Embed):
             ws, wd = self.wspec(op.w), self.decls[op.w].dims
             self.acts[op.out] = _Act(wd[1:], ws[1:], frozenset(ws[0]))
+            self._record(op, (), op.out)
             self.gather(op.out, f"embedding({op.w})")
         elif isinstance(op, Norm):
             a = self.gather(op.x, f"norm({op.w or op.x})")
             self.acts[op.out] = _Act(a.dims, a.spec, frozenset())
+            self._record(op, (op.x,), op.out)
         elif isinstance(op, Linear):
             label = f"{op.x} @ {op.w}"
             a = self.reduce(op.x, label)
@@ -332,6 +359,7 @@ class _Tracer:
             out_dims = wd[:-2] + (wd[-1],) if len(wd) == 3 else (wd[-1],)
             out_spec = ws[:-2] + (ws[-1],) if len(wd) == 3 else (ws[-1],)
             self.acts[op.out] = _Act(out_dims, out_spec, frozenset(k_w))
+            self._record(op, (op.x,), op.out)
         elif isinstance(op, Local):
             lead = self.reduce(op.ins[0], op.what or op.out)
             for other in op.ins[1:]:
@@ -340,13 +368,17 @@ class _Tracer:
                     self.gather(other, op.what or op.out)
             dims = (op.out_dim,) if op.out_dim else lead.dims
             self.acts[op.out] = _Act(dims, lead.spec[-len(dims):], frozenset())
+            self._record(op, tuple(op.ins), op.out)
         elif isinstance(op, Combine):
             a = self.reduce(op.x, f"combine({op.x})")
             self.acts[op.out] = _Act(a.dims[1:], a.spec[1:], frozenset(a.spec[0]))
+            self._record(op, (op.x,), op.out)
         elif isinstance(op, Residual):
             self.gather(op.x, f"residual += {op.x}")
+            self.steps.append(Step("op", op=op, specs=((op.x, self.acts[op.x].spec),)))
         elif isinstance(op, Logits):
             self.gather(op.x, "logits")
+            self.steps.append(Step("op", op=op, specs=((op.x, self.acts[op.x].spec),)))
         else:  # pragma: no cover
             raise TypeError(op)
 
@@ -416,24 +448,19 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     # collectives and op counts per layer kind
     collectives: list[Collective] = []
     ops_per_forward = 0
-    pro = _Tracer(mesh, specs, decls, "embedding", 1)
-    pro.run(Embed("embed", "h"))
-    collectives += pro.out
-    ops_per_forward += pro.ops
+    programs = []
     act_peak_elems = 0
-    for kind in fam.layers(a):
-        tr = _Tracer(mesh, specs, decls, kind.name, kind.count)
-        for op in kind.ops:
+    kinds = [("embedding", 1, fam.embed_ops(a))] + [(k.name, k.count, k.ops) for k in fam.layers(a)] \
+        + [("head", 1, fam.head_ops(a))]
+    for name, count, ops in kinds:
+        tr = _Tracer(mesh, specs, decls, name, count)
+        for op in ops:
             tr.run(op)
         collectives += tr.out
-        ops_per_forward += tr.ops * kind.count
-        act_peak_elems = max(act_peak_elems, sum(x.local_elems(mesh) for x in tr.acts.values()))
-    from .families.base import head_ops
-    head = _Tracer(mesh, specs, decls, "head", 1)
-    for op in head_ops():
-        head.run(op)
-    collectives += head.out
-    ops_per_forward += head.ops
+        ops_per_forward += tr.ops * count
+        programs.append((name, count, tr.steps))
+        if name not in ("embedding", "head"):
+            act_peak_elems = max(act_peak_elems, sum(x.local_elems(mesh) for x in tr.acts.values()))
 
     # activations: every named activation of one layer live at once for the largest prefill shape
     # (an upper bound; ttnn frees them as it goes), plus last-token logits padded to a tile row
@@ -455,7 +482,7 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     total = weights + kv_total + act_bytes + trace
     mem = Memory(by_dtype, weights, kv_total, act_bytes, trace, total, mesh.chip.dram_bytes)
     return Plan(s.name, a.family, mesh, tensors, mem, collectives, kv, act_tokens, num_traces,
-                list(bundle.warnings))
+                list(bundle.warnings), dict(specs), programs)
 
 
 def check_mesh(bundle, mesh_name: str) -> list[Diagnostic]:

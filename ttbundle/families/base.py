@@ -115,6 +115,11 @@ class Local:
     out: str
     what: str = ""
     out_dim: Dim | None = None  # default: the first input's feature dim
+    fn: str = ""  # name of the family's compute function; default: ``what``
+
+    @property
+    def kernel(self) -> str:
+        return self.fn or self.what
 
 
 @dataclass(frozen=True)
@@ -239,6 +244,14 @@ class Family:
     def layers(self, a) -> list[LayerKind]:
         raise NotImplementedError
 
+    def embed_ops(self, a) -> list:
+        """Ops before the first layer (token embedding into the residual stream ``h``)."""
+        return [Embed("embed", "h")]
+
+    def head_ops(self, a) -> list:
+        """Ops after the last layer (final norm, LM head, logits gathered for sampling)."""
+        return head_ops()
+
     def hf_names(self, a) -> list[HFName]:
         """Canonical tensor <- HF checkpoint keys; every tensor of ``tensors()`` appears once."""
         raise NotImplementedError
@@ -354,14 +367,14 @@ def attention_ops(bias: bool = False, qk_norm: bool = False) -> list:
     ops = [Norm("h", "x", "attn_norm"), Linear("x", "wq", "q"), Linear("x", "wk", "k"),
            Linear("x", "wv", "v")]
     ops.append(Local(("q", "k", "v"), "o", "rope + attention" + (" + qk-norm" if qk_norm else "")
-                     + (" (+bias)" if bias else "")))
+                     + (" (+bias)" if bias else ""), fn="attention"))
     ops += [Linear("o", "wo", "attn_out"), Residual("attn_out")]
     return ops
 
 
 def mlp_ops(prefix: str = "", norm: str = "ffn_norm") -> list:
     return [Norm("h", "x2", norm), Linear("x2", prefix + "w1", "g"), Linear("x2", prefix + "w3", "u"),
-            Local(("g", "u"), "gu", "SwiGLU"), Linear("gu", prefix + "w2", "mlp_out"), Residual("mlp_out")]
+            Local(("g", "u"), "gu", "SwiGLU", fn="swiglu"), Linear("gu", prefix + "w2", "mlp_out"), Residual("mlp_out")]
 
 
 def head_ops() -> list:
