@@ -244,6 +244,26 @@ class Family:
     def layers(self, a) -> list[LayerKind]:
         raise NotImplementedError
 
+    def traits(self, a) -> dict:
+        """Numerics the emulated kernels need beyond dims, as plain data: ``norm_offset``
+        (Gemma's 1+w), ``embed_scale``, ``final_softcap``, ``act``."""
+        return {}
+
+    def layer_traits(self, a, layer: int) -> dict:
+        """Per-layer numerics: ``window`` (sliding window), ``rope_theta``, ``rope_scaling``,
+        ``attn_scale``, ``attn_softcap``, ``head_dim``."""
+        return {}
+
+    #: model_type of the HF config this family maps to (for building the reference model)
+    hf_model_type: ClassVar[str] = ""
+
+    def to_hf_config(self, a) -> dict:
+        """An HF config dict for ``a`` (the numerical reference is built from it)."""
+        d = a.model_dump(exclude={"family"}, exclude_none=True)
+        d["architectures"] = [self.hf_architectures[0]]
+        d["model_type"] = self.hf_model_type or self.name
+        return d
+
     def embed_ops(self, a) -> list:
         """Ops before the first layer (token embedding into the residual stream ``h``)."""
         return [Embed("embed", "h")]
@@ -274,6 +294,12 @@ class Family:
         "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
         "rms_norm_eps", "rope_theta", "rope_scaling", "tie_word_embeddings", "hidden_act",
     )
+
+    #: Checkpoint key rewrites ``(regex, replacement)`` applied before matching ``hf_names``, for
+    #: wrappers that nest the text model (Gemma 3's ``model.language_model.`` -> ``model.``).
+    hf_key_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
+    #: Checkpoint keys (regexes, after renaming) deliberately left unused, e.g. a vision tower.
+    hf_ignored: ClassVar[tuple[str, ...]] = ()
 
     def from_hf(self, config: dict) -> dict:
         """Arch fields (a dict, validated later with the spec) from an HF ``config.json``."""
@@ -403,3 +429,43 @@ def standard_hf_names(a, bias: bool = False, qk_norm: bool = False) -> list[HFNa
 def standard_kv(a, count: int) -> list[KVEntry]:
     kv = Dim("num_key_value_heads", a.kv_heads)
     return [KVEntry("k", kv, a.hd, ("wk", 1), count), KVEntry("v", kv, a.hd, ("wv", 1), count)]
+
+
+# ---- HF config import helpers (families' ``from_hf``) --------------------------------------------
+def reject_hf(config: dict, key: str, ok, why: str) -> None:
+    """InvalidInput naming config.json ``key`` when its value fails ``ok`` (absent or null passes)."""
+    v = config.get(key)
+    if v is not None and not ok(v):
+        raise InvalidInput(f"config.json: {key}={v!r} is not supported by ttbundle: {why}")
+
+
+def hf_fill(config: dict, out: dict, defaults: dict) -> dict:
+    """Apply the HF config class's ``defaults`` for keys config.json omits (Gemma 3's text_config
+    omits most dims); a key present as null stays null (null disables, e.g. softcapping)."""
+    for k, v in defaults.items():
+        if k not in config:
+            out.setdefault(k, v)
+        elif config[k] is None:
+            out[k] = None
+    return out
+
+
+def hf_rope(config: dict, layer_type: str | None = None) -> dict:
+    """``rope_theta`` and ``rope_scaling`` from either config layout: ``rope_theta`` +
+    ``rope_scaling`` (transformers<5) or ``rope_parameters`` (>=5: flat, or keyed by layer type
+    as in Gemma 3, pick one with ``layer_type``). Unknown rope types raise naming the key."""
+    rp, where = config.get("rope_parameters"), "rope_parameters"
+    if isinstance(rp, dict) and layer_type in rp:
+        rp, where = rp[layer_type], f"rope_parameters.{layer_type}"
+    if not isinstance(rp, dict) or "rope_type" not in rp and "type" not in rp:
+        rp, where = {"rope_theta": config.get("rope_theta"), **(config.get("rope_scaling") or {})}, "rope_scaling"
+    rs = {k: v for k, v in rp.items() if k != "rope_theta"}
+    rtype = rs.pop("rope_type", None) or rs.pop("type", None) or "default"
+    supported = RopeScaling.model_fields["rope_type"].annotation.__args__
+    if rtype not in supported:
+        raise InvalidInput(f"config.json: {where}.rope_type={rtype!r} is not supported by ttbundle "
+                           f"(supported: {', '.join(supported)})")
+    out = {} if rp.get("rope_theta") is None else {"rope_theta": rp["rope_theta"]}
+    out["rope_scaling"] = None if rtype == "default" else \
+        {"rope_type": rtype, **{k: v for k, v in rs.items() if k in RopeScaling.model_fields}}
+    return out

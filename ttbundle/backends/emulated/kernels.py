@@ -1,0 +1,191 @@
+"""Per-device compute for the emulated mesh, written once for every family.
+
+Kernels see device-batched local tensors ``[D, T, features]`` and a :class:`Ctx` with the
+batch layout, the paged KV cache and the family's traits (pure data from the family module:
+norm offset, sliding windows, rope per layer, soft-capping, ...). Nothing here moves data
+between devices: that is the collectives' job (meshops).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+# ---- rope ---------------------------------------------------------------------------------------
+def rope_inv_freq(dim: int, theta: float, scaling) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (float64) and the attention scaling factor for a rope variant."""
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    kind = getattr(scaling, "rope_type", "default") if scaling is not None else "default"
+    if kind == "default":
+        return inv, 1.0
+    if kind == "linear":
+        return inv / scaling.factor, 1.0
+    if kind == "llama3":
+        factor, lo, hi = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
+        old = scaling.original_max_position_embeddings
+        lo_wl, hi_wl = old / lo, old / hi
+        wl = 2 * math.pi / inv
+        scaled = torch.where(wl > lo_wl, inv / factor, inv)
+        smooth = (old / wl - lo) / (hi - lo)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wl >= hi_wl) & (wl <= lo_wl)
+        return torch.where(is_mid, mid, scaled), 1.0
+    if kind == "yarn":
+        factor = scaling.factor
+        old = scaling.original_max_position_embeddings
+        beta_fast, beta_slow = scaling.beta_fast or 32.0, scaling.beta_slow or 1.0
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        if scaling.mscale is not None and scaling.mscale_all_dim is not None:
+            att = mscale(factor, scaling.mscale) / mscale(factor, scaling.mscale_all_dim)
+        else:
+            att = mscale(factor)
+
+        def corr(rot):
+            return (dim * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(theta))
+
+        low, high = corr(beta_fast), corr(beta_slow)
+        if scaling.truncate is not False:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
+        return inv, att
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, scaling, dtype):
+    inv, att = rope_inv_freq(dim, theta, scaling)
+    freqs = positions.to(torch.float64)[:, None] * inv.to(positions.device)[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * att).to(dtype), (emb.sin() * att).to(dtype)
+
+
+def rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x [D, T, heads, dim]; cos/sin [T, dim] (HF's rotate-half layout)."""
+    return x * cos[None, :, None, :] + rotate_half(x) * sin[None, :, None, :]
+
+
+# ---- elementwise --------------------------------------------------------------------------------
+def rms_norm(x, w, eps: float, offset: float = 0.0):
+    """RMSNorm in float32 like HF, scaled by (offset + w); returns x's dtype."""
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:  # Gemma: (1 + w) applied in float32 before the cast
+        return (xf * (offset + w.float())).to(dtype)
+    return w * xf.to(dtype)
+
+
+def activation(name: str, x):
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu_pytorch_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "gelu":
+        return F.gelu(x)
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def softcap(x, cap):
+    return x if not cap else torch.tanh(x / cap) * cap
+
+
+# ---- batch context ------------------------------------------------------------------------------
+@dataclass
+class Ctx:
+    """What the kernels of one forward need besides their inputs."""
+
+    arch: object
+    traits: dict
+    layer_traits: list
+    weights: object  # callable (name, layer) -> [D, ...] local tensor, or None
+    positions: torch.Tensor  # [N, Tq]
+    valid: torch.Tensor  # [N, Tq] bool
+    slots: torch.Tensor  # [N*Tq] cache slot per token, -1 = do not write
+    context_slots: torch.Tensor  # [N, S] cache slots of each sequence's context
+    kv: list  # per layer: {"k": [D, slots, kvh, hd], "v": ...}
+    dtype: torch.dtype
+    cache: dict = field(default_factory=dict)  # rope tables etc. shared across layers
+
+
+def _rope_tables(ctx: Ctx, dim: int, theta: float, scaling):
+    key = ("rope", dim, theta, id(scaling))
+    if key not in ctx.cache:
+        ctx.cache[key] = rope_cos_sin(ctx.positions.reshape(-1), dim, theta, scaling, ctx.dtype)
+    return ctx.cache[key]
+
+
+def attention(ctx: Ctx, layer: int, q, k, v):
+    """GQA attention over the paged cache, with the optional pieces families use: q/k/v bias,
+    per-head q/k RMSNorm, rope variants, sliding window, logit soft-capping, attention sinks."""
+    a, lt, W = ctx.arch, ctx.layer_traits[layer], ctx.weights
+    hd = lt.get("head_dim", a.hd)
+    D, T = q.shape[:2]
+    for name, t in (("bq", "q"), ("bk", "k"), ("bv", "v")):
+        b = W(name, layer)
+        if b is not None:
+            if t == "q":
+                q = q + b[:, None, :]
+            elif t == "k":
+                k = k + b[:, None, :]
+            else:
+                v = v + b[:, None, :]
+    q, k, v = q.view(D, T, -1, hd), k.view(D, T, -1, hd), v.view(D, T, -1, hd)
+    qn, kn = W("q_norm", layer), W("k_norm", layer)
+    if qn is not None:
+        q = rms_norm(q, qn[:, None, None, :], a.rms_norm_eps, ctx.traits.get("norm_offset", 0.0))
+        k = rms_norm(k, kn[:, None, None, :], a.rms_norm_eps, ctx.traits.get("norm_offset", 0.0))
+    cos, sin = _rope_tables(ctx, hd, lt.get("rope_theta", a.rope_theta), lt.get("rope_scaling", a.rope_scaling))
+    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+    cache = ctx.kv[layer]
+    w = ctx.slots >= 0
+    cache["k"][:, ctx.slots[w]] = k[:, w].to(cache["k"].dtype)
+    cache["v"][:, ctx.slots[w]] = v[:, w].to(cache["v"].dtype)
+
+    N, Tq = ctx.positions.shape
+    S = ctx.context_slots.shape[1]
+    K = cache["k"][:, ctx.context_slots].to(q.dtype)  # [D, N, S, kvh, hd]
+    V = cache["v"][:, ctx.context_slots].to(q.dtype)
+    Q = q.view(D, N, Tq, -1, hd)
+    g = Q.shape[3] // K.shape[3]
+    if g > 1:
+        K, V = K.repeat_interleave(g, dim=3), V.repeat_interleave(g, dim=3)
+    scores = torch.einsum("dnqhe,dnshe->dnhqs", Q, K) * lt.get("attn_scale", hd ** -0.5)
+    scores = softcap(scores, lt.get("attn_softcap"))
+    kpos = torch.arange(S, device=q.device)
+    mask = kpos[None, None, :] <= ctx.positions[:, :, None]  # [N, Tq, S]
+    window = lt.get("window")
+    if window:
+        mask &= kpos[None, None, :] > ctx.positions[:, :, None] - window
+    scores = scores.masked_fill(~mask[None, :, None], float("-inf"))
+    sinks = W("sinks", layer)
+    if sinks is not None:  # an extra logit per head that takes probability mass, then dropped
+        sink = sinks[:, None, :, None, None].expand(D, N, sinks.shape[-1], Tq, 1).to(scores.dtype)
+        p = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(q.dtype)
+    else:
+        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    o = torch.einsum("dnhqs,dnshe->dnqhe", p, V)
+    return o.reshape(D, T, -1)
+
+
+def swiglu(ctx: Ctx, layer: int, g, u):
+    return activation(ctx.traits.get("act", ctx.arch.hidden_act), g) * u
+
+
+KERNELS = {"attention": attention, "swiglu": swiglu}

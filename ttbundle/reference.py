@@ -1,0 +1,56 @@
+"""Hugging Face transformers as the numerical reference: the same weights, the same tokens."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from .errors import InvalidInput
+
+
+def hf_config(bundle):
+    import transformers
+
+    d = bundle.family.to_hf_config(bundle.arch)
+    model_type = d.pop("model_type")
+    try:
+        return transformers.AutoConfig.for_model(model_type, **d)
+    except (ValueError, KeyError) as e:
+        raise InvalidInput(f"transformers cannot build a {model_type!r} config: {e}") from None
+
+
+def random_model(bundle, seed: int = 0, dtype=None):
+    """A tiny-or-not HF model of the bundle's architecture with random weights scaled so that
+    activations stay O(1) and greedy tokens vary (HF's own init makes near-constant outputs)."""
+    import torch
+    import transformers
+
+    cfg = hf_config(bundle)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed)
+    neutral = 0.0 if bundle.family.traits(bundle.arch).get("norm_offset") else 1.0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                fan_in = p.shape[-1]
+                scale = 0.5 if "embed" in name else 1.0 / math.sqrt(fan_in)
+                p.copy_(torch.randn(p.shape, generator=g) * scale)
+            elif name.endswith("bias"):
+                p.copy_(0.02 * torch.randn(p.shape, generator=g))
+            else:  # norm weights around their neutral value; sinks and biases around 0
+                base = 0.0 if ("sinks" in name or "bias" in name) else neutral
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+    if dtype is not None:
+        model = model.to(dtype)
+    return model
+
+
+def load_model(directory: str | Path, dtype=None):
+    import torch
+    import transformers
+
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(
+            str(directory), dtype=dtype or torch.float32, local_files_only=True).eval()
+    except (OSError, ValueError) as e:
+        raise InvalidInput(f"{directory}: transformers cannot load it as a causal LM: {e}") from None

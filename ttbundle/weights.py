@@ -1,0 +1,115 @@
+"""Hugging Face checkpoints -> canonical tensors, through each family's name table.
+
+A canonical weight set maps a tensor name to one tensor (global tensors) or to a list with one
+tensor per layer of the tensor's layer range. Every HF tensor must be consumed and every
+canonical tensor found: an unmapped or missing tensor is a loud error naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Callable, Iterable
+
+from .errors import InvalidInput
+from .families import transforms
+
+# HF buffers that are not weights (recomputed from the config).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class Checkpoint:
+    """Lazy access to the tensors of a safetensors checkpoint (one file or a sharded index)."""
+
+    def __init__(self, directory: str | Path):
+        from safetensors import safe_open
+
+        d = Path(directory)
+        index = d / "model.safetensors.index.json"
+        if index.exists():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (ValueError, KeyError) as e:
+                raise InvalidInput(f"{index}: not a safetensors index ({e})") from None
+            files = {k: d / v for k, v in weight_map.items()}
+        else:
+            shards = sorted(d.glob("*.safetensors"))
+            if not shards:
+                raise InvalidInput(f"{d}: no *.safetensors files and no model.safetensors.index.json")
+            files = {}
+            for f in shards:
+                with safe_open(f, framework="pt") as h:
+                    for k in h.keys():
+                        files[k] = f
+        missing = sorted({str(f) for f in files.values() if not f.exists()})
+        if missing:
+            raise InvalidInput(f"{d}: index names missing shard files: {', '.join(missing)}")
+        self.files = files
+        self._open = safe_open
+
+    def keys(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, key: str):
+        with self._open(self.files[key], framework="pt") as h:
+            return h.get_tensor(key)
+
+
+def _expand(key: str, layer: int | None, experts: int | None) -> list[str]:
+    k = key.replace("{i}", str(layer)) if layer is not None else key
+    if "{e}" in k:
+        return [k.replace("{e}", str(e)) for e in range(experts or 0)]
+    return [k]
+
+
+def canonical(family, a, get: Callable[[str], object], keys: Iterable[str]) -> dict:
+    """Canonical tensors of ``family`` from HF tensors (``get(key)``), checking names both ways."""
+    import torch
+
+    keys = set(keys)
+    decls = {t.name: t for t in family.tensors(a)}
+    table = {n.tensor: n for n in family.hf_names(a)}
+    unknown = sorted(set(table) - set(decls))
+    undeclared = sorted(set(decls) - set(table))
+    if unknown or undeclared:  # a family bug, not a user error
+        raise RuntimeError(f"{family.name}: name table and tensors disagree: "
+                           f"unknown {unknown}, unmapped {undeclared}")
+    used: set[str] = set()
+    out: dict = {}
+    for name, t in decls.items():
+        entry = table[name]
+        experts = t.dims[0].size if any("{e}" in k for k in entry.hf) else None
+        layers = [None] if t.layers is None else list(range(*t.layers))
+        per_layer = []
+        for layer in layers:
+            srcs = []
+            for k in entry.hf:
+                names = _expand(k, layer, experts)
+                for n in names:
+                    if n not in keys:
+                        where = f" (layer {layer})" if layer is not None else ""
+                        raise InvalidInput(f"checkpoint has no tensor {n!r}, needed for {name}{where}")
+                used.update(names)
+                tensors = [get(n) for n in names]
+                srcs.append(torch.stack(tensors) if "{e}" in k else tensors[0])
+            w = transforms.apply(entry.transform, srcs, a)
+            if tuple(w.shape) != t.shape:
+                raise InvalidInput(f"{name}{'' if layer is None else f' (layer {layer})'}: checkpoint "
+                                   f"gives shape {list(w.shape)}, the architecture says {list(t.shape)}")
+            per_layer.append(w)
+        out[name] = per_layer[0] if t.layers is None else per_layer
+    leftover = sorted(k for k in keys - used if not k.endswith(IGNORED_SUFFIXES))
+    if leftover:
+        more = f" (and {len(leftover) - 5} more)" if len(leftover) > 5 else ""
+        raise InvalidInput(f"cannot map checkpoint tensor {leftover[0]!r} to any {family.name} tensor; "
+                           f"unmapped: {', '.join(map(repr, leftover[:5]))}{more}")
+    return out
+
+
+def load_canonical(family, a, directory: str | Path) -> dict:
+    ck = Checkpoint(directory)
+    return canonical(family, a, ck.get, ck.keys())
+
+
+def from_state_dict(family, a, sd: dict) -> dict:
+    return canonical(family, a, sd.__getitem__, sd.keys())
