@@ -114,6 +114,97 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
 
 
 @app.command()
+def init(from_hf: Path = typer.Option(..., "--from-hf", help="Hugging Face model directory (config.json; "
+                                      "*.safetensors and tokenizer files are referenced if present)."),
+         output: Path = typer.Option(..., "-o", "--output", help="Spec file to write."),
+         mesh: Optional[list[str]] = typer.Option(None, "--mesh", "-m", help="Target mesh; repeat for "
+                                                  "several (default: N150)."),
+         weights_dtype: str = typer.Option("bf16", "--weights-dtype", help="bf16 | bfp8 | bfp4: "
+                                           "default weight dtype (the embedding stays bf16)."),
+         max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Default: "
+                                                     "min(max_position_embeddings, 8192)."),
+         max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Default: 32 "
+                                                    "(the largest decode bucket)."),
+         name: Optional[str] = typer.Option(None, "--name", help="Bundle name (default: from the "
+                                            "directory name)."),
+         force: bool = typer.Option(False, "--force", help="Overwrite the spec file if it exists.")):
+    """Write a commented, valid spec from a Hugging Face config.json.
+
+    Exit 0 written (also when it does not fit a mesh: see the per-mesh lines), 2 invalid input
+    (unsupported architecture, bad option, existing file without --force); nothing is written
+    unless the spec validates."""
+    from .init import init_spec
+    try:
+        r = init_spec(from_hf, output, mesh, weights_dtype, max_model_len, max_num_seqs, name, force)
+    except TTBundleError as e:
+        fail(e)
+    for w in r.bundle.warnings:
+        err.print(Text(str(w)))
+    for note in r.notes:
+        err.print(Text(f"note: {note}"))
+    out.print(Text(f"wrote {r.path}"))
+    for line in r.summary():
+        out.print(Text(f"  {line}"))
+
+
+@app.command()
+def check(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
+          mesh: Optional[str] = typer.Option(None, "--mesh", "-m", help="Mesh (default: first target)."),
+          steps: int = typer.Option(32, "--steps", min=1, help="Greedy decode steps to compare."),
+          dtype: str = typer.Option("fp32", "--dtype", help="fp32 (tokens must be identical) or bf16 "
+                                    "(PCC >= 0.99 per layer)."),
+          random_weights: bool = typer.Option(False, "--random-weights", help="Use a random instance of "
+                                              "the architecture instead of weights.source."),
+          seed: int = typer.Option(0, "--seed"),
+          prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens (default: "
+                                                   "a bit over one prefill chunk)."),
+          device: str = typer.Option("cpu", "--device", help="torch device for both sides (cpu, cuda)."),
+          as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")):
+    """Run the emulated mesh and Hugging Face transformers on the same weights and tokens.
+
+    Exit 0 when they agree (fp32: identical greedy tokens; bf16: PCC >= 0.99 per layer),
+    1 otherwise, naming the first diverging layer."""
+    from . import plan as planmod, spec as specmod
+    from .check import run_check
+    try:
+        bundle = specmod.load(spec)
+        target = _targets(bundle, mesh)[0]
+        report = run_check(bundle, target, steps=steps, dtype=dtype, random_weights=random_weights,
+                           seed=seed, prompt_len=prompt_len, device=device)
+    except TTBundleError as e:
+        fail(e)
+    if as_json:
+        out.print_json(data=report.to_json())
+    else:
+        from rich.table import Table
+        t = Table(title=f"{report.bundle} on {report.mesh} vs transformers ({report.dtype}, prompt "
+                  f"{report.prompt_len} tokens, {report.steps} steps)", title_justify="left", show_edge=False)
+        for c in ("layer", "prefill max|err|", "prefill PCC", "worst decode max|err|", "worst decode PCC"):
+            t.add_column(c, justify="right")
+        layers = sorted({s.layer for s in report.layers})
+        for li in layers:
+            pre = next(s for s in report.layers if s.layer == li and s.step == "prefill")
+            dec = [s for s in report.layers if s.layer == li and s.step != "prefill"]
+            w = min(dec, key=lambda s: s.pcc) if dec else None
+            t.add_row(str(li), f"{pre.max_abs:.3g}", f"{pre.pcc:.6f}",
+                      f"{w.max_abs:.3g}" if w else "-", f"{w.pcc:.6f}" if w else "-")
+        out.print(t)
+        agree = sum(a == b for a, b in zip(report.ref_tokens, report.emu_tokens))
+        out.print(f"greedy tokens: {agree}/{len(report.ref_tokens)} identical")
+        if report.passed:
+            out.print("[green]check passed[/]")
+        else:
+            d = report.diverging()
+            where = f"; first diverging: layer {d.layer} at {d.step} (PCC {d.pcc:.6f}, max|err| {d.max_abs:.3g})" if d else ""
+            ftd = report.first_token_divergence
+            err.print(Text(f"[error] check failed: "
+                           + (f"tokens diverge at step {ftd}" if ftd is not None else "PCC below 0.99")
+                           + where))
+    if not report.passed:
+        raise typer.Exit(1)
+
+
+@app.command()
 def schema(output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of stdout.")):
     """The bundle spec's JSON Schema (for editor completion: `# yaml-language-server: $schema=...`)."""
     from .spec import json_schema
