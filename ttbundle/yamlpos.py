@@ -4,6 +4,7 @@
 (a tuple of str keys / int indices) to ``(line, col)``, 1-based. Only YAML's safe types are
 constructed (``!!python/...`` tags are refused), duplicate keys are an error, and aliases are
 allowed but the expanded document is bounded so an alias bomb ("billion laughs") is refused.
+Merge keys (``<<``) follow YAML: explicit keys win, then earlier merged mappings over later ones.
 """
 
 from __future__ import annotations
@@ -13,8 +14,11 @@ import yaml
 from .errors import Diagnostic, InvalidInput
 
 MAX_NODES = 200_000  # expanded nodes; a real spec has a few hundred
+MAX_DEPTH = 64  # nesting levels; a real spec has about 5
 
 Path = tuple
+_MAP, _SEQ = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
+_MERGE = "tag:yaml.org,2002:merge"
 
 
 class _Walker:
@@ -22,6 +26,7 @@ class _Walker:
         self.file = file
         self.positions: dict[Path, tuple[int, int]] = {}
         self.count = 0
+        self.depth = 0
         self.constructor = yaml.SafeLoader.__new__(yaml.SafeLoader)
         yaml.constructor.SafeConstructor.__init__(self.constructor)
 
@@ -31,29 +36,62 @@ class _Walker:
         return InvalidInput(f"{self.file}: invalid YAML", [d])
 
     def walk(self, node: yaml.Node, path: Path):
+        self.depth += 1
+        try:
+            return self._walk(node, path)
+        finally:
+            self.depth -= 1
+
+    def _walk(self, node: yaml.Node, path: Path):
         self.count += 1
         if self.count > MAX_NODES:
             raise self.fail(node, path, f"document expands to more than {MAX_NODES} nodes "
                             "(an alias bomb?); write the values out instead of nesting aliases")
+        if self.depth > MAX_DEPTH:
+            raise self.fail(node, path, f"nested more than {MAX_DEPTH} levels deep (a recursive "
+                            "alias?)")
         self.positions.setdefault(path, (node.start_mark.line + 1, node.start_mark.column + 1))
         if isinstance(node, yaml.MappingNode):
+            self.check_tag(node, path, _MAP)
             out: dict = {}
-            self.constructor.flatten_mapping(node)  # resolves YAML merge keys (<<)
+            merges = []
             for key_node, value_node in node.value:
+                if key_node.tag == _MERGE:  # YAML merge key (<<): resolved below, explicit keys win
+                    merges.append(value_node)
+                    continue
                 if not isinstance(key_node, yaml.ScalarNode):
                     raise self.fail(key_node, path, "mapping keys must be plain scalars")
                 key = self.scalar(key_node, path)
-                if not isinstance(key, (str, int)):
-                    key = str(key)
+                if not isinstance(key, str):  # `1:`, `true:`, `null:` keys: keep the text as written
+                    key = str(key_node.value)
                 if key in out:
                     raise self.fail(key_node, path + (key,), f"duplicate key {key!r}")
                 self.positions[path + (key,)] = (key_node.start_mark.line + 1,
                                                  key_node.start_mark.column + 1)
                 out[key] = self.walk(value_node, path + (key,))
+            for value_node in merges:
+                sources = value_node.value if isinstance(value_node, yaml.SequenceNode) else [value_node]
+                for src in sources:  # earlier sources win over later ones (YAML merge spec)
+                    if not isinstance(src, yaml.MappingNode):
+                        raise self.fail(src, path, "`<<` merges a mapping or a list of mappings")
+                    saved, self.positions = self.positions, {}
+                    merged = self.walk(src, path)
+                    merged_pos, self.positions = self.positions, saved
+                    for p, pos in merged_pos.items():  # positions of the keys adopted below
+                        if len(p) > len(path) and p[len(path)] not in out:
+                            self.positions.setdefault(p, pos)
+                    for k, v in merged.items():
+                        out.setdefault(k, v)
             return out
         if isinstance(node, yaml.SequenceNode):
+            self.check_tag(node, path, _SEQ)
             return [self.walk(item, path + (i,)) for i, item in enumerate(node.value)]
         return self.scalar(node, path)
+
+    def check_tag(self, node: yaml.Node, path: Path, plain: str) -> None:
+        if node.tag != plain:  # e.g. !!python/object, !!python/object/apply, !!set, !!omap
+            raise self.fail(node, path, f"unsupported YAML tag {node.tag!r}; bundle specs use plain "
+                            "YAML values only")
 
     def scalar(self, node: yaml.ScalarNode, path: Path):
         try:
@@ -73,6 +111,9 @@ def load_yaml(text: str, file: str = "<spec>") -> tuple[object, dict[Path, tuple
         raise InvalidInput(f"{file}: not valid YAML", [d]) from None
     except yaml.YAMLError as e:  # pragma: no cover - composer errors are all marked
         raise InvalidInput(f"{file}: not valid YAML: {e}") from None
+    except RecursionError:  # PyYAML's parser recurses once per nesting level
+        raise InvalidInput(f"{file}: not valid YAML", [Diagnostic(
+            "nested too deeply (a bundle spec nests about 5 levels)", "", file, 1, 1)]) from None
     if root is None:
         return None, {}
     w = _Walker(file)
