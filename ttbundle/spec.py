@@ -209,13 +209,19 @@ def locate(file, positions, path, message, severity="error") -> Diagnostic:
     return Diagnostic(message, ".".join(map(str, path)), file, line, col, severity)
 
 
-def _pydantic_message(err: dict) -> str:
+def _pydantic_message(err: dict, data=None) -> str:
     t, msg = err["type"], err["msg"]
     if t == "extra_forbidden":
-        return "unknown key; check the spelling (`ttbundle schema` lists every key)"
+        return "unknown key; " + _key_hint(err["loc"], data)
     if t == "union_tag_invalid":
-        return (f"unknown family {err.get('input')!r}; supported: "
+        return (f"unknown family {err.get('ctx', {}).get('tag', err.get('input'))!r}; supported: "
                 f"{', '.join(families.all_families())}")
+    if t == "value_error" and "error" in err.get("ctx", {}):
+        return str(err["ctx"]["error"])
+    if any(isinstance(p, str) and p.startswith(("literal['rows'", "list[literal['rows'"))
+           for p in err["loc"]):
+        return ("a PartitionSpec entry is null, an axis name (rows, cols) or a list of axis names, "
+                f"got {_get(data, _loc_path(err['loc']))!r}")
     if t == "union_tag_not_found":
         return f"missing `family`; one of: {', '.join(families.all_families())}"
     if t == "literal_error":
@@ -223,6 +229,52 @@ def _pydantic_message(err: dict) -> str:
     if t == "missing":
         return "required key is missing"
     return msg
+
+
+def _get(data, path: tuple):
+    for p in path:
+        try:
+            data = data[p]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return data
+
+
+def _fields_at(loc: tuple, data) -> list[str]:
+    """Field names of the model that holds the key at ``loc`` (pydantic's loc), or []."""
+    import typing
+    model = BundleSpec
+    path = _loc_path(loc[:-1])
+    for i, seg in enumerate(path):
+        f = model.model_fields.get(seg) if isinstance(seg, str) else None
+        if f is None:
+            return []
+        todo, cands = [f.annotation], []
+        while todo:
+            t = todo.pop()
+            if isinstance(t, type) and issubclass(t, BaseModel):
+                cands.append(t)
+            elif typing.get_origin(t) in (Union, Annotated) or type(t).__name__ == "UnionType":
+                todo += list(typing.get_args(t))
+        if len(cands) > 1:  # the family union: pick by the `family` tag
+            fam = _get(data, path[:i + 1] + ("family",))
+            cands = [c for c in cands if "family" in c.model_fields
+                     and c.model_fields["family"].default == fam]
+        if len(cands) != 1:
+            return []
+        model = cands[0]
+    return list(model.model_fields)
+
+
+def _key_hint(loc: tuple, data) -> str:
+    import difflib
+    key, fields = loc[-1], _fields_at(loc, data)
+    close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean `{close[0]}`?"
+    if fields:
+        return f"keys here: {', '.join(fields)}"
+    return "check the spelling (`ttbundle schema` lists every key)"
 
 
 def _loc_path(loc: tuple) -> tuple:
@@ -265,8 +317,15 @@ def loads(text: str, file: str = "<spec>", base_dir: Path | None = None) -> Bund
     try:
         spec = BundleSpec.model_validate(data)
     except ValidationError as e:
+        seen = set()
         for err in e.errors():
-            diags.append(locate(file, positions, _loc_path(err["loc"]), _pydantic_message(err)))
+            path = _loc_path(err["loc"])
+            if err["type"] == "union_tag_invalid":
+                path += ("family",)
+            if path in seen:  # a union reports one error per member; the first says it
+                continue
+            seen.add(path)
+            diags.append(locate(file, positions, path, _pydantic_message(err, data)))
         raise InvalidInput(f"{file}: invalid spec", diags) from None
     if diags:
         raise InvalidInput(f"{file}: invalid spec", diags)
@@ -369,8 +428,8 @@ def check(b: Bundle) -> list[Diagnostic]:
         where = (("weights", "dtypes", "tensors", t.name) if t.name in pol.tensors else
                  ("weights", "dtypes", t.group) if getattr(pol, t.group, None) else
                  ("weights", "dtypes", "default"))
-        if t.kind == "vector" and getattr(pol, t.group, None) is None and t.name not in pol.tensors:
-            continue  # 1-D tensors silently stay bf16 under a block-float default
+        if getattr(pol, t.group, None) is None and t.name not in pol.tensors:
+            continue  # 1-D tensors and the embedding silently stay bf16 under a block-float default
         reason = ("block floats need TILE layout and ttnn's embedding reads a ROW_MAJOR table"
                   if t.kind == "embedding" else "block floats need 32x32 tiles; 1-D tensors are kept ROW_MAJOR")
         d.append(b.locate(where, f"{t.name} cannot be {dt}: {reason}; use bf16"))
