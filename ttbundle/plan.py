@@ -201,10 +201,22 @@ def resolved_plan(bundle, mesh_name: str) -> tuple[dict[str, tuple], dict[str, t
     for n, sp in s.sharding.plan.items():
         if n in plan:
             plan[n], origin[n] = tuple(sp), ("sharding", "plan", n)
-    for n, sp in s.sharding.targets.get(mesh_name, {}).items():
+    key = _target_key(s.sharding.targets, mesh_name)
+    for n, sp in s.sharding.targets.get(key, {}).items():
         if n in plan:
-            plan[n], origin[n] = tuple(sp), ("sharding", "targets", mesh_name, n)
+            plan[n], origin[n] = tuple(sp), ("sharding", "targets", key, n)
     return plan, origin
+
+
+def _target_key(names, mesh_name: str) -> str:
+    """The entry of ``names`` (targets as written) that names mesh ``mesh_name``, else itself."""
+    if mesh_name in names:
+        return mesh_name
+    for k in names:
+        m = meshmod.try_resolve(k)
+        if m is not None and m.name == mesh_name:
+            return k
+    return mesh_name
 
 
 def _divisors_hint(size: int, n: int) -> str:
@@ -215,10 +227,15 @@ def _divisors_hint(size: int, n: int) -> str:
 def shard_dim(d: Dim, axes: tuple[str, ...], mesh: Mesh, policy) -> tuple[int, str | None, str | None]:
     """Per-device units of ``d`` split over ``axes``; returns (units, note, error)."""
     n = math.prod(mesh.axis_size(x) for x in axes) if axes else 1
-    if n == 1 or d.size % n == 0:
+    # the vocabulary splits in whole 32-wide tiles (Sharding.vocab), other dims in whole units
+    quantum = n * TILE if d.name == "vocab_size" and n > 1 else n
+    if n == 1 or d.size % quantum == 0:
         return d.size // n, None, None
     where = f"mesh axis {'*'.join(axes)}={n} ({mesh.describe()})"
     arith = f"{d.name}={d.size} is not divisible by {where}"
+    if d.size % n == 0:
+        arith = (f"{d.name}={d.size} over {where} is {d.size // n} per device, not whole "
+                 f"{TILE}-wide tiles ({d.size} is not a multiple of {n}*{TILE}={quantum})")
     if d.name == "num_key_value_heads" and policy.kv_heads != "error":
         if policy.kv_heads == "replicate" and n % d.size == 0:
             return 1, f"each KV head replicated on {n // d.size} devices", None
@@ -233,13 +250,15 @@ def shard_dim(d: Dim, axes: tuple[str, ...], mesh: Mesh, policy) -> tuple[int, s
         padded = _round_up(d.size, n)
         return padded // n, f"query heads padded {d.size} -> {padded}", None
     if d.name == "vocab_size" and policy.vocab == "pad":
-        padded = _round_up(d.size, n)
+        padded = _round_up(d.size, quantum)
         return padded // n, f"vocab padded {d.size} -> {padded}", None
     fixes = {"num_attention_heads": "sharding.attention_heads: pad",
              "num_key_value_heads": "sharding.kv_heads: replicate or pad",
              "vocab_size": "sharding.vocab: pad"}
+    tiles = d.size // TILE if quantum != n and d.size % TILE == 0 else None
+    hint = _divisors_hint(tiles or d.size, n)
     fix = [f"replicate that dim (null)", f"a mesh whose axis divides {d.size}"
-           + (f" (e.g. {_divisors_hint(d.size, n)})" if _divisors_hint(d.size, n) else "")]
+           + (f" into {TILE}-wide tiles" if quantum != n else "") + (f" (e.g. {hint})" if hint else "")]
     if d.name in fixes:
         fix.insert(0, fixes[d.name])
     return 0, None, f"{arith}; fix: {' or '.join(fix)}"
@@ -398,7 +417,8 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     decls = {t.name: t for t in fam.tensors(a)}
     errors: dict[tuple, tuple[list[str], str, tuple]] = {}
     tensors: list[TensorPlan] = []
-    target_idx = s.targets.index(mesh.name) if mesh.name in s.targets else None
+    tkey = _target_key(s.targets, mesh.name)
+    target_idx = s.targets.index(tkey) if tkey in s.targets else None
 
     for t in decls.values():
         spec = specs[t.name]
@@ -463,11 +483,14 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
             act_peak_elems = max(act_peak_elems, sum(x.local_elems(mesh) for x in tr.acts.values()))
 
     # activations: every named activation of one layer live at once for the largest prefill shape
-    # (an upper bound; ttnn frees them as it goes), plus last-token logits padded to a tile row
+    # (an upper bound; ttnn frees them as it goes), plus the last-token logits of the largest
+    # decode batch (rows padded to a tile) over the vocabulary, gathered on every device
     bk = bundle.buckets
     act_tokens = min(max(bk.prefill), bk.prefill_chunk or max(bk.prefill))
-    vocab_dev = next(t.device_shape[-1] for t in tensors if t.name == "lm_head")
-    act_bytes = act_peak_elems * act_tokens * ACT_BYTES + TILE * vocab_dev * ACT_BYTES * max(bk.decode)
+    lm = next(t for t in tensors if t.name == "lm_head")
+    vocab_gathered = lm.device_shape[-1] * math.prod(mesh.axis_size(x) for x in axes_of(lm.spec[-1]))
+    act_bytes = (act_peak_elems * act_tokens * ACT_BYTES
+                 + _round_up(max(bk.decode), TILE) * vocab_gathered * ACT_BYTES)
 
     traced_prefill = len(bk.prefill) if rt.trace_mode == "all" else 0
     traced_decode = len(bk.decode) if rt.trace_mode in ("all", "decode_only") else 0
