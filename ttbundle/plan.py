@@ -298,6 +298,7 @@ class Step:
     dim: int = 0
     op: object = None
     specs: tuple = ()  # ((name, spec), ...) inputs then output
+    feature: Dim | None = None  # all_gather: the gathered dim (its shards may be padded/replicated)
 
 
 class _Tracer:
@@ -326,7 +327,8 @@ class _Tracer:
         else:  # all_gather: payload grows n-fold; each device receives (n-1) shards
             traffic = (n - 1) * payload
         self.out.append(Collective(self.layer, op, kind, tuple(axes), n, payload, traffic, self.count))
-        self.steps.append(Step(kind, name, tuple(axes), dim))
+        self.steps.append(Step(kind, name, tuple(axes), dim,
+                               feature=act.dims[dim] if kind == "all_gather" else None))
         self.ops += 1
 
     def reduce(self, name: str, op: str) -> _Act:
@@ -447,24 +449,6 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
             diags.append(bundle.locate(at, f"{', '.join(tnames)}{origin_note}: {msg}"))
         raise InvalidInput(f"{bundle.file}: sharding plan does not fit {mesh.describe()}", diags)
 
-    # KV cache: (num_blocks, kv_heads/device, block_size, head_dim) per layer, K and V separately
-    rt = s.runtime
-    blocks = kv_blocks(rt)
-    kv_total, kv_entries = 0, []
-    for e in fam.kv_cache(a):
-        if e.follows:
-            tname, di = e.follows
-            units, _, _ = shard_dim(e.heads, axes_of(specs[tname][di]), mesh, s.sharding)
-        else:
-            units = e.heads.size
-        shape = [blocks, units, rt.kv_block_size, e.head_dim]
-        per_layer = tensor_bytes(shape, rt.kv_cache_dtype, "TILE", mesh)
-        kv_total += per_layer * e.count
-        kv_entries.append({"name": e.name, "device_shape": shape, "layers": e.count,
-                           "bytes_per_layer": per_layer})
-    kv = {"dtype": rt.kv_cache_dtype, "num_blocks": blocks, "block_size": rt.kv_block_size,
-          "entries": kv_entries, "bytes": kv_total}
-
     # collectives and op counts per layer kind
     collectives: list[Collective] = []
     ops_per_forward = 0
@@ -481,6 +465,27 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
         programs.append((name, count, tr.steps))
         if name not in ("embedding", "head"):
             act_peak_elems = max(act_peak_elems, sum(x.local_elems(mesh) for x in tr.acts.values()))
+
+    # KV cache: (num_blocks, kv_heads/device, block_size, head_dim) per layer, K and V separately
+    rt = s.runtime
+    blocks = kv_blocks(rt)
+    kv_total, kv_entries = 0, []
+    for e in fam.kv_cache(a):
+        if e.follows:
+            tname, di = e.follows
+            # the cache is split like the activation the attention op sees (after any gather)
+            ax = _seen_by_attention(programs, tname)
+            ax = axes_of(specs[tname][di]) if ax is None else ax
+            units, _, _ = shard_dim(e.heads, ax, mesh, s.sharding)
+        else:
+            units = e.heads.size
+        shape = [blocks, units, rt.kv_block_size, e.head_dim]
+        per_layer = tensor_bytes(shape, rt.kv_cache_dtype, "TILE", mesh)
+        kv_total += per_layer * e.count
+        kv_entries.append({"name": e.name, "device_shape": shape, "layers": e.count,
+                           "bytes_per_layer": per_layer})
+    kv = {"dtype": rt.kv_cache_dtype, "num_blocks": blocks, "block_size": rt.kv_block_size,
+          "entries": kv_entries, "bytes": kv_total}
 
     # activations: every named activation of one layer live at once for the largest prefill shape
     # (an upper bound; ttnn frees them as it goes), plus the last-token logits of the largest
@@ -506,6 +511,20 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     mem = Memory(by_dtype, weights, kv_total, act_bytes, trace, total, mesh.chip.dram_bytes)
     return Plan(s.name, a.family, mesh, tensors, mem, collectives, kv, act_tokens, num_traces,
                 list(bundle.warnings), dict(specs), programs)
+
+
+def _seen_by_attention(programs, weight: str):
+    """Feature-dim axes of ``weight``'s output as the first Local op consuming it sees them."""
+    for _, _, steps in programs:
+        produced = None
+        for st in steps:
+            if st.kind != "op":
+                continue
+            if isinstance(st.op, Linear) and st.op.w == weight:
+                produced = st.op.out
+            elif isinstance(st.op, Local) and produced in st.op.ins:
+                return dict(st.specs)[produced][-1]
+    return None
 
 
 def check_mesh(bundle, mesh_name: str) -> list[Diagnostic]:

@@ -89,8 +89,28 @@ class MeshOps:
         dims = tuple(AXES.index(a) for a in axes)
         return g.sum(dim=dims, keepdim=True).expand_as(g).reshape(x.shape)
 
-    def all_gather(self, x: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
-        """Concatenate dim ``dim`` (of ``x``, counting the device dim) over ``axes``, rows-major."""
+    def all_gather(self, x: torch.Tensor, axes: tuple[str, ...], dim: int, feature: Dim | None = None,
+                   policy=None) -> torch.Tensor:
+        """Concatenate dim ``dim`` (of ``x``, counting the device dim) over ``axes``, rows-major.
+
+        With ``feature`` (the gathered dim's declaration) the result is put back in global order:
+        padding dropped and replicated shards (KV heads) taken once."""
+        out = self._concat(x, axes, dim)
+        if feature is None:
+            return out
+        pos = self.shard_positions(feature, axes, policy)  # [D, L]
+        idx, n = self.group_index(axes)
+        first = [int((idx == k).nonzero()[0]) for k in range(n)]
+        flat = pos[first].reshape(-1)  # position in the global dim of each concatenated element
+        if bool((flat == torch.arange(flat.numel(), device=flat.device)).all()):
+            return out
+        inv = torch.empty(feature.length, dtype=torch.long, device=flat.device)
+        valid = flat >= 0
+        src = torch.arange(flat.numel(), device=flat.device)[valid]
+        inv[flat[valid]] = src  # replicas hold identical values: any copy serves
+        return out.index_select(dim, inv)
+
+    def _concat(self, x: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
         g = x.view(self.R, self.C, *x.shape[1:])
         d = dim + 1  # in g, dims 0 and 1 are (rows, cols)
         if axes == ("cols",):

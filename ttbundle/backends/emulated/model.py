@@ -119,7 +119,8 @@ class EmulatedModel:
                 acts[st.act] = ops.all_reduce(acts[st.act], st.axes)
                 continue
             if st.kind == "all_gather":
-                acts[st.act] = ops.all_gather(acts[st.act], st.axes, st.dim + 2)
+                acts[st.act] = ops.all_gather(acts[st.act], st.axes, st.dim + 2, st.feature,
+                                              self.bundle.spec.sharding)
                 continue
             op = st.op
             if isinstance(op, Embed):
