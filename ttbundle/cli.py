@@ -130,9 +130,9 @@ def init(from_hf: Path = typer.Option(..., "--from-hf", help="Hugging Face model
          force: bool = typer.Option(False, "--force", help="Overwrite the spec file if it exists.")):
     """Write a commented, valid spec from a Hugging Face config.json.
 
-    Exit 0 written (also when it does not fit a mesh: see the per-mesh lines), 2 invalid input
-    (unsupported architecture, bad option, existing file without --force); nothing is written
-    unless the spec validates."""
+    Nothing is written unless the spec validates; an existing file needs --force.
+
+    Exit 0 written (also when a mesh does not fit: see its line), 2 invalid input."""
     from .init import init_spec
     try:
         r = init_spec(from_hf, output, mesh, weights_dtype, max_model_len, max_num_seqs, name, force)

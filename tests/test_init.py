@@ -1,0 +1,328 @@
+"""`ttbundle init --from-hf`: for every registered family a tiny HF config (saved with transformers)
+becomes a spec that loads to the same architecture; bad input exits 2 without writing."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+from hypothesis import given, settings, strategies as st
+from typer.testing import CliRunner
+
+from ttbundle import families, plan as planmod, spec as specmod
+from ttbundle.cli import app
+from ttbundle.init import derive_name, y
+
+# Small enough to plan in milliseconds; keys a config class does not have are left out.
+TINY = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16384,
+            moe_intermediate_size=64, n_routed_experts=8, num_experts=8, num_local_experts=8,
+            num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
+            first_k_dense_replace=1, kv_lora_rank=64, q_lora_rank=96, qk_rope_head_dim=16,
+            qk_nope_head_dim=32, v_head_dim=32, sliding_window=256)
+
+ARCHS = [(f.name, a) for f in families.all_families().values() for a in f.hf_architectures]
+
+
+@pytest.fixture
+def runner():
+    return CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
+def config_class(arch: str):
+    """transformers' config class for an architecture name, without importing model code."""
+    from transformers.models.auto import configuration_auto, modeling_auto
+    for n in dir(modeling_auto):
+        if n.endswith("_MAPPING_NAMES"):
+            for model_type, cls in getattr(modeling_auto, n).items():
+                if cls == arch or (isinstance(cls, tuple) and arch in cls):
+                    return configuration_auto.CONFIG_MAPPING[model_type]
+    return None
+
+
+def save_tiny(arch: str, d: Path, **over) -> Path:
+    cls = config_class(arch)
+    if cls is None:
+        pytest.skip(f"transformers has no config for {arch}")
+    dims = {**TINY, **over}
+    defaults = cls().to_dict()
+    kw = {k: v for k, v in dims.items() if k in defaults}
+    if isinstance(defaults.get("text_config"), dict):  # multimodal wrapper (Gemma 3)
+        kw["text_config"] = {k: v for k, v in dims.items() if k in defaults["text_config"]}
+    cls(architectures=[arch], **kw).save_pretrained(d)
+    return d
+
+
+def llama(d: Path, **over) -> Path:
+    from transformers import LlamaConfig
+    dims = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    LlamaConfig(architectures=["LlamaForCausalLM"], **{**dims, **over}).save_pretrained(d)
+    return d
+
+
+def invoke(runner, *args):
+    return runner.invoke(app, ["init", *map(str, args)])
+
+
+def test_llama_is_registered():
+    assert ("llama", "LlamaForCausalLM") in ARCHS
+
+
+@pytest.mark.parametrize("family,arch", ARCHS, ids=[a for _, a in ARCHS])
+def test_every_family_round_trips(tmp_path, runner, family, arch):
+    hf = save_tiny(arch, tmp_path / "model")
+    out = tmp_path / "spec.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out}" in r.stdout
+    assert "N150: " in r.stdout
+    b = specmod.load(out)
+    config = json.loads((hf / "config.json").read_text())
+    want = families.get(family).arch_model.model_validate(specmod.hf_config_to_arch(config))
+    assert b.arch.family == family
+    assert b.arch.model_dump() == want.model_dump()
+    # model: written out in full (family first), no from_hf
+    data = yaml.safe_load(out.read_text())
+    assert "from_hf" not in data and list(data["model"])[0] == "family"
+    assert set(data["model"]) == set(type(b.arch).model_fields)
+    # the default plan is written out for every tensor, and is what the plan uses
+    fam = families.get(family)
+    assert set(data["sharding"]["plan"]) == {t.name for t in fam.tensors(b.arch)}
+    specs, _ = planmod.resolved_plan(b, "N150")
+    for name, sp in fam.default_plan(b.arch).items():
+        if name in specs:
+            assert specs[name] == tuple(sp)
+    # max_model_len default: min(max_position_embeddings, 8192), chunked past the largest bucket
+    assert b.spec.runtime.max_model_len == min(b.arch.max_position_embeddings, 8192)
+    bk = b.buckets
+    assert b.spec.runtime.max_model_len <= max(bk.prefill) or bk.prefill_chunk in bk.prefill
+    assert b.spec.runtime.max_num_seqs <= max(bk.decode)
+
+
+@pytest.mark.parametrize("family,arch", ARCHS, ids=[a for _, a in ARCHS])
+def test_every_model_key_has_its_docstring_as_comment(tmp_path, runner, family, arch):
+    hf = save_tiny(arch, tmp_path / "model")
+    out = tmp_path / "spec.yaml"
+    assert invoke(runner, "--from-hf", hf, "-o", out).exit_code == 0
+    lines = out.read_text().splitlines()
+    model = families.get(family).arch_model
+    start = lines.index("model:")
+    for name, f in model.model_fields.items():
+        if not f.description:
+            continue
+        i = next(i for i in range(start, len(lines)) if lines[i].startswith(f"  {f.alias or name}:"))
+        assert lines[i - 1].startswith("  # "), (name, lines[i - 1])
+        first_words = " ".join(f.description.split())[:30]
+        comment = " ".join(l.strip()[2:] for l in lines[start:i] if l.strip().startswith("#"))
+        assert first_words in comment, name
+
+
+def test_unsupported_architecture_exits_2_listing_supported(tmp_path, runner):
+    hf = tmp_path / "m"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"architectures": ["FooForCausalLM"], "hidden_size": 8}))
+    out = tmp_path / "new" / "spec.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out)
+    assert r.exit_code == 2
+    assert r.stderr.startswith("[error] ")
+    assert "'FooForCausalLM' is not supported" in r.stderr
+    for _, a in ARCHS:
+        assert a in r.stderr
+    assert "Traceback" not in r.output
+    assert not out.exists() and not out.parent.exists()  # the folder init made is gone again
+
+
+@pytest.mark.parametrize("content,msg", [
+    (None, "config.json: not found"),
+    ("{not json", "not readable JSON"),
+    ("{}", "no `architectures` entry"),
+])
+def test_bad_config_json_exits_2(tmp_path, runner, content, msg):
+    hf = tmp_path / "m"
+    hf.mkdir()
+    if content is not None:
+        (hf / "config.json").write_text(content)
+    r = invoke(runner, "--from-hf", hf, "-o", tmp_path / "s.yaml")
+    assert r.exit_code == 2 and msg in r.stderr and "Traceback" not in r.output
+    assert not (tmp_path / "s.yaml").exists()
+
+
+def test_overwrite_refused_without_force(tmp_path, runner):
+    hf = llama(tmp_path / "m")
+    out = tmp_path / "spec.yaml"
+    out.write_text("keep me\n")
+    r = invoke(runner, "--from-hf", hf, "-o", out)
+    assert r.exit_code == 2
+    assert f"[error] {out} exists; pass --force to overwrite it" in r.stderr
+    assert out.read_text() == "keep me\n"
+    r = invoke(runner, "--from-hf", hf, "-o", out, "--force")
+    assert r.exit_code == 0, r.output
+    assert specmod.load(out).spec.name == "m"
+
+
+def test_bfp8_keeps_embedding_bf16(tmp_path, runner):
+    hf = llama(tmp_path / "m")
+    out = tmp_path / "spec.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out, "--weights-dtype", "bfp8")
+    assert r.exit_code == 0, r.output
+    b = specmod.load(out)
+    assert b.spec.weights.dtypes.default == "bfp8"
+    assert b.spec.weights.dtypes.embedding == "bf16"
+    dt = {t.name: t.dtype for t in planmod.make_plan(b, "N150").tensors}
+    assert dt["embed"] == "bf16"
+    assert dt["wq"] == dt["w1"] == dt["lm_head"] == "bfp8"
+    assert dt["attn_norm"] == "bf16"
+
+
+@pytest.mark.parametrize("dtype", ["bfp4", "bf16"])
+def test_other_weight_dtypes(tmp_path, runner, dtype):
+    out = tmp_path / "spec.yaml"
+    assert invoke(runner, "--from-hf", llama(tmp_path / "m"), "-o", out,
+                  "--weights-dtype", dtype).exit_code == 0
+    pol = specmod.load(out).spec.weights.dtypes
+    assert (pol.default, pol.embedding) == (dtype, "bf16")
+
+
+def test_weights_and_tokenizer_relative_to_spec(tmp_path, runner):
+    hf = llama(tmp_path / "models" / "My Model_v2")
+    (hf / "model.safetensors").write_bytes(b"")
+    (hf / "tokenizer.json").write_text("{}")
+    out = tmp_path / "specs" / "deep" / "spec.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out)
+    assert r.exit_code == 0, r.output
+    b = specmod.load(out)
+    assert b.spec.weights.source == "../../models/My Model_v2"
+    assert b.spec.tokenizer == "../../models/My Model_v2"
+    assert b.resolve_path(b.spec.weights.source).resolve() == hf.resolve()
+    assert b.spec.name == "my-model_v2"
+
+
+def test_without_weights_source_and_tokenizer_are_left_out(tmp_path, runner):
+    out = tmp_path / "spec.yaml"
+    assert invoke(runner, "--from-hf", llama(tmp_path / "m"), "-o", out).exit_code == 0
+    s = specmod.load(out).spec
+    assert s.weights.source is None and s.tokenizer is None
+    assert "# source: m" in out.read_text()
+
+
+def test_sharded_index_counts_as_weights(tmp_path, runner):
+    hf = llama(tmp_path / "m")
+    (hf / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    out = tmp_path / "spec.yaml"
+    assert invoke(runner, "--from-hf", hf, "-o", out).exit_code == 0
+    assert specmod.load(out).spec.weights.source == "m"
+
+
+def test_limits_and_buckets(tmp_path, runner):
+    hf = llama(tmp_path / "m", max_position_embeddings=131072)
+    out = tmp_path / "spec.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out, "--max-model-len", "32768", "--max-num-seqs", "12",
+               "--name", "l.3-x")
+    assert r.exit_code == 0, r.output
+    b = specmod.load(out)
+    rt, bk = b.spec.runtime, b.buckets
+    assert (rt.max_model_len, rt.max_num_seqs, b.spec.name) == (32768, 12, "l.3-x")
+    assert bk.prefill_chunk == max(bk.prefill) < 32768
+    assert max(bk.decode) >= 12
+
+
+def test_max_model_len_default_is_capped(tmp_path, runner):
+    out = tmp_path / "spec.yaml"
+    assert invoke(runner, "--from-hf", llama(tmp_path / "m", max_position_embeddings=131072),
+                  "-o", out).exit_code == 0
+    assert specmod.load(out).spec.runtime.max_model_len == 8192
+
+
+def test_short_context_drops_uncovered_buckets(tmp_path, runner):
+    out = tmp_path / "spec.yaml"
+    assert invoke(runner, "--from-hf", llama(tmp_path / "m", max_position_embeddings=128),
+                  "-o", out).exit_code == 0
+    b = specmod.load(out)
+    assert b.spec.runtime.max_model_len == 128
+    assert b.buckets.prefill == [128]
+    assert b.buckets.prefill_chunk is None
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--max-model-len", "9000"], "--max-model-len 9000: must be between 1 and the model's "
+                                  "max_position_embeddings=4096"),
+    (["--max-model-len", "0"], "--max-model-len 0"),
+    (["--max-num-seqs", "64"], "--max-num-seqs 64: must be between 1 and 32"),
+    (["--weights-dtype", "fp8"], "--weights-dtype 'fp8': one of bf16, bfp8, bfp4"),
+    (["--name", "Bad Name"], "--name 'Bad Name'"),
+    (["--mesh", "T4K"], "unknown mesh 'T4K'; valid: N150"),
+])
+def test_bad_options_exit_2(tmp_path, runner, args, msg):
+    out = tmp_path / "spec.yaml"
+    r = invoke(runner, "--from-hf", llama(tmp_path / "m"), "-o", out, *args)
+    assert r.exit_code == 2, r.output
+    assert msg in r.stderr and "Traceback" not in r.output
+    assert not out.exists()
+
+
+def test_several_meshes_and_padding_heads(tmp_path, runner):
+    # 4 query heads on T3K's 8-wide cols axis: init pads the heads and says so
+    out = tmp_path / "spec.yaml"
+    r = invoke(runner, "--from-hf", llama(tmp_path / "m"), "-o", out, "-m", "N150", "-m", "T3K",
+               "-m", "(2,4)")
+    assert r.exit_code == 0, r.output
+    assert "note: sharding.attention_heads: pad because wq, wo: num_attention_heads=4 is not " \
+           "divisible by mesh axis cols=8 (T3K 1x8)" in r.stderr
+    for m in ("N150", "T3K", "(2,4)"):
+        assert f"  {m}: fits (" in r.stdout
+    b = specmod.load(out)
+    assert b.spec.targets == ["N150", "T3K", "(2,4)"]
+    assert b.spec.sharding.attention_heads == "pad"
+    v = runner.invoke(app, ["validate", str(out)])
+    assert v.exit_code == 0, v.output
+
+
+def test_does_not_fit_still_writes_and_points_at_plan(tmp_path, runner):
+    # Llama-3.1-70B dims, bf16 on one N150
+    hf = llama(tmp_path / "m", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+               num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+               max_position_embeddings=131072)
+    out = tmp_path / "spec.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert out.exists()
+    assert "N150: does not fit (" in r.stdout
+    assert f"see `ttbundle plan {out} --mesh N150`" in r.stdout
+
+
+def test_hostile_directory_name_cannot_inject_yaml(tmp_path, runner):
+    hf = llama(tmp_path / "evil\nname: x\n#")
+    (hf / "tokenizer.json").write_text("{}")
+    out = tmp_path / "spec.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out)
+    assert r.exit_code == 0, r.output
+    b = specmod.load(out)
+    assert b.spec.tokenizer == "evil\nname: x\n#"
+    assert specmod.NAME_RE.match(b.spec.name)
+
+
+@pytest.mark.parametrize("dirname,name", [
+    ("Llama-3.1-8B-Instruct", "llama-3.1-8b-instruct"),
+    ("__Qwen2.5  7B", "qwen2.5-7b"),
+    ("***", "llama"),
+    ("x" * 100, "x" * 64),
+])
+def test_derive_name(tmp_path, dirname, name):
+    assert derive_name(tmp_path / dirname, "llama") == name
+    assert specmod.NAME_RE.match(name)
+
+
+_scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.recursive(_scalars, lambda c: st.lists(c, max_size=3)
+                    | st.dictionaries(st.text(max_size=5), c, max_size=3), max_leaves=8))
+def test_y_round_trips_on_one_line(value):
+    s = y(value)
+    assert "\n" not in s and "\r" not in s
+    assert yaml.safe_load(f"k: {s}\n") == {"k": value}

@@ -1,0 +1,421 @@
+"""`ttbundle init`: a commented, valid bundle spec from a Hugging Face ``config.json``.
+
+``init_spec(hf_dir, output, ...)`` maps the config with :func:`spec.hf_config_to_arch`, writes the
+family's default sharding plan and buckets out explicitly (buckets adjusted to the requested
+limits), renders ``templates/spec.yaml.j2``, checks that the text loads with :func:`spec.loads`
+and that the plan resolves on every target, and only then writes it atomically. Values reach the
+template already rendered as YAML (``yaml.safe_dump``) and comments already sanitised, so a
+strange directory name can neither break the YAML nor inject keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from . import families, mesh as meshmod, plan as planmod, spec as specmod
+from .errors import Diagnostic, InvalidInput, TTBundleError
+from .families.base import GROUPS
+from .fsutil import write_text_atomic
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+TEMPLATE = "spec.yaml.j2"
+DEFAULT_MESH = "N150"
+MAX_MODEL_LEN_CAP = 8192  # default max_model_len: min(max_position_embeddings, this)
+WEIGHT_DTYPES = ("bf16", "bfp8", "bfp4")
+COMMENT_WIDTH = 96
+# Tried in order when the family default plan does not divide a target's mesh axes.
+SHARDING_FALLBACKS: tuple[dict[str, str], ...] = (
+    {"attention_heads": "pad"},
+    {"kv_heads": "pad"},
+    {"attention_heads": "pad", "kv_heads": "pad"},
+)
+
+
+@dataclass
+class Entry:
+    """One YAML key for the template: ``doc`` comment lines above it, then ``key: value``
+    (``value`` already YAML), or ``key:`` and ``children`` (a nested mapping). ``disabled``
+    entries are written commented out; ``note`` goes after the value as a trailing comment."""
+
+    key: str
+    value: str | None = None
+    doc: list[str] = field(default_factory=list)
+    children: list["Entry"] | None = None
+    note: str = ""
+    disabled: bool = False
+
+
+@dataclass
+class InitResult:
+    path: Path
+    text: str
+    bundle: specmod.Bundle
+    plans: dict[str, planmod.Plan]  # target -> plan (all resolve; some may not fit)
+    notes: list[str]  # what init chose on the user's behalf, and why
+
+    def summary(self) -> list[str]:
+        """One line per target: fits, or does not fit with the command that explains why."""
+        from .report import human
+        lines = []
+        for t, p in self.plans.items():
+            m = p.memory
+            if p.fits:
+                lines.append(f"{t}: fits ({human(m.total)} of {human(m.dram)} per chip)")
+            else:
+                lines.append(f"{t}: does not fit ({human(m.total)} per chip, chip has {human(m.dram)});"
+                             f" see `ttbundle plan {shlex.quote(str(self.path))} --mesh {shlex.quote(t)}`")
+        return lines
+
+
+# ---- rendering helpers -------------------------------------------------------------------------
+# What may not appear raw in a one-line YAML value or comment: line breaks (YAML counts \x85,
+# \u2028, \u2029) and everything PyYAML's reader rejects as non-printable (incl. lone surrogates
+# from undecodable file names).
+_UNSAFE = re.compile("[^\x20-\x7e\xa0-\ud7ff\ue000-\ufffd\U00010000-\U0010ffff]|[\x85\u2028\u2029\ufeff]")
+
+
+class _OneLineDumper(yaml.SafeDumper):
+    """Strings with unsafe characters become double-quoted with escapes instead of being folded
+    over several lines."""
+
+
+_OneLineDumper.add_representer(str, lambda d, v: d.represent_scalar(
+    "tag:yaml.org,2002:str", v, style='"' if _UNSAFE.search(v) else None))
+
+
+def y(value) -> str:
+    """``value`` as a one-line YAML flow value that ``yaml.safe_load`` reads back unchanged."""
+    s = yaml.dump(value, Dumper=_OneLineDumper, default_flow_style=True, width=1 << 30,
+                  allow_unicode=True, sort_keys=False)
+    if s.endswith("\n...\n"):
+        s = s[:-5]
+    s = s.rstrip("\n")
+    if "\n" in s:  # pragma: no cover - the dumper above never folds
+        raise AssertionError(f"multi-line YAML for {value!r}")
+    return s
+
+
+def one_line(text: str) -> str:
+    """``text`` safe inside a ``#`` comment: unsafe characters escaped, never a line break."""
+    return _UNSAFE.sub(lambda m: ascii(m.group())[1:-1], str(text))
+
+
+def doc_lines(text: str | None, width: int = COMMENT_WIDTH) -> list[str]:
+    if not text:
+        return []
+    return textwrap.wrap(" ".join(one_line(w) for w in text.split()), width) or []
+
+
+def field_doc(model: type[BaseModel], name: str) -> list[str]:
+    f = model.model_fields.get(name)
+    return doc_lines(f.description if f else None)
+
+
+def dim_label(d) -> str:
+    return f"{d.name}={d.size}" + (f"x{d.unit}" if d.unit != 1 else "")
+
+
+def model_entries(obj: BaseModel, top: bool = True, first: tuple[str, ...] = ()) -> list[Entry]:
+    """Every field of ``obj`` with its docstring; nested models as nested mappings. ``None`` is
+    written as ``null`` at the top level (visible, editable) and left out inside nested models."""
+    cls = type(obj)
+    dumped = obj.model_dump(mode="json", by_alias=True)
+    names = list(first) + [n for n in cls.model_fields if n not in first]
+    out = []
+    for n in names:
+        f = cls.model_fields[n]
+        key = f.alias or n
+        v = getattr(obj, n)
+        if v is None and not top:
+            continue
+        if isinstance(v, BaseModel):
+            kids = model_entries(v, top=False)
+            out.append(Entry(key, doc=doc_lines(f.description), children=kids) if kids else
+                       Entry(key, "{}", doc_lines(f.description)))
+        else:
+            out.append(Entry(key, y(dumped[key]), doc_lines(f.description)))
+    return out
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+def read_hf_config(hf_dir: Path) -> tuple[dict, Path]:
+    cfg = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise InvalidInput(f"{hf_dir}: not a directory (--from-hf takes a Hugging Face model "
+                           "directory holding config.json)")
+    try:
+        return json.loads(cfg.read_text(encoding="utf-8")), cfg
+    except FileNotFoundError:
+        raise InvalidInput(f"{cfg}: not found (--from-hf takes a directory holding config.json)") from None
+    except (OSError, ValueError) as e:
+        raise InvalidInput(f"{cfg}: not readable JSON: {e}") from None
+
+
+def derive_name(hf_dir: Path, fallback: str) -> str:
+    """A spec name (``spec.NAME_RE``) from the model directory's name, e.g.
+    ``Llama-3.1-8B-Instruct`` -> ``llama-3.1-8b-instruct``."""
+    n = re.sub(r"[^a-z0-9_.-]+", "-", hf_dir.resolve().name.lower())
+    n = re.sub(r"^[^a-z0-9]+", "", n)[:64].rstrip("-_.")
+    return n if specmod.NAME_RE.match(n) else fallback
+
+
+def has_weights(d: Path) -> bool:
+    return (d / "model.safetensors.index.json").is_file() or any(d.glob("*.safetensors"))
+
+
+def has_tokenizer(d: Path) -> bool:
+    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
+
+
+def rel_path(target: Path, base_dir: Path) -> str:
+    """``target`` relative to ``base_dir`` (real paths, so symlinked dirs resolve the same way)."""
+    return Path(os.path.relpath(target.resolve(), base_dir.resolve())).as_posix()
+
+
+def adjust_buckets(default: dict, max_model_len: int, max_num_seqs: int) -> tuple[dict, list[str]]:
+    """The family's default buckets made to pass validation for these limits: prefill buckets
+    past the first one covering max_model_len dropped; prefill_chunk set when max_model_len
+    exceeds the largest prefill bucket; a decode bucket added for max_num_seqs if needed."""
+    notes = []
+    prefill = sorted(set(default.get("prefill") or specmod.Buckets().prefill))
+    decode = sorted(set(default.get("decode") or specmod.Buckets().decode))
+    chunk = default.get("prefill_chunk")
+    cover = [p for p in prefill if p >= max_model_len]
+    if cover and cover[0] != prefill[-1]:
+        dropped = [p for p in prefill if p > cover[0]]
+        prefill = [p for p in prefill if p <= cover[0]]
+        notes.append(f"prefill buckets {dropped} dropped: longer than max_model_len={max_model_len}")
+    if chunk is not None and chunk not in prefill:
+        chunk = None
+    if max_model_len > prefill[-1] and chunk is None:
+        chunk = prefill[-1]
+        notes.append(f"prefill_chunk={chunk}: max_model_len={max_model_len} exceeds the largest "
+                     f"prefill bucket")
+    if max_num_seqs > decode[-1]:
+        size = next(s for s in specmod.DECODE_TRACE_SIZES if s >= max_num_seqs)
+        decode = sorted(set(decode + [size]))
+        notes.append(f"decode bucket {size} added for max_num_seqs={max_num_seqs}")
+    return {"prefill": prefill, "decode": decode, "prefill_chunk": chunk}, notes
+
+
+# ---- the spec ----------------------------------------------------------------------------------
+@dataclass
+class _Ctx:
+    """Everything the template needs; values pre-rendered."""
+
+    header: list[str]
+    sections: dict[str, list[Entry]]
+    docs: dict[str, list[str]]
+
+
+def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Path, name: str,
+             meshes: list[str], weights_dtype: str, max_model_len: int, max_num_seqs: int,
+             buckets: dict, bucket_notes: list[str], sharding_opts: dict[str, str],
+             sharding_notes: dict[str, str]) -> _Ctx:
+    B, W, D, S, K, R = (specmod.BundleSpec, specmod.Weights, specmod.DtypePolicy, specmod.Sharding,
+                        specmod.Buckets, specmod.Runtime)
+    tensors = family.tensors(arch)
+    rel = rel_path(hf_dir, out_dir)
+    sections: dict[str, list[Entry]] = {}
+    sections["top"] = [
+        Entry("name", y(name), field_doc(B, "name")),
+        Entry("description", y(f"{hf_arch} imported from {rel}/config.json by ttbundle init"),
+              field_doc(B, "description")),
+    ]
+    sections["model"] = model_entries(arch, first=("family",))
+
+    sources = []
+    if has_tokenizer(hf_dir):
+        sources.append(Entry("tokenizer", y(rel), field_doc(B, "tokenizer")))
+    else:
+        sources.append(Entry("tokenizer", y(rel), field_doc(B, "tokenizer")
+                             + [f"(no tokenizer.json / tokenizer_config.json in {one_line(rel)})"],
+                             disabled=True))
+    sections["sources"] = sources
+
+    weights = [Entry("source", y(rel), field_doc(W, "source"), disabled=not has_weights(hf_dir),
+                     note="" if has_weights(hf_dir) else f"no *.safetensors in {one_line(rel)} yet")]
+    groups_present = [g for g in GROUPS if g != "embedding"
+                      and any(t.group == g and t.kind == "matrix" for t in tensors)]
+    dtypes = [Entry("default", y(weights_dtype), field_doc(D, "default"))]
+    if any(t.group == "embedding" for t in tensors):
+        dtypes.append(Entry("embedding", y("bf16"), field_doc(D, "embedding")))
+    for g in groups_present:
+        dtypes.append(Entry(g, y(weights_dtype), field_doc(D, g), disabled=True))
+    # embedding-kind tensors outside the `embedding` group would inherit a block-float default
+    odd = {t.name: "bf16" for t in tensors if t.kind == "embedding" and t.group != "embedding"}
+    dtypes.append(Entry("tensors", y(odd), field_doc(D, "tensors")))
+    weights.append(Entry("dtypes", doc=field_doc(W, "dtypes"), children=dtypes))
+    sections["weights"] = weights
+
+    sections["targets"] = [Entry("targets", y(meshes), field_doc(B, "targets"))]
+
+    default_plan = family.default_plan(arch)
+    plan = []
+    for t in tensors:
+        spec = list(default_plan.get(t.name, (None,) * len(t.dims)))
+        dims = ", ".join(dim_label(d) for d in t.dims)
+        plan.append(Entry(t.name, y(spec), note=one_line(f"[{dims}] {t.doc}".strip())))
+    sharding = [Entry("plan", doc=field_doc(S, "plan") + doc_lines(
+        "Below: the family's default plan written out in full; after each tensor its dims, "
+        "as name=size or, for heads, name=heads x head width."), children=plan)]
+    for n, f in S.model_fields.items():
+        if n in ("plan", "targets"):
+            continue
+        value = sharding_opts.get(n, f.default)
+        sharding.append(Entry(n, y(value), doc_lines(f.description)
+                              + doc_lines(sharding_notes.get(n))))
+    sharding.append(Entry("targets", y({}), field_doc(S, "targets")))
+    sections["sharding"] = sharding
+
+    sections["buckets"] = [
+        Entry(k, y(buckets[k]), field_doc(K, k)) for k in ("prefill", "decode", "prefill_chunk")]
+    if bucket_notes:
+        sections["buckets"][0].doc += doc_lines("init: " + "; ".join(bucket_notes))
+
+    rt = specmod.Runtime(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    sections["runtime"] = model_entries(rt)
+
+    docs = {k: field_doc(B, k) for k in ("model", "weights", "sharding", "buckets", "runtime")}
+    header = [
+        f"Bundle spec {one_line(name)}: {one_line(hf_arch)} from {one_line(rel)}/config.json, "
+        "written by `ttbundle init`.",
+        "Every key is listed with its meaning; edit freely, then:",
+        "  ttbundle validate <this file>          # exit 0 valid, 2 invalid, 3 does not fit",
+        "  ttbundle plan <this file> --mesh <M>   # per-device shards, per-chip memory, collectives",
+        "Reference: docs/spec-reference.md; JSON Schema for editors: `ttbundle schema`.",
+    ]
+    return _Ctx(header, sections, docs)
+
+
+def _render(ctx: _Ctx) -> str:
+    import jinja2
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
+                             undefined=jinja2.StrictUndefined, autoescape=False,
+                             trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    try:
+        tpl = env.get_template(TEMPLATE)
+    except jinja2.TemplateNotFound:
+        raise TTBundleError(f"spec template {TEMPLATE_DIR / TEMPLATE} is missing; ttbundle init "
+                            "needs the templates/ folder of a source checkout") from None
+    return tpl.render(header=ctx.header, s=ctx.sections, doc=ctx.docs)
+
+
+def _make_parents(d: Path) -> list[Path]:
+    created = []
+    p = d
+    while not p.exists():
+        created.append(p)
+        p = p.parent
+    for c in reversed(created):
+        c.mkdir()
+    return created
+
+
+def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
+                weights_dtype: str = "bf16", max_model_len: int | None = None,
+                max_num_seqs: int | None = None, name: str | None = None):
+    """The spec text for ``hf_dir`` as it would be written to ``output``, validated: returns
+    ``(text, bundle, plans, notes)``. ``output``'s directory must exist (paths are checked)."""
+    hf_dir = Path(hf_dir)
+    meshes = list(dict.fromkeys(meshes or [DEFAULT_MESH]))
+    for m in meshes:
+        meshmod.resolve(m)
+    if weights_dtype not in WEIGHT_DTYPES:
+        raise InvalidInput(f"--weights-dtype {weights_dtype!r}: one of {', '.join(WEIGHT_DTYPES)}")
+    if name is not None and not specmod.NAME_RE.match(name):
+        raise InvalidInput(f"--name {name!r}: must be 1-64 characters of lowercase letters, digits, "
+                           "'-', '_', '.', starting with a letter or digit")
+
+    config, cfg = read_hf_config(hf_dir)
+    arch_dict = specmod.hf_config_to_arch(config, str(cfg))
+    family = families.get(arch_dict["family"])
+    try:
+        arch = family.arch_model.model_validate(arch_dict)
+    except ValidationError as e:
+        raise InvalidInput(f"{cfg}: not importable as {family.name}", [
+            Diagnostic(specmod._pydantic_message(err), ".".join(map(str, err["loc"])),
+                               str(cfg)) for err in e.errors()]) from None
+
+    mpe = arch.max_position_embeddings
+    if max_model_len is None:
+        max_model_len = min(mpe, MAX_MODEL_LEN_CAP)
+    elif not 0 < max_model_len <= mpe:
+        raise InvalidInput(f"--max-model-len {max_model_len}: must be between 1 and the model's "
+                           f"max_position_embeddings={mpe}")
+    top = max(specmod.DECODE_TRACE_SIZES)
+    buckets0 = family.default_buckets(arch)
+    if max_num_seqs is None:
+        max_num_seqs = min(specmod.Runtime().max_num_seqs, max(buckets0.get("decode") or [top]))
+    elif not 0 < max_num_seqs <= top:
+        raise InvalidInput(f"--max-num-seqs {max_num_seqs}: must be between 1 and {top} (the "
+                           "largest decode batch a trace is captured for)")
+    buckets, bucket_notes = adjust_buckets(buckets0, max_model_len, max_num_seqs)
+    name = name or derive_name(hf_dir, family.name)
+    archs = config.get("architectures") or ["?"]
+
+    kw = dict(arch=arch, family=family, hf_arch=str(archs[0]), cfg=cfg, out_dir=output.parent,
+              hf_dir=hf_dir, name=name, meshes=meshes, weights_dtype=weights_dtype,
+              max_model_len=max_model_len, max_num_seqs=max_num_seqs, buckets=buckets,
+              bucket_notes=bucket_notes)
+    first_error: InvalidInput | None = None
+    for opts in ({},) + SHARDING_FALLBACKS:
+        reason = ""
+        if opts:
+            d = first_error.diagnostics if first_error else []
+            reason = d[0].message if d else (first_error.message if first_error else "")
+            reason = reason.split("; fix:")[0]
+        why = {k: f"set by init: {reason}" for k in opts}
+        text = _render(_context(sharding_opts=opts, sharding_notes=why, **kw))
+        try:
+            bundle = specmod.loads(text, str(output), base_dir=output.parent)
+        except InvalidInput as e:
+            # the arguments were checked above, so config.json (or the family) is at fault
+            raise InvalidInput(f"{cfg}: the spec generated from it does not validate; nothing "
+                               "written", e.diagnostics) from None
+        try:
+            plans = {m: planmod.make_plan(bundle, m) for m in meshes}
+        except InvalidInput as e:
+            first_error = first_error or e
+            continue
+        notes = [f"buckets: {n}" for n in bucket_notes]
+        notes += [f"sharding.{k}: {v} because {reason}" for k, v in opts.items()]
+        return text, bundle, plans, notes
+    assert first_error is not None
+    raise InvalidInput(f"{cfg}: the family's default plan does not divide over "
+                       f"{', '.join(meshes)}, even with padded heads; nothing written",
+                       first_error.diagnostics)
+
+
+def init_spec(hf_dir: str | Path, output: str | Path, meshes: list[str] | None = None,
+              weights_dtype: str = "bf16", max_model_len: int | None = None,
+              max_num_seqs: int | None = None, name: str | None = None,
+              force: bool = False) -> InitResult:
+    """Render, validate and atomically write the spec; refuses to overwrite without ``force``."""
+    output = Path(output)
+    if output.is_dir():
+        raise InvalidInput(f"{output} is a directory; -o takes the spec file to write")
+    if output.exists() and not force:
+        raise InvalidInput(f"{output} exists; pass --force to overwrite it")
+    created = _make_parents(output.parent)  # relative paths in the spec are checked from there
+    try:
+        text, bundle, plans, notes = render_spec(Path(hf_dir), output, meshes, weights_dtype,
+                                                 max_model_len, max_num_seqs, name)
+        write_text_atomic(output, text)
+    except BaseException:
+        for d in created:  # innermost first; only folders this call made, and only if empty
+            try:
+                d.rmdir()
+            except OSError:
+                break
+        raise
+    return InitResult(output, text, bundle, plans, notes)
