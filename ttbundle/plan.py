@@ -555,10 +555,11 @@ def fixes(bundle, p: Plan) -> list[str]:
     mesh, rt = p.mesh, bundle.spec.runtime
     over = p.memory.total - p.memory.dram
     # smaller dtypes
-    for groups, label in (({"attention": "bfp8", "mlp": "bfp8", "experts": "bfp8", "lm_head": "bfp8"},
-                           "bfp8 weights (attention, mlp, experts, lm_head)"),
-                          ({"attention": "bfp8", "mlp": "bfp4", "experts": "bfp4", "lm_head": "bfp8"},
-                           "attention bfp8 + mlp/experts bfp4")):
+    present = {t.group for t in p.tensors}
+    for groups in ({"attention": "bfp8", "mlp": "bfp8", "experts": "bfp8", "lm_head": "bfp8"},
+                   {"attention": "bfp8", "mlp": "bfp4", "experts": "bfp4", "lm_head": "bfp8"}):
+        # the label is the exact YAML to write under weights.dtypes (groups this model has)
+        label = "{" + ", ".join(f"{g}: {dt}" for g, dt in groups.items() if g in present) + "}"
         try:
             q = make_plan(_with_dtypes(bundle, **groups), mesh)
         except InvalidInput:

@@ -68,6 +68,6 @@ def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> Non
         for name, n in p.consumers()[:4]:
             console.print(Text(f"  {name}: {human(n)}"))
         if fixes:
-            console.print("[bold]would fit with:[/]")
+            console.print("[bold]suggested fixes (each checked by re-planning):[/]")
             for f in fixes:
                 console.print(Text(f"  - {f}"))
