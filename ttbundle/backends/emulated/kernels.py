@@ -130,6 +130,28 @@ def _rope_tables(ctx: Ctx, dim: int, theta: float, scaling):
     return ctx.cache[key]
 
 
+def _writes(ctx: Ctx):
+    """(token selector or None when all tokens are written, their cache slots), once per forward."""
+    if "writes" not in ctx.cache:
+        ok = ctx.slots >= 0
+        ctx.cache["writes"] = (None, ctx.slots) if bool(ok.all()) else (ok, ctx.slots[ok])
+    return ctx.cache["writes"]
+
+
+def _mask(ctx: Ctx, window):
+    """[N, Tq, S]: key position <= query position (and within the sliding window)."""
+    key = ("mask", window)
+    if key not in ctx.cache:
+        S = ctx.context_slots.shape[1]
+        kpos = torch.arange(S, device=ctx.positions.device)[None, None, :]
+        qpos = ctx.positions[:, :, None]
+        m = kpos <= qpos
+        if window:
+            m &= kpos > qpos - window
+        ctx.cache[key] = m
+    return ctx.cache[key]
+
+
 def attention(ctx: Ctx, layer: int, q, k, v):
     """GQA attention over the paged cache, with the optional pieces families use: q/k/v bias,
     per-head q/k RMSNorm, rope variants, sliding window, logit soft-capping, attention sinks."""
@@ -154,33 +176,26 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     cache = ctx.kv[layer]
-    w = ctx.slots >= 0
-    cache["k"][:, ctx.slots[w]] = k[:, w].to(cache["k"].dtype)
-    cache["v"][:, ctx.slots[w]] = v[:, w].to(cache["v"].dtype)
+    wsel, wslots = _writes(ctx)
+    kk, vv = (k, v) if wsel is None else (k[:, wsel], v[:, wsel])
+    cache["k"][:, wslots] = kk.to(cache["k"].dtype)
+    cache["v"][:, wslots] = vv.to(cache["v"].dtype)
 
     N, Tq = ctx.positions.shape
-    S = ctx.context_slots.shape[1]
     K = cache["k"][:, ctx.context_slots].to(q.dtype)  # [D, N, S, kvh, hd]
     V = cache["v"][:, ctx.context_slots].to(q.dtype)
-    Q = q.view(D, N, Tq, -1, hd)
-    g = Q.shape[3] // K.shape[3]
-    if g > 1:
-        K, V = K.repeat_interleave(g, dim=3), V.repeat_interleave(g, dim=3)
-    scores = torch.einsum("dnqhe,dnshe->dnhqs", Q, K) * lt.get("attn_scale", hd ** -0.5)
+    kvh = K.shape[3]
+    Q = q.view(D, N, Tq, kvh, -1, hd)  # query heads grouped under their KV head
+    scores = torch.einsum("dnqkge,dnske->dnkgqs", Q, K) * lt.get("attn_scale", hd ** -0.5)
     scores = softcap(scores, lt.get("attn_softcap"))
-    kpos = torch.arange(S, device=q.device)
-    mask = kpos[None, None, :] <= ctx.positions[:, :, None]  # [N, Tq, S]
-    window = lt.get("window")
-    if window:
-        mask &= kpos[None, None, :] > ctx.positions[:, :, None] - window
-    scores = scores.masked_fill(~mask[None, :, None], float("-inf"))
+    scores = scores.masked_fill(~_mask(ctx, lt.get("window"))[None, :, None, None], float("-inf"))
     sinks = W("sinks", layer)
     if sinks is not None:  # an extra logit per head that takes probability mass, then dropped
-        sink = sinks[:, None, :, None, None].expand(D, N, sinks.shape[-1], Tq, 1).to(scores.dtype)
+        sink = sinks.view(D, 1, kvh, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
         p = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(q.dtype)
     else:
         p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    o = torch.einsum("dnhqs,dnshe->dnqhe", p, V)
+    o = torch.einsum("dnkgqs,dnske->dnqkge", p, V)
     return o.reshape(D, T, -1)
 
 
