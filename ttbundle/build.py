@@ -1,0 +1,730 @@
+"""`ttbundle build`: a checkpoint and a spec -> one registrable package per mesh.
+
+``build(bundle, mesh, out_dir)`` plans the bundle on the mesh, computes its content key
+(``cache``), and unless the package at ``out_dir/<mesh>/<bundle>`` already has that key:
+
+1. streams the checkpoint one canonical tensor at a time (safetensors mmap, sharded index
+   supported): family name table -> transform -> dtype policy -> split per the plan -> appended
+   to one safetensors file per device whose header was computed up front;
+2. lowers a program per (phase, bucket) (``lower``) and warms each new one once on the emulated
+   backend, recording that it ran;
+3. writes the small files (config.json, tokenizer, vllm_metadata.json, adapter, bundle.yaml,
+   README.md) and manifest.json last.
+
+Everything goes to a temp directory beside the output (``out_dir/.ttbundle/tmp``, outside any
+``EXTRA_MODELS_DIR``) and replaces the old package with one atomic exchange (renameat2), so a
+build killed at any point leaves the previous package whole and nothing half-written where the
+plugin looks. Builds of one package serialize on an ``fcntl`` lock. Artifacts whose key did not
+change are hard-linked from the previous package (same inode, same mtime), so a changed bucket
+rewrites one program and a no-op build writes nothing at all.
+
+Progress goes to an optional callback as plain dict events (the CLI draws bars or prints JSON).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import re
+import shutil
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from . import __version__, cache, lower as lowermod
+from .errors import EXIT_DOES_NOT_FIT, InvalidInput, TTBundleError
+from .package import (MANIFEST, METADATA, FORMAT, ST_DTYPE, WEIGHTS_FORMAT, PackageError, ShardFile,
+                      encoded_nbytes, hf_config_json, metadata_json, module_name, package_path,
+                      read_manifest, render_adapter, render_readme, tensor_key, tt_arch, weight_file)
+from .plan import Plan, make_plan
+
+STATE_DIR = ".ttbundle"  # under out_dir: locks and temp dirs (not a package folder)
+# rough rates for `--dry-run` estimates on a CPU builder
+EST_CONVERT_BYTES_PER_S = 400e6
+EST_EMULATED_FLOPS = 1e10
+
+Progress = Callable[[dict], None]
+
+
+class DoesNotFit(TTBundleError):
+    """The plan does not fit the mesh's DRAM; exit 3."""
+
+    exit_code = EXIT_DOES_NOT_FIT
+
+
+# a test hook: called with a stage name at every point a build can be interrupted
+_fault_hook: Callable[[str], None] | None = None
+
+
+def _fault(stage: str) -> None:
+    if _fault_hook is not None:
+        _fault_hook(stage)
+
+
+@dataclass
+class BuildResult:
+    package: str
+    bundle: str
+    mesh: str
+    status: str  # built | up-to-date | dry-run
+    key: str | None
+    changed_fields: list[str] = field(default_factory=list)
+    rebuilt: list[str] = field(default_factory=list)
+    reused: list[str] = field(default_factory=list)
+    traces: list[dict] = field(default_factory=list)
+    warmed: list[str] = field(default_factory=list)
+    files: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    seconds: float = 0.0
+    timings: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+    estimate: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+# ---- public entry point ----------------------------------------------------------------------------
+def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, force: bool = False,
+          warmup: bool = True, progress: Progress | None = None) -> BuildResult:
+    """Build (or, with ``dry_run``, describe) the package of ``bundle`` for ``mesh``."""
+    t0 = time.monotonic()
+    emit = progress or (lambda e: None)
+    plan = make_plan(bundle, mesh)
+    if not plan.fits:
+        raise DoesNotFit(f"{bundle.spec.name} does not fit {plan.mesh.describe()}: needs "
+                         f"{plan.memory.total:,} B per chip, has {plan.memory.dram:,} B "
+                         f"(see `ttbundle plan --mesh {mesh}`)")
+    _check_dtypes(plan)
+    pkg = package_path(out_dir, bundle.spec.name, plan.mesh.name)
+    res = BuildResult(str(pkg), bundle.spec.name, plan.mesh.name, "dry-run" if dry_run else "built", None)
+    if dry_run:
+        prev = _previous(pkg)
+        inp = cache.compute(bundle, plan, prev)
+        _hash_sources(inp, emit)
+        _describe(bundle, plan, inp, prev, res)
+        res.seconds = time.monotonic() - t0
+        emit({"event": "done", **res.to_json()})
+        return res
+
+    out = Path(out_dir).absolute()
+    state = out / STATE_DIR
+    lock_path = state / "locks" / f"{pkg.parent.name}--{pkg.name}.lock"
+    with _Lock(lock_path, emit):
+        _recover(state, pkg)
+        prev = _previous(pkg)
+        inp = cache.compute(bundle, plan, prev)
+        if prev is not None and inp.pending:
+            _hash_sources(inp, emit)  # decide no-op vs rebuild on content, not on mtimes
+        if prev is not None and not force and not inp.pending \
+                and prev.get("key") == cache.content_key(inp.fields) and _intact(pkg, prev):
+            _describe(bundle, plan, inp, prev, res)
+            res.status, res.rebuilt, res.reused = "up-to-date", [], sorted(prev.get("artifacts", {}))
+            res.seconds = time.monotonic() - t0
+            emit({"event": "done", **res.to_json()})
+            return res
+        tmp = state / "tmp" / f"{pkg.parent.name}--{pkg.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        tmp.mkdir(parents=True)
+        try:
+            _Builder(bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup).run()
+            _fault("before-swap")
+            _swap(tmp, pkg, state)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    res.seconds = time.monotonic() - t0
+    emit({"event": "done", **res.to_json()})
+    return res
+
+
+def _check_dtypes(plan: Plan) -> None:
+    block = sorted({t.dtype for t in plan.tensors if t.dtype != "bf16"})
+    if block:
+        try:
+            from . import blockfloat  # noqa: F401
+        except ImportError:
+            names = [t.name for t in plan.tensors if t.dtype != "bf16"]
+            raise InvalidInput(f"not yet: {'/'.join(block)} weights ({', '.join(names[:4])}"
+                               f"{', ...' if len(names) > 4 else ''}) need ttbundle.blockfloat, which "
+                               "is not in this ttbundle yet; build with bf16 (weights.dtypes) for now") from None
+
+
+def _previous(pkg: Path) -> dict | None:
+    try:
+        return read_manifest(pkg)
+    except PackageError:
+        return None
+
+
+def _intact(pkg: Path, m: dict) -> bool:
+    """Cheap check that the package on disk is what its manifest says (existence and sizes)."""
+    for rel, rec in m["files"].items():
+        try:
+            if os.stat(pkg / rel).st_size != rec.get("size"):
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def _hash_sources(inp, emit: Progress) -> None:
+    todo = [r for r in inp.weight_records + inp.tokenizer_records if r["sha256"] is None]
+    if todo:
+        total = sum(r["size"] for r in todo)
+        emit({"event": "phase", "phase": "hash", "total": total, "unit": "bytes"})
+        cache.fill_digests(todo, lambda n: emit({"event": "advance", "phase": "hash", "bytes": n}))
+    inp.finish()
+
+
+def _describe(bundle, plan: Plan, inp, prev: dict | None, res: BuildResult) -> None:
+    """Key, trace set with estimates, and what a build would redo (dry-run and up-to-date)."""
+    res.key = cache.content_key(inp.fields)
+    keys = cache.artifact_keys(inp.fields, inp.traces)
+    before = (prev or {}).get("artifacts", {})
+    res.rebuilt = [a for a, k in keys.items() if before.get(a, {}).get("key") != k]
+    res.reused = [a for a in keys if a not in res.rebuilt]
+    res.changed_fields = _changed(prev, inp.fields)
+    total_flops = 0
+    for phase, b in inp.traces:
+        s = lowermod.summary(lowermod.lower(bundle, plan, phase, b))
+        s["warmup_seconds_est"] = round(s["flops_per_device"] * plan.mesh.num_devices / EST_EMULATED_FLOPS, 3)
+        total_flops += s["flops_per_device"] * plan.mesh.num_devices
+        s["rebuild"] = f"program:{lowermod.program_name(phase, b)}" in res.rebuilt
+        res.traces.append(s)
+    src = sum(r["size"] for r in inp.weight_records)
+    out_bytes = sum(t.bytes_per_copy * t.count for t in plan.tensors)  # per device, allocator-rounded
+    res.estimate = {"source_bytes": src, "device_weight_bytes": out_bytes,
+                    "devices": plan.mesh.num_devices,
+                    "convert_seconds": round(src / EST_CONVERT_BYTES_PER_S, 1),
+                    "warmup_seconds": round(total_flops / EST_EMULATED_FLOPS, 1),
+                    "trace_region_bytes": plan.memory.trace_region}
+
+
+def _changed(prev: dict | None, fields: dict) -> list[str]:
+    if prev is None:
+        return ["(no previous package)"]
+    old = prev.get("key_fields", {})
+    return sorted(k for k in set(old) | set(fields) if old.get(k) != fields.get(k))
+
+
+# ---- locking, recovery and the atomic swap ------------------------------------------------------------
+class _Lock:
+    """An exclusive ``flock`` on a file beside the packages; released when the process dies."""
+
+    def __init__(self, path: Path, emit: Progress):
+        self.path, self.emit = path, emit
+
+    def __enter__(self):
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.emit({"event": "waiting", "lock": str(self.path)})
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+def _recover(state: Path, pkg: Path) -> None:
+    """Under the lock: undo a fallback swap cut short, and delete temp dirs of killed builds."""
+    old = state / "tmp" / f"{pkg.parent.name}--{pkg.name}.old"
+    if old.exists() and not pkg.exists():
+        os.rename(old, pkg)
+    tmpdir = state / "tmp"
+    if tmpdir.is_dir():
+        for d in tmpdir.iterdir():
+            if d.name.startswith(f"{pkg.parent.name}--{pkg.name}."):
+                shutil.rmtree(d, ignore_errors=True)
+
+
+_RENAME_EXCHANGE = 2
+_libc = None
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two paths (Linux renameat2 RENAME_EXCHANGE); False if unsupported."""
+    global _libc
+    try:
+        _libc = _libc or ctypes.CDLL(None, use_errno=True)
+        fn = _libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    at_fdcwd = -100
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    e = ctypes.get_errno()
+    if e in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP):
+        return False
+    raise OSError(e, f"renameat2({a}, {b}): {os.strerror(e)}")
+
+
+def _fsync_dir(p: Path) -> None:
+    fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _swap(tmp: Path, pkg: Path, state: Path) -> None:
+    pkg.parent.mkdir(parents=True, exist_ok=True)
+    if not pkg.exists():
+        os.rename(tmp, pkg)
+        _fsync_dir(pkg.parent)
+        _fault("after-swap")
+        return
+    if _exchange(tmp, pkg):
+        _fsync_dir(pkg.parent)
+        _fault("after-swap")
+        shutil.rmtree(tmp)  # the previous package, now at the temp path
+        return
+    # no renameat2 (not Linux, or the filesystem refuses): two renames; _recover() undoes a
+    # build killed between them
+    old = state / "tmp" / f"{pkg.parent.name}--{pkg.name}.old"
+    os.rename(pkg, old)
+    _fault("mid-swap")
+    os.rename(tmp, pkg)
+    _fsync_dir(pkg.parent)
+    shutil.rmtree(old)
+
+
+# ---- the build itself -------------------------------------------------------------------------------------
+class _Builder:
+    def __init__(self, bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup):
+        self.bundle, self.plan, self.inp, self.prev = bundle, plan, inp, prev
+        self.pkg, self.tmp, self.res, self.emit = pkg, tmp, res, emit
+        self.force, self.do_warmup = force, warmup
+        self.files: dict[str, dict] = {}
+        self.prev_files = (prev or {}).get("files", {}) if not force else {}
+        self.prev_art = (prev or {}).get("artifacts", {}) if not force else {}
+        self.artifacts: dict[str, dict] = {}
+        self.hf_arch = bundle.family.hf_architectures[0]
+
+    # -- files ---------------------------------------------------------------------------------
+    def _link(self, rel: str) -> bool:
+        """Reuse the previous package's file ``rel`` (hard link: same inode and mtime)."""
+        rec = self.prev_files.get(rel)
+        src = self.pkg / rel
+        if rec is None or not src.is_file() or os.stat(src).st_size != rec["size"]:
+            return False
+        dst = self.tmp / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(src, dst)
+        except OSError:
+            shutil.copy2(src, dst)
+        self.files[rel] = {"sha256": rec["sha256"], "size": rec["size"]}
+        return True
+
+    def _write(self, rel: str, data: bytes) -> None:
+        """Write a small file, or link the previous one when the bytes are the same."""
+        import hashlib
+        sha = hashlib.sha256(data).hexdigest()
+        old = self.prev_files.get(rel)
+        if old and old["sha256"] == sha and self._link(rel):
+            return
+        p = self.tmp / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if p.exists():  # never write through a hard link into the previous package
+            p.unlink()
+        with open(p, "xb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        self.files[rel] = {"sha256": sha, "size": len(data)}
+        self.res.bytes_written += len(data)
+        _fault(f"wrote:{rel}")
+
+    # -- steps ---------------------------------------------------------------------------------
+    def run(self) -> None:
+        inp, res = self.inp, self.res
+        hasher = None
+        if inp.pending:  # first build: hash the checkpoint beside the conversion
+            hasher = threading.Thread(target=cache.fill_digests,
+                                      args=(inp.weight_records + inp.tokenizer_records,), daemon=True)
+            hasher.start()
+        t = time.monotonic()
+        wkey = None if inp.pending else cache.artifact_keys(inp.fields, [])["weights"]
+        if wkey is not None and self.prev_art.get("weights", {}).get("key") == wkey \
+                and all(self._link(weight_file(d)) for d in range(self.plan.mesh.num_devices)):
+            res.reused.append("weights")
+        else:
+            self._convert()
+            res.rebuilt.append("weights")
+        res.timings["weights"] = round(time.monotonic() - t, 3)
+        if hasher is not None:
+            t = time.monotonic()
+            hasher.join()
+            inp.finish()
+            res.timings["hash_wait"] = round(time.monotonic() - t, 3)
+        keys = cache.artifact_keys(inp.fields, inp.traces)
+        self.artifacts["weights"] = {"key": keys["weights"],
+                                     "files": [weight_file(d) for d in range(self.plan.mesh.num_devices)]}
+        t = time.monotonic()
+        self._programs(keys)
+        res.timings["programs"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
+        self._warmup(keys)
+        res.timings["warmup"] = round(time.monotonic() - t, 3)
+        t = time.monotonic()
+        self._small_files()
+        res.key = cache.content_key(inp.fields)
+        res.changed_fields = _changed(self.prev, inp.fields)
+        self._manifest()
+        res.timings["metadata"] = round(time.monotonic() - t, 3)
+        for root, _, _ in os.walk(self.tmp):
+            _fsync_dir(Path(root))
+        res.files = len(self.files) + 1
+
+    # -- weights -------------------------------------------------------------------------------
+    def _convert(self) -> None:
+        import torch
+
+        from .weights import Checkpoint
+
+        bundle, plan = self.bundle, self.plan
+        fam, a, mesh = bundle.family, bundle.arch, plan.mesh
+        D = mesh.num_devices
+        ck = Checkpoint(self.inp.weights_dir)
+        for f in set(ck.files.values()):
+            if Path(f).resolve().parent != Path(self.inp.weights_dir).resolve():
+                raise InvalidInput(f"{self.inp.weights_dir}: refusing checkpoint file {f} outside the directory")
+        jobs = _conversion_jobs(fam, a, ck.keys())
+        tp = {t.name: t for t in plan.tensors}
+        decls = {t.name: t for t in fam.tensors(a)}
+        units = {n: [lowermod.shard_units(d, _axes(e), mesh, bundle.spec.sharding)
+                     for d, e in zip(decls[n].dims, plan.specs[n])] for n in decls}
+        # one header per device, computed before any tensor is read
+        entries, layout = [], {}
+        for name, layer, _ in jobs:
+            t = tp[name]
+            key = tensor_key(name, layer)
+            nbytes = encoded_nbytes(t.device_shape, t.dtype)
+            shape = t.device_shape if t.dtype == "bf16" else [nbytes]
+            entries.append((key, ST_DTYPE[t.dtype], shape, nbytes))
+            layout[key] = {"tensor": name, "layer": layer, "encoding": t.dtype, "shape": t.device_shape,
+                           "global_shape": list(decls[name].shape),
+                           "spec": [list(_axes(e)) or None for e in plan.specs[name]]}
+        (self.tmp / "weights").mkdir(exist_ok=True)
+        writers = []
+        try:
+            for d in range(D):
+                meta = {"format": WEIGHTS_FORMAT, "device": d, "coord": [d // mesh.cols, d % mesh.cols],
+                        "mesh": mesh.name, "tensors": layout}
+                writers.append(ShardFile(self.tmp / weight_file(d), entries,
+                                         {"ttbundle": json.dumps(meta, sort_keys=True)}))
+            total = sum(e[3] for e in entries) * D
+            self.emit({"event": "phase", "phase": "weights", "total": len(jobs), "total_bytes": total,
+                       "unit": "tensors"})
+            for i, (name, layer, sources) in enumerate(jobs):
+                t = tp[name]
+                w, nread = _load_canonical_one(ck, fam, a, decls[name], layer, sources, t.dtype)
+                self.res.bytes_read += nread
+                key = tensor_key(name, layer)
+                written = 0
+                for buf, devices in _device_shards(w, units[name], decls[name].dims, D, t.dtype):
+                    for d in devices:
+                        writers[d].write(key, buf)
+                        written += memoryview(buf).nbytes
+                    del buf
+                del w
+                self.res.bytes_written += written
+                self.emit({"event": "advance", "phase": "weights", "item": key, "i": i + 1,
+                           "n": len(jobs), "bytes": written})
+                _fault(f"tensor:{key}")
+            for d, wr in enumerate(writers):
+                sha, size = wr.close()
+                self.files[weight_file(d)] = {"sha256": sha, "size": size}
+        except BaseException:
+            for wr in writers:
+                wr.abort()
+            raise
+
+    # -- programs ------------------------------------------------------------------------------
+    def _programs(self, keys: dict) -> None:
+        traces = self.inp.traces
+        self.emit({"event": "phase", "phase": "programs", "total": len(traces), "unit": "traces"})
+        for i, (phase, b) in enumerate(traces):
+            name = lowermod.program_name(phase, b)
+            rel = f"programs/{name}.json"
+            art = f"program:{name}"
+            reused = self.prev_art.get(art, {}).get("key") == keys[art] and self._link(rel)
+            if not reused:
+                prog = lowermod.lower(self.bundle, self.plan, phase, b)
+                self._write(rel, (json.dumps(prog, sort_keys=True, indent=1) + "\n").encode())
+            (self.res.reused if reused else self.res.rebuilt).append(art)
+            self.artifacts[art] = {"key": keys[art], "files": [rel]}
+            self.emit({"event": "advance", "phase": "programs", "item": name, "i": i + 1,
+                       "n": len(traces), "reused": reused})
+
+    def _warmup(self, keys: dict) -> None:
+        """Run each (phase, bucket) whose warm-up key is new once on the emulated backend, from
+        the weights just written, and record the shapes the backend reports it ran."""
+        todo, records = [], {}
+        for phase, b in self.inp.traces:
+            art = f"warmup:{lowermod.program_name(phase, b)}"
+            old = self.prev_art.get(art)
+            if old and old.get("key") == keys[art] and old.get("ran"):
+                records[art] = old
+                self.res.reused.append(art)
+            elif self.do_warmup:
+                todo.append((phase, b))
+            else:
+                records[art] = {"key": keys[art], "backend": "emulated", "ran": False}
+        if todo:
+            self.emit({"event": "phase", "phase": "warmup", "total": len(todo), "unit": "traces"})
+            ran = _warm(self.bundle, self.plan, self.tmp, todo, self.emit)
+            for (phase, b), rec in zip(todo, ran):
+                art = f"warmup:{lowermod.program_name(phase, b)}"
+                records[art] = {"key": keys[art], **rec}
+                self.res.rebuilt.append(art)
+                self.res.warmed.append(lowermod.program_name(phase, b))
+        self.artifacts.update(records)
+
+    # -- small files ---------------------------------------------------------------------------
+    def _small_files(self) -> None:
+        b, plan = self.bundle, self.plan
+        mod = module_name(b.spec.name, plan.mesh.name)
+        cls = self.hf_arch
+        self.main_class = f"{mod}:{cls}"
+        self._write(METADATA, metadata_json(self.hf_arch, self.main_class).encode())
+        self._write(f"{mod}.py", render_adapter(b.spec.name, plan.mesh.name, self.hf_arch, cls,
+                                                __version__).encode())
+        self._write("config.json", hf_config_json(b).encode())
+        self._write("bundle.yaml", self.inp.bundle_yaml.encode())
+        for r in self.inp.tokenizer_records:
+            src = Path(r["dir"]) / r["name"]
+            self._write(r["name"], src.read_bytes())
+        if not self.inp.tokenizer_records:
+            self.res.warnings.append("no tokenizer files found (set `tokenizer:` in the spec); vLLM will "
+                                     "need --tokenizer")
+        self._write("README.md", render_readme(self._card()).encode())
+
+    def _card(self) -> dict:
+        b, p, m = self.bundle, self.plan, self.plan.mesh
+        progs = []
+        for phase, bk in self.inp.traces:
+            name = lowermod.program_name(phase, bk)
+            prog = json.loads((self.tmp / f"programs/{name}.json").read_text())
+            s = lowermod.summary(prog)
+            w = self.artifacts.get(f"warmup:{name}", {})
+            s["warmed"] = "emulated" if w.get("ran") else "not warmed"
+            progs.append(s)
+        mem = p.memory
+        return {
+            "bundle": b.spec.name, "description": b.spec.description, "family": p.family,
+            "tt_arch": tt_arch(self.hf_arch), "main_class": self.main_class,
+            "mesh": {"name": m.name, "rows": m.rows, "cols": m.cols, "devices": m.num_devices,
+                     "chip": m.chip.label},
+            "memory": [("weights", mem.weights), ("KV cache", mem.kv_cache),
+                       ("activations", mem.activations), ("trace region", mem.trace_region),
+                       ("total", mem.total), ("DRAM", mem.dram)],
+            "tensors": [{"name": t.name, "dtype": t.dtype, "notation": t.notation(),
+                         "device_shape": "x".join(map(str, t.device_shape)), "count": t.count}
+                        for t in p.tensors],
+            "collectives": sum(c.count for c in p.collectives),
+            "traffic": p.decode_traffic_bytes_per_token,
+            "programs": progs, "trace_region": mem.trace_region,
+            "prefill_chunk": str(b.buckets.prefill_chunk or "none"),
+            "key": cache.content_key(self.inp.fields), "spec_sha256": self.inp.fields["spec"],
+            "versions": [(k, str(v)) for k, v in cache.versions().items()],
+        }
+
+    def _manifest(self) -> None:
+        b, p, m = self.bundle, self.plan, self.plan.mesh
+        bk = b.buckets
+        manifest = {
+            "format": FORMAT,
+            "bundle": b.spec.name,
+            "arch": self.hf_arch,
+            "tt_arch": tt_arch(self.hf_arch),
+            "main_class": self.main_class,
+            "mesh": {"name": m.name, "shape": list(m.shape), "arch": m.chip.arch, "devices": m.num_devices},
+            "buckets": {"prefill": list(bk.prefill), "decode": list(bk.decode),
+                        "prefill_chunk": bk.prefill_chunk},
+            "trace_region_bytes": p.memory.trace_region,
+            "versions": cache.versions(),
+            "spec_sha256": self.inp.fields["spec"],
+            "key": cache.content_key(self.inp.fields),
+            "key_fields": self.inp.fields,
+            "artifacts": self.artifacts,
+            "sources": {"weights": self.inp.weight_records, "tokenizer": self.inp.tokenizer_records},
+            "build": {"spec_file": str(Path(b.file).absolute()), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                      "changed_fields": self.res.changed_fields, "rebuilt": sorted(self.res.rebuilt),
+                      "reused": sorted(self.res.reused)},
+            "files": dict(sorted(self.files.items())),
+        }
+        data = (json.dumps(manifest, indent=1) + "\n").encode()
+        with open(self.tmp / MANIFEST, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _fault("wrote:manifest")
+
+
+# ---- conversion helpers -------------------------------------------------------------------------------
+def _axes(e) -> tuple:
+    return () if e is None else (e,) if isinstance(e, str) else tuple(e)
+
+
+def _conversion_jobs(fam, a, keys) -> list[tuple[str, int | None, list[tuple[str, list[str]]]]]:
+    """(tensor, layer, [(hf key pattern, [checkpoint keys])]) per canonical tensor, in the
+    family's declaration order; checks both ways before anything is read (missing tensors,
+    checkpoint tensors no entry consumes)."""
+    from .weights import IGNORED_SUFFIXES, _expand
+
+    renames = [(re.compile(p), r) for p, r in getattr(fam, "hf_key_renames", ())]
+    ignored = [re.compile(p) for p in getattr(fam, "hf_ignored", ())]
+    raw: dict[str, str] = {}
+    for k in keys:
+        n = k
+        for pat, rep in renames:
+            n = pat.sub(rep, n)
+        if any(p.search(n) for p in ignored):
+            continue
+        raw[n] = k
+    decls = {t.name: t for t in fam.tensors(a)}
+    table = {n.tensor: n for n in fam.hf_names(a)}
+    if set(table) != set(decls):  # a family bug, not a user error
+        raise RuntimeError(f"{fam.name}: name table and tensors disagree: {sorted(set(table) ^ set(decls))}")
+    jobs, used = [], set()
+    for name, t in decls.items():
+        entry = table[name]
+        experts = t.dims[0].size if any("{e}" in k for k in entry.hf) else None
+        for layer in ([None] if t.layers is None else range(*t.layers)):
+            srcs = []
+            for k in entry.hf:
+                names = _expand(k, layer, experts)
+                for n in names:
+                    if n not in raw:
+                        where = f" (layer {layer})" if layer is not None else ""
+                        raise InvalidInput(f"checkpoint has no tensor {n!r}, needed for {name}{where}")
+                used.update(names)
+                srcs.append((k, [raw[n] for n in names]))
+            jobs.append((name, layer, srcs))
+    leftover = sorted(k for k in set(raw) - used if not k.endswith(IGNORED_SUFFIXES))
+    if leftover:
+        more = f" (and {len(leftover) - 5} more)" if len(leftover) > 5 else ""
+        raise InvalidInput(f"cannot map checkpoint tensor {leftover[0]!r} to any {fam.name} tensor; "
+                           f"unmapped: {', '.join(map(repr, leftover[:5]))}{more}")
+    return jobs
+
+
+def _load_canonical_one(ck, fam, a, decl, layer, sources, dtype: str):
+    """One canonical tensor: its checkpoint tensors read (mmap), transformed, in the storage
+    dtype's host form (bf16, or float32 for block-float quantization). Returns (tensor, bytes read)."""
+    import torch
+
+    from .families import transforms
+
+    table = {n.tensor: n for n in fam.hf_names(a)}
+    tf = table[decl.name].transform
+    nread = 0
+    srcs = []
+    for pattern, keys in sources:
+        ts = []
+        for k in keys:
+            x = ck.get(k)
+            nread += x.numel() * x.element_size()
+            # transpose/identity commute with rounding: cast first, move half the bytes
+            if tf in ("t", "id") and dtype == "bf16" and x.dtype == torch.float32:
+                x = x.to(torch.bfloat16)
+            ts.append(x)
+        srcs.append(torch.stack(ts) if "{e}" in pattern else ts[0])
+        del ts
+    w = transforms.apply(tf, srcs, a)
+    del srcs
+    if tuple(w.shape) != decl.shape:
+        raise InvalidInput(f"{decl.name}{'' if layer is None else f' (layer {layer})'}: checkpoint gives "
+                           f"shape {list(w.shape)}, the architecture says {list(decl.shape)}")
+    w = w.to(torch.bfloat16) if dtype == "bf16" else w.to(torch.float32)
+    return w, nread
+
+
+def _device_shards(w, units_per_dim, dims, D: int, dtype: str):
+    """Yield (bytes-like, [devices]) once per distinct shard of ``w``: a replicated shard is
+    computed once and written to every device holding it."""
+    import torch
+
+    sigs: dict[tuple, list[int]] = {}
+    for d in range(D):
+        sigs.setdefault(tuple(tuple(u[d]) for u in units_per_dim), []).append(d)
+    for sig, devices in sigs.items():
+        x = w
+        for k, (units, dim) in enumerate(zip(sig, dims)):
+            if len(units) == dim.size and units == tuple(range(dim.size)):
+                continue
+            run = lowermod.unit_runs(list(units))
+            if run is not None:
+                x = x.narrow(k, run[0] * dim.unit, run[1] * dim.unit)
+            else:
+                u = torch.tensor(units, dtype=torch.long)
+                pos = (u[:, None] * dim.unit + torch.arange(dim.unit)[None, :]).reshape(-1)
+                valid = (u[:, None] >= 0).expand(-1, dim.unit).reshape(-1)
+                x = x.index_select(k, pos.clamp(min=0))
+                if not bool(valid.all()):
+                    shape = [1] * x.dim()
+                    shape[k] = -1
+                    x = x * valid.view(shape).to(x.dtype)
+        x = x.contiguous()
+        if dtype == "bf16":
+            yield x.view(torch.uint8).numpy(), devices
+        else:
+            from . import blockfloat
+            data = blockfloat.encode(x, dtype)
+            want = encoded_nbytes(list(x.shape), dtype)
+            if len(data) != want:
+                raise RuntimeError(f"blockfloat.encode gave {len(data)} B for {list(x.shape)} {dtype}, "
+                                   f"expected {want} B")
+            yield data, devices
+        del x
+
+
+# ---- warm-up ---------------------------------------------------------------------------------------------
+def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list[dict]:
+    """Load the package's weights into the emulated backend and run each (phase, bucket) once."""
+    import torch
+
+    from .backends.emulated import EmulatedModel, Runner
+    from .package import PackageWeights
+
+    canon = PackageWeights(pkg_dir, bundle, plan).canonical(torch.float32)
+    model = EmulatedModel(bundle, plan, canon, dtype=torch.float32)
+    del canon
+    # KV blocks for the longest prefill warmed (decode runs at position 0), not max_model_len
+    bs = bundle.spec.runtime.kv_block_size
+    need = -(-max([b for p, b in todo if p == "prefill"] + [1]) // bs) + 1
+    runner = Runner(model, num_blocks=need)
+    blocks = list(range(need))
+    vocab = bundle.arch.vocab_size
+    out = []
+    with torch.no_grad():
+        for i, (phase, b) in enumerate(todo):
+            t = time.monotonic()
+            runner.shapes_run.clear()
+            if phase == "prefill":
+                runner.chunk = b  # one chunk of exactly this bucket
+                runner.prefill([(7 * j + 1) % vocab for j in range(b)], blocks)
+            else:
+                runner.decode([1] * b, [0] * b, [blocks] * b)
+            ran = (phase, b) in runner.shapes_run
+            out.append({"backend": "emulated", "ran": ran, "seconds": round(time.monotonic() - t, 3),
+                        "shapes_run": sorted([list(s) for s in runner.shapes_run])})
+            emit({"event": "advance", "phase": "warmup", "item": lowermod.program_name(phase, b),
+                  "i": i + 1, "n": len(todo)})
+            if not ran:
+                raise TTBundleError(f"warm-up of {phase} bucket {b}: the emulated backend ran "
+                                    f"{sorted(runner.shapes_run)} instead")
+    return out

@@ -1,0 +1,305 @@
+"""Content keys: what a package was built from, and which part of it a change invalidates.
+
+A package's **content key** is the sha256 of its key fields (:data:`FIELDS`): digests of the
+resolved spec and its sections, of the checkpoint and tokenizer files, of the family's code and
+of ttbundle's conversion / lowering / template / backend code, plus the versions of ttbundle,
+torch, transformers, vLLM and ttnn and the mesh. Equal keys mean `ttbundle build` has nothing
+to do. Each artifact has its own key over the fields it depends on, so a changed bucket changes
+one program's key and nothing else (:func:`artifact_keys`).
+
+Checkpoint files are hashed once: the manifest records each file's size, mtime and inode with
+its sha256, and a later build reuses the digest while those are unchanged (like git's index).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import __version__
+from .errors import InvalidInput
+
+ROOT = Path(__file__).resolve().parent
+# What each field is, for `cache explain`.
+FIELDS = {
+    "spec": "the resolved spec (sha256 of bundle.yaml)",
+    "spec.model": "architecture dims",
+    "spec.sharding": "resolved PartitionSpec per tensor and padding policies",
+    "spec.dtypes": "storage dtype per tensor",
+    "spec.buckets": "prefill/decode buckets and prefill_chunk",
+    "spec.runtime": "runtime limits (KV cache, trace mode, ...)",
+    "spec.card": "name and description",
+    "weights": "sha256 of the checkpoint files",
+    "tokenizer": "sha256 of the tokenizer files",
+    "family_code": "source of the family module and the name table machinery",
+    "ttbundle": "ttbundle version",
+    "code.convert": "weight conversion code (build, package, lower, weights, blockfloat)",
+    "code.lower": "lowering code (lower, plan, mesh)",
+    "code.templates": "package templates",
+    "code.backend": "emulated backend code (warm-up)",
+    "torch": "torch version",
+    "transformers": "transformers version (config.json)",
+    "vllm": "vLLM version",
+    "ttnn": "ttnn version",
+    "mesh": "target mesh",
+}
+WEIGHTS_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "weights", "family_code", "ttbundle",
+                "code.convert", "mesh")
+PROGRAM_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "spec.runtime", "family_code",
+                "ttbundle", "code.lower", "mesh")
+WARMUP_DEPS = ("code.backend", "torch")
+
+
+def canonical_json(obj) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def digest(obj) -> str:
+    return hashlib.sha256(canonical_json(obj)).hexdigest()
+
+
+def dist_version(name: str) -> str | None:
+    from importlib import metadata
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict:
+    """Versions recorded in the manifest (installed distributions, not imported)."""
+    return {"ttbundle": __version__, "python": ".".join(map(str, sys.version_info[:3])),
+            "torch": dist_version("torch"), "transformers": dist_version("transformers"),
+            "vllm": dist_version("vllm"), "ttnn": dist_version("ttnn"),
+            "safetensors": dist_version("safetensors")}
+
+
+def code_digest(paths) -> str:
+    h = hashlib.sha256()
+    for p in sorted({Path(p).resolve() for p in paths if p and Path(p).exists()}):
+        rel = p.relative_to(ROOT.parent) if p.is_relative_to(ROOT.parent) else p.name
+        h.update(str(rel).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def family_sources(family) -> list[Path]:
+    """The family's module, the ``ttbundle.families`` modules it uses, the transform registry and
+    the name-table loader."""
+    import inspect
+    mod = sys.modules[type(family).__module__]
+    out = {Path(inspect.getfile(mod)), ROOT / "families" / "base.py",
+           ROOT / "families" / "transforms.py", ROOT / "weights.py"}
+    for v in vars(mod).values():
+        m = v if inspect.ismodule(v) else sys.modules.get(getattr(v, "__module__", "") or "")
+        if m is not None and m.__name__.startswith("ttbundle.families") and getattr(m, "__file__", None):
+            out.add(Path(m.__file__))
+    return sorted(out)
+
+
+CODE = {
+    "code.convert": ("build.py", "package.py", "lower.py", "weights.py", "blockfloat.py",
+                     "families/transforms.py"),
+    "code.lower": ("lower.py", "plan.py", "mesh.py"),
+    "code.templates": ("package.py", "../templates/adapter.py.j2", "../templates/README.md.j2"),
+    "code.backend": ("backends/emulated/model.py", "backends/emulated/kernels.py",
+                     "backends/emulated/meshops.py"),
+}
+
+
+# ---- source files --------------------------------------------------------------------------------
+def weight_files(directory: Path) -> list[Path]:
+    """The checkpoint's files: the index and the shards it names, or every ``*.safetensors``.
+    An index naming a file outside the directory is refused."""
+    d = Path(directory)
+    index = d / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise InvalidInput(f"{index}: not a safetensors index ({e})") from None
+        for n in names:
+            if not isinstance(n, str) or "/" in n or "\\" in n or n in (".", "..") or n.startswith("."):
+                raise InvalidInput(f"{index}: refusing shard file {n!r} (must be a file name in {d})")
+        missing = [n for n in names if not (d / n).is_file()]
+        if missing:
+            raise InvalidInput(f"{d}: index names missing shard files: {', '.join(missing)}")
+        return [index] + [d / n for n in names]
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise InvalidInput(f"{d}: no *.safetensors files and no model.safetensors.index.json")
+    return files
+
+
+def tokenizer_dir(bundle) -> Path | None:
+    s = bundle.spec
+    for p in (s.tokenizer, s.from_hf, s.weights.source):
+        if p is not None:
+            d = bundle.resolve_path(p)
+            return d if d.is_dir() else d.parent
+    return None
+
+
+def tokenizer_files(bundle) -> list[Path]:
+    from .package import TOKENIZER_FILES
+    d = tokenizer_dir(bundle)
+    if d is None:
+        return []
+    return [d / n for n in TOKENIZER_FILES if (d / n).is_file()]
+
+
+def _stat_key(p: Path) -> dict:
+    st = os.stat(p)
+    return {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "ino": st.st_ino}
+
+
+def source_records(files: list[Path], previous: list[dict] | None, base: Path) -> list[dict]:
+    """``{"name", "size", "mtime_ns", "ino", "sha256"}`` per file; sha256 reused from
+    ``previous`` when size, mtime and inode match, else None (see :func:`fill_digests`)."""
+    prev = {(r.get("dir"), r["name"]): r for r in (previous or [])}
+    out = []
+    for p in files:
+        rec = {"dir": str(base), "name": p.name, **_stat_key(p)}
+        old = prev.get((rec["dir"], rec["name"]))
+        same = old and all(old.get(k) == rec[k] for k in ("size", "mtime_ns", "ino"))
+        rec["sha256"] = old["sha256"] if same else None
+        out.append(rec)
+    return out
+
+
+def fill_digests(records: list[dict], on_bytes=None) -> None:
+    """Hash every record still without a sha256 (reads each file once, 4 MiB at a time)."""
+    from .package import sha256_file
+    for r in records:
+        if r["sha256"] is None:
+            p = Path(r["dir"]) / r["name"]
+            r["sha256"] = sha256_file(p)
+            if on_bytes:
+                on_bytes(r["size"])
+
+
+def sources_digest(records: list[dict]) -> str:
+    return digest([[r["name"], r["sha256"]] for r in records])
+
+
+# ---- key fields ----------------------------------------------------------------------------------
+@dataclass
+class Inputs:
+    """Everything the key is computed from, for one bundle on one mesh."""
+
+    resolved: dict
+    bundle_yaml: str
+    fields: dict  # field -> value (None while a source digest is pending)
+    weight_records: list[dict]
+    tokenizer_records: list[dict]
+    weights_dir: Path
+    traces: list = field(default_factory=list)
+
+    def finish(self) -> None:
+        """Fill the source-derived fields once every digest is known."""
+        self.fields["weights"] = sources_digest(self.weight_records)
+        self.fields["tokenizer"] = sources_digest(self.tokenizer_records)
+
+    @property
+    def pending(self) -> bool:
+        return any(r["sha256"] is None for r in self.weight_records + self.tokenizer_records)
+
+
+def compute(bundle, plan, previous: dict | None) -> Inputs:
+    """Key inputs of ``bundle`` on ``plan.mesh``; source digests come from ``previous``'s stat
+    cache where possible (``Inputs.pending`` says whether any file still needs hashing)."""
+    from .lower import trace_set
+    from .package import render_bundle_yaml, resolved_spec
+
+    s = bundle.spec
+    if s.weights.source is None:
+        raise InvalidInput(f"{bundle.file}: weights.source is not set; `ttbundle build` converts a "
+                           "checkpoint (write a plan-only spec's weights first)")
+    wdir = bundle.resolve_path(s.weights.source)
+    resolved = resolved_spec(bundle, plan)
+    text = render_bundle_yaml(resolved, __version__)
+    prev_src = (previous or {}).get("sources", {})
+    wrec = source_records(weight_files(wdir), prev_src.get("weights"), wdir.resolve())
+    tfiles = tokenizer_files(bundle)
+    trec = source_records(tfiles, prev_src.get("tokenizer"), tfiles[0].parent.resolve()) if tfiles else []
+    m = plan.mesh
+    f = {
+        "spec": hashlib.sha256(text.encode()).hexdigest(),
+        "spec.model": digest(resolved["model"]),
+        "spec.sharding": digest({k: v for k, v in resolved["sharding"].items()}),
+        "spec.dtypes": digest({t.name: t.dtype for t in plan.tensors}),
+        "spec.buckets": digest(resolved["buckets"]),
+        "spec.runtime": digest(resolved["runtime"]),
+        "spec.card": digest([resolved["name"], resolved.get("description", "")]),
+        "weights": None,
+        "tokenizer": None,
+        "family_code": code_digest(family_sources(bundle.family)),
+        "ttbundle": __version__,
+        "torch": dist_version("torch"),
+        "transformers": dist_version("transformers"),
+        "vllm": dist_version("vllm"),
+        "ttnn": dist_version("ttnn") or "not installed",
+        "mesh": f"{m.name} {m.rows}x{m.cols} {m.chip.arch}",
+    }
+    for name, files in CODE.items():
+        f[name] = code_digest(ROOT / p for p in files)
+    inp = Inputs(resolved, text, f, wrec, trec, wdir, trace_set(bundle))
+    if not inp.pending:
+        inp.finish()
+    return inp
+
+
+def content_key(fields: dict) -> str:
+    if any(v is None for v in fields.values()):
+        raise RuntimeError("content key asked for before every source digest is known")
+    return digest(fields)
+
+
+def artifact_keys(fields: dict, traces) -> dict:
+    """Key per artifact: ``weights``, ``program:<phase>-<bucket>``, ``warmup:<phase>-<bucket>``."""
+    from .lower import program_name
+    keys = {"weights": digest({k: fields[k] for k in WEIGHTS_DEPS})}
+    for phase, b in traces:
+        name = program_name(phase, b)
+        pk = digest({**{k: fields[k] for k in PROGRAM_DEPS}, "phase": phase, "bucket": b})
+        keys[f"program:{name}"] = pk
+        keys[f"warmup:{name}"] = digest({"program": pk, "weights": keys["weights"],
+                                         **{k: fields[k] for k in WARMUP_DEPS}})
+    return keys
+
+
+# ---- explain -------------------------------------------------------------------------------------
+def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
+    """Which key fields changed since ``pkg`` was built (current spec, files, code and versions
+    against the manifest), which artifacts a build would redo, and why the last build ran."""
+    from . import spec as specmod
+    from .package import read_manifest
+    from .plan import make_plan
+
+    pkg = Path(pkg)
+    m = read_manifest(pkg)
+    b = m.get("build", {})
+    spec_file = Path(spec_path) if spec_path else Path(b.get("spec_file", ""))
+    if not spec_path and not spec_file.is_file():
+        raise InvalidInput(f"{pkg}: was built from {b.get('spec_file')!r}, which is not there now; "
+                           "pass --spec SPEC")
+    bundle = specmod.load(spec_file)
+    plan = make_plan(bundle, m["mesh"]["name"])
+    inp = compute(bundle, plan, m)
+    fill_digests(inp.weight_records + inp.tokenizer_records)
+    inp.finish()
+    rec = m.get("key_fields", {})
+    rows = [{"field": k, "what": FIELDS.get(k, ""), "recorded": rec.get(k), "current": inp.fields.get(k),
+             "changed": rec.get(k) != inp.fields.get(k)} for k in sorted(set(rec) | set(inp.fields))]
+    now = artifact_keys(inp.fields, inp.traces)
+    before = m.get("artifacts", {})
+    redo = [a for a, k in now.items() if before.get(a, {}).get("key") != k]
+    return {"package": str(pkg), "spec_file": str(spec_file), "key": m.get("key"),
+            "current_key": content_key(inp.fields),
+            "up_to_date": m.get("key") == content_key(inp.fields),
+            "fields": rows, "would_rebuild": redo,
+            "last_build": {"changed_fields": b.get("changed_fields", []), "rebuilt": b.get("rebuilt", []),
+                           "reused": b.get("reused", []), "finished": b.get("finished")}}

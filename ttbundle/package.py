@@ -1,0 +1,590 @@
+"""The package format: one directory per bundle and mesh that a serving host loads as is.
+
+Layout (``OUT/<mesh>/<bundle>/``, so ``EXTRA_MODELS_DIR=OUT/<mesh>`` registers every bundle built
+for that mesh, see docs/build.md)::
+
+    vllm_metadata.json        {"arch": "<HF arch>", "main_class": "<module>:<class>"} (TT plugin)
+    <module>.py               generated adapter: subclasses ttbundle.runtime.adapter.BundleModel
+    config.json               HF config, architectures = ["TT<HF arch>"]
+    tokenizer.json, ...       tokenizer files copied from the spec's tokenizer directory
+    bundle.yaml               the resolved spec for this mesh (loads with `ttbundle validate`)
+    weights/device-NNN.safetensors   one file per device, that device's shards in plan order
+    programs/<phase>-<bucket>.json   lowered per-device programs (``lower.lower``)
+    README.md                 model card with the plan summary
+    manifest.json             versions, spec hash, mesh, buckets, content key, sha256 of every file
+
+Weights files are plain safetensors: bf16 shards as ``BF16``; block floats (bfp8/bfp4) as ``U8``
+bytes in Tenstorrent's tile format (``ttbundle.blockfloat``). Each tensor is ``<name>`` (global)
+or ``<name>.<layer>``; the header's ``__metadata__["ttbundle"]`` says which device the file is,
+and each tensor's global shape, PartitionSpec and encoding.
+
+This module writes the small files (templates), streams shard files with a header computed up
+front, reads packages back (:func:`load_package`) and verifies them (:func:`verify_package`).
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import keyword
+import math
+import os
+import re
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import InvalidInput, TTBundleError
+
+FORMAT = "ttbundle.package/1"
+WEIGHTS_FORMAT = "ttbundle.weights/1"
+MANIFEST = "manifest.json"
+METADATA = "vllm_metadata.json"
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+RUNTIME_CLASS = ("ttbundle.runtime.adapter", "BundleModel")
+# Tokenizer and generation files copied into a package when the tokenizer directory has them.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
+                   "chat_template.jinja", "chat_template.json", "generation_config.json")
+SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+ST_DTYPE = {"bf16": "BF16", "bfp8": "U8", "bfp4": "U8"}
+
+
+class PackageError(TTBundleError):
+    """A package on disk is missing, incomplete or corrupt (exit 1); names the first bad file."""
+
+
+# ---- names ---------------------------------------------------------------------------------------
+def mesh_slug(mesh_name: str) -> str:
+    """Directory name of a mesh: presets as written (``T3K``), ``(2,4)`` -> ``2x4``,
+    ``(2,4)@blackhole`` -> ``2x4-blackhole``."""
+    m = re.fullmatch(r"\((\d+),(\d+)\)(?:@(\w+))?", mesh_name)
+    slug = f"{m.group(1)}x{m.group(2)}" + (f"-{m.group(3)}" if m.group(3) else "") if m else mesh_name
+    return safe_name(slug, "mesh name")
+
+
+def safe_name(name: str, what: str) -> str:
+    """``name`` if it is a single safe path component, else InvalidInput (no ``/``, ``..``,
+    leading dot or dash, control characters)."""
+    if not isinstance(name, str) or not SAFE_NAME.match(name) or name in (".", ".."):
+        raise InvalidInput(f"{what} {name!r} cannot name a directory: use letters, digits, '-', '_', "
+                           "'.', starting with a letter or digit")
+    return name
+
+
+def package_path(out_dir: str | Path, bundle_name: str, mesh_name: str) -> Path:
+    """``out_dir/<mesh>/<bundle>``, refusing any name that would leave ``out_dir``."""
+    out = Path(out_dir).absolute()
+    p = out / mesh_slug(mesh_name) / safe_name(bundle_name, "bundle name")
+    if os.path.commonpath([os.path.normpath(p), os.path.normpath(out)]) != os.path.normpath(out):
+        raise InvalidInput(f"package path {p} is outside {out}")  # unreachable with safe names
+    return p
+
+
+def identifier(name: str, what: str) -> str:
+    """``name`` if it is a plain ASCII Python identifier (not a keyword), else InvalidInput."""
+    if not isinstance(name, str) or not IDENT.match(name) or keyword.iskeyword(name):
+        raise InvalidInput(f"{what} {name!r} is not a valid Python identifier")
+    return name
+
+
+def module_name(bundle_name: str, mesh_name: str) -> str:
+    """The adapter module's name. Unique per (bundle, mesh): the TT plugin appends every package
+    folder to ``sys.path``, so two packages with one module name would shadow each other."""
+    slug = re.sub(r"[^a-z0-9]+", "_", f"{bundle_name}_{mesh_slug(mesh_name)}".lower()).strip("_")
+    tag = hashlib.sha256(f"{bundle_name}\0{mesh_name}".encode()).hexdigest()[:6]
+    return identifier(f"ttbundle_{slug}_{tag}", "adapter module name")
+
+
+def tt_arch(hf_arch: str) -> str:
+    return hf_arch if hf_arch.startswith("TT") else "TT" + hf_arch
+
+
+# ---- templates -----------------------------------------------------------------------------------
+class _Checked(str):
+    """Template output that went through a filter; the environment refuses anything else."""
+
+
+def pyrepr(value) -> _Checked:
+    """A Python literal for plain data (str, int, finite float, bool, None, list, dict with str
+    keys) that ``ast.literal_eval`` reads back as ``value``; anything else is refused."""
+    def ok(v):
+        if v is None or isinstance(v, (bool, int, str)):
+            return True
+        if isinstance(v, float):
+            return math.isfinite(v)
+        if isinstance(v, (list, tuple)):
+            return all(ok(x) for x in v)
+        if isinstance(v, dict):
+            return all(isinstance(k, str) and ok(x) for k, x in v.items())
+        return False
+    if not ok(value):
+        raise InvalidInput(f"cannot write {type(value).__name__} {value!r} into generated code")
+    text = repr(value)
+    if ast.literal_eval(text) != value:  # pragma: no cover - repr of plain data round-trips
+        raise InvalidInput(f"value {value!r} does not round-trip as a Python literal")
+    return _Checked(text)
+
+
+def ident_filter(value) -> _Checked:
+    return _Checked(identifier(value, "name"))
+
+
+def dotted_filter(value) -> _Checked:
+    """A dotted module path whose every part is an identifier."""
+    for part in str(value).split("."):
+        identifier(part, f"module path {value!r}: part")
+    return _Checked(value)
+
+
+def md(value) -> _Checked:
+    """Markdown-safe inline text: HTML and markdown control characters escaped, one line."""
+    text = " ".join(str(value).split())
+    text = text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+    text = re.sub(r"([\\`*_{}\[\]()#+!|~])", r"\\\1", text)
+    return _Checked(text)
+
+
+def code(value) -> _Checked:
+    """Text for an inline code span (no backticks, one line)."""
+    return _Checked(" ".join(str(value).replace("`", "'").replace("|", "\\|").split()))
+
+
+def size(n) -> _Checked:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return _Checked(f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.2f} {unit}")
+        n /= 1024
+    raise AssertionError  # pragma: no cover
+
+
+def jsonstr(value) -> _Checked:
+    """A JSON (hence YAML) scalar, for the model card's front matter."""
+    return _Checked(json.dumps(value, ensure_ascii=True))
+
+
+def _env():
+    import jinja2
+
+    def finalize(v):
+        if isinstance(v, _Checked):
+            return v
+        raise InvalidInput(f"template bug: {v!r} written without a filter (pyrepr, ident, md, json, num)")
+
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)), autoescape=False,
+                             undefined=jinja2.StrictUndefined, finalize=finalize,
+                             keep_trailing_newline=True, trim_blocks=True, lstrip_blocks=True)
+    env.filters.update(pyrepr=pyrepr, ident=ident_filter, dotted=dotted_filter, md=md, json=jsonstr,
+                       code=code, size=size, num=lambda v: _Checked(f"{int(v):,}"))
+    return env
+
+
+def _render(template: str, **ctx) -> str:
+    import jinja2
+    try:
+        return _env().get_template(template).render(**ctx)
+    except jinja2.TemplateNotFound:
+        raise TTBundleError(f"template {template} not found in {TEMPLATE_DIR} (ttbundle build needs "
+                            "the templates/ folder of a source checkout)") from None
+
+
+def render_adapter(bundle_name: str, mesh_name: str, arch: str, class_name: str, version: str) -> str:
+    """The adapter module: imports the runtime's BundleModel and subclasses it with the package
+    directory (found from ``__file__`` at import) and the arch baked in. The rendered text is
+    parsed and checked against a whitelist of statement kinds before it is returned."""
+    src = _render("adapter.py.j2", bundle=bundle_name, mesh=mesh_name, arch=arch, tt_arch=tt_arch(arch),
+                  class_name=identifier(class_name, "adapter class name"),
+                  runtime_module=RUNTIME_CLASS[0], runtime_class=RUNTIME_CLASS[1], version=version)
+    check_adapter_source(src, class_name)
+    return src
+
+
+def check_adapter_source(src: str, class_name: str) -> None:
+    """Refuse generated adapter code that is anything but: docstring, imports of ``os`` and the
+    runtime class, assignments of literals (or ``os.path`` of ``__file__``), and one class whose
+    body assigns literals. A template or escaping bug cannot smuggle code past this."""
+    try:
+        tree = ast.parse(src)
+    except SyntaxError as e:
+        raise TTBundleError(f"generated adapter does not parse: {e}") from None
+
+    def literal_or_path(node) -> bool:
+        try:
+            ast.literal_eval(node)
+            return True
+        except ValueError:
+            pass
+        dump = ast.dump(node)
+        return dump == ast.dump(ast.parse("os.path.dirname(os.path.abspath(__file__))", mode="eval").body)
+
+    def bad(what):
+        raise TTBundleError(f"generated adapter rejected: unexpected {what}")
+
+    classes = 0
+    for node in tree.body:
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            continue
+        if isinstance(node, ast.ImportFrom) and (node.module, [a.name for a in node.names]) in (
+                ("__future__", ["annotations"]), (RUNTIME_CLASS[0], [RUNTIME_CLASS[1]])):
+            continue
+        if isinstance(node, ast.Import) and [a.name for a in node.names] == ["os"]:
+            continue
+        if isinstance(node, ast.Assign) and all(isinstance(t, ast.Name) for t in node.targets) \
+                and literal_or_path(node.value):
+            continue
+        if isinstance(node, ast.ClassDef) and node.name == class_name and classes == 0 \
+                and [ast.dump(b) for b in node.bases] == [ast.dump(ast.Name(RUNTIME_CLASS[1], ast.Load()))] \
+                and not node.decorator_list and not node.keywords:
+            classes += 1
+            for b in node.body:
+                if isinstance(b, ast.Expr) and isinstance(b.value, ast.Constant):
+                    continue
+                if isinstance(b, ast.Assign) and all(isinstance(t, ast.Name) for t in b.targets) and (
+                        literal_or_path(b.value) or (isinstance(b.value, ast.Name) and b.value.id.isupper())):
+                    continue
+                bad(f"statement in class {class_name}: {ast.dump(b)[:80]}")
+            continue
+        bad(f"top-level statement: {ast.dump(node)[:80]}")
+    if classes != 1:
+        bad(f"class layout (want one class {class_name})")
+
+
+def render_readme(ctx: dict) -> str:
+    return _render("README.md.j2", **ctx)
+
+
+def metadata_json(arch: str, main_class: str) -> str:
+    return json.dumps({"arch": arch, "main_class": main_class}, indent=2) + "\n"
+
+
+def hf_config_json(bundle) -> str:
+    """config.json: the arch's HF config (transformers' full dict) with the TT-prefixed arch."""
+    from . import reference
+    cfg = json.loads(reference.hf_config(bundle).to_json_string(use_diff=False))
+    cfg["architectures"] = [tt_arch(bundle.family.hf_architectures[0])]
+    cfg["torch_dtype"] = "bfloat16"
+    return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
+
+
+def resolved_spec(bundle, plan) -> dict:
+    """The spec as this package was built: the arch inline (``from_hf`` resolved), the buckets,
+    the full resolved sharding plan and per-tensor dtypes, this mesh as the only target, no paths
+    (the package holds the weights and tokenizer)."""
+    s = bundle.spec
+    d = s.model_dump(mode="json", exclude_none=False)
+    d["model"] = bundle.arch.model_dump(mode="json", exclude_none=True)
+    d["from_hf"] = None
+    d["tokenizer"] = None
+    d["targets"] = [plan.mesh.name]
+    d["weights"] = {"source": None, "dtypes": {"default": s.weights.dtypes.default,
+                                               "tensors": {t.name: t.dtype for t in plan.tensors
+                                                           if t.layout == "TILE"}}}
+    d["sharding"] = {k: v for k, v in d["sharding"].items() if k != "targets"}
+    d["sharding"]["plan"] = {n: [_entry(e) for e in sp] for n, sp in plan.specs.items()}
+    d["buckets"] = bundle.buckets.model_dump(mode="json")
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def _entry(e):
+    if e is None or isinstance(e, str):
+        return e
+    return list(e)
+
+
+def render_bundle_yaml(resolved: dict, version: str) -> str:
+    import yaml
+    head = (f"# Resolved bundle spec written by ttbundle {version}: the arch, sharding plan and "
+            "dtypes this package was built with.\n")
+    return head + yaml.safe_dump(resolved, sort_keys=False, default_flow_style=None, width=100)
+
+
+# ---- weights files -------------------------------------------------------------------------------
+def weight_file(d: int) -> str:
+    return f"weights/device-{d:03d}.safetensors"
+
+
+def tensor_key(name: str, layer: int | None) -> str:
+    return name if layer is None else f"{name}.{layer}"
+
+
+def encoded_nbytes(shape: list[int], dtype: str) -> int:
+    """Bytes of one shard in the file: bf16 elements, or whole block-float tiles."""
+    if dtype == "bf16":
+        return math.prod(shape) * 2
+    from .plan import TILE_BYTES, tile_pages
+    return tile_pages(shape) * TILE_BYTES[dtype]
+
+
+class ShardFile:
+    """A safetensors file written front to back: the header is computed from the declared
+    entries, then each tensor's bytes are written in declaration order; sha256 on the fly."""
+
+    def __init__(self, path: Path, entries: list[tuple[str, str, list[int], int]], metadata: dict):
+        header: dict = {"__metadata__": {k: str(v) for k, v in metadata.items()}}
+        off = 0
+        self.order: list[tuple[str, int]] = []
+        for name, st_dtype, shape, nbytes in entries:
+            header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+            self.order.append((name, nbytes))
+            off += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.path = path
+        # a fresh inode: ``path`` may be a hard link into the previous package
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        self.f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb")
+        self.h = hashlib.sha256()
+        self.size = 0
+        self.i = 0
+        self._put(struct.pack("<Q", len(raw)) + raw)
+
+    def _put(self, buf) -> None:
+        self.f.write(buf)
+        self.h.update(buf)
+        self.size += memoryview(buf).nbytes
+
+    def write(self, name: str, buf) -> None:
+        want, nbytes = self.order[self.i]
+        got = memoryview(buf).nbytes
+        if name != want or got != nbytes:
+            raise RuntimeError(f"{self.path}: expected {want} ({nbytes} B), got {name} ({got} B)")
+        self._put(buf)
+        self.i += 1
+
+    def close(self) -> tuple[str, int]:
+        if self.i != len(self.order):
+            raise RuntimeError(f"{self.path}: {len(self.order) - self.i} tensors not written")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return self.h.hexdigest(), self.size
+
+    def abort(self) -> None:
+        self.f.close()
+
+
+# ---- manifest and verification ---------------------------------------------------------------------
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
+def read_manifest(pkg: Path) -> dict:
+    p = Path(pkg) / MANIFEST
+    try:
+        m = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise PackageError(f"{pkg}: not a ttbundle package (no {MANIFEST})") from None
+    except (OSError, ValueError) as e:
+        raise PackageError(f"{p}: unreadable manifest: {e}") from None
+    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("files"), dict):
+        raise PackageError(f"{p}: not a {FORMAT} manifest")
+    for rel in m["files"]:
+        check_relpath(rel, p)
+    return m
+
+
+def check_relpath(rel: str, where) -> str:
+    """A manifest path: relative, normalized, no ``..``, no hidden parts, inside the package."""
+    parts = rel.split("/") if isinstance(rel, str) else []
+    if not parts or rel.startswith("/") or "\\" in rel or any(
+            not SAFE_NAME.match(p) or p in (".", "..") for p in parts):
+        raise PackageError(f"{where}: refusing file path {rel!r} (must stay inside the package)")
+    return rel
+
+
+def verify_package(pkg: str | Path, full: bool = True) -> dict:
+    """Check every file the manifest lists (size, and sha256 when ``full``) and that no other
+    file is present. Raises PackageError naming the first bad file; returns the manifest."""
+    pkg = Path(pkg)
+    m = read_manifest(pkg)
+    for rel in sorted(m["files"]):
+        rec = m["files"][rel]
+        p = pkg / rel
+        try:
+            st = os.lstat(p)
+        except FileNotFoundError:
+            raise PackageError(f"{pkg}: {rel}: missing", ) from None
+        if not os.path.isfile(p) or os.path.islink(p):
+            raise PackageError(f"{pkg}: {rel}: not a regular file")
+        if st.st_size != rec.get("size"):
+            raise PackageError(f"{pkg}: {rel}: size {st.st_size} B, manifest says {rec.get('size')} B")
+        if full and sha256_file(p) != rec.get("sha256"):
+            raise PackageError(f"{pkg}: {rel}: sha256 mismatch (file changed or corrupt)")
+    listed = set(m["files"]) | {MANIFEST}
+    for root, dirs, files in os.walk(pkg):
+        dirs.sort()
+        for f in sorted(files):
+            rel = os.path.relpath(os.path.join(root, f), pkg).replace(os.sep, "/")
+            if rel not in listed and not rel.endswith(".pyc"):
+                raise PackageError(f"{pkg}: {rel}: not in the manifest")
+    return m
+
+
+# ---- reading a package back ------------------------------------------------------------------------
+@dataclass
+class LoadedPackage:
+    """A package read back: the resolved bundle, its mesh and plan, weights and manifest."""
+
+    dir: Path
+    manifest: dict
+    bundle: object
+    mesh: object
+    plan: object
+    weights: "PackageWeights"
+    programs: dict = field(default_factory=dict)  # (phase, bucket) -> relative path
+
+    def program(self, phase: str, bucket: int) -> dict:
+        try:
+            rel = self.programs[(phase, bucket)]
+        except KeyError:
+            raise PackageError(f"{self.dir}: no program for {phase} bucket {bucket}; has "
+                               f"{sorted(self.programs)}") from None
+        return json.loads((self.dir / rel).read_text(encoding="utf-8"))
+
+
+class PackageWeights:
+    """Per-device shards of a package (``device(d)``) and the global tensors they hold
+    (``canonical()``, what ``EmulatedModel`` takes)."""
+
+    def __init__(self, pkg: Path, bundle, plan):
+        from .lower import shard_units
+        self.pkg, self.bundle, self.plan = pkg, bundle, plan
+        self.mesh = plan.mesh
+        self.decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
+        self.dtypes = {t.name: t.dtype for t in plan.tensors}
+        self.units = {n: [shard_units(d, _axes(e), self.mesh, bundle.spec.sharding)
+                          for d, e in zip(t.dims, plan.specs[n])] for n, t in self.decls.items()}
+
+    def files(self) -> list[Path]:
+        return [self.pkg / weight_file(d) for d in range(self.mesh.num_devices)]
+
+    def device(self, d: int, names: list[str] | None = None) -> dict:
+        """Device ``d``'s shards ``{key: tensor}`` (bf16; block floats decoded to float32)."""
+        from safetensors import safe_open
+        out = {}
+        with safe_open(str(self.pkg / weight_file(d)), framework="pt") as f:
+            meta = json.loads(f.metadata()["ttbundle"])
+            for key in (names or f.keys()):
+                out[key] = _decode(f.get_tensor(key), meta["tensors"][key])
+        return out
+
+    def canonical(self, dtype=None) -> dict:
+        """Global tensors reassembled from every device's shards (padding dropped)."""
+        import torch
+        from safetensors import safe_open
+        dtype = dtype or torch.float32
+        handles = [safe_open(str(p), framework="pt") for p in self.files()]
+        metas = [json.loads(h.metadata()["ttbundle"])["tensors"] for h in handles]
+        out: dict = {}
+        for name, t in self.decls.items():
+            layers = [None] if t.layers is None else list(range(*t.layers))
+            per_layer = []
+            for layer in layers:
+                key = tensor_key(name, layer)
+                g = torch.zeros(t.shape, dtype=dtype)
+                for d, h in enumerate(handles):
+                    shard = _decode(h.get_tensor(key), metas[d][key]).to(dtype)
+                    _scatter(g, shard, [u[d] for u in self.units[name]], t.dims)
+                per_layer.append(g)
+            out[name] = per_layer[0] if t.layers is None else per_layer
+        return out
+
+
+def _axes(e) -> tuple:
+    return () if e is None else (e,) if isinstance(e, str) else tuple(e)
+
+
+def _elem_index(units: list[int], unit: int):
+    """Element positions (global, -1 padding) of a list of units."""
+    import torch
+    u = torch.tensor(units, dtype=torch.long)
+    pos = u[:, None] * unit + torch.arange(unit)[None, :]
+    return torch.where(u[:, None] >= 0, pos, torch.full_like(pos, -1)).reshape(-1)
+
+
+def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
+    """Write a device's shard back into global ``g`` (padding positions skipped)."""
+    idx = []
+    for k, (units, d) in enumerate(zip(units_per_dim, dims)):
+        pos = _elem_index(units, d.unit)
+        keep = (pos >= 0).nonzero().reshape(-1)
+        shard = shard.index_select(k, keep)
+        shape = [1] * g.dim()
+        shape[k] = -1
+        idx.append(pos[keep].view(shape))
+    g[tuple(idx)] = shard
+
+
+def _decode(t, info: dict):
+    enc = info.get("encoding", "bf16")
+    if enc == "bf16":
+        return t
+    try:
+        from . import blockfloat
+    except ImportError:
+        raise PackageError(f"package holds {enc} weights but ttbundle.blockfloat is not available") from None
+    return blockfloat.decode(t.numpy().tobytes(), info["shape"], enc)
+
+
+def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
+    """Read a package: manifest (and every file's sha256 when ``verify``), the resolved spec, its
+    plan on the package's mesh (checked against the weight files' headers)."""
+    from . import spec as specmod
+    from .plan import make_plan
+    from .lower import program_name
+
+    pkg = Path(pkg)
+    m = verify_package(pkg, full=verify)
+    text = (pkg / "bundle.yaml").read_text(encoding="utf-8")
+    bundle = specmod.loads(text, str(pkg / "bundle.yaml"), base_dir=pkg)
+    mesh_name = m["mesh"]["name"]
+    plan = make_plan(bundle, mesh_name)
+    weights = PackageWeights(pkg, bundle, plan)
+    _check_headers(pkg, m, plan)
+    programs = {}
+    for phase, buckets in (("prefill", m["buckets"]["prefill"]), ("decode", m["buckets"]["decode"])):
+        for b in buckets:
+            rel = f"programs/{program_name(phase, b)}.json"
+            if rel not in m["files"]:
+                raise PackageError(f"{pkg}: {rel}: missing from the manifest")
+            programs[(phase, b)] = rel
+    return LoadedPackage(pkg, m, bundle, plan.mesh, plan, weights, programs)
+
+
+def _check_headers(pkg: Path, m: dict, plan) -> None:
+    """Each device file's header agrees with the plan (names, per-device shapes, encodings)."""
+    want = {}
+    for t in plan.tensors:
+        want[t.name] = (t.device_shape, t.dtype)
+    for d in range(plan.mesh.num_devices):
+        rel = weight_file(d)
+        p = pkg / rel
+        try:
+            with open(p, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n))
+            meta = json.loads(header["__metadata__"]["ttbundle"])
+        except (OSError, ValueError, KeyError, struct.error) as e:
+            raise PackageError(f"{pkg}: {rel}: unreadable weights header: {e}") from None
+        if meta.get("device") != d or meta.get("format") != WEIGHTS_FORMAT:
+            raise PackageError(f"{pkg}: {rel}: header says device {meta.get('device')}, expected {d}")
+        for key, info in meta["tensors"].items():
+            shape, dtype = want.get(info.get("tensor"), (None, None))
+            if shape is None or info.get("shape") != shape or info.get("encoding") != dtype:
+                raise PackageError(f"{pkg}: {rel}: {key} is {info.get('encoding')}{info.get('shape')}, "
+                                   f"the plan says {dtype}{shape}")
