@@ -1,0 +1,53 @@
+"""When the ttbundle platform activates. Kept free of heavy imports: vLLM calls
+:func:`platform_plugin` in every process of every vLLM install that has ttbundle installed.
+
+* ``TTBUNDLE_EMULATED=1``: the emulated mesh (torch on the host). ``ttbundle serve`` sets it;
+  set it yourself for a direct ``vllm serve PACKAGE``.
+* else a Tenstorrent device (``/dev/tenstorrent``) with ``ttnn`` importable, and Tenstorrent's
+  own plugin not installed: the TT platform.
+* else None: a vLLM that did not ask for ttbundle never sees it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+ENV_EMULATED = "TTBUNDLE_EMULATED"
+EMULATED = "ttbundle.runtime.platform.EmulatedMeshPlatform"
+HARDWARE = "ttbundle.runtime.platform.TTMeshPlatform"
+
+
+def _truthy(v: str | None) -> bool:
+    return (v or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def tt_hardware_present() -> bool:
+    """A Tenstorrent device node, ttnn importable, and no Tenstorrent plugin to defer to."""
+    if not Path("/dev/tenstorrent").exists() or importlib.util.find_spec("ttnn") is None:
+        return False
+    from importlib.metadata import entry_points
+    return not [e for e in entry_points(group="vllm.platform_plugins") if e.name == "tt"]
+
+
+def active_platform() -> str | None:
+    """The dotted path of the platform to activate, or None."""
+    if _truthy(os.environ.get(ENV_EMULATED)):
+        return EMULATED
+    if tt_hardware_present():
+        return HARDWARE
+    return None
+
+
+def platform_plugin() -> str | None:
+    """``vllm.platform_plugins`` entry point: the platform's dotted path, or None (inactive)."""
+    return active_platform()
+
+
+def general_plugin() -> None:
+    """``vllm.general_plugins`` entry point: register packages, only when active."""
+    if active_platform() is None:
+        return
+    from .registry import register_models
+    register_models()

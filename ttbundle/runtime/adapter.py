@@ -1,0 +1,160 @@
+"""The model class a package names in ``vllm_metadata.json``: Tenstorrent's vLLM model
+interface (``initialize_vllm_model``, ``allocate_kv_cache``, ``prefill_forward``,
+``decode_forward``, ``warmup_model_*``) over the emulated mesh.
+
+Every call runs one *program*: a prefill of one sequence padded to a prefill bucket, or a
+decode of a batch padded to a decode bucket, exactly the shapes a device would have traced.
+After warm-up, a shape that was not warmed up is refused rather than compiled in the middle
+of a request (on hardware that would be a trace capture during serving).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from ..backends.emulated import EmulatedModel
+from ..backends.emulated.model import KVCache
+from ..plan import make_plan
+from .sampling import DeviceSampling, sample_on_device
+
+logger = logging.getLogger("vllm.ttbundle.adapter")
+
+
+class EmulatedCausalLM:
+    """A bundle's causal LM on an emulated mesh, behind Tenstorrent's model interface."""
+
+    model_capabilities = {
+        "supports_prefix_caching": False,
+        "supports_async_decode": False,
+        "supports_sample_on_device": True,
+    }
+
+    def __init__(self, bundle, mesh, canonical: dict, dtype=torch.float32, device="cpu",
+                 trace_mode: str = "all"):
+        self.bundle = bundle
+        self.plan = make_plan(bundle, mesh)
+        self.model = EmulatedModel(bundle, self.plan, canonical, dtype=dtype, device=device)
+        b = bundle.buckets
+        self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
+        self.vocab_size = bundle.arch.vocab_size
+        self.trace_mode = trace_mode
+        self.warmed: set[tuple[str, int]] = set()
+        self.sealed = False  # after warm-up: only warmed shapes may run
+        self.programs_run: dict[tuple[str, int], int] = {}
+
+    # -- Tenstorrent's constructor -------------------------------------------------------------
+    @classmethod
+    def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len,
+                              tt_data_parallel=1, optimizations=None, *, package=None,
+                              dtype=torch.float32, trace_mode="all"):
+        """``mesh_device``: the emulated mesh (a ``mesh.Mesh``). The package is the directory
+        vLLM was given as the model (``hf_config._name_or_path``) unless passed."""
+        from .packages import open_package
+
+        if tt_data_parallel != 1:
+            raise ValueError("data parallel over meshes is not supported by the emulated mesh")
+        pkg = package or open_package(Path(hf_config._name_or_path))
+        rt = pkg.bundle.spec.runtime
+        if max_batch_size > max(pkg.bundle.buckets.decode) or max_seq_len > rt.max_model_len:
+            raise ValueError(f"{pkg.name}: max_batch_size={max_batch_size} / max_seq_len={max_seq_len} "
+                             f"exceed the package's decode buckets {pkg.bundle.buckets.decode} / "
+                             f"max_model_len={rt.max_model_len}")
+        return cls(pkg.bundle, mesh_device, pkg.canonical_weights(), dtype=dtype, trace_mode=trace_mode)
+
+    # -- KV cache -------------------------------------------------------------------------------
+    def allocate_kv_cache(self, kv_cache_shape, dtype=None, num_layers=None) -> KVCache:
+        """``kv_cache_shape``: (num_blocks, num_kv_heads, block_size, head_dim) as vLLM sizes it;
+        each device holds its own heads' share (the plan's KV split)."""
+        num_blocks, _, block_size, _ = kv_cache_shape
+        return self.model.allocate_kv_cache(num_blocks, block_size)
+
+    # -- programs -------------------------------------------------------------------------------
+    def _program(self, phase: str, bucket: int):
+        key = (phase, bucket)
+        traced = self.trace_mode == "all" or (self.trace_mode == "decode_only" and phase == "decode")
+        if self.sealed and traced and key not in self.warmed:
+            raise RuntimeError(f"{phase} bucket {bucket} was not captured at warm-up; refusing to "
+                               "capture a trace while serving")
+        self.programs_run[key] = self.programs_run.get(key, 0) + 1
+
+    def _finish(self, logits: torch.Tensor, sampling: DeviceSampling | None):
+        if sampling is None:
+            return logits.float()
+        return sample_on_device(logits, sampling)
+
+    @torch.no_grad()
+    def prefill_forward(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache: KVCache,
+                        prompt_lens, start_pos=None, sampling_params: DeviceSampling | None = None,
+                        enable_trace: bool = True):
+        """One sequence's prefill chunk. ``tokens`` [1, S] with S a prefill bucket, the first
+        ``prompt_lens[0]`` real; positions start at ``start_pos[0]``. Returns the last real
+        token's logits [1, V] (host sampling) or its sampled id [1] (``sampling_params``)."""
+        N, S = tokens.shape
+        if N != 1 or S not in self.prefill_buckets:
+            raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
+                             f"got tokens {list(tokens.shape)}")
+        self._program("prefill", S)
+        n = int(prompt_lens[0])
+        p0 = 0 if start_pos is None else int(start_pos[0])
+        valid = torch.arange(S)[None, :] < n
+        positions = torch.where(valid, torch.arange(p0, p0 + S)[None, :], torch.zeros(1, S, dtype=torch.long))
+        logits = self.model.forward(tokens, positions, valid, page_table, kv_cache)
+        return self._finish(logits[:, n - 1], sampling_params)
+
+    @torch.no_grad()
+    def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: torch.Tensor,
+                       kv_cache: KVCache, sampling_params: DeviceSampling | None = None,
+                       enable_trace: bool = True, read_from_device: bool = True):
+        """One decode step. ``tokens`` [B, 1] with B a decode bucket; ``start_pos`` [B] is each
+        row's position, -1 for padding rows. Returns logits [B, V] or sampled ids [B]."""
+        B = tokens.shape[0]
+        if tokens.shape[1] != 1 or B not in self.decode_buckets:
+            raise ValueError(f"decode runs a batch padded to a bucket {self.decode_buckets}, "
+                             f"got tokens {list(tokens.shape)}")
+        self._program("decode", B)
+        valid = (start_pos >= 0)[:, None]
+        positions = start_pos.clamp(min=0)[:, None]
+        logits = self.model.forward(tokens, positions, valid, page_table, kv_cache)
+        return self._finish(logits[:, 0], sampling_params)
+
+    # -- warm-up --------------------------------------------------------------------------------
+    def _null_table(self, rows: int, kv_cache: KVCache, seq: int) -> torch.Tensor:
+        # every position maps to block 0, vLLM's null block: never handed to a request
+        return torch.zeros(rows, -(-seq // kv_cache.block_size), dtype=torch.long)
+
+    def warmup_model_prefill(self, kv_cache: KVCache, enable_trace: bool = True,
+                             can_sample_on_device: bool = True):
+        """Run every prefill bucket once (logits and, if enabled, device sampling)."""
+        for i, S in enumerate(self.prefill_buckets):
+            t0 = time.perf_counter()
+            tokens = torch.zeros(1, S, dtype=torch.long)
+            pt = self._null_table(1, kv_cache, S)
+            self.prefill_forward(tokens, pt, kv_cache, [S], [0])
+            if can_sample_on_device:
+                self.prefill_forward(tokens, pt, kv_cache, [S], [0], DeviceSampling.from_params([], [], 1))
+            self.warmed.add(("prefill", S))
+            logger.info("[WARMUP] (%d/%d) prefill %d tokens: %.2f s", i + 1, len(self.prefill_buckets),
+                        S, time.perf_counter() - t0)
+
+    def warmup_model_decode(self, kv_cache: KVCache, enable_trace: bool = True, max_batch_size=None,
+                            num_blocks=None, can_sample_on_device: bool = True):
+        """Run every decode bucket once."""
+        for i, B in enumerate(self.decode_buckets):
+            t0 = time.perf_counter()
+            tokens = torch.zeros(B, 1, dtype=torch.long)
+            pos = torch.zeros(B, dtype=torch.long)
+            pt = self._null_table(B, kv_cache, 1)
+            self.decode_forward(tokens, pos, pt, kv_cache)
+            if can_sample_on_device:
+                self.decode_forward(tokens, pos, pt, kv_cache, DeviceSampling.from_params([], [], B))
+            self.warmed.add(("decode", B))
+            logger.info("[WARMUP] (%d/%d) decode batch %d: %.2f s", i + 1, len(self.decode_buckets),
+                        B, time.perf_counter() - t0)
+
+    def seal(self):
+        """From now on only warmed-up shapes run (no capture while serving)."""
+        self.sealed = True

@@ -1,0 +1,281 @@
+"""The model runner: vLLM's scheduler output in, one padded program per sequence or batch out.
+
+Per step (the scheduler guarantees one phase per step):
+
+* prefill: each scheduled sequence's chunk (at most ``prefill_chunk`` tokens) runs alone,
+  padded to the smallest prefill bucket that holds it; a sequence whose chunk ends its prompt
+  samples its first token, a partial chunk returns ``[]``.
+* decode: the batch runs padded to the smallest decode bucket that holds it.
+
+Sampling is decided per batch: on the device (the program returns token ids) unless a row
+needs the host (``sampling.host_reasons``) or ``sample_on_device_mode`` excludes the phase;
+then the program returns logits and vLLM's sampler runs in :meth:`sample_tokens`.
+
+The runner keeps each request's tokens itself (vLLM sends the sampled tokens of cached
+requests only with pipeline parallelism); a resumed request's block list replaces the old one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from .phases import is_decode, pick
+from .sampling import DeviceSampling, HostSampler, host_reasons
+
+logger = logging.getLogger("vllm.ttbundle.model_runner")
+
+
+@dataclass
+class ReqState:
+    req_id: str
+    prompt: list[int]
+    params: object  # vllm SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+    num_computed: int
+    output: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def tokens(self, start: int, n: int) -> list[int]:
+        return (self.prompt + self.output)[start:start + n]
+
+
+@dataclass
+class Step:
+    """What one step ran (kept in ``TTModelRunner.step_log``; JSON lines to the file named by
+    ``TTBUNDLE_STEP_LOG`` when set)."""
+
+    phase: str  # "prefill" | "decode"
+    rows: list  # [(req_id, start position, tokens)]
+    buckets: list  # prefill: bucket per row; decode: [batch bucket]
+    sampling: str  # "device" | "host" | "none" (partial chunks only)
+    seconds: float = 0.0
+
+
+def model_class(package):
+    """The class ``vllm_metadata.json`` names (``module:Class``); the package directory is on
+    ``sys.path`` for a generated adapter module, as with Tenstorrent's EXTRA_MODELS_DIR."""
+    import importlib
+    import sys
+
+    module, _, name = package.metadata["main_class"].partition(":")
+    if str(package.path) not in sys.path:
+        sys.path.append(str(package.path))
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"{package.path}/vllm_metadata.json: main_class {package.metadata['main_class']!r} "
+                           f"cannot be loaded: {e}") from None
+
+
+class TTModelRunner:
+    def __init__(self, vllm_config, package, options, device: torch.device):
+        self.vllm_config = vllm_config
+        self.package = package
+        self.bundle = package.bundle
+        self.options = options
+        self.device = device
+        mc = vllm_config.model_config
+        self.dtype = mc.dtype if mc.dtype in (torch.float32, torch.bfloat16) else torch.float32
+        self.block_size = vllm_config.cache_config.block_size
+        self.max_model_len = mc.max_model_len
+        self.max_blocks = -(-self.max_model_len // self.block_size)
+        self.vocab_size = self.bundle.arch.vocab_size
+        b = self.bundle.buckets
+        self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
+        self.chunk = b.prefill_chunk or max(b.prefill)
+        self.sample_mode = options.sample_on_device_mode or self.bundle.spec.runtime.sample_on_device_mode
+        self.requests: dict[str, ReqState] = {}
+        self.model = None
+        self.kv = None
+        self.host: HostSampler | None = None
+        self._pending = None
+        self.step_log: deque[Step] = deque(maxlen=100_000)
+        self._log_path = os.environ.get("TTBUNDLE_STEP_LOG")
+
+    # -- set-up ---------------------------------------------------------------------------------
+    def load_model(self):
+        from .. import mesh as meshmod
+
+        t0 = time.perf_counter()
+        cls = model_class(self.package)
+        self.model = cls.initialize_vllm_model(
+            self.vllm_config.model_config.hf_config, meshmod.resolve(self.package.mesh_name),
+            self.vllm_config.scheduler_config.max_num_seqs, self.max_model_len, 1,
+            self.options.optimizations, package=self.package, dtype=self.dtype,
+            trace_mode=self.options.trace_mode)
+        self.host = HostSampler(self.vllm_config, self.vllm_config.scheduler_config.max_num_seqs,
+                                self.max_model_len, self.block_size, self.vocab_size, self.device)
+        logger.info("ttbundle: loaded %s on an emulated %s (%s) in %.1f s", self.package.name,
+                    self.package.mesh_name, str(self.dtype).removeprefix("torch."),
+                    time.perf_counter() - t0)
+
+    def kv_cache_spec(self) -> dict:
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        a = self.bundle.arch
+        spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=a.kv_heads,
+                                 head_size=a.hd, dtype=self.dtype)
+        return {f"model.layers.{i}.self_attn.attn": spec for i in range(a.num_hidden_layers)}
+
+    def kv_bytes_per_block(self) -> int:
+        return sum(s.page_size_bytes for s in self.kv_cache_spec().values())
+
+    def initialize_kv_cache(self, num_blocks: int):
+        a = self.bundle.arch
+        self.kv = self.model.allocate_kv_cache((num_blocks, a.kv_heads, self.block_size, a.hd),
+                                               self.dtype, a.num_hidden_layers)
+        logger.info("ttbundle: KV cache of %d blocks x %d tokens", num_blocks, self.block_size)
+
+    def warm_up(self):
+        """Every bucket once (compile; on hardware also trace capture), then seal: no shape
+        outside the warmed set runs while serving."""
+        if not self.options.enable_model_warmup:
+            logger.warning("ttbundle: enable_model_warmup=false: the first request of each shape "
+                           "compiles during serving")
+            return
+        t0 = time.perf_counter()
+        dev = self.sample_mode != "off"
+        self.model.warmup_model_prefill(self.kv, self.options.trace_mode == "all",
+                                        dev and self.sample_mode == "all")
+        self.model.warmup_model_decode(self.kv, self.options.trace_mode != "none",
+                                       max(self.decode_buckets), self.kv.num_blocks, dev)
+        self.model.seal()
+        logger.info("ttbundle: warmed up %d prefill and %d decode buckets in %.1f s",
+                    len(self.prefill_buckets), len(self.decode_buckets), time.perf_counter() - t0)
+
+    # -- per step -------------------------------------------------------------------------------
+    def _update_states(self, so) -> None:
+        for rid in so.finished_req_ids:
+            self.requests.pop(rid, None)
+            self.host.remove(rid)
+        for nr in so.scheduled_new_reqs:
+            sp = nr.sampling_params
+            gen = None
+            if sp.seed is not None:
+                gen = torch.Generator(device="cpu")
+                gen.manual_seed(sp.seed)
+            self.requests[nr.req_id] = ReqState(nr.req_id, list(nr.prompt_token_ids), sp, gen,
+                                                list(nr.block_ids[0]), nr.num_computed_tokens)
+        c = so.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            st = self.requests[rid]
+            new = c.new_block_ids[i]
+            if rid in c.resumed_req_ids:
+                st.block_ids = list(new[0]) if new is not None else []
+            elif new is not None:
+                st.block_ids += new[0]
+            st.num_computed = c.num_computed_tokens[i]
+            full = c.all_token_ids.get(rid)
+            if full is not None and len(full) > st.num_tokens:  # tokens we never saw
+                st.output += full[st.num_tokens:]
+
+    def execute_model(self, so):
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+        self._update_states(so)
+        if not so.total_num_scheduled_tokens:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        rows = [(self.requests[rid], n) for rid, n in so.num_scheduled_tokens.items()]
+        phases = {is_decode(st.num_computed, len(st.prompt), st.num_tokens) and n == 1 for st, n in rows}
+        if len(phases) != 1:
+            raise RuntimeError("a step mixes prefill and decode; the ttbundle scheduler must be "
+                               "in use (scheduler_cls)")
+        decode = phases.pop()
+        sampled_rows = [st for st, n in rows if st.num_computed + n >= st.num_tokens]
+        allowed = self.sample_mode == "all" or (self.sample_mode == "decode_only" and decode)
+        on_device = allowed and not any(host_reasons(st.params) for st in sampled_rows)
+        t0 = time.perf_counter()
+        if decode:
+            result, step = self._decode([st for st, _ in rows], on_device)
+        else:
+            result, step = self._prefill(rows, on_device)
+        step.seconds = time.perf_counter() - t0
+        step.sampling = ("none" if not sampled_rows else "device" if on_device else "host")
+        self._log(step)
+        if not sampled_rows or on_device:
+            return self._output(rows, result if on_device else {}, None)
+        self._pending = (so, rows, sampled_rows, result)
+        return None
+
+    def sample_tokens(self, grammar_output):
+        from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
+
+        if self._pending is None:
+            return EMPTY_MODEL_RUNNER_OUTPUT
+        so, rows, sampled_rows, logits = self._pending
+        self._pending = None
+        order, ids, lp = self.host.sample(sampled_rows, logits, so, grammar_output)
+        return self._output(rows, dict(zip(order, ids)), (order, lp))
+
+    def _output(self, rows, sampled: dict, host):
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        # host-sampled rows first, in the sampler's order, so logprobs rows line up
+        order = list(host[0]) if host else []
+        order += [st.req_id for st, _ in rows if st.req_id not in set(order)]
+        tokens = []
+        for rid in order:
+            st = self.requests[rid]
+            tok = sampled.get(rid)
+            if tok is None:
+                tokens.append([])
+            else:
+                st.output.append(int(tok))
+                tokens.append([int(tok)])
+        return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
+                                 sampled_token_ids=tokens, logprobs=host[1] if host else None)
+
+    def _page_table(self, states: list[ReqState], rows: int) -> torch.Tensor:
+        pt = torch.zeros(rows, self.max_blocks, dtype=torch.long)  # block 0: vLLM's null block
+        for i, st in enumerate(states):
+            b = st.block_ids[:self.max_blocks]
+            pt[i, :len(b)] = torch.tensor(b, dtype=torch.long)
+        return pt
+
+    def _device_sampling(self, states: list[ReqState], rows: int) -> DeviceSampling:
+        return DeviceSampling.from_params([s.params for s in states], [s.generator for s in states], rows)
+
+    def _prefill(self, rows, on_device):
+        out, buckets = {}, []
+        for st, n in rows:
+            bucket = pick(self.prefill_buckets, n)
+            buckets.append(bucket)
+            tokens = torch.zeros(1, bucket, dtype=torch.long)
+            tokens[0, :n] = torch.tensor(st.tokens(st.num_computed, n))
+            samples = st.num_computed + n >= st.num_tokens
+            res = self.model.prefill_forward(
+                tokens, self._page_table([st], 1), self.kv, [n], [st.num_computed],
+                self._device_sampling([st], 1) if (samples and on_device) else None)
+            if samples:
+                out[st.req_id] = int(res[0]) if on_device else res[0]
+        return out, Step("prefill", [(st.req_id, st.num_computed, n) for st, n in rows], buckets, "")
+
+    def _decode(self, states, on_device):
+        B = len(states)
+        bucket = pick(self.decode_buckets, B)
+        tokens = torch.zeros(bucket, 1, dtype=torch.long)
+        pos = torch.full((bucket,), -1, dtype=torch.long)
+        for i, st in enumerate(states):
+            tokens[i, 0] = st.tokens(st.num_computed, 1)[0]
+            pos[i] = st.num_computed
+        res = self.model.decode_forward(tokens, pos, self._page_table(states, bucket), self.kv,
+                                        self._device_sampling(states, bucket) if on_device else None)
+        out = {st.req_id: (int(res[i]) if on_device else res[i]) for i, st in enumerate(states)}
+        return out, Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [bucket], "")
+
+    def _log(self, step: Step):
+        self.step_log.append(step)
+        if self._log_path:
+            with open(self._log_path, "a") as f:
+                f.write(json.dumps(step.__dict__) + "\n")

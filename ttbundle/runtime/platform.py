@@ -1,0 +1,200 @@
+"""vLLM platform plugin: Tenstorrent meshes, real or emulated (activation: ``activation.py``).
+
+``check_and_update_config`` runs in the API server process and in the engine core; it
+validates everything a package fixes before any weight is loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from vllm.platforms.interface import Platform, PlatformEnum
+
+from .activation import ENV_EMULATED
+
+logger = logging.getLogger("vllm.ttbundle.platform")
+
+WORKER = "ttbundle.runtime.worker.TTWorker"
+SCHEDULER = "ttbundle.runtime.scheduler.PhaseScheduler"
+
+
+class EmulatedMeshPlatform(Platform):
+    """A Tenstorrent mesh emulated in torch on the host CPU."""
+
+    _enum = PlatformEnum.OOT
+    device_name = "tt"
+    device_type = "cpu"
+    dispatch_key = "CPU"
+    dist_backend = "gloo"
+    device_control_env_var = "TT_VISIBLE_DEVICES"
+    supported_quantization: list[str] = []
+
+    @property
+    def supported_dtypes(self) -> list[torch.dtype]:
+        return [torch.float32, torch.bfloat16]
+
+    @classmethod
+    def import_kernels(cls) -> None:  # no vllm._C: the mesh runs its own programs
+        return
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return f"Tenstorrent mesh (emulated, {os.environ.get('MESH_DEVICE', 'package mesh')})"
+
+    @classmethod
+    def get_device_total_memory(cls, device_id: int = 0) -> int:
+        import psutil
+        return psutil.virtual_memory().total
+
+    @classmethod
+    def set_device(cls, device: torch.device) -> None:
+        return
+
+    @classmethod
+    def manual_seed_all(cls, seed: int) -> None:
+        torch.manual_seed(seed)
+
+    @classmethod
+    def inference_mode(cls):
+        return torch.no_grad()
+
+    @classmethod
+    def is_pin_memory_available(cls) -> bool:
+        return False
+
+    @classmethod
+    def get_current_memory_usage(cls, device=None) -> float:
+        return 0.0
+
+    @classmethod
+    def check_if_supports_dtype(cls, dtype: torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"{dtype} is not supported on Tenstorrent meshes; use bfloat16 or float32")
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        from vllm.exceptions import VLLMValidationError
+
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise VLLMValidationError("prompt_logprobs are not supported on Tenstorrent meshes "
+                                      "(prefill returns the last token's logits only)",
+                                      parameter="prompt_logprobs", value=params.prompt_logprobs)
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        configure(vllm_config, emulated=True)
+
+
+class TTMeshPlatform(EmulatedMeshPlatform):
+    """Real Tenstorrent hardware. This release has no ttnn backend: it refuses clearly."""
+
+    @classmethod
+    def check_and_update_config(cls, vllm_config) -> None:
+        raise ValueError("ttbundle: a Tenstorrent device is present but this release runs packages "
+                         f"only on the emulated mesh ({ENV_EMULATED}=1); on hardware use Tenstorrent's "
+                         "vLLM plugin with the package directory as EXTRA_MODELS_DIR")
+
+
+def _fail(msg: str):
+    raise ValueError(f"ttbundle: {msg}")
+
+
+def configure(vllm_config, emulated: bool) -> None:
+    """Validate a vLLM config against the package it serves and set the plugin's classes."""
+    from ..errors import TTBundleError
+    from . import registry
+    from .options import parse
+    from .packages import open_package
+
+    try:
+        opts = parse(vllm_config.additional_config)
+    except TTBundleError as e:
+        _fail(str(e))
+    pc, sc, cc, mc = (vllm_config.parallel_config, vllm_config.scheduler_config,
+                      vllm_config.cache_config, vllm_config.model_config)
+    if mc is None:
+        return
+    verified = os.environ.get(registry.VERIFIED_ENV + "_MODEL") == str(mc.model)
+    try:
+        pkg = open_package(mc.model, check_hashes=not verified)
+    except TTBundleError as e:
+        _fail(f"--model {mc.model} is not a ttbundle package: {e}")
+    os.environ[registry.VERIFIED_ENV + "_MODEL"] = str(mc.model)
+    n = (pkg.bundle.family.name, pkg.mesh_name)
+    devices = _mesh_devices(pkg.mesh_name)
+
+    # parallelism: the mesh is the parallelism
+    for flag, size in (("-tp/--tensor-parallel-size", pc.tensor_parallel_size),
+                       ("-pp/--pipeline-parallel-size", pc.pipeline_parallel_size),
+                       ("-dp/--data-parallel-size", pc.data_parallel_size)):
+        if size > 1:
+            _fail(f"{flag} {size} is not supported: the mesh replaces it. Package "
+                  f"{pkg.name}-{pkg.mesh_name} already splits the model over the {pkg.mesh_name} mesh's "
+                  f"{devices} chip(s) (see `ttbundle plan`); to use more chips build the bundle for a "
+                  "bigger mesh (targets: in the spec) and serve that package")
+    mesh_env = os.environ.get("MESH_DEVICE")
+    if mesh_env and mesh_env != pkg.mesh_name:
+        _fail(f"MESH_DEVICE={mesh_env} but package {pkg.path.name} was built for {pkg.mesh_name}; "
+              f"serve the {mesh_env} package (`ttbundle build --mesh {mesh_env}`) or unset MESH_DEVICE")
+    if vllm_config.speculative_config is not None:
+        _fail("speculative decoding is not supported on Tenstorrent meshes")
+    if vllm_config.lora_config is not None:
+        _fail("LoRA is not supported on Tenstorrent meshes")
+    if mc.dtype not in (torch.float32, torch.bfloat16):
+        _fail(f"--dtype {str(mc.dtype).removeprefix('torch.')} is not supported; use float32 "
+              "(token-identical to transformers on the emulated mesh) or bfloat16")
+
+    rt, bk = pkg.bundle.spec.runtime, pkg.bundle.buckets
+    if mc.max_model_len > rt.max_model_len:
+        logger.warning("ttbundle: max_model_len %d capped to the package's %d", mc.max_model_len,
+                       rt.max_model_len)
+        mc.max_model_len = rt.max_model_len
+    if sc.max_num_seqs > rt.max_num_seqs:
+        logger.warning("ttbundle: max_num_seqs %d capped to the package's %d", sc.max_num_seqs,
+                       rt.max_num_seqs)
+        sc.max_num_seqs = rt.max_num_seqs
+    if cc.user_specified_block_size and cc.block_size != rt.kv_block_size:
+        _fail(f"--block-size {cc.block_size}: the package's KV cache uses blocks of "
+              f"{rt.kv_block_size} tokens (runtime.kv_block_size)")
+    cc.block_size = rt.kv_block_size
+    cc.enable_prefix_caching = False
+    chunk = bk.prefill_chunk or max(bk.prefill)
+    sc.enable_chunked_prefill = True
+    sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs, chunk)
+    sc.max_num_scheduled_tokens = None
+    sc.long_prefill_token_threshold = chunk
+    sc.async_scheduling = False
+    if sc.scheduler_cls not in (None, SCHEDULER) and "ttbundle" not in str(sc.scheduler_cls):
+        logger.warning("ttbundle: replacing scheduler %s: every step must be one phase", sc.scheduler_cls)
+    sc.scheduler_cls = SCHEDULER
+    pc.worker_cls = WORKER
+    pc.distributed_executor_backend = "uni"
+
+    from vllm.config import CompilationMode
+    from vllm.config.compilation import CUDAGraphMode
+    vllm_config.compilation_config.mode = CompilationMode.NONE
+    vllm_config.compilation_config.cudagraph_mode = CUDAGraphMode.NONE
+    vllm_config.compilation_config.cudagraph_capture_sizes = []
+    mc.enforce_eager = True
+
+    # the architecture as Tenstorrent's plugin names it, registered with vLLM
+    arch = registry.register_arch(pkg.arch)
+    mc.hf_config.architectures = [arch]
+    _guard_empty_cache()
+    logger.info("ttbundle: serving %s-%s (%s) on an emulated %s mesh; trace_mode=%s", pkg.name,
+                pkg.mesh_name, n[0], pkg.mesh_name, opts.trace_mode)
+
+
+def _mesh_devices(name: str) -> int:
+    from .. import mesh as meshmod
+    return meshmod.resolve(name).num_devices
+
+
+def _guard_empty_cache() -> None:
+    """vLLM calls torch.accelerator.empty_cache() for non-CPU platforms; with CPU-only torch
+    that raises. Make it a no-op when there is no accelerator."""
+    acc = getattr(torch, "accelerator", None)
+    if acc is not None and not acc.is_available():
+        acc.empty_cache = lambda: None

@@ -1,0 +1,154 @@
+"""Sampling: on the device (token ids back) or on the host (logits back, vLLM's sampler).
+
+The device path is the end of the traced program: temperature, top-k, top-p and a seeded
+per-request generator, returning one token id per row. Anything else a request asks for
+(logprobs, min_p, logit_bias, allowed/bad words, min_tokens, penalties, structured output, ...)
+needs the logits on the host; :func:`host_reasons` names why, and the model runner sends the
+*whole batch* to the host when any row has a reason (a batch runs one program).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
+
+
+def host_reasons(params) -> list[str]:
+    """Why a request's sampling cannot run on the device (empty: it can)."""
+    p = params
+    r = []
+    if p.logprobs is not None or getattr(p, "logprob_token_ids", None):
+        r.append("logprobs")
+    if p.min_p and p.min_p > 0:
+        r.append("min_p")
+    if p.logit_bias:
+        r.append("logit_bias")
+    if p.allowed_token_ids:
+        r.append("allowed_token_ids")
+    if p.bad_words or getattr(p, "_bad_words_token_ids", None):
+        r.append("bad_words")
+    if p.min_tokens:
+        r.append("min_tokens")
+    if p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0:
+        r.append("penalties")
+    if p.structured_outputs is not None:
+        r.append("structured_outputs")
+    if getattr(p, "thinking_token_budget", None) is not None:
+        r.append("thinking_token_budget")
+    if getattr(p, "watermarking", None):
+        r.append("watermarking")
+    return r
+
+
+@dataclass
+class DeviceSampling:
+    """Per-row sampling parameters of one device batch (rows = the padded batch)."""
+
+    temperature: torch.Tensor  # [B] float32; < 1e-5 means greedy
+    top_k: torch.Tensor  # [B] int64; 0 or >= vocab means off
+    top_p: torch.Tensor  # [B] float32; 1 means off
+    generators: list  # [B] torch.Generator or None (None: the device's default stream)
+
+    @classmethod
+    def from_params(cls, params: list, generators: list, rows: int) -> "DeviceSampling":
+        """From vLLM SamplingParams of the real rows; padding rows are greedy."""
+        t = torch.zeros(rows)
+        k = torch.zeros(rows, dtype=torch.long)
+        p = torch.ones(rows)
+        for i, sp in enumerate(params):
+            t[i] = sp.temperature if sp.temperature >= _EPS else 0.0
+            k[i] = max(sp.top_k, 0)
+            p[i] = sp.top_p
+        return cls(t, k, p, list(generators) + [None] * (rows - len(generators)))
+
+
+def sample_on_device(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:
+    """Token ids [B] from logits [B, V]: greedy rows take the argmax; the others are sampled
+    from softmax(logits / T) restricted to the top-k and the top-p mass, by the exponential-race
+    trick (argmax of p / q, q ~ Exp(1)) with each seeded row drawing q from its own generator,
+    so a seeded request's tokens do not depend on what else is in the batch."""
+    logits = logits.float()
+    greedy = s.temperature < _EPS
+    out = logits.argmax(-1)
+    if bool(greedy.all()):
+        return out
+    B, V = logits.shape
+    x = logits / torch.where(greedy, torch.ones_like(s.temperature), s.temperature)[:, None]
+    k = torch.where((s.top_k <= 0) | (s.top_k >= V), torch.full_like(s.top_k, V), s.top_k)
+    if bool((k < V).any()):
+        kth = x.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])
+        x = x.masked_fill(x < kth, float("-inf"))
+    if bool((s.top_p < 1).any()):
+        sx, idx = x.sort(-1, descending=True)
+        probs = sx.softmax(-1)
+        # drop a token when the mass before it already reaches top_p (keeps at least one)
+        drop = (probs.cumsum(-1) - probs) >= s.top_p[:, None]
+        x = x.scatter(1, idx, sx.masked_fill(drop, float("-inf")))
+    probs = x.softmax(-1)
+    q = torch.empty_like(probs)
+    for i in range(B):
+        g = s.generators[i]
+        q[i].exponential_(generator=g) if g is not None else q[i].exponential_()
+    sampled = (probs / q).argmax(-1)
+    return torch.where(greedy, out, sampled)
+
+
+class HostSampler:
+    """vLLM's own sampler on the host, over a persistent ``InputBatch`` holding exactly the
+    rows sampled this step (the same state the GPU model runner keeps)."""
+
+    def __init__(self, vllm_config, max_num_reqs: int, max_model_len: int, block_size: int,
+                 vocab_size: int, device: torch.device):
+        from vllm.v1.sample.logits_processor import build_logitsprocs
+        from vllm.v1.sample.sampler import Sampler
+        from vllm.v1.worker.gpu_input_batch import InputBatch
+
+        custom = vllm_config.model_config.logits_processors or ()
+        self.batch = InputBatch(
+            max_num_reqs=max_num_reqs, max_model_len=max_model_len,
+            max_num_batched_tokens=max_model_len, device=device, vocab_size=vocab_size,
+            block_sizes=[block_size], max_num_blocks_per_req=[-(-max_model_len // block_size)],
+            logitsprocs=build_logitsprocs(vllm_config, device, False, False, custom),
+            logitsprocs_need_output_token_ids=bool(custom), is_pooling_model=False,
+            reasoning_config=vllm_config.reasoning_config)
+        self.sampler = Sampler(logprobs_mode=vllm_config.model_config.logprobs_mode)
+
+    def _sync(self, states: list) -> None:
+        """Make the batch hold exactly ``states`` (order is the batch's own)."""
+        from vllm.v1.worker.gpu_input_batch import CachedRequestState
+
+        want = {s.req_id for s in states}
+        for rid in list(self.batch.req_id_to_index):
+            if rid not in want:
+                self.batch.remove_request(rid)
+        for s in states:
+            if s.req_id not in self.batch.req_id_to_index:
+                self.batch.add_request(CachedRequestState(
+                    req_id=s.req_id, prompt_token_ids=s.prompt, mm_features=[],
+                    sampling_params=s.params, generator=s.generator, block_ids=(list(s.block_ids),),
+                    num_computed_tokens=s.num_computed, output_token_ids=s.output))
+        self.batch.condense()
+        self.batch.refresh_metadata()
+
+    def remove(self, req_id: str) -> None:
+        if self.batch.remove_request(req_id) is not None:
+            self.batch.condense()
+            self.batch.refresh_metadata()
+
+    def sample(self, states: list, logits: dict, scheduler_output, grammar_output):
+        """Sample one token for each of ``states`` from ``logits`` (req_id -> [V]).
+        Returns (req_ids in batch order, token ids, LogprobsLists or None)."""
+        from vllm.v1.structured_output.utils import apply_grammar_bitmask
+
+        self._sync(states)
+        order = list(self.batch.req_ids)
+        x = torch.stack([logits[r] for r in order]).float()
+        if grammar_output is not None:
+            apply_grammar_bitmask(scheduler_output, grammar_output, self.batch, x)
+        out = self.sampler(x, self.batch.sampling_metadata)
+        ids = out.sampled_token_ids[:, 0].tolist()
+        lp = out.logprobs_tensors.tolists() if out.logprobs_tensors is not None else None
+        return order, ids, lp

@@ -1,0 +1,200 @@
+"""Phase-constrained scheduling on top of vLLM's own scheduler.
+
+Every step is **prefill-only**, **decode-only** or **empty**: a device runs one traced program
+per step, and prefill and decode are different programs. Per step:
+
+1. *Phase.* Prefill when some request has prompt left (a partial prefill in ``running``, or an
+   admissible request in ``waiting``), unless decodes are waiting and ``K`` prefill steps
+   have already run in a row; then decode. ``K`` is ``max_prefill_steps_between_decodes``
+   (``--additional-config '{"tt": {"max_prefill_steps_between_decodes": K}}'``, default 1).
+   A prefill step that cannot schedule anything (no KV blocks) falls back to decode.
+2. *Prefill step.* Requests in FCFS order (partial prefills first, then ``waiting``) each
+   get ``min(remaining, prefill_chunk)`` tokens, so a long prompt is split into chunks of
+   exactly ``prefill_chunk`` tokens (only the last is shorter) and a chunk always starts at a
+   multiple of ``prefill_chunk``. Requests join the step while the sum of their chunks padded
+   to prefill buckets stays within the largest prefill bucket (the first always joins), and
+   never past ``max_num_seqs`` running requests.
+3. *Decode step.* Every running request whose prompt is computed decodes one token; nothing
+   is admitted. The runner pads the batch to the smallest decode bucket that holds it
+   (``max_num_seqs`` <= the largest decode bucket, checked by the spec).
+
+**Waiting bound.** A running request that is ready to decode waits at most ``K`` consecutive
+prefill steps before a decode step includes it (preemption for lack of KV blocks aside; the
+KV cache is sized so every sequence fits at max_model_len, so that does not happen at the
+bundle's limits).
+
+Everything else (KV block allocation, preemption, stop conditions, structured output, stats)
+is vLLM's ``Scheduler``: each step restricts what it sees (the running requests of the phase,
+how many waiting requests it may admit, the token budget) and calls ``super().schedule()``.
+vLLM warns that the scheduler interface is not public: this module is pinned to vLLM 0.33.0.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm.v1.core.sched.interface import PauseState
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from .options import parse
+from .phases import is_decode, pick
+
+logger = logging.getLogger("vllm.ttbundle.scheduler")
+
+
+@dataclass
+class StepRecord:
+    """One scheduled step, for tests and the step log."""
+
+    phase: str  # "prefill" | "decode" | "empty"
+    tokens: dict  # req_id -> tokens scheduled
+    starts: dict  # req_id -> first position scheduled
+    decode_ready: list = field(default_factory=list)  # requests that could decode at step start
+
+
+class PhaseScheduler(Scheduler):
+    """vLLM's scheduler, one phase per step (see the module docstring for the rules)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        from .packages import open_package
+
+        pkg = open_package(self.vllm_config.model_config.model, check_hashes=False)
+        b = pkg.bundle.buckets
+        opts = parse(self.vllm_config.additional_config)
+        self.configure(list(b.prefill), b.prefill_chunk or max(b.prefill), list(b.decode),
+                       opts.max_prefill_steps_between_decodes)
+
+    def configure(self, prefill_buckets: list[int], chunk: int, decode_buckets: list[int],
+                  max_prefill_run: int) -> None:
+        self.prefill_buckets = sorted(prefill_buckets)
+        self.chunk = chunk
+        self.decode_buckets = sorted(decode_buckets)
+        self.max_prefill_run = max_prefill_run
+        self.prefill_budget = max(self.prefill_buckets)  # padded tokens per prefill step
+        self.prefill_run = 0
+        self.records: deque[StepRecord] = deque(maxlen=100_000)
+        self.adaptive_long_prefill_threshold = False
+        self.local_prefill_interval = 1
+        if self.scheduler_config.max_num_batched_tokens < self.prefill_budget:
+            raise ValueError(f"max_num_batched_tokens={self.scheduler_config.max_num_batched_tokens} "
+                             f"is below the largest prefill bucket {self.prefill_budget}")
+
+    # -- helpers --------------------------------------------------------------------------------
+    @staticmethod
+    def _decodes(r) -> bool:
+        return is_decode(r.num_computed_tokens, r.num_prompt_tokens, r.num_tokens_with_spec)
+
+    def _waiting_in_order(self):
+        yield from self.kv_holding_waiting
+        yield from self.waiting
+
+    def _plan_prefill(self) -> tuple[list, list, dict]:
+        """(running partial prefills to schedule, waiting requests to admit, tokens per req)."""
+        planned_running, planned_waiting, tokens = [], [], {}
+        used = 0
+        free_slots = self.max_num_running_reqs - len(self.running)
+
+        def take(r) -> bool:
+            nonlocal used
+            n = min(r.num_tokens_with_spec - r.num_computed_tokens, self.chunk)
+            padded = pick(self.prefill_buckets, n)
+            if tokens and used + padded > self.prefill_budget:
+                return False
+            used += padded
+            tokens[r.request_id] = n
+            return True
+
+        for r in self.running:
+            if self._decodes(r):
+                continue
+            if not take(r):
+                return planned_running, planned_waiting, tokens
+            planned_running.append(r)
+        if self._pause_state != PauseState.UNPAUSED:
+            return planned_running, planned_waiting, tokens
+        for r in self._waiting_in_order():
+            if len(planned_waiting) >= free_slots:
+                break
+            # a blocked request (grammar compiling, ...) ends the plan: vLLM would skip it and
+            # admit the next one with whatever budget is left, breaking chunk alignment
+            if not self._handle_blocked_waiting_request(r):
+                break
+            if not take(r):
+                break
+            planned_waiting.append(r)
+        return planned_running, planned_waiting, tokens
+
+    def _run_restricted(self, visible: list, admit: int, budget: int):
+        """``super().schedule()`` seeing only ``visible`` running requests, admitting at most
+        ``admit`` waiting requests, with a token budget of ``budget``."""
+        orig = list(self.running)
+        saved = (self.max_num_active_reqs, self.max_num_scheduled_tokens,
+                 self.scheduler_config.long_prefill_token_threshold)
+        visible_ids = {id(r) for r in visible}
+        self.running = list(visible)
+        self.max_num_active_reqs = len(visible) + admit
+        self.max_num_scheduled_tokens = budget
+        self.scheduler_config.long_prefill_token_threshold = self.chunk
+        try:
+            out = super().schedule()
+        finally:
+            after = self.running
+            after_ids = {id(r) for r in after}
+            orig_ids = {id(r) for r in orig}
+            self.running = ([r for r in orig if id(r) not in visible_ids or id(r) in after_ids]
+                            + [r for r in after if id(r) not in orig_ids])
+            (self.max_num_active_reqs, self.max_num_scheduled_tokens,
+             self.scheduler_config.long_prefill_token_threshold) = saved
+        return out
+
+    # -- the step -------------------------------------------------------------------------------
+    def schedule(self, throttle_prefills: bool = False):
+        decodes = [r for r in self.running if self._decodes(r)]
+        planned_running, planned_waiting, tokens = self._plan_prefill()
+        want_prefill = bool(tokens)
+        prefill_first = want_prefill and (not decodes or self.prefill_run < self.max_prefill_run)
+        out = None
+        if prefill_first:
+            out = self._run_restricted(planned_running, len(planned_waiting), sum(tokens.values()))
+            bad = {r: n for r, n in out.num_scheduled_tokens.items() if tokens.get(r) != n}
+            if bad:  # vLLM deviated from the plan (should not happen): say so, keep serving
+                logger.warning("ttbundle scheduler: prefill chunks %s differ from the plan %s", bad, tokens)
+            if out.total_num_scheduled_tokens == 0 and decodes:
+                first = out  # no progress (e.g. no free KV blocks): decode instead
+                out = self._run_restricted(decodes, 0, len(decodes))
+                out.finished_req_ids = set(first.finished_req_ids) | set(out.finished_req_ids)
+                out.preempted_req_ids = set(first.preempted_req_ids or ()) | set(out.preempted_req_ids or ())
+        elif decodes:
+            out = self._run_restricted(decodes, 0, len(decodes))
+        else:
+            out = self._run_restricted([], 0, 0)
+        phase = self._phase_of(out)
+        if phase == "prefill" and decodes:
+            self.prefill_run += 1
+        elif phase == "decode":
+            self.prefill_run = 0
+        starts = {}
+        for r in out.scheduled_new_reqs:
+            starts[r.req_id] = r.num_computed_tokens
+        c = out.scheduled_cached_reqs
+        for i, rid in enumerate(c.req_ids):
+            starts[rid] = c.num_computed_tokens[i]
+        self.records.append(StepRecord(phase, dict(out.num_scheduled_tokens), starts,
+                                       [r.request_id for r in decodes]))
+        return out
+
+    def _phase_of(self, out) -> str:
+        if not out.total_num_scheduled_tokens:
+            return "empty"
+        kinds = set()
+        for rid, n in out.num_scheduled_tokens.items():
+            r = self.requests[rid]
+            start = r.num_computed_tokens - n  # already advanced by _update_after_schedule
+            kinds.add(n == 1 and is_decode(start, r.num_prompt_tokens, r.num_tokens_with_spec))
+        if len(kinds) > 1:
+            raise RuntimeError(f"ttbundle scheduler: a step mixes prefill and decode: "
+                               f"{out.num_scheduled_tokens}")
+        return "decode" if kinds.pop() else "prefill"

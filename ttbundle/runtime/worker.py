@@ -1,0 +1,98 @@
+"""The vLLM worker: opens the package vLLM was given as the model, owns the model runner.
+
+vLLM calls, in order: ``init_device``, ``load_model``, ``get_kv_cache_spec``,
+``determine_available_memory``, ``initialize_from_config`` (allocate the KV cache from vLLM's
+``num_blocks``), ``compile_or_warm_up_model`` (every bucket, before the server reports healthy),
+then ``execute_model`` / ``sample_tokens`` per step.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+
+from .model_runner import TTModelRunner
+from .options import parse
+from .packages import open_package
+
+logger = logging.getLogger("vllm.ttbundle.worker")
+
+
+class TTWorker(WorkerBase):
+    def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
+                 is_driver_worker: bool = False, **kwargs):
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
+        self.options = parse(vllm_config.additional_config)
+        self.package = None
+
+    def init_device(self):
+        self.device = torch.device("cpu")
+        torch.manual_seed(self.model_config.seed or 0)
+        self.package = open_package(self.model_config.model, check_hashes=False)  # verified at start
+        self.model_runner = TTModelRunner(self.vllm_config, self.package, self.options, self.device)
+
+    def load_model(self, *, load_dummy_weights: bool = False) -> None:
+        self.model_runner.load_model()
+
+    def get_model(self):
+        return self.model_runner.model
+
+    def get_kv_cache_spec(self):
+        return self.model_runner.kv_cache_spec()
+
+    def get_supported_kv_cache_layouts(self) -> list[str]:
+        return ["NHD"]
+
+    def determine_available_memory(self) -> int:
+        """Exactly the blocks the bundle's KV formula asks for (Tenstorrent's
+        ceil((max_num_seqs x max_model_len + block x max_num_seqs) / block)), unless
+        ``--num-gpu-blocks-override`` says otherwise."""
+        from ..plan import kv_blocks
+
+        override = self.cache_config.num_gpu_blocks_override
+        blocks = override or kv_blocks(self.package.bundle.spec.runtime)
+        return blocks * self.model_runner.kv_bytes_per_block()
+
+    def initialize_from_config(self, kv_cache_config) -> None:
+        self.model_runner.initialize_kv_cache(kv_cache_config.num_blocks)
+
+    def compile_or_warm_up_model(self) -> CompilationTimes:
+        import time
+        t0 = time.perf_counter()
+        self.model_runner.warm_up()
+        return CompilationTimes(language_model=time.perf_counter() - t0, encoder=0.0)
+
+    def get_supported_tasks(self):
+        return ("generate",)
+
+    def execute_model(self, scheduler_output):
+        return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output):
+        return self.model_runner.sample_tokens(grammar_output)
+
+    def check_health(self) -> None:
+        return
+
+    def synchronize_device(self) -> None:
+        return
+
+    def get_cache_block_size_bytes(self) -> int:
+        return self.model_runner.kv_bytes_per_block()
+
+    def add_lora(self, lora_request) -> bool:
+        raise ValueError("LoRA is not supported on Tenstorrent meshes")
+
+    def remove_lora(self, lora_id: int) -> bool:
+        return False
+
+    def list_loras(self) -> set[int]:
+        return set()
+
+    def pin_lora(self, lora_id: int) -> bool:
+        return False
+
+    def shutdown(self) -> None:
+        self.model_runner = None
