@@ -205,6 +205,123 @@ def check(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
 
 
 @app.command()
+def build(spec: Path = typer.Argument(..., help="Bundle spec (YAML) with weights.source."),
+          mesh: Optional[str] = typer.Option(None, "--mesh", "-m", help="Build for this mesh only "
+                                             "(default: every target)."),
+          output: Path = typer.Option(Path("packages"), "-o", "--output", help="Output directory; "
+                                      "packages go to OUT/<mesh>/<bundle> (EXTRA_MODELS_DIR=OUT/<mesh>)."),
+          dry_run: bool = typer.Option(False, "--dry-run", help="List the trace set with estimated sizes "
+                                       "and time, the content key and what would be rebuilt; write nothing."),
+          as_json: bool = typer.Option(False, "--json", help="JSON progress events, one per line (CI)."),
+          force: bool = typer.Option(False, "--force", help="Rebuild every artifact, reusing nothing."),
+          no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip running each new trace once on "
+                                         "the emulated backend (recorded as not warmed).")):
+    """Convert the checkpoint, lower every trace and write a registrable package per mesh.
+
+    Unchanged packages are left alone (content key); a changed bucket rebuilds only its program.
+    Exit 0 built or up to date, 1 failed, 2 invalid input, 3 does not fit."""
+    from . import spec as specmod
+    from .build import ConsoleProgress, build as run_build, print_results
+    results = []
+    try:
+        bundle = specmod.load(spec)
+        for t in _targets(bundle, mesh):
+            if as_json:
+                def emit(e, _t=t):
+                    sys.stdout.write(json.dumps({"mesh": _t, **e}) + "\n")
+                    sys.stdout.flush()
+            else:
+                emit = ConsoleProgress(err, prefix=f"{t}: ")
+            results.append(run_build(bundle, t, output, dry_run=dry_run, force=force,
+                                     warmup=not no_warmup, progress=emit))
+    except TTBundleError as e:
+        if as_json:
+            sys.stdout.write(json.dumps({"event": "error", "message": e.message,
+                                         "diagnostics": [d.to_json() for d in e.diagnostics]}) + "\n")
+            raise typer.Exit(e.exit_code)
+        fail(e)
+    if not as_json:
+        print_results(results, out)
+
+
+@app.command()
+def buckets(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
+            lengths: Path = typer.Option(..., "--lengths", help="Request-length histogram: CSV "
+                                         "(length[,count]) or JSONL ({\"length\": n, \"count\": c})."),
+            max_traces: Optional[int] = typer.Option(None, "--max-traces", "-k", min=1, help="Prefill "
+                                                     "buckets in the proposed ladder (default: as many as now)."),
+            svg: Optional[Path] = typer.Option(None, "--svg", help="Plot the histogram, both ladders' "
+                                               "edges and their padding to this SVG file."),
+            as_json: bool = typer.Option(False, "--json", help="Print the analysis as JSON.")):
+    """Padding waste of the prefill buckets on real request lengths, and the ladder of at most K
+    buckets that minimizes expected padded tokens (exact)."""
+    from . import buckets as bk, spec as specmod
+    try:
+        bundle = specmod.load(spec)
+        report = bk.analyze(bundle, bk.read_lengths(lengths), max_traces)
+        if svg:
+            _write_atomic(svg, bk.render_svg(report, f"{bundle.spec.name}: {lengths.name}"))
+    except TTBundleError as e:
+        fail(e)
+    if as_json:
+        out.print_json(data=report.to_json())
+    else:
+        bk.print_report(report, out)
+
+
+cache_app = typer.Typer(help="Package content keys and integrity.", no_args_is_help=True)
+app.add_typer(cache_app, name="cache")
+
+
+@cache_app.command("explain")
+def cache_explain(package: Path = typer.Argument(..., help="A package directory (OUT/<mesh>/<bundle>)."),
+                  spec: Optional[Path] = typer.Option(None, "--spec", help="Spec to compare with "
+                                                      "(default: the one the package was built from)."),
+                  as_json: bool = typer.Option(False, "--json")):
+    """Which key fields changed since the package was built, and what a build would redo.
+
+    Exit 0 up to date, 1 a rebuild is due."""
+    from rich.table import Table
+    from .cache import explain
+    try:
+        r = explain(package, spec)
+    except TTBundleError as e:
+        fail(e)
+    if as_json:
+        out.print_json(data=r)
+    else:
+        t = Table(title=f"{r['package']} vs {r['spec_file']}", title_justify="left", show_edge=False)
+        for c in ("field", "recorded", "current", ""):
+            t.add_column(c)
+        for f in r["fields"]:
+            short = lambda v: "-" if v is None else (str(v)[:16] if len(str(v)) == 64 else str(v))  # noqa: E731
+            t.add_row(f["field"], short(f["recorded"]), short(f["current"]), "CHANGED" if f["changed"] else "")
+        out.print(t)
+        if r["up_to_date"]:
+            out.print("up to date: `ttbundle build` would do nothing")
+        else:
+            out.print(f"changed since the build: {', '.join(f['field'] for f in r['fields'] if f['changed'])}")
+            out.print(f"a build would redo: {', '.join(r['would_rebuild']) or 'only the small files'}")
+        lb = r["last_build"]
+        out.print(f"last build ({lb['finished']}): rebuilt {', '.join(lb['rebuilt']) or 'nothing'}; "
+                  f"fields changed then: {', '.join(lb['changed_fields']) or 'none'}")
+    if not r["up_to_date"]:
+        raise typer.Exit(1)
+
+
+@cache_app.command("verify")
+def cache_verify(package: Path = typer.Argument(..., help="A package directory.")):
+    """Check every file of a package against the sha256 in its manifest (exit 1 names the first
+    bad file)."""
+    from .package import verify_package
+    try:
+        m = verify_package(package)
+    except TTBundleError as e:
+        fail(e)
+    out.print(f"{package}: {len(m['files'])} files verified")
+
+
+@app.command()
 def schema(output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of stdout.")):
     """The bundle spec's JSON Schema (for editor completion: `# yaml-language-server: $schema=...`)."""
     from .spec import json_schema
