@@ -1,6 +1,8 @@
-"""The model class a package names in ``vllm_metadata.json``: Tenstorrent's vLLM model
+"""The model class behind a package's ``vllm_metadata.json``: Tenstorrent's vLLM model
 interface (``initialize_vllm_model``, ``allocate_kv_cache``, ``prefill_forward``,
-``decode_forward``, ``warmup_model_*``) over the emulated mesh.
+``decode_forward``, ``warmup_model_*``) over the emulated mesh. The adapter module that
+``ttbundle build`` generates in each package subclasses :class:`BundleModel` with the package's
+constants (``package_dir``, ``bundle_name``, ``mesh_name``, ``arch``, ``tt_arch``).
 
 Every call runs one *program*: a prefill of one sequence padded to a prefill bucket, or a
 decode of a batch padded to a decode bucket, exactly the shapes a device would have traced.
@@ -24,8 +26,15 @@ from .sampling import DeviceSampling, sample_on_device
 logger = logging.getLogger("vllm.ttbundle.adapter")
 
 
-class EmulatedCausalLM:
+class BundleModel:
     """A bundle's causal LM on an emulated mesh, behind Tenstorrent's model interface."""
+
+    # set by the generated adapter subclass in each package
+    package_dir: str | None = None
+    bundle_name: str | None = None
+    mesh_name: str | None = None
+    arch: str | None = None
+    tt_arch: str | None = None
 
     model_capabilities = {
         "supports_prefix_caching": False,
@@ -51,13 +60,17 @@ class EmulatedCausalLM:
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len,
                               tt_data_parallel=1, optimizations=None, *, package=None,
                               dtype=torch.float32, trace_mode="all"):
-        """``mesh_device``: the emulated mesh (a ``mesh.Mesh``). The package is the directory
-        vLLM was given as the model (``hf_config._name_or_path``) unless passed."""
+        """``mesh_device``: the emulated mesh (a ``mesh.Mesh``; anything else, e.g. a ttnn
+        MeshDevice, means the package's own mesh). The package: ``package``, else the class's
+        ``package_dir``, else the directory vLLM was given as the model."""
+        from .. import mesh as meshmod
         from .packages import open_package
 
         if tt_data_parallel != 1:
             raise ValueError("data parallel over meshes is not supported by the emulated mesh")
-        pkg = package or open_package(Path(hf_config._name_or_path))
+        pkg = package or open_package(Path(cls.package_dir or hf_config._name_or_path))
+        if not isinstance(mesh_device, meshmod.Mesh):
+            mesh_device = meshmod.resolve(pkg.mesh_name)
         rt = pkg.bundle.spec.runtime
         if max_batch_size > max(pkg.bundle.buckets.decode) or max_seq_len > rt.max_model_len:
             raise ValueError(f"{pkg.name}: max_batch_size={max_batch_size} / max_seq_len={max_seq_len} "

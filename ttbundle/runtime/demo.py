@@ -3,12 +3,12 @@
 Nothing here downloads anything (``HF_HUB_OFFLINE=1`` holds): the tokenizer is built with the
 ``tokenizers`` library and saved with ``PreTrainedTokenizerFast.save_pretrained``; the weights
 are a random instance of the bundle's architecture (``reference.random_model``) saved as HF
-safetensors, so transformers loads the same weights the server runs.
+safetensors, then ``ttbundle build`` makes the package, so transformers (on the checkpoint)
+and the server (on the package) run the same numbers.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import yaml
@@ -55,50 +55,50 @@ def make_tokenizer(directory: str | Path, vocab_size: int):
     return hf
 
 
-def bundle_yaml(bundle, mesh: str) -> str:
-    """The resolved spec of ``bundle`` for a package: weights and tokenizer in the package
-    directory, the one target it was built for."""
-    d = bundle.spec.model_dump(mode="json", exclude_none=True)
-    d.pop("from_hf", None)
-    d["model"] = bundle.arch.model_dump(mode="json", exclude_none=True)
-    d["weights"]["source"] = "."
-    d["tokenizer"] = "."
-    d["targets"] = [mesh]
-    d["buckets"] = bundle.buckets.model_dump(mode="json", exclude_none=True)
-    d.get("sharding", {}).pop("targets", None)
-    return yaml.safe_dump(d, sort_keys=False)
-
-
-def build_package(spec, out_dir: str | Path, mesh: str | None = None, seed: int = 0) -> Path:
-    """A package directory from a spec (path, text or Bundle) with random weights.
-
-    Layout as ``packages`` documents; ``out_dir`` is created (it must not exist or be empty)."""
+def make_source(bundle, directory: str | Path, seed: int = 0) -> Path:
+    """A Hugging Face checkpoint of ``bundle``'s architecture with random weights rounded to
+    bf16 (what packages store, so transformers and the package hold the same numbers), plus the
+    demo tokenizer. ``config.json`` has no eos_token_id: ``generate`` runs to max_new_tokens."""
     import torch
 
-    from .. import reference, spec as specmod
-    from ..families.base import Family  # noqa: F401  (families register on import)
-    from .packages import METADATA, SPEC, write_manifest
+    from .. import reference
 
-    if isinstance(spec, (str, Path)) and Path(str(spec)).suffix in (".yaml", ".yml") and Path(str(spec)).exists():
-        bundle = specmod.load(spec)
-    elif isinstance(spec, str):
-        bundle = specmod.loads(spec, "<spec>")
-    else:
-        bundle = spec
-    mesh = mesh or bundle.spec.targets[0]
-    out = Path(out_dir)
-    if out.exists() and any(out.iterdir()):
-        raise FileExistsError(f"{out} is not empty")
+    out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model = reference.random_model(bundle, seed)
-    model.config.eos_token_id = None  # generate() must not stop early: tests compare lengths
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    model.config.eos_token_id = None
     model.generation_config.eos_token_id = None
     model.save_pretrained(str(out), safe_serialization=True)
     make_tokenizer(out, bundle.arch.vocab_size)
-    (out / SPEC).write_text(bundle_yaml(bundle, mesh), encoding="utf-8")
-    (out / METADATA).write_text(json.dumps({
-        "arch": bundle.family.hf_architectures[0],
-        "main_class": "ttbundle.runtime.adapter:EmulatedCausalLM"}, indent=2) + "\n")
-    write_manifest(out, bundle.spec.name, mesh, bundle.buckets.model_dump(mode="json"),
-                   {"dtype": str(torch.float32).removeprefix("torch.")})
     return out
+
+
+def spec_with_source(spec_text: str, source: str | Path) -> str:
+    """``spec_text`` with ``weights.source`` and ``tokenizer`` set to ``source``."""
+    d = yaml.safe_load(spec_text)
+    d.pop("from_hf", None)
+    d.setdefault("weights", {})["source"] = str(source)
+    d["tokenizer"] = str(source)
+    return yaml.safe_dump(d, sort_keys=False)
+
+
+def build_package(spec_text: str, out_dir: str | Path, mesh: str, seed: int = 0) -> Path:
+    """Random weights for the spec's architecture, then ``ttbundle build`` for ``mesh``: the
+    package directory (``out_dir/<mesh>/<name>``). The checkpoint stays in ``out_dir/src-<name>``
+    (the reference for tests) and the spec in ``out_dir/<name>.yaml``."""
+    from .. import spec as specmod
+    from ..build import build
+
+    out = Path(out_dir).absolute()
+    out.mkdir(parents=True, exist_ok=True)
+    bundle = specmod.loads(spec_text, "<spec>")
+    src = out / f"src-{bundle.spec.name}"
+    if not (src / "config.json").exists():
+        make_source(bundle, src, seed)
+    spec_file = out / f"{bundle.spec.name}.yaml"
+    spec_file.write_text(spec_with_source(spec_text, src), encoding="utf-8")
+    res = build(specmod.load(spec_file), mesh, out)
+    return Path(res.package)

@@ -120,8 +120,8 @@ def configure(vllm_config, emulated: bool) -> None:
     try:
         pkg = open_package(mc.model, check_hashes=not verified)
     except TTBundleError as e:
-        _fail(f"--model {mc.model} is not a ttbundle package: {e}")
-    os.environ[registry.VERIFIED_ENV + "_MODEL"] = str(mc.model)
+        _fail(f"--model {mc.model}: {e}")
+    os.environ[registry.VERIFIED_ENV + "_MODEL"] = str(mc.model)  # the engine core inherits it
     n = (pkg.bundle.family.name, pkg.mesh_name)
     devices = _mesh_devices(pkg.mesh_name)
 
@@ -181,7 +181,9 @@ def configure(vllm_config, emulated: bool) -> None:
 
     # the architecture as Tenstorrent's plugin names it, registered with vLLM
     arch = registry.register_arch(pkg.arch)
-    mc.hf_config.architectures = [arch]
+    if list(mc.hf_config.architectures or []) != [arch]:
+        _fail(f"{pkg.path}/config.json: architectures {mc.hf_config.architectures} should be "
+              f"[{arch!r}] (vllm_metadata.json says {pkg.arch}); rebuild the package")
     _guard_empty_cache()
     logger.info("ttbundle: serving %s-%s (%s) on an emulated %s mesh; trace_mode=%s", pkg.name,
                 pkg.mesh_name, n[0], pkg.mesh_name, opts.trace_mode)

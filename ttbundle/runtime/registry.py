@@ -66,16 +66,27 @@ def _save_dirs(dirs: list[Path]) -> None:
 
 
 def package_dirs(d: Path) -> list[Path]:
-    """``d`` itself when it is a package, else its sub-directories that look like packages
-    (a manifest.json or a vllm_metadata.json)."""
+    """Package directories in ``d``: ``d`` itself, or its sub-directories, or theirs (``ttbundle
+    build -o OUT`` writes ``OUT/<mesh>/<bundle>``; ``EXTRA_MODELS_DIR`` is usually
+    ``OUT/<mesh>``). A folder with a ``vllm_metadata.json`` but no manifest is returned too,
+    so that it is reported (it is not a ttbundle package)."""
     from .packages import MANIFEST, METADATA
 
-    if (d / MANIFEST).is_file():
+    def looks(p: Path) -> bool:
+        return (p / MANIFEST).is_file() or (p / METADATA).is_file()
+
+    if looks(d):
         return [d]
     if not d.is_dir():
         return []
-    return [p for p in sorted(d.iterdir())
-            if p.is_dir() and ((p / MANIFEST).is_file() or (p / METADATA).is_file())]
+    out = []
+    for child in sorted(p for p in d.iterdir() if p.is_dir() and not p.name.startswith(".")):
+        if looks(child):
+            out.append(child)
+        else:
+            out += [g for g in sorted(child.iterdir()) if g.is_dir() and not g.name.startswith(".")
+                    and looks(g)]
+    return out
 
 
 def entry_of(path: Path, check_hashes: bool = True) -> Entry:
@@ -161,7 +172,7 @@ _STUBS: dict[str, type] = {}
 def stub_class(arch: str):
     """The class registered with vLLM as ``TT<arch>``: it satisfies vLLM's model-class checks;
     the model itself runs on the mesh through ttbundle's worker, never through this class."""
-    name = "TT" + arch
+    name = arch if arch.startswith("TT") else "TT" + arch
     if name in _STUBS:
         return _STUBS[name]
     import torch.nn as nn
@@ -179,17 +190,25 @@ def stub_class(arch: str):
 
 
 def register_arch(arch: str) -> str:
+    """Register ``TT<arch>`` with vLLM (idempotent); returns that name."""
     from vllm import ModelRegistry
 
-    name = "TT" + arch
+    name = arch if arch.startswith("TT") else "TT" + arch
     if name not in ModelRegistry.get_supported_archs():
         ModelRegistry.register_model(name, stub_class(arch))
     return name
 
 
 def register_models() -> None:
-    """Verify the packages of every search directory and register their architectures with
-    vLLM (called from ``activation.general_plugin`` when the platform is active)."""
+    """Register ``TT<arch>`` for every family ttbundle knows (a package served directly by path
+    needs its architecture known before vLLM reads its config.json), then verify the packages of
+    every search directory, warning about each one refused. Called from
+    ``activation.general_plugin`` when the platform is active."""
+    from .. import families
+
+    for fam in families.all_families().values():
+        for arch in fam.hf_architectures:
+            register_arch(arch)
     verify = os.environ.get(VERIFIED_ENV) != "1"
     try:
         good, bad = scan(check_hashes=verify)
