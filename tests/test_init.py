@@ -29,6 +29,9 @@ ARCHS = [(f.name, a) for f in families.all_families().values() for a in f.hf_arc
 
 @pytest.fixture
 def runner():
+    from ttbundle import cli
+    for console in (cli.out, cli.err):  # created at import; pin their width too
+        console.width = 200
     return CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"})
 
 
@@ -95,7 +98,7 @@ def test_every_family_round_trips(tmp_path, runner, family, arch):
     specs, _ = planmod.resolved_plan(b, "N150")
     for name, sp in fam.default_plan(b.arch).items():
         if name in specs:
-            assert specs[name] == tuple(sp)
+            assert [planmod.axes_of(e) for e in specs[name]] == [planmod.axes_of(e) for e in sp]
     # max_model_len default: min(max_position_embeddings, 8192), chunked past the largest bucket
     assert b.spec.runtime.max_model_len == min(b.arch.max_position_embeddings, 8192)
     bk = b.buckets
@@ -326,3 +329,14 @@ def test_y_round_trips_on_one_line(value):
     s = y(value)
     assert "\n" not in s and "\r" not in s
     assert yaml.safe_load(f"k: {s}\n") == {"k": value}
+
+
+def test_plan_that_cannot_divide_is_not_written(tmp_path, runner):
+    # intermediate_size=100 over T3K's 8 columns: no sharding option fixes that
+    out = tmp_path / "spec.yaml"
+    r = invoke(runner, "--from-hf", llama(tmp_path / "m", intermediate_size=100), "-o", out,
+               "-m", "N150", "-m", "T3K")
+    assert r.exit_code == 2, r.output
+    assert "the family's default plan does not divide over N150, T3K" in r.stderr
+    assert "intermediate_size=100 is not divisible by mesh axis cols=8 (T3K 1x8)" in r.stderr
+    assert not out.exists()

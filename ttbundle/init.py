@@ -367,13 +367,17 @@ def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
               hf_dir=hf_dir, name=name, meshes=meshes, weights_dtype=weights_dtype,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, buckets=buckets,
               bucket_notes=bucket_notes)
-    first_error: InvalidInput | None = None
+    def plans_for(bundle):
+        plans, diags = {}, []
+        for m in meshes:
+            try:
+                plans[m] = planmod.make_plan(bundle, m)
+            except InvalidInput as e:
+                diags += e.diagnostics or [Diagnostic(e.message)]
+        return plans, diags
+
+    reason, diags = "", []
     for opts in ({},) + SHARDING_FALLBACKS:
-        reason = ""
-        if opts:
-            d = first_error.diagnostics if first_error else []
-            reason = d[0].message if d else (first_error.message if first_error else "")
-            reason = reason.split("; fix:")[0]
         why = {k: f"set by init: {reason}" for k in opts}
         text = _render(_context(sharding_opts=opts, sharding_notes=why, **kw))
         try:
@@ -382,18 +386,15 @@ def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
             # the arguments were checked above, so config.json (or the family) is at fault
             raise InvalidInput(f"{cfg}: the spec generated from it does not validate; nothing "
                                "written", e.diagnostics) from None
-        try:
-            plans = {m: planmod.make_plan(bundle, m) for m in meshes}
-        except InvalidInput as e:
-            first_error = first_error or e
-            continue
-        notes = [f"buckets: {n}" for n in bucket_notes]
-        notes += [f"sharding.{k}: {v} because {reason}" for k, v in opts.items()]
-        return text, bundle, plans, notes
-    assert first_error is not None
+        plans, diags = plans_for(bundle)
+        if not diags:
+            notes = [f"buckets: {n}" for n in bucket_notes]
+            notes += [f"sharding.{k}: {v} because {reason}" for k, v in opts.items()]
+            return text, bundle, plans, notes
+        if not opts:
+            reason = diags[0].message.split("; fix:")[0]
     raise InvalidInput(f"{cfg}: the family's default plan does not divide over "
-                       f"{', '.join(meshes)}, even with padded heads; nothing written",
-                       first_error.diagnostics)
+                       f"{', '.join(meshes)}, even with padded heads; nothing written", diags)
 
 
 def init_spec(hf_dir: str | Path, output: str | Path, meshes: list[str] | None = None,
