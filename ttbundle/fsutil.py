@@ -9,6 +9,12 @@ from pathlib import Path
 from .errors import TTBundleError
 
 
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
 def write_text_atomic(path: str | Path, text: str) -> None:
     write_bytes_atomic(path, text.encode("utf-8"))
 
@@ -19,6 +25,7 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
+            os.fchmod(fd, 0o666 & ~_umask())  # mkstemp makes 0600; honour the umask like open()
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()

@@ -585,23 +585,19 @@ def fixes(bundle, p: Plan) -> list[str]:
     # KV: shorter context or fewer sequences
     kv_per_token = p.memory.kv_cache / max(1, kv_blocks(rt) * rt.kv_block_size)
     if p.memory.kv_cache > 0 and over < p.memory.kv_cache:
-        for field_name in ("max_model_len", "max_num_seqs"):
+        for field_name, step in (("max_model_len", rt.kv_block_size), ("max_num_seqs", 1)):
             cur = getattr(rt, field_name)
-            lo, hi, best = 1, cur - 1, None
+            lo, hi, best = 1, (cur - 1) // step, None  # search in whole steps (blocks / sequences)
             while lo <= hi:  # largest value that fits, by re-planning
                 mid = (lo + hi) // 2
-                if field_name == "max_model_len":
-                    mid = max(rt.kv_block_size, mid // rt.kv_block_size * rt.kv_block_size)
                 try:
-                    ok = make_plan(_with(bundle, **{field_name: mid}), mesh).fits
+                    ok = make_plan(_with(bundle, **{field_name: mid * step}), mesh).fits
                 except InvalidInput:
                     ok = False
                 if ok:
-                    best, lo = mid, mid + 1
+                    best, lo = mid * step, mid + 1
                 else:
                     hi = mid - 1
-                if field_name == "max_model_len" and mid == rt.kv_block_size and not ok:
-                    break
             if best:
                 out.append(f"runtime.{field_name}: {cur} -> {best} (KV cache "
                            f"{_gib(kv_per_token * rt.kv_block_size)} per block per chip)")
