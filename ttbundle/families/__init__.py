@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from ..errors import InvalidInput
 from .base import Family
+from .deepseek_v3 import DeepseekV3
+from .gpt_oss import GptOss
 from .llama import Llama
 
 _FAMILIES: dict[str, Family] = {}
@@ -15,7 +17,7 @@ def register(family: Family) -> None:
     _FAMILIES[family.name] = family
 
 
-for _f in (Llama(),):
+for _f in (Llama(), DeepseekV3(), GptOss()):
     register(_f)
 
 
