@@ -322,6 +322,102 @@ def cache_verify(package: Path = typer.Argument(..., help="A package directory."
 
 
 @app.command()
+def register(directory: Path = typer.Option(..., "--dir", help="A directory of packages (e.g. `ttbundle "
+                                            "build`'s output, or OUT/<mesh>), or one package.")):
+    """Verify every package in DIR and record DIR in the user registry (XDG config dir).
+
+    Prints each package registered and each refused with the reason (the file that does not
+    verify). Exit 0 if any package registered, 1 if none did, 2 invalid input."""
+    from .runtime.registry import register_dir, registry_file
+    try:
+        good, bad = register_dir(directory)
+    except TTBundleError as e:
+        fail(e)
+    for e in good:
+        out.print(Text(f"registered {e.name}-{e.mesh} ({e.arch}) {e.path}"))
+    for path, why in bad:
+        err.print(Text(f"refused {path}: {why}"))
+    if not good:
+        err.print(Text(f"[error] nothing registered from {directory}"))
+        raise typer.Exit(1)
+    out.print(Text(f"{directory.resolve()} recorded in {registry_file()}"))
+
+
+@app.command("ls")
+def ls_(as_json: bool = typer.Option(False, "--json", help="Machine-readable list.")):
+    """Registered packages (registered directories and EXTRA_MODELS_DIR): name, mesh, buckets."""
+    from .runtime.registry import scan
+    try:
+        good, bad = scan(check_hashes=False)
+    except TTBundleError as e:
+        fail(e)
+    if as_json:
+        out.print_json(data={"packages": [{"name": e.name, "mesh": e.mesh, "arch": e.arch,
+                                           "path": str(e.path), "prefill": e.prefill, "decode": e.decode}
+                                          for e in good],
+                             "refused": [{"path": str(p), "reason": why} for p, why in bad]})
+        return
+    from rich.table import Table
+    t = Table(show_edge=False)
+    for c in ("name", "mesh", "arch", "prefill buckets", "decode buckets", "path"):
+        t.add_column(c)
+    for e in good:
+        t.add_row(e.name, e.mesh, e.arch, " ".join(map(str, e.prefill)), " ".join(map(str, e.decode)),
+                  str(e.path))
+    out.print(t)
+    for path, why in bad:
+        err.print(Text(f"refused {path}: {why}"))
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(ctx: typer.Context,
+          target: str = typer.Argument(..., metavar="NAME|PACKAGE|SPEC", help="A registered bundle name "
+                                       "(or NAME-MESH), a package directory, or a spec (built first if "
+                                       "its package is missing or stale)."),
+          host: str = typer.Option("127.0.0.1", "--host"),
+          port: int = typer.Option(8000, "--port"),
+          mesh: Optional[str] = typer.Option(None, "--mesh", "-m", help="For a SPEC: the mesh to build "
+                                             "and serve (default: MESH_DEVICE, else the first target)."),
+          output: Path = typer.Option(Path("packages"), "-o", "--output", help="For a SPEC: where its "
+                                      "package is built (OUT/<mesh>/<bundle>)."),
+          print_command: bool = typer.Option(False, "--print-command", help="Print the vLLM command "
+                                             "and environment instead of starting it.")):
+    """Serve a package with vLLM's OpenAI server on the emulated mesh; Ctrl-C stops it cleanly.
+
+    vLLM's arguments come from the package (max_model_len, max_num_seqs, block size, dtype,
+    --additional-config with trace_region_size); add more after `--`, e.g.
+    `ttbundle serve demo -- --max-num-seqs 8`. Exit 0 after Ctrl-C, else vLLM's exit code."""
+    import shlex
+
+    from .runtime import serve as servemod
+    try:
+        progress = None
+        if Path(target).suffix in (".yaml", ".yml"):
+            from .build import ConsoleProgress
+            progress = ConsoleProgress(err, prefix="build: ")
+        pkg = servemod.resolve(target, mesh, output, progress)
+        plan = servemod.plan_serve(pkg, host, port, list(ctx.args))
+    except TTBundleError as e:
+        fail(e)
+    if print_command:
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
+        out.print(Text(f"{env} {shlex.join(plan.argv)}"))
+        return
+    err.print(Text(f"starting vLLM for {plan.name}-{plan.mesh} ({plan.package}) ..."))
+
+    def ready(p):
+        out.print(Text(f"serving {p.name}-{p.mesh} at {p.url} (model {p.name!r}); Ctrl-C stops"))
+
+    try:
+        code = servemod.run(plan, on_ready=ready)
+    except TTBundleError as e:
+        fail(e)
+    err.print(Text("vLLM stopped"))
+    if code:
+        raise typer.Exit(code)
+
+
+@app.command()
 def schema(output: Optional[Path] = typer.Option(None, "-o", "--output", help="Write here instead of stdout.")):
     """The bundle spec's JSON Schema (for editor completion: `# yaml-language-server: $schema=...`)."""
     from .spec import json_schema

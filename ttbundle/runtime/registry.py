@@ -134,17 +134,19 @@ def scan(check_hashes: bool = True) -> tuple[list[Entry], list[tuple[Path, str]]
 
 
 def register_dir(d: str | Path) -> tuple[list[Entry], list[tuple[Path, str]]]:
-    """Verify every package in ``d`` and record ``d`` in the user registry (also when some
-    package is refused; when none is found, nothing is recorded)."""
+    """Verify every package in ``d`` and record ``d`` in the user registry when at least one
+    verifies (refused packages are returned with the reason, naming the file)."""
     d = Path(d).resolve()
     if not d.is_dir():
         raise InvalidInput(f"{d}: not a directory")
     good, bad = scan_dir(d)
     if not good and not bad:
-        raise InvalidInput(f"{d}: no packages (directories with manifest.json) found")
-    dirs = registered_dirs()
-    if d not in dirs:
-        _save_dirs(dirs + [d])
+        raise InvalidInput(f"{d}: no packages found (a package is a directory with manifest.json; "
+                           "`ttbundle build -o DIR` writes DIR/<mesh>/<bundle>)")
+    if good:
+        dirs = registered_dirs()
+        if d not in dirs:
+            _save_dirs(dirs + [d])
     return good, bad
 
 

@@ -1,0 +1,229 @@
+"""`ttbundle serve`: vLLM's own OpenAI server on a package, with arguments from the package.
+
+``vllm serve PACKAGE`` runs in a child process (its own process group) with the emulated mesh
+activated (``TTBUNDLE_EMULATED=1``), ``MESH_DEVICE`` set to the package's mesh, and:
+
+* ``--max-model-len``, ``--max-num-seqs``, ``--block-size`` from the spec's ``runtime``;
+* ``--dtype float32`` (the emulated mesh then matches transformers token for token);
+* ``--served-model-name`` the bundle name;
+* ``--additional-config '{"tt": {...}}'`` with ``trace_region_size`` from the package and the
+  spec's ``trace_mode`` / ``sample_on_device_mode``; a ``--additional-config`` among the extra
+  arguments is merged over it.
+
+Ctrl-C (or SIGTERM) is forwarded to vLLM as SIGINT, which shuts the engine down cleanly; after
+a grace period the group is killed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import InvalidInput, TTBundleError
+
+GRACE_S = 30
+
+
+@dataclass
+class ServePlan:
+    package: Path
+    name: str
+    mesh: str
+    argv: list[str]
+    env: dict = field(default_factory=dict)
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}/v1"
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _split_additional_config(extra: list[str]) -> tuple[list[str], dict]:
+    """Extra vLLM args without ``--additional-config``, and its parsed value ({} if absent)."""
+    rest, cfg = [], {}
+    it = iter(range(len(extra)))
+    for i in it:
+        a = extra[i]
+        value = None
+        if a == "--additional-config":
+            if i + 1 >= len(extra):
+                raise InvalidInput("--additional-config needs a JSON value")
+            value = extra[i + 1]
+            next(it, None)
+        elif a.startswith("--additional-config="):
+            value = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+            continue
+        try:
+            parsed = json.loads(value)
+        except ValueError as e:
+            raise InvalidInput(f"--additional-config is not JSON: {e}") from None
+        if not isinstance(parsed, dict):
+            raise InvalidInput("--additional-config must be a JSON object")
+        cfg = _merge(cfg, parsed)
+    return rest, cfg
+
+
+def _check_extra(extra: list[str]) -> None:
+    """Refuse what the mesh replaces before vLLM starts (vLLM would refuse it too, later)."""
+    for i, a in enumerate(extra):
+        for flag in ("-tp", "--tensor-parallel-size", "-pp", "--pipeline-parallel-size"):
+            if a == flag or a.startswith(flag + "="):
+                v = a.split("=", 1)[1] if "=" in a else (extra[i + 1] if i + 1 < len(extra) else "")
+                if v.strip() not in ("1", ""):
+                    raise InvalidInput(f"{flag} {v}: the mesh replaces tensor/pipeline parallelism; the "
+                                       "package is already split over its mesh's chips. Serve a package "
+                                       "built for a bigger mesh instead")
+
+
+def vllm_command() -> list[str]:
+    exe = Path(sys.executable).with_name("vllm")
+    if exe.exists():
+        return [str(exe)]
+    found = shutil.which("vllm")
+    return [found] if found else [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+def resolve(target: str, mesh: str | None = None, output: Path = Path("packages"),
+            progress=None) -> Path:
+    """The package directory for NAME (registered), PACKAGE (a directory) or SPEC (a YAML
+    file: built for ``mesh`` into ``output`` unless its package is up to date)."""
+    from .packages import is_package
+    from .registry import find
+
+    p = Path(target)
+    if p.is_file() and p.suffix in (".yaml", ".yml"):
+        from .. import spec as specmod
+        from ..build import build
+
+        bundle = specmod.load(p)
+        m = mesh or os.environ.get("MESH_DEVICE") or bundle.spec.targets[0]
+        if m not in bundle.spec.targets:
+            raise InvalidInput(f"{p}: mesh {m} is not one of its targets ({', '.join(bundle.spec.targets)})")
+        res = build(bundle, m, output, progress=progress)
+        return Path(res.package)
+    if p.is_dir():
+        if not is_package(p):
+            raise InvalidInput(f"{p}: not a package (no manifest.json); give a package, a spec or a "
+                               "registered name")
+        return p.absolute()
+    return find(target).path
+
+
+def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
+               extra: list[str] | None = None) -> ServePlan:
+    """The vLLM command line and environment for ``package``."""
+    from .activation import ENV_EMULATED
+    from .packages import open_package
+
+    pkg = open_package(package)
+    rt = pkg.bundle.spec.runtime
+    extra = list(extra or [])
+    _check_extra(extra)
+    extra, user_cfg = _split_additional_config(extra)
+    tt = {"trace_mode": rt.trace_mode, "sample_on_device_mode": rt.sample_on_device_mode}
+    if pkg.trace_region_bytes:
+        tt["trace_region_size"] = int(pkg.trace_region_bytes)
+    cfg = _merge({"tt": tt}, user_cfg)
+    argv = vllm_command() + [
+        "serve", str(pkg.path),
+        "--host", host, "--port", str(port),
+        "--served-model-name", pkg.name,
+        "--max-model-len", str(rt.max_model_len),
+        "--max-num-seqs", str(rt.max_num_seqs),
+        "--block-size", str(rt.kv_block_size),
+        "--dtype", "float32",
+        "--additional-config", json.dumps(cfg, separators=(",", ":")),
+    ] + extra
+    env = {ENV_EMULATED: "1", "MESH_DEVICE": pkg.mesh_name, "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    return ServePlan(pkg.path, pkg.name, pkg.mesh_name, argv, env, host, port)
+
+
+def healthy(host: str, port: int, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=timeout) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def start(plan: ServePlan, log=None) -> subprocess.Popen:
+    """Start vLLM in its own process group (``log``: a file for its output, else inherited)."""
+    env = dict(os.environ, **plan.env)
+    return subprocess.Popen(plan.argv, env=env, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+                            stdout=log, stderr=subprocess.STDOUT if log is not None else None)
+
+
+def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
+    """SIGINT to vLLM's process group (its clean shutdown), then SIGKILL after ``grace``."""
+    if proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGINT)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(grace)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):  # a second Ctrl-C: do not wait
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    try:  # children vLLM left behind (its engine core) go with the group
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.returncode
+
+
+def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float) -> None:
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise TTBundleError(f"vLLM exited with code {proc.returncode} before it was healthy "
+                                "(its output above says why)")
+        if healthy(host, port):
+            return
+        time.sleep(0.5)
+    raise TTBundleError(f"vLLM was not healthy after {timeout:.0f} s")
+
+
+def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900) -> int:
+    """Serve until vLLM exits or Ctrl-C / SIGTERM; returns vLLM's exit code (0 on Ctrl-C)."""
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    # Ctrl-C must work even when started with SIGINT ignored (e.g. `cmd &` in a script)
+    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
+    old = signal.signal(signal.SIGTERM, on_term)
+    proc = start(plan)
+    try:
+        wait_healthy(proc, plan.host, plan.port, startup_timeout)
+        if on_ready:
+            on_ready(plan)
+        return proc.wait()
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stop(proc)
+        signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
