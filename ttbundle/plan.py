@@ -391,8 +391,10 @@ class _Tracer:
             self.acts[op.out] = _Act(dims, lead.spec[-len(dims):], frozenset())
             self._record(op, tuple(op.ins), op.out)
         elif isinstance(op, Combine):
-            a = self.reduce(op.x, f"combine({op.x})")
-            self.acts[op.out] = _Act(a.dims[1:], a.spec[1:], frozenset(a.spec[0]))
+            # a weighted sum over experts is linear: pending partial sums pass through and the
+            # expert axes join them, so [N] is reduced once instead of [E_local, N] first
+            a = self.acts[op.x]
+            self.acts[op.out] = _Act(a.dims[1:], a.spec[1:], a.partial | frozenset(a.spec[0]))
             self._record(op, (op.x,), op.out)
         elif isinstance(op, Residual):
             self.gather(op.x, f"residual += {op.x}")

@@ -67,11 +67,13 @@ class EmulatedModel:
 
     # -- KV cache -----------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
+        """One cache per KV entry of the family (k and v, or MLA's latent) per layer, laid out
+        [D, num_blocks * block_size, heads on this device, head_dim]; slot = block * size + offset."""
         layers = []
-        kvh = {e["name"]: e["device_shape"][1] for e in self.plan.kv["entries"]}
         for _ in range(self.arch.num_hidden_layers):
-            layers.append({n: torch.zeros(self.ops.D, num_blocks * block_size, kvh[n], self.arch.hd,
-                                          dtype=self.dtype, device=self.device) for n in ("k", "v")})
+            layers.append({e["name"]: torch.zeros(self.ops.D, num_blocks * block_size, e["device_shape"][1],
+                                                  e["device_shape"][3], dtype=self.dtype, device=self.device)
+                           for e in self.plan.kv["entries"]})
         return KVCache(layers, num_blocks, block_size)
 
     # -- forward ------------------------------------------------------------------------------
