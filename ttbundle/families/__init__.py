@@ -5,8 +5,13 @@ from __future__ import annotations
 from ..errors import InvalidInput
 from .base import Family
 from .deepseek_v3 import DeepseekV3
+from .gemma2 import Gemma2
+from .gemma3 import Gemma3
 from .gpt_oss import GptOss
 from .llama import Llama
+from .mistral import Mistral
+from .qwen2 import Qwen2
+from .qwen3 import Qwen3
 
 _FAMILIES: dict[str, Family] = {}
 
@@ -17,7 +22,7 @@ def register(family: Family) -> None:
     _FAMILIES[family.name] = family
 
 
-for _f in (Llama(), DeepseekV3(), GptOss()):
+for _f in (Llama(), Qwen2(), Qwen3(), Mistral(), Gemma2(), Gemma3(), DeepseekV3(), GptOss()):
     register(_f)
 
 

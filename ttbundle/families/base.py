@@ -469,3 +469,13 @@ def hf_rope(config: dict, layer_type: str | None = None) -> dict:
     out["rope_scaling"] = None if rtype == "default" else \
         {"rope_type": rtype, **{k: v for k, v in rs.items() if k in RopeScaling.model_fields}}
     return out
+
+
+def hf_import(family: Family, config: dict, defaults: dict | None = None) -> dict:
+    """``Family.from_hf`` plus rope from either layout (:func:`hf_rope`), the HF class's
+    ``defaults`` for omitted keys (:func:`hf_fill`), and the activation checked under the key
+    config.json uses (``hidden_act`` or Gemma's ``hidden_activation``)."""
+    acts = family.arch_model.model_fields["hidden_act"].annotation.__args__
+    for k in ("hidden_act", "hidden_activation"):
+        reject_hf(config, k, acts.__contains__, f"supported: {', '.join(acts)}")
+    return hf_fill(config, {**Family.from_hf(family, config), **hf_rope(config)}, defaults or {})

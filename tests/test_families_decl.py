@@ -1,0 +1,356 @@
+"""Family declarations against Hugging Face transformers as the independent reference.
+
+Each family gets tiny HF configs instantiated with random weights. Our declarations must account
+for every parameter (count and shape), name every checkpoint key exactly once, read the config
+(transformers>=5 layout, and the published transformers-4 config.json of the real model) as the
+same dims HF reads, and refuse what they do not implement naming the config key. Every bundle
+must validate and fit each of its targets.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import re
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from ttbundle import families, plan, spec  # noqa: E402
+from ttbundle.errors import InvalidInput  # noqa: E402
+from ttbundle.families import transforms  # noqa: E402
+from ttbundle.families.base import Embed, Linear, Local, Norm, Residual  # noqa: E402
+
+BUNDLES = Path(__file__).resolve().parent.parent / "bundles"
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2)
+GEMMA3_TEXT = dict(TINY, num_hidden_layers=6, head_dim=32, query_pre_attn_scalar=24, sliding_window=16,
+                   sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=1e4,
+                   rope_scaling={"rope_type": "linear", "factor": 8.0})
+
+# case -> (HF architecture, config factory); head_dim != hidden/heads where the family allows it
+CASES = {
+    "qwen2": ("Qwen2ForCausalLM", lambda: transformers.Qwen2Config(**TINY)),
+    "qwen2-tied": ("Qwen2ForCausalLM", lambda: transformers.Qwen2Config(**TINY, tie_word_embeddings=True)),
+    "qwen3": ("Qwen3ForCausalLM", lambda: transformers.Qwen3Config(
+        **TINY, head_dim=32, rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4096})),
+    "mistral": ("MistralForCausalLM", lambda: transformers.MistralConfig(**TINY, sliding_window=None)),
+    "mistral-swa": ("MistralForCausalLM", lambda: transformers.MistralConfig(**TINY, sliding_window=16)),
+    "gemma2": ("Gemma2ForCausalLM", lambda: transformers.Gemma2Config(
+        **TINY, head_dim=32, query_pre_attn_scalar=24, sliding_window=16)),
+    "gemma3": ("Gemma3ForCausalLM", lambda: transformers.Gemma3TextConfig(**GEMMA3_TEXT)),
+    "gemma3-mm": ("Gemma3ForConditionalGeneration", lambda: transformers.Gemma3Config(
+        text_config=GEMMA3_TEXT, mm_tokens_per_image=4, vision_config=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+            image_size=28, patch_size=14))),
+}
+
+
+@functools.cache
+def built(case: str):
+    """(HF config, HF model with random weights, our family, our arch read from the config)."""
+    arch, make = CASES[case]
+    cfg = make()
+    cfg.architectures = [arch]
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)(cfg).eval()
+    imported = spec.hf_config_to_arch(cfg.to_dict())
+    fam = families.get(imported["family"])
+    return cfg, model, fam, fam.arch_model.model_validate(imported)
+
+
+def hf_key(fam, key: str) -> str | None:
+    """A checkpoint key as the family's name table spells it; None if deliberately unused."""
+    for pat, rep in fam.hf_key_renames:
+        key = re.sub(pat, rep, key)
+    return None if any(re.match(p, key) for p in fam.hf_ignored) else key
+
+
+def checkpoint(fam, model) -> dict:
+    """The model's tensors as a saved checkpoint holds them: tied weights once (the first name)."""
+    seen, out = set(), {}
+    for k, v in model.state_dict().items():
+        if v.data_ptr() in seen:
+            continue
+        seen.add(v.data_ptr())
+        if (name := hf_key(fam, k)) is not None:
+            out[name] = v
+    return out
+
+
+# ---- (1) parameter count --------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+def test_declared_tensors_count_every_hf_parameter(case):
+    cfg, model, fam, a = built(case)
+    decls = {t.name: t for t in fam.tensors(a)}
+    ours = sum(math.prod(t.shape) * t.count for t in decls.values())
+    if a.tie_word_embeddings:  # the device's lm_head is a transposed copy, HF's a second name
+        ours -= math.prod(decls["lm_head"].shape)
+    theirs = sum(p.numel() for n, p in model.named_parameters() if hf_key(fam, n) is not None)
+    assert ours == theirs
+
+
+# ---- (2) name table: every key consumed once, transforms give the declared shapes ------------------
+@pytest.mark.parametrize("case", CASES)
+def test_hf_names_consume_every_checkpoint_key_once(case):
+    cfg, model, fam, a = built(case)
+    ck = checkpoint(fam, model)
+    decls = {t.name: t for t in fam.tensors(a)}
+    table = fam.hf_names(a)
+    assert sorted(n.tensor for n in table) == sorted(decls)
+    uses: Counter = Counter()
+    for n in table:
+        t = decls[n.tensor]
+        for i in [None] if t.layers is None else range(*t.layers):
+            keys = [k if i is None else k.replace("{i}", str(i)) for k in n.hf]
+            missing = [k for k in keys if k not in ck]
+            assert not missing, f"{n.tensor}: no {missing} in the HF checkpoint"
+            uses.update(keys)
+            w = transforms.apply(n.transform, [ck[k] for k in keys], a)
+            assert tuple(w.shape) == t.shape, f"{n.tensor} layer {i}"
+    assert sorted(set(ck) - set(uses)) == [], "HF tensors no declaration consumes"
+    tied = {"model.embed_tokens.weight": 2} if a.tie_word_embeddings else {}
+    assert {k: c for k, c in uses.items() if c != 1} == tied
+
+
+# ---- (3) config import --------------------------------------------------------------------------
+EXTRA = ("sliding_window", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+
+
+def view(a) -> dict:
+    """What our arch says about the model, in terms HF configs can be asked about."""
+    rope = {"rope_theta": a.rope_theta, "rope_type": "default"}
+    rope |= a.rope_scaling.model_dump(exclude_none=True) if a.rope_scaling else {}
+    v = dict(vocab=a.vocab_size, hidden=a.hidden_size, inter=a.intermediate_size, layers=a.num_hidden_layers,
+             heads=a.num_attention_heads, kv_heads=a.kv_heads, head_dim=a.hd, max_pos=a.max_position_embeddings,
+             eps=a.rms_norm_eps, tied=a.tie_word_embeddings, act=a.hidden_act, rope=rope)
+    v |= {k: getattr(a, k) for k in EXTRA if k in type(a).model_fields}
+    if hasattr(a, "kinds"):
+        v["layer_types"] = list(a.kinds)
+    if hasattr(a, "rope_local_base_freq"):
+        v["local_rope"] = a.rope_local_base_freq
+    return v
+
+
+def hf_view(cfg, like: dict) -> dict:
+    """The same facts read from an HF config object (only the keys ``like`` has)."""
+    t = cfg.get_text_config()
+    rp = t.rope_parameters
+    full = rp.get("full_attention", rp)
+    v = dict(vocab=t.vocab_size, hidden=t.hidden_size, inter=t.intermediate_size, layers=t.num_hidden_layers,
+             heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
+             head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
+             max_pos=t.max_position_embeddings, eps=t.rms_norm_eps, tied=t.tie_word_embeddings,
+             act=getattr(t, "hidden_activation", None) or t.hidden_act,
+             rope={k: full.get(k) for k in like["rope"]})
+    v |= {k: getattr(t, k) for k in EXTRA if k in like}
+    if "layer_types" in like:
+        v["layer_types"] = list(t.layer_types)
+    if "local_rope" in like:
+        v["local_rope"] = rp["sliding_attention"]["rope_theta"]
+    return v
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_config_imports_as_hf_reads_it_and_exports_back(case):
+    cfg, model, fam, a = built(case)
+    assert view(a) == hf_view(cfg, view(a))
+    d = fam.to_hf_config(a)  # what the numerical reference is built from
+    back = transformers.AutoConfig.for_model(d.pop("model_type"), **d)
+    assert hf_view(back, view(a)) == view(a)
+
+
+# Published config.json files (transformers 4.x layout; only the keys a model reads), one per bundle
+_LLAMA31 = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+            "hidden_act": "silu", "max_position_embeddings": 131072, "num_key_value_heads": 8,
+            "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "vocab_size": 128256,
+            "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"}}
+PUBLISHED = {
+    "llama-3.1-8b.yaml": {**_LLAMA31, "hidden_size": 4096, "intermediate_size": 14336,
+                          "num_attention_heads": 32, "num_hidden_layers": 32},
+    "llama-3.1-70b.yaml": {**_LLAMA31, "hidden_size": 8192, "intermediate_size": 28672,
+                           "num_attention_heads": 64, "num_hidden_layers": 80},
+    "qwen2.5-7b.yaml": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu", "hidden_size": 3584,
+        "intermediate_size": 18944, "max_position_embeddings": 32768, "max_window_layers": 28,
+        "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+        "rope_theta": 1000000.0, "sliding_window": 131072, "tie_word_embeddings": False,
+        "use_sliding_window": False, "vocab_size": 152064},
+    "qwen3-8b.yaml": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 4096, "intermediate_size": 12288, "max_position_embeddings": 40960,
+        "max_window_layers": 36, "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+        "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936},
+    "mistral-7b-v0.3.yaml": {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_act": "silu", "hidden_size": 4096,
+        "intermediate_size": 14336, "max_position_embeddings": 32768, "num_attention_heads": 32,
+        "num_hidden_layers": 32, "num_key_value_heads": 8, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+        "sliding_window": None, "tie_word_embeddings": False, "vocab_size": 32768},
+    "gemma-2-9b.yaml": {
+        "architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "attention_bias": False,
+        "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0, "head_dim": 256,
+        "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584,
+        "intermediate_size": 14336, "max_position_embeddings": 8192, "num_attention_heads": 16,
+        "num_hidden_layers": 42, "num_key_value_heads": 8, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+        "rope_theta": 10000.0, "sliding_window": 4096, "vocab_size": 256000},
+    "gemma-3-27b.yaml": {  # the multimodal wrapper; text_config leaves most keys at Gemma3TextConfig's defaults
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504,
+                        "model_type": "gemma3_text", "num_attention_heads": 32, "num_hidden_layers": 62,
+                        "num_key_value_heads": 16, "query_pre_attn_scalar": 168,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                          "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}},
+}
+
+
+@pytest.mark.parametrize("bundle", sorted(PUBLISHED))
+def test_published_config_imports_to_the_bundle_dims(bundle):
+    cfg = PUBLISHED[bundle]
+    imported = spec.hf_config_to_arch(cfg)
+    a = families.get(imported["family"]).arch_model.model_validate(imported)
+    assert a == spec.load(BUNDLES / bundle).arch
+    hf = transformers.AutoConfig.for_model(**cfg)
+    assert hf_view(hf, view(a)) == view(a)
+
+
+@pytest.mark.parametrize("name,model_type", [("mistral", "mistral"), ("gemma2", "gemma2"), ("gemma3", "gemma3_text")])
+def test_hf_defaults_are_the_config_class_defaults(name, model_type):
+    hf = transformers.AutoConfig.for_model(model_type)
+    rp = hf.rope_parameters
+    for k, v in families.get(name).hf_defaults.items():
+        theirs = rp.get("full_attention", rp)["rope_theta"] if k == "rope_theta" else getattr(hf, k)
+        assert (k, theirs) == (k, v)
+
+
+def test_gemma3_multimodal_checkpoint_layouts_map_to_text_model_keys():
+    fam = families.get("gemma3")
+    for key in ("model.language_model.layers.3.mlp.up_proj.weight",  # transformers>=4.52
+                "language_model.model.layers.3.mlp.up_proj.weight"):  # published google/gemma-3-*-it
+        assert hf_key(fam, key) == "model.layers.3.mlp.up_proj.weight"
+    assert hf_key(fam, "language_model.lm_head.weight") == "lm_head.weight"
+    for key in ("vision_tower.vision_model.post_layernorm.weight", "model.multi_modal_projector.mm_soft_emb_norm.weight"):
+        assert hf_key(fam, key) is None
+
+
+# ---- (4) unsupported features are refused naming the config key --------------------------------
+def _set(**kw):
+    return lambda d: d.update(kw)
+
+
+def _v4_rope(d):  # transformers 4 layout with a rope type ttbundle does not implement
+    d.pop("rope_parameters")
+    d.update(rope_theta=10000.0, rope_scaling={"type": "dynamic", "factor": 2.0})
+
+
+UNSUPPORTED = [
+    ("qwen2", _set(use_sliding_window=True), "use_sliding_window=True"),
+    ("qwen2", _set(layer_types=["sliding_attention"] * 4), "layer_types="),
+    ("qwen2", _set(hidden_act="relu"), "hidden_act='relu'"),
+    ("qwen3", _set(attention_bias=True), "attention_bias=True"),
+    ("mistral", _set(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+     "rope_parameters.rope_type='dynamic'"),
+    ("mistral", _v4_rope, "rope_scaling.rope_type='dynamic'"),
+    ("gemma2", _set(hidden_activation="relu"), "hidden_activation='relu'"),
+    ("gemma2", _set(attention_bias=True), "attention_bias=True"),
+    ("gemma2", _set(layer_types=["sliding_attention"] * 3), "layer_types: has 3 entries"),
+    ("gemma2", _set(layer_types=["chunked_attention"] * 4), "layer_types.0"),
+    ("gemma3", lambda d: d["rope_parameters"]["sliding_attention"].update(rope_type="linear", factor=2.0),
+     "rope_parameters.sliding_attention.rope_type='linear'"),
+    ("gemma3", _set(use_bidirectional_attention=True), "use_bidirectional_attention=True"),
+    ("gemma3-mm", lambda d: d["text_config"].update(attention_bias=True), "attention_bias=True"),
+]
+
+
+@pytest.mark.parametrize("case,change,named", UNSUPPORTED, ids=[f"{c}-{n}" for c, _, n in UNSUPPORTED])
+def test_unsupported_config_is_refused_naming_the_key(tmp_path, case, change, named):
+    d = built(case)[0].to_dict()
+    change(d)
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(d))
+    with pytest.raises(InvalidInput) as ei:
+        spec.loads("name: t\nfrom_hf: hf\ntargets: [N150]\n", "spec.yaml", base_dir=tmp_path)
+    assert named in str(ei.value)
+
+
+# ---- per-layer numerics and dataflow ------------------------------------------------------------
+def _decoder(model):
+    inner = model.model
+    return getattr(inner, "language_model", inner)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_traits_match_hf_modules(case):
+    cfg, model, fam, a = built(case)
+    t, dec = cfg.get_text_config(), _decoder(model)
+    rp = t.rope_parameters
+    traits = fam.traits(a)
+    assert traits.get("embed_scale") == getattr(dec.embed_tokens, "embed_scale", torch.tensor(float("nan"))).item() \
+        or "embed_scale" not in traits and not hasattr(dec.embed_tokens, "embed_scale")
+    assert traits.get("final_softcap") == getattr(t, "final_logit_softcapping", None)
+    # a freshly built HF norm holds its neutral weight: 1 for x*w, 0 for Gemma's x*(1+w)
+    assert dec.norm.weight.unique().tolist() == [1.0 - traits.get("norm_offset", 0.0)]
+    for i, layer in enumerate(dec.layers):
+        at, lt = layer.self_attn, fam.layer_traits(a, i)
+        assert lt.get("attn_scale", a.hd ** -0.5) == pytest.approx(at.scaling)
+        assert lt.get("window") == getattr(at, "sliding_window", getattr(t, "sliding_window", None))
+        assert lt.get("attn_softcap") == getattr(at, "attn_logit_softcapping", None)
+        layer_rp = rp.get(getattr(t, "layer_types", [None] * t.num_hidden_layers)[i], rp)
+        scaling = lt.get("rope_scaling", a.rope_scaling)
+        assert (lt.get("rope_theta", a.rope_theta), scaling.rope_type if scaling else "default") == \
+            (layer_rp["rope_theta"], layer_rp["rope_type"])
+
+
+@pytest.mark.parametrize("name", ["qwen2", "qwen3", "mistral", "gemma2", "gemma3"])
+def test_layer_dataflow_uses_declared_weights_and_produced_activations(name):
+    cfg, model, fam, a = built(name)
+    decls = {t.name: t for t in fam.tensors(a)}
+    for kind in fam.layers(a):
+        have = {"h"}
+        for op in kind.ops:
+            ins = {Norm: lambda o: [o.x], Linear: lambda o: [o.x], Local: lambda o: list(o.ins),
+                   Residual: lambda o: [o.x], Embed: lambda o: []}[type(op)](op)
+            assert set(ins) <= have, f"{kind.name}: {op} reads an activation nothing produced"
+            w = getattr(op, "w", None)
+            assert w is None or w in decls, f"{op} uses undeclared {w}"
+            have.add(getattr(op, "out", "h"))
+    layered = {t.layers for t in decls.values() if t.layers is not None}
+    assert layered == {(0, a.num_hidden_layers)}
+    assert [e.count for e in fam.kv_cache(a)] == [a.num_hidden_layers] * 2
+
+
+# ---- transforms ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(6, 4), (3, 6, 4)], ids=["linear", "experts"])
+def test_transpose_round_trips_and_matches_nn_linear(shape):
+    w = torch.randn(shape)
+    d = transforms.apply("t", [w], None)
+    assert d.shape == shape[:-2] + (shape[-1], shape[-2]) and d.is_contiguous()
+    assert torch.equal(transforms.apply("t", [d], None), w)
+    x = torch.randn(5, shape[-1])
+    torch.testing.assert_close(x @ d, torch.einsum("tk,...nk->...tn", x, w))  # HF Linear: x @ W.T
+    assert transforms.apply("id", [w], None) is w
+
+
+def test_every_transform_a_family_names_exists():
+    for case in CASES:
+        _, _, fam, a = built(case)
+        assert {n.transform for n in fam.hf_names(a)} <= set(transforms.TRANSFORMS), case
+
+
+# ---- bundles ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("path", sorted(BUNDLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_bundle_validates_and_fits_each_target(path):
+    b = spec.load(path)
+    for target in b.spec.targets:
+        p = plan.make_plan(b, target)
+        assert p.fits, f"{target}: needs {p.memory.total:,} B per chip of {p.memory.dram:,}"
