@@ -96,7 +96,8 @@ class TTModelRunner:
         self.chunk = b.prefill_chunk or max(b.prefill)
         self.sample_mode = options.sample_on_device_mode or self.bundle.spec.runtime.sample_on_device_mode
         self.requests: dict[str, ReqState] = {}
-        self.model = None
+        self.mesh_model = None  # the package's model class (Tenstorrent's model interface)
+        self.model = None  # an nn.Module for vLLM's hooks (it walks .modules()); holds mesh_model
         self.kv = None
         self.host: HostSampler | None = None
         self._pending = None
@@ -109,11 +110,13 @@ class TTModelRunner:
 
         t0 = time.perf_counter()
         cls = model_class(self.package)
-        self.model = cls.initialize_vllm_model(
+        self.mesh_model = cls.initialize_vllm_model(
             self.vllm_config.model_config.hf_config, meshmod.resolve(self.package.mesh_name),
             self.vllm_config.scheduler_config.max_num_seqs, self.max_model_len, 1,
             self.options.optimizations, package=self.package, dtype=self.dtype,
             trace_mode=self.options.trace_mode)
+        self.model = torch.nn.Module()
+        object.__setattr__(self.model, "mesh_model", self.mesh_model)
         self.host = HostSampler(self.vllm_config, self.vllm_config.scheduler_config.max_num_seqs,
                                 self.max_model_len, self.block_size, self.vocab_size, self.device)
         logger.info("ttbundle: loaded %s on an emulated %s (%s) in %.1f s", self.package.name,
@@ -133,7 +136,7 @@ class TTModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int):
         a = self.bundle.arch
-        self.kv = self.model.allocate_kv_cache((num_blocks, a.kv_heads, self.block_size, a.hd),
+        self.kv = self.mesh_model.allocate_kv_cache((num_blocks, a.kv_heads, self.block_size, a.hd),
                                                self.dtype, a.num_hidden_layers)
         logger.info("ttbundle: KV cache of %d blocks x %d tokens", num_blocks, self.block_size)
 
@@ -146,11 +149,11 @@ class TTModelRunner:
             return
         t0 = time.perf_counter()
         dev = self.sample_mode != "off"
-        self.model.warmup_model_prefill(self.kv, self.options.trace_mode == "all",
+        self.mesh_model.warmup_model_prefill(self.kv, self.options.trace_mode == "all",
                                         dev and self.sample_mode == "all")
-        self.model.warmup_model_decode(self.kv, self.options.trace_mode != "none",
+        self.mesh_model.warmup_model_decode(self.kv, self.options.trace_mode != "none",
                                        max(self.decode_buckets), self.kv.num_blocks, dev)
-        self.model.seal()
+        self.mesh_model.seal()
         logger.info("ttbundle: warmed up %d prefill and %d decode buckets in %.1f s",
                     len(self.prefill_buckets), len(self.decode_buckets), time.perf_counter() - t0)
 
@@ -254,7 +257,7 @@ class TTModelRunner:
             tokens = torch.zeros(1, bucket, dtype=torch.long)
             tokens[0, :n] = torch.tensor(st.tokens(st.num_computed, n))
             samples = st.num_computed + n >= st.num_tokens
-            res = self.model.prefill_forward(
+            res = self.mesh_model.prefill_forward(
                 tokens, self._page_table([st], 1), self.kv, [n], [st.num_computed],
                 self._device_sampling([st], 1) if (samples and on_device) else None)
             if samples:
@@ -269,7 +272,7 @@ class TTModelRunner:
         for i, st in enumerate(states):
             tokens[i, 0] = st.tokens(st.num_computed, 1)[0]
             pos[i] = st.num_computed
-        res = self.model.decode_forward(tokens, pos, self._page_table(states, bucket), self.kv,
+        res = self.mesh_model.decode_forward(tokens, pos, self._page_table(states, bucket), self.kv,
                                         self._device_sampling(states, bucket) if on_device else None)
         out = {st.req_id: (int(res[i]) if on_device else res[i]) for i, st in enumerate(states)}
         return out, Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [bucket], "")

@@ -195,8 +195,9 @@ def _mesh_devices(name: str) -> int:
 
 
 def _guard_empty_cache() -> None:
-    """vLLM calls torch.accelerator.empty_cache() for non-CPU platforms; with CPU-only torch
-    that raises. Make it a no-op when there is no accelerator."""
+    """vLLM calls torch.accelerator.empty_cache() / empty_host_cache() for non-CPU platforms
+    (engine shutdown); with CPU-only torch they raise. No-ops when there is no accelerator."""
     acc = getattr(torch, "accelerator", None)
     if acc is not None and not acc.is_available():
         acc.empty_cache = lambda: None
+        acc.empty_host_cache = lambda: None

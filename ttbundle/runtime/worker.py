@@ -37,6 +37,7 @@ class TTWorker(WorkerBase):
         self.model_runner.load_model()
 
     def get_model(self):
+        """An ``nn.Module`` (vLLM walks ``.modules()``) holding the mesh model as ``.mesh_model``."""
         return self.model_runner.model
 
     def get_kv_cache_spec(self):
