@@ -90,8 +90,8 @@ def _read_csv(text: str, path: Path):
         if not any(c.strip() for c in r) or r[0].lstrip().startswith("#"):
             continue
         where = f"{path}:{i}"
-        if li >= len(r) or (ci is not None and ci >= len(r)):
-            raise InvalidInput(f"{where}: expected {max(li, ci or 0) + 1} columns, got {len(r)}")
+        if len(r) != len(head):
+            raise InvalidInput(f"{where}: expected {len(head)} columns like line {first + 1}, got {len(r)}")
         out.append((where, _num(r[li].strip(), where), 1 if ci is None else _num(r[ci].strip(), where)))
     return out
 

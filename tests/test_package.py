@@ -1,0 +1,219 @@
+"""The package format: verification catches any changed byte, names refuse to escape, generated
+code is data-only whatever the spec says."""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from ttbundle import build as buildmod, package, spec as specmod
+from ttbundle.errors import InvalidInput, TTBundleError
+
+from test_build import write_spec, ckpt  # noqa: F401  (session fixture)
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, ckpt):  # noqa: F811
+    d = tmp_path_factory.mktemp("pkg")
+    bundle = specmod.load(write_spec(d, ckpt, tokenizer=ckpt))
+    res = buildmod.build(bundle, "N300", d / "out", warmup=False)
+    return Path(res.package)
+
+
+@pytest.fixture
+def pkg(built, tmp_path):
+    dst = tmp_path / "copy"
+    shutil.copytree(built, dst)
+    return dst
+
+
+def test_verify_accepts_the_built_package(pkg):
+    m = package.verify_package(pkg)
+    assert len(m["files"]) >= 12
+
+
+@pytest.mark.parametrize("rel", ["weights/device-001.safetensors", "programs/decode-8.json", "config.json",
+                                 "vllm_metadata.json", "README.md", "tokenizer.json"])
+def test_a_flipped_byte_is_caught_and_named(pkg, rel):
+    p = pkg / rel
+    data = bytearray(p.read_bytes())
+    i = len(data) // 2
+    data[i] ^= 0x01
+    p.write_bytes(bytes(data))
+    with pytest.raises(package.PackageError, match=rf"{rel}: sha256 mismatch"):
+        package.verify_package(pkg)
+    # the quick check (sizes only) does not read contents; the full one does
+    package.verify_package(pkg, full=False)
+
+
+def test_missing_truncated_and_extra_files(pkg):
+    (pkg / "programs/prefill-64.json").unlink()
+    with pytest.raises(package.PackageError, match="programs/prefill-64.json: missing"):
+        package.verify_package(pkg)
+    shutil.copy(pkg / "config.json", pkg / "programs/prefill-64.json")
+    with pytest.raises(package.PackageError, match="programs/prefill-64.json: size"):
+        package.verify_package(pkg)
+
+
+def test_extra_file_is_refused(pkg):
+    (pkg / "evil.py").write_text("import os\n")
+    with pytest.raises(package.PackageError, match="evil.py: not in the manifest"):
+        package.verify_package(pkg)
+
+
+def test_first_bad_file_in_sorted_order(pkg):
+    for rel in ("weights/device-000.safetensors", "README.md"):
+        p = pkg / rel
+        b = bytearray(p.read_bytes())
+        b[-1] ^= 0xFF
+        p.write_bytes(bytes(b))
+    with pytest.raises(package.PackageError, match="README.md"):
+        package.verify_package(pkg)
+
+
+@pytest.mark.parametrize("evil", ["../outside", "/etc/passwd", "a/../../b", ".hidden", "weights/./x", "x\\y", ""])
+def test_manifest_paths_cannot_escape(pkg, evil):
+    m = json.loads((pkg / "manifest.json").read_text())
+    m["files"][evil] = {"sha256": "0" * 64, "size": 1}
+    (pkg / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(package.PackageError, match="refusing file path"):
+        package.verify_package(pkg)
+
+
+def test_not_a_package(tmp_path):
+    with pytest.raises(package.PackageError, match="not a ttbundle package"):
+        package.verify_package(tmp_path)
+    (tmp_path / "manifest.json").write_text("{")
+    with pytest.raises(package.PackageError, match="unreadable manifest"):
+        package.verify_package(tmp_path)
+
+
+def test_load_package_checks_headers_against_the_plan(pkg):
+    lp = package.load_package(pkg, verify=True)
+    assert lp.mesh.name == "N300" and sorted(lp.programs) == [("decode", 1), ("decode", 8),
+                                                              ("prefill", 32), ("prefill", 64)]
+    prog = lp.program("decode", 8)
+    assert prog["phase"] == "decode" and prog["rows"] == 32
+    # a bundle.yaml that disagrees with the weight files is caught
+    text = (pkg / "bundle.yaml").read_text().replace("intermediate_size: 512", "intermediate_size: 1024")
+    (pkg / "bundle.yaml").write_text(text)
+    m = json.loads((pkg / "manifest.json").read_text())
+    m["files"]["bundle.yaml"]["size"] = len(text.encode())
+    (pkg / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(package.PackageError, match="device-000.safetensors: w1.0 is bf16"):
+        package.load_package(pkg)
+
+
+def test_cli_cache_verify(pkg, runner):
+    from ttbundle import cli
+    r = runner.invoke(cli.app, ["cache", "verify", str(pkg)])
+    assert r.exit_code == 0 and "files verified" in r.output
+    p = pkg / "weights/device-000.safetensors"
+    b = bytearray(p.read_bytes())
+    b[100] ^= 4
+    p.write_bytes(bytes(b))
+    r = runner.invoke(cli.app, ["cache", "verify", str(pkg)])
+    assert r.exit_code == 1
+    assert "weights/device-000.safetensors: sha256 mismatch" in r.output
+
+
+# ---- names -----------------------------------------------------------------------------------------
+def test_package_path_and_mesh_slugs(tmp_path):
+    assert package.package_path(tmp_path, "llama-3.1-8b", "T3K") == tmp_path.absolute() / "T3K" / "llama-3.1-8b"
+    assert package.mesh_slug("(2,4)") == "2x4"
+    assert package.mesh_slug("(8,4)@blackhole") == "8x4-blackhole"
+    for bad in ("..", "../x", "a/b", ".x", "-x", "", "a\0b", "x" * 200):
+        with pytest.raises(InvalidInput):
+            package.package_path(tmp_path, bad, "T3K")
+    with pytest.raises(InvalidInput):
+        package.package_path(tmp_path, "ok", "../../T3K")
+
+
+def test_module_names_are_identifiers_and_unique():
+    names = {package.module_name(b, m) for b in ("a.b", "a_b", "a-b", "9lives") for m in ("T3K", "(1,8)")}
+    assert len(names) == 8
+    assert all(n.isidentifier() for n in names)
+
+
+# ---- generated code -----------------------------------------------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(st.text())
+def test_pyrepr_round_trips_any_string(s):
+    out = package.pyrepr(s)
+    assert ast.literal_eval(out) == s
+    tree = ast.parse(f"X = {out}")
+    assert isinstance(tree.body[0].value, ast.Constant)
+
+
+def test_pyrepr_refuses_non_data():
+    for v in (object(), float("nan"), {1: 2}, print, b"bytes"):
+        with pytest.raises(InvalidInput):
+            package.pyrepr(v)
+
+
+@pytest.mark.parametrize("name", ["x; import os", "a b", "class", "__import__('os')", "1abc", "é", "a\nb", ""])
+def test_identifiers_refused(name):
+    with pytest.raises(InvalidInput):
+        package.identifier(name, "name")
+    with pytest.raises(InvalidInput):
+        package.render_adapter("b", "T3K", "LlamaForCausalLM", name, "0.1.0")
+
+
+EVIL = ['"""', "'''", '"; import os; os.system("id") #', "\\", "\n\nimport os\n", "{{ 7*7 }}", "\x00",
+        "'+__import__('os').system('id')+'", "\u2028", "}}{%"]
+
+
+@pytest.mark.parametrize("evil", EVIL)
+def test_adapter_values_stay_data(evil):
+    src = package.render_adapter(evil, evil, evil, "LlamaForCausalLM", evil)
+    ns: dict = {}
+    tree = ast.parse(src)
+    consts = {n.targets[0].id: ast.literal_eval(n.value) for n in tree.body
+              if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)}
+    assert consts["BUNDLE"] == evil and consts["MESH"] == evil and consts["ARCH"] == evil
+    assert "system" not in src or repr(evil) in src
+    del ns
+
+
+def test_adapter_whitelist_rejects_code():
+    good = package.render_adapter("b", "T3K", "LlamaForCausalLM", "LlamaForCausalLM", "0.1.0")
+    package.check_adapter_source(good, "LlamaForCausalLM")
+    for inject in ("import subprocess\n", "os.system('id')\n", "X = open('/etc/passwd').read()\n",
+                   "def f():\n    pass\n", "class Other(BundleModel):\n    pass\n"):
+        with pytest.raises(TTBundleError, match="generated adapter rejected"):
+            package.check_adapter_source(good + inject, "LlamaForCausalLM")
+    body_inject = good.replace("    package_dir = PACKAGE_DIR", "    package_dir = __import__('os').getcwd()")
+    with pytest.raises(TTBundleError, match="generated adapter rejected"):
+        package.check_adapter_source(body_inject, "LlamaForCausalLM")
+
+
+def test_generated_adapter_imports_and_subclasses_the_runtime(pkg):
+    """The adapter is importable from its folder (as the TT plugin does: folder on sys.path)."""
+    import importlib
+    import sys
+
+    meta = json.loads((pkg / "vllm_metadata.json").read_text())
+    mod, cls = meta["main_class"].split(":")
+    sys.path.insert(0, str(pkg))
+    try:
+        m = importlib.import_module(mod)
+        C = getattr(m, cls)
+        from ttbundle.runtime.adapter import BundleModel
+        assert issubclass(C, BundleModel)
+        assert os.path.samefile(C.package_dir, pkg) and C.arch == "LlamaForCausalLM" and C.mesh_name == "N300"
+    finally:
+        sys.path.remove(str(pkg))
+        sys.modules.pop(mod, None)
+
+
+def test_markdown_and_code_filters():
+    assert "<" not in package.md("<script>alert(1)</script>")
+    assert "|" not in package.md("a|b").replace("\\|", "")
+    assert "`" not in package.code("a`b") and "\\|" in package.code("a|b")
+    assert package.size(512) == "512 B" and package.size(3 << 30) == "3.00 GiB"
