@@ -322,6 +322,9 @@ def loads(text: str, file: str = "<spec>", base_dir: Path | None = None) -> Bund
             path = _loc_path(err["loc"])
             if err["type"] == "union_tag_invalid":
                 path += ("family",)
+            if isinstance(err.get("input"), list) and any(
+                    isinstance(p, str) and p.startswith("literal['rows'") for p in err["loc"]):
+                continue  # a list entry: its items' errors say what is wrong
             if path in seen:  # a union reports one error per member; the first says it
                 continue
             seen.add(path)
