@@ -26,14 +26,19 @@ def random_model(bundle, seed: int = 0, dtype=None):
     import transformers
 
     cfg = hf_config(bundle)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    # eager attention: transformers' SDPA path ignores Gemma 2's attn_logit_softcapping
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
+                                                          attn_implementation="eager").eval()
     g = torch.Generator().manual_seed(seed)
-    neutral = 0.0 if bundle.family.traits(bundle.arch).get("norm_offset") else 1.0
+    traits = bundle.family.traits(bundle.arch)
+    neutral = 0.0 if traits.get("norm_offset") else 1.0
+    # scaled embeddings (Gemma) must not swamp the layers, or tied logits repeat the input token
+    embed_std = 0.5 / (traits.get("embed_scale") or 1.0)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.dim() >= 2:
                 fan_in = p.shape[-1]
-                scale = 0.5 if "embed" in name else 1.0 / math.sqrt(fan_in)
+                scale = embed_std if "embed" in name else 1.0 / math.sqrt(fan_in)
                 p.copy_(torch.randn(p.shape, generator=g) * scale)
             elif name.endswith("bias"):
                 p.copy_(0.02 * torch.randn(p.shape, generator=g))
@@ -51,6 +56,7 @@ def load_model(directory: str | Path, dtype=None):
 
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(
-            str(directory), dtype=dtype or torch.float32, local_files_only=True).eval()
+            str(directory), dtype=dtype or torch.float32, local_files_only=True,
+            attn_implementation="eager").eval()
     except (OSError, ValueError) as e:
         raise InvalidInput(f"{directory}: transformers cannot load it as a causal LM: {e}") from None

@@ -8,6 +8,7 @@ canonical tensor found: an unmapped or missing tensor is a loud error naming it.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -62,11 +63,30 @@ def _expand(key: str, layer: int | None, experts: int | None) -> list[str]:
     return [k]
 
 
-def canonical(family, a, get: Callable[[str], object], keys: Iterable[str]) -> dict:
-    """Canonical tensors of ``family`` from HF tensors (``get(key)``), checking names both ways."""
+def renamed(family, keys: Iterable[str]) -> dict[str, str]:
+    """Family key name -> checkpoint key, after the family's renames (e.g. Gemma 3's multimodal
+    ``language_model.model.`` prefix) and without the keys it deliberately ignores."""
+    out = {}
+    for k in keys:
+        n = k
+        for pat, rep in family.hf_key_renames:
+            n = re.sub(pat, rep, n)
+        if any(re.search(p, n) for p in family.hf_ignored):
+            continue
+        out[n] = k
+    return out
+
+
+def canonical(family, a, get: Callable[[str], object], keys: Iterable[str],
+              aliases: dict[str, set[str]] | None = None) -> dict:
+    """Canonical tensors of ``family`` from HF tensors (``get(key)``), checking names both ways.
+    ``aliases`` maps a key to the keys sharing its storage (tied weights in a state_dict)."""
     import torch
 
-    keys = set(keys)
+    keymap = renamed(family, keys)
+    raw_get = get
+    get = lambda n: raw_get(keymap[n])  # noqa: E731
+    keys = set(keymap)
     decls = {t.name: t for t in family.tensors(a)}
     table = {n.tensor: n for n in family.hf_names(a)}
     unknown = sorted(set(table) - set(decls))
@@ -98,6 +118,9 @@ def canonical(family, a, get: Callable[[str], object], keys: Iterable[str]) -> d
                                    f"gives shape {list(w.shape)}, the architecture says {list(t.shape)}")
             per_layer.append(w)
         out[name] = per_layer[0] if t.layers is None else per_layer
+    back = {orig: n for n, orig in keymap.items()}
+    for k in list(used):  # a tied duplicate of a used tensor is used too
+        used |= {back[o] for o in (aliases or {}).get(keymap[k], ()) if o in back}
     leftover = sorted(k for k in keys - used if not k.endswith(IGNORED_SUFFIXES))
     if leftover:
         more = f" (and {len(leftover) - 5} more)" if len(leftover) > 5 else ""
@@ -112,4 +135,9 @@ def load_canonical(family, a, directory: str | Path) -> dict:
 
 
 def from_state_dict(family, a, sd: dict) -> dict:
-    return canonical(family, a, sd.__getitem__, sd.keys())
+    """From an in-memory state_dict; keys sharing storage (tied embeddings) count as one."""
+    groups: dict = {}
+    for k, t in sd.items():
+        groups.setdefault((t.data_ptr(), tuple(t.shape)), set()).add(k)
+    aliases = {k: g for g in groups.values() for k in g}
+    return canonical(family, a, sd.__getitem__, sd.keys(), aliases)

@@ -36,6 +36,9 @@ class Llama(Family):
         return [LayerKind("decoder", a.num_hidden_layers,
                           base.attention_ops() + base.mlp_ops())]
 
+    def from_hf(self, config):
+        return base.hf_import(self, config)
+
     def hf_names(self, a):
         return base.standard_hf_names(a)
 
