@@ -321,12 +321,70 @@ def meshes_md() -> str:
     return "\n".join(lines) + "\n"
 
 
+# ---- families ------------------------------------------------------------------------------------
+def _example_arch(fam):
+    """The family's arch at the dims of its example bundle under bundles/, if there is one."""
+    for path in sorted((ROOT / "bundles").glob("*.yaml")):
+        try:
+            b = specmod.load(path)
+        except InvalidInput:
+            continue
+        if b.family is fam:
+            return b.arch, path.name
+    return None, None
+
+
+def families_md() -> str:
+    from ttbundle.backends.emulated.kernels import KERNELS
+    from ttbundle.families.base import Local
+
+    lines = [GENERATED_NOTE, "", "# Model families", "",
+             "One module per family under `ttbundle/families/`, registered in one table (exact names, "
+             "no fuzzy matching). Each declares its dims (HF `config.json` names), tensors, the HF "
+             "tensor-name table, its default sharding plan, its layer dataflow and its KV cache. "
+             "Numerics on the emulated mesh are shared kernels driven by the family's traits; "
+             "`tests/test_emulated*.py` compare every family with Hugging Face transformers on "
+             "N150, N300, T3K and TG.", "",
+             "| family | HF architectures | what it covers | example bundle | per-layer kernels | "
+             "emulated kernels present |", "| --- | --- | --- | --- | --- | --- |"]
+    details = []
+    for name, fam in families.all_families().items():
+        arch, example = _example_arch(fam)
+        kernels, ok = [], True
+        if arch is not None:
+            for kind in fam.layers(arch):
+                for op in kind.ops:
+                    if isinstance(op, Local) and op.kernel not in kernels:
+                        kernels.append(op.kernel)
+            ok = all(k in KERNELS for k in kernels)
+        lines.append(f"| `{name}` | {', '.join(f'`{a}`' for a in fam.hf_architectures)} | "
+                     f"{_cell(fam.summary)} | {f'`bundles/{example}`' if example else '-'} | "
+                     f"{', '.join(f'`{k}`' for k in kernels) or '-'} | {'yes' if ok else 'no'} |")
+        if arch is None:
+            continue
+        details += ["", f"## `{name}`", "", f"Default plan at the dims of `bundles/{example}` "
+                    "(PartitionSpec per tensor; `rows`/`cols` are the mesh axes, an axis of size 1 "
+                    "is a no-op):", "", "| tensor | group | dims | default spec |", "| --- | --- | --- | --- |"]
+        plan = fam.default_plan(arch)
+        for t in fam.tensors(arch):
+            spec = plan.get(t.name, (None,) * len(t.dims))
+            dims = ", ".join(f"{d.name}={d.size}" + (f"x{d.unit}" if d.unit > 1 else "") for d in t.dims)
+            sp = "[" + ", ".join("null" if e is None else e if isinstance(e, str) else
+                                 "[" + ", ".join(e) + "]" for e in spec) + "]"
+            details.append(f"| `{t.name}` | {t.group} | {dims} | `{sp}` |")
+        kv = "; ".join(f"`{e.name}`: {e.heads.name}={e.heads.size} x {e.head_dim}"
+                       + ("" if e.follows else " (replicated)") for e in fam.kv_cache(arch))
+        details += ["", f"KV cache per token and layer: {kv}."]
+    return "\n".join(lines + details) + "\n"
+
+
 # ---- driver ------------------------------------------------------------------------------------
 def generate() -> dict[str, str]:
     """File name (under docs/) -> content."""
     return {
         "spec-reference.md": spec_reference(),
         "meshes.md": meshes_md(),
+        "families.md": families_md(),
         "bundle.schema.json": schema_json(),
     }
 
