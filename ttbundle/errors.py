@@ -40,8 +40,9 @@ class Diagnostic:
         return ":".join(parts)
 
     def __str__(self) -> str:
-        head = self.location()
-        body = f"{self.path}: {self.message}" if self.path else self.message
+        head = _printable(self.location())
+        path, message = _printable(self.path), _printable(self.message)
+        body = f"{path}: {message}" if path else message
         if self.severity == "warning":
             body = f"warning: {body}"
         return f"{head}: {body}" if head else body
@@ -57,6 +58,14 @@ class Diagnostic:
         }
 
 
+def _printable(s: str) -> str:
+    """``s`` with control characters escaped: keys and values come from the user's file and must
+    not reach the terminal raw (an ESC sequence in a YAML key could rewrite the screen)."""
+    if s.isprintable():
+        return s
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in s)
+
+
 class TTBundleError(Exception):
     """A user-facing failure. ``diagnostics`` holds every problem found, not just the first."""
 
@@ -69,8 +78,8 @@ class TTBundleError(Exception):
 
     def __str__(self) -> str:
         if not self.diagnostics:
-            return self.message
-        return "\n".join([self.message] + [str(d) for d in self.diagnostics])
+            return _printable(self.message)
+        return "\n".join([_printable(self.message)] + [str(d) for d in self.diagnostics])
 
 
 class InvalidInput(TTBundleError):
