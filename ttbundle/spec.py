@@ -221,7 +221,7 @@ def _pydantic_message(err: dict, data=None) -> str:
     if any(isinstance(p, str) and p.startswith(("literal['rows'", "list[literal['rows'"))
            for p in err["loc"]):
         return ("a PartitionSpec entry is null, an axis name (rows, cols) or a list of axis names, "
-                f"got {_get(data, _loc_path(err['loc']))!r}")
+                f"got {_get(data, _loc_path(err['loc'], data))!r}")
     if t == "union_tag_not_found":
         return f"missing `family`; one of: {', '.join(families.all_families())}"
     if t == "literal_error":
@@ -244,7 +244,7 @@ def _fields_at(loc: tuple, data) -> list[str]:
     """Field names of the model that holds the key at ``loc`` (pydantic's loc), or []."""
     import typing
     model = BundleSpec
-    path = _loc_path(loc[:-1])
+    path = _loc_path(loc, data)[:-1]
     for i, seg in enumerate(path):
         f = model.model_fields.get(seg) if isinstance(seg, str) else None
         if f is None:
@@ -277,14 +277,21 @@ def _key_hint(loc: tuple, data) -> str:
     return "check the spelling (`ttbundle schema` lists every key)"
 
 
-def _loc_path(loc: tuple) -> tuple:
-    # pydantic puts the discriminator tag (e.g. "llama") and union member names into loc
-    out = []
+def _loc_path(loc: tuple, data) -> tuple:
+    """pydantic's ``loc`` as a path in ``data``: pydantic also puts the discriminator tag (e.g.
+    "llama") and union member names ("literal['rows','cols']") into loc; those are not keys of
+    the document (a user key may well contain "[")."""
+    out, node = [], data
     for i, p in enumerate(loc):
-        if i > 0 and loc[i - 1] == "model" and isinstance(p, str) and p in families.all_families():
-            continue
-        if isinstance(p, str) and ("[" in p or p in ("str", "list[...]", "literal['rows','cols']")):
-            continue
+        if isinstance(node, dict) and p in node:
+            node = node[p]
+        elif (isinstance(node, list) and isinstance(p, int) and not isinstance(p, bool)
+              and 0 <= p < len(node)):
+            node = node[p]
+        elif isinstance(node, dict) and i == len(loc) - 1:
+            node = None  # a required key that is missing
+        else:
+            continue  # a union member tag
         out.append(p)
     return tuple(out)
 
@@ -319,7 +326,7 @@ def loads(text: str, file: str = "<spec>", base_dir: Path | None = None) -> Bund
     except ValidationError as e:
         seen = set()
         for err in e.errors():
-            path = _loc_path(err["loc"])
+            path = _loc_path(err["loc"], data)
             if err["type"] == "union_tag_invalid":
                 path += ("family",)
             if isinstance(err.get("input"), list) and any(
