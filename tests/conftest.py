@@ -1,0 +1,155 @@
+"""Shared fixtures: a pinned terminal, spec builders and error helpers.
+
+Spec text is built from a dict with ``yaml.safe_dump`` so tests can say *what* they change and
+then find the line a diagnostic must point at with :func:`line_of` (computed from the text, never
+copied from ttbundle's output).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+# Pin the terminal before anything imports rich: CliRunner output must not wrap at 80 columns.
+os.environ["COLUMNS"] = "200"
+os.environ["LINES"] = "50"
+os.environ.pop("FORCE_COLOR", None)
+os.environ["NO_COLOR"] = "1"
+
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+SPEC_FILE = "spec.yaml"
+
+# A small Llama whose dims make the arithmetic non-trivial on every mesh:
+# hidden 512 = 8 heads x 64, 2 KV heads (replicated on T3K/TG), intermediate 1536, vocab 4096.
+TINY = {
+    "name": "tiny",
+    "description": "test model",
+    "model": {
+        "family": "llama",
+        "vocab_size": 4096,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+    },
+    "targets": ["N150"],
+    "buckets": {"prefill": [128, 512], "decode": [1, 8, 32], "prefill_chunk": 512},
+    "runtime": {"max_model_len": 2048, "max_num_seqs": 32},
+}
+
+# Llama-3.1-70B's published dims (HF config.json of meta-llama/Llama-3.1-70B).
+LLAMA_70B = {
+    "name": "llama-3.1-70b",
+    "model": {
+        "family": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+    },
+    "targets": ["T3K"],
+}
+
+
+def deep_update(base: dict, changes: dict) -> dict:
+    """``changes`` merged into a copy of ``base``; a value of ``DELETE`` removes the key."""
+    out = copy.deepcopy(base)
+    for k, v in changes.items():
+        if v is DELETE:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_update(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+class _Delete:
+    def __repr__(self):
+        return "DELETE"
+
+
+DELETE = _Delete()
+
+
+def dump(data) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=1000)
+
+
+def spec_text(changes: dict | None = None, base: dict | None = None) -> str:
+    return dump(deep_update(base or TINY, changes or {}))
+
+
+def _matches(line: str, needle: str) -> bool:
+    # "- 3" means a block list item that is exactly 3 (not "- 32")
+    return line.strip() == needle if needle.startswith("- ") else needle in line
+
+
+def line_of(text: str, needle: str, nth: int = 1) -> int:
+    """1-based line of the ``nth`` line containing ``needle`` (a list item ``- x``: exactly)."""
+    hits = [i + 1 for i, line in enumerate(text.splitlines()) if _matches(line, needle)]
+    assert len(hits) >= nth, f"{needle!r} not in spec text:\n{text}"
+    return hits[nth - 1]
+
+
+def col_of(text: str, needle: str, nth: int = 1) -> int:
+    """1-based column where ``needle`` starts on its line (a list item ``- x``: where x starts)."""
+    line = text.splitlines()[line_of(text, needle, nth) - 1]
+    return line.index(needle) + 1 + (2 if needle.startswith("- ") else 0)
+
+
+@pytest.fixture
+def spec_dir(tmp_path):
+    """Where spec files are written (weights/tokenizer paths resolve relative to it)."""
+    return tmp_path
+
+
+@pytest.fixture
+def write_spec(spec_dir):
+    def write(text: str, name: str = SPEC_FILE):
+        p = spec_dir / name
+        p.write_text(text, encoding="utf-8")
+        return p
+    return write
+
+
+@pytest.fixture
+def load(spec_dir):
+    """``load(text)`` -> Bundle (file name ``spec.yaml``, paths relative to ``spec_dir``)."""
+    from ttbundle import spec
+
+    def _load(text: str):
+        return spec.loads(text, SPEC_FILE, base_dir=spec_dir)
+    return _load
+
+
+@pytest.fixture
+def diagnostics(spec_dir):
+    """``diagnostics(text)`` -> the InvalidInput's diagnostics (fails if the spec loads)."""
+    from ttbundle import spec
+    from ttbundle.errors import InvalidInput
+
+    def _diags(text: str):
+        with pytest.raises(InvalidInput) as ei:
+            spec.loads(text, SPEC_FILE, base_dir=spec_dir)
+        assert ei.value.diagnostics, str(ei.value)
+        return ei.value.diagnostics
+    return _diags
+
+
+@pytest.fixture
+def runner():
+    from typer.testing import CliRunner
+
+    from ttbundle import cli
+    # The CLI's consoles are created at import; pin their width too.
+    for console in (cli.out, cli.err):
+        console.width = 200
+    return CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"})
