@@ -50,9 +50,15 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
 
     Exit 0 valid, 2 invalid (every problem listed as file:line:col: key.path: message),
     3 valid but does not fit a target's memory (see `ttbundle plan`)."""
-    from . import plan as planmod, spec as specmod
+    from . import mesh as meshmod, plan as planmod, spec as specmod
     try:
-        bundle = specmod.load(spec)
+        try:
+            bundle = specmod.load(spec)
+        except specmod.InvalidSpec as e:  # schema-valid: add each mesh's errors, all at once
+            for t in [mesh] if mesh else e.bundle.spec.targets:
+                if meshmod.try_resolve(t) is not None:
+                    e.diagnostics += planmod.sharding_diagnostics(e.bundle, t)
+            raise
         targets = _targets(bundle, mesh)
         diags, plans = [], {}
         for t in targets:

@@ -412,10 +412,9 @@ def kv_blocks(rt) -> int:
     return _cdiv(rt.max_num_seqs * rt.max_model_len + rt.kv_block_size * rt.max_num_seqs, rt.kv_block_size)
 
 
-def make_plan(bundle, mesh: Mesh | str) -> Plan:
-    """The plan of ``bundle`` on ``mesh``. Raises InvalidInput listing every divisibility error."""
-    if isinstance(mesh, str):
-        mesh = meshmod.resolve(mesh)
+def _shard_tensors(bundle, mesh: Mesh):
+    """Per-device shard of every tensor, and one diagnostic per dim that does not divide its axis.
+    Needs only the schema to be valid, so ``validate`` can report these next to spec errors."""
     fam, a, s = bundle.family, bundle.arch, bundle.spec
     specs, origin = resolved_plan(bundle, mesh.name)
     decls = {t.name: t for t in fam.tensors(a)}
@@ -426,6 +425,8 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
 
     for t in decls.values():
         spec = specs[t.name]
+        if len(spec) != len(t.dims):
+            continue  # spec.check reports the rank; only reached for a spec with errors
         dev, notes = [], []
         for d, e in zip(t.dims, spec):
             ax = axes_of(e)
@@ -444,11 +445,25 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
         layout = _layout(t)
         tensors.append(TensorPlan(t.name, t.group, dtype, layout, list(t.shape), list(spec), dev,
                                   t.count, tensor_bytes(dev, dtype, layout, mesh), notes))
-    if errors:
-        diags = []
-        for (dname, ax), (tnames, msg, at) in errors.items():
-            origin_note = "" if at[0] == "sharding" else " (family default plan)"
-            diags.append(bundle.locate(at, f"{', '.join(tnames)}{origin_note}: {msg}"))
+    diags = []
+    for (dname, ax), (tnames, msg, at) in errors.items():
+        origin_note = "" if at[0] == "sharding" else " (family default plan)"
+        diags.append(bundle.locate(at, f"{', '.join(tnames)}{origin_note}: {msg}"))
+    return specs, decls, tensors, diags
+
+
+def sharding_diagnostics(bundle, mesh: Mesh | str) -> list[Diagnostic]:
+    """The divisibility errors of ``bundle`` on ``mesh`` (works on a spec with other errors)."""
+    return _shard_tensors(bundle, meshmod.resolve(mesh) if isinstance(mesh, str) else mesh)[3]
+
+
+def make_plan(bundle, mesh: Mesh | str) -> Plan:
+    """The plan of ``bundle`` on ``mesh``. Raises InvalidInput listing every divisibility error."""
+    if isinstance(mesh, str):
+        mesh = meshmod.resolve(mesh)
+    fam, a, s = bundle.family, bundle.arch, bundle.spec
+    specs, decls, tensors, diags = _shard_tensors(bundle, mesh)
+    if diags:
         raise InvalidInput(f"{bundle.file}: sharding plan does not fit {mesh.describe()}", diags)
 
     # collectives and op counts per layer kind

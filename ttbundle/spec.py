@@ -200,6 +200,15 @@ class Bundle:
         return None if p is None else (self.base_dir / p)
 
 
+class InvalidSpec(InvalidInput):
+    """A spec that passed the schema but broke other rules; ``bundle`` lets callers add the
+    per-mesh checks so every problem is reported at once."""
+
+    def __init__(self, message: str, diagnostics: list[Diagnostic], bundle: Bundle):
+        super().__init__(message, diagnostics)
+        self.bundle = bundle
+
+
 def locate(file, positions, path, message, severity="error") -> Diagnostic:
     """A diagnostic at ``path``, or at its nearest ancestor that exists in the file."""
     p = tuple(path)
@@ -359,7 +368,7 @@ def loads(text: str, file: str = "<spec>", base_dir: Path | None = None) -> Bund
     errors = [d for d in diags if d.severity == "error"]
     bundle.warnings = [d for d in diags if d.severity == "warning"]
     if errors:
-        raise InvalidInput(f"{file}: invalid spec", diags)
+        raise InvalidSpec(f"{file}: invalid spec", diags, bundle)
     return bundle
 
 
