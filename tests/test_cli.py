@@ -278,3 +278,19 @@ def test_control_characters_from_the_spec_are_escaped(runner, write_spec):
     assert r.exit_code == 2
     assert "\x1b" not in r.stderr and "\x1e" not in r.stderr
     assert r.stderr.splitlines()[1].startswith(f"  {p}:{spec_text().count(chr(10)) + 1}:1: evil\\x1b[2J\\x1e: unknown key")
+
+
+def test_validate_reports_spec_and_mesh_errors_together(runner, write_spec):
+    # one rule broken in the spec, one only visible on a mesh: both come out in one run
+    text = spec_text({"targets": ["N300", "T3K"], "buckets": {"decode": [1, 5, 32]}, "model": {
+        "hidden_size": 3584, "num_attention_heads": 28, "num_key_value_heads": 4, "intermediate_size": 18944}})
+    p = write_spec(text)
+    r = run(runner, "validate", p)
+    assert r.exit_code == 2
+    lines = r.stderr.splitlines()
+    assert len(lines) == 3
+    assert lines[1].startswith(f"  {p}:{line_of(text, '- 5')}:{col_of(text, '- 5')}: buckets.decode.1: ")
+    assert lines[2].startswith(f"  {p}:{line_of(text, '- T3K')}:3: targets.1: wq, wo (family default plan): "
+                               "num_attention_heads=28 is not divisible by mesh axis cols=8 (T3K 1x8)")
+    r = run(runner, "validate", p, "--mesh", "N300")  # only the spec error on a mesh where 28 divides
+    assert r.exit_code == 2 and len(r.stderr.splitlines()) == 2
