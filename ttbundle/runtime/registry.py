@@ -105,7 +105,8 @@ def scan_dir(d: Path, check_hashes: bool = True) -> tuple[list[Entry], list[tupl
         try:
             good.append(entry_of(p, check_hashes))
         except TTBundleError as e:
-            bad.append((p, str(e)))
+            why = str(e)
+            bad.append((p, why[len(f"{p}: "):] if why.startswith(f"{p}: ") else why))
     return good, bad
 
 

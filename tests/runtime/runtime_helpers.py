@@ -1,0 +1,112 @@
+"""Shared by the runtime tests: tiny specs per family, the transformers reference, and the
+checks every recorded step sequence must pass."""
+
+from __future__ import annotations
+
+import functools
+
+import yaml
+
+# (family, mesh) pairs served end to end. Families join by adding a TINY_ARCH entry.
+CASES = [("llama", "N150"), ("llama", "T3K"), ("qwen3", "N150"), ("gemma3", "T3K")]
+
+_DIMS = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024)
+TINY_ARCH = {
+    "llama": dict(_DIMS, family="llama"),
+    "qwen3": dict(_DIMS, family="qwen3", head_dim=16),
+    "gemma3": dict(_DIMS, family="gemma3", num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24,
+                   sliding_window=16, sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4),
+}
+PREFILL = [32, 64, 128]
+DECODE = [1, 2, 4, 8, 16, 32]
+CHUNK = 64
+MAX_MODEL_LEN = 256
+MAX_NUM_SEQS = 32
+
+
+def spec_text(family: str) -> str:
+    return yaml.safe_dump({
+        "name": f"tiny-{family}",
+        "description": f"tiny random {family} for runtime tests",
+        "model": TINY_ARCH[family],
+        "targets": ["N150", "T3K"],
+        "buckets": {"prefill": PREFILL, "decode": DECODE, "prefill_chunk": CHUNK},
+        "runtime": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS},
+    }, sort_keys=False)
+
+
+@functools.cache
+def hf_model(src: str):
+    import torch
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+
+
+def hf_greedy(src, prompt_ids: list[int], n: int) -> list[int]:
+    """transformers ``generate`` (greedy) on the checkpoint the package was built from."""
+    import torch
+    m = hf_model(str(src))
+    with torch.no_grad():
+        out = m.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def pick(buckets, n):
+    return min(b for b in buckets if b >= n)
+
+
+def check_steps(records, prompt_lens: dict, chunk: int, prefill_buckets: list[int],
+                max_prefill_run: int) -> dict:
+    """Invariants of a scheduler's recorded steps (``PhaseScheduler.records``):
+
+    * each step is prefill-only, decode-only or empty, and its phase is what its rows are;
+    * a prefill step's chunks padded to buckets fit the largest bucket; every chunk starts at a
+      multiple of ``chunk`` and is ``chunk`` long unless it ends the prompt;
+    * a decode step holds every request that was ready to decode at its start;
+    * a request ready to decode waits at most ``max_prefill_run`` prefill steps in a row.
+
+    Returns per-request prefill chunks (for further checks)."""
+    chunks: dict = {}
+    waited: dict = {}
+    for i, r in enumerate(records):
+        rows = r.tokens
+        if r.phase == "empty":
+            assert not rows
+            continue
+        if r.phase == "decode":
+            assert all(n == 1 for n in rows.values()), f"step {i}: decode rows {rows}"
+            missing = set(r.decode_ready) - set(rows)
+            assert not missing, f"step {i}: ready to decode but not in the decode step: {missing}"
+            for rid in rows:
+                waited[rid] = 0
+            continue
+        assert r.phase == "prefill", r.phase
+        assert not set(rows) & set(r.decode_ready), f"step {i}: a decode row in a prefill step"
+        padded = sum(pick(prefill_buckets, n) for n in rows.values())
+        assert padded <= max(prefill_buckets), f"step {i}: padded prefill tokens {padded}"
+        for rid, n in rows.items():
+            start = r.starts[rid]
+            chunks.setdefault(rid, []).append((start, n))
+        for rid in r.decode_ready:
+            waited[rid] = waited.get(rid, 0) + 1
+            assert waited[rid] <= max_prefill_run, \
+                f"step {i}: {rid} waited {waited[rid]} prefill steps (bound {max_prefill_run})"
+    for rid, cs in chunks.items():
+        plen = prompt_lens.get(rid)
+        first = [c for c in cs if c[0] == 0]
+        for start, n in cs:
+            assert start % chunk == 0, f"{rid}: chunk at {start} is not at a multiple of {chunk}"
+            assert n <= chunk
+        if plen is not None and first:
+            # the first prefill of the prompt: chunks of `chunk` tokens, the last one shorter
+            run = cs[cs.index(first[0]):]
+            total = 0
+            for start, n in run:
+                assert start == total, f"{rid}: chunks {run} are not contiguous"
+                total += n
+                if total >= plen:
+                    break
+                assert n == chunk, f"{rid}: chunk of {n} tokens in the middle of the prompt"
+            assert total == plen, f"{rid}: chunks {run} cover {total} of {plen} tokens"
+    return chunks

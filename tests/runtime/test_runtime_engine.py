@@ -1,0 +1,159 @@
+"""vLLM's own engine in-process (``vllm.LLM``, no server) on a package: the worker, the model
+runner, the scheduler and both sampling paths, checked against transformers and against the
+rules of the recorded steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime_helpers import CHUNK, DECODE, PREFILL, check_steps, hf_greedy, pick
+
+PROMPT_LENS = (5, 100, 150, 20, 64, 65, 3, 200, 33, 1)
+
+
+@pytest.fixture(scope="module")
+def engine(make_package):
+    import os
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    from vllm import LLM
+
+    pkg, src = make_package("llama", "N150")
+    llm = LLM(model=str(pkg), dtype="float32", seed=0)
+    core = llm.llm_engine.engine_core.engine_core
+    yield llm, core.scheduler, core.model_executor.driver_worker.worker.model_runner, src
+    llm.llm_engine.engine_core.shutdown()
+
+
+def _prompts(lens, offset=10):
+    return [{"prompt_token_ids": [(offset + 7 * i + n) % 500 + 8 for i in range(n)]} for n in lens]
+
+
+def _generate(llm, prompts, params):
+    from vllm import SamplingParams
+    ps = params if isinstance(params, list) else [params] * len(prompts)
+    return llm.generate(prompts, [SamplingParams(**p) for p in ps], use_tqdm=False)
+
+
+def test_greedy_batch_matches_transformers_generate(engine):
+    llm, sched, runner, src = engine
+    prompts = _prompts(PROMPT_LENS)
+    n0 = len(sched.records)
+    outs = _generate(llm, prompts, dict(max_tokens=12, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(src, p["prompt_token_ids"], 12), len(p["prompt_token_ids"])
+    # the steps that produced them: one phase each, chunked, padded, bounded waiting
+    plens = {}
+    records = list(sched.records)[n0:]
+    ids = {rid for r in records for rid in r.tokens}
+    for p, o in zip(prompts, outs):
+        for rid in ids:
+            if rid.startswith(f"{o.request_id}-"):
+                plens[rid] = len(p["prompt_token_ids"])
+    assert len(plens) == len(prompts)
+    chunks = check_steps(records, plens, CHUNK, PREFILL, 1)
+    assert max(len(c) for c in chunks.values()) == 4  # 200 tokens = 64 + 64 + 64 + 8
+
+
+def test_runner_pads_every_batch_to_the_smallest_bucket(engine):
+    llm, sched, runner, _ = engine
+    _generate(llm, _prompts((7, 70, 3)), dict(max_tokens=5, temperature=0, ignore_eos=True))
+    steps = list(runner.step_log)
+    assert steps
+    for s in steps:
+        if s.phase == "decode":
+            assert s.buckets == [pick(DECODE, len(s.rows))]
+        else:
+            assert s.buckets == [pick(PREFILL, n) for _, _, n in s.rows]
+    model = runner.mesh_model
+    assert model.sealed and set(model.programs_run) <= model.warmed
+    assert model.warmed == {("prefill", b) for b in PREFILL} | {("decode", b) for b in DECODE}
+
+
+def test_unwarmed_or_unbucketed_shapes_are_refused(engine):
+    import torch
+    _, _, runner, _ = engine
+    m = runner.mesh_model
+    pt = torch.zeros(1, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="padded to a bucket"):
+        m.prefill_forward(torch.zeros(1, 40, dtype=torch.long), pt, runner.kv, [40], [0])
+    m.warmed.discard(("prefill", 32))
+    try:
+        with pytest.raises(RuntimeError, match="refusing to capture a trace while serving"):
+            m.prefill_forward(torch.zeros(1, 32, dtype=torch.long), pt, runner.kv, [32], [0])
+    finally:
+        m.warmed.add(("prefill", 32))
+
+
+def test_host_fallback_is_chosen_per_batch(engine):
+    llm, _, runner, src = engine
+    prompts = _prompts((9, 17))
+    n0 = len(runner.step_log)
+    outs = _generate(llm, prompts, dict(max_tokens=6, temperature=0, ignore_eos=True))
+    dev = [s.sampling for s in list(runner.step_log)[n0:] if s.sampling != "none"]
+    assert dev and set(dev) == {"device"}
+    n1 = len(runner.step_log)
+    outs2 = _generate(llm, prompts, [dict(max_tokens=6, temperature=0, ignore_eos=True),
+                                     dict(max_tokens=6, temperature=0, ignore_eos=True, logprobs=3)])
+    host = [s.sampling for s in list(runner.step_log)[n1:] if s.sampling != "none"]
+    assert "host" in host
+    # same greedy tokens either way; logprobs came back from vLLM's sampler
+    for a, b, p in zip(outs, outs2, prompts):
+        ref = hf_greedy(src, p["prompt_token_ids"], 6)
+        assert list(a.outputs[0].token_ids) == list(b.outputs[0].token_ids) == ref
+    lp = outs2[1].outputs[0].logprobs
+    assert len(lp) == 6 and all(len(step) >= 3 for step in lp)
+
+
+@pytest.mark.parametrize("extra", [{}, {"min_p": 0.05}], ids=["device", "host"])
+def test_seeded_sampling_is_reproducible_whatever_the_batch(engine, extra):
+    llm, *_ = engine
+    p = dict(max_tokens=10, temperature=0.9, top_p=0.95, top_k=50, seed=1234, ignore_eos=True, **extra)
+    prompt = _prompts((12,))
+    alone = _generate(llm, prompt, p)[0].outputs[0].token_ids
+    again = _generate(llm, prompt, p)[0].outputs[0].token_ids
+    crowd = _generate(llm, _prompts((30, 12, 50), offset=3)[:1] + prompt,
+                      [dict(max_tokens=10, temperature=1.0, ignore_eos=True), p])[1].outputs[0].token_ids
+    other = _generate(llm, prompt, dict(p, seed=99))[0].outputs[0].token_ids
+    assert list(alone) == list(again) == list(crowd)
+    assert list(other) != list(alone)
+
+
+def test_structured_output_runs_on_the_host(engine):
+    from vllm.sampling_params import StructuredOutputsParams
+    llm, _, runner, _ = engine
+    n0 = len(runner.step_log)
+    out = _generate(llm, _prompts((8,)), dict(max_tokens=4, temperature=0,
+                                              structured_outputs=StructuredOutputsParams(choice=["beza", "daso"])))
+    assert out[0].outputs[0].text.strip() in ("beza", "daso")  # the word-level detokenizer adds a space
+    assert "host" in [s.sampling for s in list(runner.step_log)[n0:]]
+
+
+# ---- configuration refused before anything loads ---------------------------------------------------
+@pytest.mark.parametrize("kwargs, env, needle", [
+    ({"tensor_parallel_size": 2}, {}, "-tp/--tensor-parallel-size 2 is not supported: the mesh replaces it"),
+    ({"additional_config": {"tt": {"trace_mod": "all"}}}, {}, "tt.trace_mod: unknown option; did you mean `trace_mode`?"),
+    ({"block_size": 16}, {}, "--block-size 16: the package's KV cache uses blocks of 32 tokens"),
+    ({"dtype": "float16"}, {}, "--dtype float16 is not supported"),
+    ({}, {"MESH_DEVICE": "T3K"}, "MESH_DEVICE=T3K but package tiny-llama was built for N150"),
+])
+def test_engine_config_refusals(make_package, monkeypatch, kwargs, env, needle):
+    from vllm.engine.arg_utils import EngineArgs
+
+    pkg, _ = make_package("llama", "N150")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(Exception) as e:
+        EngineArgs(model=str(pkg), **{"dtype": "float32", **kwargs}).create_engine_config()
+    assert needle in str(e.value)
+
+
+def test_engine_config_caps_limits_to_the_package(make_package):
+    from vllm.engine.arg_utils import EngineArgs
+
+    pkg, _ = make_package("llama", "N150")
+    cfg = EngineArgs(model=str(pkg), dtype="float32", max_num_seqs=256).create_engine_config()
+    assert cfg.model_config.max_model_len == 256 and cfg.scheduler_config.max_num_seqs == 32
+    assert cfg.cache_config.block_size == 32 and not cfg.cache_config.enable_prefix_caching
+    assert cfg.scheduler_config.scheduler_cls == "ttbundle.runtime.scheduler.PhaseScheduler"
+    assert cfg.parallel_config.worker_cls == "ttbundle.runtime.worker.TTWorker"
+    assert cfg.model_config.hf_config.architectures == ["TTLlamaForCausalLM"]

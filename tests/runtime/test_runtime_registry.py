@@ -1,0 +1,115 @@
+"""`ttbundle register --dir` / `ttbundle ls` and the registry vLLM reads at start: tampered or
+incompatible packages are refused naming the file; the good ones still register."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+
+import pytest
+
+from ttbundle.runtime import registry
+
+
+@pytest.fixture
+def repo(tmp_path, make_package):
+    """OUT/<mesh>/<bundle> with two good packages (llama on N150 and T3K)."""
+    out = tmp_path / "out"
+    for mesh in ("N150", "T3K"):
+        pkg, _ = make_package("llama", mesh)
+        shutil.copytree(pkg, out / mesh / pkg.name)
+    return out
+
+
+def _tamper(pkg, rel="config.json"):
+    p = pkg / rel
+    data = bytearray(p.read_bytes())
+    data[len(data) // 2] ^= 0x01  # same size: only the hash can tell
+    p.write_bytes(bytes(data))
+    return p
+
+
+def test_register_records_the_directory_and_ls_lists_packages(repo, xdg, runner):
+    from ttbundle.cli import app
+
+    r = runner.invoke(app, ["register", "--dir", str(repo)])
+    assert r.exit_code == 0, r.output
+    assert f"registered tiny-llama-N150 (LlamaForCausalLM) {repo / 'N150' / 'tiny-llama'}" in r.output
+    assert f"registered tiny-llama-T3K (LlamaForCausalLM) {repo / 'T3K' / 'tiny-llama'}" in r.output
+    assert json.loads((xdg / "ttbundle" / "registry.json").read_text())["dirs"] == [str(repo.resolve())]
+    r = runner.invoke(app, ["ls", "--json"])
+    assert r.exit_code == 0, r.output
+    got = {(p["name"], p["mesh"]): p for p in json.loads(r.output)["packages"]}
+    assert set(got) == {("tiny-llama", "N150"), ("tiny-llama", "T3K")}
+    assert got[("tiny-llama", "T3K")]["prefill"] == [32, 64, 128]
+    assert got[("tiny-llama", "T3K")]["decode"] == [1, 2, 4, 8, 16, 32]
+    r = runner.invoke(app, ["ls"])
+    assert "tiny-llama" in r.output and "32 64 128" in r.output
+    assert registry.find("tiny-llama-T3K").mesh == "T3K"
+    with pytest.raises(Exception, match="names 2 packages"):
+        registry.find("tiny-llama")
+
+
+def test_tampered_package_refused_naming_the_file_others_register(repo, xdg, runner):
+    from ttbundle.cli import app
+
+    bad = _tamper(repo / "T3K" / "tiny-llama", "weights/device-000.safetensors")
+    r = runner.invoke(app, ["register", "--dir", str(repo)])
+    assert r.exit_code == 0, r.output
+    assert "registered tiny-llama-N150" in r.output
+    assert "registered tiny-llama-T3K" not in r.output
+    assert "refused" in r.output and "weights/device-000.safetensors: sha256 mismatch" in r.output
+    assert f"refused {bad.parent.parent}: weights/device-000.safetensors: sha256 mismatch" in r.output
+    good, refused = registry.scan()
+    assert [(e.name, e.mesh) for e in good] == [("tiny-llama", "N150")]
+
+
+def test_incompatible_or_foreign_packages_are_refused(repo, xdg):
+    pkg = repo / "N150" / "tiny-llama"
+    m = json.loads((pkg / "manifest.json").read_text())
+    m["format"] = "ttbundle.package/99"
+    (pkg / "manifest.json").write_text(json.dumps(m))
+    foreign = repo / "N150" / "tt-style"  # Tenstorrent's own layout: metadata, no manifest
+    foreign.mkdir()
+    (foreign / "vllm_metadata.json").write_text('{"arch": "LlamaForCausalLM", "main_class": "m:C"}')
+    good, refused = registry.register_dir(repo)
+    assert [(e.name, e.mesh) for e in good] == [("tiny-llama", "T3K")]
+    why = dict((p.name, w) for p, w in refused)
+    assert "manifest.json: not a ttbundle.package/1 manifest" in why["tiny-llama"]
+    assert "not a ttbundle package (no manifest.json)" in why["tt-style"]
+
+
+def test_nothing_registered_is_an_error(tmp_path, xdg, runner):
+    from ttbundle.cli import app
+
+    r = runner.invoke(app, ["register", "--dir", str(tmp_path)])
+    assert r.exit_code == 2 and "no packages found" in r.output
+    assert not (xdg / "ttbundle" / "registry.json").exists()
+
+
+def test_vllm_start_registers_good_packages_and_warns_about_bad(repo, xdg, monkeypatch):
+    """The general plugin: every family's TT<arch>, the packages of registered directories and
+    EXTRA_MODELS_DIR, a warning naming each refused package."""
+    from vllm import ModelRegistry
+
+    _tamper(repo / "T3K" / "tiny-llama")
+    monkeypatch.setenv("EXTRA_MODELS_DIR", str(repo / "T3K"))
+    registry._save_dirs([repo / "N150"])
+    monkeypatch.delenv(registry.VERIFIED_ENV, raising=False)
+    seen = []
+    h = logging.Handler()
+    h.emit = lambda rec: seen.append(rec.getMessage())
+    log = logging.getLogger("vllm.ttbundle.registry")
+    log.addHandler(h)
+    level = log.level
+    log.setLevel(logging.INFO)
+    try:
+        registry.register_models()
+    finally:
+        log.removeHandler(h)
+        log.setLevel(level)
+    assert {"TTLlamaForCausalLM", "TTQwen3ForCausalLM", "TTGemma3ForCausalLM"} <= set(
+        ModelRegistry.get_supported_archs())
+    assert any("skipping package" in m and "config.json: sha256 mismatch" in m for m in seen), seen
+    assert any("registered 1 package(s): tiny-llama-N150" in m for m in seen), seen

@@ -1,0 +1,156 @@
+"""Runtime pieces without an engine: activation, plugin options, device sampling, the vLLM
+command line `ttbundle serve` derives from a package."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from ttbundle.errors import InvalidInput
+from ttbundle.runtime import activation
+from ttbundle.runtime.options import parse
+from ttbundle.runtime.phases import is_decode, pick
+from ttbundle.runtime.sampling import DeviceSampling, host_reasons, sample_on_device
+
+
+# ---- activation -----------------------------------------------------------------------------------
+def test_platform_activates_only_when_asked(monkeypatch):
+    from vllm.platforms import resolve_current_platform_cls_qualname
+
+    monkeypatch.delenv(activation.ENV_EMULATED, raising=False)
+    assert activation.platform_plugin() is None
+    assert resolve_current_platform_cls_qualname() != activation.EMULATED  # vLLM never sees us
+    activation.general_plugin()  # inactive: registers nothing, raises nothing
+
+    monkeypatch.setenv(activation.ENV_EMULATED, "1")
+    assert activation.platform_plugin() == activation.EMULATED
+    assert resolve_current_platform_cls_qualname() == activation.EMULATED
+    monkeypatch.setenv(activation.ENV_EMULATED, "0")
+    assert activation.platform_plugin() is None
+
+
+def test_tt_platform_needs_a_device_node(monkeypatch):
+    monkeypatch.delenv(activation.ENV_EMULATED, raising=False)
+    # no /dev/tenstorrent on this machine: ttnn being importable or not, the TT path stays off
+    assert activation.tt_hardware_present() is False
+
+
+# ---- options ---------------------------------------------------------------------------------------
+def test_tt_options_use_tenstorrent_names():
+    o = parse({"tt": {"trace_mode": "decode_only", "sample_on_device_mode": "decode_only",
+                      "trace_region_size": 50_000_000, "enable_model_warmup": False,
+                      "fabric_config": "FABRIC_1D_RING", "dispatch_core_axis": "col",
+                      "worker_l1_size": 1344544, "l1_small_size": 79104}, "gdn_prefill_backend": "x"})
+    assert (o.trace_mode, o.sample_on_device_mode, o.trace_region_size, o.enable_model_warmup) == \
+        ("decode_only", "decode_only", 50_000_000, False)
+    assert parse(None).trace_mode == "all" and parse({}).enable_model_warmup is True
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"tt": {"trace_mod": "all"}}, "tt.trace_mod: unknown option; did you mean `trace_mode`?"),
+    ({"tt": {"bogus": 1}}, "tt.bogus: unknown option; valid keys: trace_mode"),
+    ({"tt": {"trace_mode": "sometimes"}}, "tt.trace_mode: Input should be 'all', 'decode_only' or 'none'"),
+    ({"tt": {"trace_region_size": -5}}, "tt.trace_region_size: Input should be greater than 0"),
+    ({"tt": ["all"]}, '"tt" must be a JSON object'),
+])
+def test_tt_options_refuse_unknown_and_invalid(cfg, needle):
+    with pytest.raises(InvalidInput) as e:
+        parse(cfg)
+    assert needle in str(e.value)
+
+
+# ---- phases and buckets --------------------------------------------------------------------------
+def test_phase_and_bucket_rules():
+    assert is_decode(10, 10, 11) and not is_decode(9, 10, 11) and not is_decode(0, 10, 10)
+    assert is_decode(128, 100, 129)  # a resumed request's last recompute token is a decode
+    assert [pick([32, 64, 128], n) for n in (1, 32, 33, 128)] == [32, 32, 64, 128]
+    with pytest.raises(ValueError):
+        pick([1, 8], 9)
+
+
+# ---- device sampling ------------------------------------------------------------------------------
+def _params(**kw):
+    from vllm import SamplingParams
+    return SamplingParams(**kw)
+
+
+def test_device_sampling_greedy_topk1_tiny_topp_are_argmax():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=g)
+    rows = [_params(temperature=0), _params(temperature=1.0, top_k=1), _params(temperature=0.7, top_p=1e-6)]
+    s = DeviceSampling.from_params(rows, [None] * 3, 6)
+    ids = sample_on_device(logits, s)
+    assert ids.tolist() == logits.argmax(-1).tolist()  # padding rows are greedy too
+
+
+def test_device_sampling_seeded_rows_do_not_depend_on_the_batch():
+    logits = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+
+    def run(row, batch):
+        gens = [torch.Generator().manual_seed(7) if i == row else None for i in range(batch)]
+        params = [_params(temperature=0.9, seed=7 if i == row else None, top_k=20, top_p=0.9)
+                  for i in range(batch)]
+        x = torch.cat([logits[1:2]] * batch) if batch > 1 else logits[1:2]
+        return [int(sample_on_device(x, DeviceSampling.from_params(params, gens, batch))[row])
+                for _ in range(1)] + [int(sample_on_device(x, DeviceSampling.from_params(params, gens, batch))[row])]
+
+    assert run(0, 1) == run(2, 4) == run(3, 4)
+
+
+def test_device_sampling_follows_the_distribution():
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0]])
+    s = DeviceSampling.from_params([_params(temperature=1.0)], [torch.Generator().manual_seed(3)], 1)
+    counts = torch.zeros(4)
+    for _ in range(4000):
+        counts[int(sample_on_device(logits, s)[0])] += 1
+    assert torch.allclose(counts / 4000, logits.softmax(-1)[0], atol=0.03)
+    s = DeviceSampling.from_params([_params(temperature=1.0, top_k=2)], [torch.Generator().manual_seed(3)], 1)
+    seen = {int(sample_on_device(logits, s)[0]) for _ in range(300)}
+    assert seen == {0, 1}
+
+
+@pytest.mark.parametrize("kw, reason", [
+    ({}, None), ({"temperature": 0.7, "top_k": 5, "top_p": 0.9, "seed": 1}, None),
+    ({"logprobs": 2}, "logprobs"), ({"min_p": 0.1}, "min_p"), ({"logit_bias": {3: 1.0}}, "logit_bias"),
+    ({"allowed_token_ids": [1, 2]}, "allowed_token_ids"), ({"min_tokens": 3}, "min_tokens"),
+    ({"presence_penalty": 0.5}, "penalties"), ({"repetition_penalty": 1.2}, "penalties"),
+])
+def test_host_fallback_reasons(kw, reason):
+    r = host_reasons(_params(**kw))
+    assert (r == []) if reason is None else (reason in r)
+
+
+def test_structured_output_needs_the_host():
+    from vllm.sampling_params import StructuredOutputsParams
+    assert "structured_outputs" in host_reasons(_params(structured_outputs=StructuredOutputsParams(choice=["a"])))
+
+
+# ---- `ttbundle serve` arguments ------------------------------------------------------------------
+def test_serve_derives_vllm_arguments_from_the_package(make_package):
+    from ttbundle.runtime.serve import plan_serve
+
+    pkg, _ = make_package("llama", "T3K")
+    p = plan_serve(pkg, "127.0.0.1", 18123, ["--seed", "3", "--additional-config",
+                                              '{"tt": {"trace_mode": "decode_only"}}'])
+    a = p.argv
+    arg = lambda k: a[a.index(k) + 1]  # noqa: E731
+    assert a[a.index("serve") + 1] == str(pkg)
+    assert (arg("--max-model-len"), arg("--max-num-seqs"), arg("--block-size"), arg("--dtype")) == \
+        ("256", "32", "32", "float32")
+    assert arg("--served-model-name") == "tiny-llama" and arg("--port") == "18123"
+    assert a.count("--additional-config") == 1 and a[-2:] == ["--seed", "3"]
+    tt = json.loads(arg("--additional-config"))["tt"]
+    assert tt["trace_mode"] == "decode_only"  # the user's value wins
+    assert tt["sample_on_device_mode"] == "all" and tt["trace_region_size"] > 0
+    assert p.env["TTBUNDLE_EMULATED"] == "1" and p.env["MESH_DEVICE"] == "T3K"
+
+
+@pytest.mark.parametrize("extra", [["-tp", "2"], ["--tensor-parallel-size=8"], ["-pp", "2"]])
+def test_serve_refuses_parallelism_flags(make_package, extra):
+    from ttbundle.runtime.serve import plan_serve
+
+    pkg, _ = make_package("llama", "N150")
+    with pytest.raises(InvalidInput, match="the mesh replaces tensor/pipeline parallelism"):
+        plan_serve(pkg, extra=extra)
