@@ -484,6 +484,10 @@ def assert_clean(text: str) -> str:
                                       + p.memory.trace_region)
     except InvalidInput as e:
         assert e.diagnostics, e.message
+        if isinstance(e, spec.InvalidSpec):  # schema-valid: the mesh checks still run (validate)
+            for t in e.bundle.spec.targets:
+                if meshmod.try_resolve(t) is not None:
+                    e.diagnostics += planmod.sharding_diagnostics(e.bundle, t)
         for d in e.diagnostics:
             assert d.file == SPEC_FILE and isinstance(d.line, int) and d.line >= 1, str(d)
             assert d.line <= max(1, text.count("\n") + 1), str(d)
