@@ -198,9 +198,6 @@ def test_activations_on_n150_and_n300():
     assert p.memory.activations == per_token * 512 * 2 + 32 * V * 2
 
 
-@pytest.mark.xfail(strict=True, reason="bug (_Act.local_elems, owned by the tracer refactor): a KV "
-                   "head replicated over the axis counts as KV*head_dim/n elements per device "
-                   "instead of one head; activations and k/v collective payloads are undercounted")
 def test_replicated_kv_heads_count_one_whole_head_per_device():
     # T3K: 2 KV heads replicated over 8 devices -> k and v hold one 64-wide head on each device
     per_token = 5 * D + 2 * H * HD // 8 + 2 * 1 * HD + 3 * I // 8

@@ -275,9 +275,16 @@ class _Act:
     spec: tuple[tuple[str, ...], ...]
     partial: frozenset
 
-    def local_elems(self, mesh: Mesh) -> int:
+    def local_elems(self, mesh: Mesh, policy=None) -> int:
+        """Elements per token on one device, by the same rules as weight shards (a replicated
+        KV head is one whole head per device; padded dims count their padding)."""
         e = 1
         for d, ax in zip(self.dims, self.spec):
+            if policy is not None:
+                units, _, err = shard_dim(d, ax, mesh, policy)
+                if not err:
+                    e *= units * d.unit
+                    continue
             n = math.prod(mesh.axis_size(x) for x in ax) if ax else 1
             e *= _cdiv(d.length, n)
         return e
@@ -304,8 +311,8 @@ class Step:
 class _Tracer:
     """Walks layer ops, tracking each activation's sharding and emitting collectives."""
 
-    def __init__(self, mesh: Mesh, specs: dict, decls: dict, layer: str, count: int):
-        self.mesh, self.specs, self.decls = mesh, specs, decls
+    def __init__(self, mesh: Mesh, specs: dict, decls: dict, layer: str, count: int, policy=None):
+        self.mesh, self.specs, self.decls, self.policy = mesh, specs, decls, policy
         self.layer, self.count = layer, count
         self.acts: dict[str, _Act] = {}
         self.out: list[Collective] = []
@@ -321,7 +328,7 @@ class _Tracer:
         n = self._n(axes)
         if n == 1:
             return
-        payload = act.local_elems(self.mesh) * ACT_BYTES
+        payload = act.local_elems(self.mesh, self.policy) * ACT_BYTES
         if kind == "all_reduce":
             traffic = 2 * (n - 1) * payload // n
         else:  # all_gather: payload grows n-fold; each device receives (n-1) shards
@@ -474,14 +481,14 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     kinds = [("embedding", 1, fam.embed_ops(a))] + [(k.name, k.count, k.ops) for k in fam.layers(a)] \
         + [("head", 1, fam.head_ops(a))]
     for name, count, ops in kinds:
-        tr = _Tracer(mesh, specs, decls, name, count)
+        tr = _Tracer(mesh, specs, decls, name, count, s.sharding)
         for op in ops:
             tr.run(op)
         collectives += tr.out
         ops_per_forward += tr.ops * count
         programs.append((name, count, tr.steps))
         if name not in ("embedding", "head"):
-            act_peak_elems = max(act_peak_elems, sum(x.local_elems(mesh) for x in tr.acts.values()))
+            act_peak_elems = max(act_peak_elems, sum(x.local_elems(mesh, s.sharding) for x in tr.acts.values()))
 
     # KV cache: (num_blocks, kv_heads/device, block_size, head_dim) per layer, K and V separately
     rt = s.runtime
