@@ -613,3 +613,30 @@ def test_concurrent_builds_serialize_on_the_lock(tmp_path, ckpt):
 
 def test_error_type_for_library_callers():
     assert issubclass(buildmod.DoesNotFit, TTBundleError) and buildmod.DoesNotFit.exit_code == 3
+
+
+def test_refuses_to_replace_what_is_not_a_package(tmp_path, ckpt):
+    out = tmp_path / "out"
+    spec = write_spec(tmp_path, ckpt)
+    target = out / "N150" / "tiny"
+    target.mkdir(parents=True)
+    (target / "precious.txt").write_text("mine")
+    with pytest.raises(InvalidInput, match="exists and is not a ttbundle package"):
+        buildmod.build(specmod.load(spec), "N150", out, warmup=False)
+    assert (target / "precious.txt").read_text() == "mine"
+    shutil.rmtree(target)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    target.symlink_to(elsewhere)
+    with pytest.raises(InvalidInput, match="not a package directory"):
+        buildmod.build(specmod.load(spec), "N150", out, warmup=False)
+    assert target.is_symlink() and elsewhere.is_dir()
+
+
+def test_recovery_only_touches_its_own_temp_dirs(tmp_path):
+    state = tmp_path / ".ttbundle"
+    mine, other = state / "tmp" / "T3K@tiny@12.ab", state / "tmp" / "T3K@tiny.v2@13.cd"
+    for d in (mine, other):
+        d.mkdir(parents=True)
+    buildmod._recover(state, tmp_path / "T3K" / "tiny")
+    assert not mine.exists() and other.exists()

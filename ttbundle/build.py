@@ -117,9 +117,10 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
 
     out = Path(out_dir).absolute()
     state = out / STATE_DIR
-    lock_path = state / "locks" / f"{pkg.parent.name}--{pkg.name}.lock"
+    lock_path = state / "locks" / f"{_tag(pkg)}.lock"
     with _Lock(lock_path, emit):
         _recover(state, pkg)
+        _check_replaceable(pkg)
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
         if prev is not None and inp.pending:
@@ -131,7 +132,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
             res.seconds = time.monotonic() - t0
             emit({"event": "done", **res.to_json()})
             return res
-        tmp = state / "tmp" / f"{pkg.parent.name}--{pkg.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        tmp = state / "tmp" / f"{_tag(pkg)}@{os.getpid()}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         try:
             _Builder(bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup).run()
@@ -237,15 +238,33 @@ class _Lock:
         os.close(self.fd)
 
 
+def _tag(pkg: Path) -> str:
+    """``<mesh>@<bundle>``: names this package's lock and temp dirs ('@' is in neither name, so
+    one package's prefix never matches another's)."""
+    return f"{pkg.parent.name}@{pkg.name}"
+
+
+def _check_replaceable(pkg: Path) -> None:
+    """Refuse to replace anything at the package path that is not a package (or empty)."""
+    if not os.path.lexists(pkg):
+        return
+    if pkg.is_symlink() or not pkg.is_dir():
+        raise InvalidInput(f"{pkg} exists and is not a package directory (a file or a symlink); "
+                           "remove it or choose another -o")
+    names = {p.name for p in pkg.iterdir()}
+    if names and not names & {MANIFEST, METADATA}:
+        raise InvalidInput(f"{pkg} exists and is not a ttbundle package; remove it or choose another -o")
+
+
 def _recover(state: Path, pkg: Path) -> None:
     """Under the lock: undo a fallback swap cut short, and delete temp dirs of killed builds."""
-    old = state / "tmp" / f"{pkg.parent.name}--{pkg.name}.old"
+    old = state / "tmp" / f"{_tag(pkg)}@old"
     if old.exists() and not pkg.exists():
         os.rename(old, pkg)
     tmpdir = state / "tmp"
     if tmpdir.is_dir():
         for d in tmpdir.iterdir():
-            if d.name.startswith(f"{pkg.parent.name}--{pkg.name}."):
+            if d.name.startswith(f"{_tag(pkg)}@"):
                 shutil.rmtree(d, ignore_errors=True)
 
 
@@ -293,7 +312,7 @@ def _swap(tmp: Path, pkg: Path, state: Path) -> None:
         return
     # no renameat2 (not Linux, or the filesystem refuses): two renames; _recover() undoes a
     # build killed between them
-    old = state / "tmp" / f"{pkg.parent.name}--{pkg.name}.old"
+    old = state / "tmp" / f"{_tag(pkg)}@old"
     os.rename(pkg, old)
     _fault("mid-swap")
     os.rename(tmp, pkg)
