@@ -27,6 +27,7 @@ import ctypes
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import shutil
@@ -437,6 +438,11 @@ class _Builder:
                            "spec": [list(_axes(e)) or None for e in plan.specs[name]]}
         (self.tmp / "weights").mkdir(exist_ok=True)
         writers, writer = [], None
+        # one torch thread: the writer and checkpoint-hash threads use the other cores, and
+        # OpenMP workers competing with them make every copy slower
+        import torch
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
         try:
             for d in range(D):
                 meta = {"format": WEIGHTS_FORMAT, "device": d, "coord": [d // mesh.cols, d % mesh.cols],
@@ -449,26 +455,30 @@ class _Builder:
             # one tensor's distinct shards may wait for the writer while the next one is read
             cap = max(encoded_nbytes(tp[n].device_shape, tp[n].dtype) * D for n, _, _ in jobs)
             writer = _WriteBehind(cap)
+            pool = _BufferPool(2 * cap)
             for i, (name, layer, sources) in enumerate(jobs):
                 t = tp[name]
                 c, nread = _read_canonical(ck, fam, a, decls[name], layer, sources, t.dtype)
                 self.res.bytes_read += nread
                 key = tensor_key(name, layer)
                 written = 0
-                for buf, devices in _device_shards(c, units[name], decls[name].dims, D, t.dtype):
+                for buf, devices, handle in _device_shards(c, units[name], decls[name].dims, D, t.dtype, pool):
                     n = memoryview(buf).nbytes
-                    writer.put([(writers[d], key) for d in devices], buf, n)
+                    writer.put([(writers[d], key) for d in devices], buf, n,
+                               None if handle is None else (lambda h=handle: pool.give(h)))
                     written += n * len(devices)
-                    del buf
+                    del buf, handle
                 del c
                 self.res.bytes_written += written
                 self.emit({"event": "advance", "phase": "weights", "item": key, "i": i + 1,
                            "n": len(jobs), "bytes": written})
                 _fault(f"tensor:{key}")
             writer.finish()
+            t = time.monotonic()
             for d, wr in enumerate(writers):
-                sha, size = wr.close()
+                sha, size = wr.close()  # fsync: waits for the disk
                 self.files[weight_file(d)] = {"sha256": sha, "size": size}
+            self.res.timings["weights_fsync"] = round(time.monotonic() - t, 3)
         except BaseException:
             if writer is not None:
                 writer.abort()
@@ -476,6 +486,7 @@ class _Builder:
                 wr.abort()
             raise
         finally:
+            torch.set_num_threads(threads)
             _trim_heap()
 
     # -- programs ------------------------------------------------------------------------------
@@ -698,9 +709,37 @@ def _read_canonical(ck, fam, a, decl, layer, sources, dtype: str):
     return _Canon(w), nread
 
 
-def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str):
-    """Yield (bytes-like, [devices]) once per distinct shard: cut from the source view, then one
-    copy that gathers, transposes and casts (bf16, or float32 for block floats, then encoded)."""
+class _BufferPool:
+    """Reused shard buffers: fresh memory costs a page fault per 4 KiB on first touch."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self.free: dict[int, list] = {}
+        self.lock = threading.Lock()
+
+    def take(self, shape, dtype):
+        import torch
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        with self.lock:
+            bufs = self.free.get(nbytes)
+            if bufs:
+                self.held -= nbytes
+                return bufs.pop().view(dtype).view(shape)
+        return torch.empty(nbytes, dtype=torch.uint8).view(dtype).view(shape)
+
+    def give(self, t) -> None:
+        import torch
+        flat = t.reshape(-1).view(torch.uint8)
+        with self.lock:
+            if self.held + flat.numel() <= self.limit:
+                self.free.setdefault(flat.numel(), []).append(flat)
+                self.held += flat.numel()
+
+
+def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_BufferPool | None" = None):
+    """Yield (bytes-like, [devices], pooled buffer or None) once per distinct shard: cut from the
+    source view, then one copy that gathers, transposes and casts (bf16, or float32 for block
+    floats, then encoded). A pooled buffer goes back to ``pool`` once written."""
     import torch
 
     sigs: dict[tuple, list[int]] = {}
@@ -722,8 +761,9 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str):
             v = v.index_select(sk, pos.clamp(min=0))
             if bool((u < 0).any()):
                 pads.append((k, (pos < 0).nonzero().reshape(-1)))
-        x = torch.empty(v.transpose(-1, -2).shape if c.swap else v.shape, dtype=host)
-        if c.swap and v.shape[-2] > 2 * TRANSPOSE_BLOCK:
+        shape = tuple(v.transpose(-1, -2).shape if c.swap else v.shape)
+        x = pool.take(shape, host) if pool is not None else torch.empty(shape, dtype=host)
+        if c.swap and v.shape[-2] > 16 * TRANSPOSE_BLOCK:
             # blocks of source rows (output columns): ~2x faster than one big strided copy
             for r in range(0, v.shape[-2], TRANSPOSE_BLOCK):
                 x[..., r:r + TRANSPOSE_BLOCK].copy_(v[..., r:r + TRANSPOSE_BLOCK, :].transpose(-1, -2))
@@ -733,7 +773,7 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str):
         for k, where in pads:
             x.index_fill_(k, where, 0)
         if dtype == "bf16":
-            yield x.view(torch.uint8).numpy(), devices
+            yield x.view(torch.uint8).numpy(), devices, x if pool is not None else None
         else:
             from . import blockfloat
             data = blockfloat.encode(x, dtype)
@@ -741,7 +781,9 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str):
             if len(data) != want:
                 raise RuntimeError(f"blockfloat.encode gave {len(data)} B for {list(x.shape)} {dtype}, "
                                    f"expected {want} B")
-            yield data, devices
+            if pool is not None:
+                pool.give(x)
+            yield data, devices, None
         del x
 
 
@@ -759,13 +801,13 @@ class _WriteBehind:
         self.t = threading.Thread(target=self._run, name="ttbundle-writer", daemon=True)
         self.t.start()
 
-    def put(self, targets: list, buf, nbytes: int) -> None:
+    def put(self, targets: list, buf, nbytes: int, on_done=None) -> None:
         with self.cv:
             while self.pending and self.pending + nbytes > self.cap and self.err is None:
                 self.cv.wait()
             if self.err is not None:
                 raise self.err
-            self.q.append((targets, buf, nbytes))
+            self.q.append((targets, buf, nbytes, on_done))
             self.pending += nbytes
             self.cv.notify_all()
 
@@ -776,7 +818,7 @@ class _WriteBehind:
                     self.cv.wait()
                 if not self.q:
                     return
-                targets, buf, nbytes = self.q.popleft()
+                targets, buf, nbytes, on_done = self.q.popleft()
             try:
                 for f, key in targets:
                     f.write(key, buf)
@@ -786,6 +828,8 @@ class _WriteBehind:
                     self.cv.notify_all()
                 return
             del buf
+            if on_done is not None:
+                on_done()
             with self.cv:
                 self.pending -= nbytes
                 self.cv.notify_all()
