@@ -640,3 +640,37 @@ def test_recovery_only_touches_its_own_temp_dirs(tmp_path):
         d.mkdir(parents=True)
     buildmod._recover(state, tmp_path / "T3K" / "tiny")
     assert not mine.exists() and other.exists()
+
+
+FAMILIES = {
+    # biases on q/k/v
+    "qwen2": """model: {family: qwen2, vocab_size: 512, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 2,
+  num_attention_heads: 8, num_key_value_heads: 4, max_position_embeddings: 1024}""",
+    # 1+w norms, sliding windows, soft-capping
+    "gemma2": """model: {family: gemma2, vocab_size: 512, hidden_size: 256, intermediate_size: 512, num_hidden_layers: 3,
+  num_attention_heads: 8, num_key_value_heads: 4, head_dim: 32, max_position_embeddings: 1024, sliding_window: 48,
+  attn_logit_softcapping: 20.0, final_logit_softcapping: 15.0, query_pre_attn_scalar: 32}""",
+    # routed experts stacked from per-expert checkpoint keys, router, sinks
+    "gpt_oss": """model: {family: gpt_oss, vocab_size: 128, hidden_size: 64, intermediate_size: 32, num_hidden_layers: 3,
+  num_attention_heads: 8, num_key_value_heads: 2, head_dim: 16, num_local_experts: 8, num_experts_per_tok: 2,
+  sliding_window: 16, max_position_embeddings: 2048}""",
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_families_convert_exactly(tmp_path, family):
+    import torch
+
+    from ttbundle import reference, weights
+    text = f"name: tiny-{family.replace('_', '-')}\n" + FAMILIES[family] + "\n" + REST.replace(
+        "targets: [N150, T3K, TG]", "targets: [N300, T3K]")
+    b = specmod.loads(text, "x.yaml")
+    reference.random_model(b, 0).to(torch.bfloat16).save_pretrained(str(tmp_path / "ckpt"))
+    (tmp_path / "s.yaml").write_text(text + "weights: {source: ckpt}\n")
+    b = specmod.load(tmp_path / "s.yaml")
+    res = buildmod.build(b, "T3K", tmp_path / "out", warmup=False)
+    got = package.load_package(res.package, verify=True).weights.canonical(torch.bfloat16)
+    ref = weights.load_canonical(b.family, b.arch, tmp_path / "ckpt")
+    for name, v in ref.items():
+        for x, y in zip(v if isinstance(v, list) else [v], got[name] if isinstance(v, list) else [got[name]]):
+            assert torch.equal(x.to(torch.bfloat16), y), name
