@@ -940,9 +940,8 @@ def print_results(results: list[BuildResult], console) -> None:
         if r.status == "dry-run":
             t = Table(title=f"{r.bundle} on {r.mesh}: trace set (dry run, nothing written)",
                       title_justify="left", show_edge=False)
-            for c in ("phase", "bucket", "rows", "ops", "collectives", "trace region B", "activations B",
-                      "est. warm-up s", "build"):
-                t.add_column(c, justify="right")
+            for c in ("phase", "bucket", "rows", "ops", "coll.", "trace B", "act. B", "warm-up s", "build"):
+                t.add_column(c, justify="right", no_wrap=True)
             for s in r.traces:
                 t.add_row(s["phase"], str(s["bucket"]), str(s["rows"]), str(s["ops"]), str(s["collectives"]),
                           f"{s['trace_region_bytes']:,}", f"{s['activation_bytes']:,}",
@@ -960,18 +959,19 @@ def print_results(results: list[BuildResult], console) -> None:
     if not done:
         return
     t = Table(title="ttbundle build", title_justify="left", show_edge=False)
-    for c in ("mesh", "package", "status", "rebuilt", "reused", "files", "read", "written", "time"):
-        t.add_column(c, justify="right" if c in ("rebuilt", "reused", "files", "read", "written", "time") else "left")
+    for c in ("mesh", "status", "rebuilt", "reused", "files", "read", "written", "time"):
+        t.add_column(c, justify="left" if c in ("mesh", "status") else "right", no_wrap=True)
     for r in done:
-        t.add_row(r.mesh, r.package, r.status, str(len(r.rebuilt)), str(len(r.reused)), str(r.files),
+        t.add_row(r.mesh, r.status, str(len(r.rebuilt)), str(len(r.reused)), str(r.files),
                   _size(r.bytes_read), _size(r.bytes_written), f"{r.seconds:.1f} s")
     console.print(t)
     for r in done:
+        console.print(f"{r.mesh}: {r.package} (key {r.key[:16]})")
         for w in r.warnings:
-            console.print(f"warning: {r.mesh}: {w}")
+            console.print(f"  warning: {w}")
         if r.status == "built":
-            console.print(f"{r.mesh}: key {r.key[:16]}; rebuilt {', '.join(r.rebuilt) or 'nothing'}; "
-                          f"changed: {', '.join(r.changed_fields) or 'nothing'}")
+            console.print(f"  rebuilt: {', '.join(r.rebuilt) or 'nothing'}")
+            console.print(f"  changed: {', '.join(r.changed_fields) or 'nothing'}")
 
 
 def _size(n: int) -> str:
