@@ -940,12 +940,12 @@ def print_results(results: list[BuildResult], console) -> None:
         if r.status == "dry-run":
             t = Table(title=f"{r.bundle} on {r.mesh}: trace set (dry run, nothing written)",
                       title_justify="left", show_edge=False)
-            for c in ("phase", "bucket", "rows", "ops", "coll.", "trace B", "act. B", "warm-up s", "build"):
+            for c in ("phase", "bucket", "rows", "ops", "coll", "trace", "activations", "warm-up", "build"):
                 t.add_column(c, justify="right", no_wrap=True)
             for s in r.traces:
                 t.add_row(s["phase"], str(s["bucket"]), str(s["rows"]), str(s["ops"]), str(s["collectives"]),
-                          f"{s['trace_region_bytes']:,}", f"{s['activation_bytes']:,}",
-                          f"{s['warmup_seconds_est']:.2f}", "rebuild" if s["rebuild"] else "reuse")
+                          _size(s["trace_region_bytes"]), _size(s["activation_bytes"]),
+                          f"{s['warmup_seconds_est']:.2f} s", "new" if s["rebuild"] else "reuse")
             console.print(t)
             e = r.estimate
             console.print(f"  weights: {e['source_bytes']:,} B to convert into {e['devices']} device files "
