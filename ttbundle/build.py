@@ -940,7 +940,7 @@ def print_results(results: list[BuildResult], console) -> None:
         if r.status == "dry-run":
             t = Table(title=f"{r.bundle} on {r.mesh}: trace set (dry run, nothing written)",
                       title_justify="left", show_edge=False)
-            for c in ("phase", "bucket", "rows", "ops", "coll", "trace", "activations", "warm-up", "build"):
+            for c in ("phase", "bucket", "rows", "ops", "coll", "trace", "act", "warm-up", "build"):
                 t.add_column(c, justify="right", no_wrap=True)
             for s in r.traces:
                 t.add_row(s["phase"], str(s["bucket"]), str(s["rows"]), str(s["ops"]), str(s["collectives"]),
