@@ -371,10 +371,14 @@ class _Builder:
     # -- steps ---------------------------------------------------------------------------------
     def run(self) -> None:
         inp, res = self.inp, self.res
-        hasher = None
+        hasher, hash_err = None, []
         if inp.pending:  # first build: hash the checkpoint beside the conversion
-            hasher = threading.Thread(target=cache.fill_digests,
-                                      args=(inp.weight_records + inp.tokenizer_records,), daemon=True)
+            def hash_sources():
+                try:
+                    cache.fill_digests(inp.weight_records + inp.tokenizer_records)
+                except BaseException as e:  # re-raised below, after the conversion
+                    hash_err.append(e)
+            hasher = threading.Thread(target=hash_sources, name="ttbundle-hash", daemon=True)
             hasher.start()
         t = time.monotonic()
         wkey = None if inp.pending else cache.artifact_keys(inp.fields, [])["weights"]
@@ -388,6 +392,8 @@ class _Builder:
         if hasher is not None:
             t = time.monotonic()
             hasher.join()
+            if hash_err:
+                raise TTBundleError(f"hashing the checkpoint failed: {hash_err[0]}") from hash_err[0]
             inp.finish()
             res.timings["hash_wait"] = round(time.monotonic() - t, 3)
         keys = cache.artifact_keys(inp.fields, inp.traces)
