@@ -24,15 +24,12 @@ _VOWELS = "aeiou"
 
 
 def words(n: int) -> list[str]:
-    """``n`` distinct pronounceable words: ba, be, ..., zu, then two-syllable ones."""
+    """``n`` distinct pronounceable words: ba, be, ..., zu, then two-, three-syllable ones."""
     syl = [c + v for c in _CONSONANTS for v in _VOWELS]
-    out = list(syl)
-    for a in syl:
-        if len(out) >= n:
-            break
-        out += [a + b for b in syl]
-    if len(out) < n:
-        raise ValueError(f"at most {len(out)} demo words")
+    out, level = list(syl), list(syl)
+    while len(out) < n:
+        level = [a + b for a in level for b in syl]
+        out += level
     return out[:n]
 
 

@@ -1,0 +1,173 @@
+"""Serving throughput: the benchmark model on the emulated N150 through vLLM's OpenAI server
+(`ttbundle serve`'s command) against Hugging Face transformers `generate`, same machine, one run.
+
+The project's benchmark model (as benches/bench_decode.py): a ~160M-parameter Llama (hidden 1024,
+8 layers, 16 heads, 8 KV heads, intermediate 2816, vocab 32000), random bf16-exact weights, fp32
+compute on both sides. Prompts of --prompt tokens, --tokens output tokens each (ignore_eos).
+
+Prints (target in brackets, from issue 5):
+  aggregate output tok/s, 16 concurrent streams via the API / HF generate at batch 8  [>= 4x]
+  single stream via the API / HF generate batch 1                                     [>= 0.8x]
+  TTFT p50 / p99 of the 16 streams (and of the single stream)
+
+Run: .venv/bin/python benches/bench_serve.py [--prompt 64] [--tokens 128] [--streams 16]
+     [--hf-batch 8] [--mesh N150] [--cache .bench-serve] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SPEC = """
+name: bench-160m
+description: ttbundle benchmark model (random weights)
+model:
+  family: llama
+  vocab_size: 32000
+  hidden_size: 1024
+  intermediate_size: 2816
+  num_hidden_layers: 8
+  num_attention_heads: 16
+  num_key_value_heads: 8
+  max_position_embeddings: 2048
+targets: [N150, T3K]
+buckets: {prefill: [128, 512], decode: [1, 8, 16, 32], prefill_chunk: 512}
+runtime: {max_model_len: 1024, max_num_seqs: 32}
+"""
+
+
+def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
+    import random
+    rng = random.Random(0)
+    return [[rng.randrange(8, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def hf_generate(src: Path, batch: list[list[int]], tokens: int) -> float:
+    """Seconds for one `generate` call of the batch (greedy, no early stop)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    with torch.no_grad():
+        m.generate(torch.tensor(batch[:1]), max_new_tokens=4, do_sample=False)  # warm-up
+        t0 = time.perf_counter()
+        out = m.generate(torch.tensor(batch), max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        dt = time.perf_counter() - t0
+    assert out.shape[1] == len(batch[0]) + tokens
+    return dt
+
+
+async def stream(client, model: str, prompt: list[int], tokens: int) -> dict:
+    t0 = time.perf_counter()
+    first, n = None, 0
+    s = await client.completions.create(model=model, prompt=prompt, max_tokens=tokens, temperature=0,
+                                        stream=True, stream_options={"include_usage": True},
+                                        extra_body={"ignore_eos": True})
+    async for ch in s:
+        if ch.choices and ch.choices[0].text and first is None:
+            first = time.perf_counter()
+        if ch.usage is not None:
+            n = ch.usage.completion_tokens
+    end = time.perf_counter()
+    return {"start": t0, "ttft": (first or end) - t0, "end": end, "tokens": n}
+
+
+async def run_streams(url: str, model: str, batch: list[list[int]], tokens: int) -> list[dict]:
+    import openai
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", timeout=3600, max_retries=0)
+    try:
+        return await asyncio.gather(*(stream(client, model, p, tokens) for p in batch))
+    finally:
+        await client.close()
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--hf-batch", type=int, default=8)
+    ap.add_argument("--mesh", default="N150")
+    ap.add_argument("--cache", type=Path, default=Path(".bench-serve"), help="package build directory (reused)")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+
+    from ttbundle.runtime.demo import build_package
+    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
+
+    t0 = time.perf_counter()
+    pkg = build_package(SPEC, a.cache, a.mesh)
+    src = a.cache.absolute() / "src-bench-160m"
+    print(f"package {pkg} ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    ps = prompts(max(a.streams, a.hf_batch), a.prompt, 32000)
+
+    # transformers first, with the server not running (same cores, no contention)
+    hf1 = hf_generate(src, ps[:1], a.tokens)
+    hfb = hf_generate(src, ps[:a.hf_batch], a.tokens)
+    print(f"HF generate: batch 1 {hf1:.1f} s, batch {a.hf_batch} {hfb:.1f} s", file=sys.stderr)
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    plan = plan_serve(pkg, "127.0.0.1", port)
+    log = open(a.cache / "bench-serve-vllm.log", "wb")
+    proc = start(plan, log=log)
+    try:
+        t0 = time.perf_counter()
+        wait_healthy(proc, plan.host, port, 900)
+        startup = time.perf_counter() - t0
+        asyncio.run(run_streams(plan.url, plan.name, ps[:1], 4))  # first request: connections, detokenizer
+        single = asyncio.run(run_streams(plan.url, plan.name, ps[:1], a.tokens))[0]
+        many = asyncio.run(run_streams(plan.url, plan.name, ps[:a.streams], a.tokens))
+    finally:
+        stop(proc)
+        log.close()
+
+    assert single["tokens"] == a.tokens and all(r["tokens"] == a.tokens for r in many), "token counts"
+    wall = max(r["end"] for r in many) - min(r["start"] for r in many)
+    res = {
+        "model": "bench-160m", "mesh": a.mesh, "prompt_tokens": a.prompt, "output_tokens": a.tokens,
+        "server_startup_s": round(startup, 1),
+        "hf_single_tok_s": a.tokens / hf1,
+        "hf_batch_tok_s": a.hf_batch * a.tokens / hfb, "hf_batch": a.hf_batch,
+        "api_single_tok_s": a.tokens / (single["end"] - single["start"]),
+        "api_streams_tok_s": a.streams * a.tokens / wall, "streams": a.streams,
+        "ttft_single_s": single["ttft"],
+        "ttft_p50_s": statistics.median(r["ttft"] for r in many),
+        "ttft_p99_s": pct([r["ttft"] for r in many], 99),
+    }
+    res["ratio_streams_vs_hf_batch"] = res["api_streams_tok_s"] / res["hf_batch_tok_s"]
+    res["ratio_single_vs_hf_single"] = res["api_single_tok_s"] / res["hf_single_tok_s"]
+    if a.json:
+        print(json.dumps(res, indent=2))
+        return
+    print(f"bench-160m on emulated {a.mesh}, prompt {a.prompt}, {a.tokens} output tokens, fp32, one run")
+    print(f"  HF generate batch 1            {res['hf_single_tok_s']:8.1f} tok/s")
+    print(f"  HF generate batch {a.hf_batch:<2}           {res['hf_batch_tok_s']:8.1f} tok/s")
+    print(f"  API single stream              {res['api_single_tok_s']:8.1f} tok/s   "
+          f"ratio {res['ratio_single_vs_hf_single']:.2f}x (target >= 0.8x)")
+    print(f"  API {a.streams} concurrent streams      {res['api_streams_tok_s']:8.1f} tok/s   "
+          f"ratio {res['ratio_streams_vs_hf_batch']:.2f}x vs HF batch {a.hf_batch} (target >= 4x)")
+    print(f"  TTFT single {res['ttft_single_s'] * 1e3:.0f} ms; {a.streams} streams p50 "
+          f"{res['ttft_p50_s'] * 1e3:.0f} ms, p99 {res['ttft_p99_s'] * 1e3:.0f} ms")
+    print(f"  server start to healthy (incl. warm-up of every bucket) {res['server_startup_s']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
