@@ -13,7 +13,7 @@ import pytest
 import yaml
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DELETE, LLAMA_70B, TINY, col_of, deep_update, dump, line_of, spec_text
+from spec_helpers import DELETE, LLAMA_70B, TINY, col_of, deep_update, dump, line_of, spec_text
 from test_mesh import GALAXIES, PLUGIN_SHAPES, WH_DRAM
 from test_spec import BASE, mutated_specs
 from ttbundle.cli import app
@@ -31,7 +31,10 @@ def run(runner, *args):
 # ---- validate ------------------------------------------------------------------------------------
 def test_validate_ok_line(runner, tmp_path):
     demo = tmp_path / "demo.yaml"
+    # the demo spec names its checkpoint relative to itself: copy the whole bundles/ entry
     shutil.copy(DEMO, demo)
+    if (DEMO.parent / "demo").is_dir():
+        shutil.copytree(DEMO.parent / "demo", tmp_path / "demo")
     r = run(runner, "validate", demo)
     assert r.exit_code == 0
     assert r.stdout == f"{demo}: valid; fits N150, N300, T3K\n"

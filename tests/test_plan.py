@@ -15,7 +15,7 @@ import re
 import pytest
 import yaml
 
-from conftest import LLAMA_70B, SPEC_FILE, TINY, deep_update, line_of, col_of, spec_text
+from spec_helpers import LLAMA_70B, SPEC_FILE, TINY, deep_update, line_of, col_of, spec_text
 from ttbundle import mesh as meshmod, plan as planmod, spec
 from ttbundle.errors import InvalidInput
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from conftest import DELETE, SPEC_FILE, TINY, col_of, deep_update, dump, line_of, spec_text
+from spec_helpers import DELETE, SPEC_FILE, TINY, col_of, deep_update, dump, line_of, spec_text
 from ttbundle import mesh as meshmod, plan as planmod, spec
 from ttbundle.errors import InvalidInput
 

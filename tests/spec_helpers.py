@@ -1,0 +1,98 @@
+"""Spec builders and error-location helpers shared by the spec/plan/CLI tests.
+
+Spec text is built from a dict with ``yaml.safe_dump`` so tests can say *what* they change and
+then find the line a diagnostic must point at with :func:`line_of` (computed from the text, never
+copied from ttbundle's output). A module of its own, not conftest.py: tests/runtime has a
+conftest too, and ``from conftest import`` would find whichever came first on sys.path.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import yaml
+
+SPEC_FILE = "spec.yaml"
+
+# A small Llama whose dims make the arithmetic non-trivial on every mesh:
+# hidden 512 = 8 heads x 64, 2 KV heads (replicated on T3K/TG), intermediate 1536, vocab 4096.
+TINY = {
+    "name": "tiny",
+    "description": "test model",
+    "model": {
+        "family": "llama",
+        "vocab_size": 4096,
+        "hidden_size": 512,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 4096,
+    },
+    "targets": ["N150"],
+    "buckets": {"prefill": [128, 512], "decode": [1, 8, 32], "prefill_chunk": 512},
+    "runtime": {"max_model_len": 2048, "max_num_seqs": 32},
+}
+
+# Llama-3.1-70B's published dims (HF config.json of meta-llama/Llama-3.1-70B).
+LLAMA_70B = {
+    "name": "llama-3.1-70b",
+    "model": {
+        "family": "llama",
+        "vocab_size": 128256,
+        "hidden_size": 8192,
+        "intermediate_size": 28672,
+        "num_hidden_layers": 80,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 8,
+        "max_position_embeddings": 131072,
+    },
+    "targets": ["T3K"],
+}
+
+
+def deep_update(base: dict, changes: dict) -> dict:
+    """``changes`` merged into a copy of ``base``; a value of ``DELETE`` removes the key."""
+    out = copy.deepcopy(base)
+    for k, v in changes.items():
+        if v is DELETE:
+            out.pop(k, None)
+        elif isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = deep_update(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+class _Delete:
+    def __repr__(self):
+        return "DELETE"
+
+
+DELETE = _Delete()
+
+
+def dump(data) -> str:
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False, width=1000)
+
+
+def spec_text(changes: dict | None = None, base: dict | None = None) -> str:
+    return dump(deep_update(base or TINY, changes or {}))
+
+
+def _matches(line: str, needle: str) -> bool:
+    # "- 3" means a block list item that is exactly 3 (not "- 32")
+    return line.strip() == needle if needle.startswith("- ") else needle in line
+
+
+def line_of(text: str, needle: str, nth: int = 1) -> int:
+    """1-based line of the ``nth`` line containing ``needle`` (a list item ``- x``: exactly)."""
+    hits = [i + 1 for i, line in enumerate(text.splitlines()) if _matches(line, needle)]
+    assert len(hits) >= nth, f"{needle!r} not in spec text:\n{text}"
+    return hits[nth - 1]
+
+
+def col_of(text: str, needle: str, nth: int = 1) -> int:
+    """1-based column where ``needle`` starts on its line (a list item ``- x``: where x starts)."""
+    line = text.splitlines()[line_of(text, needle, nth) - 1]
+    return line.index(needle) + 1 + (2 if needle.startswith("- ") else 0)
