@@ -374,10 +374,12 @@ class _Builder:
         hasher, hash_err = None, []
         if inp.pending:  # first build: hash the checkpoint beside the conversion
             def hash_sources():
+                c = time.thread_time()
                 try:
                     cache.fill_digests(inp.weight_records + inp.tokenizer_records)
                 except BaseException as e:  # re-raised below, after the conversion
                     hash_err.append(e)
+                res.timings["cpu_hash"] = round(time.thread_time() - c, 3)
             hasher = threading.Thread(target=hash_sources, name="ttbundle-hash", daemon=True)
             hasher.start()
         t = time.monotonic()
@@ -422,6 +424,7 @@ class _Builder:
         bundle, plan = self.bundle, self.plan
         fam, a, mesh = bundle.family, bundle.arch, plan.mesh
         D = mesh.num_devices
+        cpu0 = time.thread_time()
         ck = Checkpoint(self.inp.weights_dir)
         for f in set(ck.files.values()):
             if Path(f).resolve().parent != Path(self.inp.weights_dir).resolve():
@@ -480,6 +483,8 @@ class _Builder:
                            "n": len(jobs), "bytes": written})
                 _fault(f"tensor:{key}")
             writer.finish()
+            self.res.timings["cpu_convert"] = round(time.thread_time() - cpu0, 3)
+            self.res.timings["cpu_write"] = round(writer.cpu, 3)
             t = time.monotonic()
             for d, wr in enumerate(writers):
                 sha, size = wr.close()  # fsync: waits for the disk
@@ -804,6 +809,7 @@ class _WriteBehind:
         self.cv = threading.Condition()
         self.err: BaseException | None = None
         self.closed = False
+        self.cpu = 0.0  # the thread's CPU seconds
         self.t = threading.Thread(target=self._run, name="ttbundle-writer", daemon=True)
         self.t.start()
 
@@ -818,6 +824,13 @@ class _WriteBehind:
             self.cv.notify_all()
 
     def _run(self) -> None:
+        c = time.thread_time()
+        try:
+            self._loop()
+        finally:
+            self.cpu = time.thread_time() - c
+
+    def _loop(self) -> None:
         while True:
             with self.cv:
                 while not self.q and not self.closed:
