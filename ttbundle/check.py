@@ -120,7 +120,7 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
     rt = bundle.spec.runtime
     if random_weights:
         hf = reference.random_model(bundle, seed)
-        canon = weights.from_state_dict(bundle.family, bundle.arch, hf.state_dict())
+        canon = weights.from_state_dict(bundle.family, bundle.arch, reference.checkpoint_state_dict(hf))
     else:
         src = bundle.spec.weights.source
         if src is None:

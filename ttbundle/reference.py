@@ -7,6 +7,10 @@ from pathlib import Path
 
 from .errors import InvalidInput
 
+# MoE experts as the modeling file writes them (a loop over the chosen experts), not transformers'
+# default batched grouped_mm: the reference is the plain implementation
+EXPERTS = "eager"
+
 
 def hf_config(bundle):
     import transformers
@@ -27,8 +31,8 @@ def random_model(bundle, seed: int = 0, dtype=None):
 
     cfg = hf_config(bundle)
     # eager attention: transformers' SDPA path ignores Gemma 2's attn_logit_softcapping
-    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32,
-                                                          attn_implementation="eager").eval()
+    model = transformers.AutoModelForCausalLM.from_config(
+        cfg, dtype=torch.float32, attn_implementation="eager", experts_implementation=EXPERTS).eval()
     g = torch.Generator().manual_seed(seed)
     traits = bundle.family.traits(bundle.arch)
     neutral = 0.0 if traits.get("norm_offset") else 1.0
@@ -45,6 +49,10 @@ def random_model(bundle, seed: int = 0, dtype=None):
             else:  # norm weights around their neutral value; sinks and biases around 0
                 base = 0.0 if ("sinks" in name or "bias" in name) else neutral
                 p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+        persistent = set(model.state_dict())
+        for name, b in model.named_buffers():  # checkpoint buffers: DeepSeek's e_score_correction_bias
+            if name in persistent and b.is_floating_point():
+                b.copy_(0.1 * torch.randn(b.shape, generator=g))
     if dtype is not None:
         model = model.to(dtype)
     return model
@@ -57,6 +65,15 @@ def load_model(directory: str | Path, dtype=None):
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(
             str(directory), dtype=dtype or torch.float32, local_files_only=True,
-            attn_implementation="eager").eval()
+            attn_implementation="eager", experts_implementation=EXPERTS).eval()
     except (OSError, ValueError) as e:
         raise InvalidInput(f"{directory}: transformers cannot load it as a causal LM: {e}") from None
+
+
+def checkpoint_state_dict(model) -> dict:
+    """``model``'s tensors under their checkpoint names and layout, as ``save_pretrained`` writes
+    them: transformers 5 fuses some in memory (DeepSeek's per-expert projections into one
+    ``gate_up_proj``), the family name tables read checkpoints."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return revert_weight_conversion(model, model.state_dict())

@@ -4,6 +4,7 @@ over n_routed_experts plus always-on shared experts."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -90,6 +91,7 @@ class DeepseekV3Arch(ArchBase):
 
 class DeepseekV3(Family):
     name = "deepseek_v3"
+    hf_model_type = "deepseek_v3"
     hf_architectures = ("DeepseekV3ForCausalLM",)
     arch_model = DeepseekV3Arch
     summary = "DeepSeek-V3/R1: MLA with latent KV cache, group-limited sigmoid MoE + shared experts"
@@ -152,9 +154,9 @@ class DeepseekV3(Family):
         q = [Linear("x", "wq_a", "qa"), Norm("qa", "qn", "q_a_norm"), Linear("qn", "wq_b", "q")] \
             if a.q_lora_rank else [Linear("x", "wq", "q")]
         attn = [Norm("h", "x", "attn_norm"), *q, Linear("x", "wkv_a", "kva"),
-                Norm("kva", "kvn", "kv_a_norm"),  # normalizes the latent part; the rope key passes
-                Linear("kvn", "wkv_b", "kv"),
-                Local(("q", "kv", "kvn"), "o", "MLA: rope + attention; caches kvn (latent | rope key)",
+                Norm("kva", "kvn", "kv_a_norm"),  # normalizes the latent part; the rope key passes (traits)
+                # caches kvn (latent | rope key) and expands it with wkv_b, whose heads split like q's
+                Local(("q", "kvn"), "o", "MLA: rope + attention over the latent cache (wkv_b)",
                       Dim("num_attention_heads", a.num_attention_heads, a.v_head_dim), fn="mla_attention"),
                 Linear("o", "wo", "attn_out"), Residual("attn_out")]
         route = "sigmoid + e_score_correction_bias, group-limited top-k"
@@ -162,6 +164,26 @@ class DeepseekV3(Family):
                  LayerKind("moe", a.num_hidden_layers - a.dense_layers,
                            attn + moe.moe_ops(route, "group_topk", moe.SWIGLU_EXPERTS, shared=True))]
         return [k for k in kinds if k.count]
+
+    def traits(self, a):
+        return {
+            "mla": {"kv_lora_rank": a.kv_lora_rank, "qk_nope_head_dim": a.qk_nope_head_dim,
+                    "qk_rope_head_dim": a.qk_rope_head_dim, "v_head_dim": a.v_head_dim,
+                    "rope_interleave": a.rope_interleave},
+            "moe": {"top_k": a.num_experts_per_tok, "n_group": a.n_group, "topk_group": a.topk_group,
+                    "norm_topk_prob": a.norm_topk_prob, "routed_scaling_factor": a.routed_scaling_factor},
+            # HF builds the low-rank norms with RMSNorm's default eps, not rms_norm_eps; the KV one
+            # sees only the latent (kv_a_proj_with_mqa's first kv_lora_rank outputs)
+            "norms": {"q_a_norm": {"eps": 1e-6}, "kv_a_norm": {"eps": 1e-6, "features": a.kv_lora_rank}},
+            "linear_fp32": ("router",),  # HF: F.linear on float32 copies of x and the gate weight
+        }
+
+    def layer_traits(self, a, layer):
+        # HF: qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under a scaled rope (yarn)
+        scale, rs = a.qk_head_dim ** -0.5, a.rope_scaling
+        if rs is not None and rs.rope_type != "default" and rs.mscale_all_dim and (rs.factor or 1) > 1:
+            scale *= (0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0) ** 2
+        return {"attn_scale": scale}
 
     def kv_cache(self, a):
         # one latent "head" per token, the same on every device (MLA expands it per head on the fly)
@@ -214,7 +236,8 @@ class DeepseekV3(Family):
         # MLA has no KV heads (HF's default 128 would break its repeat_kv); a null q_lora_rank
         # (full-rank q_proj) must survive exclude_none; the reference holds dequantized weights
         d = {k: v for k, v in super().to_hf_config(a).items() if k != "quantization_config"}
-        return {**d, "q_lora_rank": a.q_lora_rank, "num_key_value_heads": a.num_attention_heads}
+        return {**moe.hf_rope_parameters(d, a), "q_lora_rank": a.q_lora_rank,
+                "num_key_value_heads": a.num_attention_heads}
 
     def from_hf(self, config):
         for key, want, why in (

@@ -11,7 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ..errors import InvalidInput
 from . import base, moe
-from .base import ArchBase, Dim, Family, HFName, LayerKind, Linear, Local, TensorDecl
+from .base import ArchBase, Dim, Family, HFName, LayerKind, Linear, Local, Residual, TensorDecl
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
 
@@ -58,6 +58,7 @@ class GptOssArch(ArchBase):
 
 class GptOss(Family):
     name = "gpt_oss"
+    hf_model_type = "gpt_oss"
     hf_architectures = ("GptOssForCausalLM",)
     arch_model = GptOssArch
     summary = "gpt-oss-20b/120b: attention sinks, alternating sliding/full attention, MoE, YaRN"
@@ -86,19 +87,27 @@ class GptOss(Family):
                     vec("experts_b2", (E, hid), "experts' down biases")]
 
     def default_plan(self, a):
-        return {**base.DENSE_PLAN, "sinks": ("cols",),
+        return {**base.DENSE_PLAN, "sinks": ("cols",), "bo": ("rows",),  # bo: like wo's output
                 "experts_w13": (moe.EP, None, None), "experts_w2": (moe.EP, None, None),
                 "experts_b13": (moe.EP, None), "experts_b2": (moe.EP, None)}
 
     def layers(self, a):
-        attn = [replace(op, what="rope + attention with sinks (+bias; sliding window on sliding layers)",
-                        fn="attention_sinks") if isinstance(op, Local) else op
-                for op in base.attention_ops(bias=a.attention_bias)]
+        # the shared attention kernel adds q/k/v biases and the sinks; bo follows wo's all-reduce
+        attn = [replace(op, what="rope + attention with sinks (+bias; sliding window on sliding layers)")
+                if isinstance(op, Local) else op for op in base.attention_ops(bias=a.attention_bias)]
+        if a.attention_bias:
+            attn[-1:] = [Local(("attn_out",), "attn_ob", "+ o_proj bias", fn="out_bias"), Residual("attn_ob")]
         # the activation keeps [E, 2I] (Local.out_dim cannot express [E, I]): an over-estimate
         experts = [Linear("x2", "experts_w13", "egu"),
                    Local(("egu",), "ea", "clamped SwiGLU (+biases)", fn="clamped_swiglu")]
         return [LayerKind("decoder", a.num_hidden_layers,
                           attn + moe.moe_ops("top-k of logits, softmax over the chosen", "topk_softmax", experts))]
+
+    def traits(self, a):
+        # GptOssRMSNorm multiplies its weight in float32 before the cast (Llama's casts first)
+        return {"norm_weight_fp32": True,
+                "moe": {"top_k": a.num_experts_per_tok, "swiglu_alpha": a.swiglu_alpha,
+                        "swiglu_limit": a.swiglu_limit}}
 
     def layer_traits(self, a, layer):
         return {"window": a.sliding_window} if a.types[layer] == "sliding_attention" else {}
@@ -135,8 +144,11 @@ class GptOss(Family):
                                    f"num_local_experts={a.num_local_experts}"))
         return d
 
-    def to_hf_config(self, a):  # the reference holds dequantized weights
-        return {k: v for k, v in super().to_hf_config(a).items() if k != "quantization_config"}
+    def to_hf_config(self, a):
+        # the reference holds dequantized weights; rope and layer types explicit because HF's
+        # defaults differ from ours (YaRN x32 when rope_parameters is absent)
+        d = {k: v for k, v in super().to_hf_config(a).items() if k != "quantization_config"}
+        return {**moe.hf_rope_parameters(d, a), "layer_types": a.types}
 
     def from_hf(self, config):
         base.reject_hf(config, "layer_types", lambda v: set(v) <= set(LAYER_TYPES),

@@ -36,6 +36,14 @@ SWIGLU_EXPERTS = [Linear("x2", "experts_w1", "eg"), Linear("x2", "experts_w3", "
                   Local(("eg", "eu"), "ea", "SwiGLU", fn="swiglu")]
 
 
+def hf_rope_parameters(d: dict, a) -> dict:
+    """HF config dict ``d`` with ``rope_theta`` / ``rope_scaling`` replaced by transformers 5's
+    ``rope_parameters`` (explicit even for default rope: GPT-OSS's config defaults to YaRN)."""
+    d = {k: v for k, v in d.items() if k not in ("rope_theta", "rope_scaling")}
+    rs = a.rope_scaling.model_dump(exclude_none=True) if a.rope_scaling else {"rope_type": "default"}
+    return {**d, "rope_parameters": {**rs, "rope_theta": a.rope_theta}}
+
+
 # ---- transforms (registered in families.transforms) -----------------------------------------------
 def gate_up_deinterleave(src, a):
     """GPT-OSS fused gate_up ``[..., 2I]`` stored interleaved (g0, u0, g1, u1, ...) -> ``[gate | up]``

@@ -81,12 +81,13 @@ def apply_rope(x, cos, sin):
 
 
 # ---- elementwise --------------------------------------------------------------------------------
-def rms_norm(x, w, eps: float, offset: float = 0.0):
-    """RMSNorm in float32 like HF, scaled by (offset + w); returns x's dtype."""
+def rms_norm(x, w, eps: float, offset: float = 0.0, weight_fp32: bool = False):
+    """RMSNorm in float32 like HF, scaled by (offset + w); returns x's dtype. ``weight_fp32``:
+    the weight multiplies in float32 before the cast (GPT-OSS), as a nonzero offset does."""
     dtype = x.dtype
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    if offset:  # Gemma: (1 + w) applied in float32 before the cast
+    if offset or weight_fp32:  # Gemma: (1 + w) applied in float32 before the cast
         return (xf * (offset + w.float())).to(dtype)
     return w * xf.to(dtype)
 
@@ -121,6 +122,7 @@ class Ctx:
     kv: list  # per layer: {"k": [D, slots, kvh, hd], "v": ...}
     dtype: torch.dtype
     cache: dict = field(default_factory=dict)  # rope tables etc. shared across layers
+    units: object = None  # callable (tensor, dim) -> [D, L] global units each device holds (-1 = pad)
 
 
 def _rope_tables(ctx: Ctx, dim: int, theta: float, scaling):
@@ -204,3 +206,4 @@ def swiglu(ctx: Ctx, layer: int, g, u):
 
 
 KERNELS = {"attention": attention, "swiglu": swiglu}
+from . import moe_kernels  # noqa: E402,F401  (registers the MLA, routing and expert kernels here)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...families.base import Combine, Embed, Linear, Local, Logits, Norm, Residual
+from ...families.base import Combine, Dim, Embed, Linear, Local, Logits, Norm, Residual
 from ...plan import Plan, axes_of
 from .kernels import KERNELS, Ctx, rms_norm, softcap
 from .meshops import MeshOps
@@ -91,7 +91,7 @@ class EmulatedModel:
         nblk = -(-S // bs)
         ctx_slots = (page_table[:, :nblk, None] * bs + torch.arange(bs, device=dev)).reshape(N, -1)[:, :S]
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, positions, valid, slots,
-                  ctx_slots, kv.layers, self.dtype)
+                  ctx_slots, kv.layers, self.dtype, units=self.units)
         flat = tokens.reshape(-1)
         h = None
         layer = 0
@@ -131,9 +131,7 @@ class EmulatedModel:
                     # HF casts the normalizer to the compute dtype first
                     acts[op.out] = acts[op.out] * torch.tensor(self.traits["embed_scale"], dtype=self.dtype)
             elif isinstance(op, Norm):
-                w = self.weight(op.w, layer)
-                acts[op.out] = rms_norm(acts[op.x], w[:, None, :], self.arch.rms_norm_eps,
-                                        self.traits.get("norm_offset", 0.0))
+                acts[op.out] = self._norm(acts[op.x], op.w, layer)
             elif isinstance(op, Linear):
                 acts[op.out] = self._linear(acts[op.x], op, st, layer)
             elif isinstance(op, Local):
@@ -167,8 +165,27 @@ class EmulatedModel:
         out = torch.gather(W, 1, rows.clamp(min=0)[:, :, None].expand(-1, -1, W.shape[2]))
         return out * (rows >= 0)[:, :, None].to(out.dtype)
 
+    def units(self, name: str, dim: int):
+        """[D, L]: the global indices along dim ``dim`` of weight ``name``, in units, that each
+        device holds (-1 = padding); for kernels that need global positions (expert ids)."""
+        d = self.decls[name].dims[dim]
+        return self.ops.shard_positions(Dim(d.name, d.size), axes_of(self.plan.specs[name][dim]),
+                                        self.bundle.spec.sharding)
+
+    def _norm(self, x, name: str, layer):
+        """RMSNorm with weight ``name``. The family's ``traits["norms"][name]`` may give its ``eps``
+        and ``features``: normalize only the first ``features``, the rest pass (MLA's rope key)."""
+        w = self.weight(name, layer)[:, None, :]
+        how = self.traits.get("norms", {}).get(name, {})
+        eps, n = how.get("eps", self.arch.rms_norm_eps), how.get("features")
+        y = rms_norm(x if n is None else x[..., :n], w, eps, self.traits.get("norm_offset", 0.0),
+                     self.traits.get("norm_weight_fp32", False))
+        return y if n is None else torch.cat([y, x[..., n:]], dim=-1)
+
     def _linear(self, x, op: Linear, st, layer):
         W = self.weight(op.w, layer)
+        if op.w in self.traits.get("linear_fp32", ()):  # HF computes these in float32 (a router)
+            x, W = x.float(), W.float()
         t = self.decls[op.w]
         wspec = [axes_of(e) for e in self.plan.specs[op.w]]
         x_spec = dict(st.specs)[op.x]
