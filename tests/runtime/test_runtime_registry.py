@@ -70,14 +70,22 @@ def test_incompatible_or_foreign_packages_are_refused(repo, xdg):
     m = json.loads((pkg / "manifest.json").read_text())
     m["format"] = "ttbundle.package/99"
     (pkg / "manifest.json").write_text(json.dumps(m))
+    other = repo / "T3K" / "tiny-llama"  # built by a newer ttbundle
+    m = json.loads((other / "manifest.json").read_text())
+    m["versions"]["ttbundle"] = "9.1.0"
+    (other / "manifest.json").write_text(json.dumps(m))
+    shutil.copytree(other, repo / "T3K" / "tiny-llama-old")
     foreign = repo / "N150" / "tt-style"  # Tenstorrent's own layout: metadata, no manifest
     foreign.mkdir()
     (foreign / "vllm_metadata.json").write_text('{"arch": "LlamaForCausalLM", "main_class": "m:C"}')
+    m["versions"]["ttbundle"] = "0.1.0"
+    (repo / "T3K" / "tiny-llama-old" / "manifest.json").write_text(json.dumps(m))
     good, refused = registry.register_dir(repo)
-    assert [(e.name, e.mesh) for e in good] == [("tiny-llama", "T3K")]
-    why = dict((p.name, w) for p, w in refused)
-    assert "manifest.json: not a ttbundle.package/1 manifest" in why["tiny-llama"]
-    assert "not a ttbundle package (no manifest.json)" in why["tt-style"]
+    assert [(e.path.name, e.mesh) for e in good] == [("tiny-llama-old", "T3K")]
+    why = dict((f"{p.parent.name}/{p.name}", w) for p, w in refused)
+    assert "manifest.json: not a ttbundle.package/1 manifest" in why["N150/tiny-llama"]
+    assert "built by ttbundle 9.1.0, this is ttbundle 0.1.0" in why["T3K/tiny-llama"]
+    assert "not a ttbundle package (no manifest.json)" in why["N150/tt-style"]
 
 
 def test_nothing_registered_is_an_error(tmp_path, xdg, runner):

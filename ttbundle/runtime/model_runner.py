@@ -101,7 +101,7 @@ class TTModelRunner:
         self.kv = None
         self.host: HostSampler | None = None
         self._pending = None
-        self.step_log: deque[Step] = deque(maxlen=100_000)
+        self.step_log: deque[Step] = deque(maxlen=10_000)
         self._log_path = os.environ.get("TTBUNDLE_STEP_LOG")
 
     # -- set-up ---------------------------------------------------------------------------------

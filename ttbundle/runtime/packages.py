@@ -57,6 +57,27 @@ def verify_package(path: str | Path, check_hashes: bool = True) -> dict:
     return verify(Path(path), full=check_hashes)
 
 
+def _version(v) -> tuple[int, int]:
+    try:
+        major, minor = str(v).split(".")[:2]
+        return int(major), int(minor)
+    except ValueError:
+        return (0, 0)
+
+
+def check_versions(manifest: dict, where: Path) -> None:
+    """A package built by a newer ttbundle (major.minor) than this one may use what this runtime
+    does not know: refuse it, naming both versions."""
+    from .. import __version__
+
+    built = (manifest.get("versions") or {}).get("ttbundle")
+    if built is None:
+        raise TTBundleError(f"{where}: manifest.json: no versions.ttbundle; rebuild the package")
+    if _version(built) > _version(__version__):
+        raise TTBundleError(f"{where}: manifest.json: built by ttbundle {built}, this is ttbundle "
+                            f"{__version__}; upgrade ttbundle or rebuild the package with this one")
+
+
 def is_package(path: str | Path) -> bool:
     return (Path(path) / MANIFEST).is_file()
 
@@ -69,6 +90,7 @@ def open_package(path: str | Path, check_hashes: bool = True) -> Package:
     if not d.is_dir():
         raise InvalidInput(f"{d}: not a package directory")
     loaded = load_package(d, verify=check_hashes)
+    check_versions(loaded.manifest, d)
     try:
         meta = json.loads((d / METADATA).read_text(encoding="utf-8"))
         meta["arch"], meta["main_class"]

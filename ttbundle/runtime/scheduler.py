@@ -75,7 +75,7 @@ class PhaseScheduler(Scheduler):
         self.max_prefill_run = max_prefill_run
         self.prefill_budget = max(self.prefill_buckets)  # padded tokens per prefill step
         self.prefill_run = 0
-        self.records: deque[StepRecord] = deque(maxlen=100_000)
+        self.records: deque[StepRecord] = deque(maxlen=10_000)
         self.adaptive_long_prefill_threshold = False
         self.local_prefill_interval = 1
         if self.scheduler_config.max_num_batched_tokens < self.prefill_budget:

@@ -20,6 +20,17 @@ from .packages import open_package
 logger = logging.getLogger("vllm.ttbundle.worker")
 
 
+def emulated_threads() -> int:
+    """torch threads of the emulated mesh: ``TTBUNDLE_EMULATED_THREADS``, else all cores but
+    one (vLLM's API server process needs one; on a loaded host, OpenMP threads that outnumber
+    free cores spin at every barrier and a step can take 10x longer)."""
+    import os
+    v = os.environ.get("TTBUNDLE_EMULATED_THREADS")
+    if v:
+        return max(1, int(v))
+    return max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2) - 1)
+
+
 class TTWorker(WorkerBase):
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs):
@@ -30,6 +41,7 @@ class TTWorker(WorkerBase):
     def init_device(self):
         self.device = torch.device("cpu")
         torch.manual_seed(self.model_config.seed or 0)
+        torch.set_num_threads(emulated_threads())
         self.package = open_package(self.model_config.model, check_hashes=False)  # verified at start
         self.model_runner = TTModelRunner(self.vllm_config, self.package, self.options, self.device)
 
