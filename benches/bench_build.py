@@ -190,6 +190,13 @@ def main() -> None:
           f"{largest / 1e6:,.0f} MB; T3K package weights: {out_bytes / 1e6:,.0f} MB in 8 files")
     print(f"machine: {os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
     print()
+    cpu = statistics.median(r[2]["cpu"] for r in runs)
+    # the weight phase's three threads (cut shards, write + sha256, hash the checkpoint): on an idle
+    # machine it takes about max(the busiest thread, their sum / cores)
+    th = {k: statistics.median(r[2]["timings"].get(k, 0.0) for r in runs)
+          for k in ("cpu_convert", "cpu_write", "cpu_hash")}
+    idle_s = max(max(th.values()), sum(th.values()) / (os.cpu_count() or 1))
+    fsync_s = statistics.median(r[2]["timings"]["weights_fsync"] for r in runs)
     print("| what | figure |")
     print("|---|---|")
     print(f"| `cp -r` of the checkpoint (median of {args.repeat}) | {cp_s:.2f} s, **{mb / cp_s:,.0f} MB/s** |")
@@ -199,17 +206,10 @@ def main() -> None:
     print(f"| bf16 -> T3K shards, weight phase incl. fsync (median) | {conv_s:.2f} s, {mb / conv_s:,.0f} MB/s = "
           f"{cps_s / conv_s:.2f}x cp + sync |")
     print(f"| weight phase CPU per thread (median): cut shards {th['cpu_convert']:.2f} s, write + sha256 "
-          f"{th['cpu_write']:.2f} s, hash checkpoint {th['cpu_hash']:.2f} s | CPU-bound on an idle machine: "
-          f"~{idle_s:.2f} s incl. fsync = ~{mb / idle_s:,.0f} MB/s = ~{cp_s / idle_s:.2f}x cp |")
+          f"{th['cpu_write']:.2f} s, hash checkpoint {th['cpu_hash']:.2f} s | CPU-bound estimate for an idle "
+          f"machine: ~{idle_s:.2f} s (+ fsync {fsync_s:.2f} s) = ~{mb / idle_s:,.0f} MB/s = ~{cp_s / idle_s:.2f}x cp |")
     print(f"| whole `ttbundle build --no-warmup` process (median) | {wall_s:.2f} s, {mb / wall_s:,.0f} MB/s = "
           f"{cp_s / wall_s:.2f}x cp |")
-    cpu = statistics.median(r[2]["cpu"] for r in runs)
-    # the weight phase's three threads (cut shards, write + sha256, hash the checkpoint): on an idle
-    # machine it takes about max(the busiest thread, their sum / cores)
-    th = {k: statistics.median(r[2]["timings"].get(k, 0.0) for r in runs)
-          for k in ("cpu_convert", "cpu_write", "cpu_hash")}
-    idle_s = max(max(th.values()), sum(th.values()) / (os.cpu_count() or 1)) + statistics.median(
-        r[2]["timings"]["weights_fsync"] for r in runs)
     print(f"| of which (last run, s) | {', '.join(f'{k} {v:.2f}' for k, v in done['timings'].items())}; "
           f"process CPU {cpu:.1f} s on {os.cpu_count()} cores (load avg {os.getloadavg()[0]:.1f}) |")
     print(f"| peak RSS of the build process | **{rss / 2**20:,.0f} MiB** vs 3 x largest + 0.5 GiB = "
