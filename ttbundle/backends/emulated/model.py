@@ -11,6 +11,7 @@ sequence's positions to cache slots, as on the device.
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import torch
@@ -53,6 +54,7 @@ class EmulatedModel:
         self.programs = plan.programs
         # vocab positions of each device's embedding rows (for sharded-vocab lookups)
         self._embed_rows = None
+        self._splits: dict = {}
 
     # -- weights ------------------------------------------------------------------------------
     def weight(self, name: str, layer: int | None = None):
@@ -165,6 +167,14 @@ class EmulatedModel:
         out = torch.gather(W, 1, rows.clamp(min=0)[:, :, None].expand(-1, -1, W.shape[2]))
         return out * (rows >= 0)[:, :, None].to(out.dtype)
 
+    def _split(self, name: str, dim: int):
+        """Axes that split dim ``dim`` of weight ``name`` over more than one device, or ()."""
+        key = (name, dim)
+        if key not in self._splits:
+            ax = axes_of(self.plan.specs[name][dim])
+            self._splits[key] = ax if math.prod(self.ops.mesh.axis_size(a) for a in ax) > 1 else ()
+        return self._splits[key]
+
     def units(self, name: str, dim: int):
         """[D, L]: the global indices along dim ``dim`` of weight ``name``, in units, that each
         device holds (-1 = padding); for kernels that need global positions (expert ids)."""
@@ -187,19 +197,20 @@ class EmulatedModel:
         if op.w in self.traits.get("linear_fp32", ()):  # HF computes these in float32 (a router)
             x, W = x.float(), W.float()
         t = self.decls[op.w]
-        wspec = [axes_of(e) for e in self.plan.specs[op.w]]
-        x_spec = dict(st.specs)[op.x]
-        # a replicated contraction dim meets a sharded weight: each device takes its slice
-        if wspec[-2] and not x_spec[-1]:
-            pos = self.ops.shard_positions(t.dims[-2], wspec[-2], self.bundle.spec.sharding)
+        x_spec = st.specs[0][1]
+        # a replicated contraction dim meets a split weight: each device takes its slice
+        k_axes = self._split(op.w, len(t.dims) - 2)
+        if k_axes and not x_spec[-1]:
+            pos = self.ops.shard_positions(t.dims[-2], k_axes, self.bundle.spec.sharding)
             x = self.ops.take(x, x.dim() - 1, pos)
         if W.dim() == 3:  # [D, K, N]
             return torch.bmm(x, W) if x.dim() == 3 else torch.einsum("dtek,dkn->dten", x, W)
         # experts [D, E, K, N]
         if x.dim() == 3:
             return torch.einsum("dtk,dekn->dten", x, W)
-        if wspec[0] and not x_spec[0]:
-            pos = self.ops.shard_positions(t.dims[0], wspec[0], self.bundle.spec.sharding)
+        e_axes = self._split(op.w, 0)
+        if e_axes and not x_spec[0]:
+            pos = self.ops.shard_positions(t.dims[0], e_axes, self.bundle.spec.sharding)
             x = self.ops.take(x, 2, pos)
         return torch.einsum("dtek,dekn->dten", x, W)
 
