@@ -43,7 +43,7 @@ from .errors import EXIT_DOES_NOT_FIT, InvalidInput, TTBundleError
 from .package import (MANIFEST, METADATA, FORMAT, ST_DTYPE, WEIGHTS_FORMAT, PackageError, ShardFile,
                       encoded_nbytes, hf_config_json, metadata_json, module_name, package_path,
                       read_manifest, render_adapter, render_readme, tensor_key, tt_arch, weight_file)
-from .plan import Plan, make_plan
+from .plan import Plan, axes_of, make_plan
 
 STATE_DIR = ".ttbundle"  # under out_dir: locks and temp dirs (not a package folder)
 # rough rates for `--dry-run` estimates on a CPU builder
@@ -419,7 +419,7 @@ class _Builder:
 
     # -- weights -------------------------------------------------------------------------------
     def _convert(self) -> None:
-        from .weights import Checkpoint
+        from .weights import Checkpoint, read_plan
 
         bundle, plan = self.bundle, self.plan
         fam, a, mesh = bundle.family, bundle.arch, plan.mesh
@@ -429,10 +429,10 @@ class _Builder:
         for f in set(ck.files.values()):
             if Path(f).resolve().parent != Path(self.inp.weights_dir).resolve():
                 raise InvalidInput(f"{self.inp.weights_dir}: refusing checkpoint file {f} outside the directory")
-        jobs = _conversion_jobs(fam, a, ck.keys())
+        jobs = read_plan(fam, a, ck.keys())
         tp = {t.name: t for t in plan.tensors}
         decls = {t.name: t for t in fam.tensors(a)}
-        units = {n: [lowermod.shard_units(d, _axes(e), mesh, bundle.spec.sharding)
+        units = {n: [lowermod.shard_units(d, axes_of(e), mesh, bundle.spec.sharding)
                      for d, e in zip(decls[n].dims, plan.specs[n])] for n in decls}
         # one header per device, computed before any tensor is read
         entries, layout = [], {}
@@ -444,7 +444,7 @@ class _Builder:
             entries.append((key, ST_DTYPE[t.dtype], shape, nbytes))
             layout[key] = {"tensor": name, "layer": layer, "encoding": t.dtype, "shape": t.device_shape,
                            "global_shape": list(decls[name].shape),
-                           "spec": [list(_axes(e)) or None for e in plan.specs[name]]}
+                           "spec": [list(axes_of(e)) or None for e in plan.specs[name]]}
         (self.tmp / "weights").mkdir(exist_ok=True)
         writers, writer = [], None
         # one torch thread: the writer and checkpoint-hash threads use the other cores, and
@@ -623,53 +623,6 @@ class _Builder:
 
 
 # ---- conversion helpers -------------------------------------------------------------------------------
-def _axes(e) -> tuple:
-    return () if e is None else (e,) if isinstance(e, str) else tuple(e)
-
-
-def _conversion_jobs(fam, a, keys) -> list[tuple[str, int | None, list[tuple[str, list[str]]]]]:
-    """(tensor, layer, [(hf key pattern, [checkpoint keys])]) per canonical tensor, in the
-    family's declaration order; checks both ways before anything is read (missing tensors,
-    checkpoint tensors no entry consumes)."""
-    from .weights import IGNORED_SUFFIXES, _expand
-
-    renames = [(re.compile(p), r) for p, r in getattr(fam, "hf_key_renames", ())]
-    ignored = [re.compile(p) for p in getattr(fam, "hf_ignored", ())]
-    raw: dict[str, str] = {}
-    for k in keys:
-        n = k
-        for pat, rep in renames:
-            n = pat.sub(rep, n)
-        if any(p.search(n) for p in ignored):
-            continue
-        raw[n] = k
-    decls = {t.name: t for t in fam.tensors(a)}
-    table = {n.tensor: n for n in fam.hf_names(a)}
-    if set(table) != set(decls):  # a family bug, not a user error
-        raise RuntimeError(f"{fam.name}: name table and tensors disagree: {sorted(set(table) ^ set(decls))}")
-    jobs, used = [], set()
-    for name, t in decls.items():
-        entry = table[name]
-        experts = t.dims[0].size if any("{e}" in k for k in entry.hf) else None
-        for layer in ([None] if t.layers is None else range(*t.layers)):
-            srcs = []
-            for k in entry.hf:
-                names = _expand(k, layer, experts)
-                for n in names:
-                    if n not in raw:
-                        where = f" (layer {layer})" if layer is not None else ""
-                        raise InvalidInput(f"checkpoint has no tensor {n!r}, needed for {name}{where}")
-                used.update(names)
-                srcs.append((k, [raw[n] for n in names]))
-            jobs.append((name, layer, srcs))
-    leftover = sorted(k for k in set(raw) - used if not k.endswith(IGNORED_SUFFIXES))
-    if leftover:
-        more = f" (and {len(leftover) - 5} more)" if len(leftover) > 5 else ""
-        raise InvalidInput(f"cannot map checkpoint tensor {leftover[0]!r} to any {fam.name} tensor; "
-                           f"unmapped: {', '.join(map(repr, leftover[:5]))}{more}")
-    return jobs
-
-
 @dataclass
 class _Canon:
     """One canonical tensor: ``base``, or ``base.transpose(-1, -2)`` when ``swap`` (the HF source

@@ -77,55 +77,63 @@ def renamed(family, keys: Iterable[str]) -> dict[str, str]:
     return out
 
 
-def canonical(family, a, get: Callable[[str], object], keys: Iterable[str],
-              aliases: dict[str, set[str]] | None = None) -> dict:
-    """Canonical tensors of ``family`` from HF tensors (``get(key)``), checking names both ways.
-    ``aliases`` maps a key to the keys sharing its storage (tied weights in a state_dict)."""
-    import torch
-
+def read_plan(family, a, keys: Iterable[str], aliases: dict[str, set[str]] | None = None
+              ) -> list[tuple[str, int | None, list[tuple[str, list[str]]]]]:
+    """What to read for each canonical tensor, checked both ways before anything is read:
+    ``(tensor, layer, [(hf key pattern, [checkpoint keys])])`` in declaration order. A missing
+    tensor or a checkpoint tensor no entry consumes is an error naming it. ``aliases`` maps a
+    key to the keys sharing its storage (tied weights in a state_dict count as one)."""
     keymap = renamed(family, keys)
-    raw_get = get
-    get = lambda n: raw_get(keymap[n])  # noqa: E731
-    keys = set(keymap)
     decls = {t.name: t for t in family.tensors(a)}
     table = {n.tensor: n for n in family.hf_names(a)}
-    unknown = sorted(set(table) - set(decls))
-    undeclared = sorted(set(decls) - set(table))
-    if unknown or undeclared:  # a family bug, not a user error
+    if set(table) != set(decls):  # a family bug, not a user error
         raise RuntimeError(f"{family.name}: name table and tensors disagree: "
-                           f"unknown {unknown}, unmapped {undeclared}")
-    used: set[str] = set()
-    out: dict = {}
+                           f"{sorted(set(table) ^ set(decls))}")
+    jobs, used = [], set()
     for name, t in decls.items():
         entry = table[name]
         experts = t.dims[0].size if any("{e}" in k for k in entry.hf) else None
-        layers = [None] if t.layers is None else list(range(*t.layers))
-        per_layer = []
-        for layer in layers:
+        for layer in ([None] if t.layers is None else range(*t.layers)):
             srcs = []
             for k in entry.hf:
                 names = _expand(k, layer, experts)
                 for n in names:
-                    if n not in keys:
+                    if n not in keymap:
                         where = f" (layer {layer})" if layer is not None else ""
                         raise InvalidInput(f"checkpoint has no tensor {n!r}, needed for {name}{where}")
                 used.update(names)
-                tensors = [get(n) for n in names]
-                srcs.append(torch.stack(tensors) if "{e}" in k else tensors[0])
-            w = transforms.apply(entry.transform, srcs, a)
-            if tuple(w.shape) != t.shape:
-                raise InvalidInput(f"{name}{'' if layer is None else f' (layer {layer})'}: checkpoint "
-                                   f"gives shape {list(w.shape)}, the architecture says {list(t.shape)}")
-            per_layer.append(w)
-        out[name] = per_layer[0] if t.layers is None else per_layer
+                srcs.append((k, [keymap[n] for n in names]))
+            jobs.append((name, layer, srcs))
     back = {orig: n for n, orig in keymap.items()}
     for k in list(used):  # a tied duplicate of a used tensor is used too
         used |= {back[o] for o in (aliases or {}).get(keymap[k], ()) if o in back}
-    leftover = sorted(k for k in keys - used if not k.endswith(IGNORED_SUFFIXES))
+    leftover = sorted(k for k in set(keymap) - used if not k.endswith(IGNORED_SUFFIXES))
     if leftover:
         more = f" (and {len(leftover) - 5} more)" if len(leftover) > 5 else ""
         raise InvalidInput(f"cannot map checkpoint tensor {leftover[0]!r} to any {family.name} tensor; "
                            f"unmapped: {', '.join(map(repr, leftover[:5]))}{more}")
+    return jobs
+
+
+def canonical(family, a, get: Callable[[str], object], keys: Iterable[str],
+              aliases: dict[str, set[str]] | None = None) -> dict:
+    """Canonical tensors of ``family`` from HF tensors (``get(key)``), through :func:`read_plan`."""
+    import torch
+
+    decls = {t.name: t for t in family.tensors(a)}
+    table = {n.tensor: n for n in family.hf_names(a)}
+    out: dict = {}
+    for name, layer, srcs in read_plan(family, a, keys, aliases):
+        t = decls[name]
+        parts = [torch.stack([get(k) for k in ks]) if "{e}" in pat else get(ks[0]) for pat, ks in srcs]
+        w = transforms.apply(table[name].transform, parts, a)
+        if tuple(w.shape) != t.shape:
+            raise InvalidInput(f"{name}{'' if layer is None else f' (layer {layer})'}: checkpoint "
+                               f"gives shape {list(w.shape)}, the architecture says {list(t.shape)}")
+        if t.layers is None:
+            out[name] = w
+        else:
+            out.setdefault(name, []).append(w)
     return out
 
 

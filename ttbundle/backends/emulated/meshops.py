@@ -14,6 +14,7 @@ import torch
 
 from ...families.base import Dim
 from ...mesh import AXES, Mesh
+from ...plan import axes_of
 
 
 class MeshOps:
@@ -77,7 +78,7 @@ class MeshOps:
         """Global tensor -> [D, *local] per the PartitionSpec ``spec``."""
         x = t.to(self.device).unsqueeze(0).expand(self.D, *t.shape)
         for i, (d, e) in enumerate(zip(dims, spec)):
-            axes = _axes(e)
+            axes = axes_of(e)
             if axes:
                 x = self.take(x, i + 1, self.shard_positions(d, axes, policy))
         return x.contiguous()
@@ -130,13 +131,5 @@ class MeshOps:
         return out.reshape(self.D, *out.shape[2:])
 
 
-def _axes(e) -> tuple[str, ...]:
-    if e is None:
-        return ()
-    if isinstance(e, str):
-        return (e,)
-    return tuple(e)
-
-
 def group_size(mesh: Mesh, axes) -> int:
-    return math.prod(mesh.axis_size(a) for a in _axes(axes)) if axes else 1
+    return math.prod(mesh.axis_size(a) for a in axes_of(axes)) if axes else 1
