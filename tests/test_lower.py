@@ -52,7 +52,7 @@ def test_programs_agree_with_the_plan(bundle, mesh):
                     assert s["payload_bytes"] == math.prod(s["shape"]) * 2
     # the traces' regions add up to the plan's trace region (rounded to 1 MiB, as the plan does)
     total = sum(pr["trace_region_bytes"] for pr in progs.values())
-    assert planmod._round_up(total, 1 << 20) == p.memory.trace_region
+    assert planmod._round_up(total, 1 << 20) == p.trace_region_size
 
 
 def test_collective_payloads_per_token_match_the_plan():

@@ -183,26 +183,33 @@ def test_kv_cache_scales_with_sequences_and_length():
     assert p.memory.kv_cache == 2 * L * tile_bytes([blocks, KV, 64, HD])
 
 
+def acts_bytes(widths, tokens=512) -> int:
+    """Each activation its own bf16 TILE buffer [tokens, width] (whole pages per bank), plus one
+    tile row of logits over the full vocabulary."""
+    return sum(tile_bytes([tokens, w]) for w in widths) + tile_bytes([32, V])
+
+
 def test_activations_on_n150_and_n300():
     # Every named activation of one decoder layer live at once for the largest prefill shape
     # (min(largest bucket, chunk) = 512 tokens, bf16), plus one tile row of logits (the decode
     # batch padded to 32 rows) over the full vocabulary.
     # N150: h, x, attn_out, x2, mlp_out (D each); q, o (H*HD); k, v (KV*HD); g, u, gu (I).
-    per_token = 5 * D + 2 * H * HD + 2 * KV * HD + 3 * I
+    widths = [D] * 5 + [H * HD] * 2 + [KV * HD] * 2 + [I] * 3
     _, p = plan_of(None, "N150")
     assert p.activation_tokens == 512
-    assert p.memory.activations == per_token * 512 * 2 + 32 * V * 2
+    assert p.memory.activations == acts_bytes(widths)
+    assert sorted(w for _, (t, w) in p.activation_buffers[:-1]) == sorted(widths)
     # N300 (cols=2): q, o, k, v, g, u, gu are split in half; the residual-stream ones are not.
-    per_token = 5 * D + 2 * H * HD // 2 + 2 * KV * HD // 2 + 3 * I // 2
+    widths = [D] * 5 + [H * HD // 2] * 2 + [KV * HD // 2] * 2 + [I // 2] * 3
     _, p = plan_of(None, "N300")
-    assert p.memory.activations == per_token * 512 * 2 + 32 * V * 2
+    assert p.memory.activations == acts_bytes(widths)
 
 
 def test_replicated_kv_heads_count_one_whole_head_per_device():
     # T3K: 2 KV heads replicated over 8 devices -> k and v hold one 64-wide head on each device
-    per_token = 5 * D + 2 * H * HD // 8 + 2 * 1 * HD + 3 * I // 8
+    widths = [D] * 5 + [H * HD // 8] * 2 + [1 * HD] * 2 + [I // 8] * 3
     _, p = plan_of(None, "T3K")
-    assert p.memory.activations == per_token * 512 * 2 + 32 * V * 2
+    assert p.memory.activations == acts_bytes(widths)
 
 
 def test_trace_region_estimate():
@@ -212,9 +219,17 @@ def test_trace_region_estimate():
     for mode, traces in (("all", 2 + 3), ("decode_only", 3), ("none", 0)):
         _, p = plan_of({"runtime": {"trace_mode": mode}})
         assert p.num_traces == traces
-        assert p.memory.trace_region == math.ceil(traces * ops * 8192 / 2**20) * 2**20
+        assert p.trace_region_size == math.ceil(traces * ops * 8192 / 2**20) * 2**20
+        assert p.memory.trace_region == trace_dram(p.trace_region_size)
     _, p = plan_of({"runtime": {"trace_region_size": 50_000_000}})
-    assert p.memory.trace_region == 50_000_000
+    assert p.trace_region_size == 50_000_000
+    # each of the 12 banks gives ceil(50e6 / 12) = 4,166,667 B rounded up to 8 KiB: 4,169,728 B
+    assert p.memory.trace_region == 12 * 4_169_728 == 50_036_736
+
+
+def trace_dram(size: int, chip=WH) -> int:
+    """The trace region ttnn carves out of every DRAM bank: ceil(size / banks) rounded to 8 KiB."""
+    return chip["banks"] * math.ceil(math.ceil(size / chip["banks"]) / 8192) * 8192
 
 
 @pytest.mark.parametrize("mesh", MESHES)
@@ -293,7 +308,8 @@ def test_collectives_on_galaxy():
     assert p.decode_traffic_bytes_per_token == sum(w[5] * w[6] for w in want) == 22016
     # trace estimate counts the collectives as captured ops: embed 1+1, layer 13+9, head 3+2
     ops = 2 + L * 22 + 5
-    assert p.memory.trace_region == math.ceil(5 * ops * 8192 / 2**20) * 2**20
+    assert p.trace_region_size == math.ceil(5 * ops * 8192 / 2**20) * 2**20
+    assert p.memory.trace_region == trace_dram(p.trace_region_size)
 
 
 def test_replicating_a_weight_removes_its_collective():

@@ -24,6 +24,10 @@ TILE_BYTES = {"bf16": 2048, "bfp8": 1088, "bfp4": 576, "f32": 4096}
 ELEM_BYTES = {"bf16": 2, "f32": 4}
 ACT_BYTES = 2  # activations are bf16 on device
 TRACE_BYTES_PER_OP = 8 * 1024  # dispatch commands + runtime args per captured op (estimate)
+# ttnn carves the trace region out of the top of every DRAM bank when the mesh opens: each bank
+# gives ceil(trace_region_size / banks) rounded up to 8 KiB (measured on the ttnn 0.81.1 mock
+# allocator, Wormhole and Blackhole alike; tests/tt/test_allocator_ttnn.py)
+TRACE_BANK_ALIGN = 8 * 1024
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -115,6 +119,8 @@ class Plan:
     diagnostics: list[Diagnostic]
     specs: dict = field(default_factory=dict)  # resolved PartitionSpec per tensor
     programs: list = field(default_factory=list)  # [(layer kind, count, [Step])], embedding first, head last
+    trace_region_size: int = 0  # bytes requested (open_mesh_device); memory.trace_region is what DRAM gives up
+    activation_buffers: list = field(default_factory=list)  # [(name, [rows, features])], bf16 TILE each
 
     @property
     def fits(self) -> bool:
@@ -135,6 +141,7 @@ class Plan:
         m = self.mesh
         mem = asdict(self.memory)
         mem["free"] = self.memory.free
+        mem["trace_region_size"] = self.trace_region_size
         return {
             "bundle": self.bundle_name,
             "family": self.family,
@@ -168,6 +175,13 @@ def dram_bytes(pages: int, page_bytes: int, mesh: Mesh) -> int:
         return 0
     per_bank = _cdiv(pages, chip.dram_banks) * _round_up(page_bytes, chip.dram_alignment)
     return per_bank * chip.dram_banks
+
+
+def trace_region_dram(size: int, mesh: Mesh) -> int:
+    """DRAM a chip gives up for a trace region of ``size`` bytes: every bank reserves
+    ``ceil(size / banks)`` rounded up to :data:`TRACE_BANK_ALIGN`."""
+    banks = mesh.chip.dram_banks
+    return banks * _round_up(_cdiv(size, banks), TRACE_BANK_ALIGN)
 
 
 def tile_pages(shape: list[int]) -> int:
@@ -474,10 +488,20 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
         raise InvalidInput(f"{bundle.file}: sharding plan does not fit {mesh.describe()}", diags)
 
     # collectives and op counts per layer kind
+    # activations: every named activation of one layer live at once for the largest prefill shape
+    # (an upper bound; ttnn frees them as it goes), each its own interleaved bf16 TILE buffer
+    # [tokens, features] (so each is rounded to whole pages per bank, like any buffer), plus the
+    # last-token logits of the largest decode batch (rows padded to a tile) over the vocabulary,
+    # gathered on every device
+    bk = bundle.buckets
+    act_tokens = min(max(bk.prefill), bk.prefill_chunk or max(bk.prefill))
+    lm = next(t for t in tensors if t.name == "lm_head")
+    vocab_gathered = lm.device_shape[-1] * math.prod(mesh.axis_size(x) for x in axes_of(lm.spec[-1]))
+    act_layer, act_layer_bytes = [], 0
+
     collectives: list[Collective] = []
     ops_per_forward = 0
     programs = []
-    act_peak_elems = 0
     kinds = [("embedding", 1, fam.embed_ops(a))] + [(k.name, k.count, k.ops) for k in fam.layers(a)] \
         + [("head", 1, fam.head_ops(a))]
     for name, count, ops in kinds:
@@ -488,7 +512,10 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
         ops_per_forward += tr.ops * count
         programs.append((name, count, tr.steps))
         if name not in ("embedding", "head"):
-            act_peak_elems = max(act_peak_elems, sum(x.local_elems(mesh, s.sharding) for x in tr.acts.values()))
+            bufs = [(n, [act_tokens, x.local_elems(mesh, s.sharding)]) for n, x in tr.acts.items()]
+            nbytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in bufs)
+            if nbytes > act_layer_bytes:
+                act_layer, act_layer_bytes = bufs, nbytes
 
     # KV cache: (num_blocks, kv_heads/device, block_size, head_dim) per layer, K and V separately
     rt = s.runtime
@@ -511,21 +538,15 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     kv = {"dtype": rt.kv_cache_dtype, "num_blocks": blocks, "block_size": rt.kv_block_size,
           "entries": kv_entries, "bytes": kv_total}
 
-    # activations: every named activation of one layer live at once for the largest prefill shape
-    # (an upper bound; ttnn frees them as it goes), plus the last-token logits of the largest
-    # decode batch (rows padded to a tile) over the vocabulary, gathered on every device
-    bk = bundle.buckets
-    act_tokens = min(max(bk.prefill), bk.prefill_chunk or max(bk.prefill))
-    lm = next(t for t in tensors if t.name == "lm_head")
-    vocab_gathered = lm.device_shape[-1] * math.prod(mesh.axis_size(x) for x in axes_of(lm.spec[-1]))
-    act_bytes = (act_peak_elems * act_tokens * ACT_BYTES
-                 + _round_up(max(bk.decode), TILE) * vocab_gathered * ACT_BYTES)
+    act_bufs = act_layer + [("logits", [_round_up(max(bk.decode), TILE), vocab_gathered])]
+    act_bytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in act_bufs)
 
     traced_prefill = len(bk.prefill) if rt.trace_mode == "all" else 0
     traced_decode = len(bk.decode) if rt.trace_mode in ("all", "decode_only") else 0
     num_traces = traced_prefill + traced_decode
-    trace = rt.trace_region_size if rt.trace_region_size is not None else \
+    trace_size = rt.trace_region_size if rt.trace_region_size is not None else \
         _round_up(num_traces * ops_per_forward * TRACE_BYTES_PER_OP, 1 << 20)
+    trace = trace_region_dram(trace_size, mesh) if trace_size else 0
 
     by_dtype: dict[str, int] = {}
     for t in tensors:
@@ -534,7 +555,7 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     total = weights + kv_total + act_bytes + trace
     mem = Memory(by_dtype, weights, kv_total, act_bytes, trace, total, mesh.chip.dram_bytes)
     return Plan(s.name, a.family, mesh, tensors, mem, collectives, kv, act_tokens, num_traces,
-                list(bundle.warnings), dict(specs), programs)
+                list(bundle.warnings), dict(specs), programs, trace_size, act_bufs)
 
 
 def _seen_by_attention(programs, weight: str):
