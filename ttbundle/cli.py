@@ -457,6 +457,20 @@ def meshes(as_json: bool = typer.Option(False, "--json")):
     out.print(t)
 
 
+@app.command("mock-cluster")
+def mock_cluster(mesh: str = typer.Option(..., "--mesh", "-m", help="Mesh preset (N150, N300, T3K, P150, P100)."),
+                 output: Path = typer.Option(..., "-o", "--output", help="Descriptor file to write (YAML).")):
+    """Write a UMD cluster descriptor for ttnn's mock mode (no device needed).
+
+    Then: TT_METAL_MOCK_CLUSTER_DESC_PATH=FILE python -c 'import ttnn; ...' (see docs/hardware.md)."""
+    from . import mockcluster
+    try:
+        p = mockcluster.write(mesh, output)
+    except TTBundleError as e:
+        fail(e)
+    err.print(Text(f"wrote {p}: export TT_METAL_MOCK_CLUSTER_DESC_PATH={p.absolute()}"))
+
+
 @app.command()
 def version():
     """Print ttbundle's version."""
