@@ -46,6 +46,7 @@ from .package import (MANIFEST, METADATA, FORMAT, ST_DTYPE, WEIGHTS_FORMAT, Pack
 from .plan import Plan, axes_of, make_plan
 
 STATE_DIR = ".ttbundle"  # under out_dir: locks and temp dirs (not a package folder)
+BACKENDS = ("emulated", "ttnn")  # ttnn: + per-device .tensorbin weight caches
 # rough rates for `--dry-run` estimates on a CPU builder
 EST_CONVERT_BYTES_PER_S = 400e6
 EST_EMULATED_FLOPS = 1e10
@@ -95,8 +96,13 @@ class BuildResult:
 
 # ---- public entry point ----------------------------------------------------------------------------
 def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, force: bool = False,
-          warmup: bool = True, progress: Progress | None = None) -> BuildResult:
-    """Build (or, with ``dry_run``, describe) the package of ``bundle`` for ``mesh``."""
+          warmup: bool = True, progress: Progress | None = None, backend: str = "emulated") -> BuildResult:
+    """Build (or, with ``dry_run``, describe) the package of ``bundle`` for ``mesh``.
+
+    ``backend="ttnn"`` also writes per-device ``.tensorbin`` weight caches (``tensorbin/``,
+    ``ttbundle.backends.ttnn.cache``) so a Tenstorrent host loads weights without converting."""
+    if backend not in BACKENDS:
+        raise InvalidInput(f"unknown backend {backend!r}; one of {', '.join(BACKENDS)}")
     t0 = time.monotonic()
     emit = progress or (lambda e: None)
     plan = make_plan(bundle, mesh)
@@ -110,6 +116,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     if dry_run:
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
+        _backend_field(inp, backend)
         _hash_sources(inp, emit)
         _describe(bundle, plan, inp, prev, res)
         res.seconds = time.monotonic() - t0
@@ -124,6 +131,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         _check_replaceable(pkg)
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
+        _backend_field(inp, backend)
         if prev is not None and inp.pending:
             _hash_sources(inp, emit)  # decide no-op vs rebuild on content, not on mtimes
         if prev is not None and not force and not inp.pending \
@@ -136,7 +144,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         tmp = state / "tmp" / f"{_tag(pkg)}@{os.getpid()}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         try:
-            _Builder(bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup).run()
+            _Builder(bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup, backend).run()
             _fault("before-swap")
             _swap(tmp, pkg, state)
         except BaseException:
@@ -145,6 +153,13 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     res.seconds = time.monotonic() - t0
     emit({"event": "done", **res.to_json()})
     return res
+
+
+def _backend_field(inp, backend: str) -> None:
+    """A ttnn build is a different package (it adds tensorbin/): its key says so. Emulated
+    builds add no field, so their keys are what they were before backends existed."""
+    if backend != "emulated":
+        inp.fields["backend"] = backend
 
 
 def _check_dtypes(plan: Plan) -> None:
@@ -323,10 +338,11 @@ def _swap(tmp: Path, pkg: Path, state: Path) -> None:
 
 # ---- the build itself -------------------------------------------------------------------------------------
 class _Builder:
-    def __init__(self, bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup):
+    def __init__(self, bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup, backend="emulated"):
         self.bundle, self.plan, self.inp, self.prev = bundle, plan, inp, prev
         self.pkg, self.tmp, self.res, self.emit = pkg, tmp, res, emit
         self.force, self.do_warmup = force, warmup
+        self.backend = backend
         self.files: dict[str, dict] = {}
         self.prev_files = (prev or {}).get("files", {}) if not force else {}
         self.prev_art = (prev or {}).get("artifacts", {}) if not force else {}
@@ -401,6 +417,10 @@ class _Builder:
         keys = cache.artifact_keys(inp.fields, inp.traces)
         self.artifacts["weights"] = {"key": keys["weights"],
                                      "files": [weight_file(d) for d in range(self.plan.mesh.num_devices)]}
+        if self.backend == "ttnn":
+            t = time.monotonic()
+            self._tensorbin(keys["weights"])
+            res.timings["tensorbin"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         self._programs(keys)
         res.timings["programs"] = round(time.monotonic() - t, 3)
@@ -499,6 +519,22 @@ class _Builder:
         finally:
             torch.set_num_threads(threads)
             _trim_heap()
+
+    def _tensorbin(self, weights_key: str) -> None:
+        """Per-device .tensorbin caches of the weights just written (or linked)."""
+        from .backends.ttnn import cache as ttcache
+        key = ttcache.artifact_key(weights_key)
+        old = self.prev_art.get("tensorbin", {})
+        if old.get("key") == key and all(self._link(rel) for rel in old.get("files", [])):
+            files = old["files"]
+            self.res.reused.append("tensorbin")
+        else:
+            written = ttcache.write_caches(self.tmp, self.plan, self.bundle.spec.sharding, self.emit)
+            self.files.update(written)
+            self.res.bytes_written += sum(r["size"] for r in written.values())
+            files = sorted(written)
+            self.res.rebuilt.append("tensorbin")
+        self.artifacts["tensorbin"] = {"key": key, "files": files}
 
     # -- programs ------------------------------------------------------------------------------
     def _programs(self, keys: dict) -> None:
@@ -874,6 +910,7 @@ class ConsoleProgress:
     """Build events as rich progress bars: one bar per phase with the current item and an ETA."""
 
     LABELS = {"hash": "hashing checkpoint", "weights": "converting weights", "programs": "lowering programs",
+              "tensorbin": "writing .tensorbin caches",
               "warmup": "warming traces"}
 
     def __init__(self, console, prefix: str = ""):

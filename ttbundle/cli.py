@@ -221,7 +221,9 @@ def build(spec: Path = typer.Argument(..., help="Bundle spec (YAML) with weights
           as_json: bool = typer.Option(False, "--json", help="JSON progress events, one per line (CI)."),
           force: bool = typer.Option(False, "--force", help="Rebuild every artifact, reusing nothing."),
           no_warmup: bool = typer.Option(False, "--no-warmup", help="Skip running each new trace once on "
-                                         "the emulated backend (recorded as not warmed).")):
+                                         "the emulated backend (recorded as not warmed)."),
+          backend: str = typer.Option("emulated", "--backend", help="emulated, or ttnn: also write "
+                                      "per-device .tensorbin weight caches (tensorbin/) for Tenstorrent hosts.")):
     """Convert the checkpoint, lower every trace and write a registrable package per mesh.
 
     Unchanged packages are left alone (content key); a changed bucket rebuilds only its program.
@@ -239,7 +241,7 @@ def build(spec: Path = typer.Argument(..., help="Bundle spec (YAML) with weights
             else:
                 emit = ConsoleProgress(err, prefix=f"{t}: ")
             results.append(run_build(bundle, t, output, dry_run=dry_run, force=force,
-                                     warmup=not no_warmup, progress=emit))
+                                     warmup=not no_warmup, progress=emit, backend=backend))
     except TTBundleError as e:
         if as_json:
             sys.stdout.write(json.dumps({"event": "error", "message": e.message,

@@ -16,8 +16,9 @@ n300 0x14, p150 0x40, p100 0x36).
 
 The wiring is that of the real systems (tt-umd / tt-metal test descriptors): an N300 is two
 Wormholes on one board joined by ethernet channels 8, 9 <-> 0, 1, the left one on PCIe; a T3K is
-four N300s in a 2x4 grid. Harvesting is one Tensix row per Wormhole (an 8x8 compute grid, as
-shipped cards have) and the P150's usual ethernet/PCIe harvesting. Only presets checked against
+four N300s in a 2x4 grid. Harvesting is what tt-umd expects per board (one Tensix row on an
+N150, two per N300 chip, the P150's usual ethernet/PCIe harvesting, a P100's two Tensix
+columns, one DRAM channel and every ethernet core), so ttnn reads them without warnings. Only presets checked against
 the wheel are offered (tests/tt/test_mockcluster_ttnn.py opens each mesh); others raise.
 """
 
@@ -30,7 +31,9 @@ from .errors import InvalidInput
 from .mesh import PRESETS
 
 _UPI = {"n150": 0x18, "n300": 0x14, "p150": 0x40, "p100": 0x36}
-_WH_HARVEST = 1 << 6  # one Tensix row harvested (as on shipped N150/N300 cards)
+# Tensix rows harvested, as tt-umd expects per board (it warns otherwise): one on an N150, two
+# on each N300 chip
+_WH_HARVEST = {"n150": 1 << 6, "n300": (1 << 6) | 1}
 
 
 @dataclass(frozen=True)
@@ -52,8 +55,8 @@ class _Cluster:
     links: tuple[tuple[tuple[int, int], tuple[int, int]], ...]  # ((chip, chan), (chip, chan))
 
 
-def _wh(board: int, x: int, y: int, mmio: bool) -> _Chip:
-    return _Chip("wormhole_b0", board, (x, y, 0, 0), mmio, harvest=_WH_HARVEST)
+def _wh(board: int, x: int, y: int, mmio: bool, kind: str = "n300") -> _Chip:
+    return _Chip("wormhole_b0", board, (x, y, 0, 0), mmio, harvest=_WH_HARVEST[kind])
 
 
 def _n300_links(left: int, right: int) -> list:
@@ -76,13 +79,14 @@ def _t3k() -> _Cluster:
 def _clusters() -> dict[str, _Cluster]:
     p150 = _Chip("blackhole", 0, (0, 0, 0, 0), True, eth_harvest=0b100100000, pcie_harvest=0b10)
     return {
-        "N150": _Cluster((_wh(0, 0, 0, True),), ("n150",), ()),
+        "N150": _Cluster((_wh(0, 0, 0, True, "n150"),), ("n150",), ()),
         "N300": _Cluster((_wh(0, 0, 0, True), _wh(0, 1, 0, False)), ("n300",), tuple(_n300_links(0, 1))),
         "T3K": _t3k(),
         "P150": _Cluster((p150,), ("p150",), ()),
-        # 7 of 8 DRAM channels (mesh.BLACKHOLE_P100)
-        "P100": _Cluster((_Chip("blackhole", 0, (0, 0, 0, 0), True, dram_harvest=1 << 7,
-                                eth_harvest=0b100100000, pcie_harvest=0b10),), ("p100",), ()),
+        # 7 of 8 DRAM channels (mesh.BLACKHOLE_P100), two Tensix columns and all 14 ethernet
+        # cores harvested, as tt-umd expects of a p100
+        "P100": _Cluster((_Chip("blackhole", 0, (0, 0, 0, 0), True, harvest=0b11, dram_harvest=1 << 7,
+                                eth_harvest=(1 << 14) - 1, pcie_harvest=0b10),), ("p100",), ()),
     }
 
 

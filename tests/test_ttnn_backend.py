@@ -1,0 +1,176 @@
+"""The ttnn backend's host side, in the main environment (no ttnn): `build --backend ttnn`'s
+.tensorbin caches, mesh mappers as data, `mock-cluster`, and (below) the recording device double
+that checks the order of compile warm-up, trace capture and replay.
+
+What needs the real wheel is in tests/tt/ (the caches loading in ttnn, the allocator, the
+descriptors, the lowering's ttnn calls against the wheel's signatures).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from test_build import make_checkpoint, make_tokenizer, spec_text
+from ttbundle import build as buildmod, mockcluster, package, plan as planmod, spec as specmod, tensorbin
+from ttbundle.backends.ttnn import cache, mappers
+from ttbundle.cli import app
+from ttbundle.errors import InvalidInput
+
+DTYPES = "  dtypes: {mlp: bfp8, attention: bfp4}\n"
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory) -> Path:
+    d = tmp_path_factory.mktemp("ckpt")
+    make_checkpoint(d)
+    make_tokenizer(d)
+    return d
+
+
+def write_spec(tmp: Path, ckpt: Path) -> Path:
+    p = tmp / "spec.yaml"
+    p.write_text(spec_text(ckpt).replace(f"  source: {ckpt}\n", f"  source: {ckpt}\n{DTYPES}"))
+    return p
+
+
+def st_shard(pkg: Path, d: int, key: str) -> tuple[bytes, dict]:
+    with open(pkg / package.weight_file(d), "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = json.loads(f.read(n))
+        a, b = head[key]["data_offsets"]
+        f.seek(8 + n + a)
+        return f.read(b - a), json.loads(head["__metadata__"]["ttbundle"])["tensors"][key]
+
+
+# ---- build --backend ttnn ------------------------------------------------------------------------
+@pytest.mark.parametrize("mesh", ["T3K", "N150"])
+def test_build_writes_a_tensorbin_per_device_and_tensor(tmp_path, ckpt, mesh):
+    bundle = specmod.load(write_spec(tmp_path, ckpt))
+    res = buildmod.build(bundle, mesh, tmp_path / "out", backend="ttnn", warmup=False)
+    pkg = Path(res.package)
+    m = package.verify_package(pkg)  # every tensorbin file is in the manifest, sha256 included
+    assert "tensorbin" in res.rebuilt and "tensorbin" in m["artifacts"]
+    p = planmod.make_plan(bundle, mesh)
+    tp = {t.name: t for t in p.tensors}
+    idx = cache.read_index(pkg)
+    D = p.mesh.num_devices
+    assert idx["devices"] == D and idx["mesh"] == {"name": mesh, "shape": list(p.mesh.shape)}
+    keys = set(cache._RawSafetensors(pkg / package.weight_file(0)).meta["tensors"])
+    assert set(idx["tensors"]) == keys
+    listed = set(m["artifacts"]["tensorbin"]["files"])
+    assert listed == {cache.cache_file(d, k) for d in range(D) for k in keys} | {cache.INDEX}
+    for key, info in idx["tensors"].items():
+        t = tp[info["tensor"]]
+        for d in range(D):
+            h, data = tensorbin.read_shard(pkg / cache.cache_file(d, key))
+            assert (h.dtype, h.layout, h.shape) == (t.dtype, t.layout, info["shape"]), key
+            assert h.mesh_shape == [1, 1] and len(h.shards) == 1
+            raw, meta = st_shard(pkg, d, key)
+            if t.dtype != "bf16":
+                assert data == raw  # block-float tiles are the package's own bytes
+            elif t.layout == "TILE":
+                want = np.frombuffer(raw, dtype=np.uint16).reshape(meta["shape"])
+                np.testing.assert_array_equal(cache.untilize(data, meta["shape"]), want)
+            elif len(meta["shape"]) == 1:  # a vector as rows of 32
+                n = meta["shape"][0]
+                assert data[:2 * n] == raw and not any(data[2 * n:])
+                assert info["shape"] == [1, 1, -(-n // 32), 32]
+            else:
+                assert data == raw  # the embedding, row-major
+    # the tensorbins hold exactly the DRAM the plan charges for weights (one copy per layer)
+    charged = sum(planmod.tensor_bytes(list(idx["tensors"][k]["shape"]), idx["tensors"][k]["dtype"],
+                                       idx["tensors"][k]["layout"], p.mesh) for k in keys)
+    assert charged == p.memory.weights
+
+
+def test_backend_is_part_of_the_key_and_caches_are_reused(tmp_path, ckpt):
+    bundle = specmod.load(write_spec(tmp_path, ckpt))
+    out = tmp_path / "out"
+    r1 = buildmod.build(bundle, "N300", out, backend="ttnn", warmup=False)
+    assert buildmod.build(bundle, "N300", out, backend="ttnn", warmup=False).status == "up-to-date"
+    r2 = buildmod.build(bundle, "N300", out, warmup=False)  # emulated: the caches go
+    assert r2.status == "built" and "weights" in r2.reused and not (Path(r2.package) / "tensorbin").exists()
+    package.verify_package(r2.package)
+    r3 = buildmod.build(bundle, "N300", out, backend="ttnn", warmup=False)
+    assert "tensorbin" in r3.rebuilt and "weights" in r3.reused and r3.key == r1.key
+    # a rebuild that keeps the weights (a new bucket) links the caches instead of rewriting them
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(spec.read_text().replace("decode: [1, 8]", "decode: [1, 4, 8]"))
+    before = (Path(r3.package) / cache.cache_file(1, "wq.0")).stat().st_ino
+    r4 = buildmod.build(specmod.load(spec), "N300", out, backend="ttnn", warmup=False)
+    assert "tensorbin" in r4.reused and "program:decode-4" in r4.rebuilt
+    assert (Path(r4.package) / cache.cache_file(1, "wq.0")).stat().st_ino == before
+    package.verify_package(r4.package)
+
+
+def test_unknown_backend_and_cli_flag(tmp_path, ckpt):
+    bundle = specmod.load(write_spec(tmp_path, ckpt))
+    with pytest.raises(InvalidInput, match="unknown backend 'cuda'; one of emulated, ttnn"):
+        buildmod.build(bundle, "N150", tmp_path / "out", backend="cuda")
+    r = CliRunner().invoke(app, ["build", str(tmp_path / "spec.yaml"), "--mesh", "N150", "-o",
+                                 str(tmp_path / "out"), "--backend", "ttnn", "--no-warmup"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "N150" / "tiny" / cache.INDEX).exists()
+
+
+def test_tilize_round_trip_and_face_order():
+    a = np.arange(40 * 70, dtype=np.uint16).reshape(40, 70)
+    t = np.frombuffer(cache.tilize(a), dtype=np.uint16)
+    assert t.size == 64 * 96  # padded to whole tiles
+    # tile (0,0), face 1 (top-right) starts with element (0, 16); face 2 with (16, 0)
+    assert t[256] == a[0, 16] and t[512] == a[16, 0] and t[:16].tolist() == a[0, :16].tolist()
+    np.testing.assert_array_equal(cache.untilize(cache.tilize(a), a.shape), a)
+    b = np.arange(2 * 3 * 33 * 65, dtype=np.uint16).reshape(2, 3, 33, 65)
+    np.testing.assert_array_equal(cache.untilize(cache.tilize(b), b.shape), b)
+
+
+# ---- mesh mappers --------------------------------------------------------------------------------
+def test_mapper_dims_follow_the_plan():
+    text = spec_text() + "sharding: {kv_heads: replicate}\n"
+    b = specmod.loads(text, "s.yaml")
+    p = planmod.make_plan(b, "T3K")
+    tp = {t.name: t for t in p.tensors}
+    assert mappers.mapper_dims(p, "attn_norm") == {"type": "ReplicateTensorToMesh"}
+    want = [None, None]  # ShardTensor2dMesh dims: the tensor dim split over rows, over cols
+    for i, e in enumerate(tp["wq"].spec):
+        for ax in planmod.axes_of(e):
+            want[("rows", "cols").index(ax)] = i
+    assert mappers.mapper_dims(p, "wq") == {"type": "ShardTensor2dMesh", "dims": want}
+    # 2 KV heads replicated over 8 devices and the vocab padded 500 -> 512 are ttbundle's own
+    assert tp["wk"].notes and mappers.mapper_dims(p, "wk") is None
+    assert mappers.mapper_dims(p, "lm_head") is None
+
+
+# ---- mock-cluster ---------------------------------------------------------------------------------
+def test_mock_cluster_descriptors_are_consistent():
+    for name in mockcluster.supported():
+        d = yaml.safe_load(mockcluster.descriptor(name))
+        m = planmod.meshmod.PRESETS[name]
+        chips = list(d["arch"])
+        assert len(chips) == m.num_devices
+        assert {d["arch"][c] for c in chips} == {m.chip.arch}
+        board_chips = sorted(c for b in d["boards"] for part in b if "chips" in part for c in part["chips"])
+        assert board_chips == chips
+        for link in d["ethernet_connections"]:  # links join distinct chips of this cluster
+            (a, b) = (link[0]["chip"], link[1]["chip"])
+            assert a != b and a in chips and b in chips
+        for b in d["boards"]:  # the board id carries its type (tt-umd reads it back)
+            bid = next(p["board_id"] for p in b if "board_id" in p)
+            kind = next(p["board_type"] for p in b if "board_type" in p)
+            assert (bid >> 36) & 0xFFFFF == {"n150": 0x18, "n300": 0x14, "p150": 0x40, "p100": 0x36}[kind]
+    t3k = yaml.safe_load(mockcluster.descriptor("T3K"))
+    assert len(t3k["ethernet_connections"]) == 20 and len(t3k["chips_with_mmio"]) == 4
+
+
+def test_mock_cluster_cli(tmp_path):
+    r = CliRunner().invoke(app, ["mock-cluster", "--mesh", "P150", "-o", str(tmp_path / "p.yaml")])
+    assert r.exit_code == 0 and (tmp_path / "p.yaml").read_text() == mockcluster.descriptor("P150")
+    r = CliRunner().invoke(app, ["mock-cluster", "--mesh", "QUAD_GALAXY", "-o", str(tmp_path / "q.yaml")])
+    assert r.exit_code == 2 and "no descriptor for it yet" in r.output

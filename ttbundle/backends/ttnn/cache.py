@@ -1,0 +1,199 @@
+"""Per-device ``.tensorbin`` weight caches: what `ttbundle build --backend ttnn` adds to a package.
+
+A serving host then never converts a weight at start-up: it ``ttnn.load_tensor``s each device's
+file, joins a tensor's per-device host tensors with ``ttnn.from_host_shards`` and moves the
+result to the mesh (``load_mesh_weights``). Layout (ttbundle's own; ``ttnn.as_tensor`` with a
+mesh mapper writes one multi-device file per tensor instead, which needs an open mesh)::
+
+    tensorbin/index.json                     format, mesh, devices, per tensor key: shape, dtype,
+                                             layout, the mesh mapper ttnn would use (or null)
+    tensorbin/device-NNN/<key>.tensorbin     device NNN's shard of tensor <key> (``wq.3``)
+
+Each file is a single-device host tensor exactly as ``ttnn.dump_tensor`` writes one
+(:mod:`ttbundle.tensorbin`), holding the shape, dtype and layout ttnn keeps the tensor in on
+device (:mod:`.layout`): block floats as the package's own tiles (byte for byte what ttnn
+packs), bf16 matrices tilized here (32x32 tiles of four 16x16 faces), bf16 vectors as rows of
+32, embeddings row-major. The files are cut from the package's ``weights/device-NNN.safetensors``
+(read raw: no torch, so this also runs in the Python 3.12 ttnn environment).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from ... import tensorbin
+from ...cache import code_digest, digest
+from ...package import weight_file
+from .layout import TILE, device_shape
+
+FORMAT = "ttbundle.tensorbin/1"
+DIR = "tensorbin"
+INDEX = f"{DIR}/index.json"
+_HERE = Path(__file__).resolve().parent
+
+
+def cache_file(d: int, key: str) -> str:
+    return f"{DIR}/device-{d:03d}/{key}.tensorbin"
+
+
+def artifact_key(weights_key: str) -> str:
+    """The caches depend on the weights and on the code that lays them out."""
+    src = [_HERE / "cache.py", _HERE / "layout.py", _HERE / "mappers.py",
+           _HERE.parent.parent / "tensorbin.py"]
+    return digest({"weights": weights_key, "code": code_digest(src), "format": FORMAT})
+
+
+# ---- reading a package's device files without torch --------------------------------------------
+class _RawSafetensors:
+    """A safetensors file read as bytes: header dict, and each tensor's raw data."""
+
+    def __init__(self, path: Path):
+        self.f = open(path, "rb")
+        n = struct.unpack("<Q", self.f.read(8))[0]
+        self.header = json.loads(self.f.read(n))
+        self.start = 8 + n
+        self.meta = json.loads(self.header["__metadata__"]["ttbundle"])
+
+    def get(self, key: str) -> bytes:
+        a, b = self.header[key]["data_offsets"]
+        self.f.seek(self.start + a)
+        return self.f.read(b - a)
+
+    def close(self) -> None:
+        self.f.close()
+
+
+# ---- host layouts ------------------------------------------------------------------------------
+def tilize(a: np.ndarray) -> bytes:
+    """``a`` (``[..., H, W]``, any element type) as ttnn's TILE layout: the last two dims
+    zero-padded to multiples of 32, tiles row-major, each tile its four 16x16 faces (top-left,
+    top-right, bottom-left, bottom-right), each face row-major."""
+    if a.ndim < 2:
+        a = a.reshape(1, -1)
+    *lead, h, w = a.shape
+    ph, pw = -(-h // TILE) * TILE, -(-w // TILE) * TILE
+    if (ph, pw) != (h, w):
+        p = np.zeros((*lead, ph, pw), dtype=a.dtype)
+        p[..., :h, :w] = a
+        a = p
+    n = len(lead)
+    t = a.reshape(*lead, ph // TILE, 2, 16, pw // TILE, 2, 16)
+    # [..., th, fr, r, tw, fc, c] -> [..., th, tw, fr, fc, r, c]
+    order = list(range(n)) + [n, n + 3, n + 1, n + 4, n + 2, n + 5]
+    return np.ascontiguousarray(t.transpose(order)).tobytes()
+
+
+def untilize(data: bytes, shape, dtype=np.uint16) -> np.ndarray:
+    """Inverse of :func:`tilize` (padding dropped)."""
+    shape = tuple(shape) if len(shape) >= 2 else (1, shape[0])
+    *lead, h, w = shape
+    ph, pw = -(-h // TILE) * TILE, -(-w // TILE) * TILE
+    n = len(lead)
+    t = np.frombuffer(data, dtype=dtype).reshape(*lead, ph // TILE, pw // TILE, 2, 2, 16, 16)
+    order = list(range(n)) + [n, n + 2, n + 4, n + 1, n + 3, n + 5]
+    return t.transpose(order).reshape(*lead, ph, pw)[..., :h, :w]
+
+
+def host_bytes(raw: bytes, shape, encoding: str, layout: str) -> tuple[bytes, tuple[int, ...]]:
+    """A package shard (``raw``: bf16 elements, or block-float tiles) as the bytes and shape of
+    the host tensor ttnn loads."""
+    shp = device_shape(shape, layout)
+    if encoding in ("bfp8", "bfp4"):
+        return raw, shp  # already ttnn's tiles (ttbundle.blockfloat)
+    a = np.frombuffer(raw, dtype=np.uint16).reshape(shape)  # bf16 bit patterns
+    if layout == "TILE":
+        return tilize(a), shp
+    if len(shape) == 1:  # a vector as rows of 32, zero-padded
+        p = np.zeros(int(np.prod(shp)), dtype=np.uint16)
+        p[: a.size] = a
+        return p.tobytes(), shp
+    return a.tobytes(), shp
+
+
+# ---- writing -----------------------------------------------------------------------------------
+def _write_file(path: Path, *chunks: bytes) -> dict:
+    """Write ``chunks`` to a fresh file (fsynced); its sha256 and size for the manifest."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    h = hashlib.sha256()
+    if path.exists():  # never write through a hard link into a previous package
+        path.unlink()
+    with open(path, "xb") as f:
+        for c in chunks:
+            f.write(c)
+            h.update(c)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"sha256": h.hexdigest(), "size": sum(len(c) for c in chunks)}
+
+
+def write_caches(pkg: str | Path, plan, policy=None,
+                 progress: Callable[[dict], None] | None = None) -> dict[str, dict]:
+    """Write ``tensorbin/`` into package directory ``pkg`` (its ``weights/`` already written) for
+    ``plan``. Returns ``{relative path: {"sha256", "size"}}`` of every file written."""
+    from .mappers import mapper_dims
+
+    pkg = Path(pkg)
+    emit = progress or (lambda e: None)
+    mesh = plan.mesh
+    tp = {t.name: t for t in plan.tensors}
+    D = mesh.num_devices
+    files: dict[str, dict] = {}
+    index: dict[str, dict] = {}
+    readers = [_RawSafetensors(pkg / weight_file(d)) for d in range(D)]
+    try:
+        keys = list(readers[0].meta["tensors"])
+        emit({"event": "phase", "phase": "tensorbin", "total": len(keys), "unit": "tensors"})
+        for i, key in enumerate(keys):
+            info = readers[0].meta["tensors"][key]
+            t = tp[info["tensor"]]
+            shp = device_shape(t.device_shape, t.layout)
+            index[key] = {"tensor": t.name, "layer": info.get("layer"), "shape": list(shp),
+                          "dtype": t.dtype, "layout": t.layout,
+                          "mesh_mapper": mapper_dims(plan, t.name, policy)}
+            for d, r in enumerate(readers):
+                rinfo = r.meta["tensors"][key]
+                if rinfo["shape"] != t.device_shape or rinfo["encoding"] != t.dtype:
+                    raise ValueError(f"{weight_file(d)}: {key} is {rinfo['encoding']}{rinfo['shape']}, "
+                                     f"the plan says {t.dtype}{t.device_shape}")
+                data, shape = host_bytes(r.get(key), t.device_shape, t.dtype, t.layout)
+                head = tensorbin.header_bytes(list(shape), t.dtype, t.layout, len(data))
+                rel = cache_file(d, key)
+                files[rel] = _write_file(pkg / rel, struct.pack("<Q", len(head)), head, data)
+            emit({"event": "advance", "phase": "tensorbin", "item": key, "i": i + 1, "n": len(keys)})
+    finally:
+        for r in readers:
+            r.close()
+    doc = {"format": FORMAT, "mesh": {"name": mesh.name, "shape": list(mesh.shape)}, "devices": D,
+           "files": f"{DIR}/device-NNN/<key>.tensorbin", "tensors": index}
+    files[INDEX] = _write_file(pkg / INDEX, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
+    return files
+
+
+def read_index(pkg: str | Path) -> dict:
+    return json.loads((Path(pkg) / INDEX).read_text(encoding="utf-8"))
+
+
+# ---- loading on a mesh (hardware path; also runs on a mock mesh) --------------------------------
+def load_host_shards(ttnn, pkg: str | Path, key: str, devices: int) -> list:
+    """Device ``d``'s host tensor of ``key`` for every device, as ``ttnn.load_tensor`` reads it."""
+    return [ttnn.load_tensor(str(Path(pkg) / cache_file(d, key))) for d in range(devices)]
+
+
+def load_mesh_weights(ttnn, mesh_device, pkg: str | Path, keys: list[str] | None = None) -> dict:
+    """Every cached tensor (or ``keys``) as one mesh tensor in DRAM: per-device files joined with
+    ``ttnn.from_host_shards`` (device ``d`` = mesh coordinate ``(d // cols, d % cols)``)."""
+    idx = read_index(pkg)
+    shape = ttnn.MeshShape(*idx["mesh"]["shape"])
+    out = {}
+    for key in keys or list(idx["tensors"]):
+        shards = load_host_shards(ttnn, pkg, key, idx["devices"])
+        host = ttnn.from_host_shards(shards, shape)
+        out[key] = ttnn.to_device(host, mesh_device, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+    return out
