@@ -137,7 +137,7 @@ class TTModelRunner:
     def initialize_kv_cache(self, num_blocks: int):
         a = self.bundle.arch
         self.kv = self.mesh_model.allocate_kv_cache((num_blocks, a.kv_heads, self.block_size, a.hd),
-                                               self.dtype, a.num_hidden_layers)
+                                                    self.dtype, a.num_hidden_layers)
         logger.info("ttbundle: KV cache of %d blocks x %d tokens", num_blocks, self.block_size)
 
     def warm_up(self):
@@ -150,9 +150,9 @@ class TTModelRunner:
         t0 = time.perf_counter()
         dev = self.sample_mode != "off"
         self.mesh_model.warmup_model_prefill(self.kv, self.options.trace_mode == "all",
-                                        dev and self.sample_mode == "all")
+                                             dev and self.sample_mode == "all")
         self.mesh_model.warmup_model_decode(self.kv, self.options.trace_mode != "none",
-                                       max(self.decode_buckets), self.kv.num_blocks, dev)
+                                            max(self.decode_buckets), self.kv.num_blocks, dev)
         self.mesh_model.seal()
         logger.info("ttbundle: warmed up %d prefill and %d decode buckets in %.1f s",
                     len(self.prefill_buckets), len(self.decode_buckets), time.perf_counter() - t0)
@@ -273,7 +273,7 @@ class TTModelRunner:
             tokens[i, 0] = st.tokens(st.num_computed, 1)[0]
             pos[i] = st.num_computed
         res = self.mesh_model.decode_forward(tokens, pos, self._page_table(states, bucket), self.kv,
-                                        self._device_sampling(states, bucket) if on_device else None)
+                                             self._device_sampling(states, bucket) if on_device else None)
         out = {st.req_id: (int(res[i]) if on_device else res[i]) for i, st in enumerate(states)}
         return out, Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [bucket], "")
 

@@ -153,7 +153,10 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         "--additional-config", json.dumps(cfg, separators=(",", ":")),
     ] + extra
     env = {ENV_EMULATED: "1", "MESH_DEVICE": pkg.mesh_name, "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+           # the engine's OpenMP threads share the cores with vLLM's API server process: spin
+           # briefly at a barrier, then sleep (the default spins ~30x longer)
+           "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000")}
     return ServePlan(pkg.path, pkg.name, pkg.mesh_name, argv, env, host, port)
 
 

@@ -21,14 +21,14 @@ logger = logging.getLogger("vllm.ttbundle.worker")
 
 
 def emulated_threads() -> int:
-    """torch threads of the emulated mesh: ``TTBUNDLE_EMULATED_THREADS``, else all cores but
-    one (vLLM's API server process needs one; on a loaded host, OpenMP threads that outnumber
-    free cores spin at every barrier and a step can take 10x longer)."""
+    """torch threads of the emulated mesh: ``TTBUNDLE_EMULATED_THREADS``, else every core this
+    process may use. (On a host busy with other work, fewer threads than free cores avoid
+    OpenMP barriers waiting on descheduled threads; `ttbundle serve` also shortens OpenMP's spin.)"""
     import os
     v = os.environ.get("TTBUNDLE_EMULATED_THREADS")
     if v:
         return max(1, int(v))
-    return max(1, (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 2) - 1)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 class TTWorker(WorkerBase):
