@@ -1,0 +1,130 @@
+"""Every program op the families use has a ttnn lowering, and every ttnn call the backend makes
+exists in the installed wheel and accepts the arguments it is given.
+
+Not a hand-written list: the calls are what ``ttbundle.backends.ttnn.lowering`` emits for every
+program (phase x bucket) of every example bundle on every target mesh, in both sampling modes,
+plus what the runtime itself asks of ttnn (warm-up, capture, replay, weight loading, KV and input
+allocation, constants), recorded by running it against the recording double. Each is checked
+against the wheel's own signatures (``introspect``: nanobind ``__nb_signature__`` per overload,
+names, keyword-only/positional, defaults, annotation types); config objects are constructed and
+enum members resolved for real. A missing name, a wrong keyword, a value of the wrong kind or a
+config the wheel refuses fails the test with the call and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from ttbundle import lower as lowermod, plan as planmod, spec as specmod
+from ttbundle.backends.ttnn import cache, device, introspect, lowering, recording, trace
+
+pytestmark = pytest.mark.ttnn
+BUNDLES = Path(__file__).resolve().parents[2] / "bundles"
+
+
+def all_forwards():
+    for path in sorted(BUNDLES.glob("*.yaml")):
+        bundle = specmod.load(path)
+        for mesh in bundle.spec.targets:
+            p = planmod.make_plan(bundle, mesh)
+            for phase, b in lowermod.trace_set(bundle):
+                prog = lowermod.lower(bundle, p, phase, b)
+                for sampling in lowering.SAMPLING:
+                    yield bundle, p, prog, lowering.lower_forward(bundle, p, prog, sampling)
+
+
+@pytest.fixture(scope="module")
+def lowered():
+    calls: dict[tuple, tuple] = {}  # distinct (fn, args, kwargs) -> (call, where)
+    kinds, families, n = set(), set(), 0
+    for bundle, p, prog, fw in all_forwards():
+        n += 1
+        families.add(bundle.family.name)
+        kinds |= {lowering.step_kind(st) for layer in prog["layers"] for st in layer["steps"]}
+        for _, c in list(fw.calls()) + list(fw.setup):
+            calls.setdefault((c.fn, repr(c.args), repr(c.kwargs)),
+                             (c, f"{bundle.spec.name} on {p.mesh.name} {fw.phase}-{fw.bucket} ({c.op})"))
+    return {"calls": calls, "kinds": kinds, "families": families, "forwards": n}
+
+
+def test_every_op_kind_of_the_eight_families_has_a_lowering(lowered):
+    assert len(lowered["families"]) == 8, lowered["families"]
+    missing = lowered["kinds"] - set(lowering.OPS)
+    assert not missing, f"program ops without a ttnn lowering: {sorted(missing)}"
+
+
+def test_every_lowered_call_exists_and_binds_in_the_wheel(ttnn, lowered):
+    problems = defaultdict(list)
+    for (fn, _, _), (c, where) in lowered["calls"].items():
+        for why in introspect.check_call(ttnn, c):
+            problems[why].append(where)
+    report = "\n".join(f"{why}\n    e.g. {ws[0]} (+{len(ws) - 1} more)" for why, ws in problems.items())
+    assert not problems, report
+    fns = {c.fn for c, _ in lowered["calls"].values()}
+    # what the families need: matmuls, norms, rope, paged attention fill/update/decode,
+    # collectives, on-device sampling, MLA, MoE routing
+    for fn in ("linear", "rms_norm", "experimental.rotary_embedding_hf", "experimental.paged_fill_cache",
+               "experimental.paged_update_cache", "transformer.chunked_scaled_dot_product_attention",
+               "transformer.paged_scaled_dot_product_attention_decode", "all_reduce", "all_gather", "topk",
+               "sampling", "transformer.paged_flash_multi_latent_attention_decode", "mesh_partition"):
+        assert fn in fns, fn
+    print(f"{lowered['forwards']} forwards, {len(lowered['calls'])} distinct calls, {len(fns)} ttnn functions")
+
+
+def test_the_checker_rejects_what_the_wheel_would(ttnn):
+    from ttbundle.backends.ttnn.calls import Attr, New, T
+    assert introspect.check(ttnn, "linearr", (T("x"), T("w")))
+    assert introspect.check(ttnn, "linear", (T("x"), T("w")), {"program_cfg": None})
+    assert introspect.check(ttnn, "linear", (T("x"), 3.0))
+    assert introspect.check(ttnn, "all_gather", (T("x"), 3), {"topology": Attr("Topology.Rung")})
+    assert introspect.check(ttnn, "all_gather", (T("x"), 3), {"topology": Attr("bfloat16")})
+    assert introspect.check(ttnn, "linear", (T("x"), T("w")),
+                            {"program_config": New.of("MatmulMultiCoreReuseMultiCastProgramConfig", in0_block_w=1)})
+    assert not introspect.check(ttnn, "all_gather", (T("x"), 3), {"topology": Attr("Topology.Ring"), "cluster_axis": 1})
+
+
+def test_the_runtimes_own_ttnn_calls_bind(ttnn, tmp_path):
+    """Warm-up, capture, replay, reading outputs, KV / input allocation, constants and loading the
+    tensorbin caches, run on the recording double; each recorded call checked against the wheel."""
+    bundle = specmod.load(BUNDLES / "gpt-oss-20b.yaml")
+    p = planmod.make_plan(bundle, "T3K")
+    ts = lowermod.trace_set(bundle)
+    keys = [min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")]
+    fws = {k: lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, *k), "device") for k in keys}
+    rec = recording.Recorder()
+    tt = rec.module()
+    dev = tt.open_mesh_device(tt.MeshShape(*p.mesh.shape), trace_region_size=p.trace_region_size)
+    ex = device.Executor(tt, dev)
+    ex.on_call = rec.on_call
+    recording.populate(ex, p, fws.values())
+    ex.env["kv"] = device.allocate_kv(tt, dev, p)
+    for c in {c.name: c for fw in fws.values() for c in fw.consts if c.kind != "rope_cos" and c.kind != "rope_sin"}.values():
+        ex.env[c.name] = device.make_const(tt, dev, c)
+    (tmp_path / "tensorbin").mkdir()
+    (tmp_path / cache.INDEX).write_text(json.dumps({"mesh": {"shape": list(p.mesh.shape)}, "devices": 8,
+                                                   "tensors": {"wq.0": {}}}))
+    cache.load_mesh_weights(tt, dev, tmp_path)
+    r = trace.TraceRunner(ex, fws, set(keys))
+    r.warmup()
+    r.capture()
+    out = r.run(keys[1], {n: __import__("numpy").zeros(s) for n, (s, d, l) in fws[keys[1]].inputs.items()})
+    r.read(out["next_tokens"])
+    r.release()
+    assert rec.violations == []
+    problems, seen = defaultdict(list), set()
+    for ev in rec.events:
+        args, kwargs = rec.values_of(ev)
+        key = (ev.fn, repr(args), repr(kwargs))
+        if key in seen:
+            continue
+        seen.add(key)
+        for why in introspect.check(ttnn, ev.fn, args, kwargs):
+            problems[why].append(ev.fn)
+    assert not problems, "\n".join(problems)
+    used = {e.fn for e in rec.events}
+    assert {"begin_trace_capture", "end_trace_capture", "execute_trace", "release_trace",
+            "allocate_tensor_on_device", "copy_host_to_device_tensor", "load_tensor", "from_host_shards"} <= used

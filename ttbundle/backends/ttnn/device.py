@@ -1,0 +1,165 @@
+"""Running lowered calls on a ttnn mesh: the executor, buffer lifetimes, and model setup.
+
+:class:`Executor` turns :class:`~.calls.Call` records into ttnn calls (``getattr`` on the ttnn
+module it is given, so the recording double in the tests can stand in for the wheel), binds
+their results by name, and frees each intermediate after its last reader (:func:`liveness`, per
+binding: a name rebound by a later call is a new tensor). Inputs, constants, weights, KV caches
+and outputs are never dropped by a forward.
+
+:func:`open_model` is the hardware path end to end: open the package's mesh with its trace region,
+load the tensorbin weight caches, allocate the KV cache and every bucket's inputs, make the
+constants, run the setup calls, and hand back a :class:`~.trace.TraceRunner` ready for warm-up.
+Real-device tests (``tt_hardware``) drive it; nothing here has run on hardware yet
+(docs/hardware.md).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .calls import Call, Forward, resolve, resolve_attr
+from .layout import ttnn_dtype, ttnn_layout
+
+
+def liveness(calls: list[tuple[int | None, Call]], keep: set[str]) -> list[list[str]]:
+    """For each call, the names whose tensor nobody reads afterwards (backward liveness: a name
+    rebound later is a new tensor), except ``keep`` (inputs, constants, outputs)."""
+    live = set(keep)
+    drops: list[list[str]] = [[] for _ in calls]
+    for i in range(len(calls) - 1, -1, -1):
+        c = calls[i][1]
+        touched = list(dict.fromkeys(c.reads() + c.writes()))
+        drops[i] = [n for n in touched if n not in live and n not in keep]
+        live -= set(c.writes())
+        live |= set(c.reads())
+    return drops
+
+
+class Executor:
+    """Runs calls on ``ttnn`` against ``device``; ``env`` holds named tensors, ``env["weights"]``
+    the weights (and their setup views), ``env["kv"][layer][entry]`` the KV cache."""
+
+    def __init__(self, ttnn, device):
+        self.ttnn, self.device = ttnn, device
+        self.env: dict = {"weights": {}, "kv": {}}
+        self.on_call = None  # hook(call, layer) for tracing what runs (tests, progress)
+
+    def call(self, c: Call, layer: int | None):
+        if self.on_call is not None:
+            self.on_call(c, layer)
+        fn = resolve_attr(self.ttnn, c.fn)
+        args = [resolve(self.ttnn, a, self.env, layer) for a in c.args]
+        kwargs = {k: resolve(self.ttnn, v, self.env, layer) for k, v in c.kwargs}
+        return fn(*args, **kwargs)
+
+    def run_setup(self, setup: list) -> None:
+        """Setup calls: each derives a weight view, stored under its key (both as a weight and by
+        name, so constants derived at setup are found either way)."""
+        for layer, c in setup:
+            if c.out in self.env["weights"]:
+                continue
+            out = self.call(c, layer)
+            self.env["weights"][c.out] = out
+            self.env[c.out] = out
+
+    def run(self, fw: Forward, drops: list[list[str]] | None = None) -> dict:
+        """Every call of ``fw`` in order; returns its outputs by name. Each intermediate is
+        dropped after its last reader (its device buffer goes with its last Python reference:
+        views such as reshapes share buffers, so nothing is deallocated explicitly)."""
+        calls = list(fw.calls())
+        drops = drops if drops is not None else liveness(calls, keep_names(fw))
+        for i, (layer, c) in enumerate(calls):
+            out = self.call(c, layer)
+            if isinstance(c.out, str):
+                self.env[c.out] = out
+            elif isinstance(c.out, tuple):
+                for name, t in zip(c.out, out):
+                    if name:
+                        self.env[name] = t
+            for n in drops[i]:
+                self.env.pop(n, None)
+        return {n: self.env[n] for n in fw.outputs}
+
+
+def keep_names(fw: Forward) -> set[str]:
+    return set(fw.inputs) | {c.name for c in fw.consts} | set(fw.outputs)
+
+
+# ---- model setup (hardware path) ------------------------------------------------------------------
+def allocate(ttnn, device, shape, dtype: str, layout: str):
+    return ttnn.allocate_tensor_on_device(ttnn.Shape(list(shape)), ttnn_dtype(ttnn, dtype),
+                                          ttnn_layout(ttnn, layout), device, ttnn.DRAM_MEMORY_CONFIG)
+
+
+def allocate_kv(ttnn, device, plan) -> dict:
+    """``{layer: {entry: tensor}}``: the paged KV cache the plan sizes, on every device."""
+    kv: dict = {}
+    for e in plan.kv["entries"]:
+        for layer in range(e["layers"]):
+            kv.setdefault(layer, {})[e["name"]] = allocate(ttnn, device, e["device_shape"], plan.kv["dtype"], "TILE")
+    return kv
+
+
+def make_const(ttnn, device, c, arch=None):
+    """A host-made constant, replicated on every device of the mesh."""
+    import numpy as np
+
+    if c.kind in ("zeros", "ones"):
+        fill = 0.0 if c.kind == "zeros" else 1.0
+        return ttnn.full(list(c.shape), fill, dtype=ttnn_dtype(ttnn, c.dtype), layout=ttnn_layout(ttnn, c.layout),
+                         device=device, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+    if c.kind == "trans_mat":  # rotary_embedding_llama's pair-swap matrix
+        m = np.zeros((32, 32), dtype=np.float32)
+        m[np.arange(0, 32, 2), np.arange(1, 32, 2)] = 1
+        m[np.arange(1, 32, 2), np.arange(0, 32, 2)] = -1
+        host = m.reshape(c.shape)
+    elif c.kind in ("rope_cos", "rope_sin"):
+        host = _rope_table(c, arch)
+    else:  # pragma: no cover - a lowering bug
+        raise ValueError(f"unknown constant kind {c.kind!r}")
+    t = ttnn.Tensor(np.ascontiguousarray(host, dtype=np.float32), ttnn_dtype(ttnn, c.dtype), None,
+                    ttnn_layout(ttnn, c.layout))
+    t = ttnn.distribute_tensor(t, ttnn.replicate_tensor_to_mesh_mapper(device), None)
+    return ttnn.to_device(t, device, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+
+
+def _rope_table(c, arch):
+    """cos or sin of every position (``[max_model_len, head_dim]``), computed like the emulated
+    backend's rope (torch, on the serving host)."""
+    import torch
+
+    from ..emulated.kernels import rope_cos_sin
+    p = dict(c.params)
+    scaling = getattr(arch, "rope_scaling", None)
+    cos, sin = rope_cos_sin(torch.arange(c.shape[0]), p["head_dim"], p["theta"], scaling, torch.float32)
+    t = cos if c.kind == "rope_cos" else sin
+    return t.reshape(c.shape).numpy()
+
+
+def open_model(ttnn, package_dir: str | Path, sample_on_device_mode: str = "all", mesh_device=None):
+    """The package's model on a mesh, ready for ``warmup()`` (hardware; see module docstring)."""
+    from ...lower import trace_set, traced
+    from ...package import load_package
+    from . import cache as ttcache
+    from .lowering import lower_forward
+    from .trace import TraceRunner
+
+    pkg = load_package(package_dir)
+    bundle, plan = pkg.bundle, pkg.plan
+    if mesh_device is None:
+        mesh_device = ttnn.open_mesh_device(ttnn.MeshShape(*plan.mesh.shape),
+                                            trace_region_size=plan.trace_region_size or 0)
+    ex = Executor(ttnn, mesh_device)
+    ex.env["weights"].update(ttcache.load_mesh_weights(ttnn, mesh_device, package_dir))
+    ex.env["kv"] = allocate_kv(ttnn, mesh_device, plan)
+    forwards, trace_keys = {}, set()
+    for phase, b in trace_set(bundle):
+        on_device = sample_on_device_mode == "all" or (sample_on_device_mode == "decode_only" and phase == "decode")
+        fw = lower_forward(bundle, plan, pkg.program(phase, b), "device" if on_device else "host")
+        forwards[(phase, b)] = fw
+        if traced(bundle, phase):
+            trace_keys.add((phase, b))
+    consts = {c.name: c for fw in forwards.values() for c in fw.consts}
+    for c in consts.values():
+        ex.env[c.name] = make_const(ttnn, mesh_device, c, bundle.arch)
+    return TraceRunner(ex, forwards, trace_keys)

@@ -1,0 +1,643 @@
+"""Program ops -> ttnn calls: the per-device program of one (phase, bucket) as a :class:`Forward`.
+
+Input: the static program ``lower.lower`` writes into a package (per layer kind, every op with its
+per-device shapes, every collective with its mesh axes). Output: for every layer (in order, with
+its own index for weights and KV caches) the ttnn calls that compute it, the device inputs a run
+writes first, the setup calls a model runs once, and the host-made constants. One small
+function per op kind, in :data:`OPS` (the coverage test requires an entry for every kind the
+families' programs use).
+
+Tensors are 4-D as in tt_transformers: an activation ``[rows, f]`` is ``[1, 1, rows, f]``, an
+expert activation ``[rows, E, f]`` is ``[1, E, rows, f]``; attention heads are ``[1, H, S, d]``
+(prefill) and ``[1, B, H, d]`` (decode, one token per row). Weights are held as the package's
+tensorbin caches say (``layout.py``); setup derives the few views the ops need (bias rows,
+per-expert batches, MLA's absorbed projections).
+
+What is left out on purpose (``Forward.gaps``, listed in docs/hardware.md): Gemma 2's attention
+logit soft-capping (ttnn's SDPA has no soft-cap; the layer runs without it).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+from ...mesh import Mesh
+from ...plan import axes_of
+from . import configs
+from .calls import KV, Attr, Call, Const, Forward, Layer, New, T, W
+from .layout import TILE, device_shape
+
+DRAM = Attr("DRAM_MEMORY_CONFIG")
+BF16, F32, U32 = Attr("bfloat16"), Attr("float32"), Attr("uint32")
+TILE_L, RM = Attr("TILE_LAYOUT"), Attr("ROW_MAJOR_LAYOUT")
+# where a forward's tokens are sampled: "device" (top-k candidates, then ttnn.sampling with per-row
+# k / p / temperature; greedy rows use k = 1, as tt_transformers does) or "host" (logits come back)
+SAMPLING = ("device", "host")
+TOPK = 32  # candidates ttnn.sampling draws from
+
+
+def tt_shape(shape) -> tuple[int, ...]:
+    """A program shape ``[rows, f]`` / ``[rows, E, f]`` as the 4-D ttnn tensor shape."""
+    if len(shape) == 2:
+        return (1, 1, shape[0], shape[1])
+    if len(shape) == 3:
+        return (1, shape[1], shape[0], shape[2])
+    raise ValueError(f"activation of rank {len(shape)}: {shape}")
+
+
+def tt_dim(shape, k: int) -> int:
+    """Program dim ``k`` of an activation of ``shape`` as its ttnn dim."""
+    return {2: (2, 3), 3: (2, 1, 3)}[len(shape)][k]
+
+
+class _Lowerer:
+    def __init__(self, bundle, plan, program: dict, sampling: str):
+        self.bundle, self.plan, self.prog = bundle, plan, program
+        self.fam, self.a = bundle.family, bundle.arch
+        self.mesh: Mesh = plan.mesh
+        self.phase, self.rows = program["phase"], program["rows"]
+        self.decode = self.phase == "decode"
+        self.sampling = sampling
+        self.grid = self.mesh.chip.compute_grid
+        self.tensors = {t.name: t for t in plan.tensors}
+        self.traits = self.fam.traits(self.a)
+        self.kv_dtype = plan.kv["dtype"]
+        self.shapes: dict[str, tuple] = {}  # tensor name -> 4-D per-device shape (as lowered)
+        self.calls: list[Call] = []
+        self.layer: int | None = None
+        self.op = ""
+        self.setup: dict[str, Call] = {}
+        self.consts: dict[str, Const] = {}
+        self.gaps: list[str] = []
+        self.inputs: dict[str, tuple] = {}
+
+    # -- emitting ------------------------------------------------------------------------------
+    def call(self, fn: str, *args, out=None, shape=None, **kwargs) -> str | None:
+        c = Call(fn, tuple(args), tuple(sorted(kwargs.items())), out, tuple(shape) if shape else None, self.op)
+        self.calls.append(c)
+        if isinstance(out, str) and shape is not None:
+            self.shapes[out] = tuple(shape)
+        return out
+
+    def setup_call(self, key: str, fn: str, *args, **kwargs) -> None:
+        """A once-per-model call producing weight view ``key`` (run with this layer's weights);
+        deduplicated."""
+        if key not in self.setup:
+            self.setup[key] = (self.layer, Call(fn, tuple(args), tuple(sorted(kwargs.items())), key, None, "setup"))
+
+    def has(self, w: str) -> bool:
+        t = self.tensors.get(w)
+        if t is None:
+            return False
+        decl = next(d for d in self.fam.tensors(self.a) if d.name == w)
+        return decl.layers is None or self.layer is None or decl.layers[0] <= self.layer < decl.layers[1]
+
+    def lt(self) -> dict:
+        return self.fam.layer_traits(self.a, self.layer) if self.layer is not None else {}
+
+    # -- tensors -------------------------------------------------------------------------------
+    def cluster_axis(self, axes) -> int | None:
+        axes = tuple(axes)
+        return None if len(axes) != 1 else ("rows", "cols").index(axes[0])
+
+    def topology(self, axes) -> Attr:
+        n = math.prod(self.mesh.axis_size(a) for a in axes)
+        return Attr("Topology.Ring" if self.mesh.topology in ("ring", "torus") and n > 2 else "Topology.Linear")
+
+    def partition(self, x: str, dim: int, axes, out: str) -> str:
+        """Each device keeps its slice of replicated ``x`` along ``dim`` (split over ``axes``,
+        rows-major like ttbundle's device order)."""
+        cur = x
+        split = [ax for ax in axes if self.mesh.axis_size(ax) > 1]
+        for i, ax in enumerate(split):
+            shp = list(self.shapes[cur])
+            shp[dim] //= self.mesh.axis_size(ax)
+            nxt = out if i == len(split) - 1 else f"{out}.p{i}"
+            cur = self.call("mesh_partition", T(cur), dim, ("rows", "cols").index(ax), out=nxt, shape=shp,
+                            memory_config=DRAM)
+        return cur  # x itself when nothing is split on this mesh
+
+
+# ---- op kinds ----------------------------------------------------------------------------------
+def _embedding(lw: _Lowerer, st: dict) -> None:
+    rows, hid = st["out_shape"]
+    e = lw.call("embedding", T("tokens"), W("embed", per_layer=False), out=f"{st['out']}.e",
+                shape=(1, rows, hid), layout=TILE_L, dtype=BF16, memory_config=DRAM)
+    out = lw.call("reshape", T(e), [1, 1, rows, hid], out=st["out"], shape=(1, 1, rows, hid))
+    scale = lw.traits.get("embed_scale")
+    if scale:
+        lw.call("multiply", T(out), float(scale), out=out, shape=lw.shapes[out], memory_config=DRAM)
+
+
+def _rms_norm(lw: _Lowerer, st: dict) -> None:
+    x, out = st["x"], st["out"]
+    shp = tt_shape(st["in_shape"])
+    lw.shapes.setdefault(x, shp)
+    norm = lw.traits.get("norms", {}).get(st["w"], {})
+    eps = float(norm.get("eps", getattr(lw.a, "rms_norm_eps", 1e-6)))
+    w = W(st["w"], per_layer=lw.layer is not None)
+    if lw.traits.get("norm_offset"):  # Gemma: x * (1 + w); the 1 is added once at setup
+        w = W(st["w"], per_layer=lw.layer is not None, variant="plus1")
+        for layer in ([None] if lw.layer is None else [lw.layer]):
+            lw.setup_call(w.key(layer), "add", W(st["w"], per_layer=lw.layer is not None), float(lw.traits["norm_offset"]),
+                          memory_config=DRAM)
+    features = norm.get("features")
+    if features and features < shp[-1]:  # normalize the leading features, pass the rest through
+        head = lw.call("slice", T(x), [0, 0, 0, 0], [*shp[:3], features], [1, 1, 1, 1], out=f"{out}.n",
+                       shape=(*shp[:3], features))
+        tail = lw.call("slice", T(x), [0, 0, 0, features], list(shp), [1, 1, 1, 1], out=f"{out}.r",
+                       shape=(*shp[:3], shp[-1] - features))
+        normed = lw.call("rms_norm", T(head), out=f"{out}.nn", shape=lw.shapes[head], epsilon=eps, weight=w,
+                         compute_kernel_config=configs.compute_config(), memory_config=DRAM)
+        lw.call("concat", [T(normed), T(tail)], 3, out=out, shape=shp, memory_config=DRAM)
+        return
+    lw.call("rms_norm", T(x), out=out, shape=shp, epsilon=eps, weight=w,
+            compute_kernel_config=configs.compute_config(), memory_config=DRAM)
+
+
+def _matmul(lw: _Lowerer, st: dict) -> None:
+    x, w, out = st["x"], st["w"], st["out"]
+    spec = [axes_of(e) for e in lw.plan.specs[w]]
+    held = lw.shapes[x]
+    inp = st["in_shape"]
+    k = st["w_shape"][-2]
+    src = x
+    if held[-1] != k:  # a replicated input meeting a split contraction: each device takes its part
+        src = lw.partition(x, 3, spec[-2], f"{out}.in")
+        if lw.shapes[src][-1] != k:
+            raise ValueError(f"{w}: input {x} {held} partitioned to {lw.shapes[src]}, weight contracts {k}")
+    fp32 = w in lw.traits.get("linear_fp32", ())
+    dtype = F32 if fp32 else BF16
+    if fp32:
+        src = lw.call("typecast", T(src), F32, out=f"{out}.f32", shape=lw.shapes[src])
+    if len(st["w_shape"]) == 3:  # experts: every local expert on every token, one batched matmul
+        E = st["w_shape"][0]
+        if len(inp) == 2 or lw.shapes[src][1] != E:
+            rep = lw.call("repeat", T(src), [1, E, 1, 1], out=f"{out}.rep",
+                          shape=(1, E, lw.shapes[src][2], lw.shapes[src][3]), memory_config=DRAM)
+        else:
+            rep = src
+        wb = W(w, variant="batched")
+        lw.setup_call(wb.key(lw.layer), "reshape", W(w), [1, *st["w_shape"]])
+        lw.call("matmul", T(rep), wb, out=out, shape=tt_shape(st["out_shape"]), dtype=dtype,
+                memory_config=DRAM, compute_kernel_config=configs.compute_config(st["w_dtype"]))
+        return
+    rows = lw.shapes[src][2]
+    pc = configs.matmul_config(rows, k, st["w_shape"][-1], lw.grid)
+    lw.call("linear", T(src), W(w, per_layer=lw.layer is not None), out=out, shape=tt_shape(st["out_shape"]),
+            dtype=dtype, memory_config=DRAM, program_config=pc,
+            compute_kernel_config=configs.compute_config(st["w_dtype"]))
+
+
+def _bias(lw: _Lowerer, x: str, w: str, out: str) -> str:
+    """``x + b`` for a bias vector ``w`` (made a broadcastable TILE row once at setup)."""
+    shp = lw.shapes[x]
+    view = W(w, variant="row")
+    lw.setup_call(view.key(lw.layer), "reshape", W(w), [1, 1, 1, shp[-1]])
+    return lw.call("add", T(x), view, out=out, shape=shp, memory_config=DRAM)
+
+
+def _rope_tables(lw: _Lowerer, head_dim: int, lt: dict, interleaved: bool = False) -> tuple[T, T]:
+    """cos / sin of every position up to max_model_len for one rope variant (host-made), and in
+    decode each row's own position's row of them (an embedding lookup inside the trace)."""
+    theta = lt.get("rope_theta", getattr(lw.a, "rope_theta", 10000.0))
+    scaling = lt.get("rope_scaling", getattr(lw.a, "rope_scaling", None))
+    tag = f"rope.{head_dim}.{theta:g}.{abs(hash(repr(scaling))) % 10 ** 8}" + (".il" if interleaved else "")
+    L = lw.bundle.spec.runtime.max_model_len
+    for part in ("cos", "sin"):  # ROW_MAJOR [positions, head_dim]: what ttnn.embedding reads
+        lw.consts[f"{tag}.{part}"] = Const(f"{tag}.{part}", (L, head_dim), "bf16", "ROW_MAJOR", "rope_" + part,
+                                           (("head_dim", head_dim), ("theta", theta), ("scaling", repr(scaling)),
+                                            ("interleaved", interleaved)))
+    rows = lw.rows
+    out = []
+    for part in ("cos", "sin"):  # each row's position's row of the table, inside the trace
+        name = f"{tag}.{part}.at"
+        if name not in lw.shapes:
+            lw.call("embedding", T("positions"), T(f"{tag}.{part}"), out=f"{name}.e", shape=(1, rows, head_dim),
+                    layout=TILE_L, dtype=BF16, memory_config=DRAM)
+            shape = [1, rows, 1, head_dim] if lw.decode else [1, 1, rows, head_dim]
+            lw.call("reshape", T(f"{name}.e"), shape, out=name, shape=shape)
+        out.append(T(name))
+    return out[0], out[1]
+
+
+def _rope(lw: _Lowerer, x: str, cos: T, sin: T, out: str, interleaved: bool = False) -> str:
+    if interleaved:  # pairs (x0, x1), (x2, x3)...: Meta's layout, ttnn's rotary_embedding_llama
+        lw.consts["rope.trans_mat"] = Const("rope.trans_mat", (1, 1, TILE, TILE), "bf16", "TILE", "trans_mat")
+        return lw.call("experimental.rotary_embedding_llama", T(x), cos, sin, T("rope.trans_mat"), out=out,
+                       shape=lw.shapes[x], is_decode_mode=lw.decode)
+    return lw.call("experimental.rotary_embedding_hf", T(x), cos, sin, out=out, shape=lw.shapes[x],
+                   is_decode_mode=lw.decode)
+
+
+def _heads(lw: _Lowerer, x: str, n: int, d: int, out: str) -> str:
+    """``[1, 1, rows, n*d]`` -> ``[1, n, S, d]`` (prefill) or ``[1, B, n, d]`` (decode)."""
+    rows = lw.shapes[x][2]
+    if lw.decode:
+        return lw.call("reshape", T(x), [1, rows, n, d], out=out, shape=(1, rows, n, d))
+    r = lw.call("reshape", T(x), [1, rows, n, d], out=f"{out}.r", shape=(1, rows, n, d))
+    return lw.call("transpose", T(r), 1, 2, out=out, shape=(1, n, rows, d), memory_config=DRAM)
+
+
+def _merge_heads(lw: _Lowerer, x: str, out: str) -> str:
+    s = lw.shapes[x]
+    if lw.decode:  # [1, B, H, d]
+        return lw.call("reshape", T(x), [1, 1, s[1], s[2] * s[3]], out=out, shape=(1, 1, s[1], s[2] * s[3]))
+    return lw.call("experimental.nlp_concat_heads", T(x), out=out, shape=(1, 1, s[2], s[1] * s[3]),
+                   memory_config=DRAM)
+
+
+def _cache_write(lw: _Lowerer, kv: str, x: str) -> None:
+    src = x
+    if lw.kv_dtype == "bfp8":
+        src = lw.call("typecast", T(x), Attr("bfloat8_b"), out=f"{x}.c", shape=lw.shapes[x])
+    if lw.decode:
+        lw.call("experimental.paged_update_cache", KV(kv), T(src), update_idxs_tensor=T("cur_pos"),
+                page_table=T("page_table"))
+    else:
+        lw.call("experimental.paged_fill_cache", KV(kv), T(src), T("page_table"), batch_idx_tensor=T("seq_slot"))
+
+
+def _attention(lw: _Lowerer, st: dict) -> None:
+    q, k, v = st["ins"]
+    for name, shp in zip(st["ins"], st["in_shapes"]):
+        lw.shapes.setdefault(name, tt_shape(shp))
+    lt = lw.lt()
+    hd = lt.get("head_dim", lw.a.hd)
+    nq, nkv = lw.shapes[q][3] // hd, lw.shapes[k][3] // hd
+    for b, x in (("bq", q), ("bk", k), ("bv", v)):
+        if lw.has(b):
+            _bias(lw, x, b, f"{x}.b")
+    q0, k0, v0 = (f"{x}.b" if lw.has(b) else x for b, x in (("bq", q), ("bk", k), ("bv", v)))
+    qh, kh, vh = _heads(lw, q0, nq, hd, "qh"), _heads(lw, k0, nkv, hd, "kh"), _heads(lw, v0, nkv, hd, "vh")
+    eps = float(getattr(lw.a, "rms_norm_eps", 1e-6))
+    if lw.has("q_norm"):
+        for x, w in ((qh, "q_norm"), (kh, "k_norm")):
+            wv = W(w)
+            if lw.traits.get("norm_offset"):
+                wv = W(w, variant="plus1")
+                lw.setup_call(wv.key(lw.layer), "add", W(w), float(lw.traits["norm_offset"]), memory_config=DRAM)
+            lw.call("rms_norm", T(x), out=x, shape=lw.shapes[x], epsilon=eps, weight=wv,
+                    compute_kernel_config=configs.compute_config(), memory_config=DRAM)
+    cos, sin = _rope_tables(lw, hd, lt)
+    _rope(lw, qh, cos, sin, "qr")
+    _rope(lw, kh, cos, sin, "kr")
+    _cache_write(lw, "k", "kr")
+    _cache_write(lw, "v", vh)
+    scale = float(lt.get("attn_scale", hd ** -0.5))
+    if lt.get("attn_softcap"):
+        gap = "attention logit soft-capping (Gemma 2): ttnn 0.81.1's SDPA has no soft-cap; not applied"
+        if gap not in lw.gaps:
+            lw.gaps.append(gap)
+    extra = {}
+    if lt.get("window"):
+        extra["sliding_window_size"] = int(lt["window"])
+    if lw.has("sinks"):
+        view = W("sinks", variant="sink")
+        lw.setup_call(view.key(lw.layer), "reshape", W("sinks"), [1, nq, 1, 1])
+        extra["attention_sink"] = view
+    kernel = configs.compute_config()
+    if lw.decode:
+        o = lw.call("transformer.paged_scaled_dot_product_attention_decode", T("qr"), KV("k"), KV("v"),
+                    T("page_table"), out="oh", shape=lw.shapes["qr"], cur_pos_tensor=T("cur_pos"), scale=scale,
+                    program_config=configs.sdpa_config(lw.grid, None), compute_kernel_config=kernel,
+                    memory_config=DRAM, **extra)
+    else:  # over the paged cache from the chunk's first position: prefix chunks included
+        o = lw.call("transformer.chunked_scaled_dot_product_attention", T("qr"), KV("k"), KV("v"),
+                    T("page_table"), out="oh", shape=lw.shapes["qr"], chunk_start_idx_tensor=T("chunk_start"),
+                    scale=scale, program_config=configs.sdpa_config(lw.grid, lw.rows),
+                    compute_kernel_config=kernel, memory_config=DRAM, **extra)
+    _merge_heads(lw, o, st["out"])
+
+
+def _mla_attention(lw: _Lowerer, st: dict) -> None:
+    """DeepSeek MLA with the absorbed projections (as the device does it): the cache holds
+    ``latent | rope key`` per token; queries are moved into latent space with W_UK and the
+    latent context out of it with W_UV (both cut from ``wkv_b`` once at setup)."""
+    q, kvn = st["ins"]
+    m = lw.traits["mla"]
+    r, nope, rope, vd = m["kv_lora_rank"], m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
+    for name, shp in zip(st["ins"], st["in_shapes"]):
+        lw.shapes.setdefault(name, tt_shape(shp))
+    H = lw.shapes[q][3] // (nope + rope)
+    rows = lw.rows
+    lt = lw.lt()
+    # setup: wkv_b [r, H*(nope+v)] -> W_UK^T [1, H, nope, r] and W_UV [1, H, r, v]
+    lw.setup_call(W("wkv_b", variant="h").key(lw.layer), "reshape", W("wkv_b"), [1, r, H, nope + vd])
+    lw.setup_call(W("wkv_b", variant="hp").key(lw.layer), "permute", W("wkv_b", variant="h"), [0, 2, 1, 3])
+    lw.setup_call(W("wkv_b", variant="uk").key(lw.layer), "slice", W("wkv_b", variant="hp"), [0, 0, 0, 0],
+                  [1, H, r, nope], [1, 1, 1, 1])
+    lw.setup_call(W("wkv_b", variant="ukt").key(lw.layer), "transpose", W("wkv_b", variant="uk"), 2, 3)
+    lw.setup_call(W("wkv_b", variant="uv").key(lw.layer), "slice", W("wkv_b", variant="hp"), [0, 0, 0, nope],
+                  [1, H, r, nope + vd], [1, 1, 1, 1])
+    qh = _heads(lw, q, H, nope + rope, "qh")  # prefill [1, H, S, nope+rope]; decode [1, B, H, nope+rope]
+    s = lw.shapes[qh]
+    q_nope = lw.call("slice", T(qh), [0, 0, 0, 0], [*s[:3], nope], [1, 1, 1, 1], out="q_nope", shape=(*s[:3], nope))
+    q_rope = lw.call("slice", T(qh), [0, 0, 0, nope], list(s), [1, 1, 1, 1], out="q_rope", shape=(*s[:3], rope))
+    ks = lw.shapes[kvn]
+    latent = lw.call("slice", T(kvn), [0, 0, 0, 0], [1, 1, rows, r], [1, 1, 1, 1], out="latent", shape=(1, 1, rows, r))
+    k_rope = lw.call("slice", T(kvn), [0, 0, 0, r], list(ks), [1, 1, 1, 1], out="k_rope", shape=(1, 1, rows, rope))
+    if lw.decode:
+        k_rope = lw.call("reshape", T(k_rope), [1, rows, 1, rope], out="k_rope.d", shape=(1, rows, 1, rope))
+    il = bool(m.get("rope_interleave"))
+    cos, sin = _rope_tables(lw, rope, lt, interleaved=il)
+    _rope(lw, q_rope, cos, sin, "q_rope.r", il)
+    _rope(lw, k_rope, cos, sin, "k_rope.r", il)
+    if lw.decode:
+        lat = lw.call("reshape", T(latent), [1, rows, 1, r], out="latent.d", shape=(1, rows, 1, r))
+        new = lw.call("concat", [T(lat), T("k_rope.r")], 3, out="kv_new", shape=(1, rows, 1, r + rope),
+                      memory_config=DRAM)
+    else:
+        new = lw.call("concat", [T(latent), T("k_rope.r")], 3, out="kv_new", shape=(1, 1, rows, r + rope),
+                      memory_config=DRAM)
+    _cache_write(lw, "kv_latent", new)
+    # queries into latent space: q_nope @ W_UK^T per head
+    if lw.decode:  # [1, B, H, nope] -> [1, H, B, nope]
+        qn = lw.call("transpose", T(q_nope), 1, 2, out="q_nope.t", shape=(1, H, rows, nope), memory_config=DRAM)
+    else:
+        qn = q_nope
+    q_lat = lw.call("matmul", T(qn), W("wkv_b", variant="ukt"), out="q_lat", shape=(1, H, rows, r),
+                    memory_config=DRAM, compute_kernel_config=configs.compute_config())
+    if lw.decode:
+        q_lat = lw.call("transpose", T(q_lat), 1, 2, out="q_lat.t", shape=(1, rows, H, r), memory_config=DRAM)
+    qs = lw.shapes[q_lat]
+    q_full = lw.call("concat", [T(q_lat), T("q_rope.r")], 3, out="q_full", shape=(*qs[:3], r + rope),
+                     memory_config=DRAM)
+    scale = float(lt.get("attn_scale", (nope + rope) ** -0.5))
+    kernel = configs.compute_config()
+    if lw.decode:
+        o_lat = lw.call("transformer.paged_flash_multi_latent_attention_decode", T(q_full), KV("kv_latent"), None,
+                        r, T("page_table"), out="o_lat", shape=(1, rows, H, r), cur_pos_tensor=T("cur_pos"),
+                        scale=scale, program_config=configs.sdpa_config(lw.grid, None),
+                        compute_kernel_config=kernel, memory_config=DRAM)
+        o_lat = lw.call("transpose", T(o_lat), 1, 2, out="o_lat.t", shape=(1, H, rows, r), memory_config=DRAM)
+    else:
+        o_lat = lw.call("transformer.chunked_flash_mla_prefill", T(q_full), KV("kv_latent"), r, T("page_table"),
+                        0, out="o_lat", shape=(1, H, rows, r), scale=scale,
+                        program_config=configs.sdpa_config(lw.grid, rows), compute_kernel_config=kernel,
+                        memory_config=DRAM)
+    o = lw.call("matmul", T(o_lat), W("wkv_b", variant="uv"), out="oh", shape=(1, H, rows, vd), memory_config=DRAM,
+                compute_kernel_config=kernel)
+    if lw.decode:
+        o = lw.call("transpose", T(o), 1, 2, out="oh.t", shape=(1, rows, H, vd), memory_config=DRAM)
+    _merge_heads(lw, o, st["out"])
+    if lw.phase == "prefill":
+        gap = "MLA prefill reads the chunk from position 0 (chunk_start_idx is static in ttnn's chunked_flash_mla_prefill)"
+        if lw.bundle.buckets.prefill_chunk and gap not in lw.gaps and lw.bundle.spec.runtime.max_model_len > lw.rows:
+            lw.gaps.append(gap)
+
+
+def _activation(lw: _Lowerer, x: str, out: str) -> str:
+    act = lw.traits.get("act", getattr(lw.a, "hidden_act", "silu"))
+    if act in ("silu", "swish"):
+        return lw.call("silu", T(x), out=out, shape=lw.shapes[x], memory_config=DRAM)
+    approx = act in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
+    return lw.call("gelu", T(x), out=out, shape=lw.shapes[x], fast_and_approximate_mode=approx, memory_config=DRAM)
+
+
+def _swiglu(lw: _Lowerer, st: dict) -> None:
+    g, u = st["ins"]
+    for name, shp in zip(st["ins"], st["in_shapes"]):
+        lw.shapes.setdefault(name, tt_shape(shp))
+    ga = _activation(lw, g, f"{g}.act")
+    lw.call("multiply", T(ga), T(u), out=st["out"], shape=lw.shapes[u], memory_config=DRAM)
+
+
+def _clamped_swiglu(lw: _Lowerer, st: dict) -> None:
+    """GPT-OSS: [gate | up] halves; gate clamped above, up on both sides; (up + 1) * gate *
+    sigmoid(alpha * gate). Output [E, I] (the program keeps [E, 2I]: an over-estimate)."""
+    (x,) = st["ins"]
+    moe = lw.traits["moe"]
+    lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
+    src = _bias(lw, x, "experts_b13", f"{x}.b") if lw.has("experts_b13") else x
+    s = lw.shapes[src]
+    half = s[3] // 2
+    g = lw.call("slice", T(src), [0, 0, 0, 0], [*s[:3], half], [1, 1, 1, 1], out="eg", shape=(*s[:3], half))
+    u = lw.call("slice", T(src), [0, 0, 0, half], list(s), [1, 1, 1, 1], out="eu", shape=(*s[:3], half))
+    lim = float(moe["swiglu_limit"])
+    lw.call("clamp", T(g), None, lim, out="eg.c", shape=lw.shapes[g], memory_config=DRAM)
+    lw.call("clamp", T(u), -lim, lim, out="eu.c", shape=lw.shapes[u], memory_config=DRAM)
+    lw.call("multiply", T("eg.c"), float(moe["swiglu_alpha"]), out="eg.a", shape=lw.shapes[g], memory_config=DRAM)
+    lw.call("sigmoid", T("eg.a"), out="eg.s", shape=lw.shapes[g], memory_config=DRAM)
+    lw.call("multiply", T("eg.c"), T("eg.s"), out="eg.g", shape=lw.shapes[g], memory_config=DRAM)
+    lw.call("add", T("eu.c"), 1.0, out="eu.1", shape=lw.shapes[u], memory_config=DRAM)
+    lw.call("multiply", T("eu.1"), T("eg.g"), out=st["out"], shape=lw.shapes[u], memory_config=DRAM)
+
+
+def _dense_route(lw: _Lowerer, weights: str, idx: str, E: int, out: str) -> str:
+    """[1, 1, rows, k] weights at expert indices -> [1, 1, rows, E] (zeros elsewhere)."""
+    rows = lw.shapes[weights][2]
+    lw.consts["zeros.route"] = Const("zeros.route", (1, 1, rows, E), "f32", "TILE", "zeros")
+    return lw.call("scatter", T("zeros.route"), 3, T(idx), T(weights), out=out, shape=(1, 1, rows, E),
+                   memory_config=DRAM)
+
+
+def _topk_softmax(lw: _Lowerer, st: dict) -> None:
+    (x,) = st["ins"]
+    lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
+    src = _bias(lw, x, "router_bias", f"{x}.b") if lw.has("router_bias") else x
+    s = lw.shapes[src]
+    k = int(lw.traits["moe"]["top_k"])
+    lw.call("topk", T(src), k, 3, True, True, out=("route.v", "route.i"), shape=(*s[:3], k))
+    lw.shapes["route.v"] = lw.shapes["route.i"] = (*s[:3], k)
+    lw.call("softmax", T("route.v"), 3, out="route.p", shape=(*s[:3], k), memory_config=DRAM)
+    _dense_route(lw, "route.p", "route.i", s[3], st["out"])
+
+
+def _group_topk(lw: _Lowerer, st: dict) -> None:
+    """DeepSeek-V3 noaux_tc: sigmoid scores; choose on scores + bias within the top groups (by
+    the sum of each group's two best); weights the raw scores, renormalized, scaled."""
+    (x,) = st["ins"]
+    moe = lw.traits["moe"]
+    lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
+    _, _, rows, E = lw.shapes[x]
+    G, kg, k = int(moe["n_group"]), int(moe["topk_group"]), int(moe["top_k"])
+    s = lw.call("sigmoid", T(x), out="rt.s", shape=(1, 1, rows, E), memory_config=DRAM)
+    c = _bias(lw, s, "e_score_correction_bias", "rt.c")
+    grp = lw.call("reshape", T(c), [1, rows, G, E // G], out="rt.g", shape=(1, rows, G, E // G))
+    lw.call("topk", T(grp), 2, 3, True, True, out=("rt.g2", "rt.g2i"), shape=(1, rows, G, 2))
+    lw.shapes["rt.g2"] = lw.shapes["rt.g2i"] = (1, rows, G, 2)
+    gs = lw.call("sum", T("rt.g2"), 3, True, out="rt.gs", shape=(1, rows, G, 1), memory_config=DRAM)
+    gs = lw.call("reshape", T(gs), [1, 1, rows, G], out="rt.gs4", shape=(1, 1, rows, G))
+    lw.call("topk", T(gs), kg, 3, True, False, out=("rt.kv", "rt.ki"), shape=(1, 1, rows, kg))
+    lw.shapes["rt.kv"] = lw.shapes["rt.ki"] = (1, 1, rows, kg)
+    lw.consts["ones.group"] = Const("ones.group", (1, 1, rows, kg), "f32", "TILE", "ones")
+    lw.consts["zeros.group"] = Const("zeros.group", (1, 1, rows, G), "f32", "TILE", "zeros")
+    lw.call("scatter", T("zeros.group"), 3, T("rt.ki"), T("ones.group"), out="rt.gm", shape=(1, 1, rows, G),
+            memory_config=DRAM)
+    lw.call("repeat_interleave", T("rt.gm"), E // G, 3, out="rt.em", shape=(1, 1, rows, E), memory_config=DRAM)
+    lw.call("where", T("rt.em"), T(c), -1e30, out="rt.masked", shape=(1, 1, rows, E), memory_config=DRAM)
+    lw.call("topk", T("rt.masked"), k, 3, True, False, out=("rt.tv", "rt.ti"), shape=(1, 1, rows, k))
+    lw.shapes["rt.tv"] = lw.shapes["rt.ti"] = (1, 1, rows, k)
+    w = lw.call("gather", T(s), 3, T("rt.ti"), out="rt.w", shape=(1, 1, rows, k), memory_config=DRAM)
+    if moe.get("norm_topk_prob"):
+        tot = lw.call("sum", T(w), 3, True, out="rt.sum", shape=(1, 1, rows, 1), memory_config=DRAM)
+        w = lw.call("divide", T(w), T(tot), out="rt.wn", shape=(1, 1, rows, k), memory_config=DRAM)
+    w = lw.call("multiply", T(w), float(moe.get("routed_scaling_factor", 1.0)), out="rt.ws", shape=(1, 1, rows, k),
+                memory_config=DRAM)
+    _dense_route(lw, w, "rt.ti", E, st["out"])
+
+
+def _combine(lw: _Lowerer, st: dict) -> None:
+    """Σ over this device's experts of eo * route[local experts]: route's expert dim partitioned
+    over the expert-parallel axes like the experts themselves."""
+    x = st["x"]
+    lw.shapes.setdefault(x, tt_shape(st["in_shape"]))
+    src = x
+    if lw.has("experts_b2"):
+        s = lw.shapes[x]
+        view = W("experts_b2", variant="batched")
+        lw.setup_call(view.key(lw.layer), "reshape", W("experts_b2"), [1, s[1], 1, s[3]])
+        src = lw.call("add", T(x), view, out=f"{x}.b", shape=s, memory_config=DRAM)
+    experts_w = "experts_w2"
+    axes = axes_of(lw.plan.specs[experts_w][0])
+    local = lw.partition("route", 3, axes, "route.local")  # [1, 1, rows, E_local]
+    _, _, rows, El = lw.shapes[local]
+    wt = lw.call("transpose", T(local), 1, 3, out="route.t", shape=(1, El, rows, 1), memory_config=DRAM)
+    wt = lw.call("typecast", T(wt), BF16, out="route.tb", shape=(1, El, rows, 1))
+    prod = lw.call("multiply", T(src), T(wt), out=f"{x}.w", shape=lw.shapes[src], memory_config=DRAM)
+    s = lw.call("sum", T(prod), 1, True, out=f"{st['out']}.s", shape=(1, 1, rows, lw.shapes[src][3]),
+                memory_config=DRAM)
+    lw.call("reshape", T(s), [1, 1, rows, lw.shapes[src][3]], out=st["out"], shape=(1, 1, rows, lw.shapes[src][3]))
+
+
+def _out_bias(lw: _Lowerer, st: dict) -> None:
+    (x,) = st["ins"]
+    lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
+    _bias(lw, x, "bo", st["out"])
+
+
+def _residual_add(lw: _Lowerer, st: dict) -> None:
+    x = st["x"]
+    lw.call("add", T("h"), T(x), out="h", shape=lw.shapes["h"], memory_config=DRAM)
+
+
+def _logits(lw: _Lowerer, st: dict) -> None:
+    """Sampling on device over the gathered logits (top-k candidates drawn by ``ttnn.sampling``
+    with per-row k / p / temperature inputs), or the logits themselves for host sampling; padded
+    vocabulary columns are sliced off first."""
+    x = st["x"]
+    s = lw.shapes[x]
+    V = lw.a.vocab_size
+    if s[3] != V:
+        x = lw.call("slice", T(x), [0, 0, 0, 0], [*s[:3], V], [1, 1, 1, 1], out="logits.v", shape=(*s[:3], V))
+        s = lw.shapes[x]
+    cap = lw.traits.get("final_softcap")
+    if cap:
+        lw.call("multiply", T(x), 1.0 / float(cap), out="logits.c", shape=s, memory_config=DRAM)
+        lw.call("tanh", T("logits.c"), out="logits.t", shape=s, memory_config=DRAM)
+        x = lw.call("multiply", T("logits.t"), float(cap), out="logits.s", shape=s, memory_config=DRAM)
+    if lw.sampling == "host":
+        lw.call("typecast", T(x), F32, out="logits.out", shape=s)
+        return
+    lw.call("topk", T(x), TOPK, 3, True, True, out=("cand.v", "cand.i"), shape=(*s[:3], TOPK))
+    lw.shapes["cand.v"] = lw.shapes["cand.i"] = (*s[:3], TOPK)
+    lw.call("sampling", T("cand.v"), T("cand.i"), T("top_k"), T("top_p"), T("temperature"), out="next_tokens",
+            shape=(1, 1, 1, s[2]), seed=0)
+
+
+def _collective(lw: _Lowerer, st: dict) -> None:
+    x = st["act"]
+    shp = tt_shape(st["shape"])
+    lw.shapes.setdefault(x, shp)
+    axes = tuple(st["axes"])
+    common = dict(cluster_axis=lw.cluster_axis(axes), topology=lw.topology(axes), num_links=1, memory_config=DRAM)
+    if st["collective"] == "all_reduce":
+        if len(axes) > 1:  # both axes: one axis after the other
+            cur = x
+            for i, ax in enumerate(axes):
+                cur = lw.call("all_reduce", T(cur), out=x, shape=shp, cluster_axis=("rows", "cols").index(ax),
+                              topology=lw.topology((ax,)), num_links=1, memory_config=DRAM)
+            return
+        lw.call("all_reduce", T(x), out=x, shape=shp, **common)
+        return
+    dim = tt_dim(st["shape"], st["dim"])
+    out = list(shp)
+    out[dim] *= st["devices"]
+    if len(axes) > 1:
+        cur = x
+        for ax in axes:
+            n = lw.mesh.axis_size(ax)
+            nxt = list(lw.shapes[cur])
+            nxt[dim] *= n
+            cur = lw.call("all_gather", T(cur), dim, out=x, shape=nxt, cluster_axis=("rows", "cols").index(ax),
+                          topology=lw.topology((ax,)), num_links=1, memory_config=DRAM)
+        return
+    lw.call("all_gather", T(x), dim, out=x, shape=out, **common)
+
+
+OPS: dict[str, Callable[[_Lowerer, dict], None]] = {
+    "embedding": _embedding, "rms_norm": _rms_norm, "matmul": _matmul, "attention": _attention,
+    "mla_attention": _mla_attention, "swiglu": _swiglu, "clamped_swiglu": _clamped_swiglu,
+    "topk_softmax": _topk_softmax, "group_topk": _group_topk, "combine": _combine, "out_bias": _out_bias,
+    "residual_add": _residual_add, "logits": _logits,
+    # collectives (program steps with "collective")
+    "all_reduce": _collective, "all_gather": _collective,
+}
+
+
+def step_kind(st: dict) -> str:
+    return st.get("op") or st["collective"]
+
+
+def inputs_of(program: dict, bundle, plan) -> dict:
+    """The device tensors a run writes before it starts (shape, dtype, layout)."""
+    rows = program["rows"]
+    B = rows
+    blocks_per_seq = -(-bundle.spec.runtime.max_model_len // plan.kv["block_size"])
+    ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
+           "positions": ((1, rows), "uint32", "ROW_MAJOR")}
+    if program["phase"] == "decode":
+        ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
+        ins["page_table"] = ((B, blocks_per_seq), "int32", "ROW_MAJOR")
+    else:
+        ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
+        ins["chunk_start"] = ((1,), "int32", "ROW_MAJOR")
+        ins["seq_slot"] = ((1,), "int32", "ROW_MAJOR")
+        ins["last_tile_start"] = ((4,), "uint32", "ROW_MAJOR")
+        ins["last_tile_end"] = ((4,), "uint32", "ROW_MAJOR")
+    ins["top_k"] = ((rows,), "uint32", "ROW_MAJOR")
+    ins["top_p"] = ((rows,), "bf16", "ROW_MAJOR")
+    ins["temperature"] = ((rows,), "bf16", "ROW_MAJOR")
+    return ins
+
+
+def lower_forward(bundle, plan, program: dict, sampling: str = "device") -> Forward:
+    """The ttnn calls of ``program`` (``lower.lower``'s JSON for one phase and bucket)."""
+    if sampling not in SAMPLING:
+        raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
+    lw = _Lowerer(bundle, plan, program, sampling)
+    lw.inputs = inputs_of(program, bundle, plan)
+    layers: list[Layer] = []
+    index = 0
+    for kind in program["layers"]:
+        decoder = kind["kind"] not in ("embedding", "head")
+        for i in range(kind["count"] if decoder else 1):
+            lw.layer = index if decoder else None
+            lw.calls = []
+            if kind["kind"] == "head" and program["phase"] == "prefill":
+                # the head runs on the tile row holding the last prompt token (a traced slice:
+                # its bounds are inputs)
+                h = lw.shapes["h"]
+                lw.op = "logits"
+                lw.call("slice", T("h"), T("last_tile_start"), T("last_tile_end"), out="h",
+                        shape=(1, 1, min(TILE, h[2]), h[3]))
+            for st in kind["steps"]:
+                k = step_kind(st)
+                fn = OPS.get(k)
+                if fn is None:
+                    raise NotImplementedError(f"no ttnn lowering for program op {k!r}")
+                lw.op = k
+                fn(lw, st)
+            layers.append(Layer(kind["kind"], lw.layer, lw.calls))
+            index += 1 if decoder else 0
+    outputs = ["next_tokens"] if sampling == "device" else ["logits.out"]
+    if sampling == "host":
+        for k in ("top_k", "top_p", "temperature"):
+            lw.inputs.pop(k)
+    return Forward(program["phase"], program["bucket"], program["rows"], lw.inputs, layers, outputs,
+                   list(lw.setup.values()), list(lw.consts.values()), lw.gaps)
+
+
+__all__ = ["OPS", "SAMPLING", "device_shape", "inputs_of", "lower_forward", "step_kind", "tt_dim", "tt_shape"]
