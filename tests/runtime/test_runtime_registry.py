@@ -51,6 +51,12 @@ def test_register_records_the_directory_and_ls_lists_packages(repo, xdg, runner)
         registry.find("tiny-llama")
 
 
+def test_mesh_device_picks_among_meshes(repo, xdg, monkeypatch):
+    registry.register_dir(repo)
+    monkeypatch.setenv("MESH_DEVICE", "T3K")
+    assert registry.find("tiny-llama").mesh == "T3K"
+
+
 def test_tampered_package_refused_naming_the_file_others_register(repo, xdg, runner):
     from ttbundle.cli import app
 

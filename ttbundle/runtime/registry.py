@@ -152,12 +152,16 @@ def register_dir(d: str | Path) -> tuple[list[Entry], list[tuple[Path, str]]]:
 
 
 def find(name_or_path: str) -> Entry:
-    """A registered package by bundle name (``NAME`` or ``NAME-MESH``) or directory."""
+    """A registered package by bundle name (``NAME`` or ``NAME-MESH``; ``MESH_DEVICE`` picks
+    among meshes) or directory."""
     p = Path(name_or_path)
     if p.is_dir():
         return entry_of(p)
     good, _ = scan(check_hashes=False)
     hits = [e for e in good if e.name == name_or_path or f"{e.name}-{e.mesh}" == name_or_path]
+    mesh = os.environ.get("MESH_DEVICE")
+    if len(hits) > 1 and mesh:
+        hits = [e for e in hits if e.mesh == mesh] or hits
     if len(hits) == 1:
         return hits[0]
     if not hits:
@@ -165,7 +169,7 @@ def find(name_or_path: str) -> Entry:
         raise InvalidInput(f"no registered package named {name_or_path!r} (registered: {known}); "
                            "`ttbundle register --dir DIR` adds a directory")
     raise InvalidInput(f"{name_or_path!r} names {len(hits)} packages ("
-                       + ", ".join(f"{e.name}-{e.mesh}" for e in hits) + "); use NAME-MESH")
+                       + ", ".join(f"{e.name}-{e.mesh}" for e in hits) + "); use NAME-MESH or set MESH_DEVICE")
 
 
 # ---- vLLM side ----------------------------------------------------------------------------------
