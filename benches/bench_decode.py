@@ -22,21 +22,7 @@ import torch  # noqa: E402
 from ttbundle import plan as planmod, reference, spec, weights  # noqa: E402
 from ttbundle.backends.emulated import EmulatedModel, Runner  # noqa: E402
 
-SPEC = """
-name: bench-160m
-model:
-  family: llama
-  vocab_size: 32000
-  hidden_size: 1024
-  intermediate_size: 2816
-  num_hidden_layers: 8
-  num_attention_heads: 16
-  num_key_value_heads: 8
-  max_position_embeddings: 2048
-targets: [N150, T3K]
-buckets: {prefill: [128, 512], decode: [1, 8, 16, 32], prefill_chunk: 512}
-runtime: {max_model_len: 1024, max_num_seqs: 32}
-"""
+from bench_model import SPEC  # noqa: E402  (the benchmark model, shared by the benches)
 
 
 def emulated_decode(bundle, canon, mesh, prompt, n, device):

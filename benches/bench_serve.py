@@ -32,22 +32,7 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-SPEC = """
-name: bench-160m
-description: ttbundle benchmark model (random weights)
-model:
-  family: llama
-  vocab_size: 32000
-  hidden_size: 1024
-  intermediate_size: 2816
-  num_hidden_layers: 8
-  num_attention_heads: 16
-  num_key_value_heads: 8
-  max_position_embeddings: 2048
-targets: [N150, T3K]
-buckets: {prefill: [128, 512], decode: [1, 8, 16, 32], prefill_chunk: 512}
-runtime: {max_model_len: 1024, max_num_seqs: 32}
-"""
+from bench_model import SPEC  # noqa: E402  (the benchmark model, shared by the benches)
 
 
 def prompts(n: int, length: int, vocab: int) -> list[list[int]]:
