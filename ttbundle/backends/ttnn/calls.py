@@ -59,15 +59,25 @@ class Attr:
 
 @dataclass(frozen=True)
 class New:
-    """A ttnn object constructed from keyword (or positional) arguments."""
+    """A ttnn object constructed from keyword (or positional) arguments: a class, or a factory
+    function whose result type is ``returns`` (``create_sharded_memory_config`` -> MemoryConfig)."""
 
     cls: str
     args: tuple = ()
     kwargs: tuple = ()  # ((name, value), ...)
+    returns: str = ""  # the type a factory returns (empty: ``cls`` is the class)
 
     @staticmethod
     def of(cls: str, *args, **kwargs) -> "New":
         return New(cls, tuple(args), tuple(sorted(kwargs.items())))
+
+    @staticmethod
+    def factory(fn: str, returns: str, *args, **kwargs) -> "New":
+        return New(fn, tuple(args), tuple(sorted(kwargs.items())), returns)
+
+    @property
+    def type_name(self) -> str:
+        return self.returns or self.cls.split(".")[-1]
 
 
 @dataclass(frozen=True)

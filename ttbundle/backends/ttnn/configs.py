@@ -4,7 +4,8 @@
   over as many cores as divide the output's tile columns (at most the compute grid), the input
   multicast (``mcast_in0``); prefill (``M >= 64``): ``MatmulMultiCoreReuseMultiCastProgramConfig``
   over the whole grid, ``per_core_M`` / ``per_core_N`` the tiles each core row / column owns.
-  Batched (expert) matmuls let ttnn choose.
+  Batched (expert) matmuls, and outputs so wide that a core would own more than 16 tile columns
+  (a whole vocabulary on one chip), let ttnn choose.
 * Output sub-blocks are at most 4 tiles (what fits the destination registers with fp32
   accumulation); ``in0_block_w`` divides the contraction's tiles.
 * Compute kernels: HiFi4 for bf16 weights, HiFi2 for bfp8, LoFi for bfp4; fp32 accumulation and
@@ -19,6 +20,7 @@ from __future__ import annotations
 from .calls import Attr, New
 
 TILE = 32
+MAX_PER_CORE_N = 16  # output tiles per core beyond which the blocks overflow a core's buffers
 FIDELITY = {"bf16": "HiFi4", "bfp8": "HiFi2", "bfp4": "LoFi", "f32": "HiFi4"}
 
 
@@ -34,13 +36,19 @@ def largest_divisor(n: int, limit: int) -> int:
     return 1
 
 
+def fits(cores: int, grid: tuple[int, int]) -> bool:
+    """Whether ``cores`` cores form an x-by-y rectangle inside ``grid``."""
+    gx, gy = grid
+    return any(cores % y == 0 and cores // y <= gx for y in range(1, gy + 1))
+
+
 def core_grid(cores: int, grid: tuple[int, int]) -> tuple[int, int]:
     """An ``x * y == cores`` rectangle inside ``grid`` (x columns, y rows), widest first."""
     gx, gy = grid
     for y in range(1, gy + 1):
         if cores % y == 0 and cores // y <= gx:
             return cores // y, y
-    return min(cores, gx), 1  # pragma: no cover - callers pass cores <= gx * gy with a divisor
+    raise ValueError(f"{cores} cores do not form a rectangle in a {gx}x{gy} grid")
 
 
 def coord(x: int, y: int) -> New:
@@ -57,14 +65,18 @@ def matmul_config(m: int, k: int, n: int, grid: tuple[int, int]) -> New | None:
     mt, kt, nt = _tiles(m), _tiles(k), _tiles(n)
     gx, gy = grid
     if mt == 1:  # decode: one tile row, outputs spread over the cores that divide N
-        cores = largest_divisor(nt, gx * gy)
+        cores = next(c for c in range(min(nt, gx * gy), 0, -1) if nt % c == 0 and fits(c, grid))
         x, y = core_grid(cores, grid)
         per_n = nt // cores
+        if per_n > MAX_PER_CORE_N:  # a huge N (an unsplit vocabulary): let ttnn choose
+            return None
         return New.of("MatmulMultiCoreReuseMultiCast1DProgramConfig", compute_with_storage_grid_size=coord(x, y),
                       in0_block_w=largest_divisor(kt, 8), out_subblock_h=1,
                       out_subblock_w=largest_divisor(per_n, 4), per_core_M=1, per_core_N=per_n,
                       fuse_batch=True, fused_activation=None, mcast_in0=True)
     per_m, per_n = -(-mt // gy), -(-nt // gx)
+    if per_n > MAX_PER_CORE_N:
+        return None
     return New.of("MatmulMultiCoreReuseMultiCastProgramConfig", compute_with_storage_grid_size=coord(gx, gy),
                   in0_block_w=largest_divisor(kt, 4), out_subblock_h=1,
                   out_subblock_w=largest_divisor(per_n, 4), per_core_M=per_m, per_core_N=per_n,

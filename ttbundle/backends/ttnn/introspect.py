@@ -167,8 +167,7 @@ def _accepts_words(ttnn, ann: set, v) -> tuple[bool, str]:
         tname = type(obj).__name__
         return tname in ann, f"{v.path} ({tname})"
     if isinstance(v, New):
-        name = v.cls.split(".")[-1]
-        return name in ann, f"a {name}"
+        return v.type_name in ann, f"a {v.type_name}"
     return False, f"an unexpected {type(v).__name__}"
 
 
@@ -227,9 +226,12 @@ def check(ttnn, fn: str, args: tuple = (), kwargs: dict | None = None) -> list[s
                     problems.append(f"ttnn.{x.path} does not exist")
             elif isinstance(x, New):
                 try:
-                    construct(ttnn, x)
+                    made = construct(ttnn, x)
                 except Exception as e:  # noqa: BLE001 - any refusal is the finding
                     problems.append(f"ttnn.{x.cls}(...) refused: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+                    continue
+                if x.returns and type(made).__name__ != x.returns:
+                    problems.append(f"ttnn.{x.cls}(...) returned a {type(made).__name__}, not a {x.returns}")
     if problems:
         return problems
     reasons = []

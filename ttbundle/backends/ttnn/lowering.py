@@ -20,6 +20,7 @@ logit soft-capping (ttnn's SDPA has no soft-cap; the layer runs without it).
 from __future__ import annotations
 
 import math
+import struct
 from typing import Callable
 
 from ...mesh import Mesh
@@ -37,6 +38,13 @@ SAMPLING = ("device", "host")
 TOPK = 32  # candidates ttnn.sampling draws from
 
 
+def f32(x: float) -> float:
+    """``x`` rounded to float32: some ttnn bindings take a C++ ``float`` and refuse a Python float
+    that float32 cannot hold exactly (``chunked_scaled_dot_product_attention(scale=0.1)`` raises
+    "incompatible function arguments"; ``scale=float32(0.1)`` binds)."""
+    return struct.unpack("<f", struct.pack("<f", float(x)))[0]
+
+
 def tt_shape(shape) -> tuple[int, ...]:
     """A program shape ``[rows, f]`` / ``[rows, E, f]`` as the 4-D ttnn tensor shape."""
     if len(shape) == 2:
@@ -52,14 +60,14 @@ def tt_dim(shape, k: int) -> int:
 
 
 class _Lowerer:
-    def __init__(self, bundle, plan, program: dict, sampling: str):
+    def __init__(self, bundle, plan, program: dict, sampling: str, grid: tuple[int, int] | None = None):
         self.bundle, self.plan, self.prog = bundle, plan, program
         self.fam, self.a = bundle.family, bundle.arch
         self.mesh: Mesh = plan.mesh
         self.phase, self.rows = program["phase"], program["rows"]
         self.decode = self.phase == "decode"
         self.sampling = sampling
-        self.grid = self.mesh.chip.compute_grid
+        self.grid = grid or self.mesh.chip.compute_grid
         self.tensors = {t.name: t for t in plan.tensors}
         self.traits = self.fam.traits(self.a)
         self.kv_dtype = plan.kv["dtype"]
@@ -80,11 +88,12 @@ class _Lowerer:
             self.shapes[out] = tuple(shape)
         return out
 
-    def setup_call(self, key: str, fn: str, *args, **kwargs) -> None:
+    def setup_call(self, key: str, fn: str, *args, shape=None, **kwargs) -> None:
         """A once-per-model call producing weight view ``key`` (run with this layer's weights);
         deduplicated."""
         if key not in self.setup:
-            self.setup[key] = (self.layer, Call(fn, tuple(args), tuple(sorted(kwargs.items())), key, None, "setup"))
+            self.setup[key] = (self.layer, Call(fn, tuple(args), tuple(sorted(kwargs.items())), key,
+                                                tuple(shape) if shape else None, "setup"))
 
     def has(self, w: str) -> bool:
         t = self.tensors.get(w)
@@ -135,13 +144,14 @@ def _rms_norm(lw: _Lowerer, st: dict) -> None:
     shp = tt_shape(st["in_shape"])
     lw.shapes.setdefault(x, shp)
     norm = lw.traits.get("norms", {}).get(st["w"], {})
-    eps = float(norm.get("eps", getattr(lw.a, "rms_norm_eps", 1e-6)))
+    eps = f32(norm.get("eps", getattr(lw.a, "rms_norm_eps", 1e-6)))
     w = W(st["w"], per_layer=lw.layer is not None)
     if lw.traits.get("norm_offset"):  # Gemma: x * (1 + w); the 1 is added once at setup
         w = W(st["w"], per_layer=lw.layer is not None, variant="plus1")
         for layer in ([None] if lw.layer is None else [lw.layer]):
+            t = lw.tensors[st["w"]]
             lw.setup_call(w.key(layer), "add", W(st["w"], per_layer=lw.layer is not None), float(lw.traits["norm_offset"]),
-                          memory_config=DRAM)
+                          memory_config=DRAM, shape=device_shape(t.device_shape, t.layout))
     features = norm.get("features")
     if features and features < shp[-1]:  # normalize the leading features, pass the rest through
         head = lw.call("slice", T(x), [0, 0, 0, 0], [*shp[:3], features], [1, 1, 1, 1], out=f"{out}.n",
@@ -179,7 +189,7 @@ def _matmul(lw: _Lowerer, st: dict) -> None:
         else:
             rep = src
         wb = W(w, variant="batched")
-        lw.setup_call(wb.key(lw.layer), "reshape", W(w), [1, *st["w_shape"]])
+        lw.setup_call(wb.key(lw.layer), "reshape", W(w), [1, *st["w_shape"]], shape=(1, *st["w_shape"]))
         lw.call("matmul", T(rep), wb, out=out, shape=tt_shape(st["out_shape"]), dtype=dtype,
                 memory_config=DRAM, compute_kernel_config=configs.compute_config(st["w_dtype"]))
         return
@@ -190,11 +200,30 @@ def _matmul(lw: _Lowerer, st: dict) -> None:
             compute_kernel_config=configs.compute_config(st["w_dtype"]))
 
 
+def _vector_view(lw: _Lowerer, w: str, shape: tuple, variant: str) -> W:
+    """Vector weight ``w`` (held as rows of 32, ``[1, 1, ceil(n/32), 32]``, zero-padded) as a
+    TILE tensor of ``shape`` (``n`` values), made once at setup: flatten, cut the padding,
+    reshape, tilize."""
+    t = lw.tensors[w]
+    n = math.prod(t.device_shape)
+    held = math.prod(device_shape(t.device_shape, t.layout))
+    cur = W(w)
+    steps = [("flat", "reshape", ([1, 1, 1, held],), (1, 1, 1, held))]
+    if held != n:
+        steps.append(("cut", "slice", ([0, 0, 0, 0], [1, 1, 1, n], [1, 1, 1, 1]), (1, 1, 1, n)))
+    steps += [("shaped", "reshape", (list(shape),), tuple(shape)), ("", "to_layout", (TILE_L,), tuple(shape))]
+    for suffix, fn, args, shp in steps:
+        nxt = W(w, variant=f"{variant}.{suffix}" if suffix else variant)
+        lw.setup_call(nxt.key(lw.layer), fn, cur, *args, shape=shp)
+        cur = nxt
+    return cur
+
+
 def _bias(lw: _Lowerer, x: str, w: str, out: str) -> str:
     """``x + b`` for a bias vector ``w`` (made a broadcastable TILE row once at setup)."""
     shp = lw.shapes[x]
-    view = W(w, variant="row")
-    lw.setup_call(view.key(lw.layer), "reshape", W(w), [1, 1, 1, shp[-1]])
+    per_expert = len(lw.tensors[w].device_shape) == 2  # [E, n]: one row per expert
+    view = _vector_view(lw, w, (1, shp[1], 1, shp[3]) if per_expert else (1, 1, 1, shp[-1]), "row")
     return lw.call("add", T(x), view, out=out, shape=shp, memory_config=DRAM)
 
 
@@ -216,19 +245,30 @@ def _rope_tables(lw: _Lowerer, head_dim: int, lt: dict, interleaved: bool = Fals
         if name not in lw.shapes:
             lw.call("embedding", T("positions"), T(f"{tag}.{part}"), out=f"{name}.e", shape=(1, rows, head_dim),
                     layout=TILE_L, dtype=BF16, memory_config=DRAM)
-            shape = [1, rows, 1, head_dim] if lw.decode else [1, 1, rows, head_dim]
-            lw.call("reshape", T(f"{name}.e"), shape, out=name, shape=shape)
+            lw.call("reshape", T(f"{name}.e"), [1, 1, rows, head_dim], out=name, shape=(1, 1, rows, head_dim))
         out.append(T(name))
     return out[0], out[1]
 
 
 def _rope(lw: _Lowerer, x: str, cos: T, sin: T, out: str, interleaved: bool = False) -> str:
+    """Rotate ``x`` ``[1, H, rows, d]`` by each row's position (cos / sin ``[1, 1, rows, d]``).
+    Decode heads ``[1, B, H, d]`` are turned to ``[1, H, B, d]`` and back: the kernels' decode
+    mode wants height-sharded L1 inputs, while one token per row is just a short sequence."""
+    src = x
+    if lw.decode:
+        b, h, d = lw.shapes[x][1:]
+        src = lw.call("transpose", T(x), 1, 2, out=f"{x}.t", shape=(1, h, b, d), memory_config=DRAM)
+    dst = f"{out}.t" if lw.decode else out
     if interleaved:  # pairs (x0, x1), (x2, x3)...: Meta's layout, ttnn's rotary_embedding_llama
         lw.consts["rope.trans_mat"] = Const("rope.trans_mat", (1, 1, TILE, TILE), "bf16", "TILE", "trans_mat")
-        return lw.call("experimental.rotary_embedding_llama", T(x), cos, sin, T("rope.trans_mat"), out=out,
-                       shape=lw.shapes[x], is_decode_mode=lw.decode)
-    return lw.call("experimental.rotary_embedding_hf", T(x), cos, sin, out=out, shape=lw.shapes[x],
-                   is_decode_mode=lw.decode)
+        lw.call("experimental.rotary_embedding_llama", T(src), cos, sin, T("rope.trans_mat"), out=dst,
+                shape=lw.shapes[src], is_decode_mode=False)
+    else:
+        lw.call("experimental.rotary_embedding_hf", T(src), cos, sin, out=dst, shape=lw.shapes[src],
+                is_decode_mode=False)
+    if lw.decode:
+        lw.call("transpose", T(dst), 1, 2, out=out, shape=lw.shapes[x], memory_config=DRAM)
+    return out
 
 
 def _heads(lw: _Lowerer, x: str, n: int, d: int, out: str) -> str:
@@ -252,7 +292,13 @@ def _cache_write(lw: _Lowerer, kv: str, x: str) -> None:
     src = x
     if lw.kv_dtype == "bfp8":
         src = lw.call("typecast", T(x), Attr("bfloat8_b"), out=f"{x}.c", shape=lw.shapes[x])
-    if lw.decode:
+    if lw.decode:  # paged_update_cache reads each row's heads from its own core: [1, B, n, d]
+        _, b, _, d = lw.shapes[src]  # height-sharded, one (32 x d) shard per row
+        cores = New.factory("num_cores_to_corerangeset", "CoreRangeSet", b, configs.coord(*lw.grid), row_wise=True)
+        mem = New.factory("create_sharded_memory_config", "MemoryConfig", shape=(TILE, d), core_grid=cores,
+                          strategy=Attr("ShardStrategy.HEIGHT"), orientation=Attr("ShardOrientation.ROW_MAJOR"),
+                          use_height_and_width_as_shard_shape=True)
+        src = lw.call("to_memory_config", T(src), mem, out=f"{src}.sh", shape=lw.shapes[src])
         lw.call("experimental.paged_update_cache", KV(kv), T(src), update_idxs_tensor=T("cur_pos"),
                 page_table=T("page_table"))
     else:
@@ -271,13 +317,14 @@ def _attention(lw: _Lowerer, st: dict) -> None:
             _bias(lw, x, b, f"{x}.b")
     q0, k0, v0 = (f"{x}.b" if lw.has(b) else x for b, x in (("bq", q), ("bk", k), ("bv", v)))
     qh, kh, vh = _heads(lw, q0, nq, hd, "qh"), _heads(lw, k0, nkv, hd, "kh"), _heads(lw, v0, nkv, hd, "vh")
-    eps = float(getattr(lw.a, "rms_norm_eps", 1e-6))
+    eps = f32(getattr(lw.a, "rms_norm_eps", 1e-6))
     if lw.has("q_norm"):
         for x, w in ((qh, "q_norm"), (kh, "k_norm")):
             wv = W(w)
             if lw.traits.get("norm_offset"):
                 wv = W(w, variant="plus1")
-                lw.setup_call(wv.key(lw.layer), "add", W(w), float(lw.traits["norm_offset"]), memory_config=DRAM)
+                lw.setup_call(wv.key(lw.layer), "add", W(w), float(lw.traits["norm_offset"]), memory_config=DRAM,
+                              shape=device_shape([hd], "ROW_MAJOR"))
             lw.call("rms_norm", T(x), out=x, shape=lw.shapes[x], epsilon=eps, weight=wv,
                     compute_kernel_config=configs.compute_config(), memory_config=DRAM)
     cos, sin = _rope_tables(lw, hd, lt)
@@ -285,7 +332,7 @@ def _attention(lw: _Lowerer, st: dict) -> None:
     _rope(lw, kh, cos, sin, "kr")
     _cache_write(lw, "k", "kr")
     _cache_write(lw, "v", vh)
-    scale = float(lt.get("attn_scale", hd ** -0.5))
+    scale = f32(lt.get("attn_scale", hd ** -0.5))
     if lt.get("attn_softcap"):
         gap = "attention logit soft-capping (Gemma 2): ttnn 0.81.1's SDPA has no soft-cap; not applied"
         if gap not in lw.gaps:
@@ -293,10 +340,9 @@ def _attention(lw: _Lowerer, st: dict) -> None:
     extra = {}
     if lt.get("window"):
         extra["sliding_window_size"] = int(lt["window"])
-    if lw.has("sinks"):
-        view = W("sinks", variant="sink")
-        lw.setup_call(view.key(lw.layer), "reshape", W("sinks"), [1, nq, 1, 1])
-        extra["attention_sink"] = view
+    if lw.has("sinks"):  # one logit per query head: prefill SDPA wants [1, H, 1, 1], decode [H, 1]
+        extra["attention_sink"] = _vector_view(lw, "sinks", (nq, 1) if lw.decode else (1, nq, 1, 1),
+                                               "sink2" if lw.decode else "sink4")
     kernel = configs.compute_config()
     if lw.decode:
         o = lw.call("transformer.paged_scaled_dot_product_attention_decode", T("qr"), KV("k"), KV("v"),
@@ -324,13 +370,16 @@ def _mla_attention(lw: _Lowerer, st: dict) -> None:
     rows = lw.rows
     lt = lw.lt()
     # setup: wkv_b [r, H*(nope+v)] -> W_UK^T [1, H, nope, r] and W_UV [1, H, r, v]
-    lw.setup_call(W("wkv_b", variant="h").key(lw.layer), "reshape", W("wkv_b"), [1, r, H, nope + vd])
-    lw.setup_call(W("wkv_b", variant="hp").key(lw.layer), "permute", W("wkv_b", variant="h"), [0, 2, 1, 3])
+    lw.setup_call(W("wkv_b", variant="h").key(lw.layer), "reshape", W("wkv_b"), [1, r, H, nope + vd],
+                  shape=(1, r, H, nope + vd))
+    lw.setup_call(W("wkv_b", variant="hp").key(lw.layer), "permute", W("wkv_b", variant="h"), [0, 2, 1, 3],
+                  shape=(1, H, r, nope + vd))
     lw.setup_call(W("wkv_b", variant="uk").key(lw.layer), "slice", W("wkv_b", variant="hp"), [0, 0, 0, 0],
-                  [1, H, r, nope], [1, 1, 1, 1])
-    lw.setup_call(W("wkv_b", variant="ukt").key(lw.layer), "transpose", W("wkv_b", variant="uk"), 2, 3)
+                  [1, H, r, nope], [1, 1, 1, 1], shape=(1, H, r, nope))
+    lw.setup_call(W("wkv_b", variant="ukt").key(lw.layer), "transpose", W("wkv_b", variant="uk"), 2, 3,
+                  shape=(1, H, nope, r))
     lw.setup_call(W("wkv_b", variant="uv").key(lw.layer), "slice", W("wkv_b", variant="hp"), [0, 0, 0, nope],
-                  [1, H, r, nope + vd], [1, 1, 1, 1])
+                  [1, H, r, nope + vd], [1, 1, 1, 1], shape=(1, H, r, vd))
     qh = _heads(lw, q, H, nope + rope, "qh")  # prefill [1, H, S, nope+rope]; decode [1, B, H, nope+rope]
     s = lw.shapes[qh]
     q_nope = lw.call("slice", T(qh), [0, 0, 0, 0], [*s[:3], nope], [1, 1, 1, 1], out="q_nope", shape=(*s[:3], nope))
@@ -364,7 +413,7 @@ def _mla_attention(lw: _Lowerer, st: dict) -> None:
     qs = lw.shapes[q_lat]
     q_full = lw.call("concat", [T(q_lat), T("q_rope.r")], 3, out="q_full", shape=(*qs[:3], r + rope),
                      memory_config=DRAM)
-    scale = float(lt.get("attn_scale", (nope + rope) ** -0.5))
+    scale = f32(lt.get("attn_scale", (nope + rope) ** -0.5))
     kernel = configs.compute_config()
     if lw.decode:
         o_lat = lw.call("transformer.paged_flash_multi_latent_attention_decode", T(q_full), KV("kv_latent"), None,
@@ -428,7 +477,7 @@ def _clamped_swiglu(lw: _Lowerer, st: dict) -> None:
 def _dense_route(lw: _Lowerer, weights: str, idx: str, E: int, out: str) -> str:
     """[1, 1, rows, k] weights at expert indices -> [1, 1, rows, E] (zeros elsewhere)."""
     rows = lw.shapes[weights][2]
-    lw.consts["zeros.route"] = Const("zeros.route", (1, 1, rows, E), "f32", "TILE", "zeros")
+    lw.consts["zeros.route"] = Const("zeros.route", (1, 1, rows, E), "bf16", "TILE", "zeros")  # scatter: no fp32 tiles
     return lw.call("scatter", T("zeros.route"), 3, T(idx), T(weights), out=out, shape=(1, 1, rows, E),
                    memory_config=DRAM)
 
@@ -453,7 +502,10 @@ def _group_topk(lw: _Lowerer, st: dict) -> None:
     lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
     _, _, rows, E = lw.shapes[x]
     G, kg, k = int(moe["n_group"]), int(moe["topk_group"]), int(moe["top_k"])
-    s = lw.call("sigmoid", T(x), out="rt.s", shape=(1, 1, rows, E), memory_config=DRAM)
+    # routing in bf16 on device (the router matmul accumulates in fp32; where/scatter take no
+    # fp32 tiles); HF keeps fp32 here, so ties between near-equal experts may break differently
+    xb = lw.call("typecast", T(x), BF16, out="rt.x", shape=(1, 1, rows, E))
+    s = lw.call("sigmoid", T(xb), out="rt.s", shape=(1, 1, rows, E), memory_config=DRAM)
     c = _bias(lw, s, "e_score_correction_bias", "rt.c")
     grp = lw.call("reshape", T(c), [1, rows, G, E // G], out="rt.g", shape=(1, rows, G, E // G))
     lw.call("topk", T(grp), 2, 3, True, True, out=("rt.g2", "rt.g2i"), shape=(1, rows, G, 2))
@@ -462,8 +514,8 @@ def _group_topk(lw: _Lowerer, st: dict) -> None:
     gs = lw.call("reshape", T(gs), [1, 1, rows, G], out="rt.gs4", shape=(1, 1, rows, G))
     lw.call("topk", T(gs), kg, 3, True, False, out=("rt.kv", "rt.ki"), shape=(1, 1, rows, kg))
     lw.shapes["rt.kv"] = lw.shapes["rt.ki"] = (1, 1, rows, kg)
-    lw.consts["ones.group"] = Const("ones.group", (1, 1, rows, kg), "f32", "TILE", "ones")
-    lw.consts["zeros.group"] = Const("zeros.group", (1, 1, rows, G), "f32", "TILE", "zeros")
+    lw.consts["ones.group"] = Const("ones.group", (1, 1, rows, kg), "bf16", "TILE", "ones")
+    lw.consts["zeros.group"] = Const("zeros.group", (1, 1, rows, G), "bf16", "TILE", "zeros")
     lw.call("scatter", T("zeros.group"), 3, T("rt.ki"), T("ones.group"), out="rt.gm", shape=(1, 1, rows, G),
             memory_config=DRAM)
     lw.call("repeat_interleave", T("rt.gm"), E // G, 3, out="rt.em", shape=(1, 1, rows, E), memory_config=DRAM)
@@ -488,7 +540,7 @@ def _combine(lw: _Lowerer, st: dict) -> None:
     if lw.has("experts_b2"):
         s = lw.shapes[x]
         view = W("experts_b2", variant="batched")
-        lw.setup_call(view.key(lw.layer), "reshape", W("experts_b2"), [1, s[1], 1, s[3]])
+        lw.setup_call(view.key(lw.layer), "reshape", W("experts_b2"), [1, s[1], 1, s[3]], shape=(1, s[1], 1, s[3]))
         src = lw.call("add", T(x), view, out=f"{x}.b", shape=s, memory_config=DRAM)
     experts_w = "experts_w2"
     axes = axes_of(lw.plan.specs[experts_w][0])
@@ -533,7 +585,10 @@ def _logits(lw: _Lowerer, st: dict) -> None:
         return
     lw.call("topk", T(x), TOPK, 3, True, True, out=("cand.v", "cand.i"), shape=(*s[:3], TOPK))
     lw.shapes["cand.v"] = lw.shapes["cand.i"] = (*s[:3], TOPK)
-    lw.call("sampling", T("cand.v"), T("cand.i"), T("top_k"), T("top_p"), T("temperature"), out="next_tokens",
+    # ttnn.sampling reads the candidates' ids as uint32 rows (ROW_MAJOR)
+    lw.call("typecast", T("cand.i"), U32, out="cand.i32", shape=(*s[:3], TOPK))
+    lw.call("to_layout", T("cand.i32"), RM, out="cand.ids", shape=(*s[:3], TOPK))
+    lw.call("sampling", T("cand.v"), T("cand.ids"), T("top_k"), T("top_p"), T("temperature"), out="next_tokens",
             shape=(1, 1, 1, s[2]), seed=0)
 
 
@@ -595,19 +650,26 @@ def inputs_of(program: dict, bundle, plan) -> dict:
         ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
         ins["chunk_start"] = ((1,), "int32", "ROW_MAJOR")
         ins["seq_slot"] = ((1,), "int32", "ROW_MAJOR")
-        ins["last_tile_start"] = ((4,), "uint32", "ROW_MAJOR")
-        ins["last_tile_end"] = ((4,), "uint32", "ROW_MAJOR")
-    ins["top_k"] = ((rows,), "uint32", "ROW_MAJOR")
-    ins["top_p"] = ((rows,), "bf16", "ROW_MAJOR")
-    ins["temperature"] = ((rows,), "bf16", "ROW_MAJOR")
+        ins["last_rows"] = ((1, 1, min(rows, TILE), rows), "bf16", "TILE")  # one-hot: the last prompt tile row
+    head_rows = rows if program["phase"] == "decode" else min(rows, TILE)  # rows the head samples
+    ins["top_k"] = ((head_rows,), "uint32", "ROW_MAJOR")
+    ins["top_p"] = ((head_rows,), "bf16", "ROW_MAJOR")
+    ins["temperature"] = ((head_rows,), "bf16", "ROW_MAJOR")
     return ins
 
 
-def lower_forward(bundle, plan, program: dict, sampling: str = "device") -> Forward:
-    """The ttnn calls of ``program`` (``lower.lower``'s JSON for one phase and bucket)."""
+def one_layer_per_kind(program: dict) -> dict:
+    """``program`` with each decoder layer kind repeated once (its layers run the same calls on
+    the same shapes; only weights and caches differ): enough to validate every call."""
+    return {**program, "layers": [{**k, "count": 1} for k in program["layers"]]}
+
+
+def lower_forward(bundle, plan, program: dict, sampling: str = "device", grid: tuple[int, int] | None = None) -> Forward:
+    """The ttnn calls of ``program`` (``lower.lower``'s JSON for one phase and bucket).
+    ``grid``: the compute grid to configure ops for (default: the mesh chip's)."""
     if sampling not in SAMPLING:
         raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
-    lw = _Lowerer(bundle, plan, program, sampling)
+    lw = _Lowerer(bundle, plan, program, sampling, grid)
     lw.inputs = inputs_of(program, bundle, plan)
     layers: list[Layer] = []
     index = 0
@@ -617,12 +679,12 @@ def lower_forward(bundle, plan, program: dict, sampling: str = "device") -> Forw
             lw.layer = index if decoder else None
             lw.calls = []
             if kind["kind"] == "head" and program["phase"] == "prefill":
-                # the head runs on the tile row holding the last prompt token (a traced slice:
-                # its bounds are inputs)
+                # the head runs on the tile row holding the last prompt token: a [32, rows]
+                # selector (an input, one-hot rows) picks it, so the trace needs no dynamic slice
                 h = lw.shapes["h"]
                 lw.op = "logits"
-                lw.call("slice", T("h"), T("last_tile_start"), T("last_tile_end"), out="h",
-                        shape=(1, 1, min(TILE, h[2]), h[3]))
+                lw.call("matmul", T("last_rows"), T("h"), out="h", shape=(1, 1, min(TILE, h[2]), h[3]),
+                        memory_config=DRAM, compute_kernel_config=configs.compute_config())
             for st in kind["steps"]:
                 k = step_kind(st)
                 fn = OPS.get(k)

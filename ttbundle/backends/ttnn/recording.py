@@ -27,6 +27,8 @@ from .calls import Attr, T
 from .introspect import Opaque
 
 TRACE_API = ("begin_trace_capture", "end_trace_capture", "execute_trace", "release_trace")
+# factory functions the lowering calls for config objects (``calls.New.factory``): their results
+FACTORIES = {"create_sharded_memory_config": "MemoryConfig", "num_cores_to_corerangeset": "CoreRangeSet"}
 # calls that move data or manage the device, not ops that compile
 NOT_OPS = {"Shape", "Tensor", "distribute_tensor", "replicate_tensor_to_mesh_mapper", "copy_host_to_device_tensor",
            "allocate_tensor_on_device", "synchronize_device", "deallocate", "from_device", "get_device_tensors",
@@ -172,6 +174,8 @@ class Recorder:
                                                                           "copy_host_to_device_tensor") else None
         if head[:1].isupper():  # a class: a config object, not an op
             return FakeObject(path, args, kwargs)
+        if path in FACTORIES:
+            return FakeObject(FACTORIES[path], args, kwargs)
         # an op: compiles the first time it sees this signature (op, configuration, input specs)
         key = hashlib.sha256(f"{path}|{_sig(args)}|{_sig(sorted(kwargs.items()))}".encode()).hexdigest()[:16]
         if key not in self.compiled:
@@ -207,7 +211,7 @@ class Recorder:
     def is_op(e: Event) -> bool:
         """An op (it runs kernels), not a data move, a device call or a constructor."""
         head = e.fn.split(".")[-1]
-        return head not in NOT_OPS and not head[:1].isupper()
+        return head not in NOT_OPS and e.fn not in FACTORIES and not head[:1].isupper()
 
     def ops(self) -> list[Event]:
         return [e for e in self.events if self.is_op(e)]

@@ -1,0 +1,174 @@
+"""Run a lowered forward through ttnn's own op validation on a mock mesh.
+
+On a mock cluster (``ttbundle mock-cluster`` + setup_tt.sh's SFPI stub) the allocator is real
+and every op runs its host-side checks — shapes, dtypes, layouts, memory configs, program
+configs, cluster axes — before it compiles its kernels, which is where a mock device stops
+("build failed": the stub compiles nothing). So an op that gets as far as compiling accepted its
+arguments; one that fails earlier with a ``TT_FATAL`` did not. :func:`validate` runs every call
+of a forward this way, with weights, KV cache, constants and inputs allocated at their planned
+shapes, and each output that never materializes replaced by a stand-in tensor of the shape,
+dtype and memory config the lowering says it has, so the next call is checked on what it would
+really receive.
+
+This checks argument validity, not numerics: nothing is computed (reads from a mock device are
+zeros), which is why op numerics can only be checked on hardware.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from . import layout
+from .calls import Attr, Call, New, W, resolve
+from .device import Executor, allocate
+
+BUILD_MARKERS = ("build failed", "trisc", "brisc", "ncrisc", "erisc", "sfpi", "riscv", "jit build",
+                 "Failed to generate binaries", "compile")
+
+
+@dataclass
+class Validation:
+    calls: int = 0
+    accepted: Counter = field(default_factory=Counter)  # fn -> calls that reached kernel build (or ran)
+    refused: dict = field(default_factory=dict)  # fn -> first TT_FATAL (op, message)
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused
+
+
+def _is_build_failure(msg: str) -> bool:
+    low = msg.lower()
+    return any(m.lower() in low for m in BUILD_MARKERS)
+
+
+def _stand_in(ttnn, ex: Executor, c: Call, layer):
+    """A tensor of the spec ``c``'s output would have: its first tensor input's dtype and
+    layout, unless the call says otherwise."""
+    dtype, mem, lay = "bf16", ttnn.DRAM_MEMORY_CONFIG, "TILE"
+    names = {ttnn.bfloat16: "bf16", ttnn.float32: "f32", ttnn.uint32: "uint32", ttnn.int32: "int32",
+             ttnn.bfloat8_b: "bfp8", ttnn.bfloat4_b: "bfp4", ttnn.uint16: "uint32"}
+    first = next((a for a in c.args if not isinstance(a, (Attr, New, int, float, list, tuple, type(None)))), None)
+    if first is not None and c.fn not in ("embedding",):
+        src = resolve(ttnn, first, ex.env, layer)
+        dtype = names.get(src.dtype, "bf16")
+        lay = "ROW_MAJOR" if src.layout == ttnn.ROW_MAJOR_LAYOUT else "TILE"
+        if dtype in ("bfp8", "bfp4"):
+            dtype = "bf16"  # ops compute in bf16 unless asked
+    kw = dict(c.kwargs)
+    if c.fn == "typecast":
+        d = c.args[1]
+        dtype = {"bfloat16": "bf16", "bfloat8_b": "bfp8", "float32": "f32", "uint32": "uint32",
+                 "int32": "int32"}.get(d.path, "bf16") if isinstance(d, Attr) else "bf16"
+    if kw.get("dtype") is not None and isinstance(kw["dtype"], Attr):
+        dtype = {"bfloat16": "bf16", "float32": "f32"}.get(kw["dtype"].path, "bf16")
+    if c.fn == "to_memory_config":
+        mem = resolve(ttnn, c.args[1], ex.env, layer)
+    if c.fn in ("argmax", "sampling"):
+        dtype = "uint32"
+    if c.fn == "to_layout":
+        lay = "ROW_MAJOR" if "ROW_MAJOR" in c.args[1].path else "TILE"
+    if c.fn in ("embedding", "linear", "matmul", "transpose", "concat", "rms_norm") or c.op == "setup" and c.fn == "add":
+        lay = "TILE" if c.fn != "add" else lay
+    shape = c.shape or (1, 1, 32, 32)
+    return ttnn.allocate_tensor_on_device(ttnn.Shape(list(shape)), layout.ttnn_dtype(ttnn, dtype),
+                                          layout.ttnn_layout(ttnn, lay), ex.device, mem)
+
+
+def validate(ttnn, device, plan, fw) -> Validation:
+    """Every call (and setup call) of forward ``fw`` through ttnn's validation on ``device``."""
+    ex = Executor(ttnn, device)
+    tp = {t.name: t for t in plan.tensors}
+    made = {c.out for _, c in fw.setup}
+    for lyr, c in list(fw.calls()) + list(fw.setup):
+        for v in c.values():
+            if isinstance(v, W) and v.key(lyr) not in made and v.key(lyr) not in ex.env["weights"]:
+                t = tp[v.name]
+                ex.env["weights"][v.key(lyr)] = allocate(ttnn, device, layout.device_shape(t.device_shape, t.layout),
+                                                         t.dtype, t.layout)
+    used = {lyr for lyr, _ in fw.calls() if lyr is not None}
+    for e in plan.kv["entries"]:  # the KV cache of the layers this forward runs
+        for lyr in sorted(used):
+            ex.env["kv"].setdefault(lyr, {})[e["name"]] = allocate(ttnn, device, e["device_shape"], plan.kv["dtype"], "TILE")
+    for cst in fw.consts:
+        ex.env[cst.name] = allocate(ttnn, device, cst.shape, cst.dtype, cst.layout)
+    for n, (shape, dtype, lay) in fw.inputs.items():
+        ex.env[n] = allocate(ttnn, device, shape, dtype, lay)
+    res = Validation()
+
+    def attempt(c: Call, lyr):
+        res.calls += 1
+        try:
+            out = ex.call(c, lyr)
+            res.accepted[c.fn] += 1
+            return out
+        except Exception as e:  # noqa: BLE001 - sorted into accepted (build) or refused below
+            msg = str(e)
+            if _is_build_failure(msg):
+                res.accepted[c.fn] += 1
+            else:
+                first = next((ln for ln in msg.splitlines() if "TT_FATAL" in ln or "info" in ln), msg[:300])
+                res.refused.setdefault(c.fn, (c.op, " ".join(msg.splitlines()[:3])[:500] if "TT_" in msg else msg[:1500]))
+            return None
+
+    for lyr, c in fw.setup:
+        out = attempt(c, lyr)
+        ex.env["weights"][c.out] = out if out is not None else _stand_in(ttnn, ex, c, lyr)
+        ex.env[c.out] = ex.env["weights"][c.out]
+    for lyr, c in fw.calls():
+        out = attempt(c, lyr)
+        if isinstance(c.out, str):
+            ex.env[c.out] = out if out is not None else _stand_in(ttnn, ex, c, lyr)
+        elif isinstance(c.out, tuple):
+            outs = out if out is not None else [_stand_in(ttnn, ex, c, lyr) for _ in c.out]
+            if out is None and c.fn == "topk":  # values bf16, indices uint16
+                outs[1] = ttnn.allocate_tensor_on_device(ttnn.Shape(list(c.shape)), ttnn.uint16, ttnn.TILE_LAYOUT,
+                                                         device, ttnn.DRAM_MEMORY_CONFIG)
+            for n, t in zip(c.out, outs):
+                if n:
+                    ex.env[n] = t
+    return res
+
+
+__all__ = ["Validation", "validate"]
+
+
+# ---- a process per mock cluster: python -m ttbundle.backends.ttnn.mockcheck MESH SPEC... --------
+def main(argv: list[str] | None = None) -> int:
+    """Validate the smallest prefill and decode bucket of each spec on preset ``MESH`` (each decoder
+    layer kind once); one ``RESULT {json}`` line per forward."""
+    import json
+    import sys
+
+    import ttnn
+    import yaml
+
+    from ... import lower as lowermod, mesh as meshmod, plan as planmod, spec as specmod
+    from .lowering import lower_forward, one_layer_per_kind
+
+    args = sys.argv[1:] if argv is None else argv
+    mesh_name, specs = args[0], args[1:]
+    device = ttnn.open_mesh_device(ttnn.MeshShape(*meshmod.resolve(mesh_name).shape))
+    try:
+        for path in specs:
+            d = yaml.safe_load(open(path))
+            d["targets"] = [mesh_name]
+            d.get("weights", {}).pop("source", None)
+            bundle = specmod.loads(yaml.safe_dump(d), path)
+            plan = planmod.make_plan(bundle, mesh_name)
+            ts = lowermod.trace_set(bundle)
+            for key in (min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")):
+                prog = one_layer_per_kind(lowermod.lower(bundle, plan, *key))
+                fw = lower_forward(bundle, plan, prog, "device")
+                r = validate(ttnn, device, plan, fw)
+                print("RESULT " + json.dumps({"spec": path, "mesh": mesh_name, "phase": key[0], "bucket": key[1],
+                                              "calls": r.calls, "accepted": sum(r.accepted.values()),
+                                              "refused": {fn: list(v) for fn, v in r.refused.items()}}), flush=True)
+    finally:
+        ttnn.close_mesh_device(device)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
