@@ -304,3 +304,19 @@ def test_liveness_drops_each_binding_after_its_last_reader():
              (None, Call("c", (T("x"), T("y")), out="x")), (None, Call("d", (T("x"),), out="out"))]
     drops = device.liveness(calls, {"in", "out"})
     assert drops == [[], [], ["y"], ["x"]]
+
+
+def test_generate_drives_prefill_then_decode_replays():
+    """The host side of one greedy sequence (inputs per bucket, replays, reading the token back)
+    on the double: one prefill replay, then one decode replay per new token, no op outside them."""
+    bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
+    rec, r, fws = recorded_runner(bundle, "N300")
+    r.warmup()
+    r.capture()
+    start = len(rec.events)
+    toks = device.generate(r, list(range(1, 200)), 4, 32)
+    assert len(toks) == 4 and all(isinstance(t, int) for t in toks)
+    execs = [e for e in rec.events[start:] if e.fn == "execute_trace"]
+    assert len(execs) == 4 and not [e for e in rec.events[start:] if rec.is_op(e)]
+    pre = device.prefill_inputs(fws[("prefill", 1024)], list(range(1, 200)), 32)
+    assert pre["last_rows"][0, 0].argmax(axis=-1).tolist()[:7] == list(range(192, 199))

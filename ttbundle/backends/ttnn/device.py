@@ -163,3 +163,74 @@ def open_model(ttnn, package_dir: str | Path, sample_on_device_mode: str = "all"
     for c in consts.values():
         ex.env[c.name] = make_const(ttnn, mesh_device, c, bundle.arch)
     return TraceRunner(ex, forwards, trace_keys)
+
+
+# ---- one sequence end to end (hardware tests, smoke runs) ------------------------------------------
+def prefill_inputs(fw: Forward, tokens: list[int], block_size: int) -> dict:
+    """Host inputs of a prefill forward for one sequence of ``tokens`` (at most the bucket),
+    using KV blocks 0, 1, ...; greedy sampling (k = 1)."""
+    import numpy as np
+
+    rows = fw.rows
+    n = len(tokens)
+    if not 0 < n <= rows:
+        raise ValueError(f"prompt of {n} tokens for a prefill bucket of {rows}")
+    ins = {"tokens": np.zeros((1, rows), np.uint32), "positions": np.arange(rows, dtype=np.uint32)[None]}
+    ins["tokens"][0, :n] = tokens
+    blocks = fw.inputs["page_table"][0][1]
+    ins["page_table"] = np.arange(blocks, dtype=np.int32)[None]
+    ins["chunk_start"] = np.zeros((1,), np.int32)
+    ins["seq_slot"] = np.zeros((1,), np.int32)
+    head = fw.inputs["last_rows"][0][2]
+    sel = np.zeros((1, 1, head, rows), np.float32)  # row i picks token start + i of the last tile row
+    start = (n - 1) // head * head
+    for i in range(head):
+        if start + i < rows:
+            sel[0, 0, i, start + i] = 1.0
+    ins["last_rows"] = sel
+    ins.update(_greedy(fw, head))
+    return ins
+
+
+def decode_inputs(fw: Forward, token: int, position: int) -> dict:
+    """Host inputs of a decode forward: row 0 is the sequence (blocks 0, 1, ...), the other rows
+    idle (position -1: nothing written, nothing attended)."""
+    import numpy as np
+
+    B = fw.rows
+    blocks = fw.inputs["page_table"][0][1]
+    ins = {"tokens": np.zeros((1, B), np.uint32), "positions": np.zeros((1, B), np.uint32),
+           "cur_pos": np.full((B,), -1, np.int32), "page_table": np.zeros((B, blocks), np.int32)}
+    ins["tokens"][0, 0], ins["positions"][0, 0], ins["cur_pos"][0] = token, position, position
+    ins["page_table"][0] = np.arange(blocks, dtype=np.int32)
+    ins.update(_greedy(fw, B))
+    return ins
+
+
+def _greedy(fw: Forward, rows: int) -> dict:
+    import numpy as np
+    if "top_k" not in fw.inputs:
+        return {}
+    return {"top_k": np.ones((rows,), np.uint32), "top_p": np.ones((rows,), np.float32),
+            "temperature": np.ones((rows,), np.float32)}
+
+
+def generate(runner, prompt: list[int], max_new: int, block_size: int) -> list[int]:
+    """Greedy tokens after ``prompt`` for one sequence: a prefill in the smallest bucket that holds
+    it, then decodes in the smallest decode bucket (row 0), each as a replayed trace."""
+    import numpy as np
+
+    pre = min((k for k in runner.forwards if k[0] == "prefill" and k[1] >= len(prompt)), key=lambda k: k[1])
+    dec = min(k for k in runner.forwards if k[0] == "decode")
+    fw = runner.forwards[pre]
+    out = runner.run(pre, prefill_inputs(fw, prompt, block_size))
+    ids = np.asarray(runner.read(out["next_tokens"])).reshape(-1)
+    head = fw.inputs["last_rows"][0][2]
+    tokens = [int(ids[(len(prompt) - 1) % head]) if ids.size > 1 else int(ids[0])]
+    pos = len(prompt)
+    while len(tokens) < max_new:
+        out = runner.run(dec, decode_inputs(runner.forwards[dec], tokens[-1], pos))
+        ids = np.asarray(runner.read(out["next_tokens"])).reshape(-1)
+        tokens.append(int(ids[0]))
+        pos += 1
+    return tokens
