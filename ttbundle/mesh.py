@@ -37,9 +37,10 @@ class Chip:
 
 WORMHOLE = Chip("wormhole_b0", "Wormhole B0", 12, 1_072_693_184, 64, 1_393_312, (8, 8), 32)
 BLACKHOLE = Chip("blackhole", "Blackhole", 8, 4_277_141_376, 130, 1_461_120, (13, 10), 64)
-# P100 is a Blackhole board with 7 DRAM channels.
-BLACKHOLE_P100 = Chip("blackhole", "Blackhole (7 DRAM channels)", 7, 4_277_141_376, 130,
-                      1_461_120, (13, 10), 64)
+# P100 is a Blackhole board with 7 DRAM channels and two Tensix columns harvested: ttnn 0.81.1
+# reports an 11x10 compute grid and 110 L1 banks on a mock P100.
+BLACKHOLE_P100 = Chip("blackhole", "Blackhole (7 DRAM channels)", 7, 4_277_141_376, 110,
+                      1_461_120, (11, 10), 64)
 
 
 @dataclass(frozen=True)

@@ -78,13 +78,7 @@ def test_descriptor_opens_the_preset_mesh(mesh, tmp_path):
     assert "inconsistent" not in got.get("log", "")
 
 
-P100_GRID = pytest.mark.xfail(strict=True, reason=(
-    "mesh.BLACKHOLE_P100 says a 13x10 grid and 130 L1 banks; with the Tensix harvesting tt-umd "
-    "expects of a p100 (two columns) ttnn reports 11x10 and 110"))
-
-
-@pytest.mark.parametrize("mesh", [pytest.param(m, marks=P100_GRID) if m == "P100" else m
-                                  for m in mockcluster.supported()])
+@pytest.mark.parametrize("mesh", mockcluster.supported())
 def test_compute_grid_and_l1_match_the_chip_facts(mesh, tmp_path):
     if not sfpi_ready():
         pytest.skip("no SFPI stub to open the mesh (scripts/setup_tt.sh)")
