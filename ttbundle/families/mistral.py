@@ -7,7 +7,8 @@ from typing import Literal
 from pydantic import Field
 
 from . import base
-from .base import ArchBase, Family, LayerKind
+from .base import ArchBase, Family
+from .llama import Llama
 
 
 class MistralArch(ArchBase):
@@ -20,7 +21,9 @@ class MistralArch(ArchBase):
     (v0.2, v0.3). The KV cache still holds max_model_len tokens per sequence."""
 
 
-class Mistral(Family):
+class Mistral(Llama):
+    """The Llama layout and dataflow; only the window differs."""
+
     name = "mistral"
     hf_architectures = ("MistralForCausalLM",)
     arch_model = MistralArch
@@ -28,25 +31,8 @@ class Mistral(Family):
     hf_keys = Family.hf_keys + ("sliding_window",)
     hf_defaults = {"sliding_window": 4096}  # MistralConfig's; v0.2+ write an explicit null
 
-    def tensors(self, a):
-        L = (0, a.num_hidden_layers)
-        return (base.embedding_tensors(a) + base.attention_tensors(a, L)
-                + base.mlp_tensors(a, L) + base.norm_tensors(a, L))
-
-    def default_plan(self, a):
-        return dict(base.DENSE_PLAN)
-
-    def layers(self, a):
-        return [LayerKind("decoder", a.num_hidden_layers, base.attention_ops() + base.mlp_ops())]
-
     def layer_traits(self, a, layer):
         return {"window": a.sliding_window}
-
-    def hf_names(self, a):
-        return base.standard_hf_names(a)
-
-    def kv_cache(self, a):
-        return base.standard_kv(a, a.num_hidden_layers)
 
     def from_hf(self, config):
         return base.hf_import(self, config, self.hf_defaults)
