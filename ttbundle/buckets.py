@@ -40,13 +40,10 @@ def read_lengths(path: str | Path) -> dict[int, float]:
     """``{length: count}`` from a CSV (``length[,count]`` rows, header optional; named columns
     ``length``/``prompt_tokens``/... and ``count``/``n``/...) or JSONL (one integer or one object
     with such keys per line). Errors name ``file:line``."""
+    from .fsutil import read_user_text
+
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InvalidInput(f"{path}: no such lengths file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InvalidInput(f"{path}: cannot read: {e}") from None
+    text = read_user_text(path, "lengths file")
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     jsonl = path.suffix.lower() in (".jsonl", ".json", ".ndjson") or first.startswith("{")
     rows = _read_jsonl(text, path) if jsonl else _read_csv(text, path)

@@ -6,7 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from .errors import TTBundleError
+from .errors import InvalidInput, TTBundleError
 
 
 def _umask() -> int:
@@ -39,3 +39,14 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
             raise
     except OSError as e:
         raise TTBundleError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+def read_user_text(path: str | Path, what: str) -> str:
+    """A user's input file as text; a missing or unreadable file is InvalidInput naming it."""
+    path = Path(path)
+    try:
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InvalidInput(f"{path}: no such {what}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise InvalidInput(f"{path}: cannot read {what}: {e}") from None

@@ -306,15 +306,10 @@ def _loc_path(loc: tuple, data) -> tuple:
 
 
 def load(path: str | Path) -> Bundle:
+    from .fsutil import read_user_text
+
     path = Path(path)
-    file = str(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InvalidInput(f"{file}: no such spec file") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InvalidInput(f"{file}: cannot read spec: {e}") from None
-    return loads(text, file, base_dir=path.parent)
+    return loads(read_user_text(path, "spec file"), str(path), base_dir=path.parent)
 
 
 def loads(text: str, file: str = "<spec>", base_dir: Path | None = None) -> Bundle:
