@@ -320,3 +320,104 @@ def test_generate_drives_prefill_then_decode_replays():
     assert len(execs) == 4 and not [e for e in rec.events[start:] if rec.is_op(e)]
     pre = device.prefill_inputs(fws[("prefill", 1024)], list(range(1, 200)), 32)
     assert pre["last_rows"][0, 0].argmax(axis=-1).tolist()[:7] == list(range(192, 199))
+
+
+# ---- cache explain on ttnn builds; tt-metal kernel cache pre-fill ---------------------------------
+from ttbundle import cache as cachemod  # noqa: E402
+from ttbundle.backends.ttnn import kernelcache  # noqa: E402
+
+STUB = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "riscv-tt-elf-g++ (tenstorrent/sfpi:7.89.0[1050]) 15.1.0"; exit 0; fi
+exit 1
+"""
+# a stand-in for a real compiler: answers --version and writes the object file it is asked for
+FAKE_GXX = """#!/bin/sh
+if [ "$1" = "--version" ]; then echo "riscv-tt-elf-g++ (fake) 15.1.0"; exit 0; fi
+while [ $# -gt 0 ]; do if [ "$1" = "-o" ]; then shift; printf 'ELF' > "$1"; fi; shift; done
+"""
+
+
+def _compiler(root: Path, text: str) -> Path:
+    gxx = root / "runtime" / "sfpi" / kernelcache.COMPILERS[0]
+    gxx.parent.mkdir(parents=True)
+    gxx.write_text(text)
+    gxx.chmod(0o755)
+    return root / "runtime" / "sfpi"
+
+
+def test_sfpi_candidates_follow_tt_metal_and_a_stub_is_not_a_compiler(tmp_path):
+    env = {"TT_METAL_HOME": "/th", "TT_METAL_RUNTIME_ROOT": "/rr"}
+    assert kernelcache.candidates("/site/ttnn", env) == [Path("/rr/runtime/sfpi"), Path("/th/runtime/sfpi"),
+                                                         Path("/site/ttnn/runtime/sfpi"), Path("/opt/tenstorrent/sfpi")]
+    stub = _compiler(tmp_path / "a", STUB)
+    s = kernelcache.detect([stub])
+    assert not s.found and "compiles nothing" in s.reason and s.key() == "none"
+    real = _compiler(tmp_path / "b", FAKE_GXX)
+    s = kernelcache.detect([tmp_path / "missing", stub, real])  # the stub is skipped, the next one counts
+    assert s.found and s.path == str(real) and s.version == "riscv-tt-elf-g++ (fake) 15.1.0"
+    assert s.key() == "sfpi riscv-tt-elf-g++ (fake) 15.1.0"
+    assert not kernelcache.detect([tmp_path / "missing"]).found
+
+
+def test_ttnn_build_without_sfpi_records_an_unfilled_kernel_cache(tmp_path, ckpt, monkeypatch):
+    monkeypatch.delenv(kernelcache.PYTHON_ENV, raising=False)
+    spec = write_spec(tmp_path, ckpt)
+    r = CliRunner().invoke(app, ["build", str(spec), "--mesh", "N150", "-o", str(tmp_path / "out"),
+                                 "--backend", "ttnn", "--no-warmup", "--json"])
+    assert r.exit_code == 0, r.output
+    done = [json.loads(x) for x in r.output.splitlines() if '"event": "done"' in x][-1]
+    assert any("kernel cache not pre-filled" in w and "no Python with ttnn" in w for w in done["warnings"])
+    m = package.read_manifest(Path(done["package"]))
+    kc = m["artifacts"]["kernel_cache"]
+    assert kc["filled"] is False and kc["files"] == [] and "no Python with ttnn" in kc["reason"]
+    assert m["key_fields"]["kernel_cache"] == "none" and m["key_fields"]["backend"] == "ttnn"
+    assert not (Path(done["package"]) / kernelcache.CACHE_DIR).exists()
+    assert kernelcache.runtime_cache_dir(done["package"], m, tmp_path / "c") is None
+
+
+def test_cache_explain_on_a_ttnn_build_reports_nothing_changed(tmp_path, ckpt):
+    spec = write_spec(tmp_path, ckpt)
+    res = buildmod.build(specmod.load(spec), "N300", tmp_path / "out", backend="ttnn", warmup=False)
+    e = cachemod.explain(res.package)
+    assert [f["field"] for f in e["fields"] if f["changed"]] == []
+    assert e["up_to_date"] and e["would_rebuild"] == [] and e["current_key"] == res.key
+    spec.write_text(spec.read_text().replace("decode: [1, 8]", "decode: [1, 4, 8]"))
+    e = cachemod.explain(res.package)
+    assert [f["field"] for f in e["fields"] if f["changed"]] == ["spec", "spec.buckets"]
+
+
+def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, monkeypatch):
+    found = kernelcache.Sfpi(True, "/opt/tenstorrent/sfpi", "riscv-tt-elf-g++ (fake) 15.1.0")
+    calls = []
+
+    def fake_fill(python, spec_file, mesh, dest, emit=None):
+        calls.append((python, Path(spec_file), mesh))
+        (dest / "kernels" / "rms_norm" / "123").mkdir(parents=True)
+        (dest / "kernels" / "rms_norm" / "123" / "trisc0.elf").write_bytes(b"\x7fELF" + bytes(60))
+        (dest / "firmware.hex").write_text("00")
+        return kernelcache.digest_files(dest)
+
+    monkeypatch.setattr(kernelcache, "status", lambda env=None: (found, "/py-with-ttnn"))
+    monkeypatch.setattr(kernelcache, "fill", fake_fill)
+    spec = write_spec(tmp_path, ckpt)
+    res = buildmod.build(specmod.load(spec), "N300", tmp_path / "out", backend="ttnn", warmup=False)
+    assert calls == [("/py-with-ttnn", spec.absolute(), "N300")] and "kernel_cache" in res.rebuilt
+    m = package.verify_package(res.package)  # every cache file hashed in the manifest
+    kc = m["artifacts"]["kernel_cache"]
+    want = {f"{kernelcache.CACHE_DIR}/kernels/rms_norm/123/trisc0.elf", f"{kernelcache.CACHE_DIR}/firmware.hex"}
+    assert kc["filled"] and set(kc["files"]) == want and want <= set(m["files"])
+    assert m["key_fields"]["kernel_cache"] == "sfpi riscv-tt-elf-g++ (fake) 15.1.0"
+    assert not any("kernel cache" in w for w in res.warnings)
+    (Path(res.package) / kernelcache.CACHE_DIR / "firmware.hex").write_text("11")  # tampering is caught
+    with pytest.raises(Exception, match="firmware.hex"):
+        package.verify_package(res.package)
+    (Path(res.package) / kernelcache.CACHE_DIR / "firmware.hex").write_text("00")
+    assert buildmod.build(specmod.load(spec), "N300", tmp_path / "out", backend="ttnn", warmup=False).status == "up-to-date"
+    # the runtime's copy: writable, once per package key
+    d = kernelcache.runtime_cache_dir(res.package, m, tmp_path / "xdg")
+    assert d == tmp_path / "xdg" / "ttbundle" / "tt-metal-cache" / m["key"]
+    assert (d / "kernels" / "rms_norm" / "123" / "trisc0.elf").read_bytes()[:4] == b"\x7fELF"
+    # a host without SFPI sees the kernel_cache key field change: a build there would redo it
+    monkeypatch.setattr(kernelcache, "status", lambda env=None: (kernelcache.Sfpi(False, reason="none here"), None))
+    e = cachemod.explain(res.package)
+    assert [f["field"] for f in e["fields"] if f["changed"]] == ["kernel_cache"]

@@ -51,6 +51,7 @@ BACKENDS = ("emulated", "ttnn")  # ttnn: + per-device .tensorbin weight caches
 EST_CONVERT_BYTES_PER_S = 400e6
 EST_EMULATED_FLOPS = 1e10
 TRANSPOSE_BLOCK = 64  # source rows per step when cutting a transposed shard
+WRITER_THREADS = None  # threads that write + sha256 device files (None: one per usable core)
 
 Progress = Callable[[dict], None]
 
@@ -112,11 +113,12 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
                          f"(see `ttbundle plan --mesh {mesh}`)")
     _check_dtypes(plan)
     pkg = package_path(out_dir, bundle.spec.name, plan.mesh.name)
+    sfpi = _sfpi(backend)
     res = BuildResult(str(pkg), bundle.spec.name, plan.mesh.name, "dry-run" if dry_run else "built", None)
     if dry_run:
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
-        _backend_field(inp, backend)
+        _backend_field(inp, backend, sfpi)
         _hash_sources(inp, emit)
         _describe(bundle, plan, inp, prev, res)
         res.seconds = time.monotonic() - t0
@@ -131,7 +133,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         _check_replaceable(pkg)
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
-        _backend_field(inp, backend)
+        _backend_field(inp, backend, sfpi)
         if prev is not None and inp.pending:
             _hash_sources(inp, emit)  # decide no-op vs rebuild on content, not on mtimes
         if prev is not None and not force and not inp.pending \
@@ -144,7 +146,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         tmp = state / "tmp" / f"{_tag(pkg)}@{os.getpid()}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         try:
-            _Builder(bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup, backend).run()
+            _Builder(bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup, backend, sfpi).run()
             _fault("before-swap")
             _swap(tmp, pkg, state)
         except BaseException:
@@ -155,11 +157,17 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     return res
 
 
-def _backend_field(inp, backend: str) -> None:
-    """A ttnn build is a different package (it adds tensorbin/): its key says so. Emulated
-    builds add no field, so their keys are what they were before backends existed."""
-    if backend != "emulated":
-        inp.fields["backend"] = backend
+def _backend_field(inp, backend: str, sfpi=None) -> None:
+    """The backend's key fields (``cache.backend_fields``; ``cache explain`` adds the same)."""
+    cache.backend_fields(inp, backend, sfpi[0].key() if sfpi else None)
+
+
+def _sfpi(backend: str):
+    """ttnn builds: (SFPI found on this host, the Python with ttnn that fills the kernel cache)."""
+    if backend != "ttnn":
+        return None
+    from .backends.ttnn import kernelcache
+    return kernelcache.status()
 
 
 def _check_dtypes(plan: Plan) -> None:
@@ -338,8 +346,9 @@ def _swap(tmp: Path, pkg: Path, state: Path) -> None:
 
 # ---- the build itself -------------------------------------------------------------------------------------
 class _Builder:
-    def __init__(self, bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup, backend="emulated"):
+    def __init__(self, bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup, backend="emulated", sfpi=None):
         self.bundle, self.plan, self.inp, self.prev = bundle, plan, inp, prev
+        self.sfpi = sfpi
         self.pkg, self.tmp, self.res, self.emit = pkg, tmp, res, emit
         self.force, self.do_warmup = force, warmup
         self.backend = backend
@@ -427,6 +436,10 @@ class _Builder:
         t = time.monotonic()
         self._warmup(keys)
         res.timings["warmup"] = round(time.monotonic() - t, 3)
+        if self.backend == "ttnn":
+            t = time.monotonic()
+            self._kernel_cache(keys)
+            res.timings["kernel_cache"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         self._small_files()
         res.key = cache.content_key(inp.fields)
@@ -456,17 +469,20 @@ class _Builder:
                      for d, e in zip(decls[n].dims, plan.specs[n])] for n in decls}
         # one header per device, computed before any tensor is read
         entries, layout = [], {}
-        for name, layer, _ in jobs:
+        for name, layer, sources in jobs:
             t = tp[name]
             key = tensor_key(name, layer)
             nbytes = encoded_nbytes(t.device_shape, t.dtype)
-            shape = t.device_shape if t.dtype == "bf16" else [nbytes]
+            flip = _stored_transposed(fam, a, decls[name], sources, t.dtype)
+            shape = (_swap_last(t.device_shape) if flip else t.device_shape) if t.dtype == "bf16" else [nbytes]
             entries.append((key, ST_DTYPE[t.dtype], shape, nbytes))
             layout[key] = {"tensor": name, "layer": layer, "encoding": t.dtype, "shape": t.device_shape,
                            "global_shape": list(decls[name].shape),
                            "spec": [list(axes_of(e)) or None for e in plan.specs[name]]}
+            if flip:
+                layout[key]["transposed"] = True
         (self.tmp / "weights").mkdir(exist_ok=True)
-        writers, writer = [], None
+        writers, bg = [], []
         # one torch thread: the writer and checkpoint-hash threads use the other cores, and
         # OpenMP workers competing with them make every copy slower
         import torch
@@ -481,9 +497,11 @@ class _Builder:
             total = sum(e[3] for e in entries) * D
             self.emit({"event": "phase", "phase": "weights", "total": len(jobs), "total_bytes": total,
                        "unit": "tensors"})
-            # one tensor's distinct shards may wait for the writer while the next one is read
+            # one tensor's distinct shards may wait for the writers while the next one is read
             cap = max(encoded_nbytes(tp[n].device_shape, tp[n].dtype) * D for n, _, _ in jobs)
-            writer = _WriteBehind(cap)
+            # write + sha256 is most of the work: one thread per core, each owning whole device files
+            nbg = max(1, min(D, WRITER_THREADS or len(os.sched_getaffinity(0))))
+            bg = [_WriteBehind(cap) for _ in range(nbg)]
             pool = _BufferPool(2 * cap)
             for i, (name, layer, sources) in enumerate(jobs):
                 t = tp[name]
@@ -491,10 +509,16 @@ class _Builder:
                 self.res.bytes_read += nread
                 key = tensor_key(name, layer)
                 written = 0
-                for buf, devices, handle in _device_shards(c, units[name], decls[name].dims, D, t.dtype, pool):
+                keep = bool(layout[key].get("transposed"))
+                for buf, devices, handle in _device_shards(c, units[name], decls[name].dims, D, t.dtype, pool,
+                                                           keep_source_order=keep):
                     n = memoryview(buf).nbytes
-                    writer.put([(writers[d], key) for d in devices], buf, n,
-                               None if handle is None else (lambda h=handle: pool.give(h)))
+                    by = {}
+                    for d in devices:
+                        by.setdefault(d % nbg, []).append((writers[d], key))
+                    done = None if handle is None else _Countdown(len(by), lambda h=handle: pool.give(h))
+                    for j, targets in by.items():
+                        bg[j].put(targets, buf, n, done)
                     written += n * len(devices)
                     del buf, handle
                 del c
@@ -502,17 +526,19 @@ class _Builder:
                 self.emit({"event": "advance", "phase": "weights", "item": key, "i": i + 1,
                            "n": len(jobs), "bytes": written})
                 _fault(f"tensor:{key}")
-            writer.finish()
+            for w in bg:
+                w.finish()
             self.res.timings["cpu_convert"] = round(time.thread_time() - cpu0, 3)
-            self.res.timings["cpu_write"] = round(writer.cpu, 3)
+            self.res.timings["cpu_write"] = round(sum(w.cpu for w in bg), 3)
+            self.res.timings["writer_threads"] = len(bg)
             t = time.monotonic()
             for d, wr in enumerate(writers):
                 sha, size = wr.close()  # fsync: waits for the disk
                 self.files[weight_file(d)] = {"sha256": sha, "size": size}
             self.res.timings["weights_fsync"] = round(time.monotonic() - t, 3)
         except BaseException:
-            if writer is not None:
-                writer.abort()
+            for w in bg:
+                w.abort()
             for wr in writers:
                 wr.abort()
             raise
@@ -535,6 +561,28 @@ class _Builder:
             files = sorted(written)
             self.res.rebuilt.append("tensorbin")
         self.artifacts["tensorbin"] = {"key": key, "files": files}
+
+    def _kernel_cache(self, keys: dict) -> None:
+        """tt-metal's kernel cache for every traced program, where a real SFPI compiler is present
+        (``backends/ttnn/kernelcache.py``); else recorded as not filled, with the reason."""
+        from .backends.ttnn import kernelcache as kc
+        sfpi, python = self.sfpi or kc.status()
+        key = cache.digest({"programs": sorted(v for k, v in keys.items() if k.startswith("program:")),
+                            "sfpi": sfpi.key(), "ttnn": self.inp.fields.get("ttnn")})
+        old = self.prev_art.get("kernel_cache", {})
+        files = None
+        if sfpi.found and old.get("key") == key and old.get("filled") and all(self._link(r) for r in old["files"]):
+            self.res.reused.append("kernel_cache")
+            files = {r: self.files[r] for r in old["files"]}
+        elif sfpi.found:
+            files = kc.fill(python, self.bundle.file, self.plan.mesh.name, self.tmp / kc.CACHE_DIR, self.emit)
+            self.files.update(files)
+            self.res.bytes_written += sum(r["size"] for r in files.values())
+            self.res.rebuilt.append("kernel_cache")
+        self.artifacts["kernel_cache"] = {"key": key, **kc.record(sfpi, files)}
+        if not self.artifacts["kernel_cache"]["filled"]:
+            self.res.warnings.append("kernel cache not pre-filled (the first warm-up on a Tenstorrent host "
+                                     f"compiles every kernel): {self.artifacts['kernel_cache']['reason']}")
 
     # -- programs ------------------------------------------------------------------------------
     def _programs(self, keys: dict) -> None:
@@ -736,10 +784,43 @@ class _BufferPool:
                 self.held += flat.numel()
 
 
-def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_BufferPool | None" = None):
+def _stored_transposed(fam, a, decl, sources, dtype: str) -> bool:
+    """Whether a tensor's shards keep the checkpoint's element order (HF ``[out, in]``) instead of
+    the canonical ``[in, out]``: bf16 tensors that are one checkpoint tensor transposed. Their
+    shards are then plain cuts of the source (no transpose; often contiguous, written straight
+    from the mmap) and the weights header marks them ``"transposed": true``; readers transpose
+    back (``package._decode``: a view). Block floats are always stored in device order: their
+    tiles share exponents along the device's rows."""
+    tf = {n.tensor: n for n in fam.hf_names(a)}[decl.name].transform
+    return (dtype == "bf16" and tf == "t" and len(sources) == 1 and "{e}" not in sources[0][0]
+            and len(decl.shape) >= 2)
+
+
+def _swap_last(shape) -> list:
+    return list(shape[:-2]) + [shape[-1], shape[-2]]
+
+
+class _Countdown:
+    """Calls ``fn`` once ``n`` writer threads have each called it."""
+
+    def __init__(self, n: int, fn):
+        self.n, self.fn, self.lock = n, fn, threading.Lock()
+
+    def __call__(self) -> None:
+        with self.lock:
+            self.n -= 1
+            last = self.n == 0
+        if last:
+            self.fn()
+
+
+def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_BufferPool | None" = None,
+                   keep_source_order: bool = False):
     """Yield (bytes-like, [devices], pooled buffer or None) once per distinct shard: cut from the
     source view, then one copy that gathers, transposes and casts (bf16, or float32 for block
-    floats, then encoded). A pooled buffer goes back to ``pool`` once written."""
+    floats, then encoded). A pooled buffer goes back to ``pool`` once written. With
+    ``keep_source_order`` (bf16 only, see :func:`_stored_transposed`) a shard stays in the
+    source's element order: a contiguous cut is yielded as a view of the source, zero copies."""
     import torch
 
     sigs: dict[tuple, list[int]] = {}
@@ -761,6 +842,21 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
             v = v.index_select(sk, pos.clamp(min=0))
             if bool((u < 0).any()):
                 pads.append((k, (pos < 0).nonzero().reshape(-1)))
+        if keep_source_order:
+            if dtype != "bf16" or v.dtype != torch.bfloat16:
+                raise RuntimeError(f"source order is kept for bf16 sources only, not {v.dtype} -> {dtype}")
+            if not pads and v.is_contiguous():
+                yield v.reshape(-1).view(torch.uint8).numpy(), devices, None
+                del v
+                continue
+            x = pool.take(tuple(v.shape), host) if pool is not None else torch.empty(v.shape, dtype=host)
+            x.copy_(v)
+            del v
+            for k, where in pads:
+                x.index_fill_(c.dim(k), where, 0)
+            yield x.view(torch.uint8).numpy(), devices, x if pool is not None else None
+            del x
+            continue
         shape = tuple(v.transpose(-1, -2).shape if c.swap else v.shape)
         x = pool.take(shape, host) if pool is not None else torch.empty(shape, dtype=host)
         if c.swap and v.shape[-2] > 16 * TRANSPOSE_BLOCK:

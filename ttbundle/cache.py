@@ -46,6 +46,8 @@ FIELDS = {
     "vllm": "vLLM version",
     "ttnn": "ttnn version",
     "mesh": "target mesh",
+    "backend": "build backend (ttnn builds add tensorbin/ weight caches)",
+    "kernel_cache": "SFPI compiler that filled tt-metal's kernel cache (ttnn builds; none: not filled)",
 }
 WEIGHTS_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "weights", "family_code", "ttbundle",
                 "code.convert", "mesh")
@@ -271,6 +273,17 @@ def artifact_keys(fields: dict, traces) -> dict:
     return keys
 
 
+def backend_fields(inp, backend: str, sfpi_key: str | None = None) -> None:
+    """A ttnn build is a different package (it adds tensorbin/ and maybe kernel_cache/): its key
+    says so, and which SFPI compiler filled the kernel cache (``none``: not filled; a host that
+    gains SFPI rebuilds it). Emulated builds add no field, so their keys are what they were
+    before backends existed."""
+    if backend != "emulated":
+        inp.fields["backend"] = backend
+        if sfpi_key is not None:
+            inp.fields["kernel_cache"] = sfpi_key
+
+
 # ---- explain -------------------------------------------------------------------------------------
 def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
     """Which key fields changed since ``pkg`` was built (current spec, files, code and versions
@@ -289,9 +302,15 @@ def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
     bundle = specmod.load(spec_file)
     plan = make_plan(bundle, m["mesh"]["name"])
     inp = compute(bundle, plan, m)
+    rec = m.get("key_fields", {})
+    backend = rec.get("backend", "emulated")  # what it was built with: not a change by itself
+    sfpi = None
+    if "kernel_cache" in rec:
+        from .backends.ttnn import kernelcache
+        sfpi = kernelcache.status()[0].key()
+    backend_fields(inp, backend, sfpi)
     fill_digests(inp.weight_records + inp.tokenizer_records)
     inp.finish()
-    rec = m.get("key_fields", {})
     rows = [{"field": k, "what": FIELDS.get(k, ""), "recorded": rec.get(k), "current": inp.fields.get(k),
              "changed": rec.get(k) != inp.fields.get(k)} for k in sorted(set(rec) | set(inp.fields))]
     now = artifact_keys(inp.fields, inp.traces)

@@ -1,0 +1,212 @@
+"""tt-metal's kernel cache (``TT_METAL_CACHE``) filled at build time, when a real SFPI exists.
+
+ttnn compiles each op's kernels (RISC-V, with the SFPI toolchain) the first time the op runs
+with a new configuration and keeps the binaries in ``TT_METAL_CACHE``; a warm cache turns a
+server's first warm-up from minutes of compiling into loading. ``build --backend ttnn`` fills
+one for every traced program of the package (``kernel_cache/`` in the package, listed in the
+manifest with every file's sha256 like any other file) **when a real SFPI compiler is present**;
+the runtime copies it to a writable place and points ``TT_METAL_CACHE`` there
+(:func:`runtime_cache_dir`).
+
+Where SFPI is looked for is where tt-metal looks: ``runtime/sfpi`` under ``TT_METAL_RUNTIME_ROOT``,
+``TT_METAL_HOME`` or the ttnn package, then ``/opt/tenstorrent/sfpi``; the compiler is
+``compiler/bin/riscv-tt-elf-g++``. A compiler counts only if it compiles: scripts/setup_tt.sh's
+stub (it answers ``--version`` so a mock mesh opens, and compiles nothing) does not.
+
+Filling runs every traced (phase, bucket) once through ttnn's own calls on the package's mesh
+(real chips if present, else a mock cluster), in a Python that has ttnn (this one, or
+``TTBUNDLE_TTNN_PYTHON``): ``python -m ttbundle.backends.ttnn.kernelcache SPEC MESH``. Nothing of
+this has run here: no machine of this project has SFPI (docs/hardware.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CACHE_DIR = "kernel_cache"
+COMPILERS = ("compiler/bin/riscv-tt-elf-g++", "compiler/bin/riscv32-tt-elf-g++")
+SYSTEM_SFPI = Path("/opt/tenstorrent/sfpi")
+PYTHON_ENV = "TTBUNDLE_TTNN_PYTHON"
+_PROBE = "int ttbundle_probe(int x) { return x + 1; }\n"
+
+
+@dataclass
+class Sfpi:
+    """What was found: ``found`` only for a compiler that compiled a probe."""
+
+    found: bool
+    path: str | None = None
+    version: str | None = None
+    reason: str = ""
+    looked: list[str] = field(default_factory=list)
+
+    def key(self) -> str:
+        """The key field a ttnn build records: the compiler's version, or ``none``."""
+        return f"sfpi {self.version}" if self.found else "none"
+
+
+def candidates(ttnn_dir: str | Path | None, env: dict | None = None) -> list[Path]:
+    """SFPI directories in tt-metal's order of preference."""
+    env = os.environ if env is None else env
+    roots = [env.get("TT_METAL_RUNTIME_ROOT"), env.get("TT_METAL_HOME"), ttnn_dir]
+    out = [Path(r) / "runtime" / "sfpi" for r in roots if r]
+    out.append(SYSTEM_SFPI)
+    return list(dict.fromkeys(out))
+
+
+def compiles(gxx: Path, run=subprocess.run) -> bool:
+    """Does ``gxx`` compile a one-line C++ file into a non-empty object file?"""
+    with tempfile.TemporaryDirectory(prefix="ttbundle-sfpi-") as d:
+        src, obj = Path(d) / "probe.cpp", Path(d) / "probe.o"
+        src.write_text(_PROBE)
+        try:
+            r = run([str(gxx), "-c", str(src), "-o", str(obj)], capture_output=True, timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return r.returncode == 0 and obj.is_file() and obj.stat().st_size > 0
+
+
+def detect(dirs: list[Path], run=subprocess.run) -> Sfpi:
+    """The first directory of ``dirs`` holding a compiler that compiles."""
+    notes, looked = [], [str(d) for d in dirs]
+    for d in dirs:
+        for rel in COMPILERS:
+            gxx = d / rel
+            if not (gxx.is_file() and os.access(gxx, os.X_OK)):
+                continue
+            try:
+                v = run([str(gxx), "--version"], capture_output=True, text=True, timeout=30)
+                version = (v.stdout or "").splitlines()[0].strip() if v.returncode == 0 and v.stdout else None
+            except (OSError, subprocess.TimeoutExpired):
+                version = None
+            if version is None:
+                notes.append(f"{gxx} does not answer --version")
+            elif not compiles(gxx, run):
+                notes.append(f"{gxx} answers --version but compiles nothing (a stub, such as "
+                             "scripts/setup_tt.sh's for mock meshes)")
+            else:
+                return Sfpi(True, str(d), version, "", looked)
+    why = "; ".join(notes) if notes else "no SFPI compiler in " + ", ".join(looked)
+    return Sfpi(False, None, None, why, looked)
+
+
+def ttnn_python(env: dict | None = None) -> str | None:
+    """A Python with ttnn: ``TTBUNDLE_TTNN_PYTHON``, else this one if ttnn is importable."""
+    import importlib.util
+    env = os.environ if env is None else env
+    if env.get(PYTHON_ENV):
+        return env[PYTHON_ENV]
+    return sys.executable if importlib.util.find_spec("ttnn") is not None else None
+
+
+def ttnn_dir(python: str) -> str | None:
+    """Where ``python``'s ttnn package is (found, not imported)."""
+    code = ("import importlib.util as u; s = u.find_spec('ttnn'); "
+            "print(list(s.submodule_search_locations)[0] if s else '')")
+    try:
+        r = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    out = r.stdout.strip()
+    return out if r.returncode == 0 and out else None
+
+
+def status(env: dict | None = None) -> tuple[Sfpi, str | None]:
+    """(SFPI, the Python with ttnn that would fill the cache) on this host."""
+    py = ttnn_python(env)
+    if py is None:
+        return Sfpi(False, reason=f"no Python with ttnn (this one has none; set {PYTHON_ENV})"), None
+    root = ttnn_dir(py)
+    if root is None:
+        return Sfpi(False, reason=f"{py} cannot import ttnn"), None
+    return detect(candidates(root, env)), py
+
+
+def digest_files(root: Path, prefix: str = CACHE_DIR) -> dict[str, dict]:
+    """``{relpath: {sha256, size}}`` of every file under ``root`` (manifest records)."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            h = hashlib.sha256(p.read_bytes()).hexdigest()
+            out[f"{prefix}/{p.relative_to(root).as_posix()}"] = {"sha256": h, "size": p.stat().st_size}
+    return out
+
+
+def fill(python: str, spec_file: str | Path, mesh_name: str, dest: Path, emit=lambda e: None) -> dict:
+    """Run every traced program of ``spec_file`` on ``mesh_name`` with ``TT_METAL_CACHE=dest/``
+    (a mock cluster of the mesh unless chips are present); the files written, as manifest records."""
+    from ... import mockcluster
+
+    dest = Path(dest).absolute()
+    dest.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ttbundle-kc-") as work:
+        env = dict(os.environ) if Path("/dev/tenstorrent").exists() else mockcluster.mock_env(mesh_name, work)
+        env["TT_METAL_CACHE"] = f"{dest}/"
+        emit({"event": "phase", "phase": "kernel_cache", "total": 1, "unit": "runs"})
+        r = subprocess.run([python, "-m", "ttbundle.backends.ttnn.kernelcache", str(spec_file), mesh_name],
+                           cwd=work, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            from ...errors import TTBundleError
+            raise TTBundleError(f"filling the kernel cache failed: {(r.stderr or r.stdout)[-2000:]}")
+    return digest_files(dest)
+
+
+def record(sfpi: Sfpi, files: dict | None) -> dict:
+    """The manifest's ``kernel_cache`` artifact (without its key)."""
+    rec = {"filled": bool(sfpi.found and files), "sfpi": sfpi.version, "files": sorted(files or {})}
+    if not rec["filled"]:
+        rec["reason"] = sfpi.reason or "the fill wrote no files"
+    return rec
+
+
+def runtime_cache_dir(package_dir: str | Path, manifest: dict, base: str | Path | None = None) -> Path | None:
+    """A writable copy of the package's kernel cache (tt-metal adds to it on a miss, and the package
+    must stay as its manifest says), made once per package key; None when the build did not fill one."""
+    art = manifest.get("artifacts", {}).get("kernel_cache", {})
+    if not art.get("filled"):
+        return None
+    base = Path(base or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ttbundle" / "tt-metal-cache"
+    dst = base / str(manifest.get("key", "unkeyed"))
+    if not dst.is_dir():
+        tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+        shutil.copytree(Path(package_dir) / CACHE_DIR, tmp, dirs_exist_ok=True)
+        tmp.rename(dst)
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``SPEC MESH``: every traced program (both sampling variants) once through ttnn's calls."""
+    import ttnn
+
+    from ... import lower as lowermod, mesh as meshmod, plan as planmod, spec as specmod
+    from .lowering import SAMPLING, lower_forward
+    from .mockcheck import validate
+
+    spec_file, mesh_name = (sys.argv[1:] if argv is None else argv)[:2]
+    bundle = specmod.load(spec_file)
+    plan = planmod.make_plan(bundle, mesh_name)
+    device = ttnn.open_mesh_device(ttnn.MeshShape(*meshmod.resolve(mesh_name).shape),
+                                   trace_region_size=plan.trace_region_size or 0)
+    try:
+        for phase, b in lowermod.trace_set(bundle):
+            for sampling in SAMPLING:
+                fw = lower_forward(bundle, plan, lowermod.lower(bundle, plan, phase, b), sampling)
+                r = validate(ttnn, device, plan, fw)
+                print(f"{phase}-{b} {sampling}: {r.calls} calls, refused {sorted(r.refused)}", flush=True)
+    finally:
+        ttnn.close_mesh_device(device)
+    return 0
+
+
+__all__ = ["CACHE_DIR", "Sfpi", "candidates", "compiles", "detect", "digest_files", "fill", "record",
+           "runtime_cache_dir", "status", "ttnn_python"]
+
+if __name__ == "__main__":
+    raise SystemExit(main())
