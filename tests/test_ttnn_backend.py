@@ -76,8 +76,12 @@ def test_build_writes_a_tensorbin_per_device_and_tensor(tmp_path, ckpt, mesh):
             if t.dtype != "bf16":
                 assert data == raw  # block-float tiles are the package's own bytes
             elif t.layout == "TILE":
-                want = np.frombuffer(raw, dtype=np.uint16).reshape(meta["shape"])
-                np.testing.assert_array_equal(cache.untilize(data, meta["shape"]), want)
+                shp = meta["shape"]
+                if meta.get("transposed"):  # stored in the checkpoint's [out, in] order
+                    want = np.frombuffer(raw, dtype=np.uint16).reshape(shp[:-2] + shp[:-3:-1]).swapaxes(-1, -2)
+                else:
+                    want = np.frombuffer(raw, dtype=np.uint16).reshape(shp)
+                np.testing.assert_array_equal(cache.untilize(data, shp), want)
             elif len(meta["shape"]) == 1:  # a vector as rows of 32
                 n = meta["shape"][0]
                 assert data[:2 * n] == raw and not any(data[2 * n:])

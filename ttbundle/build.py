@@ -201,7 +201,7 @@ def _intact(pkg: Path, m: dict) -> bool:
 
 
 def _hash_sources(inp, emit: Progress) -> None:
-    todo = [r for r in inp.weight_records + inp.tokenizer_records if r["sha256"] is None]
+    todo = [r for r in inp.weight_records + inp.tokenizer_records if r["blake3"] is None]
     if todo:
         total = sum(r["size"] for r in todo)
         emit({"event": "phase", "phase": "hash", "total": total, "unit": "bytes"})
@@ -407,6 +407,9 @@ class _Builder:
                 res.timings["cpu_hash"] = round(time.thread_time() - c, 3)
             hasher = threading.Thread(target=hash_sources, name="ttbundle-hash", daemon=True)
             hasher.start()
+        t = time.monotonic()
+        import torch  # noqa: F401  (its import, ~1 s of CPU, is not part of the weight phase)
+        res.timings["import_torch"] = round(time.monotonic() - t, 3)
         t = time.monotonic()
         wkey = None if inp.pending else cache.artifact_keys(inp.fields, [])["weights"]
         if wkey is not None and self.prev_art.get("weights", {}).get("key") == wkey \

@@ -8,7 +8,11 @@ to do. Each artifact has its own key over the fields it depends on, so a changed
 one program's key and nothing else (:func:`artifact_keys`).
 
 Checkpoint files are hashed once: the manifest records each file's size, mtime and inode with
-its sha256, and a later build reuses the digest while those are unchanged (like git's index).
+its BLAKE3 digest, and a later build reuses the digest while those are unchanged (like git's
+index). BLAKE3 (the ``blake3`` package, also vLLM's prefix-cache hash) rather than sha256: the
+digest only identifies a build input, and it runs ~4x faster per core, which matters because a
+first build hashes the whole checkpoint beside the conversion. Package files (``manifest.json``)
+stay sha256, the format every verifier has.
 """
 
 from __future__ import annotations
@@ -33,8 +37,8 @@ FIELDS = {
     "spec.buckets": "prefill/decode buckets and prefill_chunk",
     "spec.runtime": "runtime limits (KV cache, trace mode, ...)",
     "spec.card": "name and description",
-    "weights": "sha256 of the checkpoint files",
-    "tokenizer": "sha256 of the tokenizer files",
+    "weights": "BLAKE3 of the checkpoint files",
+    "tokenizer": "BLAKE3 of the tokenizer files",
     "family_code": "source of the family module and the name table machinery",
     "ttbundle": "ttbundle version",
     "code.convert": "weight conversion code (build, package, lower, weights, blockfloat)",
@@ -159,7 +163,7 @@ def _stat_key(p: Path) -> dict:
 
 
 def source_records(files: list[Path], previous: list[dict] | None, base: Path) -> list[dict]:
-    """``{"name", "size", "mtime_ns", "ino", "sha256"}`` per file; sha256 reused from
+    """``{"name", "size", "mtime_ns", "ino", "blake3"}`` per file; the digest reused from
     ``previous`` when size, mtime and inode match, else None (see :func:`fill_digests`)."""
     prev = {(r.get("dir"), r["name"]): r for r in (previous or [])}
     out = []
@@ -167,24 +171,37 @@ def source_records(files: list[Path], previous: list[dict] | None, base: Path) -
         rec = {"dir": str(base), "name": p.name, **_stat_key(p)}
         old = prev.get((rec["dir"], rec["name"]))
         same = old and all(old.get(k) == rec[k] for k in ("size", "mtime_ns", "ino"))
-        rec["sha256"] = old["sha256"] if same else None
+        rec["blake3"] = old.get("blake3") if same else None
         out.append(rec)
     return out
 
 
+def blake3_file(path: Path, chunk: int = 1 << 22) -> str:
+    import blake3
+    h = blake3.blake3()
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
+
+
 def fill_digests(records: list[dict], on_bytes=None) -> None:
-    """Hash every record still without a sha256 (reads each file once, 4 MiB at a time)."""
-    from .package import sha256_file
+    """Hash every record still without a digest (reads each file once, 4 MiB at a time)."""
     for r in records:
-        if r["sha256"] is None:
+        if r["blake3"] is None:
             p = Path(r["dir"]) / r["name"]
-            r["sha256"] = sha256_file(p)
+            r["blake3"] = blake3_file(p)
             if on_bytes:
                 on_bytes(r["size"])
 
 
 def sources_digest(records: list[dict]) -> str:
-    return digest([[r["name"], r["sha256"]] for r in records])
+    return digest([[r["name"], r["blake3"]] for r in records])
 
 
 # ---- key fields ----------------------------------------------------------------------------------
@@ -207,7 +224,7 @@ class Inputs:
 
     @property
     def pending(self) -> bool:
-        return any(r["sha256"] is None for r in self.weight_records + self.tokenizer_records)
+        return any(r["blake3"] is None for r in self.weight_records + self.tokenizer_records)
 
 
 def compute(bundle, plan, previous: dict | None) -> Inputs:

@@ -101,13 +101,19 @@ def untilize(data: bytes, shape, dtype=np.uint16) -> np.ndarray:
     return t.transpose(order).reshape(*lead, ph, pw)[..., :h, :w]
 
 
-def host_bytes(raw: bytes, shape, encoding: str, layout: str) -> tuple[bytes, tuple[int, ...]]:
+def host_bytes(raw: bytes, shape, encoding: str, layout: str,
+               transposed: bool = False) -> tuple[bytes, tuple[int, ...]]:
     """A package shard (``raw``: bf16 elements, or block-float tiles) as the bytes and shape of
-    the host tensor ttnn loads."""
+    the host tensor ttnn loads. ``transposed``: the shard is stored with its last two dims
+    swapped (the checkpoint's order; the weights header says so)."""
     shp = device_shape(shape, layout)
     if encoding in ("bfp8", "bfp4"):
         return raw, shp  # already ttnn's tiles (ttbundle.blockfloat)
-    a = np.frombuffer(raw, dtype=np.uint16).reshape(shape)  # bf16 bit patterns
+    if transposed:  # bf16 bit patterns, stored [..., out, in]
+        stored = list(shape[:-2]) + [shape[-1], shape[-2]]
+        a = np.ascontiguousarray(np.frombuffer(raw, dtype=np.uint16).reshape(stored).swapaxes(-1, -2))
+    else:
+        a = np.frombuffer(raw, dtype=np.uint16).reshape(shape)  # bf16 bit patterns
     if layout == "TILE":
         return tilize(a), shp
     if len(shape) == 1:  # a vector as rows of 32, zero-padded
@@ -162,7 +168,8 @@ def write_caches(pkg: str | Path, plan, policy=None,
                 if rinfo["shape"] != t.device_shape or rinfo["encoding"] != t.dtype:
                     raise ValueError(f"{weight_file(d)}: {key} is {rinfo['encoding']}{rinfo['shape']}, "
                                      f"the plan says {t.dtype}{t.device_shape}")
-                data, shape = host_bytes(r.get(key), t.device_shape, t.dtype, t.layout)
+                data, shape = host_bytes(r.get(key), t.device_shape, t.dtype, t.layout,
+                                         transposed=bool(rinfo.get("transposed")))
                 head = tensorbin.header_bytes(list(shape), t.dtype, t.layout, len(data))
                 rel = cache_file(d, key)
                 files[rel] = _write_file(pkg / rel, struct.pack("<Q", len(head)), head, data)
