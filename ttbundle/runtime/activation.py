@@ -4,7 +4,8 @@
 * ``TTBUNDLE_EMULATED=1``: the emulated mesh (torch on the host). ``ttbundle serve`` sets it;
   set it yourself for a direct ``vllm serve PACKAGE``.
 * else a Tenstorrent device (``/dev/tenstorrent``) with ``ttnn`` importable, and Tenstorrent's
-  own plugin not installed: the TT platform.
+  own plugin not installed: the TT platform (``TTBUNDLE_TEST_TTNN=recording`` fakes both, for
+  tests only: ``ttdevice.py``).
 * else None: a vLLM that did not ask for ttbundle never sees it.
 """
 
@@ -23,8 +24,14 @@ def _truthy(v: str | None) -> bool:
     return (v or "").strip().lower() in ("1", "true", "yes", "on")
 
 
+TEST_TTNN = "TTBUNDLE_TEST_TTNN"  # test-only: "recording" (runtime/ttdevice.py)
+
+
 def tt_hardware_present() -> bool:
-    """A Tenstorrent device node, ttnn importable, and no Tenstorrent plugin to defer to."""
+    """A Tenstorrent device node, ttnn importable, and no Tenstorrent plugin to defer to. (Or the
+    test-only hook ``TTBUNDLE_TEST_TTNN=recording``: the recording double stands in for both.)"""
+    if os.environ.get(TEST_TTNN) == "recording":
+        return True
     if not Path("/dev/tenstorrent").exists() or importlib.util.find_spec("ttnn") is None:
         return False
     from importlib.metadata import entry_points

@@ -82,7 +82,8 @@ def spec_with_source(spec_text: str, source: str | Path) -> str:
     return yaml.safe_dump(d, sort_keys=False)
 
 
-def build_package(spec_text: str, out_dir: str | Path, mesh: str, seed: int = 0) -> Path:
+def build_package(spec_text: str, out_dir: str | Path, mesh: str, seed: int = 0, backend: str = "emulated",
+                  warmup: bool = True) -> Path:
     """Random weights for the spec's architecture, then ``ttbundle build`` for ``mesh``: the
     package directory (``out_dir/<mesh>/<name>``). The checkpoint stays in ``out_dir/src-<name>``
     (the reference for tests) and the spec in ``out_dir/<name>.yaml``."""
@@ -97,5 +98,5 @@ def build_package(spec_text: str, out_dir: str | Path, mesh: str, seed: int = 0)
         make_source(bundle, src, seed)
     spec_file = out / f"{bundle.spec.name}.yaml"
     spec_file.write_text(spec_with_source(spec_text, src), encoding="utf-8")
-    res = build(specmod.load(spec_file), mesh, out)
+    res = build(specmod.load(spec_file), mesh, out, backend=backend, warmup=warmup)
     return Path(res.package)

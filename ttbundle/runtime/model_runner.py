@@ -79,7 +79,8 @@ def model_class(package):
 
 
 class TTModelRunner:
-    def __init__(self, vllm_config, package, options, device: torch.device):
+    def __init__(self, vllm_config, package, options, device: torch.device, tt=None):
+        self.tt = tt  # (ttnn, mesh device) on the TT platform; None: the emulated mesh
         self.vllm_config = vllm_config
         self.package = package
         self.bundle = package.bundle
@@ -109,19 +110,28 @@ class TTModelRunner:
         from .. import mesh as meshmod
 
         t0 = time.perf_counter()
-        cls = model_class(self.package)
-        self.mesh_model = cls.initialize_vllm_model(
-            self.vllm_config.model_config.hf_config, meshmod.resolve(self.package.mesh_name),
-            self.vllm_config.scheduler_config.max_num_seqs, self.max_model_len, 1,
-            self.options.optimizations, package=self.package, dtype=self.dtype,
-            trace_mode=self.options.trace_mode)
+        if self.tt is not None:
+            from .ttdevice import TTDeviceModel
+            ttnn, mesh_device = self.tt
+            self.mesh_model = TTDeviceModel.initialize_vllm_model(
+                self.vllm_config.model_config.hf_config, mesh_device,
+                self.vllm_config.scheduler_config.max_num_seqs, self.max_model_len, 1,
+                self.options.optimizations, package=self.package, options=self.options,
+                sample_mode=self.sample_mode, ttnn=ttnn)
+        else:
+            cls = model_class(self.package)
+            self.mesh_model = cls.initialize_vllm_model(
+                self.vllm_config.model_config.hf_config, meshmod.resolve(self.package.mesh_name),
+                self.vllm_config.scheduler_config.max_num_seqs, self.max_model_len, 1,
+                self.options.optimizations, package=self.package, dtype=self.dtype,
+                trace_mode=self.options.trace_mode)
         self.model = torch.nn.Module()
         object.__setattr__(self.model, "mesh_model", self.mesh_model)
         self.host = HostSampler(self.vllm_config, self.vllm_config.scheduler_config.max_num_seqs,
                                 self.max_model_len, self.block_size, self.vocab_size, self.device)
-        logger.info("ttbundle: loaded %s on an emulated %s (%s) in %.1f s", self.package.name,
-                    self.package.mesh_name, str(self.dtype).removeprefix("torch."),
-                    time.perf_counter() - t0)
+        logger.info("ttbundle: loaded %s on %s %s (%s) in %.1f s", self.package.name,
+                    "a Tenstorrent" if self.tt is not None else "an emulated", self.package.mesh_name,
+                    str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
 
     def kv_cache_spec(self) -> dict:
         from vllm.v1.kv_cache_interface import FullAttentionSpec
@@ -197,7 +207,9 @@ class TTModelRunner:
         decode = phases.pop()
         sampled_rows = [st for st, n in rows if st.num_computed + n >= st.num_tokens]
         allowed = self.sample_mode == "all" or (self.sample_mode == "decode_only" and decode)
-        on_device = allowed and not any(host_reasons(st.params) for st in sampled_rows)
+        seeds = getattr(self.mesh_model, "seeded_on_device", True)  # one seed per device batch: host
+        on_device = allowed and not any(host_reasons(st.params) or (st.params.seed is not None and not seeds)
+                                        for st in sampled_rows)
         t0 = time.perf_counter()
         if decode:
             result, step = self._decode([st for st, _ in rows], on_device)

@@ -12,7 +12,6 @@ import os
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
-from .activation import ENV_EMULATED
 
 logger = logging.getLogger("vllm.ttbundle.platform")
 
@@ -88,13 +87,16 @@ class EmulatedMeshPlatform(Platform):
 
 
 class TTMeshPlatform(EmulatedMeshPlatform):
-    """Real Tenstorrent hardware. This release has no ttnn backend: it refuses clearly."""
+    """A Tenstorrent mesh through ttnn (``ttdevice.py``): the package's ``.tensorbin`` weights,
+    compile warm-up, captured traces replayed per step. The host side stays on the CPU."""
+
+    @classmethod
+    def get_device_name(cls, device_id: int = 0) -> str:
+        return f"Tenstorrent mesh ({os.environ.get('MESH_DEVICE', 'package mesh')})"
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
-        raise ValueError("ttbundle: a Tenstorrent device is present but this release runs packages "
-                         f"only on the emulated mesh ({ENV_EMULATED}=1); on hardware use Tenstorrent's "
-                         "vLLM plugin with the package directory as EXTRA_MODELS_DIR")
+        configure(vllm_config, emulated=False)
 
 
 def _fail(msg: str):
@@ -184,9 +186,12 @@ def configure(vllm_config, emulated: bool) -> None:
     if list(mc.hf_config.architectures or []) != [arch]:
         _fail(f"{pkg.path}/config.json: architectures {mc.hf_config.architectures} should be "
               f"[{arch!r}] (vllm_metadata.json says {pkg.arch}); rebuild the package")
+    if not emulated and pkg.manifest.get("key_fields", {}).get("backend") != "ttnn":
+        _fail(f"{pkg.path}: built for the emulated mesh only (no tensorbin/ weight caches); on a "
+              f"Tenstorrent device serve a package built with `ttbundle build --backend ttnn`")
     _guard_empty_cache()
-    logger.info("ttbundle: serving %s-%s (%s) on an emulated %s mesh; trace_mode=%s", pkg.name,
-                pkg.mesh_name, n[0], pkg.mesh_name, opts.trace_mode)
+    logger.info("ttbundle: serving %s-%s (%s) on %s %s mesh; trace_mode=%s", pkg.name, pkg.mesh_name, n[0],
+                "an emulated" if emulated else "a Tenstorrent", pkg.mesh_name, opts.trace_mode)
 
 
 def _mesh_devices(name: str) -> int:

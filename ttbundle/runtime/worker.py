@@ -39,11 +39,32 @@ class TTWorker(WorkerBase):
         self.package = None
 
     def init_device(self):
+        from .activation import HARDWARE, active_platform
+
         self.device = torch.device("cpu")
         torch.manual_seed(self.model_config.seed or 0)
-        torch.set_num_threads(emulated_threads())
         self.package = open_package(self.model_config.model, check_hashes=False)  # verified at start
-        self.model_runner = TTModelRunner(self.vllm_config, self.package, self.options, self.device)
+        self.tt = None
+        if active_platform() == HARDWARE:
+            self.tt = self._open_mesh()
+        else:
+            torch.set_num_threads(emulated_threads())
+        self.model_runner = TTModelRunner(self.vllm_config, self.package, self.options, self.device, tt=self.tt)
+
+    def _open_mesh(self):
+        """The TT platform: the kernel cache the build filled (a writable copy) as TT_METAL_CACHE
+        unless set, then the package's mesh opened through ttnn (``ttdevice.py``)."""
+        import os
+
+        from ..backends.ttnn import kernelcache
+        from . import ttdevice
+
+        cache = kernelcache.runtime_cache_dir(self.package.path, self.package.manifest)
+        if cache is not None and not os.environ.get("TT_METAL_CACHE"):
+            os.environ["TT_METAL_CACHE"] = f"{cache}/"
+            logger.info("ttbundle: TT_METAL_CACHE=%s (the package's pre-filled kernel cache)", cache)
+        ttnn = ttdevice.import_ttnn()
+        return ttnn, ttdevice.open_mesh(ttnn, self.package, self.options)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         self.model_runner.load_model()
@@ -108,4 +129,10 @@ class TTWorker(WorkerBase):
         return False
 
     def shutdown(self) -> None:
-        self.model_runner = None
+        runner, self.model_runner = getattr(self, "model_runner", None), None
+        if getattr(self, "tt", None) is not None:
+            ttnn, mesh = self.tt
+            if runner is not None and runner.mesh_model is not None:
+                runner.mesh_model.runner.release()
+            ttnn.close_mesh_device(mesh)
+            self.tt = None

@@ -136,9 +136,33 @@ def _rope_table(c, arch):
     return t.reshape(c.shape).numpy()
 
 
-def open_model(ttnn, package_dir: str | Path, sample_on_device_mode: str = "all", mesh_device=None):
-    """The package's model on a mesh, ready for ``warmup()`` (hardware; see module docstring)."""
-    from ...lower import trace_set, traced
+def forward_keys(bundle, sample_on_device_mode: str = "all", host_fallback: bool = False,
+                 trace_mode: str | None = None) -> tuple[list[tuple], set]:
+    """Every forward a model needs, keyed ``(phase, bucket, sampling, start)``, and the traced ones.
+    ``sampling`` is "device" where ``sample_on_device_mode`` allows it, "host" otherwise, and also
+    "host" everywhere with ``host_fallback`` (batches whose requests need logits); ``start`` is
+    the static chunk start of an MLA prefill (``lowering.chunk_starts``), else 0. ``trace_mode``:
+    the serving option (default: the bundle's runtime.trace_mode)."""
+    from ...lower import trace_set
+    from .lowering import chunk_starts
+
+    mode = trace_mode or bundle.spec.runtime.trace_mode
+    keys, traced = [], set()
+    for phase, b in trace_set(bundle):
+        on_device = sample_on_device_mode == "all" or (sample_on_device_mode == "decode_only" and phase == "decode")
+        modes = (["device"] if on_device else []) + (["host"] if host_fallback or not on_device else [])
+        for sampling in modes:
+            for start in chunk_starts(bundle, phase, b):
+                keys.append((phase, b, sampling, start))
+                if mode == "all" or (mode == "decode_only" and phase == "decode"):
+                    traced.add(keys[-1])
+    return keys, traced
+
+
+def open_model(ttnn, package_dir: str | Path, sample_on_device_mode: str = "all", mesh_device=None, *,
+               host_fallback: bool = False, trace_mode: str | None = None):
+    """The package's model on a mesh, ready for ``warmup()`` (hardware; see module docstring).
+    Forwards are keyed as :func:`forward_keys` says."""
     from ...package import load_package
     from . import cache as ttcache
     from .lowering import lower_forward
@@ -152,43 +176,86 @@ def open_model(ttnn, package_dir: str | Path, sample_on_device_mode: str = "all"
     ex = Executor(ttnn, mesh_device)
     ex.env["weights"].update(ttcache.load_mesh_weights(ttnn, mesh_device, package_dir))
     ex.env["kv"] = allocate_kv(ttnn, mesh_device, plan)
-    forwards, trace_keys = {}, set()
-    for phase, b in trace_set(bundle):
-        on_device = sample_on_device_mode == "all" or (sample_on_device_mode == "decode_only" and phase == "decode")
-        fw = lower_forward(bundle, plan, pkg.program(phase, b), "device" if on_device else "host")
-        forwards[(phase, b)] = fw
-        if traced(bundle, phase):
-            trace_keys.add((phase, b))
+    keys, trace_keys = forward_keys(bundle, sample_on_device_mode, host_fallback, trace_mode)
+    forwards = {}
+    for key in keys:
+        phase, b, sampling, start = key
+        forwards[key] = lower_forward(bundle, plan, pkg.program(phase, b), sampling, chunk_start=start)
     consts = {c.name: c for fw in forwards.values() for c in fw.consts}
     for c in consts.values():
         ex.env[c.name] = make_const(ttnn, mesh_device, c, bundle.arch)
     return TraceRunner(ex, forwards, trace_keys)
 
 
-# ---- one sequence end to end (hardware tests, smoke runs) ------------------------------------------
-def prefill_inputs(fw: Forward, tokens: list[int], block_size: int) -> dict:
-    """Host inputs of a prefill forward for one sequence of ``tokens`` (at most the bucket),
-    using KV blocks 0, 1, ...; greedy sampling (k = 1)."""
+# ---- host inputs of one run -------------------------------------------------------------------------
+def mask_inputs(fw: Forward, qpos) -> dict:
+    """The additive attention masks a softcapped-attention forward reads (``lowering.mask_input``):
+    ``[R, 1, Sq, L]``, 0 where key position l may be attended by the query at ``qpos[r, q]``
+    (l <= it, and within the window), -1e30 elsewhere; a query at -1 (a padding row) sees l = 0
+    only."""
+    import numpy as np
+
+    out = {}
+    for name, (shape, _, _) in fw.inputs.items():
+        if not name.startswith("attn_mask"):
+            continue
+        window = int(name.split(".w")[1]) if ".w" in name else 0
+        R, _, Sq, L = shape
+        q = np.asarray(qpos, dtype=np.int64).reshape(R, Sq)[:, None, :, None]
+        k = np.arange(L)[None, None, None, :]
+        ok = (k <= q) | ((q < 0) & (k == 0))
+        if window:
+            ok &= k > q - window
+        out[name] = np.where(ok, 0.0, -1e30).astype(np.float32)
+    return out
+
+
+def prefill_host_inputs(fw: Forward, tokens, n: int, start: int, page_table, block_size: int,
+                        max_model_len: int) -> dict:
+    """Host inputs of a prefill forward: ``tokens`` (the bucket's row, the first ``n`` real) at
+    positions ``start``...; ``page_table`` the sequence's blocks (the chunk's own ones are
+    ``fill_page_table``); the head's one-hot picks the tile row holding token ``n - 1``."""
     import numpy as np
 
     rows = fw.rows
-    n = len(tokens)
     if not 0 < n <= rows:
-        raise ValueError(f"prompt of {n} tokens for a prefill bucket of {rows}")
-    ins = {"tokens": np.zeros((1, rows), np.uint32), "positions": np.arange(rows, dtype=np.uint32)[None]}
-    ins["tokens"][0, :n] = tokens
+        raise ValueError(f"chunk of {n} tokens for a prefill bucket of {rows}")
+    if start % block_size:
+        raise ValueError(f"prefill chunk at position {start}: chunks must start on a KV block ({block_size})")
     blocks = fw.inputs["page_table"][0][1]
-    ins["page_table"] = np.arange(blocks, dtype=np.int32)[None]
-    ins["chunk_start"] = np.zeros((1,), np.int32)
-    ins["seq_slot"] = np.zeros((1,), np.int32)
+    pt = np.zeros((1, blocks), np.int32)
+    given = np.asarray(page_table, dtype=np.int64).reshape(-1)[:blocks]
+    pt[0, :given.size] = given
+    fill_n = fw.inputs["fill_page_table"][0][1]
+    first = start // block_size
+    fill = np.zeros((1, fill_n), np.int32)
+    part = pt[0, first:first + fill_n]
+    fill[0, :part.size] = part
+    ins = {"tokens": np.zeros((1, rows), np.uint32),
+           "positions": np.minimum(np.arange(start, start + rows), max_model_len - 1).astype(np.uint32)[None],
+           "page_table": pt, "fill_page_table": fill, "chunk_start": np.array([start], np.int32),
+           "seq_slot": np.zeros((1,), np.int32)}
+    ins["tokens"][0, :n] = np.asarray(tokens).reshape(-1)[:n]
     head = fw.inputs["last_rows"][0][2]
-    sel = np.zeros((1, 1, head, rows), np.float32)  # row i picks token start + i of the last tile row
-    start = (n - 1) // head * head
+    sel = np.zeros((1, 1, head, rows), np.float32)  # row i picks token first + i of the last tile row
+    first_row = (n - 1) // head * head
     for i in range(head):
-        if start + i < rows:
-            sel[0, 0, i, start + i] = 1.0
+        if first_row + i < rows:
+            sel[0, 0, i, first_row + i] = 1.0
     ins["last_rows"] = sel
-    ins.update(_greedy(fw, head))
+    ins.update(mask_inputs(fw, np.arange(start, start + rows)[None]))
+    return ins
+
+
+# ---- one sequence end to end (hardware tests, smoke runs) ------------------------------------------
+def prefill_inputs(fw: Forward, tokens: list[int], block_size: int) -> dict:
+    """Host inputs of a prefill forward for one sequence of ``tokens`` (at most the bucket),
+    from position 0, using KV blocks 0, 1, ...; greedy sampling (k = 1)."""
+    import numpy as np
+
+    blocks = fw.inputs["page_table"][0][1]
+    ins = prefill_host_inputs(fw, tokens, len(tokens), 0, np.arange(blocks), block_size, blocks * block_size)
+    ins.update(_greedy(fw, fw.inputs["last_rows"][0][2]))
     return ins
 
 
@@ -203,6 +270,7 @@ def decode_inputs(fw: Forward, token: int, position: int) -> dict:
            "cur_pos": np.full((B,), -1, np.int32), "page_table": np.zeros((B, blocks), np.int32)}
     ins["tokens"][0, 0], ins["positions"][0, 0], ins["cur_pos"][0] = token, position, position
     ins["page_table"][0] = np.arange(blocks, dtype=np.int32)
+    ins.update(mask_inputs(fw, ins["cur_pos"][:, None]))
     ins.update(_greedy(fw, B))
     return ins
 
@@ -220,8 +288,11 @@ def generate(runner, prompt: list[int], max_new: int, block_size: int) -> list[i
     it, then decodes in the smallest decode bucket (row 0), each as a replayed trace."""
     import numpy as np
 
-    pre = min((k for k in runner.forwards if k[0] == "prefill" and k[1] >= len(prompt)), key=lambda k: k[1])
-    dec = min(k for k in runner.forwards if k[0] == "decode")
+    def device_sampled(k):  # keys (phase, bucket) or (phase, bucket, sampling, start): from 0, on device
+        return len(k) == 2 or (k[2] == "device" and k[3] == 0)
+    pre = min((k for k in runner.forwards if k[0] == "prefill" and k[1] >= len(prompt) and device_sampled(k)),
+              key=lambda k: k[1])
+    dec = min(k for k in runner.forwards if k[0] == "decode" and device_sampled(k))
     fw = runner.forwards[pre]
     out = runner.run(pre, prefill_inputs(fw, prompt, block_size))
     ids = np.asarray(runner.read(out["next_tokens"])).reshape(-1)

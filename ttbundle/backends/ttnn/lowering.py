@@ -13,8 +13,15 @@ expert activation ``[rows, E, f]`` is ``[1, E, rows, f]``; attention heads are `
 tensorbin caches say (``layout.py``); setup derives the few views the ops need (bias rows,
 per-expert batches, MLA's absorbed projections).
 
-What is left out on purpose (``Forward.gaps``, listed in docs/hardware.md): Gemma 2's attention
-logit soft-capping (ttnn's SDPA has no soft-cap; the layer runs without it).
+Two ops ttnn's fused kernels cannot express are lowered differently:
+
+* Gemma 2's attention logit soft-capping (ttnn 0.81.1's SDPA kernels have no soft-cap): those
+  layers gather the sequence's K/V blocks from the paged cache (``gather`` by the page table) and
+  attend explicitly, ``softcap(q k^T * scale)`` plus a host-made mask input, then softmax and
+  ``@ v`` — correct, but O(max_model_len) per step, like the emulated backend's attention.
+* DeepSeek's MLA prefill: ``chunked_flash_mla_prefill`` takes its chunk's start position as a
+  static int, so a forward is lowered per chunk start (:func:`chunk_starts`; the runtime keys
+  them ``(phase, bucket, sampling, start)``).
 """
 
 from __future__ import annotations
@@ -79,6 +86,7 @@ class _Lowerer:
         self.consts: dict[str, Const] = {}
         self.gaps: list[str] = []
         self.inputs: dict[str, tuple] = {}
+        self.chunk_start = 0  # MLA prefill: the static start this forward is lowered for
 
     # -- emitting ------------------------------------------------------------------------------
     def call(self, fn: str, *args, out=None, shape=None, **kwargs) -> str | None:
@@ -302,7 +310,8 @@ def _cache_write(lw: _Lowerer, kv: str, x: str) -> None:
         lw.call("experimental.paged_update_cache", KV(kv), T(src), update_idxs_tensor=T("cur_pos"),
                 page_table=T("page_table"))
     else:
-        lw.call("experimental.paged_fill_cache", KV(kv), T(src), T("page_table"), batch_idx_tensor=T("seq_slot"))
+        # the chunk's own blocks (the full page table would write it from position 0)
+        lw.call("experimental.paged_fill_cache", KV(kv), T(src), T("fill_page_table"), batch_idx_tensor=T("seq_slot"))
 
 
 def _attention(lw: _Lowerer, st: dict) -> None:
@@ -334,9 +343,9 @@ def _attention(lw: _Lowerer, st: dict) -> None:
     _cache_write(lw, "v", vh)
     scale = f32(lt.get("attn_scale", hd ** -0.5))
     if lt.get("attn_softcap"):
-        gap = "attention logit soft-capping (Gemma 2): ttnn 0.81.1's SDPA has no soft-cap; not applied"
-        if gap not in lw.gaps:
-            lw.gaps.append(gap)
+        o = _softcap_attention(lw, nq, nkv, hd, scale, float(lt["attn_softcap"]), lt.get("window"))
+        _merge_heads(lw, o, st["out"])
+        return
     extra = {}
     if lt.get("window"):
         extra["sliding_window_size"] = int(lt["window"])
@@ -355,6 +364,59 @@ def _attention(lw: _Lowerer, st: dict) -> None:
                     scale=scale, program_config=configs.sdpa_config(lw.grid, lw.rows),
                     compute_kernel_config=kernel, memory_config=DRAM, **extra)
     _merge_heads(lw, o, st["out"])
+
+
+def mask_input(window) -> str:
+    """The name of the additive attention-mask input (softcapped attention) for a window."""
+    return f"attn_mask.w{int(window)}" if window else "attn_mask"
+
+
+def _softcap_attention(lw: _Lowerer, nq: int, nkv: int, hd: int, scale: float, cap: float, window) -> str:
+    """Attention with logit soft-capping, as the emulated backend computes it: the rows' K/V
+    blocks gathered from the paged cache by the page table into ``[R, nkv, L, hd]`` (L = the page
+    table's tokens), heads repeated for GQA, ``scores = softcap(q k^T * scale, cap) + mask``
+    (the mask input: causal, window, validity; made on the host per step), softmax, ``@ v``.
+    Writes ``oh`` shaped like ``qr``."""
+    blocks = lw.inputs["page_table"][0][1]
+    bs = lw.plan.kv["block_size"]
+    L = blocks * bs
+    R = lw.rows if lw.decode else 1  # sequences (page-table rows)
+    Sq = 1 if lw.decode else lw.rows  # queries per sequence
+    mname = mask_input(window)
+    lw.inputs[mname] = ((R, 1, Sq, L), "bf16", "TILE")
+    if "sc.idx" not in lw.shapes:  # the gather index: each block's page id over its whole block
+        lw.call("reshape", T("page_table"), [R * blocks, 1, 1, 1], out="sc.pt", shape=(R * blocks, 1, 1, 1))
+        lw.call("typecast", T("sc.pt"), U32, out="sc.pt32", shape=(R * blocks, 1, 1, 1))
+        lw.call("repeat", T("sc.pt32"), [1, nkv, bs, hd], out="sc.idx", shape=(R * blocks, nkv, bs, hd),
+                memory_config=DRAM)
+    seq = {}
+    for name in ("k", "v"):
+        g = lw.call("gather", KV(name), 0, T("sc.idx"), out=f"sc.{name}g", shape=(R * blocks, nkv, bs, hd),
+                    memory_config=DRAM)
+        if lw.kv_dtype != "bf16":
+            g = lw.call("typecast", T(g), BF16, out=f"sc.{name}b", shape=(R * blocks, nkv, bs, hd))
+        g = lw.call("reshape", T(g), [R, blocks, nkv, bs * hd], out=f"sc.{name}r", shape=(R, blocks, nkv, bs * hd))
+        g = lw.call("permute", T(g), [0, 2, 1, 3], out=f"sc.{name}p", shape=(R, nkv, blocks, bs * hd))
+        g = lw.call("reshape", T(g), [R, nkv, L, hd], out=f"sc.{name}s", shape=(R, nkv, L, hd))
+        if nq != nkv:
+            g = lw.call("repeat_interleave", T(g), nq // nkv, 1, out=f"sc.{name}h", shape=(R, nq, L, hd),
+                        memory_config=DRAM)
+        seq[name] = g
+    q = "qr"
+    if lw.decode:  # [1, B, nq, hd] -> [B, nq, 1, hd]
+        q = lw.call("reshape", T("qr"), [R, nq, 1, hd], out="sc.q", shape=(R, nq, 1, hd))
+    kernel = configs.compute_config()
+    s = lw.call("matmul", T(q), T(seq["k"]), out="sc.s", shape=(R, nq, Sq, L), transpose_b=True,
+                memory_config=DRAM, compute_kernel_config=kernel)
+    s = lw.call("multiply", T(s), scale, out="sc.ss", shape=(R, nq, Sq, L), memory_config=DRAM)
+    s = lw.call("softcap", T(s), cap, out="sc.cap", shape=(R, nq, Sq, L), memory_config=DRAM)
+    s = lw.call("add", T(s), T(mname), out="sc.m", shape=(R, nq, Sq, L), memory_config=DRAM)
+    p = lw.call("softmax", T(s), -1, out="sc.p", shape=(R, nq, Sq, L), memory_config=DRAM)
+    o = lw.call("matmul", T(p), T(seq["v"]), out="sc.o", shape=(R, nq, Sq, hd), memory_config=DRAM,
+                compute_kernel_config=kernel)
+    if lw.decode:
+        return lw.call("reshape", T(o), [1, R, nq, hd], out="oh", shape=lw.shapes["qr"])
+    return lw.call("reshape", T(o), list(lw.shapes["qr"]), out="oh", shape=lw.shapes["qr"])
 
 
 def _mla_attention(lw: _Lowerer, st: dict) -> None:
@@ -423,7 +485,7 @@ def _mla_attention(lw: _Lowerer, st: dict) -> None:
         o_lat = lw.call("transpose", T(o_lat), 1, 2, out="o_lat.t", shape=(1, H, rows, r), memory_config=DRAM)
     else:
         o_lat = lw.call("transformer.chunked_flash_mla_prefill", T(q_full), KV("kv_latent"), r, T("page_table"),
-                        0, out="o_lat", shape=(1, H, rows, r), scale=scale,
+                        lw.chunk_start, out="o_lat", shape=(1, H, rows, r), scale=scale,
                         program_config=configs.sdpa_config(lw.grid, rows), compute_kernel_config=kernel,
                         memory_config=DRAM)
     o = lw.call("matmul", T(o_lat), W("wkv_b", variant="uv"), out="oh", shape=(1, H, rows, vd), memory_config=DRAM,
@@ -431,10 +493,6 @@ def _mla_attention(lw: _Lowerer, st: dict) -> None:
     if lw.decode:
         o = lw.call("transpose", T(o), 1, 2, out="oh.t", shape=(1, rows, H, vd), memory_config=DRAM)
     _merge_heads(lw, o, st["out"])
-    if lw.phase == "prefill":
-        gap = "MLA prefill reads the chunk from position 0 (chunk_start_idx is static in ttnn's chunked_flash_mla_prefill)"
-        if lw.bundle.buckets.prefill_chunk and gap not in lw.gaps and lw.bundle.spec.runtime.max_model_len > lw.rows:
-            lw.gaps.append(gap)
 
 
 def _activation(lw: _Lowerer, x: str, out: str) -> str:
@@ -649,6 +707,7 @@ def inputs_of(program: dict, bundle, plan) -> dict:
     else:
         ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
         ins["chunk_start"] = ((1,), "int32", "ROW_MAJOR")
+        ins["fill_page_table"] = ((1, -(-rows // plan.kv["block_size"])), "int32", "ROW_MAJOR")  # the chunk's blocks
         ins["seq_slot"] = ((1,), "int32", "ROW_MAJOR")
         ins["last_rows"] = ((1, 1, min(rows, TILE), rows), "bf16", "TILE")  # one-hot: the last prompt tile row
     head_rows = rows if program["phase"] == "decode" else min(rows, TILE)  # rows the head samples
@@ -664,12 +723,44 @@ def one_layer_per_kind(program: dict) -> dict:
     return {**program, "layers": [{**k, "count": 1} for k in program["layers"]]}
 
 
-def lower_forward(bundle, plan, program: dict, sampling: str = "device", grid: tuple[int, int] | None = None) -> Forward:
+def static_prefill_start(bundle) -> bool:
+    """Does this family's prefill attention take its chunk start as a static int (MLA)?"""
+    return bool(bundle.family.traits(bundle.arch).get("mla"))
+
+
+def chunk_starts(bundle, phase: str, bucket: int) -> list[int]:
+    """The chunk starts a forward must be lowered for: ``[0]`` unless the start is static (MLA
+    prefill), then every multiple of the prefill chunk below max_model_len for a bucket that can
+    hold a chunk (the scheduler starts chunks only there)."""
+    if phase != "prefill" or not static_prefill_start(bundle):
+        return [0]
+    b = bundle.buckets
+    chunk = b.prefill_chunk or max(b.prefill)
+    if bucket > chunk:
+        return [0]
+    return list(range(0, bundle.spec.runtime.max_model_len, chunk))
+
+
+def static_start(bundle, phase: str, bucket: int, start: int) -> int:
+    """The start part of a forward key for a chunk at ``start``."""
+    starts = chunk_starts(bundle, phase, bucket)
+    if starts == [0]:
+        return 0
+    if start not in starts:
+        raise ValueError(f"prefill chunk at position {start}: chunks start at multiples of "
+                         f"{starts[1] if len(starts) > 1 else 'the prefill chunk'}")
+    return start
+
+
+def lower_forward(bundle, plan, program: dict, sampling: str = "device", grid: tuple[int, int] | None = None,
+                  chunk_start: int = 0) -> Forward:
     """The ttnn calls of ``program`` (``lower.lower``'s JSON for one phase and bucket).
-    ``grid``: the compute grid to configure ops for (default: the mesh chip's)."""
+    ``grid``: the compute grid to configure ops for (default: the mesh chip's); ``chunk_start``:
+    the static chunk start of an MLA prefill (:func:`chunk_starts`)."""
     if sampling not in SAMPLING:
         raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
     lw = _Lowerer(bundle, plan, program, sampling, grid)
+    lw.chunk_start = int(chunk_start)
     lw.inputs = inputs_of(program, bundle, plan)
     layers: list[Layer] = []
     index = 0
@@ -702,4 +793,5 @@ def lower_forward(bundle, plan, program: dict, sampling: str = "device", grid: t
                    list(lw.setup.values()), list(lw.consts.values()), lw.gaps)
 
 
-__all__ = ["OPS", "SAMPLING", "device_shape", "inputs_of", "lower_forward", "step_kind", "tt_dim", "tt_shape"]
+__all__ = ["OPS", "SAMPLING", "chunk_starts", "device_shape", "inputs_of", "lower_forward", "mask_input",
+           "static_start", "step_kind", "tt_dim", "tt_shape"]

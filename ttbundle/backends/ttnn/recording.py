@@ -30,7 +30,7 @@ TRACE_API = ("begin_trace_capture", "end_trace_capture", "execute_trace", "relea
 # factory functions the lowering calls for config objects (``calls.New.factory``): their results
 FACTORIES = {"create_sharded_memory_config": "MemoryConfig", "num_cores_to_corerangeset": "CoreRangeSet"}
 # calls that move data or manage the device, not ops that compile
-NOT_OPS = {"Shape", "Tensor", "distribute_tensor", "replicate_tensor_to_mesh_mapper", "copy_host_to_device_tensor",
+NOT_OPS = {"Shape", "Tensor", "set_fabric_config", "distribute_tensor", "replicate_tensor_to_mesh_mapper", "copy_host_to_device_tensor",
            "allocate_tensor_on_device", "synchronize_device", "deallocate", "from_device", "get_device_tensors",
            "load_tensor", "from_host_shards", "to_device", "open_mesh_device", "close_mesh_device", "full",
            *TRACE_API}
@@ -59,18 +59,21 @@ class FakeTraceId:
 
 
 class FakeTensor:
-    def __init__(self, sig: str, n_out: int = 2):
-        self.sig, self._n = sig, n_out
+    """A tensor of the double: its signature, and its shape where the lowering said it (so a read
+    gives zeros of the right shape: the double computes nothing)."""
+
+    def __init__(self, sig: str, n_out: int = 2, shape: tuple | None = None):
+        self.sig, self._n, self.shape = sig, n_out, shape
 
     def __iter__(self):  # ops returning several tensors (topk) are unpacked
-        return iter([FakeTensor(f"{self.sig}[{i}]") for i in range(self._n)])
+        return iter([FakeTensor(f"{self.sig}[{i}]", shape=self.shape) for i in range(self._n)])
 
     def __getitem__(self, i):  # get_device_tensors(...)[0]
-        return FakeTensor(f"{self.sig}[{i}]")
+        return FakeTensor(f"{self.sig}[{i}]", shape=self.shape)
 
     def to_numpy(self):
         import numpy as np
-        return np.zeros(1)
+        return np.zeros(self.shape or (1,))
 
     def __repr__(self):
         return f"<Tensor {self.sig[:12]}>"
@@ -169,6 +172,8 @@ class Recorder:
             return FakeObject("Shape", args, kwargs)
         if path == "replicate_tensor_to_mesh_mapper":
             return FakeObject("CppTensorToMesh", args, kwargs)
+        if path in ("from_device", "get_device_tensors") and isinstance(args[0], FakeTensor):
+            return FakeTensor(f"{path}({_sig(args)})", shape=args[0].shape)
         if path in NOT_OPS:
             return FakeTensor(f"{path}({_sig(args)})") if path not in ("synchronize_device", "deallocate",
                                                                           "copy_host_to_device_tensor") else None
@@ -184,7 +189,7 @@ class Recorder:
             if self.capturing is not None:
                 self.violations.append(f"{path} compiled inside trace capture {self.capturing.n}")
         expect, self._expect = self._expect, None
-        return FakeTensor(f"spec{expect}" if expect is not None else key)
+        return FakeTensor(f"spec{expect}" if expect is not None else key, shape=expect)
 
     # -- for the introspection check -----------------------------------------------------------------
     def values_of(self, ev: Event) -> tuple[tuple, dict]:

@@ -94,18 +94,25 @@ class TraceRunner:
         self.ex.env.update(self.inputs[key])
 
     # -- 2. compile ------------------------------------------------------------------------------
-    def warmup(self) -> None:
-        """Run every bucket once eagerly: every kernel compiles here, never during a capture."""
+    def warmup(self, keys=None) -> None:
+        """Run every bucket (or those of ``keys``) once eagerly: every kernel compiles here, never
+        during a capture. The runner is warm when every bucket is."""
         if self.stage == "new":
             self.prepare()
         self._need("prepared", "warmup()")
-        for key, fw in self.forwards.items():
+        if self.stage == "captured":
+            raise OrderError("warmup() after capture(): a compile now could land in a later capture")
+        for key in (list(self.forwards) if keys is None else list(keys)):
+            if key in self.warm:
+                continue
+            fw = self.forwards[key]
             self.write_inputs(key, {n: _dummy(n, s, d) for n, (s, d, _) in fw.inputs.items()})
             self._bind(key)
             self.ex.run(fw, self._drops[key])
             self.ttnn.synchronize_device(self.ex.device)
             self.warm.add(key)
-        self.stage = "warm"
+        if self.warm >= set(self.forwards):
+            self.stage = "warm"
 
     # -- 3. capture ------------------------------------------------------------------------------
     def capture(self) -> None:
@@ -134,6 +141,17 @@ class TraceRunner:
             return outs
         if key not in self.warm:  # pragma: no cover - capture() checked every key
             raise OrderError(f"{key} was never warmed")
+        self._bind(key)
+        return self.ex.run(self.forwards[key], self._drops[key])
+
+    def run_eager(self, key: tuple, host_inputs: dict) -> dict:
+        """Serving without warm-up (``enable_model_warmup=false``): run ``key`` eagerly, compiling
+        on its first use, never traced. Refused once traces exist (use :meth:`run`)."""
+        if self.stage == "new":
+            self.prepare()
+        if self.stage == "captured":
+            raise OrderError("run_eager() after capture(): use run()")
+        self.write_inputs(key, host_inputs)
         self._bind(key)
         return self.ex.run(self.forwards[key], self._drops[key])
 

@@ -1,0 +1,235 @@
+"""The package's model on a Tenstorrent mesh, behind the same model interface as the emulated
+:class:`~.adapter.BundleModel` (``allocate_kv_cache``, ``prefill_forward``, ``decode_forward``,
+``warmup_model_*``, ``seal``), so the model runner drives either one the same way.
+
+It runs ``backends/ttnn/device.open_model``: the mesh opened for the package's mesh (or
+``MESH_DEVICE``, which must name it) with the trace region and L1 / fabric / dispatch options of
+``--additional-config '{"tt": {...}}'``, the ``.tensorbin`` weights loaded, the paged KV cache
+allocated, then warm-up compiles every forward (each bucket, device- and host-sampling
+variants), :meth:`seal` captures a trace of each traced one (``trace_mode``), and each step
+writes its inputs and replays the trace of the bucket it was padded to (``execute_trace``).
+Device sampling returns token ids; the host fallback returns logits for vLLM's sampler.
+
+**Test-only hook**: ``TTBUNDLE_TEST_TTNN=recording`` stands ttbundle's recording double
+(``backends/ttnn/recording.py``) in for the ``ttnn`` module and makes the TT platform active
+without a device (``activation.py``), so the whole path runs through vLLM's engine in tests.
+It computes nothing (every token is 0); never set it to serve.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from .sampling import DeviceSampling
+
+logger = logging.getLogger("vllm.ttbundle.ttdevice")
+
+TEST_TTNN_ENV = "TTBUNDLE_TEST_TTNN"
+#: the recording double's Recorder when the test-only hook is on (tests read it)
+RECORDER = None
+
+
+def import_ttnn():
+    """The ttnn module: the wheel, or the recording double under the test-only hook."""
+    global RECORDER
+    if os.environ.get(TEST_TTNN_ENV) == "recording":
+        from ..backends.ttnn import recording
+        if RECORDER is None:
+            RECORDER = recording.Recorder()
+        return RECORDER.module()
+    import ttnn
+    return ttnn
+
+
+def open_mesh(ttnn, package, options):
+    """The package's mesh, opened with the plugin options (trace region: the option, else the
+    package's planned size)."""
+    from .. import mesh as meshmod
+
+    mesh = meshmod.resolve(package.mesh_name)
+    if options.fabric_config:
+        ttnn.set_fabric_config(getattr(ttnn.FabricConfig, options.fabric_config))
+    elif mesh.num_devices > 1:  # collectives need the fabric; 1D as Tenstorrent's plugin defaults
+        ttnn.set_fabric_config(ttnn.FabricConfig.FABRIC_1D)
+    kw = {"trace_region_size": options.trace_region_size or package.trace_region_bytes or 0}
+    if options.l1_small_size:
+        kw["l1_small_size"] = options.l1_small_size
+    if options.worker_l1_size:
+        kw["worker_l1_size"] = options.worker_l1_size
+    if options.dispatch_core_axis:
+        axis = ttnn.DispatchCoreAxis.ROW if options.dispatch_core_axis == "row" else ttnn.DispatchCoreAxis.COL
+        kw["dispatch_core_config"] = ttnn.DispatchCoreConfig(axis=axis)
+    return ttnn.open_mesh_device(ttnn.MeshShape(*mesh.shape), **kw)
+
+
+class KVHandle:
+    """The paged KV cache the plan sized (it lives in the executor); what the runner holds."""
+
+    def __init__(self, num_blocks: int, block_size: int):
+        self.num_blocks, self.block_size = num_blocks, block_size
+
+
+class TTDeviceModel:
+    model_capabilities = {"supports_prefix_caching": False, "supports_async_decode": False,
+                          "supports_sample_on_device": True}
+    #: ``ttnn.sampling`` runs with one seed for the batch: seeded requests sample on the host
+    seeded_on_device = False
+
+    def __init__(self, ttnn, package, runner, trace_mode: str, sample_mode: str):
+        self.ttnn, self.package, self.runner = ttnn, package, runner
+        self.bundle = package.bundle
+        b = self.bundle.buckets
+        self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
+        self.trace_mode, self.sample_mode = trace_mode, sample_mode
+        self.block_size = self.bundle.spec.runtime.kv_block_size
+        self.vocab_size = self.bundle.arch.vocab_size
+        self.warmed: set[tuple[str, int]] = set()
+        self.sealed = False
+        self.programs_run: dict[tuple[str, int], int] = {}
+        self.replays: list[tuple] = []  # forward key of every step's run, in order
+
+    @classmethod
+    def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel=1,
+                              optimizations=None, *, package, options, sample_mode: str, ttnn=None):
+        from ..backends.ttnn.device import open_model
+        from ..errors import InvalidInput
+
+        if tt_data_parallel != 1:
+            raise ValueError("data parallel over meshes is not supported")
+        if not (package.path / "tensorbin" / "index.json").is_file():
+            raise InvalidInput(f"{package.path}: no tensorbin/ weight caches; a Tenstorrent device runs packages "
+                               "built with `ttbundle build --backend ttnn`")
+        ttnn = ttnn or import_ttnn()
+        t0 = time.perf_counter()
+        runner = open_model(ttnn, package.path, sample_mode, mesh_device, host_fallback=True,
+                            trace_mode=options.trace_mode)
+        if RECORDER is not None:  # test-only hook: each op's output gets the shape the lowering says
+            runner.ex.on_call = RECORDER.on_call
+        logger.info("ttbundle: %s on a %s mesh: weights, KV cache, %d forwards in %.1f s", package.name,
+                    package.mesh_name, len(runner.forwards), time.perf_counter() - t0)
+        return cls(ttnn, package, runner, options.trace_mode, sample_mode)
+
+    # -- KV ---------------------------------------------------------------------------------------
+    def allocate_kv_cache(self, kv_cache_shape, dtype=None, num_layers=None) -> KVHandle:
+        plan_blocks = self._plan_blocks()
+        if kv_cache_shape[0] != plan_blocks:
+            raise ValueError(f"the {self.package.mesh_name} package's KV cache holds {plan_blocks} blocks "
+                             f"(its plan); vLLM asked for {kv_cache_shape[0]} (--num-gpu-blocks-override is "
+                             "not supported on Tenstorrent devices)")
+        return KVHandle(plan_blocks, kv_cache_shape[2])
+
+    def _plan_blocks(self) -> int:
+        from ..plan import kv_blocks
+        return kv_blocks(self.bundle.spec.runtime)
+
+    # -- programs ---------------------------------------------------------------------------------
+    def _key(self, phase: str, bucket: int, sampling, start: int = 0) -> tuple:
+        from ..backends.ttnn.lowering import static_start
+        mode = "device" if sampling is not None else "host"
+        key = (phase, bucket, mode, static_start(self.bundle, phase, bucket, start))
+        if key not in self.runner.forwards:
+            raise ValueError(f"no {mode}-sampling forward for {phase} bucket {bucket}")
+        traced = key in self.runner.traced
+        if self.sealed and traced and key not in self.runner.traces:
+            raise RuntimeError(f"{phase} bucket {bucket} was not captured at warm-up; refusing to capture a "
+                               "trace while serving")
+        self.programs_run[(phase, bucket)] = self.programs_run.get((phase, bucket), 0) + 1
+        return key
+
+    def _run(self, key: tuple, host: dict) -> dict:
+        self.replays.append(key)
+        if self.runner.stage == "captured":
+            return self.runner.run(key, host)
+        return self.runner.run_eager(key, host)  # enable_model_warmup=false: compiles on first use
+
+    def _sampling_inputs(self, s: DeviceSampling | None, rows: int) -> dict:
+        import numpy as np
+        from ..backends.ttnn.lowering import TOPK
+        if s is None:
+            return {}
+        greedy = (s.temperature < 1e-5).numpy()
+        k = s.top_k.numpy().clip(0, TOPK)
+        k = np.where((k == 0) & ~greedy, TOPK, k)
+        k = np.where(greedy, 1, k)
+        t = np.where(greedy, 1.0, s.temperature.numpy())
+        p = s.top_p.numpy()
+        pad = lambda a, fill: np.concatenate([a, np.full(max(0, rows - a.size), fill)])[:rows]  # noqa: E731
+        return {"top_k": pad(k, 1).astype(np.uint32), "top_p": pad(p, 1.0).astype(np.float32),
+                "temperature": pad(t, 1.0).astype(np.float32)}
+
+    @torch.no_grad()
+    def prefill_forward(self, tokens, page_table, kv_cache, prompt_lens, start_pos=None, sampling_params=None,
+                        enable_trace: bool = True):
+        import numpy as np
+        from ..backends.ttnn.device import prefill_host_inputs
+
+        N, S = tokens.shape
+        if N != 1 or S not in self.prefill_buckets:
+            raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
+                             f"got tokens {list(tokens.shape)}")
+        n, p0 = int(prompt_lens[0]), 0 if start_pos is None else int(start_pos[0])
+        key = self._key("prefill", S, sampling_params, p0)
+        fw = self.runner.forwards[key]
+        host = prefill_host_inputs(fw, tokens[0].numpy(), n, p0, page_table[0].numpy(), self.block_size,
+                                   self.bundle.spec.runtime.max_model_len)
+        head = fw.inputs["last_rows"][0][2]
+        host.update(self._sampling_inputs(sampling_params, head))
+        out = self._run(key, host)
+        row = (n - 1) % head
+        if sampling_params is not None:
+            ids = np.asarray(self.runner.read(out["next_tokens"])).reshape(-1)
+            return torch.tensor([int(ids[row])])
+        logits = np.asarray(self.runner.read(out["logits.out"])).reshape(head, -1)
+        return torch.from_numpy(logits[row:row + 1, :self.vocab_size].astype(np.float32))
+
+    @torch.no_grad()
+    def decode_forward(self, tokens, start_pos, page_table, kv_cache, sampling_params=None, enable_trace: bool = True,
+                       read_from_device: bool = True):
+        import numpy as np
+
+        B = tokens.shape[0]
+        if tokens.shape[1] != 1 or B not in self.decode_buckets:
+            raise ValueError(f"decode runs a batch padded to a bucket {self.decode_buckets}, "
+                             f"got tokens {list(tokens.shape)}")
+        key = self._key("decode", B, sampling_params)
+        fw = self.runner.forwards[key]
+        pos = start_pos.numpy().astype(np.int64)
+        blocks = fw.inputs["page_table"][0][1]
+        host = {"tokens": tokens.numpy().reshape(1, B).astype(np.uint32),
+                "positions": pos.clip(min=0).reshape(1, B).astype(np.uint32),
+                "cur_pos": pos.astype(np.int32),
+                "page_table": page_table.numpy()[:, :blocks].astype(np.int32)}
+        host.update(self._sampling_inputs(sampling_params, B))
+        out = self._run(key, host)
+        if sampling_params is not None:
+            return torch.from_numpy(np.asarray(self.runner.read(out["next_tokens"])).reshape(-1)[:B].astype(np.int64))
+        logits = np.asarray(self.runner.read(out["logits.out"])).reshape(B, -1)
+        return torch.from_numpy(logits[:, :self.vocab_size].astype(np.float32))
+
+    # -- warm-up: compile everything, then (seal) capture ------------------------------------------
+    def warmup_model_prefill(self, kv_cache, enable_trace: bool = True, can_sample_on_device: bool = True):
+        t0 = time.perf_counter()
+        keys = [k for k in self.runner.forwards if k[0] == "prefill"]
+        self.runner.warmup(keys)
+        self.warmed |= {("prefill", k[1]) for k in keys}
+        logger.info("[WARMUP] compiled %d prefill forwards in %.1f s", len(keys), time.perf_counter() - t0)
+
+    def warmup_model_decode(self, kv_cache, enable_trace: bool = True, max_batch_size=None, num_blocks=None,
+                            can_sample_on_device: bool = True):
+        t0 = time.perf_counter()
+        keys = [k for k in self.runner.forwards if k[0] == "decode"]
+        self.runner.warmup(keys)
+        self.warmed |= {("decode", k[1]) for k in keys}
+        logger.info("[WARMUP] compiled %d decode forwards in %.1f s", len(keys), time.perf_counter() - t0)
+
+    def seal(self):
+        """Capture a trace of every traced forward (every one compiled first); from now on each
+        step replays."""
+        t0 = time.perf_counter()
+        self.runner.capture()
+        self.sealed = True
+        logger.info("[WARMUP] captured %d traces in %.1f s", len(self.runner.traces), time.perf_counter() - t0)
