@@ -425,3 +425,116 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
     monkeypatch.setattr(kernelcache, "status", lambda env=None: (kernelcache.Sfpi(False, reason="none here"), None))
     e = cachemod.explain(res.package)
     assert [f["field"] for f in e["fields"] if f["changed"]] == ["kernel_cache"]
+
+
+# ---- collectives as ttnn CCL calls (recording double) ---------------------------------------------
+def _expected_ccl(bundle, p, prog) -> list[tuple]:
+    """From the program's steps (independently of the lowering): per collective step, one call per
+    mesh axis it spans, (op, cluster_axis, dim, topology). Topology as tt-metal's models pick it:
+    Ring on the wrap-around systems (T3K's 8 chips, a Galaxy's 8- and 4-wide axes), Linear where an
+    axis is 2 wide (N300) or the chips are not wired in a ring (P150x4)."""
+    out = []
+    for kind in prog["layers"]:
+        count = kind["count"] if kind["kind"] not in ("embedding", "head") else 1
+        steps = [st for st in kind["steps"] if "collective" in st]
+        for _ in range(count):
+            for st in steps:
+                for ax in st["axes"]:
+                    n = p.mesh.axis_size(ax)
+                    topo = "Topology.Ring" if p.mesh.name in ("T3K", "TG") and n > 2 else "Topology.Linear"
+                    dim = None if st["collective"] == "all_reduce" else lowering.tt_dim(st["shape"], st["dim"])
+                    out.append((st["collective"], ("rows", "cols").index(ax), dim, topo))
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-70b", "qwen3-8b", "gpt-oss-120b", "deepseek-v3"])
+@pytest.mark.parametrize("mesh", ["N300", "T3K", "TG", "P150x4"])
+def test_every_collective_is_the_right_ccl_call(name, mesh):
+    bundle = specmod.load(BUNDLES / f"{name}.yaml")
+    p = planmod.make_plan(bundle, mesh)
+    ts = lowermod.trace_set(bundle)
+    keys = [min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")]
+    rec, r, fws = recorded_runner(bundle, mesh, "device", keys)
+    r.warmup()
+    ev = [e for e in rec.events if e.fn in ("all_reduce", "all_gather")]
+    want = []
+    for key in keys:
+        want += _expected_ccl(bundle, p, lowermod.lower(bundle, p, *key))
+    got = [(e.fn, e.kwargs["cluster_axis"], e.args[1] if e.fn == "all_gather" else None, e.kwargs["topology"].path)
+           for e in ev]
+    assert want, "no collective on a multi-chip mesh"
+    assert got == want
+    assert all(e.kwargs["num_links"] == 1 for e in ev)
+
+
+# ---- lowering gaps closed: Gemma 2 attention softcap, MLA chunk starts ----------------------------
+def test_gemma2_attention_is_softcapped_with_the_emulated_mask():
+    import torch
+
+    from ttbundle.backends.emulated import kernels
+    bundle = specmod.load(BUNDLES / "gemma-2-9b.yaml")
+    p = planmod.make_plan(bundle, "N300")
+    cap = bundle.arch.attn_logit_softcapping
+    for phase in ("prefill", "decode"):
+        b = min(k[1] for k in lowermod.trace_set(bundle) if k[0] == phase)
+        fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, phase, b))
+        assert fw.gaps == []
+        calls = [c for _, c in fw.calls()]
+        fns = [c.fn for c in calls]
+        assert not any("scaled_dot_product_attention" in f for f in fns)
+        caps = [c for c in calls if c.fn == "softcap"]
+        assert len(caps) == bundle.arch.num_hidden_layers and {c.args[1] for c in caps} == {cap}
+        assert {"attn_mask", f"attn_mask.w{bundle.arch.sliding_window}"} <= set(fw.inputs)
+        # softcap after the scale and before the mask, per layer
+        i = fns.index("softcap")
+        assert fns[i - 1] == "multiply" and fns[i + 1] == "add" and fns[i + 2] == "softmax"
+    # the host-made masks equal the emulated backend's (causal, window) at the same positions
+    fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, "decode", 1))
+    R, L = fw.inputs["attn_mask"][0][0], fw.inputs["attn_mask"][0][3]
+    qpos = np.full((R, 1), -1)
+    qpos[0, 0] = 37
+    pos = torch.tensor([[37]])
+    ctx = type("C", (), {})()
+    ctx.cache, ctx.positions, ctx.context_slots = {}, pos, torch.zeros(1, L, dtype=torch.long)
+    for window in (0, bundle.arch.sliding_window):
+        want = kernels._mask(ctx, window)[0, 0].numpy()
+        got = device.mask_inputs(fw, qpos)[lowering.mask_input(window)][0, 0, 0]
+        np.testing.assert_array_equal(got == 0, want)
+    pad = device.mask_inputs(fw, qpos)["attn_mask"][1, 0, 0]
+    assert (pad == 0).tolist() == [True] + [False] * (L - 1)  # a padding row sees one slot: no NaN
+
+
+def test_mla_prefill_is_lowered_per_chunk_start():
+    bundle = specmod.load(BUNDLES / "deepseek-v3.yaml")
+    p = planmod.make_plan(bundle, bundle.spec.targets[0])
+    chunk = bundle.buckets.prefill_chunk or max(bundle.buckets.prefill)
+    b = min(bundle.buckets.prefill)
+    starts = lowering.chunk_starts(bundle, "prefill", b)
+    assert starts == list(range(0, bundle.spec.runtime.max_model_len, chunk)) and len(starts) > 1
+    assert lowering.chunk_starts(bundle, "decode", 1) == [0]
+    prog = lowermod.lower(bundle, p, "prefill", b)
+    for start in (0, starts[-1]):
+        fw = lowering.lower_forward(bundle, p, prog, chunk_start=start)
+        mla = [c for _, c in fw.calls() if c.fn == "transformer.chunked_flash_mla_prefill"]
+        assert mla and {c.args[4] for c in mla} == {start} and fw.gaps == []
+    assert lowering.static_start(bundle, "prefill", b, starts[1]) == starts[1]
+    with pytest.raises(ValueError, match="chunks start at multiples"):
+        lowering.static_start(bundle, "prefill", b, starts[1] + 32)
+    llama = specmod.load(BUNDLES / "llama-3.1-8b.yaml")  # dynamic start: one forward for every start
+    assert lowering.chunk_starts(llama, "prefill", 1024) == [0] and lowering.static_start(llama, "prefill", 1024, 2048) == 0
+
+
+def test_a_later_prefill_chunk_writes_its_own_blocks():
+    bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
+    p = planmod.make_plan(bundle, "N300")
+    fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, "prefill", 128))
+    fills = [c for _, c in fw.calls() if c.fn == "experimental.paged_fill_cache"]
+    assert fills and all(c.args[2].name == "fill_page_table" for c in fills)
+    bs = p.kv["block_size"]
+    table = np.arange(100, 100 + fw.inputs["page_table"][0][1])
+    ins = device.prefill_host_inputs(fw, np.arange(128), 100, 4 * bs, table, bs, bundle.spec.runtime.max_model_len)
+    assert ins["fill_page_table"][0].tolist() == table[4:4 + -(-128 // bs)].tolist()
+    assert ins["chunk_start"].tolist() == [4 * bs] and ins["positions"][0, 0] == 4 * bs
+    assert ins["last_rows"][0, 0].argmax(-1).tolist()[:4] == [96, 97, 98, 99]
+    with pytest.raises(ValueError, match="start on a KV block"):
+        device.prefill_host_inputs(fw, np.arange(128), 100, bs + 1, table, bs, 4096)
