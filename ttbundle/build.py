@@ -846,9 +846,9 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
             if bool((u < 0).any()):
                 pads.append((k, (pos < 0).nonzero().reshape(-1)))
         if keep_source_order:
-            if dtype != "bf16" or v.dtype != torch.bfloat16:
-                raise RuntimeError(f"source order is kept for bf16 sources only, not {v.dtype} -> {dtype}")
-            if not pads and v.is_contiguous():
+            if dtype != "bf16":
+                raise RuntimeError(f"source order is kept for bf16 shards only, not {dtype}")
+            if not pads and v.is_contiguous() and v.dtype == torch.bfloat16:
                 yield v.reshape(-1).view(torch.uint8).numpy(), devices, None
                 del v
                 continue
