@@ -26,6 +26,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import InvalidInput
+from .fsutil import TEMPLATE_DIR
 
 ROOT = Path(__file__).resolve().parent
 # What each field is, for `cache explain`.
@@ -110,7 +111,7 @@ CODE = {
     "code.convert": ("build.py", "package.py", "lower.py", "weights.py", "blockfloat.py",
                      "families/transforms.py"),
     "code.lower": ("lower.py", "plan.py", "mesh.py"),
-    "code.templates": ("package.py", "../templates/adapter.py.j2", "../templates/README.md.j2"),
+    "code.templates": ("package.py", str(TEMPLATE_DIR / "adapter.py.j2"), str(TEMPLATE_DIR / "README.md.j2")),
     "code.backend": ("backends/emulated/model.py", "backends/emulated/kernels.py",
                      "backends/emulated/meshops.py"),
 }

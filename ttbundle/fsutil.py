@@ -1,4 +1,5 @@
-"""Atomic file writes: write a temp file beside the target, fsync, rename over it."""
+"""Files: atomic writes (temp file beside the target, fsync, rename), reading user input files,
+and where the jinja2 templates live."""
 
 from __future__ import annotations
 
@@ -50,3 +51,16 @@ def read_user_text(path: str | Path, what: str) -> str:
         raise InvalidInput(f"{path}: no such {what}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise InvalidInput(f"{path}: cannot read {what}: {e}") from None
+
+
+def _template_dir() -> Path:
+    """``templates/`` of a source checkout (editable installs), else the copy a wheel ships as
+    the ``ttbundle._templates`` package (pyproject's package-dir)."""
+    here = Path(__file__).resolve().parent
+    src = here.parent / "templates"
+    if (src / "adapter.py.j2").is_file():
+        return src
+    return here / "_templates"
+
+
+TEMPLATE_DIR = _template_dir()

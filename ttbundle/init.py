@@ -24,9 +24,8 @@ from pydantic import BaseModel, ValidationError
 from . import families, mesh as meshmod, plan as planmod, spec as specmod
 from .errors import Diagnostic, InvalidInput, TTBundleError
 from .families.base import GROUPS
-from .fsutil import write_text_atomic
+from .fsutil import TEMPLATE_DIR, write_text_atomic
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 TEMPLATE = "spec.yaml.j2"
 DEFAULT_MESH = "N150"
 MAX_MODEL_LEN_CAP = 8192  # default max_model_len: min(max_position_embeddings, this)

@@ -36,12 +36,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InvalidInput, TTBundleError
+from .fsutil import TEMPLATE_DIR
 
 FORMAT = "ttbundle.package/1"
 WEIGHTS_FORMAT = "ttbundle.weights/1"
 MANIFEST = "manifest.json"
 METADATA = "vllm_metadata.json"
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 RUNTIME_CLASS = ("ttbundle.runtime.adapter", "BundleModel")
 # Tokenizer and generation files copied into a package when the tokenizer directory has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
