@@ -91,6 +91,35 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+def gemm_ceiling(src: Path, rows: int, threads: int) -> float:
+    """Decode tokens/s that ``rows`` concurrent streams could reach at most on this machine: the
+    seconds of one step's weight matmuls alone (every linear layer and the LM head at M=rows,
+    fp32, best of two weight layouts each, nothing else: no attention, no framework, no server)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(threads)
+    m = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
+    total = 0.0
+    with torch.no_grad():
+        for _, mod in m.named_modules():
+            if not isinstance(mod, torch.nn.Linear):
+                continue
+            w = mod.weight.detach()  # [out, in]
+            wt = w.t().contiguous()  # [in, out]
+            x = torch.randn(rows, w.shape[1])
+            best = float("inf")
+            for f in (lambda: torch.nn.functional.linear(x, w), lambda: x @ wt):
+                for _ in range(2):
+                    f()
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    f()
+                best = min(best, (time.perf_counter() - t0) / 5)
+            total += best
+    return rows / total
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=64)
@@ -141,6 +170,7 @@ def main():
         single = asyncio.run(run_streams(plan.url, plan.name, ps[:1], a.tokens))[0]
         many = asyncio.run(run_streams(plan.url, plan.name, ps[:a.streams], a.tokens))
         hf_round()
+        ceiling = gemm_ceiling(src, a.streams, eng)  # the server is idle
     finally:
         stop(proc)
         log.close()
@@ -161,6 +191,8 @@ def main():
         "ttft_p50_s": statistics.median(r["ttft"] for r in many),
         "ttft_p99_s": pct([r["ttft"] for r in many], 99),
     }
+    res["gemm_ceiling_streams_tok_s"] = ceiling
+    res["ratio_gemm_ceiling_vs_hf_batch_same_threads"] = ceiling / (a.hf_batch * a.tokens / hfbs[eng])
     res["ratio_streams_vs_hf_batch"] = res["api_streams_tok_s"] / res["hf_batch_tok_s"]
     res["ratio_single_vs_hf_single"] = res["api_single_tok_s"] / res["hf_single_tok_s"]
     # like for like: HF with the engine's thread count
@@ -179,6 +211,9 @@ def main():
     print(f"  API {a.streams} concurrent streams      {res['api_streams_tok_s']:8.1f} tok/s   "
           f"ratio {res['ratio_streams_vs_hf_batch']:.2f}x vs HF batch {a.hf_batch} (target >= 4x; "
           f"{res['ratio_streams_vs_hf_batch_same_threads']:.2f}x vs HF on {eng} thread(s))")
+    print(f"  ceiling: the weight matmuls of one {a.streams}-row step alone, {eng} thread(s): "
+          f"{ceiling:8.1f} tok/s = {res['ratio_gemm_ceiling_vs_hf_batch_same_threads']:.2f}x HF batch "
+          f"{a.hf_batch} (a {a.streams}-stream ratio above this is impossible here)")
     print(f"  TTFT single {res['ttft_single_s'] * 1e3:.0f} ms; {a.streams} streams p50 "
           f"{res['ttft_p50_s'] * 1e3:.0f} ms, p99 {res['ttft_p99_s'] * 1e3:.0f} ms")
     print(f"  server start to healthy (incl. warm-up of every bucket) {res['server_startup_s']:.0f} s")

@@ -224,7 +224,7 @@ def test_mla_absorbed_decode_equals_expanded_prefill():
                       "v_head_dim": vd, "rope_interleave": True}}
     arch = type("A", (), {"rope_theta": 10000.0, "rope_scaling": None})()
     w = {"wkv_b": torch.randn(D, r, H * (nope + vd), dtype=torch.float64)}
-    cache = torch.zeros(D, 16, 1, r + rope, dtype=torch.float64)
+    cache = torch.zeros(D, 1, 16, r + rope, dtype=torch.float64)  # [D, heads, slots, dim]
     kvn = torch.randn(D, S, r + rope, dtype=torch.float64)
     q = torch.randn(D, S, H * (nope + rope), dtype=torch.float64)
 

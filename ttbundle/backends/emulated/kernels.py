@@ -177,28 +177,31 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     cos, sin = _rope_tables(ctx, hd, lt.get("rope_theta", a.rope_theta), lt.get("rope_scaling", a.rope_scaling))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
-    cache = ctx.kv[layer]
+    cache = ctx.kv[layer]  # [D, kvh, slots, hd]
     wsel, wslots = _writes(ctx)
     kk, vv = (k, v) if wsel is None else (k[:, wsel], v[:, wsel])
-    cache["k"][:, wslots] = kk.to(cache["k"].dtype)
-    cache["v"][:, wslots] = vv.to(cache["v"].dtype)
+    cache["k"][:, :, wslots] = kk.transpose(1, 2).to(cache["k"].dtype)
+    cache["v"][:, :, wslots] = vv.transpose(1, 2).to(cache["v"].dtype)
 
     N, Tq = ctx.positions.shape
-    K = cache["k"][:, ctx.context_slots].to(q.dtype)  # [D, N, S, kvh, hd]
-    V = cache["v"][:, ctx.context_slots].to(q.dtype)
-    kvh = K.shape[3]
-    Q = q.view(D, N, Tq, kvh, -1, hd)  # query heads grouped under their KV head
-    scores = torch.einsum("dnqkge,dnske->dnkgqs", Q, K) * lt.get("attn_scale", hd ** -0.5)
+    S = ctx.context_slots.shape[1]
+    kvh = cache["k"].shape[1]
+    flat = ctx.context_slots.reshape(-1)
+    K = cache["k"].index_select(2, flat).view(D, kvh, N, S, hd).to(q.dtype)
+    V = cache["v"].index_select(2, flat).view(D, kvh, N, S, hd).to(q.dtype)
+    g = q.shape[2] // kvh  # query heads grouped under their KV head
+    Q = q.view(D, N, Tq, kvh, g, hd).permute(0, 3, 1, 4, 2, 5).reshape(D, kvh, N, g * Tq, hd)
+    scores = (Q @ K.transpose(-1, -2)).view(D, kvh, N, g, Tq, S) * lt.get("attn_scale", hd ** -0.5)
     scores = softcap(scores, lt.get("attn_softcap"))
-    scores = scores.masked_fill(~_mask(ctx, lt.get("window"))[None, :, None, None], float("-inf"))
+    scores = scores.masked_fill(~_mask(ctx, lt.get("window"))[None, None, :, None], float("-inf"))
     sinks = W("sinks", layer)
     if sinks is not None:  # an extra logit per head that takes probability mass, then dropped
-        sink = sinks.view(D, 1, kvh, -1, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
+        sink = sinks.view(D, kvh, 1, g, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
         p = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(q.dtype)
     else:
         p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    o = torch.einsum("dnkgqs,dnske->dnqkge", p, V)
-    return o.reshape(D, T, -1)
+    o = (p.reshape(D, kvh, N, g * Tq, S) @ V).view(D, kvh, N, g, Tq, hd)
+    return o.permute(0, 2, 4, 1, 3, 5).reshape(D, T, -1)
 
 
 def swiglu(ctx: Ctx, layer: int, g, u):

@@ -70,10 +70,12 @@ class EmulatedModel:
     # -- KV cache -----------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
         """One cache per KV entry of the family (k and v, or MLA's latent) per layer, laid out
-        [D, num_blocks * block_size, heads on this device, head_dim]; slot = block * size + offset."""
+        [D, heads on this device, num_blocks * block_size, head_dim]; slot = block * size + offset.
+        Heads outermost: a batch's context gathered along the slot dim is already laid out for
+        one batched matmul per (device, head), with no copy to permute it."""
         layers = []
         for _ in range(self.arch.num_hidden_layers):
-            layers.append({e["name"]: torch.zeros(self.ops.D, num_blocks * block_size, e["device_shape"][1],
+            layers.append({e["name"]: torch.zeros(self.ops.D, e["device_shape"][1], num_blocks * block_size,
                                                   e["device_shape"][3], dtype=self.dtype, device=self.device)
                            for e in self.plan.kv["entries"]})
         return KVCache(layers, num_blocks, block_size)

@@ -63,13 +63,13 @@ def mla_attention(ctx: Ctx, layer: int, q, kvn):
     q_rope = apply_rope(q_rope, cos, sin)
     k_rope = apply_rope(k_rope[:, :, None], cos, sin)[:, :, 0]
 
-    cache = ctx.kv[layer][LATENT_CACHE]  # [D, slots, 1, r + rope]
+    cache = ctx.kv[layer][LATENT_CACHE][:, 0]  # [D, 1, slots, r + rope] -> [D, slots, r + rope]
     wsel, wslots = _writes(ctx)
-    new = torch.cat([latent, k_rope], dim=-1)[:, :, None]
+    new = torch.cat([latent, k_rope], dim=-1)
     cache[:, wslots] = (new if wsel is None else new[:, wsel]).to(cache.dtype)
 
     N, Tq = ctx.positions.shape
-    C = cache[:, ctx.context_slots, 0].to(q.dtype)  # [D, N, S, r + rope]
+    C = cache[:, ctx.context_slots].to(q.dtype)  # [D, N, S, r + rope]
     c_lat, c_rope = C[..., :r], C[..., r:]
     scale = lt.get("attn_scale", (nope + rope) ** -0.5)
     mask = ~_mask(ctx, None)[None, :, None]  # [1, N, 1, Tq, S]
