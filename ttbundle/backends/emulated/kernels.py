@@ -119,7 +119,7 @@ class Ctx:
     valid: torch.Tensor  # [N, Tq] bool
     slots: torch.Tensor  # [N*Tq] cache slot per token, -1 = do not write
     context_slots: torch.Tensor  # [N, S] cache slots of each sequence's context
-    kv: list  # per layer: {"k": [D, slots, kvh, hd], "v": ...}
+    kv: list  # per layer: {"k": [D, kvh, slots, hd], "v": ...}
     dtype: torch.dtype
     cache: dict = field(default_factory=dict)  # rope tables etc. shared across layers
     units: object = None  # callable (tensor, dim) -> [D, L] global units each device holds (-1 = pad)

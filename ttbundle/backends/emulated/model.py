@@ -24,7 +24,7 @@ from .meshops import MeshOps
 
 @dataclass
 class KVCache:
-    layers: list  # per layer {"k": [D, num_blocks * block, kvh, hd], "v": ...}
+    layers: list  # per layer {"k": [D, kvh, num_blocks * block, hd], "v": ...}
     num_blocks: int
     block_size: int
 
