@@ -7,7 +7,13 @@ compute on both sides. Prompts of --prompt tokens, --tokens output tokens each (
 transformers runs in this process while the server is idle, before and after the API runs, with
 the engine's torch thread count and with all cores; ratios are against its best time (and, in
 brackets, against its best with the engine's thread count). The server's engine
-uses TTBUNDLE_EMULATED_THREADS (default: all cores but one: the API server process needs one).
+uses TTBUNDLE_EMULATED_THREADS (default: every core this process may use).
+
+It also measures, while the server is idle, the **ceiling** for the 16 streams on this machine:
+one 16-row step's weight matmuls alone (each weight read once, as a real step does), i.e. the
+tokens/s no implementation of this model in fp32 can beat here. Set TTBUNDLE_STEP_LOG=FILE to get
+the engine's per-step log (phase, rows, bucket, seconds) and split the wall time into model time
+and everything else.
 
 Prints (target in brackets, from issue 5):
   aggregate output tok/s, 16 concurrent streams via the API / HF generate at batch 8  [>= 4x]
@@ -92,32 +98,35 @@ def pct(xs, q):
 
 
 def gemm_ceiling(src: Path, rows: int, threads: int) -> float:
-    """Decode tokens/s that ``rows`` concurrent streams could reach at most on this machine: the
-    seconds of one step's weight matmuls alone (every linear layer and the LM head at M=rows,
-    fp32, best of two weight layouts each, nothing else: no attention, no framework, no server)."""
+    """Decode tokens/s that ``rows`` concurrent streams could reach at most on this machine: one
+    step's weight matmuls alone (every linear layer, then the LM head, at M=rows, fp32, each
+    weight read once per step as a real step does: 640 MB do not stay in cache; best of the two
+    weight layouts), with nothing else: no attention, no framework, no server."""
     import torch
     import transformers
 
     torch.set_num_threads(threads)
     m = transformers.AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32).eval()
-    total = 0.0
+    ws = [mod.weight.detach() for _, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)]
+    del m
+    xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in ws}}
+    best = float("inf")
     with torch.no_grad():
-        for _, mod in m.named_modules():
-            if not isinstance(mod, torch.nn.Linear):
-                continue
-            w = mod.weight.detach()  # [out, in]
-            wt = w.t().contiguous()  # [in, out]
-            x = torch.randn(rows, w.shape[1])
-            best = float("inf")
-            for f in (lambda: torch.nn.functional.linear(x, w), lambda: x @ wt):
-                for _ in range(2):
-                    f()
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    f()
-                best = min(best, (time.perf_counter() - t0) / 5)
-            total += best
-    return rows / total
+        for layout in ("[out, in]", "[in, out]"):
+            mats = ws if layout == "[out, in]" else [w.t().contiguous() for w in ws]
+            mul = ((lambda x, w: torch.nn.functional.linear(x, w)) if layout == "[out, in]"
+                   else (lambda x, w: x @ w))
+
+            def step():
+                for w in mats:
+                    mul(xs[w.shape[1] if layout == "[out, in]" else w.shape[0]], w)
+            step()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                step()
+            best = min(best, (time.perf_counter() - t0) / 5)
+            del mats
+    return rows / best
 
 
 def main():
