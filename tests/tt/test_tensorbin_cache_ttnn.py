@@ -91,7 +91,10 @@ def shard_values(pkg: Path, d: int, key: str) -> np.ndarray:
     info = json.loads(head["__metadata__"]["ttbundle"])["tensors"][key]
     if info["encoding"] == "bf16":
         bits = np.frombuffer(raw, dtype=np.uint16).astype(np.uint32) << 16
-        return bits.view(np.float32).reshape(info["shape"])
+        shp = info["shape"]
+        if info.get("transposed"):  # stored in the checkpoint's [out, in] order
+            return bits.view(np.float32).reshape(shp[:-2] + shp[:-3:-1]).swapaxes(-1, -2)
+        return bits.view(np.float32).reshape(shp)
     return blockfloat.decode_array(raw, info["shape"], info["encoding"])
 
 
