@@ -26,7 +26,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import InvalidInput
-from .fsutil import TEMPLATE_DIR
+from .fsutil import TEMPLATE_DIR, hash_file
 
 ROOT = Path(__file__).resolve().parent
 # What each field is, for `cache explain`.
@@ -177,18 +177,9 @@ def source_records(files: list[Path], previous: list[dict] | None, base: Path) -
     return out
 
 
-def blake3_file(path: Path, chunk: int = 1 << 22) -> str:
+def blake3_file(path: Path) -> str:
     import blake3
-    h = blake3.blake3()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-    return h.hexdigest()
+    return hash_file(path, blake3.blake3())
 
 
 def fill_digests(records: list[dict], on_bytes=None) -> None:

@@ -1,5 +1,5 @@
 """Files: atomic writes (temp file beside the target, fsync, rename), reading user input files,
-and where the jinja2 templates live."""
+hashing a file, and where the jinja2 templates live."""
 
 from __future__ import annotations
 
@@ -51,6 +51,20 @@ def read_user_text(path: str | Path, what: str) -> str:
         raise InvalidInput(f"{path}: no such {what}") from None
     except (OSError, UnicodeDecodeError) as e:
         raise InvalidInput(f"{path}: cannot read {what}: {e}") from None
+
+
+def hash_file(path: str | Path, h, chunk: int = 1 << 22) -> str:
+    """``h`` (a hashlib-style object: sha256, blake3, ...) over the file's bytes, read 4 MiB at a
+    time into one reused buffer; its hex digest."""
+    buf = bytearray(chunk)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            h.update(view[:n])
+    return h.hexdigest()
 
 
 def _template_dir() -> Path:

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import InvalidInput, TTBundleError
-from .fsutil import TEMPLATE_DIR
+from .fsutil import TEMPLATE_DIR, hash_file
 
 FORMAT = "ttbundle.package/1"
 WEIGHTS_FORMAT = "ttbundle.weights/1"
@@ -404,17 +404,8 @@ class ShardFile:
 
 
 # ---- manifest and verification ---------------------------------------------------------------------
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while True:
-            n = f.readinto(buf)
-            if not n:
-                break
-            h.update(view[:n])
-    return h.hexdigest()
+def sha256_file(path: Path) -> str:
+    return hash_file(path, hashlib.sha256())
 
 
 def read_manifest(pkg: Path) -> dict:
