@@ -153,7 +153,30 @@ def test_engine_config_caps_limits_to_the_package(make_package):
     pkg, _ = make_package("llama", "N150")
     cfg = EngineArgs(model=str(pkg), dtype="float32", max_num_seqs=256).create_engine_config()
     assert cfg.model_config.max_model_len == 256 and cfg.scheduler_config.max_num_seqs == 32
-    assert cfg.cache_config.block_size == 32 and not cfg.cache_config.enable_prefix_caching
+    assert cfg.cache_config.block_size == 32 and cfg.cache_config.enable_prefix_caching  # vLLM's default kept
+    off = EngineArgs(model=str(pkg), dtype="float32", enable_prefix_caching=False).create_engine_config()
+    assert not off.cache_config.enable_prefix_caching  # and the user's --no-enable-prefix-caching too
     assert cfg.scheduler_config.scheduler_cls == "ttbundle.runtime.scheduler.PhaseScheduler"
     assert cfg.parallel_config.worker_cls == "ttbundle.runtime.worker.TTWorker"
     assert cfg.model_config.hf_config.architectures == ["TTLlamaForCausalLM"]
+
+
+def test_prefix_caching_reuses_blocks_and_keeps_tokens_exact(engine):
+    """Two prompts that share their first 5 KV blocks: the second request's prefill starts after
+    the shared blocks (vLLM's prefix cache handed them over), and its greedy tokens still equal
+    transformers' — the reused KV is the right KV."""
+    llm, sched, runner, src = engine
+    block = runner.block_size
+    shared = [(3 + 11 * i) % 480 + 9 for i in range(5 * block)]
+    a = shared + [17, 18, 19, 20, 21, 22, 23]
+    b = shared + [301, 302, 303]
+    n0 = len(runner.step_log)
+    (oa,) = _generate(llm, [{"prompt_token_ids": a}], dict(max_tokens=6, temperature=0, ignore_eos=True))
+    n1 = len(runner.step_log)
+    (ob,) = _generate(llm, [{"prompt_token_ids": b}], dict(max_tokens=6, temperature=0, ignore_eos=True))
+    first_a = [s for s in list(runner.step_log)[n0:n1] if s.phase == "prefill"][0]
+    first_b = [s for s in list(runner.step_log)[n1:] if s.phase == "prefill"][0]
+    assert first_a.rows[0][1] == 0
+    assert first_b.rows[0][1] == 5 * block, first_b.rows  # started after the 5 shared blocks
+    assert list(oa.outputs[0].token_ids) == hf_greedy(src, a, 6)
+    assert list(ob.outputs[0].token_ids) == hf_greedy(src, b, 6)

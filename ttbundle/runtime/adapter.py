@@ -37,7 +37,7 @@ class BundleModel:
     tt_arch: str | None = None
 
     model_capabilities = {
-        "supports_prefix_caching": False,
+        "supports_prefix_caching": True,
         "supports_async_decode": False,
         "supports_sample_on_device": True,
     }

@@ -161,7 +161,11 @@ def configure(vllm_config, emulated: bool) -> None:
         _fail(f"--block-size {cc.block_size}: the package's KV cache uses blocks of "
               f"{rt.kv_block_size} tokens (runtime.kv_block_size)")
     cc.block_size = rt.kv_block_size
-    cc.enable_prefix_caching = False
+    # prefix caching: vLLM hands a request the blocks of an earlier one with the same leading
+    # tokens and schedules the rest as a prefill starting mid-prompt, which the emulated mesh's
+    # chunked prefill already does (tested against transformers). On the device path a prefill
+    # that starts on a cached block has not been exercised, so it stays off there.
+    cc.enable_prefix_caching = bool(cc.enable_prefix_caching) and emulated
     chunk = bk.prefill_chunk or max(bk.prefill)
     sc.enable_chunked_prefill = True
     sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs, chunk)
