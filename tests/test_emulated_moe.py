@@ -176,6 +176,24 @@ def test_bf16_pcc_bound_wherever_the_routing_agrees(family, mesh, routing):
             assert si > 0 or s.pcc >= 0.95, s
     if not flips:
         assert r.passed, r.diverging()
+    # the report applies the same rule itself, from choices it recorded on its own
+    assert r.routing["choices"] == choices and r.routing["flipped"] == flipped
+    assert {(labels.index(st), li) for st, li in r.routing["flips"]} == flips
+    assert r.passed, r.diverging()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_routing_rule_still_fails_a_real_bug(family):
+    """A dropped expert all-reduce in bf16 is not excused as routing flips: the check fails and
+    names the first MoE layer of the prefill."""
+    b = tiny(family)
+    p = planmod.make_plan(b, "T3K")
+    kind = b.family.layers(b.arch)[-1].name
+    bad = _drop_step(p, kind, lambda s: s.kind == "all_reduce" and s.act == "moe_out")
+    r = run_check(b, "T3K", steps=4, dtype="bf16", random_weights=True, plan=bad)
+    assert not r.passed
+    d = r.diverging()
+    assert d is not None and (d.step, d.layer) == ("prefill", moe_layers(b)[0])
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -282,3 +300,23 @@ def test_topk_softmax_and_clamped_swiglu_match_hf():
     ours = moe_kernels.clamped_swiglu(ctx, 0, moe.gate_up_deinterleave([gu], None)[None, :, None])
     torch.testing.assert_close(ours[0, :, 0], ref)
     assert (gu.abs() > cfg.swiglu_limit).any()  # the clamps were exercised
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cli_check_bf16_reports_expert_choices(family, tmp_path, runner):
+    import json
+
+    from ttbundle.cli import app
+    b = tiny(family)
+    path = tmp_path / f"{family}.yaml"
+    path.write_text(yaml.safe_dump(b.spec.model_dump(mode="json", exclude_none=True)))
+    res = runner.invoke(app, ["check", str(path), "--mesh", "T3K", "--dtype", "bf16", "--steps", "8",
+                              "--random-weights", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.output)
+    r = rep["routing"]
+    assert rep["passed"] and r["choices"] > 0 and r["flipped"] <= 0.1 * r["choices"]
+    assert r["moe_layers"] == moe_layers(b)
+    res = runner.invoke(app, ["check", str(path), "--mesh", "T3K", "--dtype", "bf16", "--steps", "4",
+                              "--random-weights"])
+    assert res.exit_code == 0 and "expert choices:" in res.output, res.output

@@ -4,6 +4,13 @@ Both run the same weights on the same tokens: a prompt (chunked by the bundle's 
 then ``steps`` greedy decode steps in which both are fed the reference's token. Per layer and
 step we compare the residual stream (max-abs error, PCC) and the greedy token. Pass: fp32 -> every
 greedy token identical; bf16 -> every layer's PCC >= 0.99 (and tokens are reported).
+
+Mixture-of-experts families (``Family.hf_router``) also record every token's expert choice on
+both sides. In bf16 a router near-tie can pick another expert on either side (transformers' own
+bf16 does so against its fp32), and another expert is another function, so a step whose token
+flipped can fall below the bound without a bug. The bf16 rule there: flips are rare (at most
+``MAX_FLIP_SHARE`` of the choices), every layer below the bound follows a flip in the same step
+at that layer or before it, and the prefill stays >= ``PCC_MIN_PREFILL_FLIPPED`` regardless.
 """
 
 from __future__ import annotations
@@ -14,6 +21,8 @@ from .errors import InvalidInput
 from .plan import make_plan
 
 PCC_MIN_BF16 = 0.99
+MAX_FLIP_SHARE = 0.1
+PCC_MIN_PREFILL_FLIPPED = 0.95
 
 
 def pcc(a, b) -> float:
@@ -46,6 +55,22 @@ class CheckReport:
     emu_tokens: list[int]
     layers: list[LayerStat] = field(default_factory=list)
     shapes_run: list = field(default_factory=list)
+    #: MoE only: {"moe_layers", "choices", "flipped", "flips": [(step label, layer)]}
+    routing: dict | None = None
+
+    def _explained(self, s: LayerStat) -> bool:
+        """A layer below the bf16 bound that a routing flip accounts for (module docstring)."""
+        if not self.routing:
+            return False
+        flips = {tuple(f) for f in self.routing["flips"]}
+        if not any((s.step, li) in flips for li in self.routing["moe_layers"] if li <= s.layer):
+            return False
+        return s.step != "prefill" or s.pcc >= PCC_MIN_PREFILL_FLIPPED
+
+    @property
+    def flips_ok(self) -> bool:
+        r = self.routing
+        return not r or r["flipped"] <= MAX_FLIP_SHARE * r["choices"]
 
     @property
     def tokens_agree(self) -> bool:
@@ -71,12 +96,12 @@ class CheckReport:
     def passed(self) -> bool:
         if self.dtype == "fp32":
             return self.tokens_agree
-        return all(s.pcc >= PCC_MIN_BF16 for s in self.layers)
+        return self.flips_ok and all(s.pcc >= PCC_MIN_BF16 or self._explained(s) for s in self.layers)
 
     def diverging(self) -> LayerStat | None:
         """The first (step, layer) that explains a failure."""
         if self.dtype == "bf16":
-            return self.first_bad_layer(PCC_MIN_BF16)
+            return next((s for s in self.layers if s.pcc < PCC_MIN_BF16 and not self._explained(s)), None)
         bad = self.first_bad_layer(0.9999)
         return bad or (min(self.layers, key=lambda s: s.pcc) if self.layers else None)
 
@@ -91,6 +116,8 @@ class CheckReport:
                                                        "pcc": d.pcc, "max_abs": d.max_abs},
             "layers": [s.__dict__ for s in self.layers],
             "shapes_run": [list(s) for s in sorted(self.shapes_run)],
+            "routing": None if self.routing is None else {**self.routing,
+                                                          "flips": [list(f) for f in self.routing["flips"]]},
         }
 
 
@@ -141,8 +168,17 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
 
     # reference: per-layer outputs via forward hooks (independent of hidden_states conventions)
     cap: list = []
+    decoder = _decoder_layers(hf)
     hooks = [layer.register_forward_hook(lambda m, i, o: cap.append((o[0] if isinstance(o, tuple) else o)))
-             for layer in _decoder_layers(hf)]
+             for layer in decoder]
+    router = bundle.family.hf_router
+    routes: dict = {"hf": [], "emu": []}  # (layer, [set of experts per token]) in call order
+    if router:
+        for li, layer in enumerate(decoder):
+            for m in layer.modules():
+                if type(m).__name__ == router[0]:
+                    hooks.append(m.register_forward_hook(
+                        lambda m, i, o, li=li: routes["hf"].append((li, [set(r) for r in o[2].tolist()]))))
     ref_layers, ref_tokens = [], []
     try:
         with torch.no_grad():
@@ -163,7 +199,17 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
         for h in hooks:
             h.remove()
 
-    model = EmulatedModel(bundle, plan, canon, dtype=tdtype, device=device)
+    kernels = None
+    if router:
+        from .backends.emulated.kernels import KERNELS
+        base = KERNELS[router[1]]
+
+        def route(ctx, layer, scores):  # device 0's routing weights: nonzero = chosen
+            r = base(ctx, layer, scores)
+            routes["emu"].append((layer, [set(torch.nonzero(row).flatten().tolist()) for row in r[0]]))
+            return r
+        kernels = {router[1]: route}
+    model = EmulatedModel(bundle, plan, canon, dtype=tdtype, device=device, kernels=kernels)
     runner = Runner(model)
     blocks = list(range(runner.max_blocks))
     emu_layers: list = []
@@ -187,4 +233,38 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
         for li, (r, e) in enumerate(zip(r_layers, e_layers)):
             r, e = r.float().cpu(), e.float().cpu().reshape(r.shape)
             report.layers.append(LayerStat(label, li, float((r - e).abs().max()), pcc(r, e)))
+    if router:
+        report.routing = _routing(routes, prompt_len, chunk, steps)
     return report
+
+
+def _routing(routes: dict, prompt_len: int, chunk: int, steps: int) -> dict:
+    """Both sides' expert choices per (step, MoE layer, token) compared: the prefill's chunks
+    joined and bucket padding dropped on the emulated side."""
+    hf, emu = routes["hf"], routes["emu"]
+    moe = sorted({li for li, _ in hf})
+    n = len(moe)
+    if not n or len(hf) != n * steps:
+        raise RuntimeError(f"router calls: {len(hf)} for {n} MoE layers x {steps} steps")
+    n_chunks = -(-prompt_len // chunk)
+    lens = [min(chunk, prompt_len - c * chunk) for c in range(n_chunks)]
+    if len(emu) != n * (n_chunks + steps - 1):
+        raise RuntimeError(f"emulated router calls: {len(emu)}, expected {n * (n_chunks + steps - 1)}")
+    emu_steps = [{li: sum((emu[c * n + k][1][:lens[c]] for c in range(n_chunks)), [])
+                  for k, li in enumerate(moe)}]
+    for st in range(steps - 1):
+        base = (n_chunks + st) * n
+        emu_steps.append({li: emu[base + k][1][:1] for k, li in enumerate(moe)})
+    flips, flipped, choices = [], 0, 0
+    for si in range(steps):
+        label = "prefill" if si == 0 else f"decode {si}"
+        for k, li in enumerate(moe):
+            h, e = hf[si * n + k][1], emu_steps[si][li]
+            if len(h) != len(e):
+                raise RuntimeError(f"{label} layer {li}: {len(h)} reference tokens, {len(e)} emulated")
+            bad = sum(a != b for a, b in zip(h, e))
+            choices += len(h)
+            flipped += bad
+            if bad:
+                flips.append((label, li))
+    return {"moe_layers": moe, "choices": choices, "flipped": flipped, "flips": flips}

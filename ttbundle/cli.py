@@ -171,7 +171,7 @@ def check(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
     Exit 0 when they agree (fp32: identical greedy tokens; bf16: PCC >= 0.99 per layer),
     1 otherwise, naming the first diverging layer."""
     from . import plan as planmod, spec as specmod
-    from .check import run_check
+    from .check import MAX_FLIP_SHARE, run_check
     try:
         bundle = specmod.load(spec)
         target = _targets(bundle, mesh)[0]
@@ -197,6 +197,11 @@ def check(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
         out.print(t)
         agree = sum(a == b for a, b in zip(report.ref_tokens, report.emu_tokens))
         out.print(f"greedy tokens: {agree}/{len(report.ref_tokens)} identical")
+        if report.routing:
+            r = report.routing
+            out.print(f"expert choices: {r['choices'] - r['flipped']}/{r['choices']} identical "
+                      f"(a flip explains a bf16 layer below the bound; at most "
+                      f"{MAX_FLIP_SHARE:.0%} may differ: docs/check.md)")
         if report.passed:
             out.print("[green]check passed[/]")
         else:

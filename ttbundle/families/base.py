@@ -256,6 +256,10 @@ class Family:
 
     #: model_type of the HF config this family maps to (for building the reference model)
     hf_model_type: ClassVar[str] = ""
+    #: mixture of experts: (class name of the HF router module, whose output's item 2 holds each
+    #: token's top-k expert indices; name of the emulated routing kernel, whose output's nonzero
+    #: entries are the chosen experts). `ttbundle check` records both sides' choices with them.
+    hf_router: ClassVar[tuple[str, str] | None] = None
 
     def to_hf_config(self, a) -> dict:
         """An HF config dict for ``a`` (the numerical reference is built from it)."""

@@ -93,6 +93,7 @@ class DeepseekV3(Family):
     name = "deepseek_v3"
     hf_model_type = "deepseek_v3"
     hf_architectures = ("DeepseekV3ForCausalLM",)
+    hf_router = ("DeepseekV3TopkRouter", "group_topk")
     arch_model = DeepseekV3Arch
     summary = "DeepSeek-V3/R1: MLA with latent KV cache, group-limited sigmoid MoE + shared experts"
     hf_keys = tuple(k for k in Family.hf_keys if k not in ("num_key_value_heads", "head_dim")) + (

@@ -60,6 +60,7 @@ class GptOss(Family):
     name = "gpt_oss"
     hf_model_type = "gpt_oss"
     hf_architectures = ("GptOssForCausalLM",)
+    hf_router = ("GptOssTopKRouter", "topk_softmax")
     arch_model = GptOssArch
     summary = "gpt-oss-20b/120b: attention sinks, alternating sliding/full attention, MoE, YaRN"
     hf_keys = Family.hf_keys + ("num_local_experts", "num_experts_per_tok", "sliding_window", "layer_types",
