@@ -42,7 +42,8 @@ from . import __version__, cache, lower as lowermod
 from .errors import EXIT_DOES_NOT_FIT, InvalidInput, TTBundleError
 from .package import (MANIFEST, METADATA, FORMAT, ST_DTYPE, WEIGHTS_FORMAT, PackageError, ShardFile,
                       encoded_nbytes, hf_config_json, metadata_json, module_name, package_path,
-                      read_manifest, render_adapter, render_readme, tensor_key, tt_arch, weight_file)
+                      read_manifest, render_adapter, render_readme, stored_shape, tensor_key, tt_arch,
+                      weight_file)
 from .plan import Plan, axes_of, make_plan
 
 STATE_DIR = ".ttbundle"  # under out_dir: locks and temp dirs (not a package folder)
@@ -471,13 +472,14 @@ class _Builder:
         units = {n: [lowermod.shard_units(d, axes_of(e), mesh, bundle.spec.sharding)
                      for d, e in zip(decls[n].dims, plan.specs[n])] for n in decls}
         # one header per device, computed before any tensor is read
+        transform = {n.tensor: n.transform for n in fam.hf_names(a)}
         entries, layout = [], {}
         for name, layer, sources in jobs:
             t = tp[name]
             key = tensor_key(name, layer)
             nbytes = encoded_nbytes(t.device_shape, t.dtype)
-            flip = _stored_transposed(fam, a, decls[name], sources, t.dtype)
-            shape = (_swap_last(t.device_shape) if flip else t.device_shape) if t.dtype == "bf16" else [nbytes]
+            flip = _stored_transposed(transform[name], decls[name], sources, t.dtype)
+            shape = stored_shape(t.device_shape, flip) if t.dtype == "bf16" else [nbytes]
             entries.append((key, ST_DTYPE[t.dtype], shape, nbytes))
             layout[key] = {"tensor": name, "layer": layer, "encoding": t.dtype, "shape": t.device_shape,
                            "global_shape": list(decls[name].shape),
@@ -508,7 +510,7 @@ class _Builder:
             pool = _BufferPool(2 * cap)
             for i, (name, layer, sources) in enumerate(jobs):
                 t = tp[name]
-                c, nread = _read_canonical(ck, fam, a, decls[name], layer, sources, t.dtype)
+                c, nread = _read_canonical(ck, transform[name], a, decls[name], layer, sources, t.dtype)
                 self.res.bytes_read += nread
                 key = tensor_key(name, layer)
                 written = 0
@@ -726,18 +728,21 @@ class _Canon:
         return k
 
 
-def _read_canonical(ck, fam, a, decl, layer, sources, dtype: str):
-    """One canonical tensor from its checkpoint tensors. ``t``/``id`` of a single source stay a
-    view of the source (mmap); other transforms run on the source dtype and are materialized.
-    Returns (_Canon, bytes read)."""
+def _is_view(tf: str, sources) -> bool:
+    """A canonical tensor that is one checkpoint tensor as it is or transposed: read as a view."""
+    return tf in ("t", "id") and len(sources) == 1 and "{e}" not in sources[0][0]
+
+
+def _read_canonical(ck, tf: str, a, decl, layer, sources, dtype: str):
+    """One canonical tensor from its checkpoint tensors (``tf``: its name-table transform).
+    ``t``/``id`` of a single source stay a view of the source (mmap); other transforms run on
+    the source dtype and are materialized. Returns (_Canon, bytes read)."""
     import torch
 
     from .families import transforms
 
-    table = {n.tensor: n for n in fam.hf_names(a)}
-    tf = table[decl.name].transform
     where = f"{decl.name}{'' if layer is None else f' (layer {layer})'}"
-    if tf in ("t", "id") and len(sources) == 1 and "{e}" not in sources[0][0]:
+    if _is_view(tf, sources):
         x = ck.get(sources[0][1][0])
         shape = tuple(x.shape)
         if tf == "t" and x.dim() >= 2:
@@ -787,20 +792,14 @@ class _BufferPool:
                 self.held += flat.numel()
 
 
-def _stored_transposed(fam, a, decl, sources, dtype: str) -> bool:
+def _stored_transposed(tf: str, decl, sources, dtype: str) -> bool:
     """Whether a tensor's shards keep the checkpoint's element order (HF ``[out, in]``) instead of
     the canonical ``[in, out]``: bf16 tensors that are one checkpoint tensor transposed. Their
     shards are then plain cuts of the source (no transpose; often contiguous, written straight
     from the mmap) and the weights header marks them ``"transposed": true``; readers transpose
     back (``package._decode``: a view). Block floats are always stored in device order: their
     tiles share exponents along the device's rows."""
-    tf = {n.tensor: n for n in fam.hf_names(a)}[decl.name].transform
-    return (dtype == "bf16" and tf == "t" and len(sources) == 1 and "{e}" not in sources[0][0]
-            and len(decl.shape) >= 2)
-
-
-def _swap_last(shape) -> list:
-    return list(shape[:-2]) + [shape[-1], shape[-2]]
+    return dtype == "bf16" and tf == "t" and _is_view(tf, sources) and len(decl.shape) >= 2
 
 
 class _Countdown:

@@ -25,6 +25,7 @@ front, reads packages back (:func:`load_package`) and verifies them (:func:`veri
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import json
 import keyword
@@ -322,23 +323,24 @@ WRITE_PIECE = 1 << 19
 WRITEBACK_EVERY = 16 << 20
 
 
+@functools.cache
+def _sync_file_range():
+    """libc's ``sync_file_range`` (Linux), or None."""
+    import ctypes
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
 def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
     """``sync_file_range(SYNC_FILE_RANGE_WRITE)``: queue the range for writeback without waiting
-    (Linux; elsewhere a no-op, and the final fsync does all the work)."""
-    global _sync_file_range
-    if _sync_file_range is None:
-        try:
-            import ctypes
-            fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-            fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            _sync_file_range = fn
-        except (OSError, AttributeError):
-            _sync_file_range = False
-    if _sync_file_range:
-        _sync_file_range(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE
-
-
-_sync_file_range = None
+    (elsewhere a no-op, and the final fsync does all the work)."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, nbytes, 2)  # SYNC_FILE_RANGE_WRITE
 
 
 class ShardFile:
@@ -553,6 +555,12 @@ def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
         shape[k] = -1
         idx.append(pos[keep].view(shape))
     g[tuple(idx)] = shard
+
+
+def stored_shape(shape, transposed: bool) -> list:
+    """The shape a bf16 shard has in its weights file: the device shape, or with its last two dims
+    swapped when the header marks it ``"transposed"`` (kept in the checkpoint's element order)."""
+    return list(shape[:-2]) + [shape[-1], shape[-2]] if transposed else list(shape)
 
 
 def _decode(t, info: dict):

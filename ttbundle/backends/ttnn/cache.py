@@ -30,7 +30,7 @@ import numpy as np
 
 from ... import tensorbin
 from ...cache import code_digest, digest
-from ...package import weight_file
+from ...package import stored_shape, weight_file
 from .layout import TILE, device_shape
 
 FORMAT = "ttbundle.tensorbin/1"
@@ -110,7 +110,7 @@ def host_bytes(raw: bytes, shape, encoding: str, layout: str,
     if encoding in ("bfp8", "bfp4"):
         return raw, shp  # already ttnn's tiles (ttbundle.blockfloat)
     if transposed:  # bf16 bit patterns, stored [..., out, in]
-        stored = list(shape[:-2]) + [shape[-1], shape[-2]]
+        stored = stored_shape(shape, True)
         a = np.ascontiguousarray(np.frombuffer(raw, dtype=np.uint16).reshape(stored).swapaxes(-1, -2))
     else:
         a = np.frombuffer(raw, dtype=np.uint16).reshape(shape)  # bf16 bit patterns
