@@ -17,21 +17,13 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from test_build import make_checkpoint, make_tokenizer, spec_text
+from test_build import ckpt, spec_text  # noqa: F401  (ckpt: the shared checkpoint fixture)
 from ttbundle import build as buildmod, mockcluster, package, plan as planmod, spec as specmod, tensorbin
 from ttbundle.backends.ttnn import cache, mappers
 from ttbundle.cli import app
 from ttbundle.errors import InvalidInput
 
 DTYPES = "  dtypes: {mlp: bfp8, attention: bfp4}\n"
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("ckpt")
-    make_checkpoint(d)
-    make_tokenizer(d)
-    return d
 
 
 def write_spec(tmp: Path, ckpt: Path) -> Path:
