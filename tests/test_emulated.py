@@ -138,20 +138,6 @@ def test_collectives_match_per_device_loops(name):
             torch.testing.assert_close(g[d], torch.cat([x[e] for e in order], dim=1))
 
 
-def test_shard_positions_replicate_kv_heads_follow_query_groups():
-    m = meshmod.resolve("T3K")
-    ops = MeshOps(m)
-    pol = spec.Sharding(kv_heads="replicate")
-    pos = ops.shard_positions(Dim("num_key_value_heads", 2, 4), ("cols",), pol)
-    # 8 query heads over 8 devices, 2 KV heads: devices 0-3 use KV head 0, devices 4-7 head 1
-    expected = [[0, 1, 2, 3]] * 4 + [[4, 5, 6, 7]] * 4
-    assert pos.tolist() == expected
-    padded = ops.shard_positions(Dim("vocab_size", 10), ("cols",), spec.Sharding())
-    assert padded.shape == (8, 2)
-    assert padded.flatten().tolist()[:10] == list(range(10))
-    assert (padded.flatten()[10:] == -1).all()
-
-
 # ---- whole models vs transformers -------------------------------------------------------------
 @pytest.mark.parametrize("family", sorted(TINY))
 @pytest.mark.parametrize("mesh", MESHES)

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import __version__, cache, lower as lowermod
+from . import __version__, cache, layout as layoutmod, lower as lowermod
 from .errors import EXIT_DOES_NOT_FIT, InvalidInput, TTBundleError
 from .package import (MANIFEST, METADATA, FORMAT, ST_DTYPE, WEIGHTS_FORMAT, PackageError, ShardFile,
                       encoded_nbytes, hf_config_json, metadata_json, module_name, package_path,
@@ -469,7 +469,7 @@ class _Builder:
         jobs = read_plan(fam, a, ck.keys())
         tp = {t.name: t for t in plan.tensors}
         decls = {t.name: t for t in fam.tensors(a)}
-        units = {n: [lowermod.shard_units(d, axes_of(e), mesh, bundle.spec.sharding)
+        units = {n: [layoutmod.units(d, axes_of(e), mesh, bundle.spec.sharding)
                      for d, e in zip(decls[n].dims, plan.specs[n])] for n in decls}
         # one header per device, computed before any tensor is read
         transform = {n.tensor: n.transform for n in fam.hf_names(a)}
@@ -835,14 +835,13 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
             if len(units) == dim.size and units == tuple(range(dim.size)):
                 continue
             sk = c.dim(k)
-            run = lowermod.unit_runs(list(units))
+            run = layoutmod.unit_runs(units)
             if run is not None:
                 v = v.narrow(sk, run[0] * dim.unit, run[1] * dim.unit)
                 continue
-            u = torch.tensor(units, dtype=torch.long)
-            pos = (u[:, None] * dim.unit + torch.arange(dim.unit)[None, :]).reshape(-1)
+            pos = torch.tensor(layoutmod.elements(units, dim.unit), dtype=torch.long)
             v = v.index_select(sk, pos.clamp(min=0))
-            if bool((u < 0).any()):
+            if bool((pos < 0).any()):
                 pads.append((k, (pos < 0).nonzero().reshape(-1)))
         if keep_source_order:
             if dtype != "bf16":

@@ -7,8 +7,7 @@ region the captured program needs. The result depends only on the arch, the reso
 dtypes, the runtime's KV settings, the mesh, the phase and the bucket, never on the other buckets,
 so adding a bucket leaves every other program byte-identical (``cache`` keys rely on that).
 
-``shard_units`` says which units of a tensor dim each device holds (the same rules as
-``plan.shard_dim``); ``build`` splits weights with it and ``package`` puts them back together.
+Which elements each device holds is ``layout``'s rule; shapes here come from it.
 
 Shapes: activations are ``[rows, *features]`` per device, ``rows`` = prefill bucket tokens (one
 sequence) or the decode batch padded to a tile row of 32 (tt_transformers pads decode rows to 32).
@@ -19,8 +18,9 @@ from __future__ import annotations
 import math
 
 from .families.base import Combine, Dim, Embed, Linear, Local, Logits, Norm, Residual
-from .mesh import AXES, Mesh
-from .plan import ACT_BYTES, TILE, TRACE_BYTES_PER_OP, Plan, axes_of, shard_dim
+from .layout import local_len
+from .mesh import AXES
+from .plan import ACT_BYTES, TILE, TRACE_BYTES_PER_OP, Plan
 
 FORMAT = "ttbundle.program/1"
 PHASES = ("prefill", "decode")
@@ -28,60 +28,6 @@ PHASES = ("prefill", "decode")
 
 def _round_up(a: int, b: int) -> int:
     return -(-a // b) * b
-
-
-# ---- which units of a dim each device holds ----------------------------------------------------
-def group_index(mesh: Mesh, axes: tuple[str, ...]) -> tuple[list[int], int]:
-    """Each device's index within its group over ``axes`` (rows-major, devices in mesh order
-    ``d = r * cols + c``) and the group size."""
-    idx, n = [0] * mesh.num_devices, 1
-    for ax in axes:
-        size = mesh.axis_size(ax)
-        for d in range(mesh.num_devices):
-            coord = d // mesh.cols if ax == "rows" else d % mesh.cols
-            idx[d] = idx[d] * size + coord
-        n *= size
-    return idx, n
-
-
-def shard_units(d: Dim, axes: tuple[str, ...], mesh: Mesh, policy) -> list[list[int]]:
-    """Per device, the global unit indices of dim ``d`` it holds (``-1`` = a zero padding unit).
-
-    Even split: device ``i`` of its group holds units ``[i*per, (i+1)*per)``. Replicated KV heads
-    (``sharding.kv_heads: replicate``): the head its query heads use. Padded dims (heads, or the
-    vocabulary in whole tiles): the dim is zero-padded at the end, then split evenly."""
-    if not axes:
-        return [list(range(d.size))] * mesh.num_devices
-    per, _, err = shard_dim(d, axes, mesh, policy)
-    if err:
-        raise ValueError(err)
-    idx, n = group_index(mesh, axes)
-    if d.name == "num_key_value_heads" and d.size % n and n % d.size == 0 \
-            and getattr(policy, "kv_heads", None) == "replicate":
-        return [[i * d.size // n] for i in idx]
-    out = []
-    for i in idx:
-        units = [i * per + k for k in range(per)]
-        out.append([u if u < d.size else -1 for u in units])
-    return out
-
-
-def unit_runs(units: list[int]) -> tuple[int, int] | None:
-    """``(first, count)`` when ``units`` is one contiguous run without padding, else None."""
-    if not units or units[0] < 0 or units != list(range(units[0], units[0] + len(units))):
-        return None
-    return units[0], len(units)
-
-
-def local_len(d: Dim, axes: tuple[str, ...], mesh: Mesh, policy) -> int:
-    """Per-device elements of dim ``d`` split over ``axes``."""
-    if not axes:
-        return d.length
-    units, _, err = shard_dim(d, axes, mesh, policy)
-    if err:  # activations of a plan that resolved always split; defensive
-        n = math.prod(mesh.axis_size(a) for a in axes)
-        return -(-d.length // n)
-    return units * d.unit
 
 
 # ---- the trace set -----------------------------------------------------------------------------
@@ -256,5 +202,4 @@ def summary(program: dict) -> dict:
             "collective_traffic_bytes": t["collective_traffic_bytes"]}
 
 
-__all__ = ["AXES", "FORMAT", "PHASES", "group_index", "local_len", "lower", "program_name",
-           "shard_units", "summary", "trace_set", "traced", "unit_runs"]
+__all__ = ["AXES", "FORMAT", "PHASES", "lower", "program_name", "summary", "trace_set", "traced"]

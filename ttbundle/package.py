@@ -489,13 +489,13 @@ class PackageWeights:
     (``canonical()``, what ``EmulatedModel`` takes)."""
 
     def __init__(self, pkg: Path, bundle, plan):
-        from .lower import shard_units
+        from . import layout
         self.pkg, self.bundle, self.plan = pkg, bundle, plan
         self.mesh = plan.mesh
         self.decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
         self.dtypes = {t.name: t.dtype for t in plan.tensors}
-        self.units = {n: [shard_units(d, _axes(e), self.mesh, bundle.spec.sharding)
-                          for d, e in zip(t.dims, plan.specs[n])] for n, t in self.decls.items()}
+        self.units = {n: layout.tensor_units(t.dims, plan.specs[n], self.mesh, bundle.spec.sharding)
+                      for n, t in self.decls.items()}
 
     def files(self) -> list[Path]:
         return [self.pkg / weight_file(d) for d in range(self.mesh.num_devices)]
@@ -532,23 +532,14 @@ class PackageWeights:
         return out
 
 
-def _axes(e) -> tuple:
-    return () if e is None else (e,) if isinstance(e, str) else tuple(e)
-
-
-def _elem_index(units: list[int], unit: int):
-    """Element positions (global, -1 padding) of a list of units."""
-    import torch
-    u = torch.tensor(units, dtype=torch.long)
-    pos = u[:, None] * unit + torch.arange(unit)[None, :]
-    return torch.where(u[:, None] >= 0, pos, torch.full_like(pos, -1)).reshape(-1)
-
-
 def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
     """Write a device's shard back into global ``g`` (padding positions skipped)."""
+    import torch
+
+    from .layout import elements
     idx = []
-    for k, (units, d) in enumerate(zip(units_per_dim, dims)):
-        pos = _elem_index(units, d.unit)
+    for k, (us, d) in enumerate(zip(units_per_dim, dims)):
+        pos = torch.tensor(elements(us, d.unit), dtype=torch.long)
         keep = (pos >= 0).nonzero().reshape(-1)
         shard = shard.index_select(k, keep)
         shape = [1] * g.dim()

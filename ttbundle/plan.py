@@ -17,6 +17,8 @@ from . import mesh as meshmod
 from .errors import Diagnostic, InvalidInput
 from .families.base import (Combine, Dim, Embed, Linear, Local, Logits, Norm, Residual,
                             TensorDecl)
+from . import layout as layoutmod
+from .layout import axes_of
 from .mesh import AXES, Mesh
 
 TILE = 32
@@ -36,15 +38,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _round_up(a: int, b: int) -> int:
     return _cdiv(a, b) * b
-
-
-def axes_of(entry) -> tuple[str, ...]:
-    """PartitionSpec entry -> tuple of axis names (``()`` = replicated)."""
-    if entry is None:
-        return ()
-    if isinstance(entry, str):
-        return (entry,)
-    return tuple(entry)
 
 
 def fmt_entry(entry) -> str:
@@ -233,51 +226,6 @@ def _target_key(names, mesh_name: str) -> str:
     return mesh_name
 
 
-def _divisors_hint(size: int, n: int) -> str:
-    divs = [d for d in (1, 2, 4, 8, 16, 32) if size % d == 0 and d != n]
-    return ", ".join(map(str, divs[-3:]))
-
-
-def shard_dim(d: Dim, axes: tuple[str, ...], mesh: Mesh, policy) -> tuple[int, str | None, str | None]:
-    """Per-device units of ``d`` split over ``axes``; returns (units, note, error)."""
-    n = math.prod(mesh.axis_size(x) for x in axes) if axes else 1
-    # the vocabulary splits in whole 32-wide tiles (Sharding.vocab), other dims in whole units
-    quantum = n * TILE if d.name == "vocab_size" and n > 1 else n
-    if n == 1 or d.size % quantum == 0:
-        return d.size // n, None, None
-    where = f"mesh axis {'*'.join(axes)}={n} ({mesh.describe()})"
-    arith = f"{d.name}={d.size} is not divisible by {where}"
-    if d.size % n == 0:
-        arith = (f"{d.name}={d.size} over {where} is {d.size // n} per device, not whole "
-                 f"{TILE}-wide tiles ({d.size} is not a multiple of {n}*{TILE}={quantum})")
-    if d.name == "num_key_value_heads" and policy.kv_heads != "error":
-        if policy.kv_heads == "replicate" and n % d.size == 0:
-            return 1, f"each KV head replicated on {n // d.size} devices", None
-        if policy.kv_heads == "pad" or n % d.size:
-            padded = _round_up(d.size, n)
-            if policy.kv_heads == "pad":
-                return padded // n, f"KV heads padded {d.size} -> {padded}", None
-            return 0, None, (f"{arith}, and {n} is not a multiple of {d.size} so heads cannot be "
-                             f"replicated; use sharding.kv_heads: pad, or a mesh axis that divides "
-                             f"or is a multiple of {d.size}")
-    if d.name == "num_attention_heads" and policy.attention_heads == "pad":
-        padded = _round_up(d.size, n)
-        return padded // n, f"query heads padded {d.size} -> {padded}", None
-    if d.name == "vocab_size" and policy.vocab == "pad":
-        padded = _round_up(d.size, quantum)
-        return padded // n, f"vocab padded {d.size} -> {padded}", None
-    fixes = {"num_attention_heads": "sharding.attention_heads: pad",
-             "num_key_value_heads": "sharding.kv_heads: replicate or pad",
-             "vocab_size": "sharding.vocab: pad"}
-    tiles = d.size // TILE if quantum != n and d.size % TILE == 0 else None
-    hint = _divisors_hint(tiles or d.size, n)
-    fix = [f"replicate that dim (null)", f"a mesh whose axis divides {d.size}"
-           + (f" into {TILE}-wide tiles" if quantum != n else "") + (f" (e.g. {hint})" if hint else "")]
-    if d.name in fixes:
-        fix.insert(0, fixes[d.name])
-    return 0, None, f"{arith}; fix: {' or '.join(fix)}"
-
-
 def _layout(t: TensorDecl) -> str:
     return "TILE" if t.kind == "matrix" else "ROW_MAJOR"
 
@@ -292,16 +240,7 @@ class _Act:
     def local_elems(self, mesh: Mesh, policy=None) -> int:
         """Elements per token on one device, by the same rules as weight shards (a replicated
         KV head is one whole head per device; padded dims count their padding)."""
-        e = 1
-        for d, ax in zip(self.dims, self.spec):
-            if policy is not None:
-                units, _, err = shard_dim(d, ax, mesh, policy)
-                if not err:
-                    e *= units * d.unit
-                    continue
-            n = math.prod(mesh.axis_size(x) for x in ax) if ax else 1
-            e *= _cdiv(d.length, n)
-        return e
+        return math.prod(layoutmod.local_len(d, ax, mesh, policy) for d, ax in zip(self.dims, self.spec))
 
 
 @dataclass(frozen=True)
@@ -454,7 +393,8 @@ def _shard_tensors(bundle, mesh: Mesh):
             for x in ax:
                 if x not in AXES:  # schema already limits this; defensive for API callers
                     raise InvalidInput(f"{t.name}: unknown mesh axis {x!r}; axes are rows, cols")
-            units, note, err = shard_dim(d, ax, mesh, s.sharding)
+            sp = layoutmod.split(d, ax, mesh, s.sharding)
+            units, note, err = sp.per_device, sp.note, sp.error
             if err:
                 key = (d.name, ax)
                 at = origin[t.name] or (("targets", target_idx) if target_idx is not None else ("targets",))
@@ -527,7 +467,7 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
             # the cache is split like the activation the attention op sees (after any gather)
             ax = _seen_by_attention(programs, tname)
             ax = axes_of(specs[tname][di]) if ax is None else ax
-            units, _, _ = shard_dim(e.heads, ax, mesh, s.sharding)
+            units = layoutmod.split(e.heads, ax, mesh, s.sharding).per_device
         else:
             units = e.heads.size
         shape = [blocks, units, rt.kv_block_size, e.head_dim]

@@ -27,6 +27,9 @@ class Dim:
     name: str
     size: int
     unit: int = 1
+    #: query heads grouped under this many KV heads (grouped-query attention): a device holds the
+    #: query heads of the KV heads it holds (``layout`` owns the rule); 0 = not grouped
+    groups: int = 0
 
     @property
     def length(self) -> int:
@@ -334,18 +337,24 @@ class Family:
 
 
 # ---- helpers shared by families ----------------------------------------------------------------
+def query_heads(a, unit: int) -> Dim:
+    """The query-head dim of grouped-query attention: ``unit`` elements per head, grouped under
+    the KV heads (so padding and replication keep each head with its KV head)."""
+    return Dim("num_attention_heads", a.num_attention_heads, unit, groups=a.kv_heads)
+
+
 def attention_tensors(a, layers: tuple[int, int], bias: bool = False, qk_norm: bool = False) -> list[TensorDecl]:
     H, KV, hd, d = a.num_attention_heads, a.kv_heads, a.hd, a.hidden_size
     hid = Dim("hidden_size", d)
     t = [
-        TensorDecl("wq", "attention", (hid, Dim("num_attention_heads", H, hd)), layers, "query projection"),
+        TensorDecl("wq", "attention", (hid, query_heads(a, hd)), layers, "query projection"),
         TensorDecl("wk", "attention", (hid, Dim("num_key_value_heads", KV, hd)), layers, "key projection"),
         TensorDecl("wv", "attention", (hid, Dim("num_key_value_heads", KV, hd)), layers, "value projection"),
-        TensorDecl("wo", "attention", (Dim("num_attention_heads", H, hd), hid), layers, "output projection"),
+        TensorDecl("wo", "attention", (query_heads(a, hd), hid), layers, "output projection"),
     ]
     if bias:
         t += [
-            TensorDecl("bq", "norms", (Dim("num_attention_heads", H, hd),), layers, "query bias", "vector"),
+            TensorDecl("bq", "norms", (query_heads(a, hd),), layers, "query bias", "vector"),
             TensorDecl("bk", "norms", (Dim("num_key_value_heads", KV, hd),), layers, "key bias", "vector"),
             TensorDecl("bv", "norms", (Dim("num_key_value_heads", KV, hd),), layers, "value bias", "vector"),
         ]

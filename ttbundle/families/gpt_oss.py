@@ -77,7 +77,7 @@ class GptOss(Family):
 
         t = base.embedding_tensors(a) + base.attention_tensors(a, L, bias=a.attention_bias)
         t += base.norm_tensors(a, L)
-        t.append(vec("sinks", (Dim("num_attention_heads", a.num_attention_heads),), "per-head attention sink logit"))
+        t.append(vec("sinks", (base.query_heads(a, 1),), "per-head attention sink logit"))
         if a.attention_bias:
             t.append(vec("bo", (hid,), "output projection bias"))
         return t + [TensorDecl("router", "router", (hid, E), L, "router logits"),

@@ -8,13 +8,12 @@ mesh would: a wrong sharding plan produces wrong numbers here.
 
 from __future__ import annotations
 
-import math
-
 import torch
 
+from ... import layout
 from ...families.base import Dim
+from ...layout import axes_of
 from ...mesh import AXES, Mesh
-from ...plan import axes_of
 
 
 class MeshOps:
@@ -25,40 +24,14 @@ class MeshOps:
         self.device = torch.device(device)
         self._index_cache: dict = {}
 
-    # -- shard indices ------------------------------------------------------------------------
-    def group_index(self, axes: tuple[str, ...]) -> tuple[torch.Tensor, int]:
-        """Each device's position within its group over ``axes`` (rows-major), and group size."""
-        r = torch.arange(self.D) // self.C
-        c = torch.arange(self.D) % self.C
-        coord = {"rows": r, "cols": c}
-        idx, n = torch.zeros(self.D, dtype=torch.long), 1
-        for ax in axes:
-            size = self.mesh.axis_size(ax)
-            idx, n = idx * size + coord[ax], n * size
-        return idx, n
-
+    # -- shard indices (layout's rule as index tensors) ---------------------------------------
     def shard_positions(self, d: Dim, axes: tuple[str, ...], policy) -> torch.Tensor:
-        """[D, local_len] element positions along a dim of length ``d.length`` for each device;
-        ``-1`` marks padding (zeros). Same rules as ``plan.shard_dim``."""
-        key = (d, axes, getattr(policy, "kv_heads", None), getattr(policy, "attention_heads", None),
-               getattr(policy, "vocab", None))
-        if key in self._index_cache:
-            return self._index_cache[key]
-        idx, n = self.group_index(axes)
-        unit = d.unit
-        if n == 1 or d.size % n == 0:
-            per = d.size // n
-            units = idx[:, None] * per + torch.arange(per)[None, :]
-        elif d.name == "num_key_value_heads" and getattr(policy, "kv_heads", "") == "replicate" \
-                and n % d.size == 0:
-            units = (idx * d.size // n)[:, None]  # the KV head this device's query heads use
-        else:  # padded: units beyond d.size are zeros
-            per = -(-d.size // n)
-            units = idx[:, None] * per + torch.arange(per)[None, :]
-            units = torch.where(units < d.size, units, torch.full_like(units, -1))
-        pos = units[:, :, None] * unit + torch.arange(unit)[None, None, :]
-        pos = torch.where(units[:, :, None] >= 0, pos, torch.full_like(pos, -1)).reshape(self.D, -1)
-        self._index_cache[key] = pos.to(self.device)
+        """[D, local_len] element positions along ``d`` for each device; ``-1`` marks padding
+        (zeros). ``layout.positions`` as a tensor."""
+        key = ("pos", d, axes_of(axes), layout._policy_key(policy))
+        if key not in self._index_cache:
+            pos = layout.positions(d, axes, self.mesh, policy)
+            self._index_cache[key] = torch.tensor(pos, dtype=torch.long, device=self.device)
         return self._index_cache[key]
 
     def take(self, x: torch.Tensor, dim: int, pos: torch.Tensor) -> torch.Tensor:
@@ -92,44 +65,33 @@ class MeshOps:
 
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...], dim: int, feature: Dim | None = None,
                    policy=None) -> torch.Tensor:
-        """Concatenate dim ``dim`` (of ``x``, counting the device dim) over ``axes``, rows-major.
+        """Concatenate dim ``dim`` (of ``x``, counting the device dim) over ``axes`` in group
+        order (``layout.group_of``); every member of a group gets the result.
 
         With ``feature`` (the gathered dim's declaration) the result is put back in global order:
-        padding dropped and replicated shards (KV heads) taken once."""
+        padding dropped and replicated shards (KV heads) taken once (``layout.gather_index``)."""
         out = self._concat(x, axes, dim)
         if feature is None:
             return out
-        pos = self.shard_positions(feature, axes, policy)  # [D, L]
-        idx, n = self.group_index(axes)
-        first = [int((idx == k).nonzero()[0]) for k in range(n)]
-        flat = pos[first].reshape(-1)  # position in the global dim of each concatenated element
-        if bool((flat == torch.arange(flat.numel(), device=flat.device)).all()):
-            return out
-        inv = torch.empty(feature.length, dtype=torch.long, device=flat.device)
-        valid = flat >= 0
-        src = torch.arange(flat.numel(), device=flat.device)[valid]
-        inv[flat[valid]] = src  # replicas hold identical values: any copy serves
-        return out.index_select(dim, inv)
+        key = ("gather", feature, axes_of(axes), layout._policy_key(policy))
+        if key not in self._index_cache:
+            inv = layout.gather_index(feature, axes, self.mesh, policy)
+            self._index_cache[key] = None if inv is None else torch.tensor(inv, dtype=torch.long,
+                                                                             device=self.device)
+        inv = self._index_cache[key]
+        return out if inv is None else out.index_select(dim, inv)
 
     def _concat(self, x: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
-        g = x.view(self.R, self.C, *x.shape[1:])
-        d = dim + 1  # in g, dims 0 and 1 are (rows, cols)
-        if axes == ("cols",):
-            parts = [g[:, c] for c in range(self.C)]  # each [R, ...]
-            full = torch.cat(parts, dim=d - 1)
-            out = full.unsqueeze(1).expand(self.R, self.C, *full.shape[1:])
-        elif axes == ("rows",):
-            parts = [g[r] for r in range(self.R)]  # each [C, ...]
-            full = torch.cat(parts, dim=d - 1)
-            out = full.unsqueeze(0).expand(self.R, self.C, *full.shape[1:])
-        else:
-            order = [(r, c) for r in range(self.R) for c in range(self.C)]
-            if axes == ("cols", "rows"):
-                order = [(r, c) for c in range(self.C) for r in range(self.R)]
-            full = torch.cat([g[r, c] for r, c in order], dim=d - 2)
-            out = full.expand(self.R, self.C, *full.shape)
-        return out.reshape(self.D, *out.shape[2:])
+        key = ("groups", axes_of(axes))
+        if key not in self._index_cache:
+            gs = layout.groups(self.mesh, axes)
+            member_of = {d: gi for gi, g in enumerate(gs) for d in g}
+            self._index_cache[key] = (torch.tensor(gs, dtype=torch.long, device=self.device),
+                                      torch.tensor([member_of[d] for d in range(self.D)], device=self.device))
+        gs, member_of = self._index_cache[key]
+        G, n = gs.shape
+        parts = x.index_select(0, gs.reshape(-1)).view(G, n, *x.shape[1:])  # [G, n, ...]
+        # concatenate the n members along dim (dim counts the device dim: in parts it is dim + 1)
+        full = torch.cat(parts.unbind(1), dim=dim)  # [G, ..., n * L, ...]
+        return full.index_select(0, member_of)
 
-
-def group_size(mesh: Mesh, axes) -> int:
-    return math.prod(mesh.axis_size(a) for a in axes_of(axes)) if axes else 1
