@@ -26,7 +26,7 @@ from bench_model import SPEC  # noqa: E402  (the benchmark model, shared by the 
 
 
 def emulated_decode(bundle, canon, mesh, prompt, n, device):
-    model = EmulatedModel(bundle, planmod.make_plan(bundle, mesh), canon, device=device)
+    model = EmulatedModel.from_canonical(bundle, planmod.make_plan(bundle, mesh), canon, device=device)
     r = Runner(model)
     pt = list(range(r.max_blocks))
     with torch.no_grad():

@@ -128,7 +128,7 @@ def test_round_trip_package_tokens_match_check_and_hf(tmp_path, ckpt, mesh):
 
     steps, prompt_len = 6, 70  # two prefill chunks of 64
     report = run_check(bundle, mesh, steps=steps, prompt_len=prompt_len)
-    model = EmulatedModel(pkg.bundle, pkg.plan, pkg.weights.canonical(torch.float32))
+    model = EmulatedModel.from_package(pkg)
     runner = Runner(model)
     prompt = torch.randint(0, bundle.arch.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(1)).tolist()  # run_check's prompt
@@ -152,8 +152,8 @@ def test_device_shards_are_the_emulated_backends_shards(tmp_path, ckpt):
     bundle = specmod.load(write_spec(tmp_path, ckpt))
     res = buildmod.build(bundle, "T3K", tmp_path / "out", warmup=False)
     pkg = package.load_package(res.package)
-    emu = EmulatedModel(bundle, pkg.plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
-                        dtype=torch.bfloat16)
+    emu = EmulatedModel.from_canonical(bundle, pkg.plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
+                                       dtype=torch.bfloat16)
     for d in (0, 5):
         dev = pkg.weights.device(d)
         for name in ("wq", "w2", "embed", "attn_norm", "wk"):
@@ -386,8 +386,8 @@ def test_block_float_shards_are_device_tiles(tmp_path, ckpt):
     bundle = specmod.load(spec)
     res = buildmod.build(bundle, "T3K", tmp_path / "out", warmup=False)
     pkg = package.load_package(res.package, verify=True)
-    emu = EmulatedModel(bundle, pkg.plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
-                        dtype=torch.bfloat16)
+    emu = EmulatedModel.from_canonical(bundle, pkg.plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
+                                       dtype=torch.bfloat16)
     from safetensors import safe_open
     with safe_open(str(Path(res.package) / package.weight_file(3)), framework="pt") as f:
         w1 = f.get_tensor("w1.0")

@@ -11,6 +11,8 @@ import torch
 from ttbundle import mesh as meshmod, plan as planmod, spec
 from ttbundle.backends.emulated.meshops import MeshOps
 from ttbundle.check import run_check
+
+from pkg_mutations import drop_first, edit_programs
 from ttbundle.errors import InvalidInput
 from ttbundle.families.base import Dim
 
@@ -165,33 +167,17 @@ def test_a_plan_that_splits_inputs_differently_still_computes_right():
     p = planmod.make_plan(b, "T3K")
     kinds = [(c.op, c.kind) for c in p.collectives]
     assert ("rope + attention", "all_gather") in kinds
-    r = run_check(b, "T3K", steps=8, random_weights=True, plan=p)
+    r = run_check(b, "T3K", steps=8, random_weights=True)
     assert r.tokens_agree
 
 
-def _drop_step(p, layer_kind: str, predicate):
-    programs = []
-    dropped = 0
-    for kind, count, steps in p.programs:
-        if kind == layer_kind and not dropped:
-            keep = []
-            for s in steps:
-                if not dropped and predicate(s):
-                    dropped += 1
-                    continue
-                keep.append(s)
-            steps = keep
-        programs.append((kind, count, steps))
-    assert dropped == 1
-    return dataclasses.replace(p, programs=programs)
-
-
 def test_missing_collective_is_caught_and_located():
-    # the row-parallel wo without its all-reduce: every device adds only its partial sum
+    # the row-parallel wo without its all-reduce, deleted from the package's programs (manifest
+    # re-hashed): every device adds only its partial sum
     b = tiny("llama")
-    p = planmod.make_plan(b, "T3K")
-    bad = _drop_step(p, "decoder", lambda s: s.kind == "all_reduce" and s.act == "attn_out")
-    r = run_check(b, "T3K", steps=4, random_weights=True, plan=bad)
+    hook = lambda pkg: edit_programs(pkg, "decoder", drop_first(  # noqa: E731
+        lambda s: s.get("collective") == "all_reduce" and s["act"] == "attn_out"))
+    r = run_check(b, "T3K", steps=4, random_weights=True, package_hook=hook)
     assert not r.passed
     d = r.diverging()
     assert (d.step, d.layer) == ("prefill", 0)
@@ -199,24 +185,19 @@ def test_missing_collective_is_caught_and_located():
 
 
 def test_wrong_gather_order_is_caught():
-    # gather the embedding's hidden shards in the wrong order: numbers change
-    b = tiny("llama")
-    p = planmod.make_plan(b, "T3K")
-    swapped = []
-    for kind, count, steps in p.programs:
-        steps = [dataclasses.replace(s, axes=("cols", "rows")) if s.kind == "all_gather" else s for s in steps]
-        swapped.append((kind, count, steps))
-    ok = run_check(b, "T3K", steps=2, random_weights=True, plan=dataclasses.replace(p, programs=swapped))
-    assert ok.passed  # on a 1x8 mesh (cols, rows) is the same order: still right
-    p2 = planmod.make_plan(b, "TG")
-    swapped = []
-    for kind, count, steps in p2.programs:
-        steps = [dataclasses.replace(s, axes=("cols", "rows")) if s.kind == "all_gather" and len(s.axes) == 1
-                 and kind == "head" else s for s in steps]
-        swapped.append((kind, count, steps))
-    # on TG the head's vocab gather over cols is single-axis; forcing rows-major over both is wrong
-    r = run_check(b, "TG", steps=2, random_weights=True, plan=dataclasses.replace(p2, programs=swapped))
-    assert not r.passed
+    # the LM head's vocab split over both TG axes: its logits are gathered over (rows, cols);
+    # the same gather in the package's program as (cols, rows) puts the shards in the wrong order
+    b = tiny("llama", "sharding:\n  plan:\n    lm_head: [null, [rows, cols]]\n")
+    ok = run_check(b, "TG", steps=2, random_weights=True)
+    assert ok.passed
+
+    def swap(steps):
+        out = [dict(s, axes=s["axes"][::-1]) if s.get("collective") == "all_gather" and len(s["axes"]) == 2
+               else s for s in steps]
+        assert out != steps
+        return out
+    r = run_check(b, "TG", steps=2, random_weights=True, package_hook=lambda pkg: edit_programs(pkg, "head", swap))
+    assert not r.passed and r.first_token_divergence == 0
 
 
 def test_checkpoint_name_errors_are_loud(tmp_path):

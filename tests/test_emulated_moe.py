@@ -12,7 +12,8 @@ import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from test_emulated import COMMON, MESHES, _drop_step  # noqa: E402
+from pkg_mutations import drop_first, edit_programs  # noqa: E402
+from test_emulated import COMMON, MESHES  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss  # noqa: E402
 
@@ -144,7 +145,7 @@ def test_default_expert_parallel_plan_on_tg(family, routing):
     b = tiny(family, model, default_plan=True)
     p = planmod.make_plan(b, "TG")
     assert all(t.device_shape[0] == 1 for t in p.tensors if t.group == "experts")
-    r = run_check(b, "TG", steps=8, dtype="fp32", random_weights=True, seed=3, plan=p)
+    r = run_check(b, "TG", steps=8, dtype="fp32", random_weights=True, seed=3)
     assert r.tokens_agree and all(s.pcc > 0.99999 for s in r.layers), r.diverging()
     hf, emu = expert_sets(rec, b, r)
     assert hf == emu
@@ -187,10 +188,10 @@ def test_bf16_routing_rule_still_fails_a_real_bug(family):
     """A dropped expert all-reduce in bf16 is not excused as routing flips: the check fails and
     names the first MoE layer of the prefill."""
     b = tiny(family)
-    p = planmod.make_plan(b, "T3K")
     kind = b.family.layers(b.arch)[-1].name
-    bad = _drop_step(p, kind, lambda s: s.kind == "all_reduce" and s.act == "moe_out")
-    r = run_check(b, "T3K", steps=4, dtype="bf16", random_weights=True, plan=bad)
+    hook = lambda pkg: edit_programs(pkg, kind, drop_first(  # noqa: E731
+        lambda s: s.get("collective") == "all_reduce" and s["act"] == "moe_out"))
+    r = run_check(b, "T3K", steps=4, dtype="bf16", random_weights=True, package_hook=hook)
     assert not r.passed
     d = r.diverging()
     assert d is not None and (d.step, d.layer) == ("prefill", moe_layers(b)[0])
@@ -200,10 +201,10 @@ def test_bf16_routing_rule_still_fails_a_real_bug(family):
 def test_dropped_expert_all_reduce_is_caught(family):
     # the Combine leaves each device with its own experts' share; without the reduce it is wrong
     b = tiny(family)
-    p = planmod.make_plan(b, "T3K")
     kind = b.family.layers(b.arch)[-1].name
-    bad = _drop_step(p, kind, lambda s: s.kind == "all_reduce" and s.act == "moe_out")
-    r = run_check(b, "T3K", steps=4, random_weights=True, plan=bad)
+    hook = lambda pkg: edit_programs(pkg, kind, drop_first(  # noqa: E731
+        lambda s: s.get("collective") == "all_reduce" and s["act"] == "moe_out"))
+    r = run_check(b, "T3K", steps=4, random_weights=True, package_hook=hook)
     assert not r.passed
     d = r.diverging()
     assert (d.step, d.layer) == ("prefill", moe_layers(b)[0]) and d.pcc < 0.99

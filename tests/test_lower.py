@@ -24,7 +24,7 @@ def bundle():
 
 def programs(bundle, mesh):
     p = planmod.make_plan(bundle, mesh)
-    return p, {(ph, b): lower.lower(bundle, p, ph, b) for ph, b in lower.trace_set(bundle)}
+    return p, {(ph, b): lower.lower(bundle, p, ph, b).to_json() for ph, b in lower.trace_set(bundle)}
 
 
 @pytest.mark.parametrize("mesh", MESHES)

@@ -182,7 +182,7 @@ BUNDLES = Path(__file__).resolve().parent.parent / "bundles"
 def forwards_of(bundle, plan, sampling="device", keys=None):
     fws, traced = {}, set()
     for phase, b in keys or lowermod.trace_set(bundle):
-        fws[(phase, b)] = lowering.lower_forward(bundle, plan, lowermod.lower(bundle, plan, phase, b), sampling)
+        fws[(phase, b)] = lowering.lower_forward(bundle, plan, lowermod.lower(bundle, plan, phase, b).to_json(), sampling)
         if lowermod.traced(bundle, phase):
             traced.add((phase, b))
     return fws, traced
@@ -288,7 +288,7 @@ def test_every_program_op_kind_has_a_lowering():
         for mesh in bundle.spec.targets:
             p = planmod.make_plan(bundle, mesh)
             for phase, b in lowermod.trace_set(bundle):
-                prog = lowermod.lower(bundle, p, phase, b)
+                prog = lowermod.lower(bundle, p, phase, b).to_json()
                 kinds |= {lowering.step_kind(st) for layer in prog["layers"] for st in layer["steps"]}
     assert len(fams) == 8
     assert kinds <= set(lowering.OPS), sorted(kinds - set(lowering.OPS))
@@ -451,7 +451,7 @@ def test_every_collective_is_the_right_ccl_call(name, mesh):
     ev = [e for e in rec.events if e.fn in ("all_reduce", "all_gather")]
     want = []
     for key in keys:
-        want += _expected_ccl(bundle, p, lowermod.lower(bundle, p, *key))
+        want += _expected_ccl(bundle, p, lowermod.lower(bundle, p, *key).to_json())
     got = [(e.fn, e.kwargs["cluster_axis"], e.args[1] if e.fn == "all_gather" else None, e.kwargs["topology"].path)
            for e in ev]
     assert want, "no collective on a multi-chip mesh"
@@ -469,7 +469,7 @@ def test_gemma2_attention_is_softcapped_with_the_emulated_mask():
     cap = bundle.arch.attn_logit_softcapping
     for phase in ("prefill", "decode"):
         b = min(k[1] for k in lowermod.trace_set(bundle) if k[0] == phase)
-        fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, phase, b))
+        fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, phase, b).to_json())
         assert fw.gaps == []
         calls = [c for _, c in fw.calls()]
         fns = [c.fn for c in calls]
@@ -481,7 +481,7 @@ def test_gemma2_attention_is_softcapped_with_the_emulated_mask():
         i = fns.index("softcap")
         assert fns[i - 1] == "multiply" and fns[i + 1] == "add" and fns[i + 2] == "softmax"
     # the host-made masks equal the emulated backend's (causal, window) at the same positions
-    fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, "decode", 1))
+    fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, "decode", 1).to_json())
     R, L = fw.inputs["attn_mask"][0][0], fw.inputs["attn_mask"][0][3]
     qpos = np.full((R, 1), -1)
     qpos[0, 0] = 37
@@ -504,7 +504,7 @@ def test_mla_prefill_is_lowered_per_chunk_start():
     starts = lowering.chunk_starts(bundle, "prefill", b)
     assert starts == list(range(0, bundle.spec.runtime.max_model_len, chunk)) and len(starts) > 1
     assert lowering.chunk_starts(bundle, "decode", 1) == [0]
-    prog = lowermod.lower(bundle, p, "prefill", b)
+    prog = lowermod.lower(bundle, p, "prefill", b).to_json()
     for start in (0, starts[-1]):
         fw = lowering.lower_forward(bundle, p, prog, chunk_start=start)
         mla = [c for _, c in fw.calls() if c.fn == "transformer.chunked_flash_mla_prefill"]
@@ -519,7 +519,7 @@ def test_mla_prefill_is_lowered_per_chunk_start():
 def test_a_later_prefill_chunk_writes_its_own_blocks():
     bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
     p = planmod.make_plan(bundle, "N300")
-    fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, "prefill", 128))
+    fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, "prefill", 128).to_json())
     fills = [c for _, c in fw.calls() if c.fn == "experimental.paged_fill_cache"]
     assert fills and all(c.args[2].name == "fill_page_table" for c in fills)
     bs = p.kv["block_size"]

@@ -45,6 +45,7 @@ from .package import (MANIFEST, METADATA, FORMAT, ST_DTYPE, WEIGHTS_FORMAT, Pack
                       read_manifest, render_adapter, render_readme, stored_shape, tensor_key, tt_arch,
                       weight_file)
 from .plan import Plan, axes_of, make_plan
+from .program import Program
 
 STATE_DIR = ".ttbundle"  # under out_dir: locks and temp dirs (not a package folder)
 BACKENDS = ("emulated", "ttnn")  # ttnn: + per-device .tensorbin weight caches
@@ -599,7 +600,7 @@ class _Builder:
             art = f"program:{name}"
             reused = self.prev_art.get(art, {}).get("key") == keys[art] and self._link(rel)
             if not reused:
-                prog = lowermod.lower(self.bundle, self.plan, phase, b)
+                prog = lowermod.lower(self.bundle, self.plan, phase, b).to_json()
                 self._write(rel, (json.dumps(prog, sort_keys=True, indent=1) + "\n").encode())
             (self.res.reused if reused else self.res.rebuilt).append(art)
             self.artifacts[art] = {"key": keys[art], "files": [rel]}
@@ -654,7 +655,7 @@ class _Builder:
         progs = []
         for phase, bk in self.inp.traces:
             name = lowermod.program_name(phase, bk)
-            prog = json.loads((self.tmp / f"programs/{name}.json").read_text())
+            prog = Program.from_json(json.loads((self.tmp / f"programs/{name}.json").read_text()), name)
             s = lowermod.summary(prog)
             w = self.artifacts.get(f"warmup:{name}", {})
             s["warmed"] = "emulated" if w.get("ran") else "not warmed"
@@ -970,11 +971,11 @@ def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list
     import torch
 
     from .backends.emulated import EmulatedModel, Runner
-    from .package import PackageWeights
+    from .package import assemble
 
-    canon = PackageWeights(pkg_dir, bundle, plan).canonical(torch.float32)
-    model = EmulatedModel(bundle, plan, canon, dtype=torch.float32)
-    del canon
+    parts = assemble(pkg_dir, {}, bundle, plan.mesh,
+                     {k: f"programs/{lowermod.program_name(*k)}.json" for k in lowermod.trace_set(bundle)})
+    model = EmulatedModel.from_package(parts, dtype=torch.float32)
     # KV blocks for the longest prefill warmed (decode runs at position 0), not max_model_len
     bs = bundle.spec.runtime.kv_block_size
     need = -(-max([b for p, b in todo if p == "prefill"] + [1]) // bs) + 1

@@ -16,11 +16,14 @@ at that layer or before it, and the prefill stays >= ``PCC_MIN_PREFILL_FLIPPED``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import InvalidInput
-from .plan import make_plan
 
 PCC_MIN_BF16 = 0.99
+#: block-float packages (weights or KV cache): every layer's PCC against the bf16 reference and the
+#: teacher-forced greedy-token agreement (docs/check.md has the figures these were chosen from)
+QUANT_BOUNDS = {"bfp8": {"layer_pcc": 0.99, "top1": 0.9}, "bfp4": {"layer_pcc": 0.95, "top1": 0.6}}
 MAX_FLIP_SHARE = 0.1
 PCC_MIN_PREFILL_FLIPPED = 0.95
 
@@ -57,6 +60,30 @@ class CheckReport:
     shapes_run: list = field(default_factory=list)
     #: MoE only: {"moe_layers", "choices", "flipped", "flips": [(step label, layer)]}
     routing: dict | None = None
+    #: the package's storage: {"weights": {dtype: tensors}, "kv_cache": dtype}
+    storage: dict = field(default_factory=lambda: {"weights": {"bf16": 1}, "kv_cache": "bf16"})
+    kv_blocks: int = 0  # KV cache blocks the check allocated
+    logits_pcc: list = field(default_factory=list)  # per step: next-token logits vs the reference
+
+    @property
+    def quantized(self) -> str | None:
+        """The coarsest block-float format the package stores (weights or KV), else None."""
+        fmts = set(self.storage["weights"]) | {self.storage["kv_cache"]}
+        return "bfp4" if "bfp4" in fmts else "bfp8" if "bfp8" in fmts else None
+
+    @property
+    def top1_agreement(self) -> float:
+        """Teacher-forced: the share of steps whose greedy token equals the reference's."""
+        return sum(a == b for a, b in zip(self.ref_tokens, self.emu_tokens)) / max(1, len(self.ref_tokens))
+
+    @property
+    def bounds(self) -> dict:
+        """The pass bounds that apply (module docstring)."""
+        if self.quantized:
+            return dict(QUANT_BOUNDS[self.quantized])
+        if self.dtype == "bf16":
+            return {"layer_pcc": PCC_MIN_BF16}
+        return {"tokens": "identical"}
 
     def _explained(self, s: LayerStat) -> bool:
         """A layer below the bf16 bound that a routing flip accounts for (module docstring)."""
@@ -94,14 +121,20 @@ class CheckReport:
 
     @property
     def passed(self) -> bool:
+        if self.quantized:
+            b = self.bounds
+            return self.flips_ok and self.top1_agreement >= b["top1"] and \
+                all(s.pcc >= b["layer_pcc"] or self._explained(s) for s in self.layers)
         if self.dtype == "fp32":
             return self.tokens_agree
         return self.flips_ok and all(s.pcc >= PCC_MIN_BF16 or self._explained(s) for s in self.layers)
 
     def diverging(self) -> LayerStat | None:
         """The first (step, layer) that explains a failure."""
-        if self.dtype == "bf16":
-            return next((s for s in self.layers if s.pcc < PCC_MIN_BF16 and not self._explained(s)), None)
+        if self.quantized or self.dtype == "bf16":
+            bound = self.bounds["layer_pcc"]
+            return next((s for s in self.layers if s.pcc < bound and not self._explained(s)), None) \
+                or (min(self.layers, key=lambda s: s.pcc) if self.layers and not self.passed else None)
         bad = self.first_bad_layer(0.9999)
         return bad or (min(self.layers, key=lambda s: s.pcc) if self.layers else None)
 
@@ -116,6 +149,9 @@ class CheckReport:
                                                        "pcc": d.pcc, "max_abs": d.max_abs},
             "layers": [s.__dict__ for s in self.layers],
             "shapes_run": [list(s) for s in sorted(self.shapes_run)],
+            "storage": self.storage, "quantized": self.quantized, "bounds": self.bounds,
+            "top1_agreement": self.top1_agreement, "kv_blocks": self.kv_blocks,
+            "logits_pcc": self.logits_pcc,
             "routing": None if self.routing is None else {**self.routing,
                                                           "flips": [list(f) for f in self.routing["flips"]]},
         }
@@ -134,27 +170,59 @@ def _decoder_layers(model):
 
 
 def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_weights: bool = False,
-              seed: int = 0, prompt_len: int | None = None, device: str = "cpu", plan=None) -> CheckReport:
+              seed: int = 0, prompt_len: int | None = None, device: str = "cpu",
+              package_hook=None) -> CheckReport:
+    """``ttbundle check SPEC --mesh M``: build the package into a temporary directory, then
+    check that package (:func:`check_package`). With ``random_weights`` the checkpoint is a
+    random instance of the architecture, saved (bf16) beside it. ``package_hook(pkg_dir)`` runs
+    between the build and the check (tests mutate the package there)."""
+    import dataclasses
+    import tempfile
+
+    from . import reference
+    from .build import build
+
+    if dtype not in ("fp32", "bf16"):
+        raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
+    with tempfile.TemporaryDirectory(prefix="ttbundle-check-") as tmp:
+        tmp = Path(tmp)
+        if random_weights:
+            src = tmp / "checkpoint"
+            reference.save_random(bundle, src, seed)
+        else:
+            if bundle.spec.weights.source is None:
+                raise InvalidInput(f"{bundle.file}: weights.source is not set; give it or use --random-weights")
+            src = bundle.resolve_path(bundle.spec.weights.source)
+        w = bundle.spec.weights.model_copy(update={"source": str(src.absolute())})
+        b = dataclasses.replace(bundle, spec=bundle.spec.model_copy(update={"weights": w}))
+        res = build(b, mesh, tmp / "out", warmup=False)
+        if package_hook is not None:
+            package_hook(Path(res.package))
+        return check_package(res.package, src, steps=steps, dtype=dtype, seed=seed, prompt_len=prompt_len,
+                             device=device)
+
+
+def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", seed: int = 0,
+                  prompt_len: int | None = None, device: str = "cpu") -> CheckReport:
+    """``ttbundle check PACKAGE_DIR``: the package's own programs on its own weight bytes (bf16
+    values, bfp8/bfp4 tiles decoded as ttnn decodes them), its KV cache in its declared dtype,
+    against transformers in float32 on the checkpoint in ``reference_dir`` (rounded to bf16, the
+    package's finest storage), its KV cache stored like the package's when that is bf16."""
     import torch
 
-    from . import reference, weights
+    from . import reference
     from .backends.emulated import EmulatedModel, Runner
+    from .package import load_package
 
     if dtype not in ("fp32", "bf16"):
         raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
     tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    plan = plan or make_plan(bundle, mesh)
+    pkg = load_package(pkg_dir, verify=True)
+    bundle = pkg.bundle
     rt = bundle.spec.runtime
-    if random_weights:
-        hf = reference.random_model(bundle, seed)
-        canon = weights.from_state_dict(bundle.family, bundle.arch, reference.checkpoint_state_dict(hf))
-    else:
-        src = bundle.spec.weights.source
-        if src is None:
-            raise InvalidInput(f"{bundle.file}: weights.source is not set; give it or use --random-weights")
-        d = bundle.resolve_path(src)
-        canon = weights.load_canonical(bundle.family, bundle.arch, d)
-        hf = reference.load_model(d)
+    kv_dtype = rt.kv_cache_dtype
+    hf = reference.load_model(reference_dir)
+    reference.round_to_bf16(hf)
     hf = hf.to(tdtype).to(device)
 
     b = bundle.buckets
@@ -179,15 +247,17 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
                 if type(m).__name__ == router[0]:
                     hooks.append(m.register_forward_hook(
                         lambda m, i, o, li=li: routes["hf"].append((li, [set(r) for r in o[2].tolist()]))))
-    ref_layers, ref_tokens = [], []
+    ref_layers, ref_tokens, ref_logits = [], [], []
     try:
         with torch.no_grad():
-            out = hf(torch.tensor([prompt], device=device), use_cache=True)
+            past = reference.kv_cache(hf, kv_dtype if kv_dtype == "bf16" else None)
+            out = hf(torch.tensor([prompt], device=device), past_key_values=past, use_cache=True)
             ref_layers.append([c[0] for c in cap])
             cap.clear()
             past = out.past_key_values
             tok = int(out.logits[0, -1].argmax())
             ref_tokens.append(tok)
+            ref_logits.append(out.logits[0, -1].float().cpu())
             for _ in range(steps - 1):
                 out = hf(torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
                 ref_layers.append([c[0, 0] for c in cap])
@@ -195,6 +265,7 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
                 past = out.past_key_values
                 tok = int(out.logits[0, -1].argmax())
                 ref_tokens.append(tok)
+                ref_logits.append(out.logits[0, -1].float().cpu())
     finally:
         for h in hooks:
             h.remove()
@@ -209,13 +280,17 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
             routes["emu"].append((layer, [set(torch.nonzero(row).flatten().tolist()) for row in r[0]]))
             return r
         kernels = {router[1]: route}
-    model = EmulatedModel(bundle, plan, canon, dtype=tdtype, device=device, kernels=kernels)
-    runner = Runner(model)
-    blocks = list(range(runner.max_blocks))
+    model = EmulatedModel.from_package(pkg, dtype=tdtype, device=device, kernels=kernels)
+    # only the KV blocks this prompt and these steps need (block 0 stays unused, as vLLM's null block)
+    need = -(-(prompt_len + steps) // rt.kv_block_size)
+    runner = Runner(model, num_blocks=need + 1)
+    blocks = list(range(1, need + 1))
     emu_layers: list = []
+    emu_logits = []
     with torch.no_grad():
         logits = runner.prefill(prompt, blocks, capture=emu_layers)
         emu_tokens = [int(logits.argmax())]
+        emu_logits.append(logits.float().cpu())
         prefill_caps = [torch.cat([c[i] for c in emu_layers], dim=0) for i in range(len(emu_layers[0]))]
         per_step = [prefill_caps]
         pos = prompt_len
@@ -224,18 +299,56 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
             lg = runner.decode([ref_tokens[i]], [pos], [blocks], capture=c)
             pos += 1
             emu_tokens.append(int(lg[0].argmax()))
+            emu_logits.append(lg[0].float().cpu())
             per_step.append([x[0] for x in c[0]])
 
-    report = CheckReport(bundle.spec.name, plan.mesh.name, dtype, prompt_len, steps, ref_tokens, emu_tokens,
-                         shapes_run=sorted(runner.shapes_run))
+    report = CheckReport(bundle.spec.name, pkg.mesh.name, dtype, prompt_len, steps, ref_tokens, emu_tokens,
+                         shapes_run=sorted(runner.shapes_run), storage=storage_of(pkg),
+                         kv_blocks=runner.kv.num_blocks)
     for si, (r_layers, e_layers) in enumerate(zip(ref_layers, per_step)):
         label = "prefill" if si == 0 else f"decode {si}"
         for li, (r, e) in enumerate(zip(r_layers, e_layers)):
             r, e = r.float().cpu(), e.float().cpu().reshape(r.shape)
             report.layers.append(LayerStat(label, li, float((r - e).abs().max()), pcc(r, e)))
+    report.logits_pcc = [pcc(r, e) for r, e in zip(ref_logits, emu_logits)]
     if router:
         report.routing = _routing(routes, prompt_len, chunk, steps)
     return report
+
+
+def recorded_checkpoint(pkg_dir) -> Path:
+    """The checkpoint a package was built from, as its manifest records it (``sources.weights``),
+    if it is still there unchanged (size, and mtime/inode or else its BLAKE3 digest)."""
+    import os
+
+    from . import cache
+    from .package import read_manifest
+
+    pkg_dir = Path(pkg_dir)
+    recs = (read_manifest(pkg_dir).get("sources") or {}).get("weights") or []
+    if not recs:
+        raise InvalidInput(f"{pkg_dir}: manifest.json records no source checkpoint; give --reference DIR")
+    d = Path(recs[0]["dir"])
+    for r in recs:
+        p = d / r["name"]
+        try:
+            st = os.stat(p)
+        except OSError:
+            raise InvalidInput(f"{pkg_dir}: the checkpoint it was built from is gone ({p}); give "
+                               f"--reference DIR") from None
+        same = st.st_size == r["size"] and (st.st_mtime_ns, st.st_ino) == (r.get("mtime_ns"), r.get("ino"))
+        if not same and (st.st_size != r["size"] or cache.blake3_file(p) != r.get("blake3")):
+            raise InvalidInput(f"{pkg_dir}: {p} changed since the package was built (its BLAKE3 digest "
+                               f"differs from the manifest's); rebuild, or give --reference DIR")
+    return d
+
+
+def storage_of(pkg) -> dict:
+    """The package's storage dtypes: weights (per dtype, how many tensors) and the KV cache."""
+    counts: dict = {}
+    for r in pkg.weights.refs.values():
+        counts[r.dtype] = counts.get(r.dtype, 0) + 1
+    return {"weights": counts, "kv_cache": pkg.bundle.spec.runtime.kv_cache_dtype}
 
 
 def _routing(routes: dict, prompt_len: int, chunk: int, steps: int) -> dict:

@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from . import __version__
-from .errors import EXIT_DOES_NOT_FIT, EXIT_INVALID, TTBundleError
+from .errors import EXIT_DOES_NOT_FIT, EXIT_INVALID, InvalidInput, TTBundleError
 
 app = typer.Typer(help="Declarative model bundles for vLLM on Tenstorrent meshes.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -154,29 +154,44 @@ def init(from_hf: Path = typer.Option(..., "--from-hf", help="Hugging Face model
 
 
 @app.command()
-def check(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
-          mesh: Optional[str] = typer.Option(None, "--mesh", "-m", help="Mesh (default: first target)."),
+def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a built package directory."),
+          mesh: Optional[str] = typer.Option(None, "--mesh", "-m", help="Mesh (spec only; default: first target)."),
           steps: int = typer.Option(32, "--steps", min=1, help="Greedy decode steps to compare."),
-          dtype: str = typer.Option("fp32", "--dtype", help="fp32 (tokens must be identical) or bf16 "
-                                    "(PCC >= 0.99 per layer)."),
-          random_weights: bool = typer.Option(False, "--random-weights", help="Use a random instance of "
-                                              "the architecture instead of weights.source."),
+          dtype: str = typer.Option("fp32", "--dtype", help="Compute dtype of both sides: fp32 or bf16."),
+          random_weights: bool = typer.Option(False, "--random-weights", help="Spec only: build from a "
+                                              "random instance of the architecture instead of weights.source."),
+          reference: Optional[Path] = typer.Option(None, "--reference", help="Package only: the HF checkpoint "
+                                                   "to compare with (default: the one it was built from)."),
           seed: int = typer.Option(0, "--seed"),
           prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens (default: "
                                                    "a bit over one prefill chunk)."),
           device: str = typer.Option("cpu", "--device", help="torch device for both sides (cpu, cuda)."),
           as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")):
-    """Run the emulated mesh and Hugging Face transformers on the same weights and tokens.
+    """Run a package's programs on its own weights (emulated mesh) against Hugging Face
+    transformers on the same tokens. A spec is built into a temporary package first.
 
-    Exit 0 when they agree (fp32: identical greedy tokens; bf16: PCC >= 0.99 per layer),
+    Exit 0 when they agree (bf16 storage: identical greedy tokens in fp32, PCC >= 0.99 per layer
+    in bf16; block floats: the per-layer PCC and teacher-forced token bounds of docs/check.md),
     1 otherwise, naming the first diverging layer."""
-    from . import plan as planmod, spec as specmod
-    from .check import MAX_FLIP_SHARE, run_check
+    from . import spec as specmod
+    from .check import MAX_FLIP_SHARE, check_package, recorded_checkpoint, run_check
+    from .runtime.packages import is_package
     try:
-        bundle = specmod.load(spec)
-        target = _targets(bundle, mesh)[0]
-        report = run_check(bundle, target, steps=steps, dtype=dtype, random_weights=random_weights,
-                           seed=seed, prompt_len=prompt_len, device=device)
+        if is_package(target):
+            if mesh is not None or random_weights:
+                raise InvalidInput(f"{target}: a package is checked as built; --mesh and --random-weights "
+                                   "apply to a spec")
+            ref = reference if reference is not None else recorded_checkpoint(target)
+            report = check_package(target, ref, steps=steps, dtype=dtype, seed=seed, prompt_len=prompt_len,
+                                   device=device)
+        else:
+            if reference is not None:
+                raise InvalidInput("--reference applies to a package directory; a spec's reference is "
+                                   "its weights.source")
+            bundle = specmod.load(target)
+            name = _targets(bundle, mesh)[0]
+            report = run_check(bundle, name, steps=steps, dtype=dtype, random_weights=random_weights,
+                               seed=seed, prompt_len=prompt_len, device=device)
     except TTBundleError as e:
         fail(e)
     if as_json:
@@ -196,7 +211,11 @@ def check(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
                       f"{w.max_abs:.3g}" if w else "-", f"{w.pcc:.6f}" if w else "-")
         out.print(t)
         agree = sum(a == b for a, b in zip(report.ref_tokens, report.emu_tokens))
-        out.print(f"greedy tokens: {agree}/{len(report.ref_tokens)} identical")
+        out.print(f"greedy tokens: {agree}/{len(report.ref_tokens)} identical (teacher-forced)")
+        st = report.storage
+        out.print(f"storage: weights {', '.join(f'{k} x{v}' for k, v in sorted(st['weights'].items()))}; "
+                  f"KV cache {st['kv_cache']} ({report.kv_blocks} blocks allocated); bounds: "
+                  + ", ".join(f"{k} {v}" for k, v in report.bounds.items()))
         if report.routing:
             r = report.routing
             out.print(f"expert choices: {r['choices'] - r['flipped']}/{r['choices']} identical "
@@ -208,9 +227,11 @@ def check(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
             d = report.diverging()
             where = f"; first diverging: layer {d.layer} at {d.step} (PCC {d.pcc:.6f}, max|err| {d.max_abs:.3g})" if d else ""
             ftd = report.first_token_divergence
-            err.print(Text(f"[error] check failed: "
-                           + (f"tokens diverge at step {ftd}" if ftd is not None else "PCC below 0.99")
-                           + where))
+            why = (f"teacher-forced token agreement {report.top1_agreement:.2f} < {report.bounds['top1']}"
+                   if report.quantized and report.top1_agreement < report.bounds["top1"] else
+                   f"tokens diverge at step {ftd}" if ftd is not None and not report.quantized else
+                   f"PCC below {report.bounds.get('layer_pcc', 0.99)}")
+            err.print(Text(f"[error] check failed: {why}{where}"))
     if not report.passed:
         raise typer.Exit(1)
 

@@ -257,16 +257,15 @@ def _split_grouped(d: Dim, axes, n: int, mesh: Mesh, policy) -> Split:
     if getattr(policy, "attention_heads", "") != "pad":
         head = (f"{d.name}={d.size} is not divisible by {where}" if d.size % n else
                 f"{d.name}={d.size} over {where}")
-        return Split(0, error=(f"{head}: {why}, so the query heads "
-                               f"must be padded {d.size} -> {padded} to stay with their KV heads; "
-                               f"fix: sharding.attention_heads: pad or replicate that dim (null) or a mesh "
-                               f"axis that divides {kv}"))
+        return Split(0, error=(f"{head}; fix: sharding.attention_heads: pad or replicate that dim (null) "
+                               f"or a mesh axis that divides {kv} ({why}, so the query heads must be padded "
+                               f"{d.size} -> {padded} to stay with their KV heads)"))
     return Split(per, f"query heads padded {d.size} -> {padded} ({why})", padded_size=padded)
 
 
 @functools.lru_cache(maxsize=4096)
 def _units(d: Dim, axes: tuple[str, ...], shape: tuple[int, int], mesh: Mesh, policy_key) -> tuple:
-    policy = _Policy(*policy_key)
+    policy = Policy(*policy_key)
     n = group_size(mesh, axes)
     if n == 1:
         return (tuple(range(d.size)),) * mesh.num_devices
@@ -296,13 +295,13 @@ def _units(d: Dim, axes: tuple[str, ...], shape: tuple[int, int], mesh: Mesh, po
 
 
 @dataclass(frozen=True)
-class _Policy:
+class Policy:
     kv_heads: str = "replicate"
     attention_heads: str = "error"
     vocab: str = "pad"
 
 
-def _policy_key(policy) -> tuple:
+def policy_key(policy) -> tuple:
     return (getattr(policy, "kv_heads", "replicate"), getattr(policy, "attention_heads", "error"),
             getattr(policy, "vocab", "pad"))
 
@@ -310,7 +309,7 @@ def _policy_key(policy) -> tuple:
 def units(d: Dim, axes, mesh: Mesh, policy) -> list[list[int]]:
     """Per device (mesh order), the global unit indices of ``d`` it holds in its shard's order;
     ``-1`` is a zero padding unit. Raises ValueError when ``d`` cannot split over ``axes``."""
-    return [list(u) for u in _units(d, axes_of(axes), tuple(mesh.shape), mesh, _policy_key(policy))]
+    return [list(u) for u in _units(d, axes_of(axes), tuple(mesh.shape), mesh, policy_key(policy))]
 
 
 def positions(d: Dim, axes, mesh: Mesh, policy) -> list[list[int]]:

@@ -276,7 +276,7 @@ def resolved_spec(bundle, plan) -> dict:
     (the package holds the weights and tokenizer)."""
     s = bundle.spec
     d = s.model_dump(mode="json", exclude_none=False)
-    d["model"] = bundle.arch.model_dump(mode="json", exclude_none=True)
+    d["model"] = bundle.arch.model_dump(mode="json")  # nulls kept: some are required keys (q_lora_rank)
     d["from_hf"] = None
     d["tokenizer"] = None
     d["targets"] = [plan.mesh.name]
@@ -465,36 +465,57 @@ def verify_package(pkg: str | Path, full: bool = True) -> dict:
 # ---- reading a package back ------------------------------------------------------------------------
 @dataclass
 class LoadedPackage:
-    """A package read back: the resolved bundle, its mesh and plan, weights and manifest."""
+    """A package read back: the resolved bundle, its mesh, programs, weights and manifest.
+
+    Nothing here re-plans: the programs say what runs and where every weight lives; ``plan`` is
+    computed only when asked for (the ttnn backend's lowering still reads it)."""
 
     dir: Path
     manifest: dict
     bundle: object
     mesh: object
-    plan: object
     weights: "PackageWeights"
     programs: dict = field(default_factory=dict)  # (phase, bucket) -> relative path
+    _ir: dict = field(default_factory=dict, repr=False)
 
     def program(self, phase: str, bucket: int) -> dict:
-        try:
-            rel = self.programs[(phase, bucket)]
-        except KeyError:
-            raise PackageError(f"{self.dir}: no program for {phase} bucket {bucket}; has "
-                               f"{sorted(self.programs)}") from None
-        return json.loads((self.dir / rel).read_text(encoding="utf-8"))
+        """The JSON form of the (phase, bucket) program (what the ttnn lowering reads)."""
+        return self.program_ir(phase, bucket).to_json()
+
+    def program_ir(self, phase: str, bucket: int):
+        """The (phase, bucket) program as the typed IR (``program.Program``)."""
+        from .program import Program, ProgramError
+        key = (phase, bucket)
+        if key not in self._ir:
+            try:
+                rel = self.programs[key]
+            except KeyError:
+                raise PackageError(f"{self.dir}: no program for {phase} bucket {bucket}; has "
+                                   f"{sorted(self.programs)}") from None
+            try:
+                data = json.loads((self.dir / rel).read_text(encoding="utf-8"))
+                self._ir[key] = Program.from_json(data, f"{self.dir}/{rel}")
+            except (OSError, ValueError, ProgramError) as e:
+                raise PackageError(f"{self.dir}: {rel}: {e}") from None
+        return self._ir[key]
+
+    @functools.cached_property
+    def plan(self):
+        from .plan import make_plan
+        return make_plan(self.bundle, self.mesh)
 
 
 class PackageWeights:
-    """Per-device shards of a package (``device(d)``) and the global tensors they hold
-    (``canonical()``, what ``EmulatedModel`` takes)."""
+    """Per-device shards of a package: ``device(d)`` as stored, ``device_stacks()`` as the
+    emulated mesh holds them (``[D, *local]`` per tensor), ``canonical()`` the global tensors
+    they make up (padding dropped, per ``layout``)."""
 
-    def __init__(self, pkg: Path, bundle, plan):
+    def __init__(self, pkg: Path, bundle, mesh, refs: dict):
         from . import layout
-        self.pkg, self.bundle, self.plan = pkg, bundle, plan
-        self.mesh = plan.mesh
+        self.pkg, self.bundle, self.mesh, self.refs = pkg, bundle, mesh, refs
         self.decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
-        self.dtypes = {t.name: t.dtype for t in plan.tensors}
-        self.units = {n: layout.tensor_units(t.dims, plan.specs[n], self.mesh, bundle.spec.sharding)
+        self.dtypes = {n: r.dtype for n, r in refs.items()}
+        self.units = {n: layout.tensor_units(t.dims, refs[n].spec, mesh, bundle.spec.sharding)
                       for n, t in self.decls.items()}
 
     def files(self) -> list[Path]:
@@ -510,18 +531,44 @@ class PackageWeights:
                 out[key] = _decode(f.get_tensor(key), meta["tensors"][key])
         return out
 
+    def _open(self):
+        from safetensors import safe_open
+        try:
+            handles = [safe_open(str(p), framework="pt") for p in self.files()]
+            metas = [json.loads(h.metadata()["ttbundle"])["tensors"] for h in handles]
+        except Exception as e:  # safetensors raises its own error types
+            raise PackageError(f"{self.pkg}: weights unreadable: {e}") from None
+        return handles, metas
+
+    def _layers(self, name: str):
+        t = self.decls[name]
+        return [None] if t.layers is None else list(range(*t.layers))
+
+    def device_stacks(self, dtype=None, device="cpu") -> dict:
+        """Every tensor as ``[D, *local]`` (a list per layer for layered tensors): each device's
+        shard exactly as its file holds it (bf16 values; bfp8/bfp4 tiles decoded as ttnn does)."""
+        import torch
+        dtype = dtype or torch.float32
+        handles, metas = self._open()
+        out: dict = {}
+        for name, t in self.decls.items():
+            per_layer = []
+            for layer in self._layers(name):
+                key = tensor_key(name, layer)
+                shards = [_decode(h.get_tensor(key), metas[d][key]).to(dtype) for d, h in enumerate(handles)]
+                per_layer.append(torch.stack(shards).to(device).contiguous())
+            out[name] = per_layer[0] if t.layers is None else per_layer
+        return out
+
     def canonical(self, dtype=None) -> dict:
         """Global tensors reassembled from every device's shards (padding dropped)."""
         import torch
-        from safetensors import safe_open
         dtype = dtype or torch.float32
-        handles = [safe_open(str(p), framework="pt") for p in self.files()]
-        metas = [json.loads(h.metadata()["ttbundle"])["tensors"] for h in handles]
+        handles, metas = self._open()
         out: dict = {}
         for name, t in self.decls.items():
-            layers = [None] if t.layers is None else list(range(*t.layers))
             per_layer = []
-            for layer in layers:
+            for layer in self._layers(name):
                 key = tensor_key(name, layer)
                 g = torch.zeros(t.shape, dtype=dtype)
                 for d, h in enumerate(handles):
@@ -570,19 +617,15 @@ def _decode(t, info: dict):
 
 def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
     """Read a package: manifest (and every file's sha256 when ``verify``), the resolved spec, its
-    plan on the package's mesh (checked against the weight files' headers)."""
-    from . import spec as specmod
-    from .plan import make_plan
+    programs (the weights each reads, checked against the weight files' headers)."""
+    from . import mesh as meshmod, spec as specmod
     from .lower import program_name
 
     pkg = Path(pkg)
     m = verify_package(pkg, full=verify)
     text = (pkg / "bundle.yaml").read_text(encoding="utf-8")
     bundle = specmod.loads(text, str(pkg / "bundle.yaml"), base_dir=pkg)
-    mesh_name = m["mesh"]["name"]
-    plan = make_plan(bundle, mesh_name)
-    weights = PackageWeights(pkg, bundle, plan)
-    _check_headers(pkg, m, plan)
+    mesh = meshmod.resolve(m["mesh"]["name"])
     programs = {}
     for phase, buckets in (("prefill", m["buckets"]["prefill"]), ("decode", m["buckets"]["decode"])):
         for b in buckets:
@@ -590,15 +633,55 @@ def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
             if rel not in m["files"]:
                 raise PackageError(f"{pkg}: {rel}: missing from the manifest")
             programs[(phase, b)] = rel
-    return LoadedPackage(pkg, m, bundle, plan.mesh, plan, weights, programs)
+    return assemble(pkg, m, bundle, mesh, programs)
 
 
-def _check_headers(pkg: Path, m: dict, plan) -> None:
-    """Each device file's header agrees with the plan (names, per-device shapes, encodings)."""
-    want = {}
-    for t in plan.tensors:
-        want[t.name] = (t.device_shape, t.dtype)
-    for d in range(plan.mesh.num_devices):
+def assemble(pkg: Path, manifest: dict, bundle, mesh, programs: dict) -> LoadedPackage:
+    """A package's parts read back (``programs``: (phase, bucket) -> relative path), the weight
+    headers checked against the programs; ``build`` warms its temp directory up with it before
+    the manifest exists."""
+    loaded = LoadedPackage(Path(pkg), manifest, bundle, mesh, None, dict(programs))
+    if not programs:
+        raise PackageError(f"{pkg}: no programs")
+    refs = _weight_refs(loaded)
+    _check_arch(Path(pkg), bundle, mesh, refs)
+    loaded.weights = PackageWeights(Path(pkg), bundle, mesh, refs)
+    _check_headers(Path(pkg), refs, mesh)
+    return loaded
+
+
+def _check_arch(pkg: Path, bundle, mesh, refs: dict) -> None:
+    """bundle.yaml's model declares exactly the weights the programs read, each of the
+    per-device shape ``layout`` gives its dims under the programs' PartitionSpec."""
+    from .layout import local_len
+    decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
+    if set(decls) != set(refs):
+        raise PackageError(f"{pkg}: bundle.yaml declares tensors {sorted(set(decls) ^ set(refs))} the "
+                           f"programs do not read (or the reverse)")
+    for n, t in decls.items():
+        want = [local_len(d, e, mesh, bundle.spec.sharding) for d, e in zip(t.dims, refs[n].spec)]
+        if want != list(refs[n].device_shape):
+            raise PackageError(f"{pkg}: bundle.yaml's model gives {n} {want} per device, the programs "
+                               f"{list(refs[n].device_shape)}: the package is inconsistent; rebuild it")
+
+
+def _weight_refs(loaded: LoadedPackage) -> dict:
+    """The weights the programs read; every program of a package must agree on them."""
+    refs = None
+    for key in sorted(loaded.programs):
+        p = loaded.program_ir(*key)
+        if refs is None:
+            refs, first = p.weights, p.name
+        elif p.weights != refs:
+            bad = sorted(n for n in set(refs) | set(p.weights) if refs.get(n) != p.weights.get(n))
+            raise PackageError(f"{loaded.dir}: programs {first} and {p.name} disagree on weights {bad}")
+    return refs
+
+
+def _check_headers(pkg: Path, refs: dict, mesh) -> None:
+    """Each device file's header agrees with the programs (names, per-device shapes, encodings)."""
+    want = {n: (list(r.device_shape), r.dtype) for n, r in refs.items()}
+    for d in range(mesh.num_devices):
         rel = weight_file(d)
         p = pkg / rel
         try:
@@ -614,4 +697,4 @@ def _check_headers(pkg: Path, m: dict, plan) -> None:
             shape, dtype = want.get(info.get("tensor"), (None, None))
             if shape is None or info.get("shape") != shape or info.get("encoding") != dtype:
                 raise PackageError(f"{pkg}: {rel}: {key} is {info.get('encoding')}{info.get('shape')}, "
-                                   f"the plan says {dtype}{shape}")
+                                   f"the programs say {dtype}{shape}")

@@ -347,7 +347,7 @@ class _Tracer:
                 b = self.reduce(other, op.what or op.out)
                 if any(ax and ax != la for ax, la in zip(b.spec, lead.spec)):
                     self.gather(other, op.what or op.out)
-            dims = (op.out_dim,) if op.out_dim else lead.dims
+            dims = op.out_dims(lead.dims)
             self.acts[op.out] = _Act(dims, lead.spec[-len(dims):], frozenset())
             self._record(op, tuple(op.ins), op.out)
         elif isinstance(op, Combine):

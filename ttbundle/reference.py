@@ -58,10 +58,17 @@ def random_model(bundle, seed: int = 0, dtype=None):
     return model
 
 
+def _quiet() -> None:
+    """No progress bars from transformers: the CLI prints its own report (and --json)."""
+    from transformers.utils import logging as hf_logging
+    hf_logging.disable_progress_bar()
+
+
 def load_model(directory: str | Path, dtype=None):
     import torch
     import transformers
 
+    _quiet()
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(
             str(directory), dtype=dtype or torch.float32, local_files_only=True,
@@ -77,3 +84,47 @@ def checkpoint_state_dict(model) -> dict:
     from transformers.core_model_loading import revert_weight_conversion
 
     return revert_weight_conversion(model, model.state_dict())
+
+
+def save_random(bundle, directory: str | Path, seed: int = 0) -> Path:
+    """A random instance of the bundle's architecture (:func:`random_model`) saved as a bf16
+    checkpoint (``config.json`` + safetensors), as a published checkpoint would be."""
+    import torch
+
+    _quiet()
+    d = Path(directory)
+    random_model(bundle, seed).to(torch.bfloat16).save_pretrained(d)
+    return d
+
+
+def round_to_bf16(model) -> None:
+    """Round every floating parameter and persistent buffer to the nearest bf16 value (kept in
+    its dtype): the weights a package holds at its finest storage (bf16)."""
+    import torch
+
+    with torch.no_grad():
+        persistent = set(model.state_dict())
+        for name, t in list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers() if n in persistent]:
+            if t.is_floating_point() and t.dtype != torch.bfloat16:
+                t.copy_(t.to(torch.bfloat16).to(t.dtype))
+
+
+def kv_cache(model, storage: str | None = None):
+    """A transformers cache for ``model`` that stores keys and values as a device cache of
+    dtype ``storage`` holds them (``"bf16"``: rounded to bf16 on every write, as ttbundle's
+    emulated cache does); ``None``: transformers' own cache in the compute dtype."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    if storage is None:
+        return DynamicCache(config=model.config)
+    if storage != "bf16":
+        raise ValueError(f"reference KV storage {storage!r}: only bf16 is modeled")
+
+    class RoundingCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            k = key_states.to(torch.bfloat16).to(key_states.dtype)
+            v = value_states.to(torch.bfloat16).to(value_states.dtype)
+            return super().update(k, v, layer_idx, *args, **kwargs)
+
+    return RoundingCache(config=model.config)

@@ -185,7 +185,7 @@ runner.capture()
 bs = pkg.bundle.spec.runtime.kv_block_size
 first = device.generate(runner, prompt, 8, bs)
 again = device.generate(runner, prompt, 8, bs)
-emu = EmulatedModel(pkg.bundle, pkg.plan, pkg.weights.canonical(torch.float32), dtype=torch.float32)
+emu = EmulatedModel.from_package(pkg, dtype=torch.float32)
 r = Runner(emu, num_blocks=16)
 blocks = list(range(16))
 ref = [int(r.prefill(prompt, blocks).argmax())]

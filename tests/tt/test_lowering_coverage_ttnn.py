@@ -32,7 +32,7 @@ def all_forwards():
         for mesh in bundle.spec.targets:
             p = planmod.make_plan(bundle, mesh)
             for phase, b in lowermod.trace_set(bundle):
-                prog = lowermod.lower(bundle, p, phase, b)
+                prog = lowermod.lower(bundle, p, phase, b).to_json()
                 for sampling in lowering.SAMPLING:
                     yield bundle, p, prog, lowering.lower_forward(bundle, p, prog, sampling)
 
@@ -94,7 +94,7 @@ def test_the_runtimes_own_ttnn_calls_bind(ttnn, tmp_path):
     p = planmod.make_plan(bundle, "T3K")
     ts = lowermod.trace_set(bundle)
     keys = [min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")]
-    fws = {k: lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, *k), "device") for k in keys}
+    fws = {k: lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, *k).to_json(), "device") for k in keys}
     rec = recording.Recorder()
     tt = rec.module()
     dev = tt.open_mesh_device(tt.MeshShape(*p.mesh.shape), trace_region_size=p.trace_region_size)

@@ -117,8 +117,12 @@ class Local:
     ins: tuple[str, ...]
     out: str
     what: str = ""
-    out_dim: Dim | None = None  # default: the first input's feature dim
+    out_dim: Dim | None = None  # the output's last feature dim; default: the first input's
     fn: str = ""  # name of the family's compute function; default: ``what``
+
+    def out_dims(self, in_dims: tuple) -> tuple:
+        """The output's feature dims: the first input's, its last one replaced by ``out_dim``."""
+        return tuple(in_dims) if self.out_dim is None else tuple(in_dims[:-1]) + (self.out_dim,)
 
     @property
     def kernel(self) -> str:

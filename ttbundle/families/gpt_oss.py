@@ -98,9 +98,9 @@ class GptOss(Family):
                 if isinstance(op, Local) else op for op in base.attention_ops(bias=a.attention_bias)]
         if a.attention_bias:
             attn[-1:] = [Local(("attn_out",), "attn_ob", "+ o_proj bias", fn="out_bias"), Residual("attn_ob")]
-        # the activation keeps [E, 2I] (Local.out_dim cannot express [E, I]): an over-estimate
-        experts = [Linear("x2", "experts_w13", "egu"),
-                   Local(("egu",), "ea", "clamped SwiGLU (+biases)", fn="clamped_swiglu")]
+        experts = [Linear("x2", "experts_w13", "egu"),  # [E, 2I] -> [E, I]
+                   Local(("egu",), "ea", "clamped SwiGLU (+biases)", fn="clamped_swiglu",
+                         out_dim=Dim("intermediate_size", a.intermediate_size))]
         return [LayerKind("decoder", a.num_hidden_layers,
                           attn + moe.moe_ops("top-k of logits, softmax over the chosen", "topk_softmax", experts))]
 

@@ -1,6 +1,7 @@
 """The model class behind a package's ``vllm_metadata.json``: Tenstorrent's vLLM model
 interface (``initialize_vllm_model``, ``allocate_kv_cache``, ``prefill_forward``,
-``decode_forward``, ``warmup_model_*``) over the emulated mesh. The adapter module that
+``decode_forward``, ``warmup_model_*``) over the emulated mesh, running the package's own
+programs on its own weight shards. The adapter module that
 ``ttbundle build`` generates in each package subclasses :class:`BundleModel` with the package's
 constants (``package_dir``, ``bundle_name``, ``mesh_name``, ``arch``, ``tt_arch``).
 
@@ -20,7 +21,6 @@ import torch
 
 from ..backends.emulated import EmulatedModel
 from ..backends.emulated.model import KVCache
-from ..plan import make_plan
 from .sampling import DeviceSampling, sample_on_device
 
 logger = logging.getLogger("vllm.ttbundle.adapter")
@@ -42,11 +42,11 @@ class BundleModel:
         "supports_sample_on_device": True,
     }
 
-    def __init__(self, bundle, mesh, canonical: dict, dtype=torch.float32, device="cpu",
-                 trace_mode: str = "all"):
+    def __init__(self, bundle, model: EmulatedModel, trace_mode: str = "all"):
+        """``model``: the package's programs and weight shards on the emulated mesh
+        (``EmulatedModel.from_package``)."""
         self.bundle = bundle
-        self.plan = make_plan(bundle, mesh)
-        self.model = EmulatedModel(bundle, self.plan, canonical, dtype=dtype, device=device)
+        self.model = model
         b = bundle.buckets
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
         self.vocab_size = bundle.arch.vocab_size
@@ -69,14 +69,15 @@ class BundleModel:
         if tt_data_parallel != 1:
             raise ValueError("data parallel over meshes is not supported by the emulated mesh")
         pkg = package or open_package(Path(cls.package_dir or hf_config._name_or_path))
-        if not isinstance(mesh_device, meshmod.Mesh):
-            mesh_device = meshmod.resolve(pkg.mesh_name)
+        if isinstance(mesh_device, meshmod.Mesh) and tuple(mesh_device.shape) != tuple(pkg.loaded.mesh.shape):
+            raise ValueError(f"{pkg.name}: built for {pkg.loaded.mesh.describe()}, handed a "
+                             f"{mesh_device.describe()} mesh")
         rt = pkg.bundle.spec.runtime
         if max_batch_size > max(pkg.bundle.buckets.decode) or max_seq_len > rt.max_model_len:
             raise ValueError(f"{pkg.name}: max_batch_size={max_batch_size} / max_seq_len={max_seq_len} "
                              f"exceed the package's decode buckets {pkg.bundle.buckets.decode} / "
                              f"max_model_len={rt.max_model_len}")
-        return cls(pkg.bundle, mesh_device, pkg.canonical_weights(), dtype=dtype, trace_mode=trace_mode)
+        return cls(pkg.bundle, pkg.emulated_model(dtype), trace_mode=trace_mode)
 
     # -- KV cache -------------------------------------------------------------------------------
     def allocate_kv_cache(self, kv_cache_shape, dtype=None, num_layers=None) -> KVCache:
@@ -93,6 +94,7 @@ class BundleModel:
             raise RuntimeError(f"{phase} bucket {bucket} was not captured at warm-up; refusing to "
                                "capture a trace while serving")
         self.programs_run[key] = self.programs_run.get(key, 0) + 1
+        return self.model.program(phase, bucket)
 
     def _finish(self, logits: torch.Tensor, sampling: DeviceSampling | None):
         if sampling is None:
@@ -110,12 +112,12 @@ class BundleModel:
         if N != 1 or S not in self.prefill_buckets:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
                              f"got tokens {list(tokens.shape)}")
-        self._program("prefill", S)
+        program = self._program("prefill", S)
         n = int(prompt_lens[0])
         p0 = 0 if start_pos is None else int(start_pos[0])
         valid = torch.arange(S)[None, :] < n
         positions = torch.where(valid, torch.arange(p0, p0 + S)[None, :], torch.zeros(1, S, dtype=torch.long))
-        logits = self.model.forward(tokens, positions, valid, page_table, kv_cache)
+        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache)
         return self._finish(logits[:, n - 1], sampling_params)
 
     @torch.no_grad()
@@ -128,10 +130,10 @@ class BundleModel:
         if tokens.shape[1] != 1 or B not in self.decode_buckets:
             raise ValueError(f"decode runs a batch padded to a bucket {self.decode_buckets}, "
                              f"got tokens {list(tokens.shape)}")
-        self._program("decode", B)
+        program = self._program("decode", B)
         valid = (start_pos >= 0)[:, None]
         positions = start_pos.clamp(min=0)[:, None]
-        logits = self.model.forward(tokens, positions, valid, page_table, kv_cache)
+        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache)
         return self._finish(logits[:, 0], sampling_params)
 
     # -- warm-up --------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ Packages are what ``ttbundle build`` writes (``ttbundle.package`` documents the 
 ``manifest.json`` with every file's size and sha256, ``bundle.yaml``, ``config.json`` with the
 ``TT<arch>`` architecture, tokenizer files, ``vllm_metadata.json``, the generated adapter
 module, per-device weight shards, ``programs/``). This module wraps ``ttbundle.package`` into the
-narrow interface the runtime needs: :func:`open_package` -> bundle, mesh, canonical weights.
+narrow interface the runtime needs: :func:`open_package` -> bundle, mesh, the emulated model.
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ class Package:
     def trace_region_bytes(self) -> int | None:
         return self.manifest.get("trace_region_bytes")
 
-    def canonical_weights(self, dtype=None) -> dict:
-        """Global tensors reassembled from the per-device shards (``weights.canonical`` form)."""
+    def emulated_model(self, dtype=None, device="cpu"):
+        """The package on the emulated mesh: its programs on its own weight shards."""
         import torch
-        return self.loaded.weights.canonical(dtype or torch.float32)
+
+        from ..backends.emulated import EmulatedModel
+        return EmulatedModel.from_package(self.loaded, dtype=dtype or torch.float32, device=device)
 
 
 def verify_package(path: str | Path, check_hashes: bool = True) -> dict:

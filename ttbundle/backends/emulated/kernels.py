@@ -123,6 +123,11 @@ class Ctx:
     dtype: torch.dtype
     cache: dict = field(default_factory=dict)  # rope tables etc. shared across layers
     units: object = None  # callable (tensor, dim) -> [D, L] global units each device holds (-1 = pad)
+    store: object = None  # callable x -> x as the KV cache's declared dtype holds it (None: as is)
+
+    def stored(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (new cache rows, last dim = one token's row) as the cache's storage holds it."""
+        return x if self.store is None else self.store(x)
 
 
 def _rope_tables(ctx: Ctx, dim: int, theta: float, scaling):
@@ -180,8 +185,8 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     cache = ctx.kv[layer]  # [D, kvh, slots, hd]
     wsel, wslots = _writes(ctx)
     kk, vv = (k, v) if wsel is None else (k[:, wsel], v[:, wsel])
-    cache["k"][:, :, wslots] = kk.transpose(1, 2).to(cache["k"].dtype)
-    cache["v"][:, :, wslots] = vv.transpose(1, 2).to(cache["v"].dtype)
+    cache["k"][:, :, wslots] = ctx.stored(kk.transpose(1, 2)).to(cache["k"].dtype)
+    cache["v"][:, :, wslots] = ctx.stored(vv.transpose(1, 2)).to(cache["v"].dtype)
 
     N, Tq = ctx.positions.shape
     S = ctx.context_slots.shape[1]

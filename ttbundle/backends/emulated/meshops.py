@@ -28,7 +28,7 @@ class MeshOps:
     def shard_positions(self, d: Dim, axes: tuple[str, ...], policy) -> torch.Tensor:
         """[D, local_len] element positions along ``d`` for each device; ``-1`` marks padding
         (zeros). ``layout.positions`` as a tensor."""
-        key = ("pos", d, axes_of(axes), layout._policy_key(policy))
+        key = ("pos", d, axes_of(axes), layout.policy_key(policy))
         if key not in self._index_cache:
             pos = layout.positions(d, axes, self.mesh, policy)
             self._index_cache[key] = torch.tensor(pos, dtype=torch.long, device=self.device)
@@ -73,7 +73,7 @@ class MeshOps:
         out = self._concat(x, axes, dim)
         if feature is None:
             return out
-        key = ("gather", feature, axes_of(axes), layout._policy_key(policy))
+        key = ("gather", feature, axes_of(axes), layout.policy_key(policy))
         if key not in self._index_cache:
             inv = layout.gather_index(feature, axes, self.mesh, policy)
             self._index_cache[key] = None if inv is None else torch.tensor(inv, dtype=torch.long,

@@ -1,23 +1,26 @@
-"""The emulated mesh backend: executes a plan's per-device programs on sharded weights.
+"""The emulated mesh backend: executes a package's per-device programs on its weight shards.
 
-Weights are held as ``[D, *local]`` shards exactly as the plan's PartitionSpecs say; each
-layer runs the plan's steps (ops and the collectives the sharding requires) on device-batched
-activations ``[D, T, features]``. Prefill and decode are separate entry points with static
-shapes: prefill runs one sequence padded to a prefill bucket (chunks of ``prefill_chunk``),
-decode runs a batch padded to a decode bucket. The KV cache is paged: a block table maps each
-sequence's positions to cache slots, as on the device.
+The model is the programs ``lower`` produced (``program.Program``, one per (phase, bucket), read
+from the package) and each device's weight shards ``[D, *local]``, as the package's device files
+hold them; nothing is re-planned here. Each step of the program that a call's bucket selects runs
+as written: ops on device-batched activations ``[D, T, features]``, and the collectives the
+sharding requires (``meshops``), so a program with a step missing computes wrong numbers.
+Prefill runs one sequence padded to a prefill bucket (chunks of ``prefill_chunk``), decode a
+batch padded to a decode bucket. The KV cache is paged (a block table maps each sequence's
+positions to cache slots, as on the device) and holds values in its declared dtype (``bf16`` or
+``bfp8``: each new row is rounded as the device's storage rounds it).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
-from ...families.base import Combine, Dim, Embed, Linear, Local, Logits, Norm, Residual
-from ...plan import Plan, axes_of
+from ... import layout
+from ...program import Op, Program
 from .kernels import KERNELS, Ctx, rms_norm, softcap
 from .meshops import MeshOps
 
@@ -29,32 +32,85 @@ class KVCache:
     block_size: int
 
 
-class EmulatedModel:
-    """A bundle's model on an emulated mesh. ``canonical`` comes from ``weights.canonical``."""
+class ProgramMismatch(RuntimeError):
+    """A program step met tensors of other shapes than the program declares."""
 
-    def __init__(self, bundle, plan: Plan, canonical: dict, dtype=torch.float32, device="cpu",
+
+def kv_store(kv_dtype: str, compute: torch.dtype):
+    """(storage dtype of the cache tensors, per-write rounding) for a declared KV dtype."""
+    if kv_dtype == "bf16":
+        return torch.bfloat16, None
+    if kv_dtype in ("bfp8", "bfp4"):
+        from ... import blockfloat
+
+        def store(x: torch.Tensor) -> torch.Tensor:
+            # a block-float tile shares one exponent per 16 values of a row: a token's row
+            # rounds alone, so rounding the written rows is what the tile storage holds
+            shape = x.shape
+            q = blockfloat.quantize(x.detach().float().cpu().reshape(-1, shape[-1]), kv_dtype)
+            return q.reshape(shape).to(device=x.device)
+        return compute if compute == torch.float32 else torch.float32, store
+    raise ValueError(f"KV cache dtype {kv_dtype!r}: expected bf16 or bfp8")
+
+
+class EmulatedModel:
+    """A package's model on an emulated mesh: its programs and per-device weight shards.
+
+    ``weights``: per tensor ``[D, *local]`` (a list of them, one per layer, for layered tensors).
+    Build one from a package with :meth:`from_package`, or from global tensors with
+    :meth:`from_canonical` (cut per ``layout``, as ``build`` cuts them)."""
+
+    def __init__(self, bundle, mesh, programs: dict, weights: dict, dtype=torch.float32, device="cpu",
                  kernels: dict | None = None):
-        self.bundle, self.plan, self.arch, self.family = bundle, plan, bundle.arch, bundle.family
+        if not programs:
+            raise ValueError("an emulated model needs at least one program")
+        self.bundle, self.arch, self.family = bundle, bundle.arch, bundle.family
+        self.mesh = mesh
         self.dtype = dtype
-        self.ops = MeshOps(plan.mesh, device)
+        self.ops = MeshOps(mesh, device)
         self.device = self.ops.device
+        self.programs: dict[tuple[str, int], Program] = dict(programs)
+        first = next(iter(self.programs.values()))
+        self.refs = first.weights
+        self.kv_layout = first.kv_cache
+        self.policy = layout.Policy(**first.policy) if first.policy else bundle.spec.sharding
         self.decls = {t.name: t for t in self.family.tensors(self.arch)}
-        policy = bundle.spec.sharding
-        self.w: dict = {}
-        for name, t in self.decls.items():
-            spec = plan.specs[name]
-            src = canonical[name]
-            shard = lambda x: self.ops.shard(x.to(dtype), t.dims, spec, policy)  # noqa: E731
-            self.w[name] = shard(src) if t.layers is None else [shard(x) for x in src]
+        missing = sorted(set(self.refs) - set(weights))
+        if missing:
+            raise ValueError(f"weights missing for {missing}")
+        self.w = weights
         self.kernels = dict(KERNELS, **(kernels or {}))
         self.traits = self.family.traits(self.arch)
         self.layer_traits = [self.family.layer_traits(self.arch, i)
                              for i in range(self.arch.num_hidden_layers)]
-        # programs: embedding, layer kinds in order, head
-        self.programs = plan.programs
-        # vocab positions of each device's embedding rows (for sharded-vocab lookups)
+        self.kv_dtype, self._store = kv_store(self.kv_layout["dtype"], dtype)
         self._embed_rows = None
         self._splits: dict = {}
+
+    @classmethod
+    def from_canonical(cls, bundle, plan, canonical: dict, programs: dict | None = None, dtype=torch.float32,
+                       device="cpu", kernels: dict | None = None):
+        """Global tensors cut into per-device shards by ``layout`` (as ``build`` cuts them);
+        ``programs`` default to every (phase, bucket) of the bundle lowered on ``plan``."""
+        from ...lower import lower, trace_set
+
+        programs = programs or {k: lower(bundle, plan, *k) for k in trace_set(bundle)}
+        ops = MeshOps(plan.mesh, device)
+        w = {}
+        for t in bundle.family.tensors(bundle.arch):
+            spec = plan.specs[t.name]
+            src = canonical[t.name]
+            shard = lambda x: ops.shard(x.to(dtype), t.dims, spec, bundle.spec.sharding)  # noqa: E731
+            w[t.name] = shard(src) if t.layers is None else [shard(x) for x in src]
+        return cls(bundle, plan.mesh, programs, w, dtype=dtype, device=device, kernels=kernels)
+
+    @classmethod
+    def from_package(cls, pkg, dtype=torch.float32, device="cpu", kernels: dict | None = None):
+        """A loaded package (``package.load_package``): its programs and its weight files'
+        shards, decoded as the device decodes them (bf16; bfp8/bfp4 tiles)."""
+        programs = {k: pkg.program_ir(*k) for k in pkg.programs}
+        w = pkg.weights.device_stacks(dtype, device)
+        return cls(pkg.bundle, pkg.mesh, programs, w, dtype=dtype, device=device, kernels=kernels)
 
     # -- weights ------------------------------------------------------------------------------
     def weight(self, name: str, layer: int | None = None):
@@ -76,14 +132,22 @@ class EmulatedModel:
         layers = []
         for _ in range(self.arch.num_hidden_layers):
             layers.append({e["name"]: torch.zeros(self.ops.D, e["device_shape"][1], num_blocks * block_size,
-                                                  e["device_shape"][3], dtype=self.dtype, device=self.device)
-                           for e in self.plan.kv["entries"]})
+                                                  e["device_shape"][3], dtype=self.kv_dtype, device=self.device)
+                           for e in self.kv_layout["entries"]})
         return KVCache(layers, num_blocks, block_size)
 
+    def program(self, phase: str, bucket: int) -> Program:
+        try:
+            return self.programs[(phase, bucket)]
+        except KeyError:
+            raise ValueError(f"no {phase} program for bucket {bucket}; the package has "
+                             f"{sorted(self.programs)}") from None
+
     # -- forward ------------------------------------------------------------------------------
-    def forward(self, tokens, positions, valid, page_table, kv: KVCache, capture: list | None = None):
-        """tokens/positions/valid [N, Tq]; page_table [N, blocks]. Returns logits [N, Tq, vocab]
-        (device 0's copy; every device holds the same after the gather)."""
+    def forward(self, program: Program, tokens, positions, valid, page_table, kv: KVCache,
+                capture: list | None = None):
+        """Run ``program`` on tokens/positions/valid [N, Tq]; page_table [N, blocks]. Returns
+        logits [N, Tq, vocab] (device 0's copy; every device holds the same after the gather)."""
         N, Tq = tokens.shape
         dev = self.device
         tokens, positions, valid = tokens.to(dev), positions.to(dev), valid.to(dev)
@@ -95,16 +159,17 @@ class EmulatedModel:
         nblk = -(-S // bs)
         ctx_slots = (page_table[:, :nblk, None] * bs + torch.arange(bs, device=dev)).reshape(N, -1)[:, :S]
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, positions, valid, slots,
-                  ctx_slots, kv.layers, self.dtype, units=self.units)
+                  ctx_slots, kv.layers, self.dtype, units=self.units, store=self._store)
         flat = tokens.reshape(-1)
         h = None
         layer = 0
         logits = None
-        for kind, count, steps in self.programs:
+        for lp in program.layers:
+            kind, count, steps = lp.kind, lp.count, lp.steps
             for _ in range(count):
                 li = None if kind in ("embedding", "head") else layer
                 acts = {"h": h, "tokens": flat}
-                out = self._run(steps, acts, li, ctx)
+                out = self._run(program, kind, steps, acts, li, ctx)
                 h = acts["h"]
                 if kind == "embedding":
                     h = acts["h"]
@@ -117,49 +182,57 @@ class EmulatedModel:
         vocab = self.arch.vocab_size
         return logits[0, :, :vocab].reshape(N, Tq, vocab)
 
-    def _run(self, steps, acts: dict, layer, ctx: Ctx):
+    def _run(self, program: Program, kind: str, steps, acts: dict, layer, ctx: Ctx):
         ops = self.ops
         result = None
-        for st in steps:
-            if st.kind == "all_reduce":
+        for i, st in enumerate(steps):
+            op = st.op
+            if op is Op.ALL_REDUCE:
                 acts[st.act] = ops.all_reduce(acts[st.act], st.axes)
                 continue
-            if st.kind == "all_gather":
-                acts[st.act] = ops.all_gather(acts[st.act], st.axes, st.dim + 2, st.feature,
-                                              self.bundle.spec.sharding)
+            if op is Op.ALL_GATHER:
+                acts[st.act] = ops.all_gather(acts[st.act], st.axes, st.dim + 1, st.feature, self.policy)
                 continue
-            op = st.op
-            if isinstance(op, Embed):
-                acts[op.out] = self._embed(acts["tokens"], op.w)
-                if op.out == "h" and self.traits.get("embed_scale"):
+            if op is Op.EMBEDDING:
+                y = self._embed(acts["tokens"], st.w)
+                if st.out.name == "h" and self.traits.get("embed_scale"):
                     # HF casts the normalizer to the compute dtype first
-                    acts[op.out] = acts[op.out] * torch.tensor(self.traits["embed_scale"], dtype=self.dtype)
-            elif isinstance(op, Norm):
-                acts[op.out] = self._norm(acts[op.x], op.w, layer)
-            elif isinstance(op, Linear):
-                acts[op.out] = self._linear(acts[op.x], op, st, layer)
-            elif isinstance(op, Local):
-                fn = self.kernels[op.kernel]
-                acts[op.out] = fn(ctx, layer, *(acts[i] for i in op.ins))
-            elif isinstance(op, Residual):
-                acts["h"] = acts["h"] + acts[op.x]
-            elif isinstance(op, Logits):
-                result = softcap(acts[op.x].float(), self.traits.get("final_softcap")).to(self.dtype)
-            elif isinstance(op, Combine):
-                fn = self.kernels["combine"]
-                acts[op.out] = fn(ctx, layer, acts[op.x], acts)
+                    y = y * torch.tensor(self.traits["embed_scale"], dtype=self.dtype)
+            elif op is Op.RMS_NORM:
+                y = self._norm(acts[st.ins[0].name], st.w, layer)
+            elif op is Op.MATMUL:
+                y = self._linear(acts[st.ins[0].name], st, layer)
+            elif op is Op.LOCAL:
+                fn = self.kernels.get(st.kernel)
+                if fn is None:
+                    raise ProgramMismatch(f"{program.name}: {kind} step {i}: no emulated kernel {st.kernel!r}")
+                y = fn(ctx, layer, *(acts[a.name] for a in st.ins))
+            elif op is Op.RESIDUAL_ADD:
+                acts["h"] = acts["h"] + acts[st.ins[0].name]
+                continue
+            elif op is Op.LOGITS:
+                result = softcap(acts[st.ins[0].name].float(), self.traits.get("final_softcap")).to(self.dtype)
+                continue
+            elif op is Op.COMBINE:
+                y = self.kernels["combine"](ctx, layer, acts[st.ins[0].name], acts)
             else:  # pragma: no cover
-                raise TypeError(op)
+                raise ProgramMismatch(f"{program.name}: {kind} step {i}: unknown op {op}")
+            want = tuple(st.out.shape[1:])
+            if tuple(y.shape[2:]) != want:
+                raise ProgramMismatch(f"{program.name}: {kind} step {i} ({st.kernel or op.value} -> "
+                                      f"{st.out.name}): computed per-device features {list(y.shape[2:])}, "
+                                      f"the program declares {list(want)}")
+            acts[st.out.name] = y
         return result
 
     def _embed(self, tokens, name: str):
         W = self.weight(name)  # [D, V_local, H_local]
         t = self.decls[name]
-        ax = axes_of(self.plan.specs[name][0])
+        ax = self.refs[name].spec[0]
         if not ax:
             return W[:, tokens]
         if self._embed_rows is None:
-            pos = self.ops.shard_positions(t.dims[0], ax, self.bundle.spec.sharding)  # [D, Vl]
+            pos = self.ops.shard_positions(t.dims[0], ax, self.policy)  # [D, Vl]
             inv = torch.full((self.ops.D, t.shape[0] + 1), -1, dtype=torch.long, device=self.device)
             valid = pos >= 0
             rows = torch.arange(pos.shape[1], device=self.device).expand_as(pos)
@@ -173,7 +246,7 @@ class EmulatedModel:
         """Axes that split dim ``dim`` of weight ``name`` over more than one device, or ()."""
         key = (name, dim)
         if key not in self._splits:
-            ax = axes_of(self.plan.specs[name][dim])
+            ax = self.refs[name].spec[dim]
             self._splits[key] = ax if math.prod(self.ops.mesh.axis_size(a) for a in ax) > 1 else ()
         return self._splits[key]
 
@@ -181,8 +254,7 @@ class EmulatedModel:
         """[D, L]: the global indices along dim ``dim`` of weight ``name``, in units, that each
         device holds (-1 = padding); for kernels that need global positions (expert ids)."""
         d = self.decls[name].dims[dim]
-        return self.ops.shard_positions(Dim(d.name, d.size), axes_of(self.plan.specs[name][dim]),
-                                        self.bundle.spec.sharding)
+        return self.ops.shard_positions(replace(d, unit=1), self.refs[name].spec[dim], self.policy)
 
     def _norm(self, x, name: str, layer):
         """RMSNorm with weight ``name``. The family's ``traits["norms"][name]`` may give its ``eps``
@@ -194,25 +266,26 @@ class EmulatedModel:
                      self.traits.get("norm_weight_fp32", False))
         return y if n is None else torch.cat([y, x[..., n:]], dim=-1)
 
-    def _linear(self, x, op: Linear, st, layer):
-        W = self.weight(op.w, layer)
-        if op.w in self.traits.get("linear_fp32", ()):  # HF computes these in float32 (a router)
+    def _linear(self, x, st, layer):
+        name = st.w
+        W = self.weight(name, layer)
+        if name in self.traits.get("linear_fp32", ()):  # HF computes these in float32 (a router)
             x, W = x.float(), W.float()
-        t = self.decls[op.w]
-        x_spec = st.specs[0][1]
+        t = self.decls[name]
+        x_spec = st.ins[0].spec
         # a replicated contraction dim meets a split weight: each device takes its slice
-        k_axes = self._split(op.w, len(t.dims) - 2)
+        k_axes = self._split(name, len(t.dims) - 2)
         if k_axes and not x_spec[-1]:
-            pos = self.ops.shard_positions(t.dims[-2], k_axes, self.bundle.spec.sharding)
+            pos = self.ops.shard_positions(t.dims[-2], k_axes, self.policy)
             x = self.ops.take(x, x.dim() - 1, pos)
         if W.dim() == 3:  # [D, K, N]
             return torch.bmm(x, W) if x.dim() == 3 else torch.einsum("dtek,dkn->dten", x, W)
         # experts [D, E, K, N]
         if x.dim() == 3:
             return torch.einsum("dtk,dekn->dten", x, W)
-        e_axes = self._split(op.w, 0)
+        e_axes = self._split(name, 0)
         if e_axes and not x_spec[0]:
-            pos = self.ops.shard_positions(t.dims[0], e_axes, self.bundle.spec.sharding)
+            pos = self.ops.shard_positions(t.dims[0], e_axes, self.policy)
             x = self.ops.take(x, 2, pos)
         return torch.einsum("dtek,dekn->dten", x, W)
 
@@ -237,7 +310,7 @@ class Runner:
         self.chunk = b.prefill_chunk or max(b.prefill)
         self.block = rt.kv_block_size
         self.max_blocks = -(-rt.max_model_len // self.block)
-        self.kv = model.allocate_kv_cache(num_blocks or model.plan.kv["num_blocks"], self.block)
+        self.kv = model.allocate_kv_cache(num_blocks or model.kv_layout["num_blocks"], self.block)
         self.shapes_run: set = set()  # (phase, bucket) pairs executed
 
     def prefill(self, tokens: list[int], page_table: list[int], start: int = 0, capture=None):
@@ -255,7 +328,8 @@ class Runner:
             valid[0, :len(chunk)] = True
             pt = self._table([page_table])
             cap = [] if capture is not None else None
-            out = self.model.forward(t, torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv, cap)
+            out = self.model.forward(self.model.program("prefill", bucket), t,
+                                     torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv, cap)
             if capture is not None:
                 capture.append([c[0, :len(chunk)] for c in cap])
             logits = out[0, len(chunk) - 1]
@@ -275,7 +349,7 @@ class Runner:
         valid[:B] = True
         pt = self._table(page_tables + [[0]] * (bucket - B))
         cap = [] if capture is not None else None
-        out = self.model.forward(t, p, valid, pt, self.kv, cap)
+        out = self.model.forward(self.model.program("decode", bucket), t, p, valid, pt, self.kv, cap)
         if capture is not None:
             capture.append([c[:B, 0] for c in cap])
         return out[:B, 0]

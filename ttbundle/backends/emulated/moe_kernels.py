@@ -66,7 +66,7 @@ def mla_attention(ctx: Ctx, layer: int, q, kvn):
     cache = ctx.kv[layer][LATENT_CACHE][:, 0]  # [D, 1, slots, r + rope] -> [D, slots, r + rope]
     wsel, wslots = _writes(ctx)
     new = torch.cat([latent, k_rope], dim=-1)
-    cache[:, wslots] = (new if wsel is None else new[:, wsel]).to(cache.dtype)
+    cache[:, wslots] = ctx.stored(new if wsel is None else new[:, wsel]).to(cache.dtype)
 
     N, Tq = ctx.positions.shape
     C = cache[:, ctx.context_slots].to(q.dtype)  # [D, N, S, r + rope]

@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for phase, b in lowermod.trace_set(bundle):
             for sampling in SAMPLING:
-                fw = lower_forward(bundle, plan, lowermod.lower(bundle, plan, phase, b), sampling)
+                fw = lower_forward(bundle, plan, lowermod.lower(bundle, plan, phase, b).to_json(), sampling)
                 r = validate(ttnn, device, plan, fw)
                 print(f"{phase}-{b} {sampling}: {r.calls} calls, refused {sorted(r.refused)}", flush=True)
     finally:

@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             plan = planmod.make_plan(bundle, mesh_name)
             ts = lowermod.trace_set(bundle)
             for key in (min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")):
-                prog = one_layer_per_kind(lowermod.lower(bundle, plan, *key))
+                prog = one_layer_per_kind(lowermod.lower(bundle, plan, *key).to_json())
                 fw = lower_forward(bundle, plan, prog, "device")
                 r = validate(ttnn, device, plan, fw)
                 print("RESULT " + json.dumps({"spec": path, "mesh": mesh_name, "phase": key[0], "bucket": key[1],

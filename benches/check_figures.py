@@ -1,0 +1,83 @@
+"""The figures behind `ttbundle check`'s block-float bounds (docs/check.md).
+
+For each family's tiny test model, mesh and storage (bfp8 weights; bfp4 MLP/expert weights with
+bfp8 elsewhere; each with a bfp8 KV cache), one run of ``ttbundle check`` (teacher-forced, fp32
+compute) against transformers: the worst layer PCC, the teacher-forced greedy-token agreement
+and the worst next-token logits PCC; then the same package mutated (a row-parallel all_reduce
+deleted from its programs) to show where a real bug lands. Prints a Markdown table.
+
+    .venv/bin/python benches/check_figures.py [--steps 16] [--meshes N150,T3K,TG] [--families ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+from pkg_mutations import drop_first, edit_programs  # noqa: E402
+from test_emulated import TINY as DENSE, tiny as dense_tiny  # noqa: E402
+from test_emulated_moe import TINY as MOE, tiny as moe_tiny  # noqa: E402
+
+from ttbundle.check import run_check  # noqa: E402
+
+STORAGE = {
+    "bfp8": {"default": "bfp8"},
+    "bfp4": {"default": "bfp8", "mlp": "bfp4", "experts": "bfp4"},
+}
+
+
+def bundle(family: str, storage: str):
+    """The tests' tiny bundle of ``family`` stored as ``storage``, with a bfp8 KV cache."""
+    import dataclasses
+
+    from ttbundle import spec
+    b = dense_tiny(family) if family in DENSE else moe_tiny(family)
+    s = b.spec
+    w = s.weights.model_copy(update={"dtypes": spec.DtypePolicy(**STORAGE[storage])})
+    rt = s.runtime.model_copy(update={"kv_cache_dtype": "bfp8"})
+    return dataclasses.replace(b, spec=s.model_copy(update={"weights": w, "runtime": rt}))
+
+
+def reduce_step(b) -> tuple[str, str]:
+    """(layer kind, activation) of the attention output's row-parallel all_reduce."""
+    return b.family.layers(b.arch)[-1].name, "attn_out"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--meshes", default="N150,T3K,TG")
+    ap.add_argument("--families", default=",".join(sorted(DENSE) + sorted(MOE)))
+    ap.add_argument("--storage", default="bfp8,bfp4")
+    args = ap.parse_args()
+    print("| family | mesh | storage | worst layer PCC | token agreement | worst logits PCC | "
+          "passed | dropped all_reduce: worst PCC / agreement | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for fam in args.families.split(","):
+        for mesh in args.meshes.split(","):
+            for st in args.storage.split(","):
+                t0 = time.perf_counter()
+                b = bundle(fam, st)
+                r = run_check(b, mesh, steps=args.steps, random_weights=True, seed=3)
+                worst = min(s.pcc for s in r.layers)
+                bad = "n/a (1 chip)"
+                if mesh != "N150":
+                    kind, act = reduce_step(b)
+                    hook = lambda pkg: edit_programs(pkg, kind, drop_first(  # noqa: E731
+                        lambda s: s.get("collective") == "all_reduce" and s["act"] == act))
+                    m = run_check(b, mesh, steps=args.steps, random_weights=True, seed=3, package_hook=hook)
+                    bad = f"{min(s.pcc for s in m.layers):.4f} / {m.top1_agreement:.2f}" + \
+                        (" (passed!)" if m.passed else "")
+                print(f"| {fam} | {mesh} | {st} | {worst:.5f} | {r.top1_agreement:.2f} | "
+                      f"{min(r.logits_pcc):.5f} | {'yes' if r.passed else 'NO'} | {bad} | "
+                      f"{time.perf_counter() - t0:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Mutations of a built package that keep its manifest valid (every changed file re-hashed), so
+only numerics can catch them: what ``ttbundle check PACKAGE`` must fail on."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+
+def rehash(pkg: Path, rel: str) -> None:
+    """Record ``rel``'s new size and sha256 in the package's manifest."""
+    m_path = pkg / "manifest.json"
+    m = json.loads(m_path.read_text())
+    data = (pkg / rel).read_bytes()
+    entry = m["files"][rel]
+    entry["sha256"] = hashlib.sha256(data).hexdigest()
+    entry["size"] = len(data)
+    m_path.write_text(json.dumps(m, indent=1, sort_keys=True) + "\n")
+
+
+def edit_programs(pkg: Path, layer_kind: str, edit) -> int:
+    """Apply ``edit(steps) -> steps`` to the steps of layer program ``layer_kind`` in every
+    program of the package; returns how many programs changed."""
+    changed = 0
+    for p in sorted((pkg / "programs").glob("*.json")):
+        prog = json.loads(p.read_text())
+        for lp in prog["layers"]:
+            if lp["kind"] == layer_kind:
+                new = edit(list(lp["steps"]))
+                if new != lp["steps"]:
+                    lp["steps"] = new
+                    changed += 1
+        p.write_text(json.dumps(prog, sort_keys=True, indent=1) + "\n")
+        rehash(pkg, f"programs/{p.name}")
+    return changed
+
+
+def drop_first(predicate):
+    """An ``edit`` that deletes the first step matching ``predicate`` (a JSON step dict)."""
+    def edit(steps):
+        for i, s in enumerate(steps):
+            if predicate(s):
+                return steps[:i] + steps[i + 1:]
+        raise AssertionError("no step matched")
+    return edit
+
+
+def flip_byte(pkg: Path, rel: str, tensor_key: str, offset: int = 0) -> None:
+    """Flip the bits of one byte inside tensor ``tensor_key`` of safetensors file ``rel``."""
+    path = pkg / rel
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    start, end = header[tensor_key]["data_offsets"]
+    pos = 8 + n + start + offset
+    assert pos < 8 + n + end
+    raw[pos] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    rehash(pkg, rel)

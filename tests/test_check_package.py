@@ -1,0 +1,176 @@
+"""`ttbundle check` on built packages: block-float weights and KV caches checked as stored, and
+the mutations of a package (manifest re-hashed, so only numerics can catch them) that must fail.
+
+The reference is transformers in float32 on the checkpoint the package was built from; bounds
+for block floats are ``check.QUANT_BOUNDS`` (figures: docs/check.md, benches/check_figures.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from pkg_mutations import drop_first, edit_programs, flip_byte, rehash
+from test_emulated import TINY as DENSE, tiny as dense_tiny
+from test_emulated_moe import TINY as MOE, tiny as moe_tiny
+
+from ttbundle import layout, mesh as meshmod, package, spec as specmod
+from ttbundle.check import QUANT_BOUNDS, check_package, run_check
+from ttbundle.cli import app
+
+FAMILIES = sorted(DENSE) + sorted(MOE)
+STORAGE = {
+    "bfp8": {"default": "bfp8"},
+    "bfp4": {"default": "bfp8", "mlp": "bfp4", "experts": "bfp4"},
+}
+
+
+def stored(family: str, storage: str, kv: str = "bfp8"):
+    """The tiny bundle of ``family`` with block-float weights and KV cache."""
+    b = dense_tiny(family) if family in DENSE else moe_tiny(family)
+    s = b.spec
+    w = s.weights.model_copy(update={"dtypes": specmod.DtypePolicy(**STORAGE[storage])})
+    rt = s.runtime.model_copy(update={"kv_cache_dtype": kv})
+    return dataclasses.replace(b, spec=s.model_copy(update={"weights": w, "runtime": rt}))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("storage", sorted(STORAGE))
+@pytest.mark.parametrize("mesh", ["N150", "T3K", "TG"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_block_float_packages_pass_within_their_bounds(family, mesh, storage):
+    r = run_check(stored(family, storage), mesh, steps=8, random_weights=True, seed=3)
+    assert r.quantized == storage
+    assert r.storage["kv_cache"] == "bfp8" and storage in r.storage["weights"]
+    assert r.passed, (r.top1_agreement, r.diverging())
+    # quantization is really there: the numbers are not bf16-exact
+    assert min(s.pcc for s in r.layers) < 0.999999
+
+
+def test_bf16_packages_are_token_identical_and_block_floats_are_not_exact():
+    """The same model, bf16 vs bfp8 storage: bf16 is transformers-identical in fp32 with every
+    layer PCC > 0.99999; bfp8 is within its bounds and measurably less exact."""
+    b = dense_tiny("llama")
+    r16 = run_check(b, "T3K", steps=8, random_weights=True, seed=3)
+    assert r16.quantized is None and r16.tokens_agree and min(s.pcc for s in r16.layers) > 0.99999
+    r8 = run_check(stored("llama", "bfp8"), "T3K", steps=8, random_weights=True, seed=3)
+    assert r8.passed and min(s.pcc for s in r8.layers) < min(s.pcc for s in r16.layers)
+    assert r8.bounds == QUANT_BOUNDS["bfp8"]
+
+
+@pytest.mark.parametrize("storage", ["bfp8", "bfp4"])
+def test_dropped_all_reduce_fails_a_block_float_package(storage):
+    b = stored("llama", storage)
+    hook = lambda pkg: edit_programs(pkg, "decoder", drop_first(  # noqa: E731
+        lambda s: s.get("collective") == "all_reduce" and s["act"] == "attn_out"))
+    r = run_check(b, "T3K", steps=4, random_weights=True, seed=3, package_hook=hook)
+    assert not r.passed
+    d = r.diverging()
+    assert (d.step, d.layer) == ("prefill", 0) and d.pcc < QUANT_BOUNDS[storage]["layer_pcc"]
+
+
+def test_one_flipped_bfp8_exponent_byte_fails_and_names_its_layer():
+    """One shared-exponent byte of one bfp8 tile of layer 1's gate projection on device 3,
+    flipped and re-hashed: hashes pass, the numbers do not, and the check names layer 1."""
+    b = stored("llama", "bfp8")
+
+    def hook(pkg):
+        flip_byte(pkg, package.weight_file(3), "w1.1", offset=0)
+        package.verify_package(pkg, full=True)  # the manifest still verifies
+    r = run_check(b, "T3K", steps=4, random_weights=True, seed=3, package_hook=hook)
+    assert not r.passed
+    d = r.diverging()
+    assert d.layer == 1 and d.step == "prefill", d
+    assert all(s.pcc > 0.999 for s in r.layers if s.layer == 0)  # layer 0 is untouched
+
+
+# ---- heads that do not divide the mesh: SmolLM2's 9 query / 3 KV heads ---------------------------
+SMOL = {"family": "llama", "vocab_size": 512, "hidden_size": 144, "intermediate_size": 384,
+        "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 16,
+        "max_position_embeddings": 1024, "tie_word_embeddings": True, "rope_theta": 100000.0}
+
+
+def smol(mesh: str):
+    """The 9/3-head model with the padding `ttbundle init` chooses for ``mesh``."""
+    from ttbundle import init
+    for extra in ({},) + init.SHARDING_FALLBACKS:
+        doc = {"name": "tiny-smol", "model": SMOL, "targets": [mesh],
+               "buckets": {"prefill": [32, 64], "decode": [1, 8], "prefill_chunk": 64},
+               "runtime": {"max_model_len": 256, "max_num_seqs": 8},
+               "sharding": dict(extra)}
+        b = specmod.loads(yaml.safe_dump(doc), "smol.yaml")
+        from ttbundle import plan as planmod
+        if not planmod.check_mesh(b, mesh):
+            return b, extra
+    raise AssertionError(f"no padding fits {mesh}")
+
+
+@pytest.mark.parametrize("mesh,expect", [("N300", (6, 2)), ("T3K", (3, 1)), ("TG", (3, 1))])
+def test_smollm_head_ratios_check_with_the_padding_init_chooses(mesh, expect):
+    b, extra = smol(mesh)
+    assert extra == {"attention_heads": "pad", "kv_heads": "pad"}
+    m = meshmod.resolve(mesh)
+    q = layout.units(b.family.tensors(b.arch)[3].dims[1], ("cols",), m, b.spec.sharding)  # wq's heads
+    assert len(q[0]) == expect[0]
+    r = run_check(b, mesh, steps=16, random_weights=True, seed=5)
+    assert r.passed and r.tokens_agree, (r.first_token_divergence, r.diverging())
+    # only the KV blocks the prompt and the steps need: not the serving pool
+    need = -(-(r.prompt_len + r.steps) // b.spec.runtime.kv_block_size)
+    assert r.kv_blocks == need + 1
+
+
+def test_a_shifted_padded_shard_fails():
+    """Device 1 of a 9/3-head N300 package holds query heads 6..8 and three padding heads; its
+    wq shard shifted by one head (and re-hashed) computes wrong numbers."""
+    b, _ = smol("N300")
+
+    def hook(pkg):
+        from safetensors.torch import load_file, save_file
+        rel = package.weight_file(1)
+        f = Path(pkg) / rel
+        with open(f, "rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            meta = json.loads(fh.read(n))["__metadata__"]
+        t = load_file(str(f))
+        info = json.loads(meta["ttbundle"])["tensors"]["wq.0"]
+        hd = SMOL["head_dim"]
+        dim = 0 if info.get("transposed") else 1  # stored [out, in] or [in, out]
+        t["wq.0"] = torch.roll(t["wq.0"], hd, dims=dim).contiguous()
+        save_file(t, str(f), metadata=meta)
+        rehash(pkg, rel)
+    r = run_check(b, "N300", steps=4, random_weights=True, seed=5, package_hook=hook)
+    assert not r.passed
+    assert r.diverging().layer == 0
+
+
+def test_check_cli_takes_a_package_directory(tmp_path):
+    """`ttbundle check PACKAGE_DIR` finds the checkpoint its manifest records and checks the
+    package as built; --mesh on a package is refused (exit 2)."""
+    from ttbundle import reference
+    from ttbundle.build import build
+
+    b = stored("qwen3", "bfp8")
+    ckpt = reference.save_random(b, tmp_path / "ckpt", seed=3)
+    w = b.spec.weights.model_copy(update={"source": str(ckpt)})
+    b = dataclasses.replace(b, spec=b.spec.model_copy(update={"weights": w}))
+    pkg = build(b, "T3K", tmp_path / "out", warmup=False).package
+    runner = CliRunner()
+    r = runner.invoke(app, ["check", pkg, "--steps", "4", "--json"])
+    assert r.exit_code == 0, r.output
+    rep = json.loads(r.stdout)
+    assert rep["quantized"] == "bfp8" and rep["passed"] and rep["mesh"] == "T3K"
+    assert rep["storage"]["kv_cache"] == "bfp8"
+    same = check_package(pkg, ckpt, steps=4)
+    assert same.emu_tokens == rep["emulated_tokens"]
+    r = runner.invoke(app, ["check", pkg, "--mesh", "N150"])
+    assert r.exit_code == 2 and "a package is checked as built" in r.output
+    # the checkpoint changed since the build: say so instead of comparing with other weights
+    (ckpt / "model.safetensors").write_bytes(b"x" * 10)
+    r = runner.invoke(app, ["check", pkg])
+    assert r.exit_code == 2 and "changed since the package was built" in r.output

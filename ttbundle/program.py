@@ -1,0 +1,240 @@
+"""The program IR: the static per-device program of one (phase, bucket), as typed data.
+
+``lower.lower`` produces a :class:`Program`; ``build`` serializes it into the package
+(``programs/<phase>-<bucket>.json``, :meth:`Program.to_json`); the emulated backend executes the
+package's programs as they are (:meth:`Program.from_json`) and the ttnn lowering translates them
+op by op. Nothing downstream of ``lower`` re-derives a program from the spec.
+
+A program is a list of *layer programs* (embedding, each decoder layer kind with its repeat
+count, head), each a list of :class:`Step`: an op (:class:`Op`) reading named
+:class:`Activation` values (per-device shape, dtype, and how each feature dim is split over the
+mesh axes) and weights, or a collective (``all_reduce`` / ``all_gather``) on one activation.
+Every weight a program reads is listed with its PartitionSpec and per-device shape
+(:class:`WeightRef`), so an executor needs the program and the weight shards, no plan.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from .families.base import Dim
+
+FORMAT = "ttbundle.program/2"
+
+
+class ProgramError(ValueError):
+    """A serialized program that is not a valid program of this format."""
+
+
+class Op(str, enum.Enum):
+    EMBEDDING = "embedding"
+    RMS_NORM = "rms_norm"
+    MATMUL = "matmul"
+    LOCAL = "local"  # per-device compute: ``kernel`` names it (attention, swiglu, routing, ...)
+    COMBINE = "combine"
+    RESIDUAL_ADD = "residual_add"
+    LOGITS = "logits"
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+
+    @property
+    def collective(self) -> bool:
+        return self in (Op.ALL_REDUCE, Op.ALL_GATHER)
+
+
+Spec = tuple[tuple[str, ...], ...]  # per feature dim: the mesh axes it is split over
+
+
+def _spec(x) -> Spec:
+    return tuple(tuple(e) for e in (x or ()))
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A named per-device activation: ``[rows, *features]`` with each feature dim's axes."""
+
+    name: str
+    shape: tuple[int, ...]
+    spec: Spec = ()
+    dtype: str = "bf16"
+
+
+@dataclass(frozen=True)
+class WeightRef:
+    """A weight a program reads: its PartitionSpec (one entry per dim), per-device shape, dtype."""
+
+    name: str
+    spec: Spec
+    device_shape: tuple[int, ...]
+    dtype: str
+    layers: tuple[int, int] | None = None
+
+
+@dataclass(frozen=True)
+class Step:
+    op: Op
+    ins: tuple[Activation, ...] = ()
+    out: Activation | None = None
+    w: str | None = None
+    kernel: str = ""  # Op.LOCAL: which kernel
+    what: str = ""
+    axes: tuple[str, ...] = ()  # collectives
+    dim: int | None = None  # all_gather: the activation dim gathered (0 = rows)
+    feature: Dim | None = None  # all_gather: the gathered feature dim (padding/replicas undone)
+    devices: int = 1
+    payload_bytes: int = 0
+    traffic_bytes: int = 0
+    flops: int = 0
+
+    @property
+    def act(self) -> str:
+        """The activation a collective works on."""
+        return self.ins[0].name
+
+
+@dataclass(frozen=True)
+class LayerProgram:
+    kind: str  # "embedding", a layer kind's name, "head"
+    count: int
+    steps: tuple[Step, ...]
+
+
+@dataclass(frozen=True)
+class Program:
+    bundle: str
+    family: str
+    mesh: dict  # {"name", "shape", "arch"}
+    phase: str
+    bucket: int
+    rows: int
+    context: int
+    traced: bool
+    trace_region_bytes: int
+    kv_cache: dict
+    totals: dict
+    memory: dict
+    layers: tuple[LayerProgram, ...]
+    weights: dict[str, WeightRef] = field(default_factory=dict)
+    policy: dict = field(default_factory=dict)  # the sharding policy for padded/replicated dims
+
+    @property
+    def name(self) -> str:
+        return f"{self.phase}-{self.bucket}"
+
+    def steps(self):
+        """(layer kind, step index, step) for every step, in order."""
+        for lp in self.layers:
+            for i, st in enumerate(lp.steps):
+                yield lp.kind, i, st
+
+    # -- JSON ---------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT, "bundle": self.bundle, "family": self.family, "mesh": dict(self.mesh),
+            "phase": self.phase, "bucket": self.bucket, "rows": self.rows, "context": self.context,
+            "traced": self.traced, "trace_region_bytes": self.trace_region_bytes,
+            "kv_cache": self.kv_cache, "totals": self.totals, "memory": self.memory,
+            "policy": self.policy,
+            "weights": {n: {"spec": [list(e) for e in w.spec], "device_shape": list(w.device_shape),
+                            "dtype": w.dtype, "layers": None if w.layers is None else list(w.layers)}
+                        for n, w in sorted(self.weights.items())},
+            "layers": [{"kind": lp.kind, "count": lp.count, "steps": [_step_json(s, self.weights)
+                                                                      for s in lp.steps]}
+                       for lp in self.layers],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "program") -> "Program":
+        try:
+            if d.get("format") != FORMAT:
+                raise ProgramError(f"format {d.get('format')!r}, expected {FORMAT!r}")
+            weights = {n: WeightRef(n, _spec(w["spec"]), tuple(w["device_shape"]), w["dtype"],
+                                    None if w["layers"] is None else tuple(w["layers"]))
+                       for n, w in d["weights"].items()}
+            layers = tuple(LayerProgram(lp["kind"], int(lp["count"]),
+                                        tuple(_step_from(s, f"{where}: {lp['kind']} step {i}")
+                                              for i, s in enumerate(lp["steps"])))
+                           for lp in d["layers"])
+            return cls(d["bundle"], d["family"], d["mesh"], d["phase"], int(d["bucket"]), int(d["rows"]),
+                       int(d["context"]), bool(d["traced"]), int(d["trace_region_bytes"]), d["kv_cache"],
+                       d["totals"], d["memory"], layers, weights, d.get("policy", {}))
+        except ProgramError as e:
+            raise ProgramError(f"{where}: {e}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise ProgramError(f"{where}: not a valid {FORMAT} program ({type(e).__name__}: {e})") from None
+
+
+# The JSON form keeps the keys the ttnn lowering reads: ops under "op" (a LOCAL op under its
+# kernel's name), collectives under "collective"; "x"/"in_shape" for one input, "ins"/"in_shapes"
+# for several, "out"/"out_shape"/"out_spec", "w"/"w_shape"/"w_dtype".
+_ONE_INPUT = (Op.EMBEDDING, Op.RMS_NORM, Op.MATMUL, Op.COMBINE, Op.RESIDUAL_ADD, Op.LOGITS)
+_STRUCTURAL = {o.value: o for o in Op if o not in (Op.LOCAL,) and not o.collective}
+
+
+def _act_json(a: Activation) -> dict:
+    return {"name": a.name, "shape": list(a.shape), "spec": [list(e) for e in a.spec], "dtype": a.dtype}
+
+
+def _act_from(d: dict) -> Activation:
+    return Activation(d["name"], tuple(d["shape"]), _spec(d["spec"]), d.get("dtype", "bf16"))
+
+
+def _step_json(s: Step, weights: dict) -> dict:
+    if s.op.collective:
+        a = s.ins[0]
+        out = {"collective": s.op.value, "act": a.name, "axes": list(s.axes), "devices": s.devices,
+               "shape": list(a.shape), "spec": [list(e) for e in a.spec],
+               "dim": s.dim, "payload_bytes": s.payload_bytes, "traffic_bytes": s.traffic_bytes}
+        if s.feature is not None:
+            f = s.feature
+            out["feature"] = {"name": f.name, "size": f.size, "unit": f.unit, "groups": f.groups}
+        return out
+    out = {"op": s.kernel if s.op is Op.LOCAL else s.op.value, "flops": s.flops,
+           "inputs": [_act_json(a) for a in s.ins]}
+    if s.op is Op.LOCAL:
+        out.update(what=s.what, ins=[a.name for a in s.ins], in_shapes=[list(a.shape) for a in s.ins])
+    elif s.ins:
+        out.update(x=s.ins[0].name, in_shape=list(s.ins[0].shape))
+    if s.w is not None or s.op is Op.RMS_NORM:
+        out["w"] = s.w
+    ref = weights.get(s.w)
+    if ref is not None and s.op in (Op.EMBEDDING, Op.MATMUL):
+        out.update(w_shape=list(ref.device_shape), w_dtype=ref.dtype)
+    if s.op is Op.MATMUL and ref is not None:
+        # the shape the matmul consumes: a replicated input meeting a split contraction dim is
+        # cut to the device's part of it first (and experts to the device's experts)
+        used = list(s.ins[0].shape)
+        used[-1] = ref.device_shape[-2]
+        if len(used) == 3 and len(ref.device_shape) == 3:
+            used[1] = ref.device_shape[0]
+        out["in_shape"] = used
+    if s.out is not None:
+        out.update(out=s.out.name, out_shape=list(s.out.shape), out_spec=[list(e) for e in s.out.spec],
+                   out_act=_act_json(s.out))
+    return out
+
+
+def _step_from(d: dict, where: str) -> Step:
+    if "collective" in d:
+        try:
+            op = Op(d["collective"])
+        except ValueError:
+            raise ProgramError(f"{where}: unknown collective {d['collective']!r}") from None
+        if not op.collective:
+            raise ProgramError(f"{where}: {d['collective']!r} is not a collective")
+        f = d.get("feature")
+        feature = None if f is None else Dim(f["name"], int(f["size"]), int(f["unit"]), int(f.get("groups", 0)))
+        a = Activation(d["act"], tuple(d["shape"]), _spec(d.get("spec")))
+        return Step(op, (a,), axes=tuple(d["axes"]), dim=d.get("dim"), feature=feature,
+                    devices=int(d["devices"]), payload_bytes=int(d["payload_bytes"]),
+                    traffic_bytes=int(d["traffic_bytes"]))
+    name = d["op"]
+    op = _STRUCTURAL.get(name, Op.LOCAL)
+    ins = tuple(_act_from(a) for a in d["inputs"])
+    out = _act_from(d["out_act"]) if "out_act" in d else None
+    return Step(op, ins, out, w=d.get("w"), kernel=name if op is Op.LOCAL else "", what=d.get("what", ""),
+                flops=int(d.get("flops", 0)))
+
+
+__all__ = ["FORMAT", "Activation", "LayerProgram", "Op", "Program", "ProgramError", "Step", "WeightRef"]
