@@ -27,8 +27,8 @@ from test_emulated_moe import TINY as MOE, tiny as moe_tiny  # noqa: E402
 from ttbundle.check import run_check  # noqa: E402
 
 STORAGE = {
-    "bfp8": {"default": "bfp8"},
-    "bfp4": {"default": "bfp8", "mlp": "bfp4", "experts": "bfp4"},
+    "bfp8": {"default": "bfp8", "router": "bf16"},
+    "bfp4": {"default": "bfp8", "router": "bf16", "mlp": "bfp4", "experts": "bfp4"},
 }
 
 

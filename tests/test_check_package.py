@@ -26,8 +26,8 @@ from ttbundle.cli import app
 
 FAMILIES = sorted(DENSE) + sorted(MOE)
 STORAGE = {
-    "bfp8": {"default": "bfp8"},
-    "bfp4": {"default": "bfp8", "mlp": "bfp4", "experts": "bfp4"},
+    "bfp8": {"default": "bfp8", "router": "bf16"},
+    "bfp4": {"default": "bfp8", "router": "bf16", "mlp": "bfp4", "experts": "bfp4"},
 }
 
 

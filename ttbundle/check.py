@@ -1,9 +1,19 @@
-"""`ttbundle check`: the emulated mesh against Hugging Face transformers, layer by layer.
+"""`ttbundle check`: a package's programs on the emulated mesh against Hugging Face transformers.
 
-Both run the same weights on the same tokens: a prompt (chunked by the bundle's prefill chunk),
-then ``steps`` greedy decode steps in which both are fed the reference's token. Per layer and
-step we compare the residual stream (max-abs error, PCC) and the greedy token. Pass: fp32 -> every
-greedy token identical; bf16 -> every layer's PCC >= 0.99 (and tokens are reported).
+What is checked is what ships: the package's own programs (``programs/*.json``) executed on its
+own weight bytes (bf16, or bfp8/bfp4 tiles decoded as ttnn decodes them), with its KV cache held
+in its declared dtype. ``check SPEC`` builds the package into a temporary directory first. The
+reference is transformers in float32 on the checkpoint the package was built from, its weights
+rounded to bf16 (the package's finest storage) and, for a bf16 KV cache, its cache rounded to
+bf16 on every write as the package's is. Both run a prompt (chunked by the bundle's prefill
+chunk), then ``steps`` decode steps teacher-forced with the reference's greedy token. Per layer
+and step: the residual stream (max-abs error, PCC); per step: the greedy token.
+
+Pass, bf16 storage: fp32 compute -> every greedy token identical and every layer's PCC >=
+``PCC_MIN_FP32``; bf16 compute -> every layer's PCC >= ``PCC_MIN_BF16``. Block floats (bfp8/bfp4
+weights or a bfp8 KV cache): every layer's PCC and the teacher-forced token agreement within
+``QUANT_BOUNDS`` of the coarsest format stored (docs/check.md: the figures they come from, and
+what a wrong shard, a dropped collective or a swapped gather gives).
 
 Mixture-of-experts families (``Family.hf_router``) also record every token's expert choice on
 both sides. In bf16 a router near-tie can pick another expert on either side (transformers' own
@@ -21,9 +31,16 @@ from pathlib import Path
 from .errors import InvalidInput
 
 PCC_MIN_BF16 = 0.99
+#: fp32 compute on bf16 storage: the same weights on both sides, so every layer agrees to float
+#: rounding (measured > 0.99999 for every family); a wrong shard that keeps the greedy tokens
+#: still falls far below this
+PCC_MIN_FP32 = 0.9999
 #: block-float packages (weights or KV cache): every layer's PCC against the bf16 reference and the
 #: teacher-forced greedy-token agreement (docs/check.md has the figures these were chosen from)
-QUANT_BOUNDS = {"bfp8": {"layer_pcc": 0.99, "top1": 0.9}, "bfp4": {"layer_pcc": 0.95, "top1": 0.6}}
+#: (MoE: a layer below the PCC bound passes where a routing flip explains it, as in bf16, and at
+#: most ``flips`` of the expert choices may differ)
+QUANT_BOUNDS = {"bfp8": {"layer_pcc": 0.99, "top1": 0.9, "flips": 0.1},
+                "bfp4": {"layer_pcc": 0.95, "top1": 0.35, "flips": 0.35}}
 MAX_FLIP_SHARE = 0.1
 PCC_MIN_PREFILL_FLIPPED = 0.95
 
@@ -73,8 +90,13 @@ class CheckReport:
 
     @property
     def top1_agreement(self) -> float:
-        """Teacher-forced: the share of steps whose greedy token equals the reference's."""
-        return sum(a == b for a, b in zip(self.ref_tokens, self.emu_tokens)) / max(1, len(self.ref_tokens))
+        """Teacher-forced: the share of steps whose greedy token equals the reference's (MoE: of
+        the steps where both sides chose the same experts in every layer; another expert is
+        another function)."""
+        flipped = {f[0] for f in self.routing["flips"]} if self.routing else set()
+        pairs = [(a, b) for i, (a, b) in enumerate(zip(self.ref_tokens, self.emu_tokens))
+                 if ("prefill" if i == 0 else f"decode {i}") not in flipped]
+        return sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
 
     @property
     def bounds(self) -> dict:
@@ -83,7 +105,7 @@ class CheckReport:
             return dict(QUANT_BOUNDS[self.quantized])
         if self.dtype == "bf16":
             return {"layer_pcc": PCC_MIN_BF16}
-        return {"tokens": "identical"}
+        return {"tokens": "identical", "layer_pcc": PCC_MIN_FP32}
 
     def _explained(self, s: LayerStat) -> bool:
         """A layer below the bf16 bound that a routing flip accounts for (module docstring)."""
@@ -97,7 +119,8 @@ class CheckReport:
     @property
     def flips_ok(self) -> bool:
         r = self.routing
-        return not r or r["flipped"] <= MAX_FLIP_SHARE * r["choices"]
+        share = QUANT_BOUNDS[self.quantized]["flips"] if self.quantized else MAX_FLIP_SHARE
+        return not r or r["flipped"] <= share * r["choices"]
 
     @property
     def tokens_agree(self) -> bool:
@@ -126,7 +149,7 @@ class CheckReport:
             return self.flips_ok and self.top1_agreement >= b["top1"] and \
                 all(s.pcc >= b["layer_pcc"] or self._explained(s) for s in self.layers)
         if self.dtype == "fp32":
-            return self.tokens_agree
+            return self.tokens_agree and all(s.pcc >= PCC_MIN_FP32 for s in self.layers)
         return self.flips_ok and all(s.pcc >= PCC_MIN_BF16 or self._explained(s) for s in self.layers)
 
     def diverging(self) -> LayerStat | None:
@@ -135,7 +158,7 @@ class CheckReport:
             bound = self.bounds["layer_pcc"]
             return next((s for s in self.layers if s.pcc < bound and not self._explained(s)), None) \
                 or (min(self.layers, key=lambda s: s.pcc) if self.layers and not self.passed else None)
-        bad = self.first_bad_layer(0.9999)
+        bad = self.first_bad_layer(PCC_MIN_FP32)
         return bad or (min(self.layers, key=lambda s: s.pcc) if self.layers else None)
 
     def to_json(self) -> dict:

@@ -44,11 +44,15 @@ def hf_model(src: str):
 
 
 def hf_greedy(src, prompt_ids: list[int], n: int) -> list[int]:
-    """transformers ``generate`` (greedy) on the checkpoint the package was built from."""
+    """transformers ``generate`` (greedy) on the checkpoint the package was built from, its KV
+    cache stored in bf16 as the package's (``runtime.kv_cache_dtype: bf16``) is."""
     import torch
+
+    from ttbundle import reference
     m = hf_model(str(src))
     with torch.no_grad():
-        out = m.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False)
+        out = m.generate(torch.tensor([prompt_ids]), max_new_tokens=n, do_sample=False,
+                         past_key_values=reference.kv_cache(m, "bf16"))
     return out[0, len(prompt_ids):].tolist()
 
 

@@ -56,16 +56,12 @@ def make_source(bundle, directory: str | Path, seed: int = 0) -> Path:
     """A Hugging Face checkpoint of ``bundle``'s architecture with random weights rounded to
     bf16 (what packages store, so transformers and the package hold the same numbers), plus the
     demo tokenizer. ``config.json`` has no eos_token_id: ``generate`` runs to max_new_tokens."""
-    import torch
-
     from .. import reference
 
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
     model = reference.random_model(bundle, seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(p.to(torch.bfloat16).to(torch.float32))
+    reference.round_to_bf16(model)
     model.config.eos_token_id = None
     model.generation_config.eos_token_id = None
     model.save_pretrained(str(out), safe_serialization=True)
