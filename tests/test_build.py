@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle import build as buildmod, package, spec as specmod
+from ttbundle import build as buildmod, convert, fsutil, package, spec as specmod, txn
 from ttbundle.errors import InvalidInput, TTBundleError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,7 +193,7 @@ def test_writer_threads_do_not_change_a_byte(tmp_path, ckpt, monkeypatch):
     """Device files written by one writer thread or by three are identical (``cmp``)."""
     outs = []
     for n in (1, 3):
-        monkeypatch.setattr(buildmod, "WRITER_THREADS", n)
+        monkeypatch.setattr(convert, "WRITER_THREADS", n)
         res = buildmod.build(specmod.load(write_spec(tmp_path, ckpt)), "T3K", tmp_path / f"out{n}",
                              warmup=False)
         outs.append(Path(res.package))
@@ -535,12 +535,12 @@ def test_interrupted_at_every_stage_leaves_old_package(tmp_path, ckpt):
             assert m["buckets"]["prefill"] == [32, 64, 96] and registrable(out / "T3K") == [out / "T3K" / "tiny"]
             raise Killed()
         _check_invariant(out, "T3K", {_spec_sha(old)})
-    buildmod._fault_hook = hook
+    fsutil.fault_hook = hook
     try:
         with pytest.raises(Killed):
             buildmod.build(specmod.load(spec), "T3K", out, force=True, warmup=False)
     finally:
-        buildmod._fault_hook = None
+        fsutil.fault_hook = None
     assert stages[0].startswith("tensor:") and "before-swap" in stages and stages[-1] == "after-swap"
     assert sum(s.startswith("tensor:") for s in stages) == 21 and "wrote:manifest" in stages
     # stopped after the exchange: the new package is in place and complete
@@ -559,12 +559,12 @@ def test_failed_build_cleans_up_and_keeps_old(tmp_path, ckpt):
     def hook(stage):
         if stage.startswith("tensor:w2"):
             raise RuntimeError("disk on fire")
-    buildmod._fault_hook = hook
+    fsutil.fault_hook = hook
     try:
         with pytest.raises(RuntimeError, match="disk on fire"):
             buildmod.build(specmod.load(spec), "N150", out, force=True, warmup=False)
     finally:
-        buildmod._fault_hook = None
+        fsutil.fault_hook = None
     assert snapshot(out / "N150") == before
     assert list((out / ".ttbundle" / "tmp").iterdir()) == []
     assert package.verify_package(out / "N150" / "tiny")["key"] == old.key
@@ -574,7 +574,7 @@ def test_fallback_swap_without_renameat2_recovers(tmp_path, ckpt, monkeypatch):
     out = tmp_path / "out"
     spec = write_spec(tmp_path, ckpt)
     old = buildmod.build(specmod.load(spec), "N150", out, warmup=False)
-    monkeypatch.setattr(buildmod, "_exchange", lambda a, b: False)
+    monkeypatch.setattr(txn, "_exchange", lambda a, b: False)
 
     class Killed(BaseException):
         pass
@@ -582,12 +582,12 @@ def test_fallback_swap_without_renameat2_recovers(tmp_path, ckpt, monkeypatch):
     def hook(stage):
         if stage == "mid-swap":
             raise Killed()
-    buildmod._fault_hook = hook
+    fsutil.fault_hook = hook
     try:
         with pytest.raises(Killed):
             buildmod.build(specmod.load(spec), "N150", out, force=True, warmup=False)
     finally:
-        buildmod._fault_hook = None
+        fsutil.fault_hook = None
     assert not (out / "N150" / "tiny").exists()  # killed between the two renames
     r = buildmod.build(specmod.load(spec), "N150", out, warmup=False)  # recovery restores the old one
     assert r.status == "up-to-date" and r.key == old.key

@@ -108,7 +108,7 @@ def family_sources(family) -> list[Path]:
 
 
 CODE = {
-    "code.convert": ("build.py", "package.py", "lower.py", "weights.py", "blockfloat.py",
+    "code.convert": ("convert.py", "build.py", "package.py", "lower.py", "weights.py", "blockfloat.py",
                      "families/transforms.py"),
     "code.lower": ("lower.py", "plan.py", "mesh.py"),
     "code.templates": ("package.py", str(TEMPLATE_DIR / "adapter.py.j2"), str(TEMPLATE_DIR / "README.md.j2")),

@@ -78,3 +78,12 @@ def _template_dir() -> Path:
 
 
 TEMPLATE_DIR = _template_dir()
+
+
+# a test hook: called with a stage name at every point a build can be interrupted (``fault``)
+fault_hook = None
+
+
+def fault(stage: str) -> None:
+    if fault_hook is not None:
+        fault_hook(stage)

@@ -603,7 +603,7 @@ def stored_shape(shape, transposed: bool) -> list:
 
 def _decode(t, info: dict):
     """A stored shard as the device tensor: block floats decoded, a shard stored in its
-    checkpoint's element order (``"transposed"``, see ``build._stored_transposed``) turned back
+    checkpoint's element order (``"transposed"``, see ``convert._stored_transposed``) turned back
     into the device's ``[..., in, out]`` (a view)."""
     enc = info.get("encoding", "bf16")
     if enc == "bf16":

@@ -1,0 +1,381 @@
+"""Weight conversion: the checkpoint streamed one canonical tensor at a time (safetensors mmap,
+sharded index supported): family name table -> transform -> dtype policy -> split per the plan ->
+appended to one safetensors file per device whose header was computed up front, by writer threads
+(write + sha256) while the next tensor is read and cut.
+
+The ``weights`` content key is derived from this module's imports (``cache.module_sources``):
+whatever it (transitively) imports is what a package's weights depend on."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from . import layout as layoutmod
+from .errors import InvalidInput
+from .fsutil import fault as _fault
+from .package import (ST_DTYPE, WEIGHTS_FORMAT, ShardFile, encoded_nbytes, stored_shape, tensor_key,
+                      weight_file)
+from .plan import axes_of
+
+TRANSPOSE_BLOCK = 64  # source rows per step when cutting a transposed shard
+WRITER_THREADS = None  # threads that write + sha256 device files (None: one per usable core)
+
+
+def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) -> None:
+    """Write ``tmp/weights/device_<d>.safetensors`` for every device of ``plan.mesh`` from the
+    checkpoint in ``weights_dir``; each file's sha256 and size go into ``files``, byte counts and
+    timings into ``res`` (a ``BuildResult``), progress events to ``emit``."""
+    from .weights import Checkpoint, read_plan
+
+    fam, a, mesh = bundle.family, bundle.arch, plan.mesh
+    D = mesh.num_devices
+    cpu0 = time.thread_time()
+    ck = Checkpoint(weights_dir)
+    for f in set(ck.files.values()):
+        if Path(f).resolve().parent != Path(weights_dir).resolve():
+            raise InvalidInput(f"{weights_dir}: refusing checkpoint file {f} outside the directory")
+    jobs = read_plan(fam, a, ck.keys())
+    tp = {t.name: t for t in plan.tensors}
+    decls = {t.name: t for t in fam.tensors(a)}
+    units = {n: [layoutmod.units(d, axes_of(e), mesh, bundle.spec.sharding)
+                 for d, e in zip(decls[n].dims, plan.specs[n])] for n in decls}
+    # one header per device, computed before any tensor is read
+    transform = {n.tensor: n.transform for n in fam.hf_names(a)}
+    entries, layout = [], {}
+    for name, layer, sources in jobs:
+        t = tp[name]
+        key = tensor_key(name, layer)
+        nbytes = encoded_nbytes(t.device_shape, t.dtype)
+        flip = _stored_transposed(transform[name], decls[name], sources, t.dtype)
+        shape = stored_shape(t.device_shape, flip) if t.dtype == "bf16" else [nbytes]
+        entries.append((key, ST_DTYPE[t.dtype], shape, nbytes))
+        layout[key] = {"tensor": name, "layer": layer, "encoding": t.dtype, "shape": t.device_shape,
+                       "global_shape": list(decls[name].shape),
+                       "spec": [list(axes_of(e)) or None for e in plan.specs[name]]}
+        if flip:
+            layout[key]["transposed"] = True
+    (tmp / "weights").mkdir(exist_ok=True)
+    writers, bg = [], []
+    # one torch thread: the writer and checkpoint-hash threads use the other cores, and
+    # OpenMP workers competing with them make every copy slower
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for d in range(D):
+            meta = {"format": WEIGHTS_FORMAT, "device": d, "coord": [d // mesh.cols, d % mesh.cols],
+                    "mesh": mesh.name, "tensors": layout}
+            writers.append(ShardFile(tmp / weight_file(d), entries,
+                                     {"ttbundle": json.dumps(meta, sort_keys=True)}))
+        total = sum(e[3] for e in entries) * D
+        emit({"event": "phase", "phase": "weights", "total": len(jobs), "total_bytes": total,
+                   "unit": "tensors"})
+        # one tensor's distinct shards may wait for the writers while the next one is read
+        cap = max(encoded_nbytes(tp[n].device_shape, tp[n].dtype) * D for n, _, _ in jobs)
+        # write + sha256 is most of the work: one thread per core, each owning whole device files
+        nbg = max(1, min(D, WRITER_THREADS or len(os.sched_getaffinity(0))))
+        bg = [_WriteBehind(cap) for _ in range(nbg)]
+        pool = _BufferPool(2 * cap)
+        for i, (name, layer, sources) in enumerate(jobs):
+            t = tp[name]
+            c, nread = _read_canonical(ck, transform[name], a, decls[name], layer, sources, t.dtype)
+            res.bytes_read += nread
+            key = tensor_key(name, layer)
+            written = 0
+            keep = bool(layout[key].get("transposed"))
+            for buf, devices, handle in _device_shards(c, units[name], decls[name].dims, D, t.dtype, pool,
+                                                       keep_source_order=keep):
+                n = memoryview(buf).nbytes
+                by = {}
+                for d in devices:
+                    by.setdefault(d % nbg, []).append((writers[d], key))
+                done = None if handle is None else _Countdown(len(by), lambda h=handle: pool.give(h))
+                for j, targets in by.items():
+                    bg[j].put(targets, buf, n, done)
+                written += n * len(devices)
+                del buf, handle
+            del c
+            res.bytes_written += written
+            emit({"event": "advance", "phase": "weights", "item": key, "i": i + 1,
+                       "n": len(jobs), "bytes": written})
+            _fault(f"tensor:{key}")
+        for w in bg:
+            w.finish()
+        res.timings["cpu_convert"] = round(time.thread_time() - cpu0, 3)
+        res.timings["cpu_write"] = round(sum(w.cpu for w in bg), 3)
+        res.timings["writer_threads"] = len(bg)
+        t = time.monotonic()
+        for d, wr in enumerate(writers):
+            sha, size = wr.close()  # fsync: waits for the disk
+            files[weight_file(d)] = {"sha256": sha, "size": size}
+        res.timings["weights_fsync"] = round(time.monotonic() - t, 3)
+    except BaseException:
+        for w in bg:
+            w.abort()
+        for wr in writers:
+            wr.abort()
+        raise
+    finally:
+        torch.set_num_threads(threads)
+        _trim_heap()
+
+
+# ---- conversion helpers -------------------------------------------------------------------------------
+@dataclass
+class _Canon:
+    """One canonical tensor: ``base``, or ``base.transpose(-1, -2)`` when ``swap`` (the HF source
+    itself, read by mmap; shards are cut from it without materializing the transpose)."""
+
+    base: object
+    swap: bool = False
+
+    def dim(self, k: int) -> int:
+        """The dim of ``base`` holding canonical dim ``k``."""
+        n = self.base.dim()
+        if self.swap and k >= n - 2:
+            return 2 * n - 3 - k
+        return k
+
+
+def _is_view(tf: str, sources) -> bool:
+    """A canonical tensor that is one checkpoint tensor as it is or transposed: read as a view."""
+    return tf in ("t", "id") and len(sources) == 1 and "{e}" not in sources[0][0]
+
+
+def _read_canonical(ck, tf: str, a, decl, layer, sources, dtype: str):
+    """One canonical tensor from its checkpoint tensors (``tf``: its name-table transform).
+    ``t``/``id`` of a single source stay a view of the source (mmap); other transforms run on
+    the source dtype and are materialized. Returns (_Canon, bytes read)."""
+    import torch
+
+    from .families import transforms
+
+    where = f"{decl.name}{'' if layer is None else f' (layer {layer})'}"
+    if _is_view(tf, sources):
+        x = ck.get(sources[0][1][0])
+        shape = tuple(x.shape)
+        if tf == "t" and x.dim() >= 2:
+            shape = shape[:-2] + (shape[-1], shape[-2])
+        if shape != decl.shape:
+            raise InvalidInput(f"{where}: checkpoint gives shape {list(shape)}, the architecture says "
+                               f"{list(decl.shape)}")
+        return _Canon(x, tf == "t" and x.dim() >= 2), x.numel() * x.element_size()
+    nread, srcs = 0, []
+    for pattern, keys in sources:
+        ts = [ck.get(k) for k in keys]
+        nread += sum(x.numel() * x.element_size() for x in ts)
+        srcs.append(torch.stack(ts) if "{e}" in pattern else ts[0])
+        del ts
+    w = transforms.apply(tf, srcs, a)
+    del srcs
+    if tuple(w.shape) != decl.shape:
+        raise InvalidInput(f"{where}: checkpoint gives shape {list(w.shape)}, the architecture says "
+                           f"{list(decl.shape)}")
+    return _Canon(w), nread
+
+
+class _BufferPool:
+    """Reused shard buffers: fresh memory costs a page fault per 4 KiB on first touch."""
+
+    def __init__(self, limit: int):
+        self.limit, self.held = limit, 0
+        self.free: dict[int, list] = {}
+        self.lock = threading.Lock()
+
+    def take(self, shape, dtype):
+        import torch
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        with self.lock:
+            bufs = self.free.get(nbytes)
+            if bufs:
+                self.held -= nbytes
+                return bufs.pop().view(dtype).view(shape)
+        return torch.empty(nbytes, dtype=torch.uint8).view(dtype).view(shape)
+
+    def give(self, t) -> None:
+        import torch
+        flat = t.reshape(-1).view(torch.uint8)
+        with self.lock:
+            if self.held + flat.numel() <= self.limit:
+                self.free.setdefault(flat.numel(), []).append(flat)
+                self.held += flat.numel()
+
+
+def _stored_transposed(tf: str, decl, sources, dtype: str) -> bool:
+    """Whether a tensor's shards keep the checkpoint's element order (HF ``[out, in]``) instead of
+    the canonical ``[in, out]``: bf16 tensors that are one checkpoint tensor transposed. Their
+    shards are then plain cuts of the source (no transpose; often contiguous, written straight
+    from the mmap) and the weights header marks them ``"transposed": true``; readers transpose
+    back (``package._decode``: a view). Block floats are always stored in device order: their
+    tiles share exponents along the device's rows."""
+    return dtype == "bf16" and tf == "t" and _is_view(tf, sources) and len(decl.shape) >= 2
+
+
+class _Countdown:
+    """Calls ``fn`` once ``n`` writer threads have each called it."""
+
+    def __init__(self, n: int, fn):
+        self.n, self.fn, self.lock = n, fn, threading.Lock()
+
+    def __call__(self) -> None:
+        with self.lock:
+            self.n -= 1
+            last = self.n == 0
+        if last:
+            self.fn()
+
+
+def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_BufferPool | None" = None,
+                   keep_source_order: bool = False):
+    """Yield (bytes-like, [devices], pooled buffer or None) once per distinct shard: cut from the
+    source view, then one copy that gathers, transposes and casts (bf16, or float32 for block
+    floats, then encoded). A pooled buffer goes back to ``pool`` once written. With
+    ``keep_source_order`` (bf16 only, see :func:`_stored_transposed`) a shard stays in the
+    source's element order: a contiguous cut is yielded as a view of the source, zero copies."""
+    import torch
+
+    sigs: dict[tuple, list[int]] = {}
+    for d in range(D):
+        sigs.setdefault(tuple(tuple(u[d]) for u in units_per_dim), []).append(d)
+    host = torch.bfloat16 if dtype == "bf16" else torch.float32
+    for sig, devices in sigs.items():
+        v, pads = c.base, []
+        for k, (units, dim) in enumerate(zip(sig, dims)):
+            if len(units) == dim.size and units == tuple(range(dim.size)):
+                continue
+            sk = c.dim(k)
+            run = layoutmod.unit_runs(units)
+            if run is not None:
+                v = v.narrow(sk, run[0] * dim.unit, run[1] * dim.unit)
+                continue
+            pos = torch.tensor(layoutmod.elements(units, dim.unit), dtype=torch.long)
+            v = v.index_select(sk, pos.clamp(min=0))
+            if bool((pos < 0).any()):
+                pads.append((k, (pos < 0).nonzero().reshape(-1)))
+        if keep_source_order:
+            if dtype != "bf16":
+                raise RuntimeError(f"source order is kept for bf16 shards only, not {dtype}")
+            if not pads and v.is_contiguous() and v.dtype == torch.bfloat16:
+                yield v.reshape(-1).view(torch.uint8).numpy(), devices, None
+                del v
+                continue
+            x = pool.take(tuple(v.shape), host) if pool is not None else torch.empty(v.shape, dtype=host)
+            x.copy_(v)
+            del v
+            for k, where in pads:
+                x.index_fill_(c.dim(k), where, 0)
+            yield x.view(torch.uint8).numpy(), devices, x if pool is not None else None
+            del x
+            continue
+        shape = tuple(v.transpose(-1, -2).shape if c.swap else v.shape)
+        x = pool.take(shape, host) if pool is not None else torch.empty(shape, dtype=host)
+        if c.swap and v.shape[-2] > 16 * TRANSPOSE_BLOCK:
+            # blocks of source rows (output columns): ~2x faster than one big strided copy
+            for r in range(0, v.shape[-2], TRANSPOSE_BLOCK):
+                x[..., r:r + TRANSPOSE_BLOCK].copy_(v[..., r:r + TRANSPOSE_BLOCK, :].transpose(-1, -2))
+        else:
+            x.copy_(v.transpose(-1, -2) if c.swap else v)
+        del v
+        for k, where in pads:
+            x.index_fill_(k, where, 0)
+        if dtype == "bf16":
+            yield x.view(torch.uint8).numpy(), devices, x if pool is not None else None
+        else:
+            from . import blockfloat
+            data = blockfloat.encode(x, dtype)
+            want = encoded_nbytes(list(x.shape), dtype)
+            if len(data) != want:
+                raise RuntimeError(f"blockfloat.encode gave {len(data)} B for {list(x.shape)} {dtype}, "
+                                   f"expected {want} B")
+            if pool is not None:
+                pool.give(x)
+            yield data, devices, None
+        del x
+
+
+class _WriteBehind:
+    """A thread that appends shards to the device files (write + sha256) while the next tensor is
+    read and cut; ``put`` blocks while more than ``cap`` bytes are waiting."""
+
+    def __init__(self, cap: int):
+        import collections
+        self.cap, self.pending = cap, 0
+        self.q: collections.deque = collections.deque()
+        self.cv = threading.Condition()
+        self.err: BaseException | None = None
+        self.closed = False
+        self.cpu = 0.0  # the thread's CPU seconds
+        self.t = threading.Thread(target=self._run, name="ttbundle-writer", daemon=True)
+        self.t.start()
+
+    def put(self, targets: list, buf, nbytes: int, on_done=None) -> None:
+        with self.cv:
+            while self.pending and self.pending + nbytes > self.cap and self.err is None:
+                self.cv.wait()
+            if self.err is not None:
+                raise self.err
+            self.q.append((targets, buf, nbytes, on_done))
+            self.pending += nbytes
+            self.cv.notify_all()
+
+    def _run(self) -> None:
+        c = time.thread_time()
+        try:
+            self._loop()
+        finally:
+            self.cpu = time.thread_time() - c
+
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while not self.q and not self.closed:
+                    self.cv.wait()
+                if not self.q:
+                    return
+                targets, buf, nbytes, on_done = self.q.popleft()
+            try:
+                for f, key in targets:
+                    f.write(key, buf)
+            except BaseException as e:  # surfaced to the producer on its next put / finish
+                with self.cv:
+                    self.err = e
+                    self.cv.notify_all()
+                return
+            del buf
+            if on_done is not None:
+                on_done()
+            with self.cv:
+                self.pending -= nbytes
+                self.cv.notify_all()
+
+    def finish(self) -> None:
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        self.t.join()
+        if self.err is not None:
+            raise self.err
+
+    def abort(self) -> None:
+        with self.cv:
+            self.q.clear()
+            self.closed = True
+            self.cv.notify_all()
+        self.t.join()
+
+
+def _trim_heap() -> None:
+    """Hand freed conversion buffers back to the OS (glibc keeps them in its arenas otherwise,
+    and they would count against every later phase's peak RSS)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
