@@ -725,3 +725,33 @@ def test_other_families_convert_exactly(tmp_path, family):
     for name, v in ref.items():
         for x, y in zip(v if isinstance(v, list) else [v], got[name] if isinstance(v, list) else [got[name]]):
             assert torch.equal(x.to(torch.bfloat16), y), name
+
+
+def test_ui_edit_rebuilds_nothing_and_an_encoder_edit_rebuilds_weights(tmp_path, ckpt):
+    """`ttbundle build` run from a copy of ttbundle's sources: editing the progress bars leaves
+    the package up to date; editing blockfloat.py (which the conversion imports) rebuilds the
+    weights, and no program."""
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "ttbundle", src / "ttbundle", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "templates", src / "templates")
+    spec = write_spec(tmp_path, ckpt)
+    out = tmp_path / "out"
+    first = buildmod.build(specmod.load(spec), "N150", out, warmup=False)
+
+    def build_from_copy():
+        env = {**os.environ, "PYTHONPATH": str(src)}
+        r = subprocess.run([sys.executable, "-m", "ttbundle.cli", "build", str(spec), "--mesh", "N150",
+                            "-o", str(out), "--json", "--no-warmup"], capture_output=True, text=True,
+                           cwd=tmp_path, env=env)
+        assert r.returncode == 0, r.stderr
+        return [json.loads(x) for x in r.stdout.splitlines() if '"done"' in x][-1]
+
+    with open(src / "ttbundle" / "progress.py", "a") as f:
+        f.write("\nConsoleProgress.LABELS['weights'] = 'converting the weights'\n")
+    ui = build_from_copy()
+    assert ui["status"] == "up-to-date" and ui["key"] == first.key
+    with open(src / "ttbundle" / "blockfloat.py", "a") as f:
+        f.write("\n# an encoder edit\n")
+    enc = build_from_copy()
+    assert enc["status"] == "built" and "code.convert" in enc["changed_fields"]
+    assert "weights" in enc["rebuilt"] and not [a for a in enc["rebuilt"] if a.startswith("program:")]

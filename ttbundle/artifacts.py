@@ -92,7 +92,8 @@ class PackageWriter:
         from .backends.ttnn import kernelcache as kc
         sfpi, python = self.sfpi or kc.status()
         key = cache.digest({"programs": sorted(v for k, v in keys.items() if k.startswith("program:")),
-                            "sfpi": sfpi.key(), "ttnn": self.inp.fields.get("ttnn")})
+                            "sfpi": sfpi.key(), "ttnn": self.inp.fields.get("ttnn"),
+                            "code": cache.code_digest(cache.module_sources([kc.__name__]))})
         old = self.prev_art.get("kernel_cache", {})
         files = None
         if sfpi.found and old.get("key") == key and old.get("filled") and all(self._link(r) for r in old["files"]):

@@ -17,6 +17,7 @@ stay sha256, the format every verifier has.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 import os
@@ -42,10 +43,10 @@ FIELDS = {
     "tokenizer": "BLAKE3 of the tokenizer files",
     "family_code": "source of the family module and the name table machinery",
     "ttbundle": "ttbundle version",
-    "code.convert": "weight conversion code (build, package, lower, weights, blockfloat)",
-    "code.lower": "lowering code (lower, plan, mesh)",
-    "code.templates": "package templates",
-    "code.backend": "emulated backend code (warm-up)",
+    "code.convert": "weight conversion code (ttbundle.convert and every ttbundle module it imports)",
+    "code.lower": "lowering code (ttbundle.lower and its imports)",
+    "code.templates": "package templates and the small files' code (ttbundle.package and its imports)",
+    "code.backend": "warm-up code (ttbundle.warmup and its imports: the emulated backend)",
     "torch": "torch version",
     "transformers": "transformers version (config.json)",
     "vllm": "vLLM version",
@@ -85,10 +86,11 @@ def versions() -> dict:
             "safetensors": dist_version("safetensors")}
 
 
-def code_digest(paths) -> str:
+def code_digest(paths, base: Path = ROOT.parent) -> str:
+    """sha256 over ``paths`` (sorted; each as its path relative to ``base``, then its bytes)."""
     h = hashlib.sha256()
     for p in sorted({Path(p).resolve() for p in paths if p and Path(p).exists()}):
-        rel = p.relative_to(ROOT.parent) if p.is_relative_to(ROOT.parent) else p.name
+        rel = p.relative_to(base) if p.is_relative_to(base) else p.name
         h.update(str(rel).encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
 
@@ -107,14 +109,89 @@ def family_sources(family) -> list[Path]:
     return sorted(out)
 
 
-CODE = {
-    "code.convert": ("convert.py", "build.py", "package.py", "lower.py", "weights.py", "blockfloat.py",
-                     "families/transforms.py"),
-    "code.lower": ("lower.py", "plan.py", "mesh.py"),
-    "code.templates": ("package.py", str(TEMPLATE_DIR / "adapter.py.j2"), str(TEMPLATE_DIR / "README.md.j2")),
-    "code.backend": ("backends/emulated/model.py", "backends/emulated/kernels.py",
-                     "backends/emulated/meshops.py"),
+# ---- code fields: the modules each artifact's producer imports -------------------------------------
+# The module(s) that produce what each code field covers. The field hashes every ttbundle module
+# they import, transitively (:func:`module_sources`), so no list of files is kept by hand and a
+# module nothing here imports (the build's orchestration, transactions, progress bars, the CLI)
+# changes no key.
+PRODUCERS = {
+    "code.convert": ("ttbundle.convert",),   # weights: streaming, shard cutting, block floats
+    "code.lower": ("ttbundle.lower",),       # programs/<phase>-<bucket>.json
+    "code.templates": ("ttbundle.package",),  # small files (config.json, adapter, README) + *.j2
+    "code.backend": ("ttbundle.warmup",),    # warm-up: the emulated backend and the reference it records
 }
+# Family modules are keyed per family (``family_code``, :func:`family_sources`): a walk does not
+# enter ``ttbundle.families`` (its ``__init__`` registers every family), so an edit to one family
+# does not touch another family's packages.
+WALK_SKIP = ("ttbundle.families",)
+
+
+def _module_file(root: Path, name: str) -> Path | None:
+    """The source file of ttbundle module ``name`` under ``root`` (the ``ttbundle`` directory)."""
+    p = root.joinpath(*name.split(".")[1:])
+    if (p / "__init__.py").is_file():
+        return p / "__init__.py"
+    if p.with_suffix(".py").is_file():
+        return p.with_suffix(".py")
+    return None
+
+
+def _imported(tree, module: str, is_package: bool) -> list[str]:
+    """Names of the ttbundle modules (and would-be modules: ``from .x import y`` gives ``.x.y``
+    too) that ``tree`` imports anywhere, function bodies included; relative imports resolved."""
+    pkg = module if is_package else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [a.name for a in node.names if a.name.partition(".")[0] == "ttbundle"]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = pkg.split(".")
+                if node.level - 1 >= len(parts):
+                    continue  # beyond the top package: not ttbundle's
+                base = ".".join(parts[:len(parts) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            if base.partition(".")[0] != "ttbundle":
+                continue
+            out.append(base)
+            out += [f"{base}.{a.name}" for a in node.names if a.name != "*"]
+    return out
+
+
+def module_sources(modules, root: Path = ROOT) -> list[Path]:
+    """The files of ``modules`` (``ttbundle.x`` names) and of every ttbundle module they import,
+    transitively, read with ``ast`` (nothing is executed): ``import`` and ``from ... import``
+    statements anywhere in a module (lazy imports inside functions count), relative imports
+    resolved, ``from .x import y`` counting ``.x.y`` where that is a module, and the
+    ``__init__.py`` of every package on the way (Python runs them). ``root`` is the ``ttbundle``
+    directory to read (tests pass a copy)."""
+    seen: dict[str, Path] = {}
+    todo = list(modules)
+    while todo:
+        name = todo.pop()
+        if name in seen or any(name == s or name.startswith(s + ".") for s in WALK_SKIP):
+            continue
+        f = _module_file(root, name)
+        if f is None:
+            continue  # a name imported from a module, not a module
+        seen[name] = f
+        parts = name.split(".")
+        todo += [".".join(parts[:i]) for i in range(1, len(parts))]
+        todo += _imported(ast.parse(f.read_bytes(), str(f)), name, f.name == "__init__.py")
+    return sorted(seen.values())
+
+
+def code_fields(root: Path = ROOT, template_dir: Path = TEMPLATE_DIR) -> dict:
+    """``code.*`` key fields: a digest of each producer's :func:`module_sources` (``code.templates``
+    also of the package templates)."""
+    out = {}
+    for name, mods in PRODUCERS.items():
+        files = module_sources(mods, root)
+        if name == "code.templates":
+            files += sorted(Path(template_dir).glob("*.j2"))
+        out[name] = code_digest(files, root.parent)
+    return out
 
 
 # ---- source files --------------------------------------------------------------------------------
@@ -255,8 +332,7 @@ def compute(bundle, plan, previous: dict | None) -> Inputs:
         "ttnn": dist_version("ttnn") or "not installed",
         "mesh": f"{m.name} {m.rows}x{m.cols} {m.chip.arch}",
     }
-    for name, files in CODE.items():
-        f[name] = code_digest(ROOT / p for p in files)
+    f.update(code_fields())
     inp = Inputs(resolved, text, f, wrec, trec, wdir, trace_set(bundle))
     if not inp.pending:
         inp.finish()

@@ -29,14 +29,13 @@ from typing import Callable
 import numpy as np
 
 from ... import tensorbin
-from ...cache import code_digest, digest
+from ...cache import code_digest, digest, module_sources
 from ...package import stored_shape, weight_file
 from .layout import TILE, device_shape
 
 FORMAT = "ttbundle.tensorbin/1"
 DIR = "tensorbin"
 INDEX = f"{DIR}/index.json"
-_HERE = Path(__file__).resolve().parent
 
 
 def cache_file(d: int, key: str) -> str:
@@ -44,10 +43,9 @@ def cache_file(d: int, key: str) -> str:
 
 
 def artifact_key(weights_key: str) -> str:
-    """The caches depend on the weights and on the code that lays them out."""
-    src = [_HERE / "cache.py", _HERE / "layout.py", _HERE / "mappers.py",
-           _HERE.parent.parent / "tensorbin.py"]
-    return digest({"weights": weights_key, "code": code_digest(src), "format": FORMAT})
+    """The caches depend on the weights and on the code that lays them out: this module and every
+    ttbundle module it imports (``cache.module_sources``)."""
+    return digest({"weights": weights_key, "code": code_digest(module_sources([__name__])), "format": FORMAT})
 
 
 # ---- reading a package's device files without torch --------------------------------------------

@@ -1,0 +1,121 @@
+"""Content keys from the code's real dependencies: ``cache.module_sources`` walks a producer's
+imports with ``ast``; the ``code.*`` fields hash exactly those files."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ttbundle import cache
+
+ROOT = cache.ROOT  # the ttbundle directory
+
+
+def rel(paths, root=ROOT) -> set[str]:
+    return {str(p.relative_to(root)) for p in paths}
+
+
+def write(root: Path, files: dict) -> Path:
+    for name, text in files.items():
+        p = root / name
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+def test_walk_resolves_relative_lazy_and_submodule_imports(tmp_path):
+    """A made-up package with every import form the walker must follow, and some it must not."""
+    t = write(tmp_path / "ttbundle", {
+        "__init__.py": "",
+        "top.py": "from . import a\nfrom .pkg import sub\nimport os\n\n"
+                  "def later():\n    from .lazy import thing  # inside a function\n    return thing\n",
+        "a.py": "import ttbundle.deep.mod as m\nfrom numpy import array\n",
+        "deep/__init__.py": "",
+        "deep/mod.py": "from .. import errors\nfrom ..pkg.sub import f  # names, not modules\n",
+        "pkg/__init__.py": "from .side import x\n",
+        "pkg/sub.py": "def f(): pass\n",
+        "pkg/side.py": "x = 1\n",
+        "lazy.py": "thing = 1\n",
+        "errors.py": "",
+        "unused.py": "import ttbundle.top\n",  # imports top; top does not import it
+        "families/__init__.py": "from . import llama\n",
+        "families/llama.py": "",
+        "fam_user.py": "from .families import llama\n",
+    })
+    got = rel(cache.module_sources(["ttbundle.top"], t), t)
+    assert got == {"__init__.py", "top.py", "a.py", "deep/__init__.py", "deep/mod.py", "errors.py",
+                   "pkg/__init__.py", "pkg/sub.py", "pkg/side.py", "lazy.py"}
+    # family modules are keyed per family (family_code), never through a walk
+    assert rel(cache.module_sources(["ttbundle.fam_user"], t), t) == {"__init__.py", "fam_user.py"}
+
+
+def test_producers_dependencies_are_what_they_import():
+    deps = {k: rel(cache.module_sources(m)) for k, m in cache.PRODUCERS.items()}
+    # weights: the conversion, the block-float encoder it calls lazily, the package format
+    assert {"convert.py", "blockfloat.py", "package.py", "weights.py", "lower.py", "plan.py"} <= deps["code.convert"]
+    # warm-up: moe_kernels.py is imported only at the bottom of kernels.py (the hand list missed it)
+    assert {"warmup.py", "backends/emulated/kernels.py", "backends/emulated/moe_kernels.py",
+            "backends/emulated/model.py", "backends/emulated/meshops.py"} <= deps["code.backend"]
+    assert deps["code.lower"] == {"__init__.py", "errors.py", "lower.py", "mesh.py", "plan.py"}
+    # orchestration, transactions and UI are nobody's dependency
+    for ui in ("progress.py", "build.py", "txn.py", "artifacts.py", "cli.py"):
+        assert all(ui not in d for d in deps.values()), ui
+    assert not any(p.startswith(("families/", "runtime/")) for d in deps.values() for p in d)
+
+
+@pytest.mark.parametrize("module", sorted({m for ms in cache.PRODUCERS.values() for m in ms}))
+def test_walk_covers_what_python_imports(module):
+    """Independent of the walker: the ttbundle modules Python has loaded after importing the producer
+    (top-level imports, executed) are all among its key inputs."""
+    code = (f"import sys, json, {module}\n"
+            "print(json.dumps(sorted(m.__file__ for n, m in list(sys.modules.items())\n"
+            "      if n.startswith('ttbundle') and not n.startswith('ttbundle.families')\n"
+            "      and getattr(m, '__file__', None))))")
+    loaded = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                       text=True).stdout)
+    assert loaded and {str(Path(f).resolve()) for f in loaded} <= {str(p) for p in cache.module_sources([module])}
+
+
+BASE = {k: f"<{k}>" for k in cache.WEIGHTS_DEPS + cache.PROGRAM_DEPS + cache.WARMUP_DEPS}
+TRACES = [("prefill", 128), ("decode", 1)]
+
+
+def keys_of(root: Path) -> dict:
+    return cache.artifact_keys({**BASE, **cache.code_fields(root)}, TRACES)
+
+
+@pytest.fixture
+def tree(tmp_path) -> Path:
+    """A copy of ttbundle's sources (the same relative paths, so the same digests)."""
+    t = tmp_path / "ttbundle"
+    shutil.copytree(ROOT, t, ignore=shutil.ignore_patterns("__pycache__"))
+    return t
+
+
+def test_ui_edit_changes_no_key_and_a_dependency_edit_does(tree):
+    before = keys_of(tree)
+    assert before == keys_of(ROOT)
+    with open(tree / "progress.py", "a") as f:
+        f.write("\n# a new progress bar colour\n")
+    with open(tree / "txn.py", "a") as f:
+        f.write("\n# a locking tweak\n")
+    assert keys_of(tree) == before  # nothing rebuilt for a UI edit
+
+    with open(tree / "blockfloat.py", "a") as f:
+        f.write("\n# an encoder change\n")
+    after = keys_of(tree)
+    assert after["weights"] != before["weights"]
+    assert all(after[k] == before[k] for k in before if k.startswith("program:"))  # lowering untouched
+    assert all(after[k] != before[k] for k in before if k.startswith("warmup:"))  # warm-up runs the weights
+
+
+def test_backend_kernel_edit_reruns_warmup_only(tree):
+    before = keys_of(tree)
+    with open(tree / "backends" / "emulated" / "moe_kernels.py", "a") as f:
+        f.write("\n# a routing fix\n")
+    after = keys_of(tree)
+    assert after["weights"] == before["weights"]
+    assert {k for k in before if after[k] != before[k]} == {k for k in before if k.startswith("warmup:")}
