@@ -118,13 +118,13 @@ def test_round_trip_package_tokens_match_check_and_hf(tmp_path, ckpt, mesh):
     assert res.status == "built"
     pkg = package.load_package(res.package, verify=True)
     assert pkg.mesh.name == mesh
-    # every (phase, bucket) was warmed once on the emulated backend, and the backend says so
+    # every (phase, bucket) was warmed on the emulated backend and its output recorded
     warm = {k: v for k, v in pkg.manifest["artifacts"].items() if k.startswith("warmup:")}
     assert sorted(warm) == sorted(f"warmup:{p}-{b}" for p, b in [("prefill", 32), ("prefill", 64),
                                                                    ("decode", 1), ("decode", 8)])
     for k, v in warm.items():
-        phase, b = k.split(":")[1].split("-")
-        assert v["ran"] and [phase, int(b)] in v["shapes_run"]
+        name = k.split(":")[1]
+        assert v["ran"] and v["files"] == [f"warmup/{name}.json"] and v["files"][0] in pkg.manifest["files"]
 
     steps, prompt_len = 6, 70  # two prefill chunks of 64
     report = run_check(bundle, mesh, steps=steps, prompt_len=prompt_len)
@@ -315,9 +315,10 @@ def test_changed_bucket_rebuilds_only_its_program(tmp_path, ckpt):
     assert sorted(r.rebuilt) == ["program:decode-4", "warmup:decode-4"]
     after = snapshot(pkg)
     changed = sorted(k for k in after if after[k] != before.get(k) and after[k][2] is not None)
-    # the new program plus the files that list the buckets
-    assert changed == ["README.md", "bundle.yaml", "manifest.json", "programs/decode-4.json"]
-    for f in ("weights/device-000.safetensors", "programs/prefill-32.json", "config.json"):
+    # the new program and its warm-up reference, plus the files that list the buckets
+    assert changed == ["README.md", "bundle.yaml", "manifest.json", "programs/decode-4.json",
+                       "warmup/decode-4.json"]
+    for f in ("weights/device-000.safetensors", "programs/prefill-32.json", "config.json", "warmup/decode-8.json"):
         assert after[f] == before[f]  # same inode, mtime and bytes: hard-linked, not rewritten
     m = json.loads((pkg / "manifest.json").read_text())
     assert m["build"]["changed_fields"] == ["spec", "spec.buckets"]

@@ -11,12 +11,11 @@ import shutil
 import time
 from pathlib import Path
 
-from . import __version__, cache, lower as lowermod
+from . import __version__, cache, lower as lowermod, warmup
 from .fsutil import fault as _fault
 from .package import (MANIFEST, METADATA, FORMAT, hf_config_json, metadata_json, module_name,
                       render_adapter, render_readme, tt_arch)
 from .program import Program
-from .warmup import _warm
 
 
 class PackageWriter:
@@ -127,13 +126,15 @@ class PackageWriter:
                        "n": len(traces), "reused": reused})
 
     def _warmup(self, keys: dict) -> None:
-        """Run each (phase, bucket) whose warm-up key is new once on the emulated backend, from
-        the weights just written, and record the shapes the backend reports it ran."""
+        """Run each (phase, bucket) whose warm-up key is new on its fixed input on the emulated
+        backend, from the weights just written, and record the output (``warmup/<program>.json``,
+        the reference ``ttbundle.warmup`` compares with at serving start and in ``cache verify``)."""
         todo, records = [], {}
         for phase, b in self.inp.traces:
             art = f"warmup:{lowermod.program_name(phase, b)}"
             old = self.prev_art.get(art)
-            if old and old.get("key") == keys[art] and old.get("ran"):
+            if old and old.get("key") == keys[art] and old.get("ran") and old.get("reference") \
+                    and self._link(old["reference"]):
                 records[art] = old
                 self.res.reused.append(art)
             elif self.do_warmup:
@@ -141,11 +142,14 @@ class PackageWriter:
             else:
                 records[art] = {"key": keys[art], "backend": "emulated", "ran": False}
         if todo:
-            self.emit({"event": "phase", "phase": "warmup", "total": len(todo), "unit": "traces"})
-            ran = _warm(self.bundle, self.plan, self.tmp, todo, self.emit)
-            for (phase, b), rec in zip(todo, ran):
+            self.emit({"event": "phase", "phase": "warmup", "total": len(todo) * len(warmup.DTYPES),
+                       "unit": "traces"})
+            ran = warmup._warm(self.bundle, self.plan, self.tmp, todo, self.emit)
+            for (phase, b), out in zip(todo, ran):
                 art = f"warmup:{lowermod.program_name(phase, b)}"
-                records[art] = {"key": keys[art], **rec}
+                rec = out["record"]
+                self._write(rec["reference"], warmup.reference_bytes(out["reference"]))
+                records[art] = {"key": keys[art], **rec, "files": [rec["reference"]]}
                 self.res.rebuilt.append(art)
                 self.res.warmed.append(lowermod.program_name(phase, b))
         self.artifacts.update(records)

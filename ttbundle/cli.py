@@ -344,15 +344,26 @@ def cache_explain(package: Path = typer.Argument(..., help="A package directory 
 
 
 @cache_app.command("verify")
-def cache_verify(package: Path = typer.Argument(..., help="A package directory.")):
-    """Check every file of a package against the sha256 in its manifest (exit 1 names the first
-    bad file)."""
+def cache_verify(package: Path = typer.Argument(..., help="A package directory."),
+                 hashes_only: bool = typer.Option(False, "--hashes-only",
+                                                  help="Only the sha256 of every file; run no program.")):
+    """Check every file of a package against the sha256 in its manifest, then run each program on
+    its fixed warm-up input (emulated, float32) and compare with the reference the build recorded.
+    Exit 1 names the first bad file, or the program, row and expected vs got values."""
+    from . import warmup
     from .package import verify_package
     try:
         m = verify_package(package)
+        out.print(f"{package}: {len(m['files'])} files verified")
+        if hashes_only:
+            return
+        res = warmup.verify_package(package, log=out.print)["float32"]
     except TTBundleError as e:
         fail(e)
-    out.print(f"{package}: {len(m['files'])} files verified")
+    missing = warmup.unchecked(m)
+    if missing:
+        out.print(f"not checked (built with --no-warmup, no reference): {', '.join(missing)}")
+    out.print(f"{package}: {len(res)} programs match their warm-up references")
 
 
 @app.command()

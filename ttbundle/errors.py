@@ -86,3 +86,8 @@ class InvalidInput(TTBundleError):
     """A spec, config.json or argument is wrong; exit code 2."""
 
     exit_code = EXIT_INVALID
+
+
+class WarmupMismatch(TTBundleError):
+    """A program's output on its fixed warm-up input differs from the reference the build recorded
+    (``ttbundle.warmup``): the package's weights or program are not what was built; exit 1."""

@@ -158,6 +158,8 @@ class TTModelRunner:
                            "compiles during serving")
             return
         t0 = time.perf_counter()
+        if self.tt is None:
+            self._check_references()
         dev = self.sample_mode != "off"
         self.mesh_model.warmup_model_prefill(self.kv, self.options.trace_mode == "all",
                                              dev and self.sample_mode == "all")
@@ -166,6 +168,22 @@ class TTModelRunner:
         self.mesh_model.seal()
         logger.info("ttbundle: warmed up %d prefill and %d decode buckets in %.1f s",
                     len(self.prefill_buckets), len(self.decode_buckets), time.perf_counter() - t0)
+
+    def _check_references(self):
+        """Each program on its fixed input against the reference the build recorded
+        (``ttbundle.warmup``): a package whose weights or programs are not what was built fails
+        here, naming the program and row, before the server reports healthy."""
+        from .. import warmup
+
+        pkg = self.package
+        dt = str(self.dtype).removeprefix("torch.")
+        done = warmup.check_model(self.mesh_model.model, pkg.bundle, pkg.path, pkg.manifest, dt,
+                                  log=logger.info)
+        missing = warmup.unchecked(pkg.manifest)
+        if missing:
+            logger.warning("ttbundle: no warm-up reference for %s (built with --no-warmup): not checked",
+                           ", ".join(missing))
+        logger.info("ttbundle: %d programs match the build's warm-up references (%s)", len(done), dt)
 
     # -- per step -------------------------------------------------------------------------------
     def _update_states(self, so) -> None:
