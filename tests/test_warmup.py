@@ -4,7 +4,6 @@ Corruptions are re-hashed into the manifest, so only the numbers can catch them.
 
 import hashlib
 import json
-import shutil
 import struct
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +12,7 @@ import pytest
 import torch
 
 from test_build import ckpt, write_spec  # noqa: F401  (fixture)
+from test_package import pkg  # noqa: F401  (a copy of this module's `built`)
 from ttbundle import build as buildmod, package, spec as specmod, warmup
 from ttbundle.errors import WarmupMismatch
 
@@ -24,13 +24,6 @@ def built(tmp_path_factory, ckpt):  # noqa: F811
     d = tmp_path_factory.mktemp("warm")
     res = buildmod.build(specmod.load(write_spec(d, ckpt, tokenizer=ckpt)), "N300", d / "out")
     return Path(res.package)
-
-
-@pytest.fixture
-def pkg(built, tmp_path):
-    dst = tmp_path / "copy"
-    shutil.copytree(built, dst)
-    return dst
 
 
 def rehash(pkg: Path, rel: str) -> None:
