@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle import cache
+from ttbundle import cache, families
 
 ROOT = cache.ROOT  # the ttbundle directory
 
@@ -48,8 +48,9 @@ def test_walk_resolves_relative_lazy_and_submodule_imports(tmp_path):
     got = rel(cache.module_sources(["ttbundle.top"], t), t)
     assert got == {"__init__.py", "top.py", "a.py", "deep/__init__.py", "deep/mod.py", "errors.py",
                    "pkg/__init__.py", "pkg/sub.py", "pkg/side.py", "lazy.py"}
-    # family modules are keyed per family (family_code), never through a walk
-    assert rel(cache.module_sources(["ttbundle.fam_user"], t), t) == {"__init__.py", "fam_user.py"}
+    # the family registry (families/__init__.py imports every family) is the one module not walked
+    assert rel(cache.module_sources(["ttbundle.fam_user"], t), t) == {"__init__.py", "fam_user.py",
+                                                                      "families/llama.py"}
 
 
 def test_producers_dependencies_are_what_they_import():
@@ -61,11 +62,24 @@ def test_producers_dependencies_are_what_they_import():
             "backends/emulated/model.py", "backends/emulated/meshops.py"} <= deps["code.backend"]
     # layout.py (who holds which elements) came after the hand list; nobody had to add it
     assert "layout.py" in deps["code.convert"]
-    assert deps["code.lower"] == {"__init__.py", "errors.py", "layout.py", "lower.py", "mesh.py", "plan.py"}
+    assert deps["code.lower"] == {"__init__.py", "errors.py", "layout.py", "lower.py", "mesh.py", "plan.py",
+                                  "families/base.py"}
     # orchestration, transactions and UI are nobody's dependency
     for ui in ("progress.py", "build.py", "txn.py", "artifacts.py", "cli.py"):
         assert all(ui not in d for d in deps.values()), ui
-    assert not any(p.startswith(("families/", "runtime/")) for d in deps.values() for p in d)
+    # no family's own module: those are keyed per family (family_code)
+    fam = {f"families/{type(f).__module__.rpartition('.')[2]}.py" for f in families.all_families().values()}
+    assert len(fam) == 8
+    assert not any(p in fam or p.startswith("runtime/") or p == "families/__init__.py"
+                   for d in deps.values() for p in d)
+
+
+def test_family_code_is_per_family():
+    src = {n: rel(cache.family_sources(f)) for n, f in families.all_families().items()}
+    assert src["llama"] >= {"families/llama.py", "families/base.py"}
+    assert "families/gemma2.py" in src["gemma3"]  # it extends gemma2
+    assert "families/moe.py" in src["deepseek_v3"] and "families/moe.py" not in src["llama"]
+    assert all(not p.startswith("families/") or p in ("families/llama.py", "families/base.py") for p in src["llama"])
 
 
 @pytest.mark.parametrize("module", sorted({m for ms in cache.PRODUCERS.values() for m in ms}))
@@ -121,3 +135,14 @@ def test_backend_kernel_edit_reruns_warmup_only(tree):
     after = keys_of(tree)
     assert after["weights"] == before["weights"]
     assert {k for k in before if after[k] != before[k]} == {k for k in before if k.startswith("warmup:")}
+
+
+def test_a_family_edit_changes_that_familys_code_only(tree):
+    def code(root):
+        return {n: cache.code_digest(cache.family_sources(f, root), root.parent)
+                for n, f in families.all_families().items()}
+    before = code(tree)
+    with open(tree / "families" / "gemma2.py", "a") as f:
+        f.write("\n# a gemma2 fix\n")
+    after = code(tree)
+    assert {n for n in before if after[n] != before[n]} == {"gemma2", "gemma3"}

@@ -41,7 +41,7 @@ FIELDS = {
     "spec.card": "name and description",
     "weights": "BLAKE3 of the checkpoint files",
     "tokenizer": "BLAKE3 of the tokenizer files",
-    "family_code": "source of the family module and the name table machinery",
+    "family_code": "source of the family module and the ttbundle modules it imports",
     "ttbundle": "ttbundle version",
     "code.convert": "weight conversion code (ttbundle.convert and every ttbundle module it imports)",
     "code.lower": "lowering code (ttbundle.lower and its imports)",
@@ -95,18 +95,11 @@ def code_digest(paths, base: Path = ROOT.parent) -> str:
     return h.hexdigest()
 
 
-def family_sources(family) -> list[Path]:
-    """The family's module, the ``ttbundle.families`` modules it uses, the transform registry and
-    the name-table loader."""
-    import inspect
-    mod = sys.modules[type(family).__module__]
-    out = {Path(inspect.getfile(mod)), ROOT / "families" / "base.py",
-           ROOT / "families" / "transforms.py", ROOT / "weights.py"}
-    for v in vars(mod).values():
-        m = v if inspect.ismodule(v) else sys.modules.get(getattr(v, "__module__", "") or "")
-        if m is not None and m.__name__.startswith("ttbundle.families") and getattr(m, "__file__", None):
-            out.add(Path(m.__file__))
-    return sorted(out)
+def family_sources(family, root: Path = ROOT) -> list[Path]:
+    """The family's module and every ttbundle module it imports (:func:`module_sources`): its
+    base classes (``families/base.py``), shared parts (``families/moe.py``, ``transforms.py``), a
+    family it extends (gemma3 -> gemma2), never the other families."""
+    return module_sources([type(family).__module__], root)
 
 
 # ---- code fields: the modules each artifact's producer imports -------------------------------------
@@ -120,9 +113,10 @@ PRODUCERS = {
     "code.templates": ("ttbundle.package",),  # small files (config.json, adapter, README) + *.j2
     "code.backend": ("ttbundle.warmup",),    # warm-up: the emulated backend and the reference it records
 }
-# Family modules are keyed per family (``family_code``, :func:`family_sources`): a walk does not
-# enter ``ttbundle.families`` (its ``__init__`` registers every family), so an edit to one family
-# does not touch another family's packages.
+# The one module a walk does not enter: ``ttbundle.families``' ``__init__``, the registry that
+# imports every family. Python runs it before any family module, but what a family computes does
+# not depend on which others are registered; entering it would make every family's packages
+# depend on every family's code. Its submodules (``families/base.py``, ...) are walked as usual.
 WALK_SKIP = ("ttbundle.families",)
 
 
@@ -170,7 +164,7 @@ def module_sources(modules, root: Path = ROOT) -> list[Path]:
     todo = list(modules)
     while todo:
         name = todo.pop()
-        if name in seen or any(name == s or name.startswith(s + ".") for s in WALK_SKIP):
+        if name in seen or name in WALK_SKIP:
             continue
         f = _module_file(root, name)
         if f is None:
