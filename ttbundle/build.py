@@ -3,22 +3,24 @@
 ``build(bundle, mesh, out_dir)`` plans the bundle on the mesh, computes its content key
 (``cache``), and unless the package at ``out_dir/<mesh>/<bundle>`` already has that key:
 
-1. streams the checkpoint one canonical tensor at a time (safetensors mmap, sharded index
-   supported): family name table -> transform -> dtype policy -> split per the plan -> appended
-   to one safetensors file per device whose header was computed up front;
-2. lowers a program per (phase, bucket) (``lower``) and warms each new one once on the emulated
-   backend, recording that it ran;
+1. converts the weights (``convert``): the checkpoint streamed one canonical tensor at a time
+   into one safetensors file per device;
+2. lowers a program per (phase, bucket) (``lower``) and warms each new one on the emulated
+   backend on a fixed input, recording its output as the reference later runs are compared
+   with (``warmup``);
 3. writes the small files (config.json, tokenizer, vllm_metadata.json, adapter, bundle.yaml,
-   README.md) and manifest.json last.
+   README.md) and manifest.json last (``artifacts``).
 
 Everything goes to a temp directory beside the output (``out_dir/.ttbundle/tmp``, outside any
 ``EXTRA_MODELS_DIR``) and replaces the old package with one atomic exchange (renameat2), so a
 build killed at any point leaves the previous package whole and nothing half-written where the
-plugin looks. Builds of one package serialize on an ``fcntl`` lock. Artifacts whose key did not
-change are hard-linked from the previous package (same inode, same mtime), so a changed bucket
-rewrites one program and a no-op build writes nothing at all.
+plugin looks; builds of one package serialize on an ``fcntl`` lock (``txn``). Artifacts whose
+key did not change are hard-linked from the previous package (same inode, same mtime), so a
+changed bucket rewrites one program and a no-op build writes nothing at all.
 
-Progress goes to an optional callback as plain dict events (the CLI draws bars or prints JSON).
+This module only decides what to redo and in which order; no content key depends on it, nor on
+``txn``, ``artifacts`` or ``progress`` (``cache.PRODUCERS``). Progress goes to an optional
+callback as plain dict events (the CLI draws bars with ``progress`` or prints JSON).
 """
 
 from __future__ import annotations
