@@ -184,7 +184,7 @@ def code_fields(root: Path = ROOT, template_dir: Path = TEMPLATE_DIR) -> dict:
         files = module_sources(mods, root)
         if name == "code.templates":
             files += sorted(Path(template_dir).glob("*.j2"))
-        out[name] = code_digest(files, root.parent)
+        out[name] = code_digest(files, Path(root).resolve().parent)
     return out
 
 
