@@ -158,3 +158,25 @@ def test_no_warmup_packages_say_what_is_unchecked(tmp_path, ckpt):  # noqa: F811
     res = buildmod.build(specmod.load(write_spec(tmp_path, ckpt)), "N150", tmp_path / "out", warmup=False)
     m = package.read_manifest(Path(res.package))
     assert warmup.unchecked(m) == sorted(PROGRAMS) and warmup.verify_package(res.package) == {"float32": {}}
+
+
+def test_one_flipped_byte_of_a_bfp8_tile_fails(tmp_path, ckpt):  # noqa: F811
+    """Block-float weights: the reference is of the decoded tiles; one code byte of one tile
+    changed (and re-hashed) shows in the numbers."""
+    spec = write_spec(tmp_path, ckpt)
+    spec.write_text(spec.read_text().replace(f"  source: {ckpt}\n", f"  source: {ckpt}\n  dtypes: {{mlp: bfp8}}\n"))
+    res = buildmod.build(specmod.load(spec), "N150", tmp_path / "out")
+    pkg = Path(res.package)
+    assert warmup.verify_package(pkg).keys() == {"float32"}
+    rel = package.weight_file(0)
+    data = bytearray((pkg / rel).read_bytes())
+    n = struct.unpack("<Q", data[:8])[0]
+    h = json.loads(data[8:8 + n])
+    assert h["w1.0"]["dtype"] == "U8"  # bfp8 tiles
+    at = 8 + n + h["w1.0"]["data_offsets"][0] + 64 + 100  # tile 0: 64 exponents, then one byte per value
+    data[at] ^= 0x40  # the value's top magnitude bit
+    (pkg / rel).write_bytes(bytes(data))
+    rehash(pkg, rel)
+    package.verify_package(pkg)
+    with pytest.raises(WarmupMismatch, match=r"warm-up of \w+-\d+ \(float32\), (row|position) \d+: .* expected"):
+        warmup.verify_package(pkg)
