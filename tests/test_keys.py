@@ -60,10 +60,13 @@ def test_producers_dependencies_are_what_they_import():
     # warm-up: moe_kernels.py is imported only at the bottom of kernels.py (the hand list missed it)
     assert {"warmup.py", "backends/emulated/kernels.py", "backends/emulated/moe_kernels.py",
             "backends/emulated/model.py", "backends/emulated/meshops.py"} <= deps["code.backend"]
-    # layout.py (who holds which elements) came after the hand list; nobody had to add it
-    assert "layout.py" in deps["code.convert"]
-    assert deps["code.lower"] == {"__init__.py", "errors.py", "layout.py", "lower.py", "mesh.py", "plan.py",
-                                  "families/base.py"}
+    # layout.py and program.py (the layout rule, the program IR) came after the hand list; nobody
+    # had to add them
+    assert {"layout.py", "program.py"} <= deps["code.convert"]
+    assert {"lower.py", "plan.py", "mesh.py", "layout.py", "program.py"} <= deps["code.lower"]
+    # lowering uses no conversion, block-float or backend code: those edits keep the programs
+    assert not {p for p in deps["code.lower"] if p in ("convert.py", "blockfloat.py", "package.py", "warmup.py")
+                or p.startswith("backends/")}
     # orchestration, transactions and UI are nobody's dependency
     for ui in ("progress.py", "build.py", "txn.py", "artifacts.py", "cli.py"):
         assert all(ui not in d for d in deps.values()), ui
