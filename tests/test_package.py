@@ -106,8 +106,8 @@ def test_load_package_checks_headers_against_the_plan(pkg):
     m = json.loads((pkg / "manifest.json").read_text())
     m["files"]["bundle.yaml"]["size"] = len(text.encode())
     (pkg / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(package.PackageError, match=r"bundle.yaml's model gives w1 \[256, 1024\] per device, "
-                                                   r"the programs \[256, 512\]"):
+    with pytest.raises(package.PackageError, match=r"bundle.yaml's model gives w1 \[256, 512\] per device, "
+                                                   r"the programs \[256, 256\]"):
         package.load_package(pkg)
 
 
