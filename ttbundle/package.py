@@ -540,43 +540,39 @@ class PackageWeights:
             raise PackageError(f"{self.pkg}: weights unreadable: {e}") from None
         return handles, metas
 
-    def _layers(self, name: str):
-        t = self.decls[name]
-        return [None] if t.layers is None else list(range(*t.layers))
+    def _each(self, combine, dtype):
+        """``{tensor: combine(name, [shard of each device])}`` (a list per layer for layered
+        tensors), every shard decoded from its file to ``dtype``."""
+        handles, metas = self._open()
+        out: dict = {}
+        for name, t in self.decls.items():
+            layers = [None] if t.layers is None else list(range(*t.layers))
+            per_layer = []
+            for layer in layers:
+                key = tensor_key(name, layer)
+                shards = [_decode(h.get_tensor(key), metas[d][key]).to(dtype) for d, h in enumerate(handles)]
+                per_layer.append(combine(name, shards))
+            out[name] = per_layer[0] if t.layers is None else per_layer
+        return out
 
     def device_stacks(self, dtype=None, device="cpu") -> dict:
         """Every tensor as ``[D, *local]`` (a list per layer for layered tensors): each device's
         shard exactly as its file holds it (bf16 values; bfp8/bfp4 tiles decoded as ttnn does)."""
         import torch
-        dtype = dtype or torch.float32
-        handles, metas = self._open()
-        out: dict = {}
-        for name, t in self.decls.items():
-            per_layer = []
-            for layer in self._layers(name):
-                key = tensor_key(name, layer)
-                shards = [_decode(h.get_tensor(key), metas[d][key]).to(dtype) for d, h in enumerate(handles)]
-                per_layer.append(torch.stack(shards).to(device).contiguous())
-            out[name] = per_layer[0] if t.layers is None else per_layer
-        return out
+        return self._each(lambda name, shards: torch.stack(shards).to(device).contiguous(), dtype or torch.float32)
 
     def canonical(self, dtype=None) -> dict:
         """Global tensors reassembled from every device's shards (padding dropped)."""
         import torch
         dtype = dtype or torch.float32
-        handles, metas = self._open()
-        out: dict = {}
-        for name, t in self.decls.items():
-            per_layer = []
-            for layer in self._layers(name):
-                key = tensor_key(name, layer)
-                g = torch.zeros(t.shape, dtype=dtype)
-                for d, h in enumerate(handles):
-                    shard = _decode(h.get_tensor(key), metas[d][key]).to(dtype)
-                    _scatter(g, shard, [u[d] for u in self.units[name]], t.dims)
-                per_layer.append(g)
-            out[name] = per_layer[0] if t.layers is None else per_layer
-        return out
+
+        def assemble(name, shards):
+            t = self.decls[name]
+            g = torch.zeros(t.shape, dtype=dtype)
+            for d, shard in enumerate(shards):
+                _scatter(g, shard, [u[d] for u in self.units[name]], t.dims)
+            return g
+        return self._each(assemble, dtype)
 
 
 def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
