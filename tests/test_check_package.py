@@ -45,7 +45,8 @@ def stored(family: str, storage: str, kv: str = "bfp8"):
 @pytest.mark.parametrize("mesh", ["N150", "T3K", "TG"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_block_float_packages_pass_within_their_bounds(family, mesh, storage):
-    r = run_check(stored(family, storage), mesh, steps=8, random_weights=True, seed=3)
+    # 16 steps, as docs/check.md's figures: with fewer, one near-tie decides the token agreement
+    r = run_check(stored(family, storage), mesh, steps=16, random_weights=True, seed=3)
     assert r.quantized == storage
     assert r.storage["kv_cache"] == "bfp8" and storage in r.storage["weights"]
     assert r.passed, (r.top1_agreement, r.diverging())
