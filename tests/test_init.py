@@ -305,7 +305,7 @@ def test_hostile_directory_name_cannot_inject_yaml(tmp_path, runner):
     assert r.exit_code == 0, r.output
     b = specmod.load(out)
     assert b.spec.tokenizer == "evil\nname: x\n#"
-    assert specmod.NAME_RE.match(b.spec.name)
+    assert specmod.NAME_RE.fullmatch(b.spec.name)
 
 
 @pytest.mark.parametrize("dirname,name", [
@@ -316,7 +316,7 @@ def test_hostile_directory_name_cannot_inject_yaml(tmp_path, runner):
 ])
 def test_derive_name(tmp_path, dirname, name):
     assert derive_name(tmp_path / dirname, "llama") == name
-    assert specmod.NAME_RE.match(name)
+    assert specmod.NAME_RE.fullmatch(name)
 
 
 _scalars = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text()

@@ -195,22 +195,20 @@ def test_adapter_whitelist_rejects_code():
 
 
 def test_generated_adapter_imports_and_subclasses_the_runtime(pkg):
-    """The adapter is importable from its folder (as the TT plugin does: folder on sys.path)."""
-    import importlib
+    """The adapter loads from its verified file by path (``package.load_adapter``, what the
+    engine does) and subclasses the runtime's BundleModel."""
     import sys
 
     meta = json.loads((pkg / "vllm_metadata.json").read_text())
     mod, cls = meta["main_class"].split(":")
-    sys.path.insert(0, str(pkg))
     try:
-        m = importlib.import_module(mod)
-        C = getattr(m, cls)
+        C = package.load_adapter(pkg, package.read_manifest(pkg), meta)
         from ttbundle.runtime.adapter import BundleModel
-        assert issubclass(C, BundleModel)
+        assert C.__name__ == cls and issubclass(C, BundleModel)
         assert os.path.samefile(C.package_dir, pkg) and C.arch == "LlamaForCausalLM" and C.mesh_name == "N300"
     finally:
-        sys.path.remove(str(pkg))
         sys.modules.pop(mod, None)
+    package.verify_package(pkg)  # nothing written into the package
 
 
 def test_markdown_and_code_filters():

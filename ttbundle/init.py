@@ -164,7 +164,7 @@ def derive_name(hf_dir: Path, fallback: str) -> str:
     ``Llama-3.1-8B-Instruct`` -> ``llama-3.1-8b-instruct``."""
     n = re.sub(r"[^a-z0-9_.-]+", "-", hf_dir.resolve().name.lower())
     n = re.sub(r"^[^a-z0-9]+", "", n)[:64].rstrip("-_.")
-    return n if specmod.NAME_RE.match(n) else fallback
+    return n if specmod.NAME_RE.fullmatch(n) else fallback
 
 
 def has_weights(d: Path) -> bool:
@@ -331,7 +331,7 @@ def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
         meshmod.resolve(m)
     if weights_dtype not in WEIGHT_DTYPES:
         raise InvalidInput(f"--weights-dtype {weights_dtype!r}: one of {', '.join(WEIGHT_DTYPES)}")
-    if name is not None and not specmod.NAME_RE.match(name):
+    if name is not None and not specmod.NAME_RE.fullmatch(name):
         raise InvalidInput(f"--name {name!r}: must be 1-64 characters of lowercase letters, digits, "
                            "'-', '_', '.', starting with a letter or digit")
 

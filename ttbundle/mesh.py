@@ -94,7 +94,9 @@ PRESETS: dict[str, Mesh] = {m.name: m for m in [
     _m("BH-Galaxy", (8, 4), BLACKHOLE, "torus"),
 ]}
 
-_TUPLE = re.compile(r"^\s*\(\s*(\d+)\s*,\s*(\d+)\s*\)\s*(?:@\s*(wormhole|blackhole)\s*)?$", re.I)
+# full-string match (``$`` would accept a trailing newline); ASCII digits, at most 4 of them, so
+# no 5,000-digit number reaches int()
+_TUPLE = re.compile(r"\s*\(\s*([0-9]{1,4})\s*,\s*([0-9]{1,4})\s*\)\s*(?:@\s*(wormhole|blackhole)\s*)?", re.I)
 
 
 def valid_names() -> str:
@@ -107,7 +109,7 @@ def resolve(name: str) -> Mesh:
         raise InvalidInput(f"mesh must be a name or \"(R,C)\", got {name!r}; valid: {valid_names()}")
     if name in PRESETS:
         return PRESETS[name]
-    m = _TUPLE.match(name)
+    m = _TUPLE.fullmatch(name)
     if m:
         r, c = int(m.group(1)), int(m.group(2))
         if r < 1 or c < 1 or r * c > 256:

@@ -32,6 +32,7 @@ import keyword
 import math
 import os
 import re
+import stat
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,8 +49,9 @@ RUNTIME_CLASS = ("ttbundle.runtime.adapter", "BundleModel")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
-SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# names are matched whole (``fullmatch``: ``$`` would let a trailing newline through)
+SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 ST_DTYPE = {"bf16": "BF16", "bfp8": "U8", "bfp4": "U8"}
 
 
@@ -69,7 +71,7 @@ def mesh_slug(mesh_name: str) -> str:
 def safe_name(name: str, what: str) -> str:
     """``name`` if it is a single safe path component, else InvalidInput (no ``/``, ``..``,
     leading dot or dash, control characters)."""
-    if not isinstance(name, str) or not SAFE_NAME.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or name in (".", ".."):
         raise InvalidInput(f"{what} {name!r} cannot name a directory: use letters, digits, '-', '_', "
                            "'.', starting with a letter or digit")
     return name
@@ -86,7 +88,7 @@ def package_path(out_dir: str | Path, bundle_name: str, mesh_name: str) -> Path:
 
 def identifier(name: str, what: str) -> str:
     """``name`` if it is a plain ASCII Python identifier (not a keyword), else InvalidInput."""
-    if not isinstance(name, str) or not IDENT.match(name) or keyword.iskeyword(name):
+    if not isinstance(name, str) or not IDENT.fullmatch(name) or keyword.iskeyword(name):
         raise InvalidInput(f"{what} {name!r} is not a valid Python identifier")
     return name
 
@@ -429,14 +431,17 @@ def check_relpath(rel: str, where) -> str:
     """A manifest path: relative, normalized, no ``..``, no hidden parts, inside the package."""
     parts = rel.split("/") if isinstance(rel, str) else []
     if not parts or rel.startswith("/") or "\\" in rel or any(
-            not SAFE_NAME.match(p) or p in (".", "..") for p in parts):
+            not SAFE_NAME.fullmatch(p) or p in (".", "..") for p in parts):
         raise PackageError(f"{where}: refusing file path {rel!r} (must stay inside the package)")
     return rel
 
 
 def verify_package(pkg: str | Path, full: bool = True) -> dict:
-    """Check every file the manifest lists (size, and sha256 when ``full``) and that no other
-    file is present. Raises PackageError naming the first bad file; returns the manifest."""
+    """A package is exactly its manifest: every file it lists is a regular file with its size
+    (and sha256 when ``full``), and every entry on disk (directories, symlinks, bytecode and
+    hidden files included) is one the manifest lists or a directory holding one; a symlink
+    anywhere inside is refused. ``main_class`` must name the package's own adapter
+    (:func:`adapter_of`). Raises PackageError naming the first bad entry; returns the manifest."""
     pkg = Path(pkg)
     m = read_manifest(pkg)
     for rel in sorted(m["files"]):
@@ -446,20 +451,109 @@ def verify_package(pkg: str | Path, full: bool = True) -> dict:
             st = os.lstat(p)
         except FileNotFoundError:
             raise PackageError(f"{pkg}: {rel}: missing", ) from None
-        if not os.path.isfile(p) or os.path.islink(p):
+        except OSError as e:
+            raise PackageError(f"{pkg}: {rel}: unreadable ({e.strerror or e})") from None
+        if not stat.S_ISREG(st.st_mode):
             raise PackageError(f"{pkg}: {rel}: not a regular file")
-        if st.st_size != rec.get("size"):
-            raise PackageError(f"{pkg}: {rel}: size {st.st_size} B, manifest says {rec.get('size')} B")
+        if not isinstance(rec, dict) or st.st_size != rec.get("size"):
+            size = rec.get("size") if isinstance(rec, dict) else None
+            raise PackageError(f"{pkg}: {rel}: size {st.st_size} B, manifest says {size} B")
         if full and sha256_file(p) != rec.get("sha256"):
             raise PackageError(f"{pkg}: {rel}: sha256 mismatch (file changed or corrupt)")
-    listed = set(m["files"]) | {MANIFEST}
-    for root, dirs, files in os.walk(pkg):
-        dirs.sort()
-        for f in sorted(files):
-            rel = os.path.relpath(os.path.join(root, f), pkg).replace(os.sep, "/")
-            if rel not in listed and not rel.endswith(".pyc"):
-                raise PackageError(f"{pkg}: {rel}: not in the manifest")
+    _check_entries(pkg, m)
+    adapter_of(pkg, m)
     return m
+
+
+def _check_entries(pkg: Path, m: dict) -> None:
+    """Every entry under ``pkg`` is a listed file or a directory above one; no symlinks."""
+    listed = set(m["files"]) | {MANIFEST}
+    dirs_needed = {"/".join(rel.split("/")[:i]) for rel in listed for i in range(1, rel.count("/") + 1)}
+
+    def bad(e):
+        raise PackageError(f"{pkg}: cannot list the package: {e.strerror or e}")
+
+    for root, dirs, files in os.walk(pkg, onerror=bad):  # never follows symlinked directories
+        dirs.sort()
+        for name in sorted(dirs + files):
+            p = os.path.join(root, name)
+            rel = os.path.relpath(p, pkg).replace(os.sep, "/")
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                raise PackageError(f"{pkg}: {rel}: a symlink; a package holds regular files only "
+                                   "(copy the package with its files, e.g. `cp -rL`, or rebuild it)")
+            if stat.S_ISDIR(st.st_mode):
+                if rel not in dirs_needed:
+                    hint = (" (bytecode written by an import from the package folder; delete it, and "
+                            "set PYTHONDONTWRITEBYTECODE=1 for loaders that import from the folder)"
+                            if name == "__pycache__" else "")
+                    raise PackageError(f"{pkg}: {rel}/: directory not in the manifest{hint}")
+            elif rel not in listed:
+                raise PackageError(f"{pkg}: {rel}: not in the manifest")
+
+
+def adapter_of(pkg: Path, m: dict, metadata: dict | None = None) -> tuple[str, str]:
+    """``(module, class)`` of the package's own adapter, checked: ``main_class`` (in the
+    manifest, and in ``vllm_metadata.json`` when given) is ``<module>:<class>`` with the module
+    the one ``ttbundle build`` names for this bundle and mesh, its ``<module>.py`` listed in the
+    manifest, and the class the manifest's architecture. ``this:x`` or ``os:system`` is refused."""
+    mc = m.get("main_class")
+    where = f"{pkg}: {MANIFEST}"
+    if metadata is not None and metadata.get("main_class") != mc:
+        raise PackageError(f"{pkg}: {METADATA}: main_class {metadata.get('main_class')!r} is not the "
+                           f"manifest's {mc!r}; rebuild the package")
+    mod, _, cls = mc.partition(":") if isinstance(mc, str) else ("", "", "")
+    mesh = m.get("mesh") if isinstance(m.get("mesh"), dict) else {}
+    try:
+        want = module_name(m.get("bundle"), mesh.get("name"))
+    except InvalidInput:
+        want = None
+    if not IDENT.fullmatch(mod) or not IDENT.fullmatch(cls) or mod != want or cls != m.get("arch") \
+            or f"{mod}.py" not in m["files"]:
+        raise PackageError(f"{where}: main_class {mc!r} is not this package's adapter (expected "
+                           f"{want}:{m.get('arch')} with {want}.py in the package); rebuild the package")
+    return mod, cls
+
+
+def load_adapter(pkg: str | Path, m: dict, metadata: dict | None = None):
+    """The adapter class, imported from the package's own ``<module>.py`` by path: its bytes are
+    read once, checked against the manifest's sha256 and the adapter whitelist
+    (:func:`check_adapter_source`), then compiled and run as a fresh module. Nothing is looked up
+    on ``sys.path`` and no bytecode is read or written."""
+    import importlib.machinery
+    import importlib.util
+    import sys
+
+    pkg = Path(pkg)
+    mod, cls = adapter_of(pkg, m, metadata)
+    rel = f"{mod}.py"
+    path = pkg / rel
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise PackageError(f"{pkg}: {rel}: not a regular file")
+            data = f.read()
+    except OSError as e:
+        raise PackageError(f"{pkg}: {rel}: cannot read the adapter: {e.strerror or e}") from None
+    if hashlib.sha256(data).hexdigest() != m["files"][rel].get("sha256"):
+        raise PackageError(f"{pkg}: {rel}: sha256 mismatch (file changed or corrupt)")
+    try:
+        src = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PackageError(f"{pkg}: {rel}: not UTF-8 text") from None
+    check_adapter_source(src, cls)
+    spec = importlib.machinery.ModuleSpec(mod, None, origin=str(path))
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = str(path)
+    code_obj = compile(src, str(path), "exec", dont_inherit=True)
+    sys.modules[mod] = module
+    try:
+        exec(code_obj, module.__dict__)
+    except BaseException:
+        sys.modules.pop(mod, None)
+        raise
+    return getattr(module, cls)
 
 
 # ---- reading a package back ------------------------------------------------------------------------

@@ -25,7 +25,7 @@ AxisName = Literal["rows", "cols"]
 PartitionEntry = Union[None, AxisName, list[AxisName]]
 PartitionSpec = list[PartitionEntry]
 
-NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,63}$")
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")  # used with fullmatch: `$` passes a final "\n"
 # tt_transformers traces decode for these batch sizes (rows are padded to 32 on device)
 DECODE_TRACE_SIZES = (1, 2, 4, 8, 16, 32)
 TILE = 32
@@ -164,7 +164,7 @@ class BundleSpec(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, v: str) -> str:
-        if not NAME_RE.match(v):
+        if not NAME_RE.fullmatch(v):
             raise ValueError("must be 1-64 characters of lowercase letters, digits, '-', '_', '.', "
                              "starting with a letter or digit (it names files and a Python module)")
         return v

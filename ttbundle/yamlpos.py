@@ -9,12 +9,16 @@ Merge keys (``<<``) follow YAML: explicit keys win, then earlier merged mappings
 
 from __future__ import annotations
 
+import math
+
 import yaml
 
 from .errors import Diagnostic, InvalidInput
 
 MAX_NODES = 200_000  # expanded nodes; a real spec has a few hundred
 MAX_DEPTH = 64  # nesting levels; a real spec has about 5
+MAX_SCALAR_CHARS = 4096  # one value (a path, a name, a number); PATH_MAX is 4096
+MAX_INT = 2**63 - 1  # numbers are bounded before anything uses them
 
 Path = tuple
 _MAP, _SEQ = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
@@ -94,11 +98,25 @@ class _Walker:
                             "YAML values only")
 
     def scalar(self, node: yaml.ScalarNode, path: Path):
+        if len(node.value) > MAX_SCALAR_CHARS:
+            raise self.fail(node, path, f"value of {len(node.value):,} characters (at most "
+                            f"{MAX_SCALAR_CHARS:,}); a spec value is a name, a number or a path")
         try:
-            return self.constructor.construct_object(node, deep=True)
+            value = self.constructor.construct_object(node, deep=True)
         except yaml.constructor.ConstructorError as e:
             raise self.fail(node, path, f"unsupported YAML tag {node.tag!r}: {e.problem}; "
                             "bundle specs use plain YAML values only") from None
+        except (ValueError, TypeError, AttributeError, OverflowError):
+            # PyYAML's constructors raise these for `!!int abc`, `!!float abc`, `2001-02-30`,
+            # `!!timestamp garbage`, an integer past Python's digit limit, ...
+            kind = node.tag.rsplit(":", 1)[-1]
+            raise self.fail(node, path, f"{node.value[:40]!r} is not a valid {kind}; write the "
+                            "value out plainly (quote it to keep it as text)") from None
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
+            raise self.fail(node, path, f"integer out of range (at most {MAX_INT:,} in magnitude)")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise self.fail(node, path, f"{node.value!r} is not a finite number")
+        return value
 
 
 def load_yaml(text: str, file: str = "<spec>") -> tuple[object, dict[Path, tuple[int, int]]]:

@@ -63,16 +63,13 @@ class Step:
 
 
 def model_class(package):
-    """The class ``vllm_metadata.json`` names (``module:Class``); the package directory is on
-    ``sys.path`` for a generated adapter module, as with Tenstorrent's EXTRA_MODELS_DIR."""
-    import importlib
-    import sys
+    """The class ``vllm_metadata.json`` names (``module:Class``), which must be the package's own
+    adapter: imported from its verified file by path (``package.load_adapter``), never through
+    ``sys.path``, no bytecode read or written."""
+    from ..package import load_adapter
 
-    module, _, name = package.metadata["main_class"].partition(":")
-    if str(package.path) not in sys.path:
-        sys.path.append(str(package.path))
     try:
-        return getattr(importlib.import_module(module), name)
+        return load_adapter(package.path, package.manifest, package.metadata)
     except (ImportError, AttributeError) as e:
         raise RuntimeError(f"{package.path}/vllm_metadata.json: main_class {package.metadata['main_class']!r} "
                            f"cannot be loaded: {e}") from None

@@ -86,7 +86,7 @@ def is_package(path: str | Path) -> bool:
 
 def open_package(path: str | Path, check_hashes: bool = True) -> Package:
     """Verify and open a package directory (raises TTBundleError naming what is wrong)."""
-    from ..package import load_package
+    from ..package import adapter_of, load_package
 
     d = Path(path).absolute()
     if not d.is_dir():
@@ -98,5 +98,6 @@ def open_package(path: str | Path, check_hashes: bool = True) -> Package:
         meta["arch"], meta["main_class"]
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise TTBundleError(f"{d}: {METADATA}: unreadable ({e})") from None
+    adapter_of(d, loaded.manifest, meta)  # main_class: this package's own adapter, nothing else
     return Package(d, loaded.bundle, loaded.mesh.name, loaded.manifest, meta, loaded,
                    [str(w) for w in loaded.bundle.warnings])
