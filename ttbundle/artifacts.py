@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from . import __version__, cache, lower as lowermod, warmup
-from .fsutil import fault as _fault
+from .fsutil import MAX_TOKENIZER_BYTES, fault as _fault, read_user_bytes
 from .package import (MANIFEST, METADATA, FORMAT, hf_config_json, metadata_json, module_name,
                       render_adapter, render_readme, tt_arch)
 from .program import Program
@@ -166,8 +166,8 @@ class PackageWriter:
         self._write("config.json", hf_config_json(b).encode())
         self._write("bundle.yaml", self.inp.bundle_yaml.encode())
         for r in self.inp.tokenizer_records:
-            src = Path(r["dir"]) / r["name"]
-            self._write(r["name"], src.read_bytes())
+            self._write(r["name"], read_user_bytes(Path(r["dir"]) / r["name"], "tokenizer file",
+                                                   r["dir"], MAX_TOKENIZER_BYTES))
         if not self.inp.tokenizer_records:
             self.res.warnings.append("no tokenizer files found (set `tokenizer:` in the spec); vLLM will "
                                      "need --tokenizer")

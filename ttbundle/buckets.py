@@ -43,7 +43,7 @@ def read_lengths(path: str | Path) -> dict[int, float]:
     from .fsutil import read_user_text
 
     path = Path(path)
-    text = read_user_text(path, "lengths file")
+    text = read_user_text(path, "lengths file", max_bytes=256 << 20)
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")
     jsonl = path.suffix.lower() in (".jsonl", ".json", ".ndjson") or first.startswith("{")
     rows = _read_jsonl(text, path) if jsonl else _read_csv(text, path)

@@ -25,6 +25,7 @@ callback as plain dict events (the CLI draws bars with ``progress`` or prints JS
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import threading
@@ -84,6 +85,41 @@ class BuildResult:
 
 
 # ---- public entry point ----------------------------------------------------------------------------
+def _os_errors(fn):
+    """``build`` with an OSError (no space left, read-only, permission, ...) turned into a
+    TTBundleError naming the path and saying that the previous package was not touched (every
+    write goes to a temp dir that replaces the package only once complete)."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(bundle, mesh, out_dir, **kw):
+        try:
+            return fn(bundle, mesh, out_dir, **kw)
+        except OSError as e:
+            where = e.filename or out_dir
+            hint = {errno.ENOSPC: "free some space", errno.EDQUOT: "free some space",
+                    errno.EROFS: "choose a writable -o", errno.EACCES: "choose a writable -o",
+                    errno.EPERM: "choose a writable -o"}.get(e.errno, "fix it")
+            raise TTBundleError(f"{where}: cannot build the package: {e.strerror or e}; {hint} and "
+                                f"run the build again (any previous package in {out_dir} is unchanged)") from None
+    return wrapper
+
+
+def _check_output_dir(out: Path) -> None:
+    """``-o`` must be a directory, or not exist yet under a directory: a file, ``/dev/null`` or a
+    path with a file in the way is InvalidInput; so is a special file system (``/proc``)."""
+    p = out
+    while not os.path.lexists(p) and p.parent != p:
+        p = p.parent
+    if not p.is_dir():
+        what = "the output directory" if p == out else f"a parent of the output directory {out}"
+        raise InvalidInput(f"{p}: {what} is not a directory; give -o a directory path")
+    if os.path.realpath(p).startswith(("/proc/", "/sys/", "/dev/")) or os.path.realpath(p) in ("/proc", "/sys", "/dev"):
+        raise InvalidInput(f"{out}: not a place for packages (a kernel file system); give -o a directory "
+                           "on disk")
+
+
+@_os_errors
 def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, force: bool = False,
           warmup: bool = True, progress: Progress | None = None, backend: str = "emulated") -> BuildResult:
     """Build (or, with ``dry_run``, describe) the package of ``bundle`` for ``mesh``.
@@ -114,6 +150,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         return res
 
     out = Path(out_dir).absolute()
+    _check_output_dir(out)
     state = out / STATE_DIR
     lock_path = state / "locks" / f"{_tag(pkg)}.lock"
     with _Lock(lock_path, emit):

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import InvalidInput
-from .fsutil import TEMPLATE_DIR, hash_file
+from .fsutil import MAX_TOKENIZER_BYTES, TEMPLATE_DIR, hash_file, user_file
 
 ROOT = Path(__file__).resolve().parent
 # What each field is, for `cache explain`.
@@ -205,10 +205,13 @@ def weight_files(directory: Path) -> list[Path]:
         missing = [n for n in names if not (d / n).is_file()]
         if missing:
             raise InvalidInput(f"{d}: index names missing shard files: {', '.join(missing)}")
-        return [index] + [d / n for n in names]
-    files = sorted(d.glob("*.safetensors"))
+        files = [index] + [d / n for n in names]
+    else:
+        files = sorted(d.glob("*.safetensors"))
     if not files:
         raise InvalidInput(f"{d}: no *.safetensors files and no model.safetensors.index.json")
+    for f in files:  # regular files inside the directory: never hash a device or a file elsewhere
+        user_file(f, "checkpoint file", d)
     return files
 
 
@@ -226,7 +229,9 @@ def tokenizer_files(bundle) -> list[Path]:
     d = tokenizer_dir(bundle)
     if d is None:
         return []
-    return [d / n for n in TOKENIZER_FILES if (d / n).is_file()]
+    # present ones only; each must be a regular file inside the directory (symlinks out refused)
+    return [d / n for n in TOKENIZER_FILES
+            if os.path.lexists(d / n) and user_file(d / n, "tokenizer file", d, MAX_TOKENIZER_BYTES)]
 
 
 def _stat_key(p: Path) -> dict:

@@ -32,7 +32,7 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
     """Write ``tmp/weights/device_<d>.safetensors`` for every device of ``plan.mesh`` from the
     checkpoint in ``weights_dir``; each file's sha256 and size go into ``files``, byte counts and
     timings into ``res`` (a ``BuildResult``), progress events to ``emit``."""
-    from .weights import Checkpoint, read_plan
+    from .weights import Checkpoint, check_source_dtypes, read_plan
 
     fam, a, mesh = bundle.family, bundle.arch, plan.mesh
     D = mesh.num_devices
@@ -42,6 +42,7 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
         if Path(f).resolve().parent != Path(weights_dir).resolve():
             raise InvalidInput(f"{weights_dir}: refusing checkpoint file {f} outside the directory")
     jobs = read_plan(fam, a, ck.keys())
+    check_source_dtypes(fam, a, jobs, ck.dtypes)
     tp = {t.name: t for t in plan.tensors}
     decls = {t.name: t for t in fam.tensors(a)}
     units = {n: [layoutmod.units(d, axes_of(e), mesh, bundle.spec.sharding)

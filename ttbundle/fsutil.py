@@ -3,7 +3,9 @@ hashing a file, and where the jinja2 templates live."""
 
 from __future__ import annotations
 
+import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -42,15 +44,81 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
         raise TTBundleError(f"cannot write {path}: {e.strerror or e}") from None
 
 
-def read_user_text(path: str | Path, what: str) -> str:
-    """A user's input file as text; a missing or unreadable file is InvalidInput naming it."""
+#: Size limits of user input files (a real spec is a few KiB, a config.json a few KiB, the
+#: largest published tokenizer.json about 35 MiB).
+MAX_TEXT_BYTES = 16 << 20
+MAX_TOKENIZER_BYTES = 256 << 20
+
+
+def user_file(path: str | Path, what: str, inside: str | Path | None = None,
+              max_bytes: int | None = None) -> Path:
+    """``path`` checked as a user input file and resolved: it exists, is a regular file (not a
+    device, FIFO or directory), is at most ``max_bytes``, and, with ``inside``, lies inside that
+    directory once symlinks are resolved (``tokenizer.json -> /proc/self/environ`` is refused).
+    Every failure is InvalidInput naming the file and what to do."""
     path = Path(path)
     try:
-        return path.read_text(encoding="utf-8")
+        real = path.resolve(strict=True)
+        st = os.stat(real)
     except FileNotFoundError:
         raise InvalidInput(f"{path}: no such {what}") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise InvalidInput(f"{path}: cannot read {what}: {e}") from None
+    except (OSError, RuntimeError) as e:  # ENAMETOOLONG, ELOOP, EACCES, a symlink loop
+        raise InvalidInput(f"{path}: cannot read {what}: {getattr(e, 'strerror', None) or e}") from None
+    if inside is not None:
+        root = Path(inside).resolve()
+        if not real.is_relative_to(root):
+            raise InvalidInput(f"{path}: the {what} is a symlink to {real}, outside {root}; copy the "
+                               f"file itself into {root}")
+    if not stat.S_ISREG(st.st_mode):
+        raise InvalidInput(f"{path}: the {what} is not a regular file")
+    if max_bytes is not None and st.st_size > max_bytes:
+        raise InvalidInput(f"{path}: the {what} is {st.st_size:,} B, more than the {max_bytes:,} B "
+                           "a ttbundle input may be")
+    return real
+
+
+def read_user_bytes(path: str | Path, what: str, inside: str | Path | None = None,
+                    max_bytes: int = MAX_TEXT_BYTES) -> bytes:
+    """A user input file's bytes, checked by :func:`user_file` and read from the descriptor the
+    check was made on (no symlink followed between the check and the read)."""
+    real = user_file(path, what, inside, max_bytes)
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise InvalidInput(f"{path}: the {what} is not a regular file")
+            data = f.read(max_bytes + 1)
+    except OSError as e:
+        raise InvalidInput(f"{path}: cannot read {what}: {e.strerror or e}") from None
+    if len(data) > max_bytes:
+        raise InvalidInput(f"{path}: the {what} grew past {max_bytes:,} B while being read")
+    return data
+
+
+def read_user_text(path: str | Path, what: str, inside: str | Path | None = None,
+                   max_bytes: int = MAX_TEXT_BYTES) -> str:
+    """A user's input file as UTF-8 text; a missing, unreadable, oversized or non-regular file is
+    InvalidInput naming it."""
+    data = read_user_bytes(path, what, inside, max_bytes)
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidInput(f"{path}: cannot read {what}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_user_json(path: str | Path, what: str, inside: str | Path | None = None,
+                   max_bytes: int = MAX_TEXT_BYTES):
+    """A user's JSON file (``NaN``/``Infinity`` refused, integers bounded by Python's digit
+    limit); any failure is InvalidInput naming the file."""
+    text = read_user_text(path, what, inside, max_bytes)
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise InvalidInput(f"{path}: not readable JSON: {e}") from None
 
 
 def hash_file(path: str | Path, h, chunk: int = 1 << 22) -> str:

@@ -24,7 +24,7 @@ from pydantic import BaseModel, ValidationError
 from . import families, mesh as meshmod, plan as planmod, spec as specmod
 from .errors import Diagnostic, InvalidInput, TTBundleError
 from .families.base import GROUPS
-from .fsutil import TEMPLATE_DIR, write_text_atomic
+from .fsutil import TEMPLATE_DIR, read_user_json, write_text_atomic
 
 TEMPLATE = "spec.yaml.j2"
 DEFAULT_MESH = "N150"
@@ -152,11 +152,11 @@ def read_hf_config(hf_dir: Path) -> tuple[dict, Path]:
         raise InvalidInput(f"{hf_dir}: not a directory (--from-hf takes a Hugging Face model "
                            "directory holding config.json)")
     try:
-        return json.loads(cfg.read_text(encoding="utf-8")), cfg
-    except FileNotFoundError:
-        raise InvalidInput(f"{cfg}: not found (--from-hf takes a directory holding config.json)") from None
-    except (OSError, ValueError) as e:
-        raise InvalidInput(f"{cfg}: not readable JSON: {e}") from None
+        return read_user_json(cfg, "config.json", inside=hf_dir), cfg
+    except InvalidInput as e:
+        if "no such" in e.message:
+            raise InvalidInput(f"{cfg}: not found (--from-hf takes a directory holding config.json)") from None
+        raise
 
 
 def derive_name(hf_dir: Path, fallback: str) -> str:

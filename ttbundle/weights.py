@@ -12,48 +12,142 @@ import re
 from pathlib import Path
 from typing import Callable, Iterable
 
-from .errors import InvalidInput
+from .errors import Diagnostic, InvalidInput
 from .families import transforms
 
 # HF buffers that are not weights (recomputed from the config).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+#: Checkpoint dtypes (safetensors names) a name-table transform reads, per source; any other
+#: transform reads bf16 or fp32 (an fp16 or integer checkpoint would be silently mis-converted).
+FLOAT_SOURCES = frozenset({"BF16", "F32"})
+SOURCE_DTYPES = {
+    "fp8_block_t": (frozenset({"F8_E4M3"}), FLOAT_SOURCES),  # DeepSeek fp8 weight, its block scales
+    "mxfp4_gate_up": (frozenset({"U8"}), frozenset({"U8"})),  # GPT-OSS MXFP4 blocks, e8m0 scales
+    "mxfp4_t": (frozenset({"U8"}), frozenset({"U8"})),
+}
+#: dtypes whose values are checked for NaN/Inf as they are read
+CHECKED_FINITE = frozenset({"BF16", "F16", "F32", "F64"})
+FINITE_CHUNK = 1 << 22  # elements per isfinite() pass: bounded scratch memory on big tensors
+
+
 class Checkpoint:
-    """Lazy access to the tensors of a safetensors checkpoint (one file or a sharded index)."""
+    """Lazy access to the tensors of a safetensors checkpoint (one file or a sharded index).
+    Every file must be a regular file inside ``directory``; an unreadable, truncated or lying
+    file is InvalidInput naming it, and every tensor read is checked for NaN/Inf (all
+    non-finite tensors are listed, each with its counts)."""
 
     def __init__(self, directory: str | Path):
-        from safetensors import safe_open
+        from .fsutil import read_user_json, user_file
 
         d = Path(directory)
+        self.dir = d
+        self.dtypes: dict[str, str] = {}
         index = d / "model.safetensors.index.json"
         if index.exists():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError) as e:
-                raise InvalidInput(f"{index}: not a safetensors index ({e})") from None
+            data = read_user_json(index, "safetensors index", inside=d)
+            weight_map = data.get("weight_map") if isinstance(data, dict) else None
+            if not isinstance(weight_map, dict) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+                raise InvalidInput(f"{index}: not a safetensors index (needs \"weight_map\": "
+                                   "{tensor name: file name})")
             files = {k: d / v for k, v in weight_map.items()}
+            missing = sorted({str(f) for f in files.values() if not f.exists()})
+            if missing:
+                raise InvalidInput(f"{d}: index names missing shard files: {', '.join(missing)}")
+            shards = sorted(set(files.values()))
         else:
             shards = sorted(d.glob("*.safetensors"))
             if not shards:
                 raise InvalidInput(f"{d}: no *.safetensors files and no model.safetensors.index.json")
-            files = {}
-            for f in shards:
-                with safe_open(f, framework="pt") as h:
-                    for k in h.keys():
-                        files[k] = f
-        missing = sorted({str(f) for f in files.values() if not f.exists()})
-        if missing:
-            raise InvalidInput(f"{d}: index names missing shard files: {', '.join(missing)}")
+            files = None
+        listed: dict = {}
+        for f in shards:
+            user_file(f, "checkpoint file", d)
+            with self._safe_open(f) as h:
+                for k in h.keys():
+                    listed[k] = f
+                    self.dtypes[k] = self._call(f, lambda: h.get_slice(k).get_dtype())
+        if files is None:
+            files = listed
+        else:
+            absent = sorted(k for k, f in files.items() if listed.get(k) != f)
+            if absent:
+                raise InvalidInput(f"{index}: {absent[0]!r} is not in {files[absent[0]].name} "
+                                   f"({len(absent)} tensor(s) the index names are missing)")
         self.files = files
-        self._open = safe_open
+
+    @staticmethod
+    def _call(f: Path, fn):
+        from safetensors import SafetensorError
+
+        try:
+            return fn()
+        except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+            raise InvalidInput(f"{f}: not a readable safetensors file ({e}); re-download or re-save "
+                               "the checkpoint") from None
+
+    def _safe_open(self, f: Path):
+        from safetensors import safe_open
+        return self._call(f, lambda: safe_open(str(f), framework="pt"))
 
     def keys(self) -> set[str]:
         return set(self.files)
 
     def get(self, key: str):
-        with self._open(self.files[key], framework="pt") as h:
-            return h.get_tensor(key)
+        f = self.files[key]
+        with self._safe_open(f) as h:
+            x = self._call(f, lambda: h.get_tensor(key))
+        if self.dtypes.get(key) in CHECKED_FINITE and nonfinite(x) != (0, 0):
+            self.refuse_nonfinite()
+        return x
+
+    def refuse_nonfinite(self):
+        """Every tensor of the checkpoint with NaN or Inf values, in one error."""
+        bad = []
+        for k in sorted(self.files):
+            if self.dtypes.get(k) in CHECKED_FINITE:
+                with self._safe_open(self.files[k]) as h:
+                    nan, inf = nonfinite(self._call(self.files[k], lambda: h.get_tensor(k)))
+                if nan or inf:
+                    bad.append(f"{k} ({self.files[k].name}): {nan:,} NaN, {inf:,} Inf")
+        raise InvalidInput(f"{self.dir}: the checkpoint holds non-finite weights in {len(bad)} "
+                           "tensor(s); fix or re-export it", [Diagnostic(b, file=str(self.dir)) for b in bad])
+
+
+def nonfinite(x) -> tuple[int, int]:
+    """(NaN count, Inf count) of a floating tensor, in chunks of bounded scratch memory."""
+    import torch
+
+    flat = x.reshape(-1)
+    nan = inf = 0
+    for i in range(0, flat.numel(), FINITE_CHUNK):
+        c = flat[i:i + FINITE_CHUNK]
+        if bool(torch.isfinite(c).all()):
+            continue
+        nan += int(torch.isnan(c).sum())
+        inf += int(torch.isinf(c).sum())
+    return nan, inf
+
+
+def check_source_dtypes(family, a, jobs, dtypes: dict[str, str]) -> None:
+    """Every checkpoint tensor a read plan uses has a dtype its transform reads (bf16/fp32, or
+    the quantized formats of the families that read them); lists every offending tensor."""
+    table = {n.tensor: n for n in family.hf_names(a)}
+    bad = {}
+    for name, _layer, srcs in jobs:
+        allowed = SOURCE_DTYPES.get(table[name].transform)
+        for i, (_pat, keys) in enumerate(srcs):
+            ok = allowed[i] if allowed and i < len(allowed) else FLOAT_SOURCES
+            for k in keys:
+                if dtypes.get(k, "BF16") not in ok:
+                    bad.setdefault(k, (dtypes[k], ok))
+    if bad:
+        lines = [f"{k}: {dt}, {family.name} reads {' or '.join(sorted(ok))} here"
+                 for k, (dt, ok) in sorted(bad.items())]
+        raise InvalidInput(f"checkpoint dtypes {family.name} does not read in {len(bad)} tensor(s); "
+                           "save the checkpoint in bf16 (or fp32)", [Diagnostic(x) for x in lines[:20]])
 
 
 def _expand(key: str, layer: int | None, experts: int | None) -> list[str]:
@@ -139,6 +233,7 @@ def canonical(family, a, get: Callable[[str], object], keys: Iterable[str],
 
 def load_canonical(family, a, directory: str | Path) -> dict:
     ck = Checkpoint(directory)
+    check_source_dtypes(family, a, read_plan(family, a, ck.keys()), ck.dtypes)
     return canonical(family, a, ck.get, ck.keys())
 
 
