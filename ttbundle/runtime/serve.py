@@ -11,7 +11,9 @@ activated (``TTBUNDLE_EMULATED=1``), ``MESH_DEVICE`` set to the package's mesh, 
   arguments is merged over it.
 
 Ctrl-C (or SIGTERM) is forwarded to vLLM as SIGINT, which shuts the engine down cleanly; after
-a grace period the group is killed.
+a grace period the group is killed. While serving, vLLM is watched: if it exits by itself (vLLM's
+API server shuts down with code 0 when its engine process dies) or stops answering ``/health``
+(503 once the engine is dead), the server is stopped and :class:`ServeFailed` says why.
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ from pathlib import Path
 from ..errors import InvalidInput, TTBundleError
 
 GRACE_S = 30
+HEALTH_EVERY_S = 5.0  # while serving: how often /health is asked
+HEALTH_TIMEOUT_S = 10.0  # a busy engine answers late: only a refusal or a long silence counts
+HEALTH_FAILURES = 3  # consecutive failed checks before vLLM is declared dead
+
+
+class ServeFailed(TTBundleError):
+    """vLLM (or its engine) died while serving; ``exit_code`` is vLLM's own when it had one."""
+
+    def __init__(self, message: str, code: int = 1):
+        super().__init__(message)
+        self.exit_code = code
 
 
 @dataclass
@@ -210,8 +223,29 @@ def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float) -
     raise TTBundleError(f"vLLM was not healthy after {timeout:.0f} s")
 
 
-def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900) -> int:
-    """Serve until vLLM exits or Ctrl-C / SIGTERM; returns vLLM's exit code (0 on Ctrl-C)."""
+def watch(proc: subprocess.Popen, host: str, port: int, every: float = HEALTH_EVERY_S,
+          failures: int = HEALTH_FAILURES, timeout: float = HEALTH_TIMEOUT_S) -> None:
+    """Return never while vLLM serves: raise :class:`ServeFailed` when it exits by itself or
+    fails ``failures`` health checks in a row (its engine died, it hangs)."""
+    missed = 0
+    while True:
+        try:
+            code = proc.wait(every)
+        except subprocess.TimeoutExpired:
+            missed = 0 if healthy(host, port, timeout) else missed + 1
+            if missed >= failures:
+                raise ServeFailed(f"vLLM stopped answering http://{host}:{port}/health ({missed} checks "
+                                  f"{every:g} s apart): its engine died or hangs (its log above says "
+                                  "why); stopped it") from None
+            continue
+        how = "killed by signal " + str(-code) if code < 0 else f"exit code {code}"
+        raise ServeFailed(f"vLLM exited while serving ({how}): its engine died or it was stopped from "
+                          "outside (its log above says why)", code if code > 0 else 1)
+
+
+def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_every: float = HEALTH_EVERY_S) -> int:
+    """Serve until Ctrl-C / SIGTERM (returns 0); raises :class:`ServeFailed` when vLLM or its
+    engine dies first (:func:`watch`)."""
     def on_term(signum, frame):
         raise KeyboardInterrupt
 
@@ -223,7 +257,8 @@ def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900) -> int:
         wait_healthy(proc, plan.host, plan.port, startup_timeout)
         if on_ready:
             on_ready(plan)
-        return proc.wait()
+        watch(proc, plan.host, plan.port, health_every)
+        return 0  # pragma: no cover - watch only returns by raising
     except KeyboardInterrupt:
         return 0
     finally:

@@ -1,0 +1,73 @@
+"""Real vLLM 0.33.0: when the engine process dies under a serving API server, `ttbundle serve`'s
+watch notices and fails (issue 15: it used to exit 0, only vLLM's log showed EngineDeadError)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    kids: dict[int, list[int]] = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            kids.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        for c in kids.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_killed_engine_fails_the_serve(make_package, tmp_path):
+    from ttbundle.runtime.serve import ServeFailed, plan_serve, start, stop, wait_healthy, watch
+
+    pkg, _ = make_package("llama", "N150")
+    plan = plan_serve(pkg, "127.0.0.1", _free_port())
+    log = tmp_path / "vllm.log"
+    with open(log, "wb") as f:
+        proc = start(plan, log=f)
+    try:
+        wait_healthy(proc, plan.host, plan.port, timeout=600)
+        engines = [p for p in _descendants(proc.pid) if p != proc.pid]
+        assert engines, "no engine process under vLLM's API server"
+        for p in engines:  # the engine core (and anything it started)
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        t0 = time.monotonic()
+        with pytest.raises(ServeFailed) as ei:
+            watch(proc, plan.host, plan.port, every=1.0)
+        print(f"noticed in {time.monotonic() - t0:.1f} s: {ei.value}")
+        assert ei.value.exit_code != 0
+    except BaseException:
+        print(log.read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        stop(proc)
