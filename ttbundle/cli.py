@@ -422,7 +422,8 @@ def serve(ctx: typer.Context,
           host: str = typer.Option("127.0.0.1", "--host"),
           port: int = typer.Option(8000, "--port"),
           mesh: Optional[str] = typer.Option(None, "--mesh", "-m", help="For a SPEC: the mesh to build "
-                                             "and serve (default: MESH_DEVICE, else the first target)."),
+                                             "and serve (default: MESH_DEVICE, else the first target); "
+                                             "for a NAME: which mesh's package."),
           output: Path = typer.Option(Path("packages"), "-o", "--output", help="For a SPEC: where its "
                                       "package is built (OUT/<mesh>/<bundle>)."),
           print_command: bool = typer.Option(False, "--print-command", help="Print the vLLM command "

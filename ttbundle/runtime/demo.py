@@ -96,3 +96,43 @@ def build_package(spec_text: str, out_dir: str | Path, mesh: str, seed: int = 0,
     spec_file.write_text(spec_with_source(spec_text, src), encoding="utf-8")
     res = build(specmod.load(spec_file), mesh, out, backend=backend, warmup=warmup)
     return Path(res.package)
+
+
+def clone_package(src: str | Path, dst: str | Path, name: str) -> Path:
+    """A copy of package ``src`` at ``dst`` renamed to bundle ``name``: a valid package (its
+    manifest lists every file with its size and sha256) for registry tests and benches. Files
+    that do not depend on the name are hard links to ``src``'s (no extra disk); the spec, the
+    adapter module, ``vllm_metadata.json`` and the manifest are rewritten."""
+    import hashlib
+    import json
+    import os
+    import shutil
+
+    from .. import __version__
+    from ..package import (MANIFEST, METADATA, metadata_json, module_name, read_manifest,
+                           render_adapter, safe_name)
+
+    src, dst = Path(src), Path(dst)
+    m = read_manifest(src)
+    mesh, arch = m["mesh"]["name"], m["arch"]
+    old_mod = m["main_class"].split(":")[0]
+    mod = module_name(safe_name(name, "bundle name"), mesh)
+    shutil.copytree(src, dst, copy_function=os.link)
+    os.unlink(dst / f"{old_mod}.py")
+    new = {
+        f"{mod}.py": render_adapter(name, mesh, arch, arch, __version__).encode(),
+        METADATA: metadata_json(arch, f"{mod}:{arch}").encode(),
+        "bundle.yaml": (src / "bundle.yaml").read_text(encoding="utf-8").replace(
+            f"\nname: {m['bundle']}\n", f"\nname: {name}\n", 1).encode(),
+    }
+    files = dict(m["files"])
+    files.pop(f"{old_mod}.py")
+    for rel, data in new.items():
+        if (dst / rel).exists():
+            os.unlink(dst / rel)  # a hard link into ``src``: never write through it
+        (dst / rel).write_bytes(data)
+        files[rel] = {**files.get(rel, {}), "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    m.update(bundle=name, main_class=f"{mod}:{arch}", files=files)
+    os.unlink(dst / MANIFEST)
+    (dst / MANIFEST).write_text(json.dumps(m, indent=2) + "\n", encoding="utf-8")
+    return dst

@@ -8,17 +8,25 @@
   that does not verify is skipped with a warning naming the file; the rest still register.
 
 A directory may be a package itself or hold packages as sub-directories.
+
+Verification results are cached in ``$XDG_CONFIG_HOME/ttbundle/verified.json``, keyed by the
+package path and a fingerprint: the manifest's sha256 and the type, size, mtime, ctime and inode
+of the package directory and of every entry under it (so any write, rename, added file or
+replaced file re-checks the package; ctime cannot be set back by a user). A cached result is used
+only when the fingerprint and the ttbundle version match; otherwise the package is verified in
+full (every file's sha256) and the result recorded.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..errors import InvalidInput, TTBundleError
+from ..errors import Diagnostic, InvalidInput, TTBundleError
 
 logger = logging.getLogger("vllm.ttbundle.registry")
 
@@ -98,15 +106,113 @@ def entry_of(path: Path, check_hashes: bool = True) -> Entry:
                  pkg.bundle.spec.description)
 
 
-def scan_dir(d: Path, check_hashes: bool = True) -> tuple[list[Entry], list[tuple[Path, str]]]:
-    """(packages that verify, [(package dir, why refused)]) in ``d``."""
+# ---- verification cache -------------------------------------------------------------------------
+CACHE_FORMAT = "ttbundle.verified/1"
+
+
+def cache_file() -> Path:
+    return config_dir() / "verified.json"
+
+
+def fingerprint(pkg: Path) -> str | None:
+    """sha256 over the manifest's bytes and ``(name, mode, size, mtime, ctime, inode)`` of the
+    package directory and every entry under it; None when something cannot be read."""
+    from .packages import MANIFEST
+
+    h = hashlib.sha256()
+    try:
+        with open(pkg / MANIFEST, "rb") as f:
+            h.update(hashlib.sha256(f.read()).digest())
+        todo = [(pkg, "")]
+        while todo:
+            d, rel = todo.pop()
+            st = os.lstat(d)
+            h.update(f"{rel}/\0{st.st_mode}\0{st.st_mtime_ns}\0{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+            with os.scandir(d) as it:
+                entries = sorted(it, key=lambda e: e.name)
+            for e in entries:
+                st = e.stat(follow_symlinks=False)
+                h.update(f"{rel}/{e.name}\0{st.st_mode}\0{st.st_size}\0{st.st_mtime_ns}\0"
+                         f"{st.st_ctime_ns}\0{st.st_ino}\n".encode())
+                if e.is_dir(follow_symlinks=False):
+                    todo.append((Path(e.path), f"{rel}/{e.name}"))
+    except OSError:
+        return None
+    return h.hexdigest()
+
+
+class VerifyCache:
+    """``path -> {fingerprint, entry | refused}`` for this ttbundle version (see module doc)."""
+
+    def __init__(self):
+        from .. import __version__
+        self.version = __version__
+        self.data: dict = {}
+        self.dirty = False
+        try:
+            doc = json.loads(cache_file().read_text(encoding="utf-8"))
+            if doc.get("format") == CACHE_FORMAT and doc.get("ttbundle") == self.version \
+                    and isinstance(doc.get("packages"), dict):
+                self.data = doc["packages"]
+        except (OSError, ValueError, AttributeError):
+            pass  # no cache, or an unreadable one: verify everything and write a new one
+
+    def lookup(self, p: Path, fp: str | None):
+        rec = self.data.get(str(p))
+        if fp is None or not isinstance(rec, dict) or rec.get("fingerprint") != fp:
+            return None
+        if isinstance(rec.get("refused"), str):
+            return rec["refused"]
+        e = rec.get("entry")
+        try:
+            return Entry(**{**e, "path": Path(e["path"])})
+        except (TypeError, KeyError):
+            return None
+
+    def record(self, p: Path, fp: str | None, result) -> None:
+        if fp is None:
+            return
+        if isinstance(result, Entry):
+            rec = {"fingerprint": fp, "entry": {**asdict(result), "path": str(result.path)}}
+        else:
+            rec = {"fingerprint": fp, "refused": result}
+        if self.data.get(str(p)) != rec:
+            self.data[str(p)] = rec
+            self.dirty = True
+
+    def save(self) -> None:
+        if not self.dirty:
+            return
+        from ..fsutil import write_text_atomic
+        try:
+            write_text_atomic(cache_file(), json.dumps({"format": CACHE_FORMAT, "ttbundle": self.version,
+                                                        "packages": self.data}, separators=(",", ":")))
+        except TTBundleError as e:  # a read-only config dir: slower next time, nothing worse
+            logger.warning("ttbundle: verification cache not saved: %s", e)
+        self.dirty = False
+
+
+def scan_dir(d: Path, check_hashes: bool = True, cache: VerifyCache | None = None
+             ) -> tuple[list[Entry], list[tuple[Path, str]]]:
+    """(packages that verify, [(package dir, why refused)]) in ``d``. With ``cache``, a package
+    whose fingerprint is unchanged since it was verified in full is not verified again; any
+    other is verified in full (hashes included) and recorded."""
     good, bad = [], []
     for p in package_dirs(d):
-        try:
-            good.append(entry_of(p, check_hashes))
-        except TTBundleError as e:
-            why = str(e)
-            bad.append((p, why[len(f"{p}: "):] if why.startswith(f"{p}: ") else why))
+        fp = fingerprint(p) if cache is not None else None
+        hit = cache.lookup(p, fp) if cache is not None else None
+        if hit is None:
+            try:
+                hit = entry_of(p, check_hashes or cache is not None)
+            except TTBundleError as e:
+                why = str(e)
+                hit = why[len(f"{p}: "):] if why.startswith(f"{p}: ") else why
+            if cache is not None:
+                cache.record(p, fp, hit)
+        if isinstance(hit, Entry):
+            good.append(hit)
+        else:
+            bad.append((p, hit))
     return good, bad
 
 
@@ -118,19 +224,24 @@ def search_dirs() -> list[Path]:
     return dirs
 
 
-def scan(check_hashes: bool = True) -> tuple[list[Entry], list[tuple[Path, str]]]:
+def scan(check_hashes: bool = True, cached: bool = True) -> tuple[list[Entry], list[tuple[Path, str]]]:
+    """Every package of every search directory. ``cached``: through the verification cache (a
+    changed package is verified in full); else verified now, with hashes when ``check_hashes``."""
     good, bad = [], []
     seen = set()
+    cache = VerifyCache() if cached else None
     for d in search_dirs():
         if not d.exists():
             bad.append((d, f"{d}: registered directory no longer exists"))
             continue
-        g, b = scan_dir(d, check_hashes)
+        g, b = scan_dir(d, check_hashes, cache)
         for e in g:
             if e.path not in seen:
                 seen.add(e.path)
                 good.append(e)
         bad += b
+    if cache is not None:
+        cache.save()
     return good, bad
 
 
@@ -140,7 +251,9 @@ def register_dir(d: str | Path) -> tuple[list[Entry], list[tuple[Path, str]]]:
     d = Path(d).resolve()
     if not d.is_dir():
         raise InvalidInput(f"{d}: not a directory")
-    good, bad = scan_dir(d)
+    cache = VerifyCache()
+    good, bad = scan_dir(d, cache=cache)
+    cache.save()
     if not good and not bad:
         raise InvalidInput(f"{d}: no packages found (a package is a directory with manifest.json; "
                            "`ttbundle build -o DIR` writes DIR/<mesh>/<bundle>)")
@@ -151,25 +264,36 @@ def register_dir(d: str | Path) -> tuple[list[Entry], list[tuple[Path, str]]]:
     return good, bad
 
 
-def find(name_or_path: str) -> Entry:
-    """A registered package by bundle name (``NAME`` or ``NAME-MESH``; ``MESH_DEVICE`` picks
-    among meshes) or directory."""
+def find(name_or_path: str, mesh: str | None = None) -> Entry:
+    """A registered package by bundle name (``NAME`` or ``NAME-MESH``) or directory. Several
+    packages of one name are told apart by ``mesh`` (else ``MESH_DEVICE``, which only narrows);
+    when that still leaves several (one name and mesh in two directories), the error lists each
+    with its path, which names it."""
     p = Path(name_or_path)
-    if p.is_dir():
+    if os.path.isdir(p):  # False on any OSError (a name too long to be a path)
         return entry_of(p)
     good, _ = scan(check_hashes=False)
     hits = [e for e in good if e.name == name_or_path or f"{e.name}-{e.mesh}" == name_or_path]
-    mesh = os.environ.get("MESH_DEVICE")
-    if len(hits) > 1 and mesh:
-        hits = [e for e in hits if e.mesh == mesh] or hits
+    if mesh is not None:
+        picked = [e for e in hits if e.mesh == mesh]
+        if hits and not picked:
+            raise InvalidInput(f"{name_or_path!r} has no package for mesh {mesh}; it has: "
+                               + ", ".join(sorted({e.mesh for e in hits})))
+        hits = picked
+    elif len(hits) > 1 and os.environ.get("MESH_DEVICE"):
+        hits = [e for e in hits if e.mesh == os.environ["MESH_DEVICE"]] or hits
     if len(hits) == 1:
         return hits[0]
     if not hits:
         known = ", ".join(sorted(f"{e.name}-{e.mesh}" for e in good)) or "none"
         raise InvalidInput(f"no registered package named {name_or_path!r} (registered: {known}); "
                            "`ttbundle register --dir DIR` adds a directory")
-    raise InvalidInput(f"{name_or_path!r} names {len(hits)} packages ("
-                       + ", ".join(f"{e.name}-{e.mesh}" for e in hits) + "); use NAME-MESH or set MESH_DEVICE")
+    meshes = {e.mesh for e in hits}
+    how = ("give the package's path" if len(meshes) == 1
+           else "use NAME-MESH, --mesh M or MESH_DEVICE, or give the package's path")
+    raise InvalidInput(f"{name_or_path!r} names {len(hits)} packages; {how}:",
+                       [Diagnostic(str(e.path), f"{e.name}-{e.mesh}") for e in
+                        sorted(hits, key=lambda e: (e.mesh, str(e.path)))])
 
 
 # ---- vLLM side ----------------------------------------------------------------------------------

@@ -116,13 +116,14 @@ def vllm_command() -> list[str]:
 
 def resolve(target: str, mesh: str | None = None, output: Path = Path("packages"),
             progress=None) -> Path:
-    """The package directory for NAME (registered), PACKAGE (a directory) or SPEC (a YAML
-    file: built for ``mesh`` into ``output`` unless its package is up to date)."""
+    """The package directory for NAME (registered; ``mesh`` picks among its packages), PACKAGE
+    (a directory) or SPEC (a YAML file: built for ``mesh`` into ``output`` unless its package
+    is up to date)."""
     from .packages import is_package
     from .registry import find
 
     p = Path(target)
-    if p.is_file() and p.suffix in (".yaml", ".yml"):
+    if p.suffix in (".yaml", ".yml") and os.path.isfile(p):  # os.path: False on any OSError
         from .. import spec as specmod
         from ..build import build
 
@@ -132,12 +133,12 @@ def resolve(target: str, mesh: str | None = None, output: Path = Path("packages"
             raise InvalidInput(f"{p}: mesh {m} is not one of its targets ({', '.join(bundle.spec.targets)})")
         res = build(bundle, m, output, progress=progress)
         return Path(res.package)
-    if p.is_dir():
+    if os.path.isdir(p):
         if not is_package(p):
             raise InvalidInput(f"{p}: not a package (no manifest.json); give a package, a spec or a "
                                "registered name")
         return p.absolute()
-    return find(target).path
+    return find(target, mesh).path
 
 
 def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
