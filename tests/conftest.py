@@ -70,3 +70,17 @@ def runner():
     for console in (cli.out, cli.err):
         console.width = 200
     return CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"})
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many fuzz cases ran (tests/test_fuzz.py), and that none gave a traceback: a fuzz case
+    that does fails its test, so a count printed after a passing run is the claim."""
+    import sys
+    fuzz = sys.modules.get("test_fuzz")
+    counts = getattr(fuzz, "COUNTS", None)
+    if counts:
+        failed = bool(terminalreporter.stats.get("failed"))
+        terminalreporter.write_line(
+            f"fuzz: {sum(counts.values())} cases ran ("
+            + ", ".join(f"{k}: {v}" for k, v in counts.items()) + "); "
+            + ("see the failures above" if failed else "none gave a traceback"))

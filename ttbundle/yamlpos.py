@@ -106,9 +106,9 @@ class _Walker:
         except yaml.constructor.ConstructorError as e:
             raise self.fail(node, path, f"unsupported YAML tag {node.tag!r}: {e.problem}; "
                             "bundle specs use plain YAML values only") from None
-        except (ValueError, TypeError, AttributeError, OverflowError):
+        except (ValueError, TypeError, AttributeError, OverflowError, LookupError):
             # PyYAML's constructors raise these for `!!int abc`, `!!float abc`, `2001-02-30`,
-            # `!!timestamp garbage`, an integer past Python's digit limit, ...
+            # `!!timestamp garbage`, `!!bool maybe`, an integer past Python's digit limit, ...
             kind = node.tag.rsplit(":", 1)[-1]
             raise self.fail(node, path, f"{node.value[:40]!r} is not a valid {kind}; write the "
                             "value out plainly (quote it to keep it as text)") from None
