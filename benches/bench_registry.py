@@ -7,7 +7,7 @@ files hard-linked) under ``DIR/N150/``, then times through the CLI (subprocesses
 
 1. ``ttbundle register --dir DIR`` on a fresh registry (every package verified: sha256 of every
    file, spec, plan, weight headers, adapter);
-2. ``ttbundle ls --json`` (answered from the verification cache);
+2. ``ttbundle ls --json`` and ``ttbundle ls`` (answered from the verification cache);
 3. ``ttbundle register --dir DIR`` again (cache hits);
 4. ``ttbundle ls --json`` after one package's file was changed (that package re-checked and refused).
 
@@ -89,6 +89,7 @@ def main() -> None:
         assert r.stdout.count("registered ") == args.packages, r.stdout[-500:]
         r = timed("ls --json", "ls", "--json")
         assert len(json.loads(r.stdout)["packages"]) == args.packages
+        timed("ls (table)", "ls")
         timed("register again (cached)", "register", "--dir", str(out))
         # one byte of one package's own file (bundle.yaml is rewritten per clone, not a hard link
         # shared by all: changing a shared inode changes its ctime in every package)

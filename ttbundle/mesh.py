@@ -94,9 +94,9 @@ PRESETS: dict[str, Mesh] = {m.name: m for m in [
     _m("BH-Galaxy", (8, 4), BLACKHOLE, "torus"),
 ]}
 
-# full-string match (``$`` would accept a trailing newline), spaces only; ASCII digits, at most 4, so
+# full-string match (``$`` would accept a trailing newline), spaces only; ASCII digits, at most 6, so
 # no 5,000-digit number reaches int()
-_TUPLE = re.compile(r" *\( *([0-9]{1,4}) *, *([0-9]{1,4}) *\) *(?:@ *(wormhole|blackhole) *)?", re.I)
+_TUPLE = re.compile(r" *\( *([0-9]{1,6}) *, *([0-9]{1,6}) *\) *(?:@ *(wormhole|blackhole) *)?", re.I)
 
 
 def valid_names() -> str:
