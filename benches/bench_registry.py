@@ -28,21 +28,6 @@ import tempfile
 import time
 from pathlib import Path
 
-SPEC = """\
-name: reg
-model:
-  family: llama
-  vocab_size: 128
-  hidden_size: 64
-  intermediate_size: 128
-  num_hidden_layers: 1
-  num_attention_heads: 2
-  num_key_value_heads: 1
-  max_position_embeddings: 256
-targets: [N150]
-buckets: {prefill: [32], decode: [1]}
-runtime: {max_model_len: 32, max_num_seqs: 1}
-"""
 
 
 def ttbundle(env: dict, *args: str) -> tuple[float, subprocess.CompletedProcess]:
@@ -58,12 +43,12 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="build into this directory and keep it")
     args = ap.parse_args()
 
-    from ttbundle.runtime.demo import build_package, clone_package
+    from ttbundle.runtime.demo import SMALL_SPEC, build_package, clone_package
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="ttbundle-bench-registry-"))
     try:
         t0 = time.perf_counter()
-        src = build_package(SPEC, root / "build", "N150", warmup=False)
+        src = build_package(SMALL_SPEC, root / "build", "N150", warmup=False)
         out = root / "out"
         for i in range(args.packages):
             clone_package(src, out / "N150" / f"reg-{i:05d}", f"reg-{i:05d}")

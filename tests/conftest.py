@@ -62,6 +62,15 @@ def diagnostics(spec_dir):
 
 
 @pytest.fixture
+def xdg(tmp_path, monkeypatch):
+    """An empty user registry (XDG config dir), no EXTRA_MODELS_DIR, no MESH_DEVICE."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    monkeypatch.delenv("EXTRA_MODELS_DIR", raising=False)
+    monkeypatch.delenv("MESH_DEVICE", raising=False)
+    return tmp_path / "xdg"
+
+
+@pytest.fixture
 def runner():
     from typer.testing import CliRunner
 

@@ -14,20 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle import build as buildmod, package, spec as specmod
+from ttbundle import package
 from ttbundle.errors import TTBundleError
 from ttbundle.runtime import registry
 from ttbundle.runtime.packages import open_package
 
-from test_build import write_spec, ckpt  # noqa: F401  (session fixture)
-
-
-@pytest.fixture(scope="module")
-def built(tmp_path_factory, ckpt):  # noqa: F811
-    d = tmp_path_factory.mktemp("trust")
-    bundle = specmod.load(write_spec(d, ckpt, tokenizer=ckpt))
-    res = buildmod.build(bundle, "N300", d / "out", warmup=False)
-    return Path(res.package)
+from test_build import ckpt  # noqa: F401  (session fixture)
+from test_package import built  # noqa: F401  (the N300 package, built once per module)
 
 
 @pytest.fixture
@@ -136,7 +129,7 @@ def test_loading_writes_no_bytecode(pkg, monkeypatch):
 
 @pytest.mark.parametrize("main_class", ["this:x", "os:system", "json:loads", "{mod}:Other",
                                         "{mod}.sub:{cls}", "{mod}", ":{cls}", 7])
-def test_main_class_must_be_the_packages_own_adapter(pkg, xdg_home, main_class, runner):
+def test_main_class_must_be_the_packages_own_adapter(pkg, xdg, main_class, runner):
     """``vllm_metadata.json`` rewritten and its hash updated in the manifest: refused at open
     (serve, the engine), at ``register`` and in the plugin's scan; nothing is imported."""
     from ttbundle.cli import app
@@ -178,10 +171,3 @@ def test_tampered_adapter_with_updated_hash_is_refused_at_load(pkg, tmp_path):
         model_class(p)
     assert not marker.exists()
 
-
-@pytest.fixture
-def xdg_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("EXTRA_MODELS_DIR", raising=False)
-    monkeypatch.delenv("MESH_DEVICE", raising=False)
-    return tmp_path / "xdg"

@@ -15,38 +15,15 @@ import pytest
 
 from ttbundle.errors import InvalidInput
 from ttbundle.runtime import registry
-from ttbundle.runtime.demo import build_package, clone_package
+from ttbundle.runtime.demo import SMALL_SPEC, build_package, clone_package
 
-SPEC = """\
-name: reg
-model:
-  family: llama
-  vocab_size: 128
-  hidden_size: 64
-  intermediate_size: 128
-  num_hidden_layers: 1
-  num_attention_heads: 2
-  num_key_value_heads: 1
-  max_position_embeddings: 256
-targets: [N150, N300]
-buckets: {prefill: [32], decode: [1]}
-runtime: {max_model_len: 32, max_num_seqs: 1}
-"""
 N = 120
 
 
 @pytest.fixture(scope="module")
 def sources(tmp_path_factory):
     d = tmp_path_factory.mktemp("regsrc")
-    return {m: build_package(SPEC, d, m, warmup=False) for m in ("N150", "N300")}
-
-
-@pytest.fixture
-def xdg(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("EXTRA_MODELS_DIR", raising=False)
-    monkeypatch.delenv("MESH_DEVICE", raising=False)
-    return tmp_path / "xdg"
+    return {m: build_package(SMALL_SPEC, d, m, warmup=False) for m in ("N150", "N300")}
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ strange directory name can neither break the YAML nor inject keys.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex

@@ -7,7 +7,6 @@ canonical tensor found: an unmapped or missing tensor is a loud error naming it.
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Callable, Iterable

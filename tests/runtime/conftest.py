@@ -47,11 +47,3 @@ def make_package(packages_dir):
 def case(request):
     return request.param
 
-
-@pytest.fixture
-def xdg(tmp_path, monkeypatch):
-    """An empty user registry (XDG config dir), no EXTRA_MODELS_DIR, no MESH_DEVICE."""
-    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
-    monkeypatch.delenv("EXTRA_MODELS_DIR", raising=False)
-    monkeypatch.delenv("MESH_DEVICE", raising=False)
-    return tmp_path / "xdg"

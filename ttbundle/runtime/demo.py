@@ -98,6 +98,24 @@ def build_package(spec_text: str, out_dir: str | Path, mesh: str, seed: int = 0,
     return Path(res.package)
 
 
+#: The smallest useful package (1-layer Llama, vocab 128): what registry tests and benches clone.
+SMALL_SPEC = """\
+name: reg
+model:
+  family: llama
+  vocab_size: 128
+  hidden_size: 64
+  intermediate_size: 128
+  num_hidden_layers: 1
+  num_attention_heads: 2
+  num_key_value_heads: 1
+  max_position_embeddings: 256
+targets: [N150, N300]
+buckets: {prefill: [32], decode: [1]}
+runtime: {max_model_len: 32, max_num_seqs: 1}
+"""
+
+
 def clone_package(src: str | Path, dst: str | Path, name: str) -> Path:
     """A copy of package ``src`` at ``dst`` renamed to bundle ``name``: a valid package (its
     manifest lists every file with its size and sha256) for registry tests and benches. Files
