@@ -270,3 +270,16 @@ def test_full_disk_is_an_error_and_the_previous_package_stays(tmp_path, ckpt, ru
     assert package.verify_package(out / "N150" / "tiny")["key"] == old.key
     with pytest.raises(TTBundleError, match="No space left"):
         buildmod.build(specmod.load(spec), "N150", out, warmup=False, force=True)
+
+
+@pytest.mark.parametrize("command", [["schema", "-o"], ["mock-cluster", "--mesh", "N150", "-o"]])
+def test_writing_over_a_device_fifo_or_directory_is_refused(tmp_path, runner, command):
+    """An atomic write renames a temp file over its target: over a FIFO (or /dev/null, as root)
+    that would replace the node itself."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    (tmp_path / "dir").mkdir()
+    for target in (fifo, tmp_path / "dir"):
+        r = _cli(runner, *command, target)
+        assert r.exit_code == 2 and "not a regular file" in r.output, r.output
+    assert fifo.is_fifo() and (tmp_path / "dir").is_dir()

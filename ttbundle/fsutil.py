@@ -23,7 +23,18 @@ def write_text_atomic(path: str | Path, text: str) -> None:
 
 
 def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """``data`` into ``path`` through a temp file beside it, fsynced, then renamed over it. A
+    ``path`` that exists and is not a regular file or a symlink (``/dev/null``, a FIFO, a
+    directory) is InvalidInput: renaming over it would replace the device node itself."""
     path = Path(path)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        st = None
+    except OSError as e:
+        raise TTBundleError(f"cannot write {path}: {e.strerror or e}") from None
+    if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+        raise InvalidInput(f"{path}: exists and is not a regular file; give a file path to write")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
