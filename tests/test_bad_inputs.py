@@ -283,3 +283,20 @@ def test_writing_over_a_device_fifo_or_directory_is_refused(tmp_path, runner, co
         r = _cli(runner, *command, target)
         assert r.exit_code == 2 and "not a regular file" in r.output, r.output
     assert fifo.is_fifo() and (tmp_path / "dir").is_dir()
+
+
+def test_check_on_a_broken_checkpoint_is_an_error(tmp_path, ckpt, runner):
+    src = _copy_ckpt(ckpt, tmp_path / "src")
+    f = src / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(spec_text(src, tokenizer=src))
+    r = _cli(runner, "check", spec, "--steps", "1")
+    assert r.exit_code == 2 and "not a readable safetensors file" in r.output, r.output
+
+
+def test_index_symlinked_to_a_device_is_refused_before_reading(tmp_path, ckpt, runner):
+    src = _copy_ckpt(ckpt, tmp_path / "src")
+    (src / "model.safetensors.index.json").symlink_to("/dev/zero")
+    r = _build(runner, tmp_path, src)
+    assert r.exit_code == 2 and "model.safetensors.index.json" in r.output, r.output

@@ -195,6 +195,7 @@ def weight_files(directory: Path) -> list[Path]:
     d = Path(directory)
     index = d / "model.safetensors.index.json"
     if index.exists():
+        user_file(index, "safetensors index", d, 64 << 20)  # before reading it: not /dev/zero
         try:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
