@@ -13,7 +13,8 @@ Device sampling returns token ids; the host fallback returns logits for vLLM's s
 **Test-only hook**: ``TTBUNDLE_TEST_TTNN=recording`` stands ttbundle's recording double
 (``backends/ttnn/recording.py``) in for the ``ttnn`` module and makes the TT platform active
 without a device (``activation.py``), so the whole path runs through vLLM's engine in tests.
-It computes nothing (every token is 0); never set it to serve.
+Its weights are fake, so the double knows no value of the model's (every token read is 0,
+listed in ``RECORDER.zero_reads``); never set it to serve.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ def import_ttnn():
     if os.environ.get(TEST_TTNN_ENV) == "recording":
         from ..backends.ttnn import recording
         if RECORDER is None:
-            RECORDER = recording.Recorder()
+            RECORDER = recording.Recorder(unknown_reads="zeros")  # its weights are fake: reads give 0
         return RECORDER.module()
     import ttnn
     return ttnn

@@ -16,13 +16,32 @@ device would not tolerate:
 
 ``Recorder.values_of(event)`` gives each recorded argument as a value the introspection checker
 understands, so the calls the runtime makes can be checked against the real wheel too.
+
+**It computes.** A tensor of the double holds one numpy array per mesh device (device
+``d = r * cols + c`` of the mesh ``open_mesh_device`` opened), or is *unknown* with the reason.
+Host tensors (``ttnn.Tensor``, ``load_tensor`` of a ``.tensorbin``), the mappers
+(``replicate_tensor_to_mesh_mapper``, ``ShardTensor2dMesh``), ``from_host_shards``,
+``get_device_tensors``, the composers (``ConcatMesh2dToTensor`` via ``aggregate_tensor``), the
+collectives and the ops in :mod:`.numerics` compute; an op it does not model, or one reading an
+unknown input (the fake weights :func:`populate` makes, a buffer never written), gives an unknown
+result. Reading an unknown value (``to_numpy``, :meth:`FakeTensor.arrays`) raises
+:class:`UnknownValue` saying why, unless the recorder was made with ``unknown_reads="zeros"``
+(the call-order tests and the vLLM hook, whose weights are fake): then it gives zeros and lists
+the read in ``Recorder.zero_reads``. Ops run between ``begin_trace_capture`` and
+``end_trace_capture`` compute nothing then (as on a device); ``execute_trace`` replays them on
+the buffers' current contents. Each computed result is checked against the shape the lowering
+said (``Recorder.shape_mismatches``).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 
+import numpy as np
+
+from . import numerics
 from .calls import Attr, T
 from .introspect import Opaque
 
@@ -33,7 +52,7 @@ FACTORIES = {"create_sharded_memory_config": "MemoryConfig", "num_cores_to_corer
 NOT_OPS = {"Shape", "Tensor", "set_fabric_config", "distribute_tensor", "replicate_tensor_to_mesh_mapper", "copy_host_to_device_tensor",
            "allocate_tensor_on_device", "synchronize_device", "deallocate", "from_device", "get_device_tensors",
            "load_tensor", "from_host_shards", "to_device", "open_mesh_device", "close_mesh_device", "full",
-           *TRACE_API}
+           "aggregate_tensor", *TRACE_API}
 
 
 @dataclass
@@ -45,7 +64,14 @@ class Event:
     capturing: bool = False  # inside begin/end_trace_capture
 
 
+class UnknownValue(RuntimeError):
+    """A numeric read of a value the double did not compute."""
+
+
 class FakeDevice:
+    def __init__(self, shape: tuple[int, int] = (1, 1)):
+        self.shape = tuple(shape)
+
     def __repr__(self):
         return "<MeshDevice>"
 
@@ -59,21 +85,44 @@ class FakeTraceId:
 
 
 class FakeTensor:
-    """A tensor of the double: its signature, and its shape where the lowering said it (so a read
-    gives zeros of the right shape: the double computes nothing)."""
+    """A tensor of the double: its signature, its shape where the lowering said it, and its
+    value: ``data``, one array per device (a host tensor: one), or None with ``why`` it is
+    unknown."""
 
-    def __init__(self, sig: str, n_out: int = 2, shape: tuple | None = None):
+    def __init__(self, sig: str, n_out: int = 2, shape: tuple | None = None, data: list | None = None,
+                 why: str = "not computed", dtype: str | None = None, rec: "Recorder | None" = None):
         self.sig, self._n, self.shape = sig, n_out, shape
+        self.data, self.why, self.dtype, self._rec = data, why, dtype, rec
+        if data is not None and shape is None and data:
+            self.shape = tuple(data[0].shape)
+
+    def _part(self, i: int, data=None) -> "FakeTensor":
+        return FakeTensor(f"{self.sig}[{i}]", shape=self.shape, data=data, why=self.why, dtype=self.dtype, rec=self._rec)
 
     def __iter__(self):  # ops returning several tensors (topk) are unpacked
-        return iter([FakeTensor(f"{self.sig}[{i}]", shape=self.shape) for i in range(self._n)])
+        return iter([self._part(i) for i in range(self._n)])
 
     def __getitem__(self, i):  # get_device_tensors(...)[0]
-        return FakeTensor(f"{self.sig}[{i}]", shape=self.shape)
+        return self._part(i, None if self.data is None else [self.data[i]])
+
+    @property
+    def known(self) -> bool:
+        return self.data is not None
+
+    def arrays(self) -> list[np.ndarray]:
+        """Every device's array (mesh order); raises :class:`UnknownValue` when unknown."""
+        if self.data is None:
+            raise UnknownValue(f"tensor {self.sig[:60]} has no value in the double: {self.why}")
+        return self.data
 
     def to_numpy(self):
-        import numpy as np
-        return np.zeros(self.shape or (1,))
+        if self.data is None and self._rec is not None and self._rec.unknown_reads == "zeros":
+            self._rec.zero_reads.append((self.sig, self.why))
+            return np.zeros(self.shape or (1,))
+        data = self.arrays()
+        if len(data) != 1:
+            raise UnknownValue(f"to_numpy of a tensor on {len(data)} devices: take get_device_tensors first")
+        return np.array(data[0])
 
     def __repr__(self):
         return f"<Tensor {self.sig[:12]}>"
@@ -118,9 +167,28 @@ class Name:
         return f"ttnn.{self.path}"
 
 
+# ops that write into their first argument (a KV cache) instead of returning a tensor
+IN_PLACE = {"experimental.paged_update_cache", "experimental.paged_fill_cache"}
+MULTI_OUT = {"topk": 2}
+
+
+def _walk(v):
+    if isinstance(v, FakeTensor):
+        yield v
+    elif isinstance(v, (list, tuple)):
+        for x in v:
+            yield from _walk(x)
+
+
+def _name(v) -> str | None:
+    return v.path if isinstance(v, Name) else None
+
+
 @dataclass
 class Recorder:
-    """The double itself: ``rec = Recorder(); ttnn = rec.module()``."""
+    """The double itself: ``rec = Recorder(); ttnn = rec.module()``. ``unknown_reads``: "raise"
+    (a numeric read of an unknown value raises :class:`UnknownValue`) or "zeros" (it gives
+    zeros and is listed in ``zero_reads``)."""
 
     events: list = field(default_factory=list)
     compiled: set = field(default_factory=set)
@@ -128,8 +196,19 @@ class Recorder:
     captured: set = field(default_factory=set)
     capture_began: bool = False
     violations: list = field(default_factory=list)
+    unknown_reads: str = "raise"
+    zero_reads: list = field(default_factory=list)  # (sig, why) of each unknown value read as zeros
+    shape_mismatches: list = field(default_factory=list)  # computed shape != the lowering's
+    op_errors: list = field(default_factory=list)  # an op that raised on known inputs
+    mesh_shape: tuple = (1, 1)
+    max_elements: int = 1 << 25  # results larger than this (all devices) are left unknown
     _traces: int = 0
     _expect: tuple | None = None  # the output shape the executor expects of the next op
+    _replays: dict = field(default_factory=dict)  # trace id -> the thunks its replay runs
+
+    @property
+    def num_devices(self) -> int:
+        return self.mesh_shape[0] * self.mesh_shape[1]
 
     def on_call(self, call, layer) -> None:
         """``Executor.on_call`` hook: the lowered call about to run says its output's shape, so
@@ -138,6 +217,10 @@ class Recorder:
 
     def module(self) -> Name:
         return Name(self, "")
+
+    def tensor(self, arrays, dtype: str = "float32", sig: str = "given") -> FakeTensor:
+        """A device tensor holding ``arrays`` (one per device, mesh order), for tests."""
+        return FakeTensor(sig, data=[np.asarray(a) for a in arrays], dtype=dtype, rec=self)
 
     def _call(self, path: str, args, kwargs):
         ev = Event(path, tuple(args), dict(kwargs), capturing=self.capturing is not None)
@@ -148,6 +231,7 @@ class Recorder:
                 self.violations.append("begin_trace_capture inside a capture")
             self._traces += 1
             self.capturing = FakeTraceId(self._traces)
+            self._replays[self._traces] = []
             self.capture_began = True
             return self.capturing
         if path == "end_trace_capture":
@@ -161,22 +245,37 @@ class Recorder:
                 self.violations.append(f"{path} of trace {args[1].n}, never captured")
             if self.capturing is not None:
                 self.violations.append(f"{path} inside a capture")
+            if path == "execute_trace":
+                for thunk in self._replays.get(args[1].n, []):
+                    thunk()
             return None
         if path == "open_mesh_device":
-            return FakeDevice()
+            shape = args[0].args if args and isinstance(args[0], FakeObject) else (1, 1)
+            self.mesh_shape = tuple(int(x) for x in shape) if len(shape) == 2 else (1, 1)
+            return FakeDevice(self.mesh_shape)
         if path == "allocate_tensor_on_device":
             if self.capture_began:
                 self.violations.append("allocate_tensor_on_device after a trace capture began")
-            return FakeTensor(f"alloc{_sig(args[0])}:{_sig(args[1])}:{_sig(args[2])}")
+            shape = tuple(args[0].args[0]) if isinstance(args[0], FakeObject) and args[0].args else None
+            return FakeTensor(f"alloc{_sig(args[0])}:{_sig(args[1])}:{_sig(args[2])}", shape=shape,
+                              why="allocated, never written", dtype=_name(args[1]), rec=self)
         if path == "Shape":
             return FakeObject("Shape", args, kwargs)
         if path == "replicate_tensor_to_mesh_mapper":
             return FakeObject("CppTensorToMesh", args, kwargs)
         if path in ("from_device", "get_device_tensors") and isinstance(args[0], FakeTensor):
-            return FakeTensor(f"{path}({_sig(args)})", shape=args[0].shape)
+            t = args[0]
+            if path == "from_device":
+                return FakeTensor(f"{path}({_sig(args)})", shape=t.shape, data=t.data, why=t.why, dtype=t.dtype, rec=self)
+            n = len(t.data) if t.data is not None else self.num_devices
+            return [FakeTensor(f"{path}({_sig(args)})[{d}]", shape=t.shape, data=None if t.data is None else [t.data[d]],
+                               why=t.why, dtype=t.dtype, rec=self) for d in range(n)]
         if path in NOT_OPS:
-            return FakeTensor(f"{path}({_sig(args)})") if path not in ("synchronize_device", "deallocate",
-                                                                          "copy_host_to_device_tensor") else None
+            if path in ("synchronize_device", "deallocate"):
+                return None
+            out = None if path == "copy_host_to_device_tensor" else FakeTensor(f"{path}({_sig(args)})", rec=self)
+            self._schedule(lambda: self._move(path, args, kwargs, out))
+            return out
         if head[:1].isupper():  # a class: a config object, not an op
             return FakeObject(path, args, kwargs)
         if path in FACTORIES:
@@ -189,7 +288,150 @@ class Recorder:
             if self.capturing is not None:
                 self.violations.append(f"{path} compiled inside trace capture {self.capturing.n}")
         expect, self._expect = self._expect, None
-        return FakeTensor(f"spec{expect}" if expect is not None else key, shape=expect)
+        base = FakeTensor(f"spec{expect}" if expect is not None else key, shape=expect, rec=self,
+                          n_out=MULTI_OUT.get(path, 2))
+        if path in IN_PLACE:
+            outs = [t for t in args[:1] if isinstance(t, FakeTensor)]
+        elif path in MULTI_OUT:
+            outs = [base._part(i) for i in range(MULTI_OUT[path])]
+        else:
+            outs = [base]
+        if self.capturing is not None and path not in IN_PLACE:
+            for o in outs:
+                o.why = f"an output of trace {self.capturing.n}: computed at its execute_trace"
+        self._schedule(lambda: self._evaluate(path, args, kwargs, expect, outs))
+        return tuple(outs) if path in MULTI_OUT else base
+
+    # -- computing ------------------------------------------------------------------------------------
+    def _schedule(self, thunk) -> None:
+        """Run ``thunk`` now, or (inside a capture) at every replay of the trace, as a device would."""
+        if self.capturing is None:
+            thunk()
+        else:
+            self._replays[self.capturing.n].append(thunk)
+
+    def _inputs_known(self, args, kwargs) -> None:
+        for t in _walk(list(args) + list(kwargs.values())):
+            if t.data is None:
+                why = t.why if t.why.startswith("depends on ") else f"depends on {t.sig[:48]}: {t.why}"
+                raise numerics.Unknown(why)
+
+    def _per_device(self, v, d: int):
+        if isinstance(v, FakeTensor):
+            return v.data[d] if len(v.data) > 1 else v.data[0]
+        if isinstance(v, list):
+            return [self._per_device(x, d) for x in v]
+        if isinstance(v, tuple):
+            return tuple(self._per_device(x, d) for x in v)
+        return v
+
+    def _devices(self, args, kwargs) -> int:
+        n = {len(t.data) for t in _walk(list(args) + list(kwargs.values()))}
+        return max(n) if n else self.num_devices
+
+    def _evaluate(self, path: str, args, kwargs, expect, outs: list) -> None:
+        """Compute op ``path`` into ``outs`` (unknown, saying why, where it cannot)."""
+        try:
+            self._inputs_known(args[1:] if path in IN_PLACE else args, kwargs)  # a cache may be unwritten
+            if path not in numerics.IMPLS_PER_DEVICE and path not in numerics.COLLECTIVES \
+                    and path not in _SPECIAL:
+                raise numerics.Unknown(f"ttnn.{path} is not computed by the double")
+            n = self._devices(args, kwargs)
+            if expect is not None and math.prod(expect) * n > self.max_elements:
+                raise numerics.Unknown(f"ttnn.{path}: {math.prod(expect) * n} elements, over the double's "
+                                       f"limit of {self.max_elements}")
+            dtype = _name(kwargs.get("dtype")) or next((t.dtype for t in _walk(args) if t.dtype), None)
+            if path in numerics.COLLECTIVES:
+                kw = {k: v for k, v in kwargs.items() if k in ("cluster_axis",)}
+                res = [numerics.COLLECTIVES[path](self.mesh_shape, args[0].data, *args[1:], **kw)]
+            elif path in _SPECIAL:
+                res, dtype = _SPECIAL[path](self, args, kwargs, n)
+            else:
+                fn = numerics.IMPLS_PER_DEVICE[path]
+                per = [fn(*self._per_device(args, d), **self._per_device(kwargs, d)) for d in range(n)]
+                res = [list(p) for p in zip(*per)] if path in MULTI_OUT else [per]
+        except numerics.Unknown as e:
+            for o in outs:
+                o.data, o.why = None, str(e)
+            return
+        except Exception as e:  # known inputs an op refuses: a lowering bug the tests report
+            msg = f"ttnn.{path}: {type(e).__name__}: {e}"
+            self.op_errors.append(msg)
+            for o in outs:
+                o.data, o.why = None, msg
+            return
+        if path in IN_PLACE:
+            return
+        for o, arrays in zip(outs, res):
+            if arrays and np.issubdtype(arrays[0].dtype, np.floating) and dtype in numerics.FLOATS:
+                arrays = [numerics.as_dtype(a, dtype) for a in arrays]
+            elif arrays and np.issubdtype(arrays[0].dtype, np.floating):
+                arrays = [np.asarray(a, np.float32) for a in arrays]
+            o.data, o.dtype = arrays, (dtype if np.issubdtype(arrays[0].dtype, np.floating) else str(arrays[0].dtype))
+            got = tuple(arrays[0].shape)
+            if expect is not None and got != tuple(expect):
+                self.shape_mismatches.append(f"ttnn.{path} -> {o.sig[:40]}: computed {got}, the lowering says {tuple(expect)}")
+
+    def _move(self, path: str, args, kwargs, out: FakeTensor | None) -> None:
+        """Data movement and host tensors: ``Tensor``, mappers, ``to_device``, ``load_tensor``..."""
+        N = self.num_devices
+        try:
+            if path == "Tensor":  # ttnn.Tensor(ndarray, dtype, device, layout): a host tensor
+                dtype = _name(args[1])
+                out.data, out.dtype = [numerics.as_dtype(np.asarray(args[0]), dtype)], dtype
+            elif path == "full":
+                dtype = _name(kwargs.get("dtype"))
+                out.data = [numerics.as_dtype(np.full([int(s) for s in args[0]], args[1], np.float32), dtype)
+                            for _ in range(N)]
+                out.dtype = dtype
+            elif path == "distribute_tensor":
+                t, mapper = args[0], args[1]
+                self._inputs_known([t], {})
+                out.dtype = t.dtype
+                if mapper.cls == "CppTensorToMesh":
+                    out.data = [np.array(t.data[0]) for _ in range(N)]
+                elif mapper.cls == "ShardTensor2dMesh":
+                    shape = mapper.kwargs.get("mesh_shape", mapper.args[1] if len(mapper.args) > 1 else None)
+                    dims = mapper.kwargs.get("dims", mapper.args[2] if len(mapper.args) > 2 else None)
+                    out.data = numerics.shard_2d(tuple(shape), t.data[0], tuple(dims))
+                else:
+                    raise numerics.Unknown(f"mapper {mapper.cls} is not modeled by the double")
+            elif path == "to_device":
+                t = args[0]
+                self._inputs_known([t], {})
+                out.data = [np.array(a) for a in (t.data if len(t.data) > 1 else t.data * N)]
+                out.dtype = t.dtype
+            elif path == "copy_host_to_device_tensor":
+                src, dst = args[0], args[1]
+                try:
+                    self._inputs_known([src], {})
+                except numerics.Unknown as e:
+                    dst.data, dst.why = None, str(e)
+                    return
+                dst.data = [np.array(a) for a in (src.data if len(src.data) > 1 else src.data * N)]
+                dst.dtype = src.dtype
+            elif path == "from_host_shards":
+                shards = list(args[0])
+                self._inputs_known(shards, {})
+                out.data = [s.data[0] for s in shards]
+                out.dtype = shards[0].dtype
+            elif path == "load_tensor":
+                out.data, out.dtype = [_load_tensorbin(args[0])], None
+            elif path == "aggregate_tensor":
+                t, comp = args[0], args[1]
+                self._inputs_known([t], {})
+                if comp.cls != "ConcatMesh2dToTensor":
+                    raise numerics.Unknown(f"composer {comp.cls} is not modeled by the double")
+                shape = comp.kwargs.get("mesh_shape", comp.args[1] if len(comp.args) > 1 else None)
+                dims = comp.kwargs.get("dims", comp.args[2] if len(comp.args) > 2 else None)
+                out.data, out.dtype = [numerics.concat_2d(tuple(shape), t.data, tuple(dims))], t.dtype
+            elif out is not None:
+                out.why = f"ttnn.{path} makes no tensor value in the double"
+        except numerics.Unknown as e:
+            if out is not None:
+                out.data, out.why = None, str(e)
+        if out is not None and out.data is not None:
+            out.shape = tuple(out.data[0].shape)
 
     # -- for the introspection check -----------------------------------------------------------------
     def values_of(self, ev: Event) -> tuple[tuple, dict]:
@@ -222,9 +464,89 @@ class Recorder:
         return [e for e in self.events if self.is_op(e)]
 
 
+# ---- ops the double computes outside numerics.IMPLS_PER_DEVICE ---------------------------------------
+def _typecast(rec, args, kwargs, n):
+    dtype = _name(args[1]) if len(args) > 1 else _name(kwargs.get("dtype"))
+    return [[numerics.as_dtype(a, dtype) for a in args[0].data]], dtype
+
+
+def _cache_target(rec, cache: FakeTensor) -> list[np.ndarray]:
+    """The cache's arrays, written in place (a never-written buffer starts as NaN: garbage)."""
+    if cache.data is None:
+        if cache.shape is None:
+            raise numerics.Unknown("a KV cache of unknown shape")
+        cache.data = [np.full(cache.shape, np.nan, np.float32) for _ in range(rec.num_devices)]
+        cache.why = ""
+    return cache.data
+
+
+def _paged_update(rec, args, kwargs, n):
+    cache = _cache_target(rec, args[0])
+    for d in range(len(cache)):
+        numerics.paged_update_cache(cache[d], rec._per_device(args[1], d),
+                                    rec._per_device(kwargs.get("update_idxs_tensor"), d),
+                                    rec._per_device(kwargs.get("page_table"), d))
+    return [], None
+
+
+def _paged_fill(rec, args, kwargs, n):
+    cache = _cache_target(rec, args[0])
+    for d in range(len(cache)):
+        numerics.paged_fill_cache(cache[d], rec._per_device(args[1], d), rec._per_device(args[2], d))
+    return [], None
+
+
+def _sdpa(kernel, pos_kw):
+    def run(rec, args, kwargs, n):
+        q, k, v, pt = args[:4]
+        out = []
+        for d in range(n):
+            extra = {key: rec._per_device(kwargs[key], d) for key in ("sliding_window_size", "attention_sink")
+                     if kwargs.get(key) is not None}
+            out.append(kernel(rec._per_device(q, d), rec._per_device(k, d), rec._per_device(v, d),
+                              np.asarray(rec._per_device(pt, d)), rec._per_device(kwargs[pos_kw], d),
+                              scale=float(kwargs.get("scale", 1.0)), **extra))
+        return [out], q.dtype
+    return run
+
+
+_SPECIAL = {
+    "typecast": _typecast,
+    "experimental.paged_update_cache": _paged_update,
+    "experimental.paged_fill_cache": _paged_fill,
+    "transformer.paged_scaled_dot_product_attention_decode": _sdpa(numerics.paged_sdpa_decode, "cur_pos_tensor"),
+    "transformer.chunked_scaled_dot_product_attention": _sdpa(numerics.chunked_sdpa, "chunk_start_idx_tensor"),
+}
+
+
+def _load_tensorbin(path) -> np.ndarray:
+    """A ``.tensorbin`` host tensor's values (bf16 / f32 / ints, TILE or ROW_MAJOR, block floats)."""
+    from ... import tensorbin
+    from .cache import untilize
+
+    h, data = tensorbin.read_shard(path)
+    shape = tuple(h.shape)
+    if h.dtype in ("bfp8", "bfp4"):
+        from ...blockfloat import decode_array
+        return decode_array(data, shape, h.dtype)
+    if h.dtype == "bf16":
+        bits = untilize(data, shape) if h.layout == "TILE" else np.frombuffer(data, np.uint16).reshape(shape)
+        return (np.asarray(bits, np.uint32) << 16).view(np.float32).reshape(shape)
+    kind = {"f32": np.float32, "uint32": np.uint32, "int32": np.int32}.get(h.dtype)
+    if kind is None:
+        raise numerics.Unknown(f"{path}: dtype {h.dtype} is not modeled by the double")
+    if h.layout == "TILE":
+        return untilize(data, shape, kind).reshape(shape)
+    return np.frombuffer(data, kind).reshape(shape).copy()
+
+
+FAKE = "a fake tensor of recording.populate: shape only, no values"
+
+
 def populate(executor, plan, forwards) -> None:
     """Fill ``executor``'s env with fake weights (every key the forwards' calls and setup read),
-    the KV cache and the constants, each a FakeTensor whose signature carries its shape."""
+    the KV cache and the constants, each a FakeTensor whose signature carries its shape and no
+    value (everything computed from them is unknown)."""
     from .calls import W
     shapes = {t.name: t.device_shape for t in plan.tensors}
     made = {c.out for fw in forwards for _, c in fw.setup}
@@ -234,9 +556,10 @@ def populate(executor, plan, forwards) -> None:
                 if isinstance(v, W):
                     key = v.key(layer)
                     if key not in made:  # program caches key on shapes, not on which layer's buffer
-                        executor.env["weights"].setdefault(key, FakeTensor(f"w:{v.name}:{v.variant}:{shapes.get(v.name)}"))
+                        executor.env["weights"].setdefault(key, FakeTensor(f"w:{v.name}:{v.variant}:{shapes.get(v.name)}",
+                                                                           why=FAKE))
         for cst in fw.consts:
-            executor.env.setdefault(cst.name, FakeTensor(f"const:{cst.name}:{cst.shape}"))
+            executor.env.setdefault(cst.name, FakeTensor(f"const:{cst.name}:{cst.shape}", why=FAKE))
     for e in plan.kv["entries"]:
         for layer in range(e["layers"]):
-            executor.env["kv"].setdefault(layer, {})[e["name"]] = FakeTensor(f"kv:{e['name']}:{e['device_shape']}")
+            executor.env["kv"].setdefault(layer, {})[e["name"]] = FakeTensor(f"kv:{e['name']}:{e['device_shape']}", why=FAKE)
