@@ -51,12 +51,12 @@ def dtensor_mesh(shape):
         dist.destroy_process_group()
 
 
-def dt_placements(spec):
+def dt_placements(spec, partial=()):
     from torch.distributed.tensor import Partial, Replicate, Shard
 
     conv = {layout.Shard: lambda p: Shard(p.dim), layout.Replicate: lambda p: Replicate(),
             layout.Partial: lambda p: Partial()}
-    return [conv[type(p)](p) for p in layout.placements(spec)]
+    return [conv[type(p)](p) for p in layout.placements(spec, partial)]
 
 
 def local_shards(dt) -> dict[int, torch.Tensor]:

@@ -424,7 +424,8 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
 # ---- collectives as ttnn CCL calls (recording double) ---------------------------------------------
 def _expected_ccl(bundle, p, prog) -> list[tuple]:
     """From the program's steps (independently of the lowering): per collective step, one call per
-    mesh axis it spans, (op, cluster_axis, dim, topology). Topology as tt-metal's models pick it:
+    mesh axis it spans (a gather's innermost axis first: the numbers are checked on the double in
+    tests/test_ttnn_double.py), (op, cluster_axis, dim, topology). Topology as tt-metal's models pick it:
     Ring on the wrap-around systems (T3K's 8 chips, a Galaxy's 8- and 4-wide axes), Linear where an
     axis is 2 wide (N300) or the chips are not wired in a ring (P150x4)."""
     out = []
@@ -433,7 +434,7 @@ def _expected_ccl(bundle, p, prog) -> list[tuple]:
         steps = [st for st in kind["steps"] if "collective" in st]
         for _ in range(count):
             for st in steps:
-                for ax in st["axes"]:
+                for ax in (st["axes"][::-1] if st["collective"] == "all_gather" else st["axes"]):
                     n = p.mesh.axis_size(ax)
                     topo = "Topology.Ring" if p.mesh.name in ("T3K", "TG") and n > 2 else "Topology.Linear"
                     dim = None if st["collective"] == "all_reduce" else lowering.tt_dim(st["shape"], st["dim"])

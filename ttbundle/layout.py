@@ -27,8 +27,9 @@ Rules, all in :func:`split` / :func:`units`:
   padded to the same size). With even KV heads this is the even split.
 
 Collectives: an all_gather over several axes concatenates the group in group order; the ttnn
-lowering gets that order by gathering the innermost axis first (:func:`gather_sequence`); a
-padded or replicated dim is put back in global order by :func:`gather_index`.
+lowering gets that order by gathering the innermost axis first (:func:`gather_sequence`) and
+partitions outermost first (:func:`partition_sequence`); a padded or replicated dim is put back in
+global order by :func:`gather_index`.
 """
 
 from __future__ import annotations
@@ -147,6 +148,14 @@ def gather_sequence(axes) -> tuple[str, ...]:
     innermost axis first (gathering ``cols`` then ``rows`` concatenates row blocks, each in
     column order: position ``r * C + c``)."""
     return tuple(reversed(axes_of(axes)))
+
+
+def partition_sequence(axes) -> tuple[str, ...]:
+    """The per-axis partitions (each keeping a device's part along one mesh axis, as ttnn's
+    ``mesh_partition`` does), in order, that leave every device the part at its group position
+    of ``axes``: the outermost axis first (cutting by ``rows`` then ``cols`` leaves device
+    ``(r, c)`` part ``r * C + c``). The inverse of :func:`gather_sequence`."""
+    return axes_of(axes)
 
 
 # ---- one dim over its axes ------------------------------------------------------------------------
@@ -365,5 +374,5 @@ def gather_index(d: Dim, axes, mesh: Mesh, policy) -> list[int] | None:
 
 
 __all__ = ["AXES", "Partial", "Replicate", "Shard", "Split", "axes_of", "elements", "gather_index",
-           "gather_sequence", "group_index", "group_of", "group_size", "groups", "local_len",
+           "gather_sequence", "group_index", "partition_sequence", "group_of", "group_size", "groups", "local_len",
            "placements", "positions", "split", "tensor_units", "unit_runs", "units"]

@@ -30,7 +30,8 @@ import math
 import struct
 from typing import Callable
 
-from ...mesh import Mesh
+from ... import layout
+from ...mesh import AXES, Mesh
 from ...plan import axes_of
 from . import configs
 from .calls import KV, Attr, Call, Const, Forward, Layer, New, T, W
@@ -66,29 +67,16 @@ def tt_dim(shape, k: int) -> int:
     return {2: (2, 3), 3: (2, 1, 3)}[len(shape)][k]
 
 
-class _Lowerer:
-    def __init__(self, bundle, plan, program: dict, sampling: str, grid: tuple[int, int] | None = None):
-        self.bundle, self.plan, self.prog = bundle, plan, program
-        self.fam, self.a = bundle.family, bundle.arch
-        self.mesh: Mesh = plan.mesh
-        self.phase, self.rows = program["phase"], program["rows"]
-        self.decode = self.phase == "decode"
-        self.sampling = sampling
-        self.grid = grid or self.mesh.chip.compute_grid
-        self.tensors = {t.name: t for t in plan.tensors}
-        self.traits = self.fam.traits(self.a)
-        self.kv_dtype = plan.kv["dtype"]
+class _Emitter:
+    """Emits calls on ``mesh``: the collectives and partitions of any step, with the per-device
+    shapes each call leaves (``shapes``)."""
+
+    def __init__(self, mesh: Mesh):
+        self.mesh = mesh
         self.shapes: dict[str, tuple] = {}  # tensor name -> 4-D per-device shape (as lowered)
         self.calls: list[Call] = []
-        self.layer: int | None = None
         self.op = ""
-        self.setup: dict[str, Call] = {}
-        self.consts: dict[str, Const] = {}
-        self.gaps: list[str] = []
-        self.inputs: dict[str, tuple] = {}
-        self.chunk_start = 0  # MLA prefill: the static start this forward is lowered for
 
-    # -- emitting ------------------------------------------------------------------------------
     def call(self, fn: str, *args, out=None, shape=None, **kwargs) -> str | None:
         c = Call(fn, tuple(args), tuple(sorted(kwargs.items())), out, tuple(shape) if shape else None, self.op)
         self.calls.append(c)
@@ -96,6 +84,49 @@ class _Lowerer:
             self.shapes[out] = tuple(shape)
         return out
 
+    def cluster_axis(self, axes) -> int | None:
+        axes = tuple(axes)
+        return None if len(axes) != 1 else AXES.index(axes[0])
+
+    def topology(self, axes) -> Attr:
+        n = math.prod(self.mesh.axis_size(a) for a in axes)
+        return Attr("Topology.Ring" if self.mesh.topology in ("ring", "torus") and n > 2 else "Topology.Linear")
+
+    def partition(self, x: str, dim: int, axes, out: str) -> str:
+        """Each device keeps its slice of replicated ``x`` along ``dim`` split over ``axes``:
+        one ``mesh_partition`` per axis in ``layout.partition_sequence`` order, which leaves
+        device ``(r, c)`` the part at its group position (``layout.group_of``)."""
+        cur = x
+        split = [ax for ax in layout.partition_sequence(axes) if self.mesh.axis_size(ax) > 1]
+        for i, ax in enumerate(split):
+            shp = list(self.shapes[cur])
+            shp[dim] //= self.mesh.axis_size(ax)
+            nxt = out if i == len(split) - 1 else f"{out}.p{i}"
+            cur = self.call("mesh_partition", T(cur), dim, AXES.index(ax), out=nxt, shape=shp,
+                            memory_config=DRAM)
+        return cur  # x itself when nothing is split on this mesh
+
+
+class _Lowerer(_Emitter):
+    def __init__(self, bundle, plan, program: dict, sampling: str, grid: tuple[int, int] | None = None):
+        super().__init__(plan.mesh)
+        self.bundle, self.plan, self.prog = bundle, plan, program
+        self.fam, self.a = bundle.family, bundle.arch
+        self.phase, self.rows = program["phase"], program["rows"]
+        self.decode = self.phase == "decode"
+        self.sampling = sampling
+        self.grid = grid or self.mesh.chip.compute_grid
+        self.tensors = {t.name: t for t in plan.tensors}
+        self.traits = self.fam.traits(self.a)
+        self.kv_dtype = plan.kv["dtype"]
+        self.layer: int | None = None
+        self.setup: dict[str, Call] = {}
+        self.consts: dict[str, Const] = {}
+        self.gaps: list[str] = []
+        self.inputs: dict[str, tuple] = {}
+        self.chunk_start = 0  # MLA prefill: the static start this forward is lowered for
+
+    # -- emitting ------------------------------------------------------------------------------
     def setup_call(self, key: str, fn: str, *args, shape=None, **kwargs) -> None:
         """A once-per-model call producing weight view ``key`` (run with this layer's weights);
         deduplicated."""
@@ -112,28 +143,6 @@ class _Lowerer:
 
     def lt(self) -> dict:
         return self.fam.layer_traits(self.a, self.layer) if self.layer is not None else {}
-
-    # -- tensors -------------------------------------------------------------------------------
-    def cluster_axis(self, axes) -> int | None:
-        axes = tuple(axes)
-        return None if len(axes) != 1 else ("rows", "cols").index(axes[0])
-
-    def topology(self, axes) -> Attr:
-        n = math.prod(self.mesh.axis_size(a) for a in axes)
-        return Attr("Topology.Ring" if self.mesh.topology in ("ring", "torus") and n > 2 else "Topology.Linear")
-
-    def partition(self, x: str, dim: int, axes, out: str) -> str:
-        """Each device keeps its slice of replicated ``x`` along ``dim`` (split over ``axes``,
-        rows-major like ttbundle's device order)."""
-        cur = x
-        split = [ax for ax in axes if self.mesh.axis_size(ax) > 1]
-        for i, ax in enumerate(split):
-            shp = list(self.shapes[cur])
-            shp[dim] //= self.mesh.axis_size(ax)
-            nxt = out if i == len(split) - 1 else f"{out}.p{i}"
-            cur = self.call("mesh_partition", T(cur), dim, ("rows", "cols").index(ax), out=nxt, shape=shp,
-                            memory_config=DRAM)
-        return cur  # x itself when nothing is split on this mesh
 
 
 # ---- op kinds ----------------------------------------------------------------------------------
@@ -650,34 +659,44 @@ def _logits(lw: _Lowerer, st: dict) -> None:
             shape=(1, 1, 1, s[2]), seed=0)
 
 
-def _collective(lw: _Lowerer, st: dict) -> None:
+def _collective(lw: _Emitter, st: dict) -> None:
+    """One collective step: an all_reduce or all_gather of ``st["act"]`` over ``st["axes"]``,
+    one ttnn call per mesh axis. A gather over several axes runs in ``layout.gather_sequence``
+    order (innermost axis first), so every device ends with its group in group order."""
     x = st["act"]
     shp = tt_shape(st["shape"])
     lw.shapes.setdefault(x, shp)
     axes = tuple(st["axes"])
-    common = dict(cluster_axis=lw.cluster_axis(axes), topology=lw.topology(axes), num_links=1, memory_config=DRAM)
     if st["collective"] == "all_reduce":
-        if len(axes) > 1:  # both axes: one axis after the other
-            cur = x
-            for i, ax in enumerate(axes):
-                cur = lw.call("all_reduce", T(cur), out=x, shape=shp, cluster_axis=("rows", "cols").index(ax),
-                              topology=lw.topology((ax,)), num_links=1, memory_config=DRAM)
-            return
-        lw.call("all_reduce", T(x), out=x, shape=shp, **common)
+        for ax in (axes if len(axes) > 1 else [None]):  # a sum: any axis order gives it
+            one = (ax,) if ax else axes
+            lw.call("all_reduce", T(x), out=x, shape=shp, cluster_axis=lw.cluster_axis(one),
+                    topology=lw.topology(one), num_links=1, memory_config=DRAM)
         return
     dim = tt_dim(st["shape"], st["dim"])
-    out = list(shp)
-    out[dim] *= st["devices"]
-    if len(axes) > 1:
-        cur = x
-        for ax in axes:
-            n = lw.mesh.axis_size(ax)
-            nxt = list(lw.shapes[cur])
-            nxt[dim] *= n
-            cur = lw.call("all_gather", T(cur), dim, out=x, shape=nxt, cluster_axis=("rows", "cols").index(ax),
-                          topology=lw.topology((ax,)), num_links=1, memory_config=DRAM)
-        return
-    lw.call("all_gather", T(x), dim, out=x, shape=out, **common)
+    for ax in (layout.gather_sequence(axes) if len(axes) > 1 else [None]):
+        one = (ax,) if ax else axes
+        nxt = list(lw.shapes[x])
+        nxt[dim] *= math.prod(lw.mesh.axis_size(a) for a in one)
+        lw.call("all_gather", T(x), dim, out=x, shape=nxt, cluster_axis=lw.cluster_axis(one),
+                topology=lw.topology(one), num_links=1, memory_config=DRAM)
+
+
+def collective_calls(mesh: Mesh, st: dict) -> list[Call]:
+    """The ttnn calls ``lower_forward`` emits for collective program step ``st`` on ``mesh``."""
+    em = _Emitter(mesh)
+    em.op = st["collective"]
+    _collective(em, st)
+    return em.calls
+
+
+def partition_calls(mesh: Mesh, x: str, shape, dim: int, axes, out: str) -> list[Call]:
+    """The ``mesh_partition`` calls that leave each device its part of replicated ``x`` (4-D
+    ``shape``) along ``dim`` split over ``axes`` (what the matmul and combine lowerings emit)."""
+    em = _Emitter(mesh)
+    em.shapes[x] = tuple(shape)
+    em.partition(x, dim, axes, out)
+    return em.calls
 
 
 OPS: dict[str, Callable[[_Lowerer, dict], None]] = {
@@ -793,5 +812,5 @@ def lower_forward(bundle, plan, program: dict, sampling: str = "device", grid: t
                    list(lw.setup.values()), list(lw.consts.values()), lw.gaps)
 
 
-__all__ = ["OPS", "SAMPLING", "chunk_starts", "device_shape", "inputs_of", "lower_forward", "mask_input",
+__all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "partition_calls", "device_shape", "inputs_of", "lower_forward", "mask_input",
            "static_start", "step_kind", "tt_dim", "tt_shape"]

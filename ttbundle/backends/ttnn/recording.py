@@ -323,6 +323,8 @@ class Recorder:
             return [self._per_device(x, d) for x in v]
         if isinstance(v, tuple):
             return tuple(self._per_device(x, d) for x in v)
+        if isinstance(v, dict):
+            return {k: self._per_device(x, d) for k, x in v.items()}
         return v
 
     def _devices(self, args, kwargs) -> int:

@@ -1,0 +1,422 @@
+"""The recording double computes (``backends/ttnn/recording.py`` + ``numerics.py``), checked
+against independent references:
+
+* PyTorch DTensor (``LocalTensorMode``: every rank of a ``DeviceMesh`` in one process) for
+  every collective and partition the ttnn lowering emits: on synthetic steps over random meshes
+  and placements (hypothesis), and on every collective step of real Llama / Qwen3 programs on
+  N300, T3K and TG. The per-device inputs are cut by ``layout.positions``.
+* torch for the ops (matmul, rms_norm, softmax, rope, topk...), as ttnn's docstrings define them.
+
+Mutations the checks must catch: the 2-axis gather in spec order (the bug ``layout.gather_sequence``
+fixed), partitions in the wrong order, a deleted all_reduce.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from test_layout import MESH_SHAPES, _mesh, dt_placements, dtensor_mesh, local_shards
+from ttbundle import layout, lower as lowermod, plan as planmod, spec as specmod
+from ttbundle.backends.ttnn import device, lowering, numerics, recording
+from ttbundle.backends.ttnn.calls import Call, Forward, Layer, T
+from ttbundle.families.base import Dim
+from ttbundle.mesh import AXES
+
+BUNDLES = Path(__file__).resolve().parent.parent / "bundles"
+POLICY = specmod.Sharding()
+
+
+# ---- running calls on the double -----------------------------------------------------------------
+def double(mesh_shape, **kw):
+    rec = recording.Recorder(**kw)
+    tt = rec.module()
+    ex = device.Executor(tt, tt.open_mesh_device(tt.MeshShape(*mesh_shape)))
+    ex.on_call = rec.on_call
+    return rec, tt, ex
+
+
+def run_calls(mesh, calls: list[Call], inputs: dict[str, list[np.ndarray]], out: str) -> list[np.ndarray]:
+    """``calls`` through the backend's executor on the double; ``out``'s per-device arrays."""
+    rec, _, ex = double(mesh.shape, max_elements=1 << 28)
+    for name, arrays in inputs.items():
+        ex.env[name] = rec.tensor(arrays)
+    res = ex.run(Forward("decode", 0, 0, {}, [Layer("step", None, list(calls))], [out]))
+    assert rec.op_errors == [] and rec.shape_mismatches == [], rec.op_errors + rec.shape_mismatches
+    return res[out].arrays()
+
+
+def to_tt(a: torch.Tensor) -> np.ndarray:
+    """A program activation ``[rows, f]`` / ``[rows, E, f]`` as its 4-D ttnn tensor (``tt_shape``)."""
+    a = a.numpy()
+    return a[None, None] if a.ndim == 2 else a.transpose(1, 0, 2)[None]
+
+
+def from_tt(a: np.ndarray, rank: int) -> np.ndarray:
+    return a[0, 0] if rank == 2 else a[0].transpose(1, 0, 2)
+
+
+def differences(what: str, got: list[np.ndarray], want: dict[int, torch.Tensor], ref: str) -> list[str]:
+    out = []
+    for d, g in enumerate(got):
+        w = want[d].numpy()
+        if g.shape != w.shape:
+            out.append(f"{what}: device {d} holds {g.shape}, {ref} {w.shape}")
+        elif not np.array_equal(g, w):
+            at = tuple(int(i) for i in np.argwhere(g != w)[0])
+            out.append(f"{what}: device {d} differs from {ref} at {at}: {g[at]} != {w[at]}")
+    return out
+
+
+def check_step(mesh, st: dict, calls: list[Call] | None = None, seed: int = 0, where: str = "") -> list[str]:
+    """Run collective step ``st``'s lowered calls (default: ``lowering.collective_calls``) on the
+    double and compare every device's result with DTensor's ``redistribute`` of the same global
+    activation. Returns the differences, each naming the activation, the step and the device."""
+    calls = lowering.collective_calls(mesh, st) if calls is None else calls
+    g = torch.Generator().manual_seed(seed)
+    shape, axes, rank = list(st["shape"]), tuple(st["axes"]), len(st["shape"])
+    D = mesh.num_devices
+    n = layout.group_size(mesh, axes)
+    what = f"{where}{st['collective']} of {st['act']} over {axes} (dim {st['dim']}) on {mesh.describe()}"
+    if st["collective"] == "all_gather":
+        k = st["dim"]
+        glob = list(shape)
+        glob[k] *= n
+        x = torch.randint(-8, 8, glob, generator=g).float()  # integers: every sum is exact
+        pos = layout.positions(Dim("act", glob[k]), axes, mesh, POLICY)
+        shards = [x.index_select(k, torch.tensor(pos[d])) for d in range(D)]
+        spec = [axes if i == k else () for i in range(rank)]
+        try:
+            placements = dt_placements(spec)
+        except ValueError:  # ("cols", "rows"): DTensor needs a strided shard; the result is x itself
+            placements = None
+        if placements is None:
+            want, ref = {d: x for d in range(D)}, "the global activation"
+        else:
+            from torch.distributed.tensor import Replicate, distribute_tensor
+            with dtensor_mesh(mesh.shape) as dm:
+                dt = distribute_tensor(x, dm, placements)
+                theirs = local_shards(dt)
+                want = local_shards(dt.redistribute(dm, [Replicate(), Replicate()]))
+            bad = differences(f"{what} (input shards)", [s.numpy() for s in shards], theirs, "DTensor's shard")
+            assert not bad, bad  # layout.positions is DTensor's split (tests/test_layout.py)
+            ref = "DTensor's redistribute"
+    else:  # a pending sum over axes; any other axis holds its own part of the last dim
+        from torch.distributed._local_tensor import LocalTensor
+        from torch.distributed.tensor import DTensor, Replicate
+        shards = [torch.randint(-8, 8, shape, generator=g).float() for _ in range(D)]
+        others = tuple(a for a in AXES if a not in axes and mesh.axis_size(a) > 1)
+        spec = [() for _ in range(rank - 1)] + [others]
+        with dtensor_mesh(mesh.shape) as dm:
+            dt = DTensor.from_local(LocalTensor(dict(enumerate(shards))), dm, dt_placements(spec, axes),
+                                    run_check=False)
+            want = local_shards(dt.redistribute(dm, dt_placements(spec)))
+        ref = "DTensor's redistribute"
+    got = run_calls(mesh, calls, {st["act"]: [to_tt(s) for s in shards]}, st["act"])
+    return differences(what, [from_tt(a, rank) for a in got], want, ref)
+
+
+# ---- the double's primitives ---------------------------------------------------------------------
+def test_collectives_follow_cluster_axis_lines():
+    """ttnn's docstrings: all_gather / all_reduce / mesh_partition along ``cluster_axis`` act on
+    the devices of one mesh column (0) or row (1); None spans the mesh. Here on a 2x4 mesh with
+    device d holding the value d."""
+    xs = [np.full((1, 1, 1, 1), float(d), np.float32) for d in range(8)]
+    gather = numerics.all_gather((2, 4), xs, 3, cluster_axis=0)
+    assert [g.ravel().tolist() for g in gather][:2] == [[0, 4], [1, 5]] and gather[6].ravel().tolist() == [2, 6]
+    gather = numerics.all_gather((2, 4), xs, 3, cluster_axis=1)
+    assert gather[5].ravel().tolist() == [4, 5, 6, 7]
+    assert numerics.all_gather((2, 4), xs, 3)[3].ravel().tolist() == list(range(8))
+    red = numerics.all_reduce((2, 4), xs, cluster_axis=0)
+    assert [float(r.ravel()[0]) for r in red] == [4, 6, 8, 10] * 2
+    rows = [np.arange(8, dtype=np.float32).reshape(1, 1, 1, 8)] * 8
+    part = numerics.mesh_partition((2, 4), rows, 3, cluster_axis=1)
+    assert [p.ravel().tolist() for p in part[4:]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    scat = numerics.reduce_scatter((2, 4), rows, 3, cluster_axis=1)
+    assert scat[1].ravel().tolist() == [8, 12]
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (4, 8), (1, 2)])
+@pytest.mark.parametrize("dims", [(0, 1), (1, 0), (None, 1), (0, None), (1, 1)])
+def test_shard_tensor_2d_mesh_is_dtensors_shard_and_concat_inverts_it(shape, dims):
+    """``ShardTensor2dMesh(dims=(row_dim, col_dim))`` through the double equals DTensor's
+    ``distribute_tensor`` with ``[Shard(row_dim), Shard(col_dim)]``; ``ConcatMesh2dToTensor``
+    (``aggregate_tensor``) gives the tensor back."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    R, C = shape
+    x = torch.randn(R * C * 2, R * C * 3)
+    rec, tt, ex = double(shape)
+    dev = ex.device
+    host = tt.Tensor(x.numpy(), tt.float32, None, tt.ROW_MAJOR_LAYOUT)
+    mapper = tt.ShardTensor2dMesh(dev, mesh_shape=shape, dims=dims)
+    t = tt.to_device(tt.distribute_tensor(host, mapper, dev), dev)
+    with dtensor_mesh(shape) as dm:
+        placements = [Replicate() if d is None else Shard(d) for d in dims]
+        want = local_shards(distribute_tensor(x, dm, placements))
+    assert not differences(f"ShardTensor2dMesh{dims}", t.arrays(), want, "DTensor's shard")
+    if None not in dims and dims[0] != dims[1]:
+        back = tt.aggregate_tensor(tt.from_device(t), tt.ConcatMesh2dToTensor(dev, mesh_shape=shape, dims=dims))
+        np.testing.assert_array_equal(back.to_numpy(), x.numpy())
+
+
+def test_host_tensors_replicate_load_and_read_back(tmp_path):
+    """``ttnn.Tensor`` rounds to its dtype; the replicate mapper copies to every device;
+    ``from_host_shards`` joins per-device files that ``load_tensor`` reads (a ``.tensorbin``
+    written by ttbundle.tensorbin, TILE bf16 and bfp8); ``get_device_tensors`` splits them."""
+    from ttbundle import blockfloat, tensorbin
+    from ttbundle.backends.ttnn import cache
+    rec, tt, ex = double((1, 2))
+    dev = ex.device
+    x = np.array([[1.0, 1.00390625 + 2 ** -9]], np.float32)
+    h = tt.Tensor(x, tt.bfloat16, None, tt.ROW_MAJOR_LAYOUT)
+    assert h.to_numpy().tolist() == torch.tensor(x).bfloat16().float().tolist()
+    rep = tt.distribute_tensor(h, tt.replicate_tensor_to_mesh_mapper(dev), None)
+    assert [a.tolist() for a in rep.arrays()] == [h.to_numpy().tolist()] * 2
+    w = [torch.randn(40, 70) for _ in range(2)]
+    for d in range(2):
+        bits = w[d].bfloat16().view(torch.int16).numpy().view(np.uint16)
+        tensorbin.write(tmp_path / f"w{d}.tensorbin", cache.tilize(bits), [40, 70], "bf16", "TILE")
+        tensorbin.write(tmp_path / f"q{d}.tensorbin", blockfloat.encode(w[d], "bfp8"), [40, 70], "bfp8", "TILE")
+    for kind, ref in (("w", lambda a: a.bfloat16().float()), ("q", lambda a: blockfloat.quantize(a, "bfp8"))):
+        shards = [tt.load_tensor(str(tmp_path / f"{kind}{d}.tensorbin")) for d in range(2)]
+        t = tt.to_device(tt.from_host_shards(shards, tt.MeshShape(1, 2)), dev)
+        for d, part in enumerate(tt.get_device_tensors(tt.from_device(t))):
+            np.testing.assert_array_equal(part.to_numpy(), ref(w[d]).numpy(), err_msg=f"{kind} device {d}")
+
+
+def _tt(rec, *arrays):
+    return [rec.tensor([np.asarray(a, np.float32)]) for a in arrays]
+
+
+def test_ops_follow_torch():
+    """Each op the lowering emits against its torch definition (one device)."""
+    from ttbundle.backends.emulated import kernels
+    rec, tt, _ = double((1, 1))
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(1, 2, 8, 64, generator=g), torch.randn(1, 2, 64, 16, generator=g)
+    w = torch.randn(64, generator=g)
+    tx, ty = _tt(rec, x, y)
+    f32 = tt.float32
+
+    def same(t, ref, tol=1e-5):
+        np.testing.assert_allclose(t.arrays()[0], ref.numpy(), rtol=tol, atol=tol)
+
+    same(tt.matmul(tx, ty, dtype=f32), x @ y)
+    same(tt.matmul(tx, tx, transpose_b=True, dtype=f32), x @ x.transpose(-1, -2), 1e-4)
+    same(tt.add(tx, 2.0, dtype=f32), x + 2)
+    same(tt.multiply(tx, tx, dtype=f32), x * x)
+    same(tt.silu(tx, dtype=f32), torch.nn.functional.silu(x))
+    same(tt.gelu(tx, fast_and_approximate_mode=True, dtype=f32), torch.nn.functional.gelu(x, approximate="tanh"))
+    same(tt.softmax(tx, -1, dtype=f32), torch.softmax(x, -1))
+    same(tt.sum(tx, 3, True, dtype=f32), x.sum(3, keepdim=True), 1e-4)
+    same(tt.permute(tx, [0, 2, 1, 3]), x.permute(0, 2, 1, 3))
+    same(tt.transpose(tx, 1, 2), x.transpose(1, 2))
+    same(tt.reshape(tx, [1, 1, 16, 64]), x.reshape(1, 1, 16, 64))
+    same(tt.slice(tx, [0, 0, 2, 0], [1, 2, 6, 32], [1, 1, 1, 1]), x[:, :, 2:6, :32])
+    same(tt.concat([tx, tx], 3), torch.cat([x, x], 3))
+    same(tt.repeat(tx, [1, 3, 1, 1]), x.repeat(1, 3, 1, 1))
+    same(tt.repeat_interleave(tx, 2, 1), x.repeat_interleave(2, 1))
+    same(tt.experimental.nlp_concat_heads(tx), x.transpose(1, 2).reshape(1, 1, 8, 128))
+    held = torch.cat([w, torch.zeros(32 * 2 - 64)]).reshape(1, 1, 2, 32)  # a vector as rows of 32
+    (tw,) = _tt(rec, held)
+    same(tt.rms_norm(tx, epsilon=1e-5, weight=tw), kernels.rms_norm(x, w, 1e-5), 1e-4)
+    pos = torch.arange(8)
+    cos, sin = kernels.rope_cos_sin(pos, 64, 10000.0, None, torch.float32)
+    tc, ts = _tt(rec, cos.reshape(1, 1, 8, 64), sin.reshape(1, 1, 8, 64))
+    same(tt.experimental.rotary_embedding_hf(tx, tc, ts, is_decode_mode=False),
+         kernels.apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2), 1e-5)  # its x is [D, T, heads, dim]
+    v, i = tt.topk(tx, 4, 3, True, True)
+    tv, ti = torch.topk(x, 4, 3)
+    same(v, tv)
+    assert i.arrays()[0].astype(np.int64).tolist() == ti.tolist()
+    ids = rec.tensor([np.array([[3, 0, 5]], np.uint32)], dtype="uint32")
+    (table,) = _tt(rec, torch.arange(60.0).reshape(6, 10))
+    same(tt.embedding(ids, table, dtype=f32), torch.arange(60.0).reshape(6, 10)[torch.tensor([[3, 0, 5]])])
+    b = tt.typecast(tx, tt.bfloat16)
+    assert b.dtype == "bfloat16" and np.array_equal(b.arrays()[0], x.bfloat16().float().numpy())
+
+
+def test_an_op_it_does_not_model_is_unknown_and_refuses_reads():
+    rec, tt, _ = double((1, 2))
+    (x,) = [rec.tensor([np.ones((1, 1, 2, 2), np.float32)] * 2)]
+    y = tt.experimental.some_fused_kernel(x)
+    z = tt.add(y, 1.0)
+    assert not z.known and "ttnn.experimental.some_fused_kernel is not computed by the double" in z.why
+    with pytest.raises(recording.UnknownValue, match="some_fused_kernel is not computed"):
+        tt.get_device_tensors(tt.from_device(z))[0].to_numpy()
+    lax = recording.Recorder(unknown_reads="zeros")
+    t = lax.module().experimental.some_fused_kernel(lax.tensor([np.ones((2, 2))]))
+    assert t.to_numpy().shape == (1,) and lax.zero_reads and "not computed" in lax.zero_reads[0][1]
+
+
+def test_a_trace_computes_at_replay_on_the_inputs_written_then():
+    """Ops inside a capture compute nothing then (as a device); each execute_trace replays them
+    on the input buffer's current contents."""
+    rec, tt, ex = double((1, 2))
+    dev = ex.device
+    buf = tt.allocate_tensor_on_device(tt.Shape([1, 1, 1, 4]), tt.float32, tt.ROW_MAJOR_LAYOUT, dev,
+                                       tt.DRAM_MEMORY_CONFIG)
+    assert not buf.known and "never written" in buf.why
+    tid = tt.begin_trace_capture(dev)
+    out = tt.multiply(buf, 3.0)
+    tt.end_trace_capture(dev, tid)
+    assert not out.known and "computed at its execute_trace" in out.why
+    for v in (1.0, 2.0):
+        host = tt.Tensor(np.full((1, 1, 1, 4), v, np.float32), tt.float32, None, tt.ROW_MAJOR_LAYOUT)
+        tt.copy_host_to_device_tensor(tt.distribute_tensor(host, tt.replicate_tensor_to_mesh_mapper(dev), None), buf)
+        tt.execute_trace(dev, tid, blocking=False)
+        assert [a.ravel().tolist() for a in out.arrays()] == [[3 * v] * 4] * 2
+
+
+def test_paged_cache_and_decode_attention_follow_the_emulated_kernel():
+    """paged_update_cache writes each row at its position through the page table;
+    paged SDPA decode attends positions 0..cur_pos (GQA) as a plain softmax(q k^T * scale) v."""
+    rng = np.random.default_rng(0)
+    blocks, kvh, bs, hd, H, B = 4, 2, 4, 8, 4, 2
+    cache_k = np.full((blocks, kvh, bs, hd), np.nan, np.float32)
+    cache_v = cache_k.copy()
+    pt = np.array([[2, 0], [1, 3]], np.int32)
+    ks, vs = rng.standard_normal((B, 6, kvh, hd)), rng.standard_normal((B, 6, kvh, hd))
+    for p in range(6):
+        cur = np.array([p, p if p < 3 else -1])
+        numerics.paged_update_cache(cache_k, ks[:, p][None], cur, pt)
+        numerics.paged_update_cache(cache_v, vs[:, p][None], cur, pt)
+    q = rng.standard_normal((1, B, H, hd)).astype(np.float32)
+    cur = np.array([5, 2])
+    out = numerics.paged_sdpa_decode(q, cache_k, cache_v, pt, cur, scale=0.3)
+    for b, p in enumerate(cur):
+        k = torch.tensor(ks[b, :p + 1]).float().repeat_interleave(H // kvh, 1)  # [L, H, d]
+        v = torch.tensor(vs[b, :p + 1]).float().repeat_interleave(H // kvh, 1)
+        s = torch.einsum("hd,lhd->hl", torch.tensor(q[0, b]), k) * 0.3
+        want = torch.einsum("hl,lhd->hd", torch.softmax(s, -1), v)
+        np.testing.assert_allclose(out[0, b], want.numpy(), rtol=1e-5, atol=1e-5, err_msg=f"row {b}")
+
+
+# ---- collectives and partitions against DTensor ------------------------------------------------------
+GATHER_AXES = [("rows",), ("cols",), ("rows", "cols"), ("cols", "rows")]
+
+
+@st.composite
+def collective_steps(draw):
+    shape = draw(st.sampled_from(MESH_SHAPES[:8]))  # 1x1 ... 8x4
+    m = _mesh(shape)
+    kind = draw(st.sampled_from(["all_gather", "all_reduce"]))
+    axes = draw(st.sampled_from(GATHER_AXES if kind == "all_gather" else [("rows",), ("cols",), ("rows", "cols")]))
+    rank = draw(st.sampled_from([2, 3]))
+    local = [draw(st.integers(1, 3)) * 2 for _ in range(rank)]
+    dim = draw(st.integers(0, rank - 1)) if kind == "all_gather" else None
+    step = {"collective": kind, "act": "x", "axes": list(axes), "dim": dim, "shape": local,
+            "devices": layout.group_size(m, axes)}
+    return m, step
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=collective_steps(), seed=st.integers(0, 2 ** 16))
+def test_every_lowered_collective_equals_dtensor_redistribute(case, seed):
+    m, step = case
+    assert check_step(m, step, seed=seed) == []
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=st.sampled_from(MESH_SHAPES[:8]), axes=st.sampled_from(GATHER_AXES), dim=st.integers(2, 3),
+       seed=st.integers(0, 2 ** 16))
+def test_every_lowered_partition_gives_each_device_its_shard(shape, axes, dim, seed):
+    """``mesh_partition`` calls of the lowering (matmul inputs, MoE routes) on a replicated
+    tensor leave each device the shard ``layout.positions`` says, which is DTensor's shard."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    m = _mesh(shape)
+    n = layout.group_size(m, axes)
+    x = torch.randn([1, 1, 4, 2 * n] if dim == 3 else [1, 1, 2 * n, 4], generator=torch.Generator().manual_seed(seed))
+    got = run_calls(m, lowering.partition_calls(m, "x", x.shape, dim, axes, "x.p"),
+                    {"x": [x.numpy()] * m.num_devices}, "x" if n == 1 else "x.p")
+    pos = layout.positions(Dim("act", x.shape[dim]), axes, m, POLICY)
+    want = {d: x.index_select(dim, torch.tensor(pos[d])) for d in range(m.num_devices)}
+    assert differences(f"partition over {axes} on {shape}", got, want, "layout.positions") == []
+    spec = [axes if i == dim else () for i in range(4)]
+    if axes != ("cols", "rows"):
+        with dtensor_mesh(shape) as dm:
+            theirs = local_shards(distribute_tensor(x, dm, [Replicate(), Replicate()]).redistribute(dm, dt_placements(spec)))
+        assert differences(f"partition over {axes} on {shape}", got, theirs, "DTensor's shard") == []
+
+
+def test_a_two_axis_gather_in_spec_order_gives_wrong_numbers(monkeypatch):
+    """Mutation: gathering over rows then cols (the spec order; what the lowering did before
+    ``layout.gather_sequence``) leaves device (r, c) the group in order c*R + r. The double's
+    numbers then differ from DTensor's, and the report names the activation and the device."""
+    m = _mesh((2, 4))
+    step = {"collective": "all_gather", "act": "h", "axes": ["rows", "cols"], "dim": 1, "shape": [4, 6], "devices": 8}
+    assert check_step(m, step) == []
+    monkeypatch.setattr(lowering.layout, "gather_sequence", lambda axes: layout.axes_of(axes))
+    bad = check_step(m, step)
+    assert bad and all("all_gather of h over ('rows', 'cols')" in b and "differs from DTensor's redistribute" in b
+                       for b in bad)
+    assert any(b.split(": device ")[1].startswith("0 ") for b in bad)  # every device, device 0 included
+    assert len(bad) == 8
+
+
+def test_partitions_in_the_wrong_order_give_wrong_shards(monkeypatch):
+    m = _mesh((2, 4))
+    x = torch.arange(1 * 1 * 2 * 16.0).reshape(1, 1, 2, 16)
+    monkeypatch.setattr(lowering.layout, "partition_sequence", lambda axes: tuple(reversed(layout.axes_of(axes))))
+    got = run_calls(m, lowering.partition_calls(m, "x", x.shape, 3, ("rows", "cols"), "x.p"), {"x": [x.numpy()] * 8}, "x.p")
+    pos = layout.positions(Dim("act", 16), ("rows", "cols"), m, POLICY)
+    bad = differences("partition of x", got, {d: x.index_select(3, torch.tensor(pos[d])) for d in range(8)},
+                      "layout.positions")
+    assert len(bad) == 6 and "device 1 differs" in bad[0]  # devices 0 and 7 hold the same part either way
+
+
+# ---- every collective step of real programs ---------------------------------------------------------
+def program_steps(bundle, p, key):
+    """(layer index, kind, step, the calls lower_forward emitted for it) for every collective
+    step of the forward ``key``; the calls are checked to be ``collective_calls`` of the step."""
+    prog = lowermod.lower(bundle, p, *key)
+    fw = lowering.lower_forward(bundle, p, prog)
+    kinds = {k["kind"]: [s for s in k["steps"] if "collective" in s] for k in prog["layers"]}
+    out = []
+    for layer in fw.layers:
+        calls = [c for c in layer.calls if c.op in ("all_reduce", "all_gather")]
+        i = 0
+        for step in kinds[layer.kind]:
+            want = lowering.collective_calls(p.mesh, step)
+            assert calls[i:i + len(want)] == want, (layer.kind, step)
+            out.append((layer.index, layer.kind, step, calls[i:i + len(want)]))
+            i += len(want)
+        assert i == len(calls)
+    return out
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b"])
+@pytest.mark.parametrize("mesh", ["N300", "T3K", "TG"])
+def test_every_program_collective_equals_dtensor_redistribute(name, mesh):
+    """The decode program's collective steps (every layer's; one check per distinct step) as
+    lowered, run on the double, equal DTensor's redistribute of the same global activation."""
+    bundle = specmod.load(BUNDLES / f"{name}.yaml")
+    p = planmod.make_plan(bundle, mesh)
+    key = min(k for k in lowermod.trace_set(bundle) if k[0] == "decode")
+    steps = program_steps(bundle, p, key)
+    assert steps, "no collective on a multi-chip mesh"
+    seen, bad = set(), []
+    for index, kind, step, calls in steps:
+        sig = (kind, step["collective"], step["act"], tuple(step["axes"]), step["dim"], tuple(step["shape"]))
+        if sig in seen:
+            continue
+        seen.add(sig)
+        bad += check_step(p.mesh, step, calls, where=f"{name} {key[0]}-{key[1]} layer {index} ({kind}): ")
+    assert bad == []
+    if mesh == "TG":
+        assert {s[1:4] for s in seen} >= {("all_reduce", "q", ("rows",)), ("all_gather", "logits", ("cols",))}
+
+
+def test_a_deleted_all_reduce_is_caught():
+    """Mutation: drop the lowered all_reduce of one step (TG's row-parallel q projection): the
+    report names the step, the activation and the devices whose numbers are wrong."""
+    bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
+    p = planmod.make_plan(bundle, "TG")
+    index, kind, step, calls = next(s for s in program_steps(bundle, p, ("decode", 1)) if s[2]["collective"] == "all_reduce")
+    assert check_step(p.mesh, step, calls) == []
+    bad = check_step(p.mesh, step, [], where=f"layer {index} ({kind}): ")
+    assert len(bad) == 32 and bad[0].startswith(f"layer {index} ({kind}): all_reduce of {step['act']}")
