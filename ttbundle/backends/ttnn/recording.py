@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ...errors import TTBundleError
 from . import numerics
 from .calls import Attr, T
 from .introspect import Opaque
@@ -418,7 +419,10 @@ class Recorder:
                 out.data = [s.data[0] for s in shards]
                 out.dtype = shards[0].dtype
             elif path == "load_tensor":
-                out.data, out.dtype = [_load_tensorbin(args[0])], None
+                try:
+                    out.data, out.dtype = [_load_tensorbin(args[0])], None
+                except (OSError, ValueError, TTBundleError) as e:  # a file it cannot read: unknown
+                    raise numerics.Unknown(f"load_tensor({args[0]}): {type(e).__name__}: {e}") from None
             elif path == "aggregate_tensor":
                 t, comp = args[0], args[1]
                 self._inputs_known([t], {})
