@@ -329,7 +329,7 @@ class Recorder:
         return v
 
     def _devices(self, args, kwargs) -> int:
-        n = {len(t.data) for t in _walk(list(args) + list(kwargs.values()))}
+        n = {len(t.data) for t in _walk(list(args) + list(kwargs.values())) if t.data is not None}
         return max(n) if n else self.num_devices
 
     def _evaluate(self, path: str, args, kwargs, expect, outs: list) -> None:
