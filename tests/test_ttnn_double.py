@@ -420,3 +420,94 @@ def test_a_deleted_all_reduce_is_caught():
     assert check_step(p.mesh, step, calls) == []
     bad = check_step(p.mesh, step, [], where=f"layer {index} ({kind}): ")
     assert len(bad) == 32 and bad[0].startswith(f"layer {index} ({kind}): all_reduce of {step['act']}")
+
+
+# ---- a whole lowered forward, numerically ------------------------------------------------------------
+from test_build import ckpt, spec_text  # noqa: E402,F401  (ckpt: the shared tiny checkpoint fixture)
+
+
+@pytest.fixture(scope="module")
+def t3k_package(ckpt, tmp_path_factory):  # noqa: F811
+    from ttbundle import build as buildmod
+    d = tmp_path_factory.mktemp("t3k")
+    (d / "spec.yaml").write_text(spec_text(ckpt))
+    res = buildmod.build(specmod.load(d / "spec.yaml"), "T3K", d / "out", backend="ttnn", warmup=False)
+    return Path(res.package)
+
+
+def forward_differences(pkg: Path, prompt: list[int], steps: int, rel: float = 0.03) -> list[str]:
+    """A prompt's prefill, then ``steps`` greedy decodes, through the ttnn lowering of the
+    package's own programs on the double (weights from its tensorbin caches, every forward warmed,
+    captured and replayed) and through the emulated backend on the same weights. One line per
+    forward whose logits differ by more than ``rel`` of the largest logit (bf16 level), whose
+    greedy token differs, or whose on-device sampled token is not the greedy one."""
+    from ttbundle import package
+    from ttbundle.backends.emulated.model import EmulatedModel, Runner
+    rec = recording.Recorder()
+    r = device.open_model(rec.module(), pkg, "all", host_fallback=True)
+    r.warmup()
+    r.capture()
+    pk = package.load_package(pkg)
+    canon = package.PackageWeights(pkg, pk.bundle, pk.plan).canonical(torch.float32)
+    emu = Runner(EmulatedModel(pk.bundle, pk.plan, canon, dtype=torch.float32))
+    blocks = list(range(emu.max_blocks))
+    bs, V = pk.bundle.spec.runtime.kv_block_size, pk.bundle.arch.vocab_size
+    bad = []
+
+    def compare(what, key, inputs, want, row):
+        got = r.read(r.run(key, inputs(r.forwards[key]))["logits.out"]).reshape(-1, V)[row]
+        diff, top = float(np.abs(got - want).max()), float(np.abs(want).max())
+        if diff > rel * top or int(np.argmax(got)) != int(np.argmax(want)):
+            bad.append(f"{what} {key[:2]}: logits differ from the emulated backend by {diff:.3g} "
+                       f"(largest logit {top:.3g}); greedy token {int(np.argmax(got))} vs {int(np.argmax(want))}")
+        sampled = (*key[:2], "device", 0)
+        if key[0] == "decode" and sampled in r.forwards:
+            tok = int(np.asarray(r.read(r.run(sampled, inputs(r.forwards[sampled]))["next_tokens"])).reshape(-1)[0])
+            if tok != int(np.argmax(want)):
+                bad.append(f"{what} {sampled[:3]}: sampled token {tok}, greedy {int(np.argmax(want))}")
+
+    pre = min(k for k in r.forwards if k[0] == "prefill" and k[2] == "host" and k[1] >= len(prompt))
+    fw = r.forwards[pre]
+    with torch.no_grad():
+        want = emu.prefill(prompt, blocks).numpy()
+        compare("prefill", pre, lambda f: device.prefill_inputs(f, prompt, bs), want,
+                (len(prompt) - 1) % fw.inputs["last_rows"][0][2])
+        dec = min(k for k in r.forwards if k[0] == "decode" and k[2] == "host")
+        pos, tok = len(prompt), int(np.argmax(want))
+        for i in range(steps):  # teacher-forced by the emulated tokens: errors do not compound
+            want = emu.decode([tok], [pos], [blocks])[0].numpy()
+            compare(f"decode {i} (position {pos})", dec, lambda f: device.decode_inputs(f, tok, pos), want, 0)
+            pos, tok = pos + 1, int(np.argmax(want))
+    bad += rec.op_errors + rec.shape_mismatches + rec.violations
+    return bad
+
+
+def test_a_lowered_forward_on_t3k_equals_the_emulated_backend(t3k_package):
+    """A tiny Llama's package on T3K: the ttnn lowering's prefill and decodes, computed on the
+    double (collectives, partitions, paged KV cache, SDPA, sampling), give the emulated backend's
+    logits to bf16 level and its greedy tokens."""
+    assert forward_differences(t3k_package, [5, 17, 99, 3, 250, 42, 7], 3) == []
+
+
+def test_a_deleted_all_reduce_step_breaks_the_forward(t3k_package, monkeypatch):
+    """Mutation: the decode program without its first decoder all_reduce (the attention output's
+    row-parallel sum over the 8 chips): every decode's numbers are wrong, and the report says
+    which forward."""
+    from ttbundle import package
+    program, dropped = package.LoadedPackage.program, []
+
+    def without_all_reduce(self, phase, bucket):
+        prog = program(self, phase, bucket)
+        if phase == "decode":
+            for kind in prog["layers"]:
+                steps = kind["steps"]
+                i = next((i for i, s in enumerate(steps) if s.get("collective") == "all_reduce"), None)
+                if i is not None:
+                    dropped.append(steps.pop(i)["act"])
+                    break
+        return prog
+    monkeypatch.setattr(package.LoadedPackage, "program", without_all_reduce)
+    bad = forward_differences(t3k_package, [5, 17, 99, 3, 250, 42, 7], 2)
+    assert dropped and set(dropped) == {"attn_out"}
+    assert [b.split(":")[0] for b in bad if "logits differ" in b] == \
+        ["decode 0 (position 7) ('decode', 1)", "decode 1 (position 8) ('decode', 1)"]
