@@ -6,7 +6,8 @@ bookkeeping: every forward compiles in warm-up before the first capture, nothing
 a capture or while serving, each step replays the trace of the bucket the scheduler's rows pad
 to (the buckets recomputed here), where sampling happens follows ``sample_on_device_mode`` (the
 captured program ends in ``sampling`` or not), and every request gets its tokens. Numerics are
-not checked (the double computes nothing: every token is 0)."""
+not checked here (tests/test_ttnn_double.py compares the double's forwards with the emulated
+backend)."""
 
 from __future__ import annotations
 
