@@ -10,8 +10,9 @@ the per-device result, following the ttnn 0.81.1 docstrings (``help(ttnn.all_gat
   ``all_reduce`` sums over the same line; ``reduce_scatter`` sums, then keeps the device's own
   part; ``mesh_partition`` keeps the part of ``dim`` at the device's index on the line;
 * mappers and composers: ``ShardTensor2dMesh(dims=(row_dim, col_dim))`` cuts ``row_dim`` over
-  the mesh rows and ``col_dim`` over the columns (a dim named twice: rows outermost, as ttnn's
-  ``MeshMapperConfig`` of two ``PlacementShard`` does); ``ConcatMesh2dToTensor`` is its inverse;
+  the mesh rows and ``col_dim`` over the columns (a dim named twice is cut rows outermost, as
+  DTensor does; not checked against ttnn, and ``mappers.mapper_dims`` never asks for it);
+  ``ConcatMesh2dToTensor`` is its inverse;
 * ops: elementwise math, reductions, shapes, matmul, rms_norm, embedding, rotary embeddings,
   topk / gather / scatter, greedy sampling, the paged KV cache writes and paged SDPA.
 
