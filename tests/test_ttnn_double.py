@@ -373,7 +373,7 @@ def test_partitions_in_the_wrong_order_give_wrong_shards(monkeypatch):
 def program_steps(bundle, p, key):
     """(layer index, kind, step, the calls lower_forward emitted for it) for every collective
     step of the forward ``key``; the calls are checked to be ``collective_calls`` of the step."""
-    prog = lowermod.lower(bundle, p, *key)
+    prog = lowermod.lower(bundle, p, *key).to_json()
     fw = lowering.lower_forward(bundle, p, prog)
     kinds = {k["kind"]: [s for s in k["steps"] if "collective" in s] for k in prog["layers"]}
     out = []
@@ -448,8 +448,7 @@ def forward_differences(pkg: Path, prompt: list[int], steps: int, rel: float = 0
     r.warmup()
     r.capture()
     pk = package.load_package(pkg)
-    canon = package.PackageWeights(pkg, pk.bundle, pk.plan).canonical(torch.float32)
-    emu = Runner(EmulatedModel(pk.bundle, pk.plan, canon, dtype=torch.float32))
+    emu = Runner(EmulatedModel.from_package(pk, dtype=torch.float32))  # its programs as typed IR
     blocks = list(range(emu.max_blocks))
     bs, V = pk.bundle.spec.runtime.kv_block_size, pk.bundle.arch.vocab_size
     bad = []
@@ -490,9 +489,10 @@ def test_a_lowered_forward_on_t3k_equals_the_emulated_backend(t3k_package):
 
 
 def test_a_deleted_all_reduce_step_breaks_the_forward(t3k_package, monkeypatch):
-    """Mutation: the decode program without its first decoder all_reduce (the attention output's
-    row-parallel sum over the 8 chips): every decode's numbers are wrong, and the report says
-    which forward."""
+    """Mutation: the decode program the ttnn lowering reads (``LoadedPackage.program``, the JSON
+    form) without its first decoder all_reduce (the attention output's row-parallel sum over the 8
+    chips); the emulated reference runs the package's intact program. Every decode's numbers are
+    wrong, and the report says which forward."""
     from ttbundle import package
     program, dropped = package.LoadedPackage.program, []
 
