@@ -389,19 +389,28 @@ def program_steps(bundle, p, key):
     return out
 
 
-@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b"])
+def _bundle(name: str):
+    if name == "tiny-llama":  # the tests' tiny model: vocab 500 padded to 512, KV heads replicated
+        from test_build import spec_text as tiny
+        return specmod.loads(tiny(), "tiny.yaml")
+    return specmod.load(BUNDLES / f"{name}.yaml")
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "qwen3-8b", "tiny-llama"])
 @pytest.mark.parametrize("mesh", ["N300", "T3K", "TG"])
 def test_every_program_collective_equals_dtensor_redistribute(name, mesh):
-    """The decode program's collective steps (every layer's; one check per distinct step) as
-    lowered, run on the double, equal DTensor's redistribute of the same global activation."""
-    bundle = specmod.load(BUNDLES / f"{name}.yaml")
+    """The decode program's collective steps (and the smallest prefill's for the tiny model;
+    every layer's, one check per distinct step) as lowered, run on the double, equal DTensor's
+    redistribute of the same global activation."""
+    bundle = _bundle(name)
     p = planmod.make_plan(bundle, mesh)
-    key = min(k for k in lowermod.trace_set(bundle) if k[0] == "decode")
-    steps = program_steps(bundle, p, key)
+    ts = lowermod.trace_set(bundle)
+    keys = [min(k for k in ts if k[0] == phase) for phase in ("decode", "prefill")[:2 if name == "tiny-llama" else 1]]
+    steps = [(key, *s) for key in keys for s in program_steps(bundle, p, key)]
     assert steps, "no collective on a multi-chip mesh"
     seen, bad = set(), []
-    for index, kind, step, calls in steps:
-        sig = (kind, step["collective"], step["act"], tuple(step["axes"]), step["dim"], tuple(step["shape"]))
+    for key, index, kind, step, calls in steps:
+        sig = (kind, step["collective"], step["act"], tuple(step["axes"]), step["dim"], tuple(step["shape"]), key[0])
         if sig in seen:
             continue
         seen.add(sig)
@@ -426,13 +435,17 @@ def test_a_deleted_all_reduce_is_caught():
 from test_build import ckpt, spec_text  # noqa: E402,F401  (ckpt: the shared tiny checkpoint fixture)
 
 
+def ttnn_package(ckpt, tmp_path_factory, mesh: str) -> Path:  # noqa: F811
+    from ttbundle import build as buildmod
+    d = tmp_path_factory.mktemp(mesh)
+    (d / "spec.yaml").write_text(spec_text(ckpt))
+    res = buildmod.build(specmod.load(d / "spec.yaml"), mesh, d / "out", backend="ttnn", warmup=False)
+    return Path(res.package)
+
+
 @pytest.fixture(scope="module")
 def t3k_package(ckpt, tmp_path_factory):  # noqa: F811
-    from ttbundle import build as buildmod
-    d = tmp_path_factory.mktemp("t3k")
-    (d / "spec.yaml").write_text(spec_text(ckpt))
-    res = buildmod.build(specmod.load(d / "spec.yaml"), "T3K", d / "out", backend="ttnn", warmup=False)
-    return Path(res.package)
+    return ttnn_package(ckpt, tmp_path_factory, "T3K")
 
 
 def forward_differences(pkg: Path, prompt: list[int], steps: int, rel: float = 0.03) -> list[str]:
@@ -486,6 +499,12 @@ def test_a_lowered_forward_on_t3k_equals_the_emulated_backend(t3k_package):
     double (collectives, partitions, paged KV cache, SDPA, sampling), give the emulated backend's
     logits to bf16 level and its greedy tokens."""
     assert forward_differences(t3k_package, [5, 17, 99, 3, 250, 42, 7], 3) == []
+
+
+def test_a_lowered_forward_on_tg_equals_the_emulated_backend(ckpt, tmp_path_factory):  # noqa: F811
+    """The same on TG (4x8): row-parallel sums over the rows, gathers over both axes' lines."""
+    pkg = ttnn_package(ckpt, tmp_path_factory, "TG")
+    assert forward_differences(pkg, [5, 17, 99, 3, 250, 42, 7, 11, 300], 2) == []
 
 
 def test_a_deleted_all_reduce_step_breaks_the_forward(t3k_package, monkeypatch):
