@@ -84,10 +84,6 @@ class _Emitter:
             self.shapes[out] = tuple(shape)
         return out
 
-    def cluster_axis(self, axes) -> int | None:
-        axes = tuple(axes)
-        return None if len(axes) != 1 else AXES.index(axes[0])
-
     def topology(self, axes) -> Attr:
         n = math.prod(self.mesh.axis_size(a) for a in axes)
         return Attr("Topology.Ring" if self.mesh.topology in ("ring", "torus") and n > 2 else "Topology.Linear")
@@ -668,18 +664,16 @@ def _collective(lw: _Emitter, st: dict) -> None:
     lw.shapes.setdefault(x, shp)
     axes = tuple(st["axes"])
     if st["collective"] == "all_reduce":
-        for ax in (axes if len(axes) > 1 else [None]):  # a sum: any axis order gives it
-            one = (ax,) if ax else axes
-            lw.call("all_reduce", T(x), out=x, shape=shp, cluster_axis=lw.cluster_axis(one),
-                    topology=lw.topology(one), num_links=1, memory_config=DRAM)
+        for ax in axes:  # a sum: any axis order gives it
+            lw.call("all_reduce", T(x), out=x, shape=shp, cluster_axis=AXES.index(ax),
+                    topology=lw.topology((ax,)), num_links=1, memory_config=DRAM)
         return
     dim = tt_dim(st["shape"], st["dim"])
-    for ax in (layout.gather_sequence(axes) if len(axes) > 1 else [None]):
-        one = (ax,) if ax else axes
+    for ax in layout.gather_sequence(axes):
         nxt = list(lw.shapes[x])
-        nxt[dim] *= math.prod(lw.mesh.axis_size(a) for a in one)
-        lw.call("all_gather", T(x), dim, out=x, shape=nxt, cluster_axis=lw.cluster_axis(one),
-                topology=lw.topology(one), num_links=1, memory_config=DRAM)
+        nxt[dim] *= lw.mesh.axis_size(ax)
+        lw.call("all_gather", T(x), dim, out=x, shape=nxt, cluster_axis=AXES.index(ax),
+                topology=lw.topology((ax,)), num_links=1, memory_config=DRAM)
 
 
 def collective_calls(mesh: Mesh, st: dict) -> list[Call]:
