@@ -530,3 +530,18 @@ def test_a_deleted_all_reduce_step_breaks_the_forward(t3k_package, monkeypatch):
     assert dropped and set(dropped) == {"attn_out"}
     assert [b.split(":")[0] for b in bad if "logits differ" in b] == \
         ["decode 0 (position 7) ('decode', 1)", "decode 1 (position 8) ('decode', 1)"]
+
+
+def test_a_cache_write_of_an_unknown_value_leaves_the_cache_unknown():
+    """A never-written cache starts as garbage (NaN) when first written; once a write of an
+    unknown value made it unknown, later writes do not make it known again."""
+    rec, tt, ex = double((1, 1))
+    cache = tt.allocate_tensor_on_device(tt.Shape([2, 1, 4, 8]), tt.bfloat16, tt.TILE_LAYOUT, ex.device,
+                                         tt.DRAM_MEMORY_CONFIG)
+    pt, pos = rec.tensor([np.array([[0, 1]], np.int32)]), rec.tensor([np.array([0], np.int32)])
+    row = rec.tensor([np.ones((1, 1, 1, 8), np.float32)])
+    tt.experimental.paged_update_cache(cache, row, update_idxs_tensor=pos, page_table=pt)
+    assert cache.known and np.isnan(cache.arrays()[0][0, 0, 1]).all() and (cache.arrays()[0][0, 0, 0] == 1).all()
+    tt.experimental.paged_update_cache(cache, tt.experimental.unmodeled(row), update_idxs_tensor=pos, page_table=pt)
+    tt.experimental.paged_update_cache(cache, row, update_idxs_tensor=pos, page_table=pt)
+    assert not cache.known and "unmodeled is not computed" in cache.why

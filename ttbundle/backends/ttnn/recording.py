@@ -168,6 +168,7 @@ class Name:
         return f"ttnn.{self.path}"
 
 
+ALLOCATED = "allocated, never written"
 # ops that write into their first argument (a KV cache) instead of returning a tensor
 IN_PLACE = {"experimental.paged_update_cache", "experimental.paged_fill_cache"}
 MULTI_OUT = {"topk": 2}
@@ -259,7 +260,7 @@ class Recorder:
                 self.violations.append("allocate_tensor_on_device after a trace capture began")
             shape = tuple(args[0].args[0]) if isinstance(args[0], FakeObject) and args[0].args else None
             return FakeTensor(f"alloc{_sig(args[0])}:{_sig(args[1])}:{_sig(args[2])}", shape=shape,
-                              why="allocated, never written", dtype=_name(args[1]), rec=self)
+                              why=ALLOCATED, dtype=_name(args[1]), rec=self)
         if path == "Shape":
             return FakeObject("Shape", args, kwargs)
         if path == "replicate_tensor_to_mesh_mapper":
@@ -479,8 +480,8 @@ def _typecast(rec, args, kwargs, n):
 def _cache_target(rec, cache: FakeTensor) -> list[np.ndarray]:
     """The cache's arrays, written in place (a never-written buffer starts as NaN: garbage)."""
     if cache.data is None:
-        if cache.shape is None:
-            raise numerics.Unknown("a KV cache of unknown shape")
+        if cache.why != ALLOCATED or cache.shape is None:  # unknown for another reason: stays so
+            raise numerics.Unknown(cache.why)
         cache.data = [np.full(cache.shape, np.nan, np.float32) for _ in range(rec.num_devices)]
         cache.why = ""
     return cache.data
