@@ -31,6 +31,7 @@ import struct
 from typing import Callable
 
 from ... import layout
+from ...families.base import Dim
 from ...mesh import AXES, Mesh
 from ...plan import axes_of
 from . import configs
@@ -69,10 +70,10 @@ def tt_dim(shape, k: int) -> int:
 
 class _Emitter:
     """Emits calls on ``mesh``: the collectives and partitions of any step, with the per-device
-    shapes each call leaves (``shapes``)."""
+    shapes each call leaves (``shapes``). ``policy``: the sharding policy of padded dims."""
 
-    def __init__(self, mesh: Mesh):
-        self.mesh = mesh
+    def __init__(self, mesh: Mesh, policy=None):
+        self.mesh, self.policy = mesh, policy
         self.shapes: dict[str, tuple] = {}  # tensor name -> 4-D per-device shape (as lowered)
         self.calls: list[Call] = []
         self.op = ""
@@ -105,7 +106,7 @@ class _Emitter:
 
 class _Lowerer(_Emitter):
     def __init__(self, bundle, plan, program: dict, sampling: str, grid: tuple[int, int] | None = None):
-        super().__init__(plan.mesh)
+        super().__init__(plan.mesh, program_policy(program, bundle))
         self.bundle, self.plan, self.prog = bundle, plan, program
         self.fam, self.a = bundle.family, bundle.arch
         self.phase, self.rows = program["phase"], program["rows"]
@@ -655,10 +656,19 @@ def _logits(lw: _Lowerer, st: dict) -> None:
             shape=(1, 1, 1, s[2]), seed=0)
 
 
+def program_policy(program: dict, bundle=None):
+    """The sharding policy a program was lowered with (its ``policy``; else the bundle's)."""
+    if program.get("policy"):
+        return layout.Policy(**program["policy"])
+    return bundle.spec.sharding if bundle is not None else layout.Policy()
+
+
 def _collective(lw: _Emitter, st: dict) -> None:
     """One collective step: an all_reduce or all_gather of ``st["act"]`` over ``st["axes"]``,
     one ttnn call per mesh axis. A gather over several axes runs in ``layout.gather_sequence``
-    order (innermost axis first), so every device ends with its group in group order."""
+    order (innermost axis first), so every device ends with its group in group order; where the
+    gathered dim (``st["feature"]``) is padded, ``layout.gather_index`` says where its elements
+    are, and the padding (at the end) is sliced off."""
     x = st["act"]
     shp = tt_shape(st["shape"])
     lw.shapes.setdefault(x, shp)
@@ -674,11 +684,23 @@ def _collective(lw: _Emitter, st: dict) -> None:
         nxt[dim] *= lw.mesh.axis_size(ax)
         lw.call("all_gather", T(x), dim, out=x, shape=nxt, cluster_axis=AXES.index(ax),
                 topology=lw.topology((ax,)), num_links=1, memory_config=DRAM)
+    f = st.get("feature")
+    inv = f and layout.gather_index(Dim(f["name"], int(f["size"]), int(f["unit"]), int(f.get("groups", 0))),
+                                    axes, lw.mesh, lw.policy)
+    if inv:
+        if inv != list(range(len(inv))):  # padding inside the group, or replicas: no plan gathers one yet
+            raise NotImplementedError(f"all_gather of {x} over {axes}: {f['name']} comes back out of order "
+                                      f"(padding or replicas inside the group); the ttnn lowering only drops "
+                                      f"padding at the end")
+        end = list(lw.shapes[x])
+        end[dim] = len(inv)
+        lw.call("slice", T(x), [0, 0, 0, 0], end, [1, 1, 1, 1], out=x, shape=end)
 
 
-def collective_calls(mesh: Mesh, st: dict) -> list[Call]:
-    """The ttnn calls ``lower_forward`` emits for collective program step ``st`` on ``mesh``."""
-    em = _Emitter(mesh)
+def collective_calls(mesh: Mesh, st: dict, policy=None) -> list[Call]:
+    """The ttnn calls ``lower_forward`` emits for collective program step ``st`` on ``mesh``
+    (``policy``: the program's, :func:`program_policy`)."""
+    em = _Emitter(mesh, policy or layout.Policy())
     em.op = st["collective"]
     _collective(em, st)
     return em.calls
@@ -806,5 +828,5 @@ def lower_forward(bundle, plan, program: dict, sampling: str = "device", grid: t
                    list(lw.setup.values()), list(lw.consts.values()), lw.gaps)
 
 
-__all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "partition_calls", "device_shape", "inputs_of", "lower_forward", "mask_input",
+__all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "partition_calls", "program_policy", "device_shape", "inputs_of", "lower_forward", "mask_input",
            "static_start", "step_kind", "tt_dim", "tt_shape"]

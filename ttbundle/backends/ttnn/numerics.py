@@ -16,8 +16,9 @@ the per-device result, following the ttnn 0.81.1 docstrings (``help(ttnn.all_gat
 * ops: elementwise math, reductions, shapes, matmul, rms_norm, embedding, rotary embeddings,
   topk / gather / scatter, greedy sampling, the paged KV cache writes and paged SDPA.
 
-Anything else is not computed: :data:`IMPLS` has no entry, and the double marks the result
-unknown (:class:`Unknown`), which a later numeric read refuses.
+Anything else is not computed (no entry in :data:`IMPLS_PER_DEVICE`, :data:`COLLECTIVES` or the
+recorder's own few): the double marks the result unknown (:class:`Unknown`), which a later numeric
+read refuses.
 """
 
 from __future__ import annotations
@@ -294,11 +295,13 @@ def _sampling(values, ids, top_k, top_p, temperature, seed=0, **_):
     return tok.reshape(1, 1, 1, rows).astype(np.uint32)
 
 
+#: per-device ops (a float result is held in ``dtype=``, else in its first input's dtype)
 IMPLS_PER_DEVICE = {
     "add": _binary(np.add), "subtract": _binary(np.subtract), "multiply": _binary(np.multiply),
     "divide": _binary(np.divide),
     "silu": _unary(lambda x: x * _sigmoid(x)), "gelu": _unary(_gelu), "sigmoid": _unary(_sigmoid),
-    "tanh": _unary(np.tanh), "exp": _unary(np.exp), "neg": _unary(np.negative), "relu": _unary(lambda x: np.maximum(x, 0)),
+    "tanh": _unary(np.tanh), "exp": _unary(np.exp), "neg": _unary(np.negative),
+    "relu": _unary(lambda x: np.maximum(x, 0)),
     "softcap": _softcap, "clamp": _clamp, "where": _where, "softmax": _softmax, "sum": _sum,
     "reshape": _reshape, "permute": _permute, "transpose": _transpose, "slice": _slice, "concat": _concat,
     "repeat": _repeat, "repeat_interleave": _repeat_interleave,
@@ -308,7 +311,7 @@ IMPLS_PER_DEVICE = {
     "experimental.nlp_concat_heads": _nlp_concat_heads,
     "topk": _topk, "gather": _gather, "scatter": _scatter, "sampling": _sampling,
 }
-#: ops whose float output is held as given by ``dtype=`` (else as their first input)
+#: the collectives: they take every device's array at once (``mesh shape, arrays, *args``)
 COLLECTIVES = {"all_gather": all_gather, "all_reduce": all_reduce, "reduce_scatter": reduce_scatter,
                "mesh_partition": mesh_partition}
 

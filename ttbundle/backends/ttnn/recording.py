@@ -98,7 +98,8 @@ class FakeTensor:
             self.shape = tuple(data[0].shape)
 
     def _part(self, i: int, data=None) -> "FakeTensor":
-        return FakeTensor(f"{self.sig}[{i}]", shape=self.shape, data=data, why=self.why, dtype=self.dtype, rec=self._rec)
+        return FakeTensor(f"{self.sig}[{i}]", shape=self.shape, data=data, why=self.why, dtype=self.dtype,
+                          rec=self._rec)
 
     def __iter__(self):  # ops returning several tensors (topk) are unpacked
         return iter([self._part(i) for i in range(self._n)])
@@ -268,10 +269,12 @@ class Recorder:
         if path in ("from_device", "get_device_tensors") and isinstance(args[0], FakeTensor):
             t = args[0]
             if path == "from_device":
-                return FakeTensor(f"{path}({_sig(args)})", shape=t.shape, data=t.data, why=t.why, dtype=t.dtype, rec=self)
+                return FakeTensor(f"{path}({_sig(args)})", shape=t.shape, data=t.data, why=t.why, dtype=t.dtype,
+                                  rec=self)
             n = len(t.data) if t.data is not None else self.num_devices
-            return [FakeTensor(f"{path}({_sig(args)})[{d}]", shape=t.shape, data=None if t.data is None else [t.data[d]],
-                               why=t.why, dtype=t.dtype, rec=self) for d in range(n)]
+            return [FakeTensor(f"{path}({_sig(args)})[{d}]", shape=t.shape,
+                               data=None if t.data is None else [t.data[d]], why=t.why, dtype=t.dtype, rec=self)
+                    for d in range(n)]
         if path in NOT_OPS:
             if path in ("synchronize_device", "deallocate"):
                 return None
@@ -374,7 +377,8 @@ class Recorder:
             o.data, o.dtype = arrays, (dtype if np.issubdtype(arrays[0].dtype, np.floating) else str(arrays[0].dtype))
             got = tuple(arrays[0].shape)
             if expect is not None and got != tuple(expect):
-                self.shape_mismatches.append(f"ttnn.{path} -> {o.sig[:40]}: computed {got}, the lowering says {tuple(expect)}")
+                self.shape_mismatches.append(f"ttnn.{path} -> {o.sig[:40]}: computed {got}, "
+                                             f"the lowering says {tuple(expect)}")
 
     def _move(self, path: str, args, kwargs, out: FakeTensor | None) -> None:
         """Data movement and host tensors: ``Tensor``, mappers, ``to_device``, ``load_tensor``..."""
@@ -569,4 +573,5 @@ def populate(executor, plan, forwards) -> None:
             executor.env.setdefault(cst.name, FakeTensor(f"const:{cst.name}:{cst.shape}", why=FAKE))
     for e in plan.kv["entries"]:
         for layer in range(e["layers"]):
-            executor.env["kv"].setdefault(layer, {})[e["name"]] = FakeTensor(f"kv:{e['name']}:{e['device_shape']}", why=FAKE)
+            executor.env["kv"].setdefault(layer, {})[e["name"]] = FakeTensor(f"kv:{e['name']}:{e['device_shape']}",
+                                                                             why=FAKE)
