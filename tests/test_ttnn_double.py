@@ -471,7 +471,8 @@ def forward_differences(pkg: Path, prompt: list[int], steps: int, rel: float = 0
     package's own programs on the double (weights from its tensorbin caches, every forward warmed,
     captured and replayed) and through the emulated backend on the same weights. One line per
     forward whose logits differ by more than ``rel`` of the largest logit (bf16 level), whose
-    greedy token differs, or whose on-device sampled token is not the greedy one."""
+    greedy token differs (unless the reference ranks it within that difference of its best: a
+    near tie bf16 may flip), or whose on-device sampled token is not the greedy one."""
     from ttbundle import package
     from ttbundle.backends.emulated.model import EmulatedModel, Runner
     rec = recording.Recorder()
@@ -484,16 +485,21 @@ def forward_differences(pkg: Path, prompt: list[int], steps: int, rel: float = 0
     bs, V = pk.bundle.spec.runtime.kv_block_size, pk.bundle.arch.vocab_size
     bad = []
 
+    def tie(tok, want, diff):  # a token the reference ranks within the logits' difference of its best
+        return want.max() - want[tok] <= 2 * diff
+
     def compare(what, key, inputs, want, row):
         got = r.read(r.run(key, inputs(r.forwards[key]))["logits.out"]).reshape(-1, V)[row]
         diff, top = float(np.abs(got - want).max()), float(np.abs(want).max())
-        if diff > rel * top or int(np.argmax(got)) != int(np.argmax(want)):
+        tok = int(np.argmax(got))
+        if not diff <= rel * top or not tie(tok, want, diff):
             bad.append(f"{what} {key[:2]}: logits differ from the emulated backend by {diff:.3g} "
-                       f"(largest logit {top:.3g}); greedy token {int(np.argmax(got))} vs {int(np.argmax(want))}")
+                       f"(largest logit {top:.3g}); greedy token {tok} vs {int(np.argmax(want))}")
         sampled = (*key[:2], "device", 0)
         if key[0] == "decode" and sampled in r.forwards:
-            tok = int(np.asarray(r.read(r.run(sampled, inputs(r.forwards[sampled]))["next_tokens"])).reshape(-1)[0])
-            if tok != int(np.argmax(want)):
+            out = r.read(r.run(sampled, inputs(r.forwards[sampled]))["next_tokens"])
+            tok = int(np.asarray(out).reshape(-1)[0])
+            if tok != int(np.argmax(got)) and not tie(tok, want, diff):
                 bad.append(f"{what} {sampled[:3]}: sampled token {tok}, greedy {int(np.argmax(want))}")
 
     pre = min(k for k in r.forwards if k[0] == "prefill" and k[2] == "host" and k[1] >= len(prompt))
@@ -563,3 +569,46 @@ def test_a_cache_write_of_an_unknown_value_leaves_the_cache_unknown():
     tt.experimental.paged_update_cache(cache, tt.experimental.unmodeled(row), update_idxs_tensor=pos, page_table=pt)
     tt.experimental.paged_update_cache(cache, row, update_idxs_tensor=pos, page_table=pt)
     assert not cache.known and "unmodeled is not computed" in cache.why
+
+
+def random_package(b, mesh: str, tmp: Path) -> Path:
+    """``b`` with random weights (``reference.save_random``) built for ``mesh`` with the ttnn backend."""
+    import dataclasses
+
+    from ttbundle import build as buildmod, reference
+    ck = reference.save_random(b, tmp / "ckpt", seed=3)
+    w = b.spec.weights.model_copy(update={"source": str(ck)})
+    b = dataclasses.replace(b, spec=b.spec.model_copy(update={"weights": w}))
+    return Path(buildmod.build(b, mesh, tmp / "out", backend="ttnn", warmup=False).package)
+
+
+@pytest.mark.parametrize("mesh", ["N300", "T3K", "TG"])
+def test_padded_heads_forward_equals_the_emulated_backend(mesh, tmp_path):
+    """SmolLM2's ratios (9 query / 3 KV heads) with the padding ``init`` chooses: the ttnn
+    lowering of the padded per-device heads, on the double, gives the emulated backend's numbers."""
+    from test_check_package import smol
+    b, _ = smol(mesh)
+    assert forward_differences(random_package(b, mesh, tmp_path), [5, 17, 99, 3, 250, 42, 7], 3) == []
+
+
+@pytest.mark.parametrize("family,storage", [("qwen3", "bfp8"), ("llama", "bfp4")])
+def test_block_float_forward_equals_the_emulated_backend(family, storage, tmp_path):
+    """Block-float weights and a bfp8 KV cache: the double decodes the package's tensorbin tiles
+    and rounds the cache writes to bfp8 as the emulated backend does (T3K)."""
+    from test_check_package import stored
+    assert forward_differences(random_package(stored(family, storage), "T3K", tmp_path), [5, 17, 99, 3, 250, 42, 7],
+                               3) == []
+
+
+def test_softcapped_attention_reads_only_written_kv_slots(tmp_path):
+    """Gemma 2's softcapped attention gathers every block of the page table from the paged KV
+    cache (``gather`` by page id), most of them never written; the additive mask cannot undo a
+    NaN / Inf there (``-1e30 + NaN``), and ``p @ v`` multiplies 0 by it. The emulated backend's
+    cache starts as zeros, a device's DRAM as whatever it held: the double holds never-written
+    memory as NaN, so this is an expected failure (for that reason only) until the lowering or
+    the KV allocation stops reading garbage; then it passes."""
+    from test_check_package import stored
+    bad = forward_differences(random_package(stored("gemma2", "bfp8"), "N300", tmp_path), [5, 17, 99], 1)
+    if bad and all("differ from the emulated backend by nan" in b or "sampled token" in b for b in bad):
+        pytest.xfail("the softcapped attention lowering reads KV slots never written (NaN on the double)")
+    assert bad == []
