@@ -294,6 +294,20 @@ def test_every_program_op_kind_has_a_lowering():
     assert kinds <= set(lowering.OPS), sorted(kinds - set(lowering.OPS))
 
 
+def test_constants_shared_by_name_have_one_shape():
+    """A model's forwards share host-made constants by name (``device.open_model`` makes each
+    once), so a name must mean one shape in every bucket (the MoE routing zeros did not)."""
+    for path in sorted(BUNDLES.glob("*.yaml")):
+        bundle = specmod.load(path)
+        p = planmod.make_plan(bundle, bundle.spec.targets[0])
+        fws, _ = forwards_of(bundle, p)
+        shapes: dict = {}
+        for fw in fws.values():
+            for c in fw.consts:
+                shapes.setdefault(c.name, set()).add((c.shape, c.dtype, c.layout, c.kind, c.params))
+        assert {n: s for n, s in shapes.items() if len(s) > 1} == {}, path.stem
+
+
 def test_liveness_drops_each_binding_after_its_last_reader():
     from ttbundle.backends.ttnn.calls import Call, T
     calls = [(None, Call("a", (T("in"),), out="x")), (None, Call("b", (T("x"),), out="y")),

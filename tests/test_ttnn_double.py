@@ -591,10 +591,12 @@ def test_padded_heads_forward_equals_the_emulated_backend(mesh, tmp_path):
     assert forward_differences(random_package(b, mesh, tmp_path), [5, 17, 99, 3, 250, 42, 7], 3) == []
 
 
-@pytest.mark.parametrize("family,storage", [("qwen3", "bfp8"), ("llama", "bfp4")])
+@pytest.mark.parametrize("family,storage", [("qwen3", "bfp8"), ("llama", "bfp4"), ("gpt_oss", "bfp8")])
 def test_block_float_forward_equals_the_emulated_backend(family, storage, tmp_path):
     """Block-float weights and a bfp8 KV cache: the double decodes the package's tensorbin tiles
-    and rounds the cache writes to bfp8 as the emulated backend does (T3K)."""
+    and rounds the cache writes to bfp8 as the emulated backend does (T3K). GPT-OSS adds MoE
+    routing (topk, scatter), clamped SwiGLU, attention sinks and sliding windows; it found the
+    routing constants of two buckets sharing one name (and so one shape)."""
     from test_check_package import stored
     assert forward_differences(random_package(stored(family, storage), "T3K", tmp_path), [5, 17, 99, 3, 250, 42, 7],
                                3) == []

@@ -538,11 +538,19 @@ def _clamped_swiglu(lw: _Lowerer, st: dict) -> None:
     lw.call("multiply", T("eu.1"), T("eg.g"), out=st["out"], shape=lw.shapes[u], memory_config=DRAM)
 
 
+def _filled(lw: _Lowerer, kind: str, shape: tuple) -> str:
+    """A host-made bf16 TILE constant of zeros or ones, named by its shape: a model's forwards
+    share constants by name (``device.open_model``), and buckets differ in rows."""
+    name = f"{kind}.{'x'.join(map(str, shape))}"
+    lw.consts[name] = Const(name, tuple(shape), "bf16", "TILE", kind)
+    return name
+
+
 def _dense_route(lw: _Lowerer, weights: str, idx: str, E: int, out: str) -> str:
     """[1, 1, rows, k] weights at expert indices -> [1, 1, rows, E] (zeros elsewhere)."""
     rows = lw.shapes[weights][2]
-    lw.consts["zeros.route"] = Const("zeros.route", (1, 1, rows, E), "bf16", "TILE", "zeros")  # scatter: no fp32 tiles
-    return lw.call("scatter", T("zeros.route"), 3, T(idx), T(weights), out=out, shape=(1, 1, rows, E),
+    zeros = _filled(lw, "zeros", (1, 1, rows, E))  # bf16: scatter takes no fp32 tiles
+    return lw.call("scatter", T(zeros), 3, T(idx), T(weights), out=out, shape=(1, 1, rows, E),
                    memory_config=DRAM)
 
 
@@ -578,9 +586,8 @@ def _group_topk(lw: _Lowerer, st: dict) -> None:
     gs = lw.call("reshape", T(gs), [1, 1, rows, G], out="rt.gs4", shape=(1, 1, rows, G))
     lw.call("topk", T(gs), kg, 3, True, False, out=("rt.kv", "rt.ki"), shape=(1, 1, rows, kg))
     lw.shapes["rt.kv"] = lw.shapes["rt.ki"] = (1, 1, rows, kg)
-    lw.consts["ones.group"] = Const("ones.group", (1, 1, rows, kg), "bf16", "TILE", "ones")
-    lw.consts["zeros.group"] = Const("zeros.group", (1, 1, rows, G), "bf16", "TILE", "zeros")
-    lw.call("scatter", T("zeros.group"), 3, T("rt.ki"), T("ones.group"), out="rt.gm", shape=(1, 1, rows, G),
+    ones, zeros = _filled(lw, "ones", (1, 1, rows, kg)), _filled(lw, "zeros", (1, 1, rows, G))
+    lw.call("scatter", T(zeros), 3, T("rt.ki"), T(ones), out="rt.gm", shape=(1, 1, rows, G),
             memory_config=DRAM)
     lw.call("repeat_interleave", T("rt.gm"), E // G, 3, out="rt.em", shape=(1, 1, rows, E), memory_config=DRAM)
     lw.call("where", T("rt.em"), T(c), -1e30, out="rt.masked", shape=(1, 1, rows, E), memory_config=DRAM)
