@@ -133,6 +133,8 @@ def _rope_table(c, arch):
     scaling = getattr(arch, "rope_scaling", None)
     cos, sin = rope_cos_sin(torch.arange(c.shape[0]), p["head_dim"], p["theta"], scaling, torch.float32)
     t = cos if c.kind == "rope_cos" else sin
+    if p.get("interleaved"):  # rotary_embedding_llama rotates pairs (x0, x1), (x2, x3)...: f0 f0 f1 f1 ...
+        t = t[:, : p["head_dim"] // 2].repeat_interleave(2, dim=-1)
     return t.reshape(c.shape).numpy()
 
 

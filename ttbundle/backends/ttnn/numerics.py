@@ -14,7 +14,7 @@ the per-device result, following the ttnn 0.81.1 docstrings (``help(ttnn.all_gat
   DTensor does; not checked against ttnn, and ``mappers.mapper_dims`` never asks for it);
   ``ConcatMesh2dToTensor`` is its inverse;
 * ops: elementwise math, reductions, shapes, matmul, rms_norm, embedding, rotary embeddings,
-  topk / gather / scatter, greedy sampling, the paged KV cache writes and paged SDPA.
+  topk / gather / scatter, greedy sampling, the paged KV cache writes, paged SDPA and MLA.
 
 Anything else is not computed (no entry in :data:`IMPLS_PER_DEVICE`, :data:`COLLECTIVES` or the
 recorder's own few): the double marks the result unknown (:class:`Unknown`), which a later numeric
@@ -251,11 +251,14 @@ def _rope_hf(x, cos, sin, is_decode_mode=False, **_):
 
 
 def _rope_llama(x, cos, sin, trans_mat, is_decode_mode=False, **_):
-    """``x * cos + (x @ trans_mat) * sin`` per 32-wide tile of the head dim (pairs swapped)."""
+    """``x * cos + (x @ trans_mat) * sin`` per 32-wide tile of the head dim (pairs swapped; a head
+    dim under a tile is zero-padded to one, as the TILE layout holds it)."""
     x = np.asarray(x, np.float32)
     t = np.asarray(trans_mat, np.float32).reshape(32, 32)
     *lead, d = x.shape
-    rot = (x.reshape(*lead, d // 32, 32) @ t).reshape(x.shape)
+    w = -(-d // 32) * 32
+    xp = np.concatenate([x, np.zeros((*lead, w - d), np.float32)], axis=-1) if w != d else x
+    rot = (xp.reshape(*lead, w // 32, 32) @ t).reshape(*lead, w)[..., :d]
     return x * cos + rot * sin
 
 
@@ -365,7 +368,7 @@ def paged_sdpa_decode(q, k, v, page_table, cur_pos=None, scale=1.0, sliding_wind
                       attention_sink=None):
     """``q`` [1, B, H, d]: row b attends its sequence's tokens 0..cur_pos[b] (a window keeps the
     last ``sliding_window_size``); rows at -1 give zeros."""
-    out = np.zeros(q.shape, np.float32)
+    out = np.zeros((*q.shape[:-1], v.shape[-1]), np.float32)
     pos = np.asarray(cur_pos).reshape(-1)
     for b, p in enumerate(pos):
         if p < 0:
@@ -384,10 +387,21 @@ def chunked_sdpa(q, k, v, page_table, chunk_start=None, scale=1.0, sliding_windo
     _, H, S, d = q.shape
     n = start + S
     keys, vals = _tokens(k, page_table[0], n), _tokens(v, page_table[0], n)
-    out = np.zeros(q.shape, np.float32)
+    out = np.zeros((*q.shape[:-1], v.shape[-1]), np.float32)
     for i in range(S):
         p = start + i
         lo = max(0, p + 1 - sliding_window_size) if sliding_window_size else 0
         out[0, :, i] = _attend(np.asarray(q[0, :, i], np.float32), keys[:, lo:p + 1], vals[:, lo:p + 1], scale,
                                attention_sink)
     return out
+
+
+def mla_decode(q, cache, head_dim_v: int, page_table, cur_pos=None, scale=1.0):
+    """``paged_flash_multi_latent_attention_decode`` without a V cache: one latent "head" per
+    token, keys ``latent | rope key``, values its first ``head_dim_v`` (the latent)."""
+    return paged_sdpa_decode(q, cache, cache[..., :head_dim_v], page_table, cur_pos, scale)
+
+
+def mla_prefill(q, cache, head_dim_v: int, page_table, chunk_start: int, scale=1.0):
+    """``chunked_flash_mla_prefill``: the chunk at the static ``chunk_start`` over the latent cache."""
+    return chunked_sdpa(q, cache, cache[..., :head_dim_v], page_table, chunk_start, scale)

@@ -521,12 +521,25 @@ def _sdpa(kernel, pos_kw):
     return run
 
 
+def _mla(kernel, decode: bool):
+    def run(rec, args, kwargs, n):
+        q, cache = args[0], args[1]
+        r, pt = (args[3], args[4]) if decode else (args[2], args[3])
+        pos = kwargs.get("cur_pos_tensor") if decode else args[4]
+        out = [kernel(rec._per_device(q, d), rec._per_device(cache, d), int(r), np.asarray(rec._per_device(pt, d)),
+                      rec._per_device(pos, d), scale=float(kwargs.get("scale", 1.0))) for d in range(n)]
+        return [out], q.dtype
+    return run
+
+
 _SPECIAL = {
     "typecast": _typecast,
     "experimental.paged_update_cache": _paged_update,
     "experimental.paged_fill_cache": _paged_fill,
     "transformer.paged_scaled_dot_product_attention_decode": _sdpa(numerics.paged_sdpa_decode, "cur_pos_tensor"),
     "transformer.chunked_scaled_dot_product_attention": _sdpa(numerics.chunked_sdpa, "chunk_start_idx_tensor"),
+    "transformer.paged_flash_multi_latent_attention_decode": _mla(numerics.mla_decode, True),
+    "transformer.chunked_flash_mla_prefill": _mla(numerics.mla_prefill, False),
 }
 
 
