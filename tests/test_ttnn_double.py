@@ -6,9 +6,12 @@ against independent references:
   and placements (hypothesis), and on every collective step of real Llama / Qwen3 programs on
   N300, T3K and TG. The per-device inputs are cut by ``layout.positions``.
 * torch for the ops (matmul, rms_norm, softmax, rope, topk...), as ttnn's docstrings define them.
+* the emulated backend for whole lowered forwards of tiny packages (Llama on T3K and TG, padded
+  9/3 heads, block-float weights and KV cache, GPT-OSS, DeepSeek-V3).
 
 Mutations the checks must catch: the 2-axis gather in spec order (the bug ``layout.gather_sequence``
-fixed), partitions in the wrong order, a deleted all_reduce.
+fixed), partitions in the wrong order, a deleted all_reduce (one step's calls, and a package
+program's step).
 """
 
 from __future__ import annotations
