@@ -222,3 +222,27 @@ def test_yaml_errors_reach_spec_loader_with_file_name():
     with pytest.raises(InvalidInput) as ei:
         spec.loads("name: x\nname: y\n", "dup.yaml")
     assert str(ei.value.diagnostics[0]).startswith("dup.yaml:2:1: name: duplicate key")
+
+
+def test_scalars_do_not_follow_other_libraries_edits_of_pyyaml(monkeypatch):
+    """lm-format-enforcer (imported by vLLM's structured output) replaces PyYAML's shared
+    timestamp constructor with the string one for the whole process; a spec's `2001-02-30`
+    must still be a located error, and a date still a date."""
+    import datetime
+
+    import yaml
+
+    from ttbundle.errors import InvalidInput
+    from ttbundle.yamlpos import load_yaml
+    table = yaml.SafeLoader.yaml_constructors
+    monkeypatch.setitem(table, "tag:yaml.org,2002:timestamp", table["tag:yaml.org,2002:str"])
+    assert yaml.safe_load("a: 2001-02-03") == {"a": "2001-02-03"}  # PyYAML itself now says str
+    data, _ = load_yaml("a: 2001-02-03\n")
+    assert data == {"a": datetime.date(2001, 2, 3)}
+    try:
+        load_yaml("x: 1\nhidden: 2001-02-30\n", "s.yaml")
+    except InvalidInput as e:
+        (d,) = e.diagnostics
+        assert (d.line, d.col, d.path) == (2, 9, "hidden") and "not a valid timestamp" in d.message
+    else:
+        raise AssertionError("2001-02-30 loaded")

@@ -25,14 +25,27 @@ _MAP, _SEQ = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 _MERGE = "tag:yaml.org,2002:merge"
 
 
+class _SpecConstructor(yaml.constructor.SafeConstructor):
+    """YAML's safe scalar types, built from SafeConstructor's own methods into a table of our
+    own: other libraries edit PyYAML's shared table in place (lm-format-enforcer, which vLLM
+    imports for structured output, makes every timestamp a string for the whole process)."""
+
+    yaml_constructors: dict = {}
+
+
+for _tag in ("null", "bool", "int", "float", "binary", "timestamp", "str"):
+    _SpecConstructor.add_constructor(f"tag:yaml.org,2002:{_tag}",
+                                     getattr(yaml.constructor.SafeConstructor, f"construct_yaml_{_tag}"))
+_SpecConstructor.add_constructor(None, yaml.constructor.SafeConstructor.construct_undefined)
+
+
 class _Walker:
     def __init__(self, file: str):
         self.file = file
         self.positions: dict[Path, tuple[int, int]] = {}
         self.count = 0
         self.depth = 0
-        self.constructor = yaml.SafeLoader.__new__(yaml.SafeLoader)
-        yaml.constructor.SafeConstructor.__init__(self.constructor)
+        self.constructor = _SpecConstructor()
 
     def fail(self, node: yaml.Node, path: Path, message: str) -> InvalidInput:
         d = Diagnostic(message, ".".join(map(str, path)), self.file,
