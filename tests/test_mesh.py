@@ -111,3 +111,13 @@ def test_unknown_mesh_lists_every_valid_name(text):
         assert re.search(rf"(^|, ){re.escape(name)}(,|$)", listed), name
     assert '"(R,C)"' in listed
     assert meshmod.try_resolve(text) is None
+
+
+@pytest.mark.parametrize("a,b,same", [
+    ("(1,8)", "T3K", True), ("T3K", "(1,8)", True), ("(8,4)", "TG", True), ("(1,2)", "N300", True),
+    ("(1,1)", "N150", True), ("(1,8)", "P150x8", False), ("(1,8)@blackhole", "P150x8", True),
+    ("(2,4)", "T3K", False), ("N150", "P150", False), ("T3K", "T3K", True), ("(1,x)", "T3K", False),
+])
+def test_same_mesh_matches_tuples_to_presets_by_shape_and_chip(a, b, same):
+    """Tenstorrent's MESH_DEVICE may be a shape: "(1,8)" is the T3K preset, not Blackhole's 1x8."""
+    assert meshmod.same_mesh(a, b) is same

@@ -120,6 +120,16 @@ def resolve(name: str) -> Mesh:
     raise InvalidInput(f"unknown mesh {name!r}; valid: {valid_names()}")
 
 
+def same_mesh(a: str, b: str) -> bool:
+    """Whether two mesh names mean one mesh: equal names, or the same shape of the same chip
+    (Tenstorrent's ``MESH_DEVICE="(1,8)"`` is a T3K). An unknown name matches nothing else."""
+    if a == b:
+        return True
+    ma, mb = try_resolve(a), try_resolve(b)
+    return ma is not None and mb is not None and tuple(ma.shape) == tuple(mb.shape) \
+        and ma.chip.arch == mb.chip.arch
+
+
 def try_resolve(name: str) -> Mesh | None:
     try:
         return resolve(name)

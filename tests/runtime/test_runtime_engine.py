@@ -135,6 +135,7 @@ def test_structured_output_runs_on_the_host(engine):
     ({"block_size": 16}, {}, "--block-size 16: the package's KV cache uses blocks of 32 tokens"),
     ({"dtype": "float16"}, {}, "--dtype float16 is not supported"),
     ({}, {"MESH_DEVICE": "T3K"}, "MESH_DEVICE=T3K but package tiny-llama was built for N150"),
+    ({}, {"MESH_DEVICE": "(1,8)"}, "MESH_DEVICE=(1,8) but package tiny-llama was built for N150"),
 ])
 def test_engine_config_refusals(make_package, monkeypatch, kwargs, env, needle):
     from vllm.engine.arg_utils import EngineArgs
@@ -145,6 +146,16 @@ def test_engine_config_refusals(make_package, monkeypatch, kwargs, env, needle):
     with pytest.raises(Exception) as e:
         EngineArgs(model=str(pkg), **{"dtype": "float32", **kwargs}).create_engine_config()
     assert needle in str(e.value)
+
+
+def test_mesh_device_as_a_shape_matches_the_package(make_package, monkeypatch):
+    """Tenstorrent's command lines give MESH_DEVICE as a shape: "(1,1)" is the N150 package."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    pkg, _ = make_package("llama", "N150")
+    monkeypatch.setenv("MESH_DEVICE", "(1,1)")
+    cfg = EngineArgs(model=str(pkg), dtype="float32").create_engine_config()
+    assert cfg.parallel_config.worker_cls == "ttbundle.runtime.worker.TTWorker"
 
 
 def test_engine_config_caps_limits_to_the_package(make_package):

@@ -55,6 +55,11 @@ def test_mesh_device_picks_among_meshes(repo, xdg, monkeypatch):
     registry.register_dir(repo)
     monkeypatch.setenv("MESH_DEVICE", "T3K")
     assert registry.find("tiny-llama").mesh == "T3K"
+    # Tenstorrent's tuple form names the preset of that shape and chip
+    monkeypatch.setenv("MESH_DEVICE", "(1,8)")
+    assert registry.find("tiny-llama").mesh == "T3K"
+    monkeypatch.setenv("MESH_DEVICE", "(1,1)")
+    assert registry.find("tiny-llama").mesh == "N150"
 
 
 def test_tampered_package_refused_naming_the_file_others_register(repo, xdg, runner):

@@ -154,3 +154,25 @@ def test_serve_refuses_parallelism_flags(make_package, extra):
     pkg, _ = make_package("llama", "N150")
     with pytest.raises(InvalidInput, match="the mesh replaces tensor/pipeline parallelism"):
         plan_serve(pkg, extra=extra)
+
+
+def test_serve_builds_the_target_a_mesh_shape_names(tmp_path, monkeypatch):
+    """`MESH_DEVICE="(1,8)" ttbundle serve SPEC` builds the spec's T3K target, not a "(1,8)" one;
+    a shape no target has is refused, naming the targets."""
+    import pytest
+
+    from ttbundle import spec as specmod
+    from ttbundle.errors import InvalidInput
+    from ttbundle.runtime import demo, serve
+    from runtime_helpers import spec_text
+
+    src = demo.make_source(specmod.loads(spec_text("llama"), "s.yaml"), tmp_path / "src")
+    text = demo.spec_with_source(spec_text("llama"), src)
+    spec = tmp_path / "s.yaml"
+    spec.write_text(text)
+    monkeypatch.setenv("MESH_DEVICE", "(1,8)")
+    pkg = serve.resolve(str(spec), output=tmp_path / "out")
+    assert pkg.parent.name == "T3K"
+    monkeypatch.setenv("MESH_DEVICE", "(2,4)")
+    with pytest.raises(InvalidInput, match=r"mesh \(2,4\) is not one of its targets \(N150, T3K\)"):
+        serve.resolve(str(spec), output=tmp_path / "out")

@@ -12,6 +12,8 @@ import os
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from ..mesh import same_mesh
+
 
 logger = logging.getLogger("vllm.ttbundle.platform")
 
@@ -137,9 +139,10 @@ def configure(vllm_config, emulated: bool) -> None:
                   f"{devices} chip(s) (see `ttbundle plan`); to use more chips build the bundle for a "
                   "bigger mesh (targets: in the spec) and serve that package")
     mesh_env = os.environ.get("MESH_DEVICE")
-    if mesh_env and mesh_env != pkg.mesh_name:
+    if mesh_env and not same_mesh(mesh_env, pkg.mesh_name):
         _fail(f"MESH_DEVICE={mesh_env} but package {pkg.path.name} was built for {pkg.mesh_name}; "
-              f"serve the {mesh_env} package (`ttbundle build --mesh {mesh_env}`) or unset MESH_DEVICE")
+              f"serve the {mesh_env} package (`ttbundle build --mesh {mesh_env}`) or unset MESH_DEVICE "
+              "(a shape such as \"(1,8)\" matches the preset of that shape and chip)")
     if vllm_config.speculative_config is not None:
         _fail("speculative decoding is not supported on Tenstorrent meshes")
     if vllm_config.lora_config is not None:

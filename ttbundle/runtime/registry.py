@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import Diagnostic, InvalidInput, TTBundleError
+from ..mesh import same_mesh
 
 logger = logging.getLogger("vllm.ttbundle.registry")
 
@@ -275,13 +276,13 @@ def find(name_or_path: str, mesh: str | None = None) -> Entry:
     good, _ = scan(check_hashes=False)
     hits = [e for e in good if e.name == name_or_path or f"{e.name}-{e.mesh}" == name_or_path]
     if mesh is not None:
-        picked = [e for e in hits if e.mesh == mesh]
+        picked = [e for e in hits if same_mesh(mesh, e.mesh)]
         if hits and not picked:
             raise InvalidInput(f"{name_or_path!r} has no package for mesh {mesh}; it has: "
                                + ", ".join(sorted({e.mesh for e in hits})))
         hits = picked
     elif len(hits) > 1 and os.environ.get("MESH_DEVICE"):
-        hits = [e for e in hits if e.mesh == os.environ["MESH_DEVICE"]] or hits
+        hits = [e for e in hits if same_mesh(os.environ["MESH_DEVICE"], e.mesh)] or hits
     if len(hits) == 1:
         return hits[0]
     if not hits:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InvalidInput, TTBundleError
+from ..mesh import same_mesh
 
 GRACE_S = 30
 HEALTH_EVERY_S = 5.0  # while serving: how often /health is asked
@@ -129,8 +130,10 @@ def resolve(target: str, mesh: str | None = None, output: Path = Path("packages"
 
         bundle = specmod.load(p)
         m = mesh or os.environ.get("MESH_DEVICE") or bundle.spec.targets[0]
-        if m not in bundle.spec.targets:
+        named = [t for t in bundle.spec.targets if same_mesh(m, t)]  # "(1,8)" is the T3K target
+        if not named:
             raise InvalidInput(f"{p}: mesh {m} is not one of its targets ({', '.join(bundle.spec.targets)})")
+        m = named[0]
         res = build(bundle, m, output, progress=progress)
         return Path(res.package)
     if os.path.isdir(p):
