@@ -42,7 +42,9 @@ def test_tt_options_use_tenstorrent_names():
     o = parse({"tt": {"trace_mode": "decode_only", "sample_on_device_mode": "decode_only",
                       "trace_region_size": 50_000_000, "enable_model_warmup": False,
                       "fabric_config": "FABRIC_1D_RING", "dispatch_core_axis": "col",
-                      "worker_l1_size": 1344544, "l1_small_size": 79104}, "gdn_prefill_backend": "x"})
+                      "worker_l1_size": 1344544, "l1_small_size": 79104,
+                      "fabric_reliability_mode": "RELAXED_INIT"}, "gdn_prefill_backend": "x"})
+    assert (o.fabric_config, o.fabric_reliability_mode) == ("FABRIC_1D_RING", "RELAXED_INIT")
     assert (o.trace_mode, o.sample_on_device_mode, o.trace_region_size, o.enable_model_warmup) == \
         ("decode_only", "decode_only", 50_000_000, False)
     assert parse(None).trace_mode == "all" and parse({}).enable_model_warmup is True
@@ -54,11 +56,39 @@ def test_tt_options_use_tenstorrent_names():
     ({"tt": {"trace_mode": "sometimes"}}, "tt.trace_mode: Input should be 'all', 'decode_only' or 'none'"),
     ({"tt": {"trace_region_size": -5}}, "tt.trace_region_size: Input should be greater than 0"),
     ({"tt": ["all"]}, '"tt" must be a JSON object'),
+    # an invalid fabric name fails here with the choices, not later inside ttnn.set_fabric_config
+    ({"tt": {"fabric_config": "FABRIC_3D"}}, "tt.fabric_config: Input should be 'DISABLED', 'FABRIC_1D'"),
+    ({"tt": {"fabric_reliability_mode": "LOOSE"}},
+     "tt.fabric_reliability_mode: Input should be 'STRICT_INIT', 'RELAXED_INIT' or 'DYNAMIC_RECONFIG'"),
 ])
 def test_tt_options_refuse_unknown_and_invalid(cfg, needle):
     with pytest.raises(InvalidInput) as e:
         parse(cfg)
     assert needle in str(e.value)
+
+
+@pytest.mark.parametrize("mesh, tt, want", [
+    ("T3K", {"fabric_config": "FABRIC_1D_RING", "fabric_reliability_mode": "RELAXED_INIT"},
+     ["ttnn.FabricConfig.FABRIC_1D_RING", "ttnn.FabricReliabilityMode.RELAXED_INIT"]),
+    ("T3K", {}, ["ttnn.FabricConfig.FABRIC_1D"]),  # multi-chip default, as Tenstorrent's plugin
+    ("N150", {}, None),  # one chip: no fabric
+])
+def test_open_mesh_passes_the_fabric_options_to_ttnn(mesh, tt, want):
+    """On the recording double: the fabric options reach ``ttnn.set_fabric_config`` as its
+    FabricConfig and FabricReliabilityMode members, before the mesh opens."""
+    from types import SimpleNamespace
+
+    from ttbundle.backends.ttnn.recording import Recorder
+    from ttbundle.runtime.ttdevice import open_mesh
+    rec = Recorder()
+    open_mesh(rec.module(), SimpleNamespace(mesh_name=mesh, trace_region_bytes=1 << 20), parse({"tt": tt}))
+    calls = [e.fn for e in rec.events]
+    fabric = [e for e in rec.events if e.fn == "set_fabric_config"]
+    if want is None:
+        assert not fabric
+    else:
+        assert [repr(a) for a in fabric[0].args] == want
+        assert calls.index("set_fabric_config") < calls.index("open_mesh_device")
 
 
 # ---- phases and buckets --------------------------------------------------------------------------

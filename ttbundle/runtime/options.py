@@ -19,6 +19,12 @@ from ..errors import InvalidInput
 SECTION = "tt"
 #: ttbundle-only key: how many prefill steps in a row may run while decodes are waiting.
 DEFAULT_MAX_PREFILL_STEPS = 1
+#: ``ttnn.FabricConfig`` and ``ttnn.FabricReliabilityMode`` members (ttnn 0.81.1): a name outside
+#: them fails at start-up with the valid choices, not later inside ``set_fabric_config``
+FabricConfigName = Literal["DISABLED", "FABRIC_1D", "FABRIC_1D_NEIGHBOR_EXCHANGE", "FABRIC_1D_RING",
+                           "FABRIC_2D", "FABRIC_2D_TORUS_X", "FABRIC_2D_TORUS_XY", "FABRIC_2D_TORUS_Y",
+                           "CUSTOM"]
+FabricReliabilityName = Literal["STRICT_INIT", "RELAXED_INIT", "DYNAMIC_RECONFIG"]
 
 
 class TTOptions(BaseModel):
@@ -40,8 +46,12 @@ class TTOptions(BaseModel):
     """L1 bytes per worker core given to kernels (hardware only)."""
     l1_small_size: int | None = Field(default=None, gt=0)
     """L1 small-region bytes (hardware only)."""
-    fabric_config: str | None = None
-    """Fabric topology, e.g. FABRIC_1D, FABRIC_1D_RING, FABRIC_2D_TORUS_XY (hardware only)."""
+    fabric_config: FabricConfigName | None = None
+    """Fabric topology (a ``ttnn.FabricConfig`` name), e.g. FABRIC_1D, FABRIC_1D_RING,
+    FABRIC_2D_TORUS_XY (hardware only)."""
+    fabric_reliability_mode: FabricReliabilityName | None = None
+    """Fabric bring-up (a ``ttnn.FabricReliabilityMode`` name): STRICT_INIT (ttnn's default)
+    or RELAXED_INIT (hardware only)."""
     dispatch_core_axis: Literal["row", "col"] | None = None
     """Dispatch cores on a row or a column (hardware only)."""
     optimizations: Literal["performance", "accuracy"] | None = None

@@ -52,10 +52,12 @@ def open_mesh(ttnn, package, options):
     from .. import mesh as meshmod
 
     mesh = meshmod.resolve(package.mesh_name)
-    if options.fabric_config:
-        ttnn.set_fabric_config(getattr(ttnn.FabricConfig, options.fabric_config))
-    elif mesh.num_devices > 1:  # collectives need the fabric; 1D as Tenstorrent's plugin defaults
-        ttnn.set_fabric_config(ttnn.FabricConfig.FABRIC_1D)
+    fabric = options.fabric_config or ("FABRIC_1D" if mesh.num_devices > 1 else None)
+    if fabric:  # collectives need the fabric; 1D by default, as Tenstorrent's plugin
+        args = [getattr(ttnn.FabricConfig, fabric)]
+        if options.fabric_reliability_mode:
+            args.append(getattr(ttnn.FabricReliabilityMode, options.fabric_reliability_mode))
+        ttnn.set_fabric_config(*args)
     kw = {"trace_region_size": options.trace_region_size or package.trace_region_bytes or 0}
     if options.l1_small_size:
         kw["l1_small_size"] = options.l1_small_size
