@@ -21,27 +21,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from pkg_mutations import drop_first, edit_programs  # noqa: E402
-from test_emulated import TINY as DENSE, tiny as dense_tiny  # noqa: E402
-from test_emulated_moe import TINY as MOE, tiny as moe_tiny  # noqa: E402
+from test_check_package import FAMILIES, STORAGE, stored as bundle  # noqa: E402  (the tests' storages)
 
 from ttbundle.check import run_check  # noqa: E402
-
-STORAGE = {
-    "bfp8": {"default": "bfp8", "router": "bf16"},
-    "bfp4": {"default": "bfp8", "router": "bf16", "mlp": "bfp4", "experts": "bfp4"},
-}
-
-
-def bundle(family: str, storage: str):
-    """The tests' tiny bundle of ``family`` stored as ``storage``, with a bfp8 KV cache."""
-    import dataclasses
-
-    from ttbundle import spec
-    b = dense_tiny(family) if family in DENSE else moe_tiny(family)
-    s = b.spec
-    w = s.weights.model_copy(update={"dtypes": spec.DtypePolicy(**STORAGE[storage])})
-    rt = s.runtime.model_copy(update={"kv_cache_dtype": "bfp8"})
-    return dataclasses.replace(b, spec=s.model_copy(update={"weights": w, "runtime": rt}))
 
 
 def reduce_step(b) -> tuple[str, str]:
@@ -53,8 +35,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--meshes", default="N150,T3K,TG")
-    ap.add_argument("--families", default=",".join(sorted(DENSE) + sorted(MOE)))
-    ap.add_argument("--storage", default="bfp8,bfp4")
+    ap.add_argument("--families", default=",".join(FAMILIES))
+    ap.add_argument("--storage", default=",".join(sorted(STORAGE, reverse=True)))
     args = ap.parse_args()
     print("| family | mesh | storage | worst layer PCC | token agreement | worst logits PCC | "
           "passed | dropped all_reduce: worst PCC / agreement | seconds |")

@@ -96,3 +96,23 @@ def col_of(text: str, needle: str, nth: int = 1) -> int:
     """1-based column where ``needle`` starts on its line (a list item ``- x``: where x starts)."""
     line = text.splitlines()[line_of(text, needle, nth) - 1]
     return line.index(needle) + 1 + (2 if needle.startswith("- ") else 0)
+
+
+# SmolLM2's head ratio (9 query, 3 KV heads) at tiny dims: heads that divide no multi-chip mesh.
+SMOL = {"family": "llama", "vocab_size": 512, "hidden_size": 144, "intermediate_size": 384,
+        "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 16,
+        "max_position_embeddings": 1024, "tie_word_embeddings": True, "rope_theta": 100000.0}
+
+
+def smol_spec(mesh: str) -> tuple[str, dict]:
+    """The 9/3-head spec for ``mesh`` with the padding `ttbundle init` chooses (its
+    ``SHARDING_FALLBACKS``, first that plans): (spec text, the sharding keys it set)."""
+    from ttbundle import init, plan as planmod, spec as specmod
+    for extra in ({},) + init.SHARDING_FALLBACKS:
+        doc = {"name": "tiny-smol", "description": "9 query / 3 KV heads", "model": SMOL, "targets": [mesh],
+               "sharding": dict(extra), "buckets": {"prefill": [32, 64], "decode": [1, 2, 4, 8], "prefill_chunk": 64},
+               "runtime": {"max_model_len": 256, "max_num_seqs": 8}}
+        text = yaml.safe_dump(doc, sort_keys=False)
+        if not planmod.check_mesh(specmod.loads(text, "smol.yaml"), mesh):
+            return text, extra
+    raise AssertionError(f"no padding fits {mesh}")

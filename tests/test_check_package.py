@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-import yaml
 from typer.testing import CliRunner
 
 from pkg_mutations import drop_first, edit_programs, flip_byte, rehash
+from spec_helpers import SMOL, smol_spec
 from test_emulated import TINY as DENSE, tiny as dense_tiny
 from test_emulated_moe import TINY as MOE, tiny as moe_tiny
 
@@ -92,24 +92,10 @@ def test_one_flipped_bfp8_exponent_byte_fails_and_names_its_layer():
 
 
 # ---- heads that do not divide the mesh: SmolLM2's 9 query / 3 KV heads ---------------------------
-SMOL = {"family": "llama", "vocab_size": 512, "hidden_size": 144, "intermediate_size": 384,
-        "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 16,
-        "max_position_embeddings": 1024, "tie_word_embeddings": True, "rope_theta": 100000.0}
-
-
 def smol(mesh: str):
     """The 9/3-head model with the padding `ttbundle init` chooses for ``mesh``."""
-    from ttbundle import init
-    for extra in ({},) + init.SHARDING_FALLBACKS:
-        doc = {"name": "tiny-smol", "model": SMOL, "targets": [mesh],
-               "buckets": {"prefill": [32, 64], "decode": [1, 8], "prefill_chunk": 64},
-               "runtime": {"max_model_len": 256, "max_num_seqs": 8},
-               "sharding": dict(extra)}
-        b = specmod.loads(yaml.safe_dump(doc), "smol.yaml")
-        from ttbundle import plan as planmod
-        if not planmod.check_mesh(b, mesh):
-            return b, extra
-    raise AssertionError(f"no padding fits {mesh}")
+    text, extra = smol_spec(mesh)
+    return specmod.loads(text, "smol.yaml"), extra
 
 
 @pytest.mark.parametrize("mesh,expect", [("N300", (6, 2)), ("T3K", (3, 1)), ("TG", (3, 1))])

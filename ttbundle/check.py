@@ -341,9 +341,8 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
 
 def recorded_checkpoint(pkg_dir) -> Path:
     """The checkpoint a package was built from, as its manifest records it (``sources.weights``),
-    if it is still there unchanged (size, and mtime/inode or else its BLAKE3 digest)."""
-    import os
-
+    if it is still there unchanged: the build's own test (``cache.source_records``: a digest is
+    reused while size, mtime and inode match, else the file is hashed again with BLAKE3)."""
     from . import cache
     from .package import read_manifest
 
@@ -352,17 +351,17 @@ def recorded_checkpoint(pkg_dir) -> Path:
     if not recs:
         raise InvalidInput(f"{pkg_dir}: manifest.json records no source checkpoint; give --reference DIR")
     d = Path(recs[0]["dir"])
-    for r in recs:
-        p = d / r["name"]
-        try:
-            st = os.stat(p)
-        except OSError:
-            raise InvalidInput(f"{pkg_dir}: the checkpoint it was built from is gone ({p}); give "
-                               f"--reference DIR") from None
-        same = st.st_size == r["size"] and (st.st_mtime_ns, st.st_ino) == (r.get("mtime_ns"), r.get("ino"))
-        if not same and (st.st_size != r["size"] or cache.blake3_file(p) != r.get("blake3")):
-            raise InvalidInput(f"{pkg_dir}: {p} changed since the package was built (its BLAKE3 digest "
-                               f"differs from the manifest's); rebuild, or give --reference DIR")
+    files = [d / r["name"] for r in recs]
+    gone = next((p for p in files if not p.is_file()), None)
+    if gone is not None:
+        raise InvalidInput(f"{pkg_dir}: the checkpoint it was built from is gone ({gone}); give "
+                           f"--reference DIR")
+    now = cache.source_records(files, recs, d)
+    cache.fill_digests(now)
+    for r, was in zip(now, recs):
+        if r["size"] != was["size"] or r["blake3"] != was.get("blake3"):
+            raise InvalidInput(f"{pkg_dir}: {d / r['name']} changed since the package was built (its "
+                               f"BLAKE3 digest differs from the manifest's); rebuild, or give --reference DIR")
     return d
 
 

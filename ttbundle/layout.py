@@ -305,9 +305,24 @@ def _units(d: Dim, axes: tuple[str, ...], shape: tuple[int, int], mesh: Mesh, po
 
 @dataclass(frozen=True)
 class Policy:
+    """The sharding-policy fields the layout rule reads (``spec.Sharding`` has them too); a
+    program records them (``to_json``) so its executors need no spec."""
+
     kv_heads: str = "replicate"
     attention_heads: str = "error"
     vocab: str = "pad"
+
+    @classmethod
+    def of(cls, policy) -> "Policy":
+        return cls(*policy_key(policy))
+
+    @classmethod
+    def from_json(cls, d: dict | None, fallback=None) -> "Policy":
+        """A program's recorded policy; without one, ``fallback``'s (a spec's ``Sharding``)."""
+        return cls(**d) if d else cls.of(fallback)
+
+    def to_json(self) -> dict:
+        return {"kv_heads": self.kv_heads, "attention_heads": self.attention_heads, "vocab": self.vocab}
 
 
 def policy_key(policy) -> tuple:

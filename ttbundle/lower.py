@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 
 from .families.base import Combine, Dim, Embed, Linear, Local, Logits, Norm, Residual
-from .layout import axes_of, local_len
+from .layout import Policy, axes_of, local_len
 from .mesh import AXES
 from .plan import ACT_BYTES, TILE, TRACE_BYTES_PER_OP, Plan
 from .program import FORMAT, Activation, LayerProgram, Op, Program, Step, WeightRef
@@ -119,7 +119,7 @@ def lower(bundle, plan: Plan, phase: str, bucket: int) -> Program:
         kv_cache={"dtype": plan.kv["dtype"], "num_blocks": plan.kv["num_blocks"],
                   "block_size": plan.kv["block_size"], "entries": [dict(e) for e in plan.kv["entries"]]},
         totals=tot, memory=mem, layers=tuple(layers), weights=weights,
-        policy={"kv_heads": policy.kv_heads, "attention_heads": policy.attention_heads, "vocab": policy.vocab})
+        policy=Policy.of(policy).to_json())
 
 
 def _op_step(op, specs: dict, dims: dict, decls: dict, tplan: dict, act, lead: int, context: int) -> Step:

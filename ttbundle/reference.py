@@ -86,14 +86,19 @@ def checkpoint_state_dict(model) -> dict:
     return revert_weight_conversion(model, model.state_dict())
 
 
-def save_random(bundle, directory: str | Path, seed: int = 0) -> Path:
+def save_random(bundle, directory: str | Path, seed: int = 0, eos: bool = True) -> Path:
     """A random instance of the bundle's architecture (:func:`random_model`) saved as a bf16
-    checkpoint (``config.json`` + safetensors), as a published checkpoint would be."""
+    checkpoint (``config.json`` + safetensors), as a published checkpoint would be. Without
+    ``eos`` its configs name no eos token (``generate`` then runs to max_new_tokens)."""
     import torch
 
     _quiet()
     d = Path(directory)
-    random_model(bundle, seed).to(torch.bfloat16).save_pretrained(d)
+    model = random_model(bundle, seed).to(torch.bfloat16)
+    if not eos:
+        model.config.eos_token_id = None
+        model.generation_config.eos_token_id = None
+    model.save_pretrained(d)
     return d
 
 

@@ -5,26 +5,15 @@ vLLM's own engine on the emulated mesh, token for token against transformers."""
 from __future__ import annotations
 
 import pytest
-import yaml
 
 from runtime_helpers import hf_greedy
-
-SMOL = {"family": "llama", "vocab_size": 512, "hidden_size": 144, "intermediate_size": 384,
-        "num_hidden_layers": 2, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 16,
-        "max_position_embeddings": 1024, "tie_word_embeddings": True, "rope_theta": 100000.0}
+from spec_helpers import smol_spec
 
 
 def spec_text(mesh: str) -> str:
-    from ttbundle import init, plan as planmod, spec as specmod
-    for extra in ({},) + init.SHARDING_FALLBACKS:
-        doc = {"name": "tiny-smol", "description": "9 query / 3 KV heads", "model": SMOL, "targets": [mesh],
-               "sharding": dict(extra), "buckets": {"prefill": [32, 64], "decode": [1, 2, 4, 8], "prefill_chunk": 64},
-               "runtime": {"max_model_len": 256, "max_num_seqs": 8}}
-        text = yaml.safe_dump(doc, sort_keys=False)
-        if not planmod.check_mesh(specmod.loads(text, "smol.yaml"), mesh):
-            assert extra == {"attention_heads": "pad", "kv_heads": "pad"}
-            return text
-    raise AssertionError(f"no padding fits {mesh}")
+    text, extra = smol_spec(mesh)
+    assert extra == {"attention_heads": "pad", "kv_heads": "pad"}
+    return text
 
 
 @pytest.mark.slow

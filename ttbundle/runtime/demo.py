@@ -58,13 +58,7 @@ def make_source(bundle, directory: str | Path, seed: int = 0) -> Path:
     demo tokenizer. ``config.json`` has no eos_token_id: ``generate`` runs to max_new_tokens."""
     from .. import reference
 
-    out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
-    model = reference.random_model(bundle, seed)
-    reference.round_to_bf16(model)
-    model.config.eos_token_id = None
-    model.generation_config.eos_token_id = None
-    model.save_pretrained(str(out), safe_serialization=True)
+    out = reference.save_random(bundle, directory, seed, eos=False)
     make_tokenizer(out, bundle.arch.vocab_size)
     return out
 

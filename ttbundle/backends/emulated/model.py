@@ -73,7 +73,7 @@ class EmulatedModel:
         first = next(iter(self.programs.values()))
         self.refs = first.weights
         self.kv_layout = first.kv_cache
-        self.policy = layout.Policy(**first.policy) if first.policy else bundle.spec.sharding
+        self.policy = layout.Policy.from_json(first.policy, bundle.spec.sharding)
         self.decls = {t.name: t for t in self.family.tensors(self.arch)}
         missing = sorted(set(self.refs) - set(weights))
         if missing:

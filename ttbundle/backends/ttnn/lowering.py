@@ -665,9 +665,7 @@ def _logits(lw: _Lowerer, st: dict) -> None:
 
 def program_policy(program: dict, bundle=None):
     """The sharding policy a program was lowered with (its ``policy``; else the bundle's)."""
-    if program.get("policy"):
-        return layout.Policy(**program["policy"])
-    return bundle.spec.sharding if bundle is not None else layout.Policy()
+    return layout.Policy.from_json(program.get("policy"), None if bundle is None else bundle.spec.sharding)
 
 
 def _collective(lw: _Emitter, st: dict) -> None:
