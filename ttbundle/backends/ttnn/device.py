@@ -92,11 +92,17 @@ def allocate(ttnn, device, shape, dtype: str, layout: str):
 
 
 def allocate_kv(ttnn, device, plan) -> dict:
-    """``{layer: {entry: tensor}}``: the paged KV cache the plan sizes, on every device."""
+    """``{layer: {entry: tensor}}``: the paged KV cache the plan sizes, on every device, filled
+    with zeros. Attention that gathers whole blocks of the page table (Gemma 2's softcapped
+    attention) reads slots no request wrote; the additive mask cannot cancel whatever DRAM held
+    there (``-1e30 + NaN`` is NaN, and ``0 * NaN`` in ``p @ v``), so the cache starts defined, as
+    the emulated backend's does."""
     kv: dict = {}
+    dtype, layout = ttnn_dtype(ttnn, plan.kv["dtype"]), ttnn_layout(ttnn, "TILE")
     for e in plan.kv["entries"]:
         for layer in range(e["layers"]):
-            kv.setdefault(layer, {})[e["name"]] = allocate(ttnn, device, e["device_shape"], plan.kv["dtype"], "TILE")
+            kv.setdefault(layer, {})[e["name"]] = ttnn.full(list(e["device_shape"]), 0.0, dtype=dtype, layout=layout,
+                                                            device=device, memory_config=ttnn.DRAM_MEMORY_CONFIG)
     return kv
 
 

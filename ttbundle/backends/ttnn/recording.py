@@ -389,8 +389,11 @@ class Recorder:
                 out.data, out.dtype = [numerics.as_dtype(np.asarray(args[0]), dtype)], dtype
             elif path == "full":
                 dtype = _name(kwargs.get("dtype"))
-                out.data = [numerics.as_dtype(np.full([int(s) for s in args[0]], args[1], np.float32), dtype)
-                            for _ in range(N)]
+                # a constant rounds the same everywhere (block-float blocks of equal values included),
+                # so a read-only broadcast of one rounded tile's value: a filled KV cache costs no memory
+                # until a cache write copies it (``_cache_target``)
+                v = numerics.as_dtype(np.full((32, 32), args[1], np.float32), dtype).flat[0]
+                out.data = [np.broadcast_to(v, [int(s) for s in args[0]]) for _ in range(N)]
                 out.dtype = dtype
             elif path == "distribute_tensor":
                 t, mapper = args[0], args[1]
@@ -488,6 +491,8 @@ def _cache_target(rec, cache: FakeTensor) -> list[np.ndarray]:
             raise numerics.Unknown(cache.why)
         cache.data = [np.full(cache.shape, np.nan, np.float32) for _ in range(rec.num_devices)]
         cache.why = ""
+    if any(not a.flags.writeable for a in cache.data):  # a ``full`` broadcast: its own copy now
+        cache.data = [np.array(a) for a in cache.data]
     return cache.data
 
 
