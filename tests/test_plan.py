@@ -85,11 +85,13 @@ def test_blackhole_banks_and_alignment():
     assert planmod.tensor_bytes([4096, 512], "bfp8", "TILE", p150) == 8 * 256 * 1088
 
 
-def test_kv_blocks_formula():
+def test_kv_pool_blocks_formula():
+    # Tenstorrent's: ceil((max_tokens_all_users + block_size x max_num_seqs) / block_size)
     rt = spec.Runtime(max_model_len=2048, max_num_seqs=32, kv_block_size=32)
-    assert planmod.kv_blocks(rt) == (32 * 2048 + 32 * 32) // 32 == 2080
+    assert planmod.pool_blocks(rt, 32 * 2048) == (32 * 2048 + 32 * 32) // 32 == 2080
+    assert planmod.pool_tokens(rt, 2080) == 32 * 2048
     rt = spec.Runtime(max_model_len=1000, max_num_seqs=3, kv_block_size=64)
-    assert planmod.kv_blocks(rt) == math.ceil((3 * 1000 + 64 * 3) / 64) == 50
+    assert planmod.pool_blocks(rt, 1000) == math.ceil((1000 + 64 * 3) / 64) == 19
 
 
 # ---- per-device shapes and bytes on each mesh ----------------------------------------------------
@@ -181,6 +183,72 @@ def test_kv_cache_scales_with_sequences_and_length():
     blocks = math.ceil((8 * 1024 + 64 * 8) / 64)  # 136
     assert p.kv["num_blocks"] == blocks
     assert p.memory.kv_cache == 2 * L * tile_bytes([blocks, KV, 64, HD])
+
+
+def test_explicit_pool_sets_the_blocks():
+    _, p = plan_of({"runtime": {"max_tokens_all_users": 5000}})
+    blocks = math.ceil((5000 + 32 * 32) / 32)  # 189: the pool plus one spare block per sequence
+    assert p.kv["num_blocks"] == blocks and p.kv["max_tokens_all_users"] == 5000
+    assert p.kv["pool_chosen"] == "spec"
+    assert p.memory.kv_cache == 2 * L * tile_bytes([blocks, KV, 32, HD])
+    # kv_blocks is what the worker and the ttnn backend use: the same number
+    b, _ = plan_of({"runtime": {"max_tokens_all_users": 5000}})
+    assert planmod.kv_blocks(b, "N150") == blocks
+
+
+def test_auto_pool_is_the_largest_that_fits():
+    """A context of 512k tokens x 32 sequences cannot fit one chip; the pool is what is left
+    after weights, activations and trace region, in whole blocks."""
+    changes = {"model": {"max_position_embeddings": 1 << 19}, "runtime": {"max_model_len": 1 << 19}}
+    for pool in (None, "auto"):
+        ch = deep_update(changes, {"runtime": {"max_tokens_all_users": pool}} if pool else {})
+        _, p = plan_of(ch)
+        m = p.memory
+        left = WH["dram"] - m.weights - m.activations - m.trace_region
+        # a block per layer and K/V: [1, 2 heads, 32, 64] bf16 = 4 tiles; 2 x L buffers of
+        # [blocks, 2, 32, 64] take ceil(4 x blocks / 12) pages per bank of 2 KiB, 12 banks
+        pages_per_bank = left // (2 * L * 12 * 2048)
+        blocks = pages_per_bank * 12 // 4
+        assert 2 * L * tile_bytes([blocks, KV, 32, HD]) <= left < 2 * L * tile_bytes([blocks + 1, KV, 32, HD])
+        assert p.kv["num_blocks"] == blocks and p.fits
+        assert 1 << 19 <= p.kv["max_tokens_all_users"] == blocks * 32 - 32 * 32 < 32 << 19
+        assert p.kv["pool_chosen"] == "auto" and "largest pool" in p.kv["pool_why"]
+        # one block more, explicitly, does not fit
+        _, q = plan_of(deep_update(changes, {"runtime": {"max_tokens_all_users": (blocks + 1) * 32 - 32 * 32}}))
+        assert not q.fits
+
+
+def test_auto_pool_is_capped_at_every_sequence_at_full_length():
+    _, p = plan_of({"runtime": {"max_tokens_all_users": "auto"}})
+    assert p.kv["max_tokens_all_users"] == 32 * 2048 and p.kv["num_blocks"] == 2080
+    assert "every sequence at full length" in p.kv["pool_why"]
+
+
+def test_pool_below_max_model_len_is_refused_at_its_line():
+    text = spec_text({"runtime": {"max_tokens_all_users": 1000}})
+    with pytest.raises(InvalidInput) as e:
+        spec.loads(text, SPEC_FILE)
+    (d,) = e.value.diagnostics
+    assert (d.path, d.line) == ("runtime.max_tokens_all_users", line_of(text, "max_tokens_all_users"))
+    assert "max_tokens_all_users=1000 is below max_model_len=2048" in d.message
+    assert "at least 2048" in d.message and "auto" in d.message
+
+
+def test_explicit_pool_that_does_not_fit_gets_the_arithmetic_and_the_largest_that_fits():
+    text = spec_text({"runtime": {"max_tokens_all_users": 50_000_000}})
+    b = spec.loads(text, SPEC_FILE)
+    p = planmod.make_plan(b, "N150")
+    assert not p.fits
+    d = planmod.pool_diagnostic(b, p)
+    assert (d.path, d.line) == ("runtime.max_tokens_all_users", line_of(text, "max_tokens_all_users"))
+    m = re.search(r"fix: max_tokens_all_users: (\d+) \(the largest that fits\)", d.message)
+    best = int(m.group(1))
+    assert f"{p.memory.kv_cache / 2**30:.2f} GiB per chip" in d.message
+    ok = planmod.make_plan(spec.loads(spec_text({"runtime": {"max_tokens_all_users": best}}), SPEC_FILE), "N150")
+    over = planmod.make_plan(spec.loads(spec_text({"runtime": {"max_tokens_all_users": best + 32}}), SPEC_FILE), "N150")
+    assert ok.fits and not over.fits
+    # the same number is among `plan`'s fixes
+    assert any(f.startswith(f"runtime.max_tokens_all_users: 50000000 -> {best} ") for f in planmod.fixes(b, p))
 
 
 def acts_bytes(widths, tokens=512) -> int:
@@ -468,13 +536,14 @@ def test_llama_70b_bf16_on_t3k_does_not_fit():
     weights = l70_per_chip_weights_bf16_t3k()
     assert p.memory.weights == weights
     assert weights > 16 * 2**30  # 70.6e9 params x 2 B / 8 chips
-    # KV: default runtime 32 x 4096 tokens, one KV head of 128 per chip, bf16, 80 layers
-    blocks = math.ceil((32 * 4096 + 32 * 32) / 32)
+    # KV: the weights leave nothing, so the auto pool is its minimum, one max_model_len=4096
+    # sequence plus a spare block per sequence; one KV head of 128 per chip, bf16, 80 layers
+    blocks = math.ceil((4096 + 32 * 32) / 32)
     assert p.memory.kv_cache == 2 * 80 * tile_bytes([blocks, 1, 32, 128])
+    assert p.kv["max_tokens_all_users"] == 4096 and "not even one" in p.kv["pool_why"]
     assert p.memory.dram == WH["dram"]
     assert not p.fits and p.memory.total > WH["dram"]
     top = [name for name, _ in p.consumers()[:4]]
-    assert top[0] == "KV cache (bf16)"
     assert {"w1 (bf16, x80)", "w3 (bf16, x80)", "w2 (bf16, x80)"} <= set(top)
     assert [n for _, n in p.consumers()] == sorted((n for _, n in p.consumers()), reverse=True)
 
@@ -515,12 +584,14 @@ def check_fixes(base: dict, changes: dict, mesh: str):
 def test_llama_70b_fixes_really_fit():
     p, results = check_fixes(LLAMA_70B, {}, "T3K")
     fixes = [f for f, *_ in results]
+    # bfp8 weights leave room for a KV pool (auto: the largest that fits), so that is enough
     assert fixes[0].startswith("weights.dtypes: {attention: bfp8, mlp: bfp8, lm_head: bfp8}: ")
-    assert fixes[1].startswith("weights.dtypes: {attention: bfp8, mlp: bfp4, lm_head: bfp8}: ")
-    assert fixes[1].endswith("(fits)")
+    assert fixes[0].endswith("(fits)")
+    assert not any(f.startswith("weights.dtypes: {attention: bfp8, mlp: bfp4") for f in fixes)
     # the weights figures quoted are the re-planned ones
-    q = results[1][3]
-    assert f"-> {q.memory.weights / 2**30:.2f} GiB per chip" in fixes[1]
+    q = results[0][3]
+    assert f"-> {q.memory.weights / 2**30:.2f} GiB per chip" in fixes[0]
+    assert q.kv["max_tokens_all_users"] >= 4096
     # the bigger mesh is the smallest Wormhole preset that fits
     (mesh_fix,) = [r for r in results if r[2]]
     chosen = meshmod.resolve(mesh_fix[2])
@@ -533,8 +604,10 @@ def test_llama_70b_fixes_really_fit():
     assert not any(f.startswith("runtime.") for f in fixes)
 
 
-def test_kv_bound_spec_gets_the_largest_length_and_sequence_count_that_fit():
-    changes = {"model": {"max_position_embeddings": 1 << 20}, "runtime": {"max_model_len": 1 << 19}}
+def test_kv_bound_spec_gets_the_largest_length_that_fits():
+    """An auto pool that cannot hold even one max_model_len sequence: the fix is the longest
+    context whose single sequence fits (the pool then takes what is left)."""
+    changes = {"model": {"max_position_embeddings": 1 << 25}, "runtime": {"max_model_len": 1 << 24}}
     p, results = check_fixes(TINY, changes, "N150")
     assert p.memory.kv_cache > p.memory.total - p.memory.dram  # KV alone could absorb the excess
     by_field = {}
@@ -542,15 +615,22 @@ def test_kv_bound_spec_gets_the_largest_length_and_sequence_count_that_fit():
         m = re.match(r"runtime\.(\w+): (\d+) -> (\d+) ", fix)
         if m:
             by_field[m.group(1)] = int(m.group(3))
-    assert set(by_field) == {"max_model_len", "max_num_seqs"}
-    # largest: one block more (or one sequence more) no longer fits
+    assert "max_model_len" in by_field
+    # largest: one block more no longer fits
     mml = by_field["max_model_len"]
     assert mml % 32 == 0
     b = spec.loads(spec_text(deep_update(changes, {"runtime": {"max_model_len": mml + 32}})), SPEC_FILE)
     assert not planmod.make_plan(b, "N150").fits
-    seqs = by_field["max_num_seqs"]
-    b = spec.loads(spec_text(deep_update(changes, {"runtime": {"max_num_seqs": seqs + 1}})), SPEC_FILE)
-    assert not planmod.make_plan(b, "N150").fits
+
+
+def test_full_length_pool_gets_the_largest_sequence_count_that_fits():
+    """A pool pinned to every sequence at full length (the pre-pool sizing) that does not fit:
+    `plan` offers the largest pool that fits, checked by re-planning."""
+    changes = {"model": {"max_position_embeddings": 1 << 20},
+               "runtime": {"max_model_len": 1 << 19, "max_tokens_all_users": 32 << 19}}
+    p, results = check_fixes(TINY, changes, "N150")
+    fixes = [f for f, *_ in results]
+    assert any(f.startswith("runtime.max_tokens_all_users: ") for f in fixes)
 
 
 def test_check_mesh_returns_located_diagnostics():

@@ -85,6 +85,9 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
             p = plans[t]
             err.print(Text(f"{spec}: {t}: does not fit: needs {p.memory.total:,} B per chip, "
                            f"chip has {p.memory.dram:,} B; run `ttbundle plan {spec} --mesh {t}`"))
+            pool = planmod.pool_diagnostic(bundle, p)
+            if pool is not None:
+                err.print(Text(f"  {pool}"))
         ok = [t for t in plans if t not in no_fit]
         if ok:
             out.print(Text(f"{spec}: valid; fits {', '.join(ok)}"))

@@ -367,9 +367,56 @@ class _Tracer:
 
 
 # ---- the plan ----------------------------------------------------------------------------------
-def kv_blocks(rt) -> int:
-    """Blocks for every sequence at full length plus one spare block each (plugin formula)."""
-    return _cdiv(rt.max_num_seqs * rt.max_model_len + rt.kv_block_size * rt.max_num_seqs, rt.kv_block_size)
+def pool_blocks(rt, tokens: int) -> int:
+    """Blocks of a KV pool of ``tokens`` tokens (Tenstorrent's formula): ceil((tokens +
+    kv_block_size x max_num_seqs) / kv_block_size), i.e. one spare block per sequence."""
+    return _cdiv(tokens + rt.kv_block_size * rt.max_num_seqs, rt.kv_block_size)
+
+
+def pool_tokens(rt, blocks: int) -> int:
+    """The pool (``max_tokens_all_users``) that :func:`pool_blocks` turns into ``blocks``."""
+    return blocks * rt.kv_block_size - rt.kv_block_size * rt.max_num_seqs
+
+
+def kv_blocks(bundle, mesh: Mesh | str) -> int:
+    """KV cache blocks of ``bundle`` on ``mesh``: the plan's pool (the one owner of this number;
+    the worker asks vLLM for it, the ttnn backend allocates it, packages record it)."""
+    return make_plan(bundle, mesh).kv["num_blocks"]
+
+
+@dataclass
+class _Pool:
+    tokens: int  # max_tokens_all_users
+    blocks: int
+    chosen: str  # "spec" | "auto"
+    why: str
+
+
+def choose_pool(rt, kv_bytes, free: int) -> _Pool:
+    """The KV pool: the spec's ``max_tokens_all_users``, or (``auto`` / absent) the largest whole
+    number of blocks whose KV bytes per chip (``kv_bytes(blocks)``, allocator-rounded, monotone)
+    fit in ``free`` (DRAM left after weights, activations and trace region), between one
+    ``max_model_len`` sequence and every sequence at full length."""
+    want = rt.max_tokens_all_users
+    full = rt.max_num_seqs * rt.max_model_len
+    if isinstance(want, int):
+        return _Pool(want, pool_blocks(rt, want), "spec", "runtime.max_tokens_all_users")
+    lo, hi = pool_blocks(rt, rt.max_model_len), pool_blocks(rt, full)
+    if kv_bytes(hi) <= free:
+        return _Pool(full, hi, "auto", f"auto: every sequence at full length fits (max_num_seqs="
+                     f"{rt.max_num_seqs} x max_model_len={rt.max_model_len})")
+    if kv_bytes(lo) > free:
+        return _Pool(rt.max_model_len, lo, "auto", f"auto: not even one max_model_len="
+                     f"{rt.max_model_len} sequence fits in the {_gib(max(free, 0))} left")
+    a, b = lo, hi - 1  # kv_bytes(lo) fits, kv_bytes(hi) does not
+    while a < b:
+        mid = (a + b + 1) // 2
+        if kv_bytes(mid) <= free:
+            a = mid
+        else:
+            b = mid - 1
+    return _Pool(pool_tokens(rt, a), a, "auto", f"auto: the largest pool that fits the "
+                 f"{_gib(free)} left after weights, activations and trace region")
 
 
 def _shard_tensors(bundle, mesh: Mesh):
@@ -457,10 +504,20 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
             if nbytes > act_layer_bytes:
                 act_layer, act_layer_bytes = bufs, nbytes
 
-    # KV cache: (num_blocks, kv_heads/device, block_size, head_dim) per layer, K and V separately
+    act_bufs = act_layer + [("logits", [_round_up(max(bk.decode), TILE), vocab_gathered])]
+    act_bytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in act_bufs)
+
     rt = s.runtime
-    blocks = kv_blocks(rt)
-    kv_total, kv_entries = 0, []
+    traced_prefill = len(bk.prefill) if rt.trace_mode == "all" else 0
+    traced_decode = len(bk.decode) if rt.trace_mode in ("all", "decode_only") else 0
+    num_traces = traced_prefill + traced_decode
+    trace_size = rt.trace_region_size if rt.trace_region_size is not None else \
+        _round_up(num_traces * ops_per_forward * TRACE_BYTES_PER_OP, 1 << 20)
+    trace = trace_region_dram(trace_size, mesh) if trace_size else 0
+
+    # KV cache: (num_blocks, kv_heads/device, block_size, head_dim) per layer, K and V separately,
+    # as one pool of blocks shared by all sequences (choose_pool: the spec's, or what fits)
+    kv_units = []
     for e in fam.kv_cache(a):
         if e.follows:
             tname, di = e.follows
@@ -470,28 +527,31 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
             units = layoutmod.split(e.heads, ax, mesh, s.sharding).per_device
         else:
             units = e.heads.size
-        shape = [blocks, units, rt.kv_block_size, e.head_dim]
-        per_layer = tensor_bytes(shape, rt.kv_cache_dtype, "TILE", mesh)
-        kv_total += per_layer * e.count
-        kv_entries.append({"name": e.name, "device_shape": shape, "layers": e.count,
-                           "bytes_per_layer": per_layer})
-    kv = {"dtype": rt.kv_cache_dtype, "num_blocks": blocks, "block_size": rt.kv_block_size,
-          "entries": kv_entries, "bytes": kv_total}
+        kv_units.append((e, units))
 
-    act_bufs = act_layer + [("logits", [_round_up(max(bk.decode), TILE), vocab_gathered])]
-    act_bytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in act_bufs)
-
-    traced_prefill = len(bk.prefill) if rt.trace_mode == "all" else 0
-    traced_decode = len(bk.decode) if rt.trace_mode in ("all", "decode_only") else 0
-    num_traces = traced_prefill + traced_decode
-    trace_size = rt.trace_region_size if rt.trace_region_size is not None else \
-        _round_up(num_traces * ops_per_forward * TRACE_BYTES_PER_OP, 1 << 20)
-    trace = trace_region_dram(trace_size, mesh) if trace_size else 0
+    def kv_layout(nblocks: int):
+        total, entries = 0, []
+        for e, units in kv_units:
+            shape = [nblocks, units, rt.kv_block_size, e.head_dim]
+            per_layer = tensor_bytes(shape, rt.kv_cache_dtype, "TILE", mesh)
+            total += per_layer * e.count
+            entries.append({"name": e.name, "device_shape": shape, "layers": e.count,
+                            "bytes_per_layer": per_layer})
+        return total, entries
 
     by_dtype: dict[str, int] = {}
     for t in tensors:
         by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.bytes
     weights = sum(by_dtype.values())
+    free = mesh.chip.dram_bytes - weights - act_bytes - trace
+    pool = choose_pool(rt, lambda n: kv_layout(n)[0], free)
+    blocks = pool.blocks
+    kv_total, kv_entries = kv_layout(blocks)
+    kv = {"dtype": rt.kv_cache_dtype, "num_blocks": blocks, "block_size": rt.kv_block_size,
+          "entries": kv_entries, "bytes": kv_total, "max_tokens_all_users": pool.tokens,
+          "pool_chosen": pool.chosen, "pool_why": pool.why,
+          "max_num_seqs": rt.max_num_seqs, "full_length_tokens": rt.max_num_seqs * rt.max_model_len}
+
     total = weights + kv_total + act_bytes + trace
     mem = Memory(by_dtype, weights, kv_total, act_bytes, trace, total, mesh.chip.dram_bytes)
     return Plan(s.name, a.family, mesh, tensors, mem, collectives, kv, act_tokens, num_traces,
@@ -522,6 +582,47 @@ def check_mesh(bundle, mesh_name: str) -> list[Diagnostic]:
 
 
 # ---- advice when it does not fit ----------------------------------------------------------------
+def largest_pool(bundle, mesh: Mesh) -> int | None:
+    """The largest explicit ``max_tokens_all_users`` (whole blocks) with which ``bundle`` fits
+    ``mesh``, by re-planning; None when not even one ``max_model_len`` sequence fits."""
+    rt = bundle.spec.runtime
+
+    def fits(blocks: int) -> bool:
+        return make_plan(_with(bundle, max_tokens_all_users=pool_tokens(rt, blocks)), mesh).fits
+    lo = pool_blocks(rt, rt.max_model_len)
+    if not fits(lo):
+        return None
+    hi = lo * 2
+    while fits(hi):  # grow until it does not fit (DRAM is finite)
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # lo fits, hi does not
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return pool_tokens(rt, lo)
+
+
+def pool_diagnostic(bundle, p: Plan) -> Diagnostic | None:
+    """For a plan that does not fit with an explicit ``runtime.max_tokens_all_users``: where,
+    the arithmetic (pool bytes against what weights, activations and trace region leave) and
+    the fix (the largest pool that fits, which `auto` picks)."""
+    rt = bundle.spec.runtime
+    if p.fits or not isinstance(rt.max_tokens_all_users, int):
+        return None
+    m, kv = p.memory, p.kv
+    left = m.dram - (m.weights + m.activations + m.trace_region)
+    msg = (f"max_tokens_all_users={rt.max_tokens_all_users:,} does not fit {p.mesh.describe()}: "
+           f"the KV pool of {kv['num_blocks']:,} blocks x {kv['block_size']} takes {_gib(m.kv_cache)} "
+           f"per chip, {_gib(max(left, 0))} is left after weights {_gib(m.weights)}, activations "
+           f"{_gib(m.activations)} and trace region {_gib(m.trace_region)}")
+    best = largest_pool(bundle, p.mesh)
+    if best is not None:
+        msg += f"; fix: max_tokens_all_users: {best} (the largest that fits) or `auto`"
+    else:
+        msg += (f"; not even one max_model_len={rt.max_model_len} sequence fits: use smaller weight "
+                f"dtypes or a bigger mesh (`ttbundle plan --mesh {p.mesh.name}` lists fixes)")
+    return bundle.locate(("runtime", "max_tokens_all_users"), msg)
+
+
 def _with(bundle, **runtime):
     spec = bundle.spec.model_copy(update={"runtime": bundle.spec.runtime.model_copy(update=runtime)})
     return type(bundle)(spec, bundle.arch, bundle.family, bundle.file, bundle.base_dir, bundle.positions)
@@ -565,13 +666,22 @@ def fixes(bundle, p: Plan) -> list[str]:
             continue
         if q.fits:
             out.append(f"a bigger mesh: {cand.describe()} ({cand.num_devices} chips) holds "
-                       f"{_gib(q.memory.total)} per chip of {_gib(q.memory.dram)}")
+                       f"{_gib(q.memory.total)} per chip of {_gib(q.memory.dram)}, with a KV pool "
+                       f"of {q.kv['max_tokens_all_users']:,} tokens")
             break
-    # KV: shorter context or fewer sequences
-    kv_per_token = p.memory.kv_cache / max(1, kv_blocks(rt) * rt.kv_block_size)
+    # KV: a smaller pool, a shorter context or fewer sequences
+    kv_per_token = p.memory.kv_cache / max(1, p.kv["num_blocks"] * rt.kv_block_size)
+    if isinstance(rt.max_tokens_all_users, int) and over < p.memory.kv_cache:
+        best = largest_pool(bundle, mesh)
+        if best is not None:
+            out.append(f"runtime.max_tokens_all_users: {rt.max_tokens_all_users} -> {best} (the "
+                       f"largest pool that fits, or `auto`; KV cache "
+                       f"{kv_per_token * rt.kv_block_size / (1 << 20):.2f} MiB per block per chip)")
     if p.memory.kv_cache > 0 and over < p.memory.kv_cache:
         for field_name, step in (("max_model_len", rt.kv_block_size), ("max_num_seqs", 1)):
             cur = getattr(rt, field_name)
+            if field_name == "max_model_len" and isinstance(rt.max_tokens_all_users, int):
+                continue  # the pool, not the context, sizes an explicit pool's KV cache
             lo, hi, best = 1, (cur - 1) // step, None  # search in whole steps (blocks / sequences)
             while lo <= hi:  # largest value that fits, by re-planning
                 mid = (lo + hi) // 2
@@ -585,7 +695,7 @@ def fixes(bundle, p: Plan) -> list[str]:
                     hi = mid - 1
             if best:
                 out.append(f"runtime.{field_name}: {cur} -> {best} (KV cache "
-                           f"{_gib(kv_per_token * rt.kv_block_size)} per block per chip)")
+                           f"{kv_per_token * rt.kv_block_size / (1 << 20):.2f} MiB per block per chip)")
     if not out:
         out.append("no single change found; combine smaller dtypes with a bigger mesh")
     return out

@@ -16,6 +16,15 @@ def human(n: float) -> str:
     return f"{int(n):,} B"
 
 
+def pool_line(p: Plan) -> str:
+    """The KV pool in tokens, blocks and bytes per chip, and how it was chosen."""
+    kv = p.kv
+    return (f"KV pool: {kv['max_tokens_all_users']:,} tokens (max_tokens_all_users) = "
+            f"{kv['num_blocks']:,} blocks x {kv['block_size']} = {human(kv['bytes'])} per chip, "
+            f"shared by {kv['max_num_seqs']} sequences ({kv['full_length_tokens']:,} tokens at full "
+            f"length); {kv['pool_why']}")
+
+
 def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> None:
     m = p.mesh
     console.print(f"[bold]{p.bundle_name}[/] ({p.family}) on [bold]{m.describe()}[/]: "
@@ -50,6 +59,7 @@ def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> Non
         f"[red]does not fit[/] ({pct:.1f}% of DRAM, {human(-mem.free)} over)"
     mt.add_row("[bold]verdict[/]", "", verdict)
     console.print(mt)
+    console.print(Text(pool_line(p)))
 
     if p.collectives:
         ct = Table(title="collectives per forward", title_justify="left", show_edge=False)

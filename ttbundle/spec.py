@@ -121,7 +121,7 @@ class Runtime(BaseModel):
     max_model_len: int = Field(default=4096, gt=0)
     """Longest sequence (prompt + output) served."""
     max_num_seqs: int = Field(default=32, gt=0)
-    """Sequences decoded together (the KV cache holds this many of max_model_len)."""
+    """Sequences decoded together (they share the KV pool, `max_tokens_all_users`)."""
     kv_block_size: int = Field(default=32, gt=0)
     """Tokens per paged-KV block; a multiple of 32."""
     kv_cache_dtype: Literal["bf16", "bfp8"] = "bf16"
@@ -132,6 +132,12 @@ class Runtime(BaseModel):
     """Where sampling runs on device (token ids come back instead of logits)."""
     trace_region_size: int | None = Field(default=None, gt=0)
     """Bytes reserved for captured traces; default: ttbundle's estimate (see `plan`)."""
+    max_tokens_all_users: Annotated[int, Field(gt=0)] | Literal["auto"] | None = None
+    """KV cache pool (Tenstorrent's name): tokens of KV cache shared by all sequences. vLLM gets
+    ceil((max_tokens_all_users + kv_block_size x max_num_seqs) / kv_block_size) blocks and
+    preempts a sequence when they run out. `auto` or absent: the largest pool that fits each
+    chip after weights, activations and the trace region, capped at max_num_seqs x
+    max_model_len (every sequence at full length); at least max_model_len (one full sequence)."""
 
 
 class BundleSpec(BaseModel):
@@ -535,6 +541,12 @@ def check(b: Bundle) -> list[Diagnostic]:
     if rt.kv_block_size % TILE:
         d.append(b.locate(("runtime", "kv_block_size"), f"kv_block_size={rt.kv_block_size} is not a "
                           f"multiple of {TILE}"))
+    pool = rt.max_tokens_all_users
+    if isinstance(pool, int) and pool < rt.max_model_len:
+        d.append(b.locate(("runtime", "max_tokens_all_users"), f"max_tokens_all_users={pool} is "
+                          f"below max_model_len={rt.max_model_len}: the KV pool must hold one "
+                          f"full-length sequence; set it to at least {rt.max_model_len}, lower "
+                          "max_model_len, or write `auto` (the largest pool that fits)"))
     if rt.max_model_len > a.max_position_embeddings:
         d.append(b.locate(("runtime", "max_model_len"), f"max_model_len={rt.max_model_len} exceeds the "
                           f"model's max_position_embeddings={a.max_position_embeddings}"))

@@ -29,7 +29,8 @@ def make_scheduler(pkg, K: int = 1, num_blocks: int | None = None):
 
     cfg = EngineArgs(model=str(pkg), dtype="float32",
                      additional_config={"tt": {"max_prefill_steps_between_decodes": K}}).create_engine_config()
-    n = num_blocks or kv_blocks(open_package(pkg, check_hashes=False).bundle.spec.runtime)
+    opened = open_package(pkg, check_hashes=False)
+    n = num_blocks or kv_blocks(opened.bundle, opened.mesh_name)
     spec = FullAttentionSpec(block_size=32, num_kv_heads=4, head_size=16, dtype=torch.float32)
     kvc = KVCacheConfig(num_blocks=n, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["l0"], spec)])
     cfg.cache_config.num_gpu_blocks = n

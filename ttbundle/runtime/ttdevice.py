@@ -127,7 +127,7 @@ class TTDeviceModel:
 
     def _plan_blocks(self) -> int:
         from ..plan import kv_blocks
-        return kv_blocks(self.bundle.spec.runtime)
+        return kv_blocks(self.bundle, self.package.mesh_name)
 
     # -- programs ---------------------------------------------------------------------------------
     def _key(self, phase: str, bucket: int, sampling, start: int = 0) -> tuple:

@@ -80,13 +80,13 @@ class TTWorker(WorkerBase):
         return ["NHD"]
 
     def determine_available_memory(self) -> int:
-        """Exactly the blocks the bundle's KV formula asks for (Tenstorrent's
-        ceil((max_num_seqs x max_model_len + block x max_num_seqs) / block)), unless
-        ``--num-gpu-blocks-override`` says otherwise."""
+        """Exactly the blocks of the plan's KV pool (Tenstorrent's
+        ceil((max_tokens_all_users + block x max_num_seqs) / block), ``plan.kv_blocks``), unless
+        ``--num-gpu-blocks-override`` says otherwise; vLLM preempts when they run out."""
         from ..plan import kv_blocks
 
         override = self.cache_config.num_gpu_blocks_override
-        blocks = override or kv_blocks(self.package.bundle.spec.runtime)
+        blocks = override or kv_blocks(self.package.bundle, self.package.mesh_name)
         return blocks * self.model_runner.kv_bytes_per_block()
 
     def initialize_from_config(self, kv_cache_config) -> None:
