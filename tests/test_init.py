@@ -4,7 +4,9 @@ becomes a spec that loads to the same architecture; bad input exits 2 without wr
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -284,17 +286,100 @@ def test_several_meshes_and_padding_heads(tmp_path, runner):
     assert v.exit_code == 0, v.output
 
 
-def test_does_not_fit_still_writes_and_points_at_plan(tmp_path, runner):
-    # Llama-3.1-70B dims, bf16 on one N150
+def wh_dram(pages: int, page_bytes: int) -> int:
+    """An interleaved buffer on a Wormhole chip: 12 banks, each ceil(pages / 12) pages of
+    page_bytes rounded up to 32 B."""
+    return 12 * math.ceil(pages / 12) * (-(-page_bytes // 32) * 32)
+
+
+TILE_BYTES = {"bf16": 2048, "bfp8": 1088, "bfp4": 576}
+
+
+def llama_weights_one_chip(v, d, i, layers, heads, kv, hd, mlp_dtype, other_dtype) -> int:
+    """Every Llama weight unsharded on one Wormhole chip: matrices in TILE pages of their dtype,
+    the embedding bf16 ROW_MAJOR (a page per row), 1-D norms bf16 rows of 32 values."""
+    t = lambda r, c, dt: wh_dram(math.ceil(r / 32) * math.ceil(c / 32), TILE_BYTES[dt])  # noqa: E731
+    per_layer = (t(d, heads * hd, other_dtype) * 2 + t(d, kv * hd, other_dtype) * 2
+                 + t(d, i, mlp_dtype) * 3 + wh_dram(d // 32, 64) * 2)
+    return (wh_dram(v, d * 2) + t(d, v, other_dtype) + wh_dram(d // 32, 64) + layers * per_layer)
+
+
+def test_does_not_fit_exits_3_with_the_arithmetic_and_fixes(tmp_path, runner):
+    # Llama-3.1-70B dims on one N150: not even bfp8 weights with bfp4 MLP fit; nothing written
     hf = llama(tmp_path / "m", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
                num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                max_position_embeddings=131072)
-    out = tmp_path / "spec.yaml"
+    out = tmp_path / "new" / "spec.yaml"
     r = invoke(runner, "--from-hf", hf, "-o", out)
+    assert r.exit_code == 3, r.output
+    assert not out.exists() and not out.parent.exists()
+    assert "Traceback" not in r.output and "does not fit N150" in r.stderr
+    w = llama_weights_one_chip(128256, 8192, 28672, 80, 64, 8, 128, "bfp4", "bfp8")
+    assert w > 12 * 1_072_693_184  # the weights alone exceed the chip
+    assert f"weights {w / 2**30:,.2f} GiB" in r.stderr
+    m = re.search(r"a bigger mesh: (\S+) ", r.stderr)
+    assert m, r.stderr
+    # the mesh it names really takes the model
+    r2 = invoke(runner, "--from-hf", hf, "-o", tmp_path / "big.yaml", "--mesh", m.group(1))
+    assert r2.exit_code == 0, r2.output
+    # an explicit dtype is kept as given: bf16 does not fit either, exit 3
+    r3 = invoke(runner, "--from-hf", hf, "-o", out, "--weights-dtype", "bf16")
+    assert r3.exit_code == 3 and "with bf16 weights" in r3.stderr
+
+
+def test_llama_8b_on_n150_with_32_users_at_32k_gets_bfp8_and_the_largest_pool(tmp_path, runner):
+    """The issue's example: Llama-3.1-8B, 32 users, max_model_len 32768 on one N150: bf16 and
+    bfp8 weights with a bf16 KV cache leave no room for one sequence; bfp8 weights and KV do,
+    and the pool is the largest that fits (bytes computed here from the dims)."""
+    hf = llama(tmp_path / "m", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+               num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+               max_position_embeddings=131072)
+    out = tmp_path / "spec.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out, "--mesh", "N150", "--max-model-len", 32768)
     assert r.exit_code == 0, r.output
-    assert out.exists()
-    assert "N150: does not fit (" in r.stdout
-    assert f"see `ttbundle plan {out} --mesh N150`" in r.stdout
+    text = out.read_text()
+    assert "init: bfp8 weights and KV cache chosen: bf16 weights does not fit N150" in " ".join(
+        line.strip("# ") for line in text.splitlines())
+    assert "bfp8 weights and KV cache chosen" in r.stderr
+    b = specmod.load(out)
+    assert b.spec.weights.dtypes.default == "bfp8" and b.spec.runtime.kv_cache_dtype == "bfp8"
+    assert b.spec.runtime.max_tokens_all_users == "auto" and b.spec.runtime.max_num_seqs == 32
+    p = planmod.make_plan(b, "N150")
+    w = llama_weights_one_chip(128256, 4096, 14336, 32, 32, 8, 128, "bfp8", "bfp8")
+    assert p.memory.weights == w
+    # KV: per layer K and V, [blocks, 8 heads, 32, 128] bfp8 = 32 tiles per block
+    kv = lambda blocks: 2 * 32 * wh_dram(32 * blocks, 1088)  # noqa: E731
+    rest = w + p.memory.activations + p.memory.trace_region
+    blocks = p.kv["num_blocks"]
+    dram = 12 * 1_072_693_184
+    assert p.memory.kv_cache == kv(blocks) and rest + kv(blocks) <= dram < rest + kv(blocks + 1)
+    assert p.kv["max_tokens_all_users"] == blocks * 32 - 32 * 32 >= 32768
+    assert f"KV pool {p.kv['max_tokens_all_users']:,} tokens" in r.stdout
+    assert f"auto on N150 is {p.kv['max_tokens_all_users']:,} tokens" in text
+
+
+def test_qwen3_8b_on_n300_keeps_bf16_and_fits(tmp_path, runner):
+    """The issue's report: Qwen3-8B on N300 used to be written unfit (25.8 GiB per chip); now
+    bf16 fits with the pool that remains, and `validate` agrees."""
+    from transformers import Qwen3Config
+    hf = tmp_path / "Qwen3-8B"
+    Qwen3Config(architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+                intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                tie_word_embeddings=False).save_pretrained(hf)
+    out = tmp_path / "q.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out, "--mesh", "N300")
+    assert r.exit_code == 0, r.output
+    b = specmod.load(out)
+    assert b.spec.weights.dtypes.default == "bf16" and "chosen" not in r.stderr
+    p = planmod.make_plan(b, "N300")
+    # 8 KV heads over 2 chips: [blocks, 4, 32, 128] bf16 = 16 tiles per block, 36 layers x K, V
+    kv = lambda blocks: 2 * 36 * wh_dram(16 * blocks, 2048)  # noqa: E731
+    rest = p.memory.weights + p.memory.activations + p.memory.trace_region
+    blocks = p.kv["num_blocks"]
+    assert p.memory.kv_cache == kv(blocks) and rest + kv(blocks) <= 12 * 1_072_693_184 < rest + kv(blocks + 1)
+    assert p.kv["max_tokens_all_users"] >= b.spec.runtime.max_model_len
+    assert runner.invoke(app, ["validate", str(out)]).exit_code == 0
 
 
 def test_hostile_directory_name_cannot_inject_yaml(tmp_path, runner):

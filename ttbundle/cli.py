@@ -128,8 +128,10 @@ def init(from_hf: Path = typer.Option(..., "--from-hf", help="Hugging Face model
          output: Path = typer.Option(..., "-o", "--output", help="Spec file to write."),
          mesh: Optional[list[str]] = typer.Option(None, "--mesh", "-m", help="Target mesh; repeat for "
                                                   "several (default: N150)."),
-         weights_dtype: str = typer.Option("bf16", "--weights-dtype", help="bf16 | bfp8 | bfp4: "
-                                           "default weight dtype (the embedding stays bf16)."),
+         weights_dtype: Optional[str] = typer.Option(None, "--weights-dtype", help="bf16 | bfp8 | bfp4: "
+                                                     "default weight dtype (the embedding stays bf16); "
+                                                     "default: bf16, or bfp8 / bfp4 MLP where bf16 "
+                                                     "does not fit."),
          max_model_len: Optional[int] = typer.Option(None, "--max-model-len", help="Default: "
                                                      "min(max_position_embeddings, 8192)."),
          max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Default: 32 "
@@ -139,9 +141,10 @@ def init(from_hf: Path = typer.Option(..., "--from-hf", help="Hugging Face model
          force: bool = typer.Option(False, "--force", help="Overwrite the spec file if it exists.")):
     """Write a commented, valid spec from a Hugging Face config.json.
 
-    Nothing is written unless the spec validates; an existing file needs --force.
+    Nothing is written unless the spec validates and fits every mesh (the weight dtype and the
+    KV pool are chosen to fit); an existing file needs --force.
 
-    Exit 0 written (also when a mesh does not fit: see its line), 2 invalid input."""
+    Exit 0 written, 2 invalid input, 3 does not fit a mesh (the arithmetic and fixes listed)."""
     from .init import init_spec
     try:
         r = init_spec(from_hf, output, mesh, weights_dtype, max_model_len, max_num_seqs, name, force)

@@ -91,3 +91,9 @@ class InvalidInput(TTBundleError):
 class WarmupMismatch(TTBundleError):
     """A program's output on its fixed warm-up input differs from the reference the build recorded
     (``ttbundle.warmup``): the package's weights or program are not what was built; exit 1."""
+
+
+class DoesNotFit(TTBundleError):
+    """A valid request whose model does not fit the mesh's memory (``init --mesh``); exit code 3."""
+
+    exit_code = EXIT_DOES_NOT_FIT

@@ -67,7 +67,8 @@ class InitResult:
         for t, p in self.plans.items():
             m = p.memory
             if p.fits:
-                lines.append(f"{t}: fits ({human(m.total)} of {human(m.dram)} per chip)")
+                lines.append(f"{t}: fits ({human(m.total)} of {human(m.dram)} per chip; KV pool "
+                             f"{p.kv['max_tokens_all_users']:,} tokens, {human(p.kv['bytes'])})")
             else:
                 lines.append(f"{t}: does not fit ({human(m.total)} per chip, chip has {human(m.dram)});"
                              f" see `ttbundle plan {shlex.quote(str(self.path))} --mesh {shlex.quote(t)}`")
@@ -218,7 +219,9 @@ class _Ctx:
 def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Path, name: str,
              meshes: list[str], weights_dtype: str, max_model_len: int, max_num_seqs: int,
              buckets: dict, bucket_notes: list[str], sharding_opts: dict[str, str],
-             sharding_notes: dict[str, str]) -> _Ctx:
+             sharding_notes: dict[str, str], group_dtypes: dict[str, str] | None = None,
+             dtype_note: str = "", pool_notes: list[str] | None = None,
+             kv_dtype: str = "bf16") -> _Ctx:
     B, W, D, S, K, R = (specmod.BundleSpec, specmod.Weights, specmod.DtypePolicy, specmod.Sharding,
                         specmod.Buckets, specmod.Runtime)
     tensors = family.tensors(arch)
@@ -244,11 +247,14 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
                      note="" if has_weights(hf_dir) else f"no *.safetensors in {one_line(rel)} yet")]
     groups_present = [g for g in GROUPS if g != "embedding"
                       and any(t.group == g and t.kind == "matrix" for t in tensors)]
-    dtypes = [Entry("default", y(weights_dtype), field_doc(D, "default"))]
+    group_dtypes = group_dtypes or {}
+    dtypes = [Entry("default", y(weights_dtype), field_doc(D, "default")
+                    + doc_lines(dtype_note and f"init: {dtype_note}"))]
     if any(t.group == "embedding" for t in tensors):
         dtypes.append(Entry("embedding", y("bf16"), field_doc(D, "embedding")))
     for g in groups_present:
-        dtypes.append(Entry(g, y(weights_dtype), field_doc(D, g), disabled=True))
+        dtypes.append(Entry(g, y(group_dtypes.get(g, weights_dtype)), field_doc(D, g),
+                            disabled=g not in group_dtypes))
     # embedding-kind tensors outside the `embedding` group would inherit a block-float default
     odd = {t.name: "bf16" for t in tensors if t.kind == "embedding" and t.group != "embedding"}
     dtypes.append(Entry("tensors", y(odd), field_doc(D, "tensors")))
@@ -280,8 +286,14 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
     if bucket_notes:
         sections["buckets"][0].doc += doc_lines("init: " + "; ".join(bucket_notes))
 
-    rt = specmod.Runtime(max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    rt = specmod.Runtime(max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                         kv_cache_dtype=kv_dtype, max_tokens_all_users="auto")
     sections["runtime"] = model_entries(rt)
+    for e in sections["runtime"]:
+        if e.key == "max_tokens_all_users":
+            e.doc += doc_lines("init: " + "; ".join(pool_notes)) if pool_notes else []
+        if e.key == "kv_cache_dtype" and kv_dtype != "bf16":
+            e.doc += doc_lines(dtype_note and f"init: {dtype_note}")
 
     docs = {k: field_doc(B, k) for k in ("model", "weights", "sharding", "buckets", "runtime")}
     header = [
@@ -319,16 +331,30 @@ def _make_parents(d: Path) -> list[Path]:
     return created
 
 
+#: Weight dtypes ``init`` tries in order when none is asked for: (default, per-group overrides,
+#: what the spec comment says). The last is tt_transformers' "performance" setting.
+DTYPE_CHOICES: tuple[tuple[str, dict[str, str], str, str], ...] = (
+    ("bf16", {}, "bf16", "bf16 weights"),
+    ("bfp8", {}, "bf16", "bfp8 weights"),
+    ("bfp8", {}, "bfp8", "bfp8 weights and KV cache"),
+    ("bfp8", {"mlp": "bfp4", "experts": "bfp4"}, "bfp8", "bfp8 weights with bfp4 MLP/experts and a bfp8 KV cache"),
+)
+
+
 def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
-                weights_dtype: str = "bf16", max_model_len: int | None = None,
+                weights_dtype: str | None = None, max_model_len: int | None = None,
                 max_num_seqs: int | None = None, name: str | None = None):
-    """The spec text for ``hf_dir`` as it would be written to ``output``, validated: returns
-    ``(text, bundle, plans, notes)``. ``output``'s directory must exist (paths are checked)."""
+    """The spec text for ``hf_dir`` as it would be written to ``output``, validated and fitting
+    every mesh: returns ``(text, bundle, plans, notes)``. Without ``weights_dtype`` the first of
+    :data:`DTYPE_CHOICES` that fits every mesh is taken (said in the file and in ``notes``); the
+    KV pool is ``auto`` (the largest that fits each mesh; its size per mesh is written as a
+    comment). Raises :class:`DoesNotFit` (exit 3) with the arithmetic and the fixes when nothing
+    fits. ``output``'s directory must exist (paths are checked)."""
     hf_dir = Path(hf_dir)
     meshes = list(dict.fromkeys(meshes or [DEFAULT_MESH]))
     for m in meshes:
         meshmod.resolve(m)
-    if weights_dtype not in WEIGHT_DTYPES:
+    if weights_dtype is not None and weights_dtype not in WEIGHT_DTYPES:
         raise InvalidInput(f"--weights-dtype {weights_dtype!r}: one of {', '.join(WEIGHT_DTYPES)}")
     if name is not None and not specmod.NAME_RE.fullmatch(name):
         raise InvalidInput(f"--name {name!r}: must be 1-64 characters of lowercase letters, digits, "
@@ -362,9 +388,62 @@ def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
     archs = config.get("architectures") or ["?"]
 
     kw = dict(arch=arch, family=family, hf_arch=str(archs[0]), cfg=cfg, out_dir=output.parent,
-              hf_dir=hf_dir, name=name, meshes=meshes, weights_dtype=weights_dtype,
+              hf_dir=hf_dir, name=name, meshes=meshes,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, buckets=buckets,
               bucket_notes=bucket_notes)
+    choices = DTYPE_CHOICES if weights_dtype is None else (
+        (weights_dtype, {}, "bf16", f"{weights_dtype} weights"),)
+    tried = []
+    for default, groups, kv_dtype, label in choices:
+        ctx_kw = dict(kw, weights_dtype=default, group_dtypes=groups, kv_dtype=kv_dtype)
+        text, bundle, plans, notes, ctx_kw = _resolve(meshes, output, cfg, ctx_kw)
+        tried.append((label, bundle, plans))
+        if all(p.fits for p in plans.values()):
+            break
+    else:
+        raise _does_not_fit(cfg, meshes, tried, weights_dtype is None)
+    from .report import human
+    pool_notes = [f"auto on {m} is {p.kv['max_tokens_all_users']:,} tokens ({p.kv['num_blocks']:,} "
+                  f"blocks, {human(p.kv['bytes'])} per chip)" for m, p in plans.items()]
+    dtype_note = ""
+    if len(tried) > 1:
+        why = "; ".join(f"{lab} does not fit {', '.join(m for m, p in pl.items() if not p.fits)}"
+                        for lab, _, pl in tried[:-1])
+        dtype_note = f"{label} chosen: {why}"
+        notes = [f"weights: {dtype_note}"] + notes
+    notes.append("runtime.max_tokens_all_users: " + "; ".join(pool_notes))
+    text = _render(_context(**ctx_kw, dtype_note=dtype_note, pool_notes=pool_notes))
+    bundle = specmod.loads(text, str(output), base_dir=output.parent)
+    return text, bundle, plans, notes
+
+
+def _does_not_fit(cfg: Path, meshes: list[str], tried: list, auto: bool) -> "DoesNotFit":
+    """Exit 3: per mesh that does not fit, the per-chip arithmetic at the smallest dtype tried,
+    and the fixes (each checked by re-planning)."""
+    from .errors import DoesNotFit
+    from .report import human
+    label, bundle, plans = tried[-1]
+    diags = []
+    for m, p in plans.items():
+        if p.fits:
+            continue
+        mem = p.memory
+        diags.append(Diagnostic(
+            f"{m}: with {label}: weights {human(mem.weights)} + KV for one "
+            f"max_model_len={bundle.spec.runtime.max_model_len} sequence {human(mem.kv_cache)} + "
+            f"activations {human(mem.activations)} + trace region {human(mem.trace_region)} = "
+            f"{human(mem.total)} per chip; a {p.mesh.chip.label} chip has {human(mem.dram)}"))
+        for f in planmod.fixes(bundle, p):
+            diags.append(Diagnostic(f"{m}: fix (from {label}): {f}"))
+    what = "bf16, bfp8 or bfp4 MLP weights" if auto else label
+    return DoesNotFit(f"{cfg}: does not fit {', '.join(m for m in meshes if not plans[m].fits)} "
+                      f"with {what}; nothing written (pass a bigger --mesh, --weights-dtype or a "
+                      "smaller --max-model-len)", diags)
+
+
+def _resolve(meshes, output, cfg, kw):
+    """The spec for ``kw`` whose sharding plan resolves on every mesh (padding heads if the
+    family default does not divide): ``(text, bundle, plans, notes, kw)``."""
     def plans_for(bundle):
         plans, diags = {}, []
         for m in meshes:
@@ -386,9 +465,9 @@ def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
                                "written", e.diagnostics) from None
         plans, diags = plans_for(bundle)
         if not diags:
-            notes = [f"buckets: {n}" for n in bucket_notes]
+            notes = [f"buckets: {n}" for n in kw["bucket_notes"]]
             notes += [f"sharding.{k}: {v} because {reason}" for k, v in opts.items()]
-            return text, bundle, plans, notes
+            return text, bundle, plans, notes, dict(kw, sharding_opts=opts, sharding_notes=why)
         if not opts:
             reason = diags[0].message.split("; fix:")[0]
     raise InvalidInput(f"{cfg}: the family's default plan does not divide over "
@@ -396,7 +475,7 @@ def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
 
 
 def init_spec(hf_dir: str | Path, output: str | Path, meshes: list[str] | None = None,
-              weights_dtype: str = "bf16", max_model_len: int | None = None,
+              weights_dtype: str | None = None, max_model_len: int | None = None,
               max_num_seqs: int | None = None, name: str | None = None,
               force: bool = False) -> InitResult:
     """Render, validate and atomically write the spec; refuses to overwrite without ``force``."""

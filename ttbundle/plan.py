@@ -665,9 +665,9 @@ def fixes(bundle, p: Plan) -> list[str]:
         except InvalidInput:
             continue
         if q.fits:
-            out.append(f"a bigger mesh: {cand.describe()} ({cand.num_devices} chips) holds "
-                       f"{_gib(q.memory.total)} per chip of {_gib(q.memory.dram)}, with a KV pool "
-                       f"of {q.kv['max_tokens_all_users']:,} tokens")
+            out.append(f"a bigger mesh: {cand.describe()} ({cand.num_devices} chips) fits: weights "
+                       f"{_gib(q.memory.weights)} per chip of {_gib(q.memory.dram)}, a KV pool of "
+                       f"{q.kv['max_tokens_all_users']:,} tokens ({_gib(q.memory.kv_cache)})")
             break
     # KV: a smaller pool, a shorter context or fewer sequences
     kv_per_token = p.memory.kv_cache / max(1, p.kv["num_blocks"] * rt.kv_block_size)
