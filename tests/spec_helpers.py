@@ -9,6 +9,7 @@ conftest too, and ``from conftest import`` would find whichever came first on sy
 from __future__ import annotations
 
 import copy
+import math
 
 import yaml
 
@@ -116,3 +117,22 @@ def smol_spec(mesh: str) -> tuple[str, dict]:
         if not planmod.check_mesh(specmod.loads(text, "smol.yaml"), mesh):
             return text, extra
     raise AssertionError(f"no padding fits {mesh}")
+
+
+# ---- per-chip bytes from dims (independent of ttbundle.plan) -------------------------------------
+def wh_dram(pages: int, page_bytes: int) -> int:
+    """An interleaved buffer on a Wormhole chip: 12 banks, each ceil(pages / 12) pages of
+    page_bytes rounded up to 32 B."""
+    return 12 * math.ceil(pages / 12) * (-(-page_bytes // 32) * 32)
+
+
+TILE_BYTES = {"bf16": 2048, "bfp8": 1088, "bfp4": 576}
+
+
+def llama_weights_one_chip(v, d, i, layers, heads, kv, hd, mlp_dtype, other_dtype) -> int:
+    """Every Llama weight unsharded on one Wormhole chip: matrices in TILE pages of their dtype,
+    the embedding bf16 ROW_MAJOR (a page per row), 1-D norms bf16 rows of 32 values."""
+    t = lambda r, c, dt: wh_dram(math.ceil(r / 32) * math.ceil(c / 32), TILE_BYTES[dt])  # noqa: E731
+    per_layer = (t(d, heads * hd, other_dtype) * 2 + t(d, kv * hd, other_dtype) * 2
+                 + t(d, i, mlp_dtype) * 3 + wh_dram(d // 32, 64) * 2)
+    return (wh_dram(v, d * 2) + t(d, v, other_dtype) + wh_dram(d // 32, 64) + layers * per_layer)

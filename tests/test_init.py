@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 
 from ttbundle import families, plan as planmod, spec as specmod
 from ttbundle.cli import app
+from spec_helpers import llama_weights_one_chip, wh_dram
 from ttbundle.init import derive_name, y
 
 # Small enough to plan in milliseconds; keys a config class does not have are left out.
@@ -284,24 +285,6 @@ def test_several_meshes_and_padding_heads(tmp_path, runner):
     assert b.spec.sharding.attention_heads == "pad"
     v = runner.invoke(app, ["validate", str(out)])
     assert v.exit_code == 0, v.output
-
-
-def wh_dram(pages: int, page_bytes: int) -> int:
-    """An interleaved buffer on a Wormhole chip: 12 banks, each ceil(pages / 12) pages of
-    page_bytes rounded up to 32 B."""
-    return 12 * math.ceil(pages / 12) * (-(-page_bytes // 32) * 32)
-
-
-TILE_BYTES = {"bf16": 2048, "bfp8": 1088, "bfp4": 576}
-
-
-def llama_weights_one_chip(v, d, i, layers, heads, kv, hd, mlp_dtype, other_dtype) -> int:
-    """Every Llama weight unsharded on one Wormhole chip: matrices in TILE pages of their dtype,
-    the embedding bf16 ROW_MAJOR (a page per row), 1-D norms bf16 rows of 32 values."""
-    t = lambda r, c, dt: wh_dram(math.ceil(r / 32) * math.ceil(c / 32), TILE_BYTES[dt])  # noqa: E731
-    per_layer = (t(d, heads * hd, other_dtype) * 2 + t(d, kv * hd, other_dtype) * 2
-                 + t(d, i, mlp_dtype) * 3 + wh_dram(d // 32, 64) * 2)
-    return (wh_dram(v, d * 2) + t(d, v, other_dtype) + wh_dram(d // 32, 64) + layers * per_layer)
 
 
 def test_does_not_fit_exits_3_with_the_arithmetic_and_fixes(tmp_path, runner):

@@ -1,0 +1,78 @@
+"""The published configs (bundles/*.yaml) with the KV pool: each plans to fit every target it
+documents with a pool of at least one full-length sequence, `init` from the same model's
+config.json fits each of those meshes at the bundle's limits, and the two examples of issue 14
+(Llama-3.1-8B with bfp8 weights and KV for 32 users at 32k on one N150; Qwen3-8B in bf16 on an
+N300) carry the largest pool that fits, in bytes computed here from the dims."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from spec_helpers import llama_weights_one_chip, wh_dram
+from ttbundle import plan as planmod, reference, spec
+from ttbundle.cli import app
+
+BUNDLES = Path(__file__).resolve().parent.parent / "bundles"
+PUBLISHED = sorted(p for p in BUNDLES.glob("*.yaml") if p.name != "demo.yaml")
+WH_DRAM = 12 * 1_072_693_184
+
+
+@pytest.mark.parametrize("path", PUBLISHED, ids=lambda p: p.stem)
+def test_published_bundle_plans_a_pool_on_every_target(path):
+    b = spec.load(path)
+    rt = b.spec.runtime
+    for t in b.spec.targets:
+        p = planmod.make_plan(b, t)
+        assert p.fits, t
+        tokens, blocks = p.kv["max_tokens_all_users"], p.kv["num_blocks"]
+        assert rt.max_model_len <= tokens <= rt.max_num_seqs * rt.max_model_len, t
+        # Tenstorrent's formula, written out
+        assert blocks == -(-(tokens + rt.kv_block_size * rt.max_num_seqs) // rt.kv_block_size), t
+
+
+@pytest.mark.parametrize("path", PUBLISHED, ids=lambda p: p.stem)
+def test_init_from_the_published_model_fits_its_documented_meshes(path, tmp_path):
+    b = spec.load(path)
+    hf = tmp_path / "model"
+    reference.hf_config(b).save_pretrained(hf)
+    rt = b.spec.runtime
+    args = ["init", "--from-hf", str(hf), "-o", str(tmp_path / "spec.yaml"), "--max-model-len",
+            str(rt.max_model_len), "--max-num-seqs", str(rt.max_num_seqs)]
+    for t in b.spec.targets:
+        args += ["--mesh", t]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    written = spec.load(tmp_path / "spec.yaml")
+    for t in b.spec.targets:
+        assert planmod.make_plan(written, t).fits, t
+
+
+def test_llama_8b_on_n150_bfp8_32_users_32k_has_the_largest_pool():
+    b = spec.load(BUNDLES / "llama-3.1-8b.yaml")
+    rt = b.spec.runtime
+    assert (rt.max_num_seqs, rt.max_model_len, rt.kv_cache_dtype) == (32, 32768, "bfp8")
+    assert "N150" in b.spec.targets
+    p = planmod.make_plan(b, "N150")
+    assert p.memory.weights == llama_weights_one_chip(128256, 4096, 14336, 32, 32, 8, 128, "bfp8", "bfp8")
+    # K and V of 32 layers, each [blocks, 8 heads, 32, 128] bfp8: 32 tiles of 1,088 B per block
+    kv = lambda n: 2 * 32 * wh_dram(32 * n, 1088)  # noqa: E731
+    rest = p.memory.weights + p.memory.activations + p.memory.trace_region
+    n = p.kv["num_blocks"]
+    assert p.memory.kv_cache == kv(n) and rest + kv(n) <= WH_DRAM < rest + kv(n + 1)
+    assert p.kv["max_tokens_all_users"] == n * 32 - 32 * 32 >= 32768
+
+
+def test_qwen3_8b_bf16_on_n300_has_the_largest_pool():
+    b = spec.load(BUNDLES / "qwen3-8b.yaml")
+    assert b.spec.weights.dtypes.default == "bf16" and "N300" in b.spec.targets
+    rt = b.spec.runtime
+    p = planmod.make_plan(b, "N300")
+    # 8 KV heads over the 2 chips: [blocks, 4, 32, 128] bfp8 = 16 tiles per block, 36 layers x K, V
+    kv = lambda n: 2 * 36 * wh_dram(16 * n, 1088)  # noqa: E731
+    rest = p.memory.weights + p.memory.activations + p.memory.trace_region
+    n = p.kv["num_blocks"]
+    assert p.memory.kv_cache == kv(n) and rest + kv(n) <= WH_DRAM < rest + kv(n + 1)
+    assert p.kv["max_tokens_all_users"] == n * 32 - 32 * rt.max_num_seqs >= rt.max_model_len
