@@ -60,6 +60,12 @@ class Variants:
     def plan(self, **runtime):
         d = dict(self.base)
         d["runtime"] = {**self.base.get("runtime", {}), **runtime}
+        rt = d["runtime"]
+        if rt.get("max_tokens_all_users", "auto") == "auto" and not runtime.get("auto_pool"):
+            # the pool pinned at every sequence at full length, so the boundaries below move
+            # with max_model_len and max_num_seqs (an auto pool would shrink to fit instead)
+            rt["max_tokens_all_users"] = rt.get("max_num_seqs", 32) * rt.get("max_model_len", 4096)
+        rt.pop("auto_pool", None)
         return planmod.make_plan(specmod.loads(yaml.safe_dump(d), "variant.yaml"), self.mesh)
 
     def largest_fitting(self, field: str, step: int, top: int, **fixed) -> int | None:
@@ -76,7 +82,7 @@ class Variants:
 
 
 def boundary_plans(bundle: str, mesh: str) -> list[tuple[str, object]]:
-    """Three pairs of plans, (fits, does not fit), one step apart."""
+    """Four pairs of plans, (fits, does not fit), one step apart."""
     v = Variants(bundle, mesh)
     v.base.setdefault("buckets", {})["decode"] = sorted(set(v.base["buckets"].get("decode", [1]) + [32]))
     block = v.base.get("runtime", {}).get("kv_block_size", 32)
@@ -99,6 +105,15 @@ def boundary_plans(bundle: str, mesh: str) -> list[tuple[str, object]]:
     assert s is not None, f"{bundle} on {mesh}: no max_num_seqs boundary"
     out += [(f"max_num_seqs={s} (max_model_len={length})", v.plan(max_num_seqs=s, max_model_len=length)),
             (f"max_num_seqs={s + 1} (max_model_len={length})", v.plan(max_num_seqs=s + 1, max_model_len=length))]
+    # the auto pool (the largest that fits) allocates; one block more does not
+    # (32 sequences of half that context: all at full length would not fit, one does)
+    half = max(block, n // 2 // block * block)
+    auto = v.plan(max_model_len=half, max_num_seqs=32, max_tokens_all_users="auto", auto_pool=True)
+    assert auto.kv["max_tokens_all_users"] < 32 * half and "largest pool" in auto.kv["pool_why"]
+    out += [(f"max_tokens_all_users=auto (max_model_len={half}, max_num_seqs=32)", auto),
+            (f"max_tokens_all_users=auto + 1 block (max_model_len={half}, max_num_seqs=32)",
+             v.plan(max_model_len=half, max_num_seqs=32,
+                    max_tokens_all_users=auto.kv["max_tokens_all_users"] + block))]
     # bytes: the trace region that leaves less than one granule per bank free, and one byte more
     p = v.plan(max_model_len=n, max_num_seqs=seqs)
     banks = p.mesh.chip.dram_banks
@@ -149,7 +164,7 @@ def test_allocation_succeeds_exactly_when_the_plan_fits(mesh, bundle, tmp_path):
             assert "Out of Memory" in r["error"] and "DRAM buffer" in r["error"]
     # the boundary is where the plan says: one side fits, the other does not
     fits = [p.fits for _, p in plans]
-    assert fits == [True, False] * 3, "\n".join(report)
+    assert fits == [True, False] * 4, "\n".join(report)
     print("\n".join(report))
 
 
