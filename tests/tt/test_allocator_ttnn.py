@@ -106,8 +106,8 @@ def boundary_plans(bundle: str, mesh: str) -> list[tuple[str, object]]:
     out += [(f"max_num_seqs={s} (max_model_len={length})", v.plan(max_num_seqs=s, max_model_len=length)),
             (f"max_num_seqs={s + 1} (max_model_len={length})", v.plan(max_num_seqs=s + 1, max_model_len=length))]
     # the auto pool (the largest that fits) allocates; one block more does not
-    # (32 sequences of half that context: all at full length would not fit, one does)
-    half = max(block, n // 2 // block * block)
+    # (32 sequences of an eighth of what fits: all at full length would not fit, one does)
+    half = max(block, min(top_len, n * seqs // 8) // block * block)
     auto = v.plan(max_model_len=half, max_num_seqs=32, max_tokens_all_users="auto", auto_pool=True)
     assert auto.kv["max_tokens_all_users"] < 32 * half and "largest pool" in auto.kv["pool_why"]
     out += [(f"max_tokens_all_users=auto (max_model_len={half}, max_num_seqs=32)", auto),
