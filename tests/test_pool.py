@@ -15,6 +15,8 @@ from spec_helpers import llama_weights_one_chip, wh_dram
 from ttbundle import plan as planmod, reference, spec
 from ttbundle.cli import app
 
+from test_build import ckpt  # noqa: F401  (session fixture)
+
 BUNDLES = Path(__file__).resolve().parent.parent / "bundles"
 PUBLISHED = sorted(p for p in BUNDLES.glob("*.yaml") if p.name != "demo.yaml")
 WH_DRAM = 12 * 1_072_693_184
@@ -76,3 +78,59 @@ def test_qwen3_8b_bf16_on_n300_has_the_largest_pool():
     n = p.kv["num_blocks"]
     assert p.memory.kv_cache == kv(n) and rest + kv(n) <= WH_DRAM < rest + kv(n + 1)
     assert p.kv["max_tokens_all_users"] == n * 32 - 32 * rt.max_num_seqs >= rt.max_model_len
+
+
+def test_a_built_package_records_and_allocates_the_pools_blocks(tmp_path_factory, ckpt):  # noqa: F811
+    """One number wherever the block count is used: the package's programs, the emulated
+    runner's default cache, the ttnn backend's KV buffers and ``plan.kv_blocks``."""
+    from test_build import REST, spec_text as build_spec
+
+    from ttbundle import build as buildmod
+    from ttbundle.backends.emulated import EmulatedModel, Runner
+    from ttbundle.backends.ttnn import alloc
+    from ttbundle.package import load_package
+
+    d = tmp_path_factory.mktemp("pool")
+    rest = REST.replace("runtime: {max_model_len: 256, max_num_seqs: 8}",
+                        "runtime: {max_model_len: 256, max_num_seqs: 8, max_tokens_all_users: 300}")
+    assert rest != REST
+    (d / "spec.yaml").write_text(build_spec(ckpt, rest=rest))
+    res = buildmod.build(spec.load(d / "spec.yaml"), "T3K", d / "out", warmup=False)
+    blocks = -(-(300 + 32 * 8) // 32)  # 18, where 8 sequences of 256 would take 72
+    pkg = load_package(res.package)
+    assert planmod.kv_blocks(pkg.bundle, "T3K") == blocks
+    for phase, bucket in pkg.programs:
+        kv = pkg.program(phase, bucket)["kv_cache"]
+        assert kv["num_blocks"] == blocks and {e["device_shape"][0] for e in kv["entries"]} == {blocks}
+    assert {b.shape[0] for b in alloc.plan_buffers(pkg.plan) if b.what == "kv_cache"} == {blocks}
+    runner = Runner(EmulatedModel.from_package(pkg))
+    assert runner.kv.num_blocks == blocks
+
+
+def test_plan_shows_the_pool_in_text_and_json():
+    import json
+    path = str(BUNDLES / "llama-3.1-8b.yaml")
+    runner = CliRunner(env={"COLUMNS": "250", "NO_COLOR": "1"})
+    j = json.loads(runner.invoke(app, ["plan", path, "--mesh", "N150", "--json"]).stdout)
+    kv = j["kv_cache"]
+    blocks, tokens = kv["num_blocks"], kv["max_tokens_all_users"]
+    assert tokens == blocks * 32 - 32 * 32 and kv["pool_chosen"] == "auto"
+    assert kv["bytes"] == j["memory"]["kv_cache"] == 2 * 32 * wh_dram(32 * blocks, 1088)
+    r = runner.invoke(app, ["plan", path, "--mesh", "N150"])
+    assert r.exit_code == 0
+    line = next(ln for ln in r.stdout.splitlines() if ln.startswith("KV pool: "))
+    assert f"KV pool: {tokens:,} tokens (max_tokens_all_users) = {blocks:,} blocks x 32 = " in line
+    assert f"{kv['bytes'] / 2**30:,.2f} GiB per chip" in line
+    assert "shared by 32 sequences (1,048,576 tokens at full length)" in line
+    assert "auto: the largest pool that fits" in line
+
+
+def test_validate_names_an_explicit_pool_that_does_not_fit(tmp_path):
+    text = (BUNDLES / "qwen3-8b.yaml").read_text().replace(
+        "max_tokens_all_users: auto", "max_tokens_all_users: 1000000")
+    (tmp_path / "q.yaml").write_text(text)
+    line = next(i + 1 for i, ln in enumerate(text.splitlines()) if "max_tokens_all_users:" in ln)
+    r = CliRunner().invoke(app, ["validate", str(tmp_path / "q.yaml"), "--mesh", "N300"])
+    assert r.exit_code == 3
+    assert f"q.yaml:{line}:3: runtime.max_tokens_all_users: max_tokens_all_users=1,000,000 does not fit" in r.stderr
+    assert "(the largest that fits) or `auto`" in r.stderr and "Traceback" not in r.output
