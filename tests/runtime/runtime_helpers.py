@@ -25,10 +25,16 @@ MAX_MODEL_LEN = 256
 MAX_NUM_SEQS = 32
 
 
+def hf_id(family: str) -> str:
+    """The HF model id a tiny package says it was made from (``hf_model``)."""
+    return f"test-org/Tiny-{family.capitalize()}"
+
+
 def spec_text(family: str) -> str:
     return yaml.safe_dump({
         "name": f"tiny-{family}",
         "description": f"tiny random {family} for runtime tests",
+        "hf_model": hf_id(family),
         "model": TINY_ARCH[family],
         "targets": ["N150", "T3K"],
         "buckets": {"prefill": PREFILL, "decode": DECODE, "prefill_chunk": CHUNK},

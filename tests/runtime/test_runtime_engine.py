@@ -191,3 +191,17 @@ def test_prefix_caching_reuses_blocks_and_keeps_tokens_exact(engine):
     assert first_b.rows[0][1] == 5 * block, first_b.rows  # started after the 5 shared blocks
     assert list(oa.outputs[0].token_ids) == hf_greedy(src, a, 6)
     assert list(ob.outputs[0].token_ids) == hf_greedy(src, b, 6)
+
+
+def test_engine_config_refuses_a_bad_tt_environment(make_package, monkeypatch):
+    """Tenstorrent's variables are checked at start-up, naming the variable and what is valid."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    pkg, _ = make_package("llama", "N150")
+    monkeypatch.setenv("TT_VISIBLE_DEVICES", "0,x")
+    with pytest.raises(Exception, match="TT_VISIBLE_DEVICES='0,x': must be comma-separated device ids"):
+        EngineArgs(model=str(pkg), dtype="float32").create_engine_config()
+    monkeypatch.setenv("TT_VISIBLE_DEVICES", "0")
+    cfg = EngineArgs(model=str(pkg), dtype="float32",
+                     additional_config={"tt": {"rank_binding": "rb.yaml"}}).create_engine_config()
+    assert cfg.parallel_config.worker_cls == "ttbundle.runtime.worker.TTWorker"

@@ -206,3 +206,44 @@ def test_serve_builds_the_target_a_mesh_shape_names(tmp_path, monkeypatch):
     monkeypatch.setenv("MESH_DEVICE", "(2,4)")
     with pytest.raises(InvalidInput, match=r"mesh \(2,4\) is not one of its targets \(N150, T3K\)"):
         serve.resolve(str(spec), output=tmp_path / "out")
+
+
+# ---- Tenstorrent's remaining option and environment names (issue 14) -----------------------------
+def test_tt_options_multi_host_and_compat_keys():
+    """Accepted with Tenstorrent's names: always_compat_sampling moves every batch to the host;
+    register_test_models and the multi-host keys are accepted and reported as having no effect."""
+    o = parse({"tt": {"always_compat_sampling": True, "register_test_models": True,
+                      "rank_binding": "rb.yaml", "mpi_args": "--np 2", "extra_ttrun_args": "-v",
+                      "config_pkl_dir": "/tmp/x", "env_passthrough": ["HF_TOKEN", "TT_CACHE_PATH"],
+                      "sample_on_device_mode": "all"}})
+    assert o.sample_mode("all") == "off"
+    assert o.no_effect() == ["rank_binding", "mpi_args", "extra_ttrun_args", "config_pkl_dir",
+                             "env_passthrough", "register_test_models"]
+    assert parse({"tt": {"sample_on_device_mode": "decode_only"}}).sample_mode("all") == "decode_only"
+    assert parse({}).sample_mode("decode_only") == "decode_only" and parse({}).no_effect() == []
+
+
+@pytest.mark.parametrize("cfg, needle", [
+    ({"tt": {"always_compat_sampling": "sometimes"}}, "tt.always_compat_sampling: Input should be a valid boolean"),
+    ({"tt": {"env_passthrough": ["OK", "1BAD"]}}, "tt.env_passthrough.1: String should match pattern"),
+    ({"tt": {"env_passthrough": "HF_TOKEN"}}, "tt.env_passthrough: Input should be a valid list"),
+    ({"tt": {"rank_bindings": "x"}}, "did you mean `rank_binding`?"),
+])
+def test_tt_options_new_keys_validated(cfg, needle):
+    with pytest.raises(InvalidInput) as e:
+        parse(cfg)
+    assert needle in str(e.value)
+
+
+def test_tt_environment_names_validated():
+    from ttbundle.runtime.options import env
+    e = env({"TT_VISIBLE_DEVICES": "0, 2,3", "EXTRA_MODELS_DIR": "/a:/b", "HF_MODEL": "org/M",
+             "TT_LLAMA_TEXT_VER": "llama3_70b_galaxy", "TT_VLLM_BUILTIN_MODELS": "0", "UNRELATED": "x"})
+    assert e.TT_VISIBLE_DEVICES == [0, 2, 3] and e.EXTRA_MODELS_DIR == ["/a", "/b"]
+    assert (e.HF_MODEL, e.TT_LLAMA_TEXT_VER, e.TT_VLLM_BUILTIN_MODELS) == ("org/M", "llama3_70b_galaxy", "0")
+    assert env({}).TT_VISIBLE_DEVICES is None
+    for bad, needle in [({"TT_VISIBLE_DEVICES": "0;1"}, "TT_VISIBLE_DEVICES='0;1': must be comma-separated"),
+                        ({"TT_VISIBLE_DEVICES": "1,1"}, "listed twice"),
+                        ({"TT_VLLM_BUILTIN_MODELS": "yes"}, "TT_VLLM_BUILTIN_MODELS='yes': Input should be '0' or '1'")]:
+        with pytest.raises(InvalidInput, match=needle):
+            env(bad)

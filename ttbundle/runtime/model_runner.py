@@ -92,7 +92,7 @@ class TTModelRunner:
         b = self.bundle.buckets
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
         self.chunk = b.prefill_chunk or max(b.prefill)
-        self.sample_mode = options.sample_on_device_mode or self.bundle.spec.runtime.sample_on_device_mode
+        self.sample_mode = options.sample_mode(self.bundle.spec.runtime.sample_on_device_mode)
         self.requests: dict[str, ReqState] = {}
         self.mesh_model = None  # the package's model class (Tenstorrent's model interface)
         self.model = None  # an nn.Module for vLLM's hooks (it walks .modules()); holds mesh_model

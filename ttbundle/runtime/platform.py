@@ -109,11 +109,12 @@ def configure(vllm_config, emulated: bool) -> None:
     """Validate a vLLM config against the package it serves and set the plugin's classes."""
     from ..errors import TTBundleError
     from . import registry
-    from .options import parse
+    from .options import env, parse
     from .packages import open_package
 
     try:
         opts = parse(vllm_config.additional_config)
+        tenv = env()
     except TTBundleError as e:
         _fail(str(e))
     pc, sc, cc, mc = (vllm_config.parallel_config, vllm_config.scheduler_config,
@@ -196,9 +197,28 @@ def configure(vllm_config, emulated: bool) -> None:
     if not emulated and pkg.manifest.get("key_fields", {}).get("backend") != "ttnn":
         _fail(f"{pkg.path}: built for the emulated mesh only (no tensorbin/ weight caches); on a "
               f"Tenstorrent device serve a package built with `ttbundle build --backend ttnn`")
+    _environment_notes(pkg, opts, tenv, emulated)
     _guard_empty_cache()
     logger.info("ttbundle: serving %s-%s (%s) on %s %s mesh; trace_mode=%s", pkg.name, pkg.mesh_name, n[0],
                 "an emulated" if emulated else "a Tenstorrent", pkg.mesh_name, opts.trace_mode)
+
+
+def _environment_notes(pkg, opts, tenv, emulated: bool) -> None:
+    """Tenstorrent options and variables that have no effect on this package, said once."""
+    if opts.no_effect():
+        logger.info("ttbundle: %s: accepted, no effect (Tenstorrent multi-host / test-model options; "
+                    "ttbundle serves one host)", ", ".join(opts.no_effect()))
+    for var in ("TT_CACHE_PATH", "TT_LLAMA_TEXT_VER", "TT_QWEN3_TEXT_VER", "TT_VLLM_BUILTIN_MODELS"):
+        if getattr(tenv, var) is not None:
+            logger.info("ttbundle: %s=%s: no effect (package %s runs its own programs and weights)",
+                        var, getattr(tenv, var), pkg.name)
+    hf = getattr(pkg.bundle.spec, "hf_model", None)
+    if tenv.HF_MODEL and tenv.HF_MODEL not in {pkg.name, hf, str(pkg.path)}:
+        logger.warning("ttbundle: HF_MODEL=%s but serving package %s (%s): the package's own weights "
+                       "are used", tenv.HF_MODEL, pkg.name, hf or "no hf_model in its spec")
+    if tenv.TT_VISIBLE_DEVICES is not None and emulated:
+        logger.info("ttbundle: TT_VISIBLE_DEVICES=%s: the emulated mesh opens no device",
+                    ",".join(map(str, tenv.TT_VISIBLE_DEVICES)))
 
 
 def _mesh_devices(name: str) -> int:

@@ -47,6 +47,7 @@ class Entry:
     prefill: list
     decode: list
     description: str = ""
+    hf_model: str = ""  # the spec's hf_model: the HF id the package also answers to
 
 
 def config_dir() -> Path:
@@ -104,11 +105,11 @@ def entry_of(path: Path, check_hashes: bool = True) -> Entry:
     pkg = open_package(path, check_hashes)
     b = pkg.bundle.buckets
     return Entry(pkg.name, pkg.mesh_name, pkg.arch, pkg.path, list(b.prefill), list(b.decode),
-                 pkg.bundle.spec.description)
+                 pkg.bundle.spec.description, pkg.bundle.spec.hf_model or "")
 
 
 # ---- verification cache -------------------------------------------------------------------------
-CACHE_FORMAT = "ttbundle.verified/1"
+CACHE_FORMAT = "ttbundle.verified/2"  # /2: entries carry hf_model
 
 
 def cache_file() -> Path:
@@ -266,7 +267,8 @@ def register_dir(d: str | Path) -> tuple[list[Entry], list[tuple[Path, str]]]:
 
 
 def find(name_or_path: str, mesh: str | None = None) -> Entry:
-    """A registered package by bundle name (``NAME`` or ``NAME-MESH``) or directory. Several
+    """A registered package by bundle name (``NAME`` or ``NAME-MESH``), by the HF model id its
+    spec names (``hf_model``), or directory. Several
     packages of one name are told apart by ``mesh`` (else ``MESH_DEVICE``, which only narrows);
     when that still leaves several (one name and mesh in two directories), the error lists each
     with its path, which names it."""
@@ -274,7 +276,8 @@ def find(name_or_path: str, mesh: str | None = None) -> Entry:
     if os.path.isdir(p):  # False on any OSError (a name too long to be a path)
         return entry_of(p)
     good, _ = scan(check_hashes=False)
-    hits = [e for e in good if e.name == name_or_path or f"{e.name}-{e.mesh}" == name_or_path]
+    hits = [e for e in good if name_or_path in (e.name, f"{e.name}-{e.mesh}")
+            or (e.hf_model and e.hf_model == name_or_path)]
     if mesh is not None:
         picked = [e for e in hits if same_mesh(mesh, e.mesh)]
         if hits and not picked:
@@ -286,9 +289,11 @@ def find(name_or_path: str, mesh: str | None = None) -> Entry:
     if len(hits) == 1:
         return hits[0]
     if not hits:
-        known = ", ".join(sorted(f"{e.name}-{e.mesh}" for e in good)) or "none"
-        raise InvalidInput(f"no registered package named {name_or_path!r} (registered: {known}); "
-                           "`ttbundle register --dir DIR` adds a directory")
+        known = ", ".join(sorted(f"{e.name}-{e.mesh}" + (f" ({e.hf_model})" if e.hf_model else "")
+                                 for e in good)) or "none"
+        where = ", ".join(str(d) for d in search_dirs()) or "no registered directory, no EXTRA_MODELS_DIR"
+        raise InvalidInput(f"no registered package named {name_or_path!r} (registered: {known}; searched: "
+                           f"{where}); `ttbundle register --dir DIR` or EXTRA_MODELS_DIR adds a directory")
     meshes = {e.mesh for e in hits}
     how = ("give the package's path" if len(meshes) == 1
            else "use NAME-MESH, --mesh M or MESH_DEVICE, or give the package's path")
@@ -298,6 +303,59 @@ def find(name_or_path: str, mesh: str | None = None) -> Entry:
 
 
 # ---- vLLM side ----------------------------------------------------------------------------------
+def resolve_model(name: str) -> str:
+    """vLLM's model argument as a package path: an existing path as it is, else the registered
+    package of that name / HF id (``find``; ``MESH_DEVICE`` picks among meshes). Raises
+    ValueError (vLLM's config error) listing what is registered."""
+    if os.path.exists(name):
+        return name
+    try:
+        return str(find(name).path)
+    except TTBundleError as e:
+        raise ValueError(f"ttbundle: model {name!r} is not a package directory and {e}") from None
+
+
+_HOOKED = "_ttbundle_resolves_names"
+
+
+def hook_name_resolution() -> None:
+    """Make vLLM resolve a registered bundle name or HF id to its package before it looks for
+    the name on the HF hub. vLLM 0.33 interprets the model argument first in
+    ``EngineArgs.__post_init__`` (right after loading the general plugins; with
+    ``HF_HUB_OFFLINE`` it replaces the name by a local hub snapshot, ``get_model_path``, which
+    raises for a name not in the hub cache), then in ``EngineArgs.create_engine_config``
+    (speculator detection reads the name's HF config, then ``ModelConfig`` fetches it). The
+    first lets a registered name through (an unknown one raises, listing the registered
+    packages); the second makes the model the package path and, unless given, the served model
+    name the name. Idempotent."""
+    import vllm.engine.arg_utils as vargs
+
+    if getattr(vargs.get_model_path, _HOOKED, False):
+        return
+    get_path, create = vargs.get_model_path, vargs.EngineArgs.create_engine_config
+
+    def get_model_path(model, revision=None):
+        if isinstance(model, str) and not os.path.exists(model):
+            resolve_model(model)  # raises, listing the registered packages, for an unknown name
+            return model  # registered: create_engine_config makes it the package path
+        return get_path(model, revision)
+
+    def create_engine_config(self, *args, **kwargs):
+        name = self.model
+        if isinstance(name, str) and not os.path.exists(name):
+            self.model = resolve_model(name)
+            if self.tokenizer in (None, name):
+                self.tokenizer = self.model
+            if not self.served_model_name:
+                self.served_model_name = name
+        return create(self, *args, **kwargs)
+
+    for f in (get_model_path, create_engine_config):
+        setattr(f, _HOOKED, True)
+    vargs.get_model_path = get_model_path
+    vargs.EngineArgs.create_engine_config = create_engine_config
+
+
 _STUBS: dict[str, type] = {}
 
 
@@ -338,6 +396,7 @@ def register_models() -> None:
     ``activation.general_plugin`` when the platform is active."""
     from .. import families
 
+    hook_name_resolution()
     for fam in families.all_families().values():
         for arch in fam.hf_architectures:
             register_arch(arch)
