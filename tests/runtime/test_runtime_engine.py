@@ -205,3 +205,60 @@ def test_engine_config_refuses_a_bad_tt_environment(make_package, monkeypatch):
     cfg = EngineArgs(model=str(pkg), dtype="float32",
                      additional_config={"tt": {"rank_binding": "rb.yaml"}}).create_engine_config()
     assert cfg.parallel_config.worker_cls == "ttbundle.runtime.worker.TTWorker"
+
+
+def test_prompt_logprobs_match_transformers_log_softmax(engine):
+    """prompt_logprobs on the host path (vLLM's own computation on the mesh's logits): each
+    prompt token's logprob and rank, and the top 3, against transformers' log-softmax of the
+    prompt's logits. 150 tokens: three prefill chunks of 64, 64, 22."""
+    import torch
+
+    from runtime_helpers import hf_model
+    llm, _, runner, src = engine
+    prompts = _prompts((150, 6), offset=5)
+    n0 = len(runner.step_log)
+    outs = _generate(llm, prompts, [dict(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=3),
+                                    dict(max_tokens=3, temperature=0, ignore_eos=True, prompt_logprobs=0)])
+    assert "host" in [s.sampling for s in list(runner.step_log)[n0:]]
+    m = hf_model(str(src))
+    for p, o, k in zip(prompts, outs, (3, 0)):
+        ids = p["prompt_token_ids"]
+        with torch.no_grad():
+            ref = m(torch.tensor([ids])).logits[0].float().log_softmax(-1)
+        got = o.prompt_logprobs
+        assert len(got) == len(ids) and got[0] is None
+        for i in range(1, len(ids)):
+            want = ref[i - 1]
+            entry = got[i]
+            tok = ids[i]
+            assert abs(entry[tok].logprob - float(want[tok])) < 2e-2, (i, entry[tok], float(want[tok]))
+            tol = 2e-2  # bf16 KV cache storage against transformers' fp32
+            lo, hi = (int((want > want[tok] + d).sum()) + 1 for d in (tol, -tol))
+            assert lo <= entry[tok].rank <= hi, (i, entry[tok].rank, lo, hi)
+            top = {t for t, lp in entry.items() if lp.rank <= k}
+            assert len(top) == k and len(entry) in (k, k + 1)
+            if k:  # the top k are transformers' top k (up to near ties)
+                kth = float(want.topk(k).values[-1])
+                assert all(float(want[t]) >= kth - tol for t in top), (i, top)
+        assert list(o.outputs[0].token_ids) == hf_greedy(src, ids, 3)
+
+
+def test_top_k_beyond_the_device_bound_samples_on_the_host(engine, monkeypatch):
+    """With a device bound of 4 candidates (Tenstorrent's ttnn.sampling has 32), stochastic rows
+    without top_k or with top_k above the bound sample on the host from the whole distribution:
+    over many seeds their first tokens take more than 4 values, which truncation to the top 4
+    could never give; rows within the bound stay on the device and keep to 4 values."""
+    llm, _, runner, _ = engine
+    monkeypatch.setattr(runner, "max_device_top_k", 4)
+    prompt = _prompts((10,), offset=2) * 40
+
+    def first_tokens(**kw):
+        n0 = len(runner.step_log)
+        outs = _generate(llm, prompt, [dict(max_tokens=1, temperature=2.0, seed=s, **kw) for s in range(40)])
+        return {o.outputs[0].token_ids[0] for o in outs}, {s.sampling for s in list(runner.step_log)[n0:]}
+
+    for kw in ({}, {"top_k": 50}):
+        toks, where = first_tokens(**kw)
+        assert where == {"host"} and len(toks) > 4, (kw, toks, where)
+    toks, where = first_tokens(top_k=4)
+    assert where == {"device"} and len(toks) <= 4

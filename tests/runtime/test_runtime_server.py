@@ -171,8 +171,6 @@ def test_bad_requests_get_4xx_and_the_server_keeps_serving(server):
         (dict(prompt=_text(MAX_MODEL_LEN + 10, 7), max_tokens=4), openai.BadRequestError, "maximum context length"),
         (dict(prompt="ba", max_tokens=4, temperature=-1), openai.BadRequestError, "temperature"),
         (dict(prompt="ba", max_tokens=MAX_MODEL_LEN * 4), openai.BadRequestError, ""),
-        (dict(prompt="ba", max_tokens=4, extra_body={"prompt_logprobs": 1}), openai.BadRequestError,
-         "prompt_logprobs are not supported on Tenstorrent meshes"),
         (dict(prompt="ba", max_tokens=4, top_p=7), openai.BadRequestError, "top_p"),
     ]
     for kw, exc, needle in bad:

@@ -247,3 +247,44 @@ def test_tt_environment_names_validated():
                         ({"TT_VLLM_BUILTIN_MODELS": "yes"}, "TT_VLLM_BUILTIN_MODELS='yes': Input should be '0' or '1'")]:
         with pytest.raises(InvalidInput, match=needle):
             env(bad)
+
+
+def test_host_reasons_route_rows_beyond_the_device_top_k():
+    """With a device bound (Tenstorrent's max_device_top_k), stochastic rows with no top_k, top_k
+    < 1 or above the bound need the host; greedy rows and rows within the bound do not; without
+    a bound (the emulated mesh samples the whole vocabulary) nothing changes. prompt_logprobs
+    always need the host (every prompt position's logits)."""
+    beyond = "beyond the device's 32 candidates"
+    assert any(beyond in r for r in host_reasons(_params(temperature=0.8), 32))
+    assert any(beyond in r for r in host_reasons(_params(temperature=0.8, top_k=-1), 32))
+    assert any(beyond in r for r in host_reasons(_params(temperature=0.8, top_k=33), 32))
+    assert host_reasons(_params(temperature=0.8, top_k=32), 32) == []
+    assert host_reasons(_params(temperature=0), 32) == []  # greedy: the argmax, no candidates
+    assert host_reasons(_params(temperature=0.8), None) == []
+    assert host_reasons(_params(temperature=0, prompt_logprobs=2)) == ["prompt_logprobs"]
+
+
+def test_model_capabilities_follow_the_spec():
+    """Derived from the spec: device sampling unless sample_on_device_mode is off, the lowering's
+    top-k bound (ttnn.sampling's 32) on a device and the vocabulary on the emulated mesh,
+    prefix caching only emulated, chunked prefill with prefill_chunk, async decode off."""
+    from ttbundle import spec as specmod
+    from ttbundle.backends.ttnn.lowering import TOPK
+    from ttbundle.runtime.capabilities import device_top_k, model_capabilities
+    from runtime_helpers import spec_text
+    import yaml
+
+    doc = yaml.safe_load(spec_text("llama"))
+    b = specmod.loads(yaml.safe_dump(doc), "spec.yaml")
+    dev, emu = model_capabilities(b, device=True), model_capabilities(b, device=False)
+    assert TOPK == 32 and dev["max_device_top_k"] == 32 and emu["max_device_top_k"] == 512
+    assert device_top_k(dev, 512) == 32 and device_top_k(emu, 512) is None
+    assert (dev["supports_prefix_caching"], emu["supports_prefix_caching"]) == (False, True)
+    assert dev["supports_chunked_prefill"] and dev["supports_sample_on_device"]
+    assert dev["supports_async_decode"] is False and dev["output_tokens_per_step"] == 1
+    doc["runtime"]["sample_on_device_mode"] = "off"
+    doc["buckets"].pop("prefill_chunk")
+    doc["runtime"]["max_model_len"] = 128
+    b = specmod.loads(yaml.safe_dump(doc), "spec.yaml")
+    caps = model_capabilities(b)
+    assert not caps["supports_sample_on_device"] and not caps["supports_chunked_prefill"]

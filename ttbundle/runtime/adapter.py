@@ -21,9 +21,28 @@ import torch
 
 from ..backends.emulated import EmulatedModel
 from ..backends.emulated.model import KVCache
+from .capabilities import model_capabilities
 from .sampling import DeviceSampling, sample_on_device
 
 logger = logging.getLogger("vllm.ttbundle.adapter")
+
+
+class _ClassCapabilities:
+    """``BundleModel.model_capabilities`` read on a generated adapter class: derived from its
+    package's spec (``capabilities.model_capabilities``, device path), read once per package."""
+
+    _cache: dict = {}
+
+    def __get__(self, obj, cls):
+        d = cls.package_dir
+        if d is None:
+            return {}
+        if d not in self._cache:
+            from .. import spec as specmod
+            p = Path(d) / "bundle.yaml"
+            bundle = specmod.loads(p.read_text(encoding="utf-8"), str(p), base_dir=Path(d))
+            self._cache[d] = model_capabilities(bundle, device=True)
+        return dict(self._cache[d])
 
 
 class BundleModel:
@@ -36,11 +55,9 @@ class BundleModel:
     arch: str | None = None
     tt_arch: str | None = None
 
-    model_capabilities = {
-        "supports_prefix_caching": True,
-        "supports_async_decode": False,
-        "supports_sample_on_device": True,
-    }
+    #: on the class: the package's capabilities on a Tenstorrent device (what Tenstorrent's
+    #: plugin reads before building the model); on an instance: what that instance does
+    model_capabilities = _ClassCapabilities()
 
     def __init__(self, bundle, model: EmulatedModel, trace_mode: str = "all"):
         """``model``: the package's programs and weight shards on the emulated mesh
@@ -54,21 +71,27 @@ class BundleModel:
         self.warmed: set[tuple[str, int]] = set()
         self.sealed = False  # after warm-up: only warmed shapes may run
         self.programs_run: dict[tuple[str, int], int] = {}
+        self.model_capabilities = model_capabilities(bundle, device=False)
 
     # -- Tenstorrent's constructor -------------------------------------------------------------
     @classmethod
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len,
                               tt_data_parallel=1, optimizations=None, *, package=None,
                               dtype=torch.float32, trace_mode="all"):
-        """``mesh_device``: the emulated mesh (a ``mesh.Mesh``; anything else, e.g. a ttnn
-        MeshDevice, means the package's own mesh). The package: ``package``, else the class's
-        ``package_dir``, else the directory vLLM was given as the model."""
+        """``mesh_device``: the emulated mesh (a ``mesh.Mesh``, or None: the package's own), or
+        a ttnn MeshDevice (Tenstorrent's plugin on a device): then the package's ttnn device path
+        (``ttdevice.TTDeviceModel``: its tensorbin weights, compile warm-up, traces) on that
+        mesh, with Tenstorrent's default options and ``optimizations``. The package:
+        ``package``, else the class's ``package_dir``, else the directory vLLM was given."""
         from .. import mesh as meshmod
         from .packages import open_package
 
+        pkg = package or open_package(Path(cls.package_dir or hf_config._name_or_path))
+        if mesh_device is not None and not isinstance(mesh_device, meshmod.Mesh):
+            return _on_device(pkg, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel,
+                              optimizations, trace_mode)
         if tt_data_parallel != 1:
             raise ValueError("data parallel over meshes is not supported by the emulated mesh")
-        pkg = package or open_package(Path(cls.package_dir or hf_config._name_or_path))
         if isinstance(mesh_device, meshmod.Mesh) and tuple(mesh_device.shape) != tuple(pkg.loaded.mesh.shape):
             raise ValueError(f"{pkg.name}: built for {pkg.loaded.mesh.describe()}, handed a "
                              f"{mesh_device.describe()} mesh")
@@ -104,10 +127,12 @@ class BundleModel:
     @torch.no_grad()
     def prefill_forward(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache: KVCache,
                         prompt_lens, start_pos=None, sampling_params: DeviceSampling | None = None,
-                        enable_trace: bool = True):
+                        enable_trace: bool = True, return_prompt_logits: bool = False):
         """One sequence's prefill chunk. ``tokens`` [1, S] with S a prefill bucket, the first
         ``prompt_lens[0]`` real; positions start at ``start_pos[0]``. Returns the last real
-        token's logits [1, V] (host sampling) or its sampled id [1] (``sampling_params``)."""
+        token's logits [1, V] (host sampling) or its sampled id [1] (``sampling_params``);
+        ``return_prompt_logits`` (ttbundle's runner, for prompt_logprobs): every real
+        position's logits [n, V]."""
         N, S = tokens.shape
         if N != 1 or S not in self.prefill_buckets:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
@@ -118,6 +143,8 @@ class BundleModel:
         valid = torch.arange(S)[None, :] < n
         positions = torch.where(valid, torch.arange(p0, p0 + S)[None, :], torch.zeros(1, S, dtype=torch.long))
         logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache)
+        if return_prompt_logits:
+            return logits[0, :n].float()
         return self._finish(logits[:, n - 1], sampling_params)
 
     @torch.no_grad()
@@ -173,3 +200,26 @@ class BundleModel:
     def seal(self):
         """From now on only warmed-up shapes run (no capture while serving)."""
         self.sealed = True
+
+    # -- Tenstorrent's decode read-back (the emulated mesh's outputs are host tensors already) ------
+    def read_decode_output(self, tt_out, async_read: bool = True):
+        return tt_out
+
+    def process_decode_output_host(self, tt_out, is_tokens: bool = False):
+        return tt_out
+
+
+def _on_device(pkg, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel, optimizations,
+               trace_mode):
+    """The package on a ttnn mesh device (Tenstorrent's plugin calling the generated adapter)."""
+    from .options import TTOptions
+    from .ttdevice import TTDeviceModel
+
+    got = tuple(mesh_device.shape) if hasattr(mesh_device, "shape") else None
+    if got is not None and got != tuple(pkg.loaded.mesh.shape):
+        raise ValueError(f"{pkg.name}: built for {pkg.loaded.mesh.describe()}, handed a "
+                         f"{got[0]}x{got[1]} mesh device; serve the package built for that mesh")
+    opts = TTOptions(trace_mode=trace_mode, optimizations=optimizations)
+    return TTDeviceModel.initialize_vllm_model(
+        hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel, optimizations, package=pkg,
+        options=opts, sample_mode=opts.sample_mode(pkg.bundle.spec.runtime.sample_on_device_mode))

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .phases import is_decode, pick
-from .sampling import DeviceSampling, HostSampler, host_reasons
+from .capabilities import device_top_k
+from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons
 
 logger = logging.getLogger("vllm.ttbundle.model_runner")
 
@@ -98,6 +99,8 @@ class TTModelRunner:
         self.model = None  # an nn.Module for vLLM's hooks (it walks .modules()); holds mesh_model
         self.kv = None
         self.host: HostSampler | None = None
+        self.prompt_lp: PromptLogprobs | None = None
+        self._prompt_lp_out: dict = {}  # req_id -> LogprobsTensors, emitted with this step's output
         self._pending = None
         self.step_log: deque[Step] = deque(maxlen=10_000)
         self._log_path = os.environ.get("TTBUNDLE_STEP_LOG")
@@ -126,6 +129,8 @@ class TTModelRunner:
         object.__setattr__(self.model, "mesh_model", self.mesh_model)
         self.host = HostSampler(self.vllm_config, self.vllm_config.scheduler_config.max_num_seqs,
                                 self.max_model_len, self.block_size, self.vocab_size, self.device)
+        self.prompt_lp = PromptLogprobs(self.host.sampler, self.vllm_config.model_config.logprobs_mode)
+        self.max_device_top_k = device_top_k(getattr(self.mesh_model, "model_capabilities", {}), self.vocab_size)
         logger.info("ttbundle: loaded %s on %s %s (%s) in %.1f s", self.package.name,
                     "a Tenstorrent" if self.tt is not None else "an emulated", self.package.mesh_name,
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
@@ -187,6 +192,7 @@ class TTModelRunner:
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.host.remove(rid)
+            self.prompt_lp.remove(rid)
         for nr in so.scheduled_new_reqs:
             sp = nr.sampling_params
             gen = None
@@ -223,7 +229,7 @@ class TTModelRunner:
         sampled_rows = [st for st, n in rows if st.num_computed + n >= st.num_tokens]
         allowed = self.sample_mode == "all" or (self.sample_mode == "decode_only" and decode)
         seeds = getattr(self.mesh_model, "seeded_on_device", True)  # one seed per device batch: host
-        on_device = allowed and not any(host_reasons(st.params) or (st.params.seed is not None and not seeds)
+        on_device = allowed and not any(host_reasons(st.params, self.max_device_top_k) or (st.params.seed is not None and not seeds)
                                         for st in sampled_rows)
         t0 = time.perf_counter()
         if decode:
@@ -263,8 +269,10 @@ class TTModelRunner:
             else:
                 st.output.append(int(tok))
                 tokens.append([int(tok)])
+        prompt_lp, self._prompt_lp_out = self._prompt_lp_out, {}
         return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
-                                 sampled_token_ids=tokens, logprobs=host[1] if host else None)
+                                 sampled_token_ids=tokens, logprobs=host[1] if host else None,
+                                 prompt_logprobs_dict=prompt_lp)
 
     def _page_table(self, states: list[ReqState], rows: int) -> torch.Tensor:
         pt = torch.zeros(rows, self.max_blocks, dtype=torch.long)  # block 0: vLLM's null block
@@ -284,9 +292,16 @@ class TTModelRunner:
             tokens = torch.zeros(1, bucket, dtype=torch.long)
             tokens[0, :n] = torch.tensor(st.tokens(st.num_computed, n))
             samples = st.num_computed + n >= st.num_tokens
+            k = PromptLogprobs.wanted(st.params, self.vocab_size)  # host path only (host_reasons)
             res = self.mesh_model.prefill_forward(
                 tokens, self._page_table([st], 1), self.kv, [n], [st.num_computed],
-                self._device_sampling([st], 1) if (samples and on_device) else None)
+                self._device_sampling([st], 1) if (samples and on_device) else None,
+                **({"return_prompt_logits": True} if k is not None else {}))
+            if k is not None:  # every position's logits [n, V]: the prompt's, then the last one's
+                done = self.prompt_lp.add(st.req_id, st.prompt, k, st.num_computed, res)
+                if done is not None:
+                    self._prompt_lp_out[st.req_id] = done
+                res = res[n - 1:n]
             if samples:
                 out[st.req_id] = int(res[0]) if on_device else res[0]
         return out, Step("prefill", [(st.req_id, st.num_computed, n) for st, n in rows], buckets, "")

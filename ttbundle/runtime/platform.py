@@ -75,15 +75,6 @@ class EmulatedMeshPlatform(Platform):
             raise ValueError(f"{dtype} is not supported on Tenstorrent meshes; use bfloat16 or float32")
 
     @classmethod
-    def validate_request(cls, processed_inputs, params) -> None:
-        from vllm.exceptions import VLLMValidationError
-
-        if getattr(params, "prompt_logprobs", None) is not None:
-            raise VLLMValidationError("prompt_logprobs are not supported on Tenstorrent meshes "
-                                      "(prefill returns the last token's logits only)",
-                                      parameter="prompt_logprobs", value=params.prompt_logprobs)
-
-    @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
         configure(vllm_config, emulated=True)
 
@@ -95,6 +86,18 @@ class TTMeshPlatform(EmulatedMeshPlatform):
     @classmethod
     def get_device_name(cls, device_id: int = 0) -> str:
         return f"Tenstorrent mesh ({os.environ.get('MESH_DEVICE', 'package mesh')})"
+
+    @classmethod
+    def validate_request(cls, processed_inputs, params) -> None:
+        """prompt_logprobs need every prompt position's logits: the emulated mesh's prefill has
+        them (host path), a device program computes the last rows' only."""
+        from vllm.exceptions import VLLMValidationError
+
+        if getattr(params, "prompt_logprobs", None) is not None:
+            raise VLLMValidationError("prompt_logprobs are not supported on a Tenstorrent device "
+                                      "(its prefill programs compute the last token's logits only); "
+                                      "the emulated mesh (`ttbundle serve --device emulated`) has them",
+                                      parameter="prompt_logprobs", value=params.prompt_logprobs)
 
     @classmethod
     def check_and_update_config(cls, vllm_config) -> None:
@@ -169,7 +172,9 @@ def configure(vllm_config, emulated: bool) -> None:
     # tokens and schedules the rest as a prefill starting mid-prompt, which the emulated mesh's
     # chunked prefill already does (tested against transformers). On the device path a prefill
     # that starts on a cached block has not been exercised, so it stays off there.
-    cc.enable_prefix_caching = bool(cc.enable_prefix_caching) and emulated
+    from .capabilities import model_capabilities
+    caps = model_capabilities(pkg.bundle, device=not emulated)
+    cc.enable_prefix_caching = bool(cc.enable_prefix_caching) and caps["supports_prefix_caching"]
     chunk = bk.prefill_chunk or max(bk.prefill)
     sc.enable_chunked_prefill = True
     sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs, chunk)

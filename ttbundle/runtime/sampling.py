@@ -16,12 +16,19 @@ import torch
 _EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
 
 
-def host_reasons(params) -> list[str]:
-    """Why a request's sampling cannot run on the device (empty: it can)."""
+def host_reasons(params, max_device_top_k: int | None = None) -> list[str]:
+    """Why a request's sampling cannot run on the device (empty: it can). ``max_device_top_k``:
+    the most candidates the device samples from (``model_capabilities``; None: the whole
+    vocabulary, as the emulated mesh). A stochastic row with top_k above it, or with no top_k
+    (top_k < 1: the whole vocabulary), samples on the host rather than from a truncated set."""
     p = params
     r = []
     if p.logprobs is not None or getattr(p, "logprob_token_ids", None):
         r.append("logprobs")
+    if getattr(p, "prompt_logprobs", None) is not None:
+        r.append("prompt_logprobs")
+    if max_device_top_k is not None and p.temperature >= _EPS and (p.top_k < 1 or p.top_k > max_device_top_k):
+        r.append(f"top_k {p.top_k} beyond the device's {max_device_top_k} candidates")
     if p.min_p and p.min_p > 0:
         r.append("min_p")
     if p.logit_bias:
@@ -94,6 +101,47 @@ def sample_on_device(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:
         q[i].exponential_(generator=g) if g is not None else q[i].exponential_()
     sampled = (probs / q).argmax(-1)
     return torch.where(greedy, out, sampled)
+
+
+class PromptLogprobs:
+    """``prompt_logprobs`` on the host path, as vLLM's GPU model runner computes them: for each
+    prompt position but the last, the log-softmax of its logits (vLLM's ``Sampler``), the
+    next prompt token's logprob and rank and the top ``k``; chunk by chunk, returned whole
+    (``LogprobsTensors`` [prompt_len - 1, k + 1]) with the chunk that ends the prompt."""
+
+    def __init__(self, sampler, logprobs_mode: str = "raw_logprobs"):
+        self.sampler, self.mode = sampler, logprobs_mode
+        self.partial: dict = {}  # req_id -> LogprobsTensors being filled
+
+    @staticmethod
+    def wanted(params, vocab_size: int) -> int | None:
+        """How many top logprobs per prompt position (-1: the vocabulary), None: not asked."""
+        k = getattr(params, "prompt_logprobs", None)
+        return None if k is None else (vocab_size if k == -1 else int(k))
+
+    def add(self, req_id: str, prompt: list[int], k: int, start: int, logits: torch.Tensor):
+        """``logits`` [n, V]: positions ``start .. start + n - 1`` of the prompt. Returns the
+        request's LogprobsTensors when this chunk ends the prompt, else None."""
+        from vllm.v1.outputs import LogprobsTensors
+
+        P = len(prompt)
+        lt = self.partial.get(req_id)
+        if lt is None:
+            lt = self.partial[req_id] = LogprobsTensors.empty_cpu(P - 1, k + 1)
+        m = min(logits.shape[0], P - 1 - start)  # the last prompt position has no next token
+        if m > 0:
+            x = logits[:m].float()
+            scores = x if self.mode in ("raw_logits", "processed_logits") else self.sampler.compute_logprobs(x)
+            ids, lps, ranks, *_ = self.sampler.gather_logprobs(scores, k, torch.tensor(prompt[start + 1:start + 1 + m]))
+            lt.logprob_token_ids[start:start + m] = ids
+            lt.logprobs[start:start + m] = lps
+            lt.selected_token_ranks[start:start + m] = ranks
+        if start + logits.shape[0] >= P:
+            return self.partial.pop(req_id)
+        return None
+
+    def remove(self, req_id: str) -> None:
+        self.partial.pop(req_id, None)
 
 
 class HostSampler:

@@ -76,9 +76,15 @@ class KVHandle:
         self.num_blocks, self.block_size = num_blocks, block_size
 
 
+class DecodeOutput:
+    """A decode's outputs before read-back (``decode_forward(read_from_device=False)``):
+    Tenstorrent's plugin then calls ``read_decode_output`` and ``process_decode_output_host``."""
+
+    def __init__(self, out: dict, rows: int, tokens: bool, host=None):
+        self.out, self.rows, self.tokens, self.host = out, rows, tokens, host
+
+
 class TTDeviceModel:
-    model_capabilities = {"supports_prefix_caching": False, "supports_async_decode": False,
-                          "supports_sample_on_device": True}
     #: ``ttnn.sampling`` runs with one seed for the batch: seeded requests sample on the host
     seeded_on_device = False
 
@@ -94,6 +100,8 @@ class TTDeviceModel:
         self.sealed = False
         self.programs_run: dict[tuple[str, int], int] = {}
         self.replays: list[tuple] = []  # forward key of every step's run, in order
+        from .capabilities import model_capabilities
+        self.model_capabilities = model_capabilities(self.bundle, device=True)
 
     @classmethod
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel=1,
@@ -110,8 +118,8 @@ class TTDeviceModel:
         t0 = time.perf_counter()
         runner = open_model(ttnn, package.path, sample_mode, mesh_device, host_fallback=True,
                             trace_mode=options.trace_mode)
-        if RECORDER is not None:  # test-only hook: each op's output gets the shape the lowering says
-            runner.ex.on_call = RECORDER.on_call
+        if RECORDER is not None and RECORDER.unknown_reads == "zeros":  # test-only hook, fake weights:
+            runner.ex.on_call = RECORDER.on_call  # each op's output gets the shape the lowering says
         logger.info("ttbundle: %s on a %s mesh: weights, KV cache, %d forwards in %.1f s", package.name,
                     package.mesh_name, len(runner.forwards), time.perf_counter() - t0)
         return cls(ttnn, package, runner, options.trace_mode, sample_mode)
@@ -150,16 +158,20 @@ class TTDeviceModel:
         return self.runner.run_eager(key, host)  # enable_model_warmup=false: compiles on first use
 
     def _sampling_inputs(self, s: DeviceSampling | None, rows: int) -> dict:
+        """``ttnn.sampling``'s inputs. Rows with top_k above TOPK or none never come here from
+        ttbundle's runner (``sampling.host_reasons`` with ``max_device_top_k``); from another
+        caller they are cut to TOPK candidates, as ttnn.sampling does."""
         import numpy as np
         from ..backends.ttnn.lowering import TOPK
         if s is None:
             return {}
-        greedy = (s.temperature < 1e-5).numpy()
-        k = s.top_k.numpy().clip(0, TOPK)
+        temp = np.asarray(torch.as_tensor(s.temperature, dtype=torch.float32)).reshape(-1)
+        greedy = temp < 1e-5
+        k = np.asarray(torch.as_tensor(s.top_k, dtype=torch.long)).reshape(-1).clip(0, TOPK)
         k = np.where((k == 0) & ~greedy, TOPK, k)
         k = np.where(greedy, 1, k)
-        t = np.where(greedy, 1.0, s.temperature.numpy())
-        p = s.top_p.numpy()
+        t = np.where(greedy, 1.0, temp)
+        p = np.asarray(torch.as_tensor(s.top_p, dtype=torch.float32)).reshape(-1)
         pad = lambda a, fill: np.concatenate([a, np.full(max(0, rows - a.size), fill)])[:rows]  # noqa: E731
         return {"top_k": pad(k, 1).astype(np.uint32), "top_p": pad(p, 1.0).astype(np.float32),
                 "temperature": pad(t, 1.0).astype(np.float32)}
@@ -193,6 +205,7 @@ class TTDeviceModel:
     def decode_forward(self, tokens, start_pos, page_table, kv_cache, sampling_params=None, enable_trace: bool = True,
                        read_from_device: bool = True):
         import numpy as np
+        from ..backends.ttnn.device import mask_inputs
 
         B = tokens.shape[0]
         if tokens.shape[1] != 1 or B not in self.decode_buckets:
@@ -200,17 +213,40 @@ class TTDeviceModel:
                              f"got tokens {list(tokens.shape)}")
         key = self._key("decode", B, sampling_params)
         fw = self.runner.forwards[key]
-        pos = start_pos.numpy().astype(np.int64)
-        blocks = fw.inputs["page_table"][0][1]
-        host = {"tokens": tokens.numpy().reshape(1, B).astype(np.uint32),
-                "positions": pos.clip(min=0).reshape(1, B).astype(np.uint32),
-                "cur_pos": pos.astype(np.int32),
-                "page_table": page_table.numpy()[:, :blocks].astype(np.int32)}
-        host.update(self._sampling_inputs(sampling_params, B))
-        out = self._run(key, host)
-        if sampling_params is not None:
-            return torch.from_numpy(np.asarray(self.runner.read(out["next_tokens"])).reshape(-1)[:B].astype(np.int64))
-        logits = np.asarray(self.runner.read(out["logits.out"])).reshape(B, -1)
+        # the forward's rows are the bucket padded to whole tiles (fw.rows): padding rows idle
+        # (position -1: nothing written, nothing attended), as backends/ttnn/device.decode_inputs
+        R, blocks = fw.rows, fw.inputs["page_table"][0][1]
+        pos = np.full(R, -1, np.int64)
+        pos[:B] = start_pos.numpy()
+        toks = np.zeros(R, np.uint32)
+        toks[:B] = tokens.numpy().reshape(B)
+        pt = np.zeros((R, blocks), np.int32)
+        given = page_table.numpy()[:, :blocks]
+        pt[:given.shape[0], :given.shape[1]] = given
+        host = {"tokens": toks.reshape(1, R), "positions": pos.clip(min=0).reshape(1, R).astype(np.uint32),
+                "cur_pos": pos.astype(np.int32), "page_table": pt}
+        host.update(mask_inputs(fw, host["cur_pos"][:, None]))
+        host.update(self._sampling_inputs(sampling_params, R))
+        handle = DecodeOutput(self._run(key, host), B, sampling_params is not None)
+        if not read_from_device:
+            return handle
+        return self.process_decode_output_host(self.read_decode_output(handle), is_tokens=handle.tokens)
+
+    def read_decode_output(self, tt_out: DecodeOutput, async_read: bool = True) -> DecodeOutput:
+        """The decode's output read back to the host (token ids or logits)."""
+        import numpy as np
+        name = "next_tokens" if tt_out.tokens else "logits.out"
+        return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, np.asarray(self.runner.read(tt_out.out[name])))
+
+    def process_decode_output_host(self, tt_out: DecodeOutput, is_tokens: bool | None = None) -> torch.Tensor:
+        """Token ids [B] (device sampling) or logits [B, V] (host sampling), B the padded batch."""
+        import numpy as np
+        if tt_out.host is None:
+            tt_out = self.read_decode_output(tt_out)
+        B = tt_out.rows
+        if tt_out.tokens if is_tokens is None else is_tokens:
+            return torch.from_numpy(tt_out.host.reshape(-1)[:B].astype(np.int64))
+        logits = tt_out.host.reshape(-1, tt_out.host.shape[-1])[:B]  # rows: the bucket padded to tiles
         return torch.from_numpy(logits[:, :self.vocab_size].astype(np.float32))
 
     # -- warm-up: compile everything, then (seal) capture ------------------------------------------
@@ -228,10 +264,14 @@ class TTDeviceModel:
         self.runner.warmup(keys)
         self.warmed |= {("decode", k[1]) for k in keys}
         logger.info("[WARMUP] compiled %d decode forwards in %.1f s", len(keys), time.perf_counter() - t0)
+        if self.runner.stage == "warm":  # every forward compiled: capture now, as Tenstorrent's
+            self.seal()                 # plugin expects of its last warm-up call (no seal() there)
 
     def seal(self):
         """Capture a trace of every traced forward (every one compiled first); from now on each
-        step replays."""
+        step replays. Once only."""
+        if self.sealed:
+            return
         t0 = time.perf_counter()
         self.runner.capture()
         self.sealed = True

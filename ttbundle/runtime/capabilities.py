@@ -1,0 +1,46 @@
+"""``model_capabilities``: what a package's model tells a plugin it supports, derived from its
+spec. Tenstorrent's plugin reads this dict on the model class before building the model (to
+decide sampling, async scheduling, prefix caching and chunked prefill, and to refuse launches
+that ask for more); ttbundle's own runner reads the same dict (``max_device_top_k``) from the
+model it built, so one function decides both.
+"""
+
+from __future__ import annotations
+
+#: split decode submit / readback (vLLM's async scheduling). False until async decode exists:
+#: flip this one constant (and implement ``decode_forward(read_from_device=False)`` overlap).
+ASYNC_DECODE = False
+
+
+def model_capabilities(bundle, device: bool = True) -> dict:
+    """The capabilities of ``bundle``'s model on a Tenstorrent device (``device``: the ttnn
+    lowering's programs) or on the emulated mesh.
+
+    * sampling on device unless the spec's ``runtime.sample_on_device_mode`` is ``off``; the
+      device draws from the top ``max_device_top_k`` candidates (``ttnn.sampling`` in the
+      lowering: 32; the emulated mesh: the whole vocabulary). Penalties and grammars run on
+      the host.
+    * prefix caching: the emulated mesh only (a device prefill starting on a cached block is
+      not exercised); chunked prefill when the buckets set ``prefill_chunk``.
+    * one token per step, no speculative decoding.
+    """
+    from ..backends.ttnn.lowering import TOPK
+
+    rt, bk = bundle.spec.runtime, bundle.buckets
+    return {
+        "supports_sample_on_device": rt.sample_on_device_mode != "off",
+        "max_device_top_k": TOPK if device else bundle.arch.vocab_size,
+        "supports_device_penalties": False,
+        "supports_device_grammar": False,
+        "supports_prefix_caching": not device,
+        "supports_chunked_prefill": bk.prefill_chunk is not None,
+        "supports_async_decode": ASYNC_DECODE,
+        "output_tokens_per_step": 1,
+        "supports_spec_decode": False,
+    }
+
+
+def device_top_k(caps: dict, vocab_size: int) -> int | None:
+    """The bound a stochastic row's top_k must keep to for device sampling (None: unbounded)."""
+    k = caps.get("max_device_top_k")
+    return None if k is None or k >= vocab_size else int(k)
