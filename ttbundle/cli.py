@@ -434,8 +434,13 @@ def serve(ctx: typer.Context,
           output: Path = typer.Option(Path("packages"), "-o", "--output", help="For a SPEC: where its "
                                       "package is built (OUT/<mesh>/<bundle>)."),
           print_command: bool = typer.Option(False, "--print-command", help="Print the vLLM command "
-                                             "and environment instead of starting it.")):
-    """Serve a package with vLLM's OpenAI server on the emulated mesh; Ctrl-C stops it cleanly.
+                                             "and environment instead of starting it."),
+          device: Optional[str] = typer.Option(None, "--device", metavar="tt|emulated", help="Where "
+                                               "the mesh runs: a Tenstorrent device (tt) or the emulated "
+                                               "mesh (default: tt where a device is present, else "
+                                               "emulated).")):
+    """Serve a package with vLLM's OpenAI server on a Tenstorrent device or the emulated mesh;
+    Ctrl-C stops it cleanly.
 
     vLLM's arguments come from the package (max_model_len, max_num_seqs, block size, dtype,
     --additional-config with trace_region_size); add more after `--`, e.g.
@@ -448,8 +453,9 @@ def serve(ctx: typer.Context,
         if Path(target).suffix in (".yaml", ".yml"):
             from .build import ConsoleProgress
             progress = ConsoleProgress(err, prefix="build: ")
+        where = servemod.pick_device(device)
         pkg = servemod.resolve(target, mesh, output, progress)
-        plan = servemod.plan_serve(pkg, host, port, list(ctx.args))
+        plan = servemod.plan_serve(pkg, host, port, list(ctx.args), where)
     except TTBundleError as e:
         fail(e)
     if print_command:

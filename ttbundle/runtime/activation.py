@@ -27,15 +27,27 @@ def _truthy(v: str | None) -> bool:
 TEST_TTNN = "TTBUNDLE_TEST_TTNN"  # test-only: "recording" (runtime/ttdevice.py)
 
 
+def tt_hardware_missing() -> str | None:
+    """Why this host cannot serve on a Tenstorrent device through ttbundle (None: it can): no
+    device node, no ttnn, or Tenstorrent's own plugin installed (it owns the device then). The
+    test-only hook ``TTBUNDLE_TEST_TTNN=recording`` stands the recording double in for all three."""
+    if os.environ.get(TEST_TTNN) == "recording":
+        return None
+    if not Path("/dev/tenstorrent").exists():
+        return "no Tenstorrent device on this host (/dev/tenstorrent is missing)"
+    if importlib.util.find_spec("ttnn") is None:
+        return "ttnn is not installed (pip install ttnn; it drives the device)"
+    from importlib.metadata import entry_points
+    if [e for e in entry_points(group="vllm.platform_plugins") if e.name == "tt"]:
+        return ("Tenstorrent's own vLLM plugin is installed and owns the device: serve the package with "
+                "it (`vllm serve PACKAGE`; the package's adapter runs there)")
+    return None
+
+
 def tt_hardware_present() -> bool:
     """A Tenstorrent device node, ttnn importable, and no Tenstorrent plugin to defer to. (Or the
     test-only hook ``TTBUNDLE_TEST_TTNN=recording``: the recording double stands in for both.)"""
-    if os.environ.get(TEST_TTNN) == "recording":
-        return True
-    if not Path("/dev/tenstorrent").exists() or importlib.util.find_spec("ttnn") is None:
-        return False
-    from importlib.metadata import entry_points
-    return not [e for e in entry_points(group="vllm.platform_plugins") if e.name == "tt"]
+    return tt_hardware_missing() is None
 
 
 def active_platform() -> str | None:

@@ -44,6 +44,11 @@ class Package:
     def trace_region_bytes(self) -> int | None:
         return self.manifest.get("trace_region_bytes")
 
+    @property
+    def built_for_device(self) -> bool:
+        """Built with ``--backend ttnn`` (its ``tensorbin/`` weight caches): a device can run it."""
+        return self.manifest.get("key_fields", {}).get("backend") == "ttnn"
+
     def emulated_model(self, dtype=None, device="cpu"):
         """The package on the emulated mesh: its programs on its own weight shards."""
         import torch

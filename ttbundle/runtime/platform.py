@@ -199,7 +199,7 @@ def configure(vllm_config, emulated: bool) -> None:
     if list(mc.hf_config.architectures or []) != [arch]:
         _fail(f"{pkg.path}/config.json: architectures {mc.hf_config.architectures} should be "
               f"[{arch!r}] (vllm_metadata.json says {pkg.arch}); rebuild the package")
-    if not emulated and pkg.manifest.get("key_fields", {}).get("backend") != "ttnn":
+    if not emulated and not pkg.built_for_device:
         _fail(f"{pkg.path}: built for the emulated mesh only (no tensorbin/ weight caches); on a "
               f"Tenstorrent device serve a package built with `ttbundle build --backend ttnn`")
     _environment_notes(pkg, opts, tenv, emulated)

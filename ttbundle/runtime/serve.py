@@ -1,10 +1,13 @@
 """`ttbundle serve`: vLLM's own OpenAI server on a package, with arguments from the package.
 
-``vllm serve PACKAGE`` runs in a child process (its own process group) with the emulated mesh
-activated (``TTBUNDLE_EMULATED=1``), ``MESH_DEVICE`` set to the package's mesh, and:
+``vllm serve PACKAGE`` runs in a child process (its own process group) on ``--device``: ``tt``
+(the default where a Tenstorrent device is present, ``activation.tt_hardware_missing``: the TT
+platform, the package's ttnn programs and tensorbin weights) or ``emulated`` (the default
+elsewhere: ``TTBUNDLE_EMULATED=1``), with ``MESH_DEVICE`` set to the package's mesh, and:
 
 * ``--max-model-len``, ``--max-num-seqs``, ``--block-size`` from the spec's ``runtime``;
-* ``--dtype float32`` (the emulated mesh then matches transformers token for token);
+* ``--dtype float32`` on the emulated mesh (it then matches transformers token for token),
+  ``bfloat16`` on a device (the host side of a bf16 device model);
 * ``--served-model-name`` the bundle name;
 * ``--additional-config '{"tt": {...}}'`` with ``trace_region_size`` from the package and the
   spec's ``trace_mode`` / ``sample_on_device_mode``; a ``--additional-config`` among the extra
@@ -144,13 +147,36 @@ def resolve(target: str, mesh: str | None = None, output: Path = Path("packages"
     return find(target, mesh).path
 
 
+DEVICES = ("tt", "emulated")
+
+
+def pick_device(device: str | None) -> str:
+    """``--device``: ``tt`` or ``emulated``; None: ``tt`` where a device is present. ``tt`` on a
+    host without one is an InvalidInput saying why (exit 2)."""
+    from .activation import tt_hardware_missing
+
+    if device is None:
+        return "tt" if tt_hardware_missing() is None else "emulated"
+    if device not in DEVICES:
+        raise InvalidInput(f"--device {device}: choose one of {', '.join(DEVICES)}")
+    why = tt_hardware_missing() if device == "tt" else None
+    if why:
+        raise InvalidInput(f"--device tt: {why}; serve on the emulated mesh with --device emulated "
+                           "(the default on a host without a device)")
+    return device
+
+
 def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
-               extra: list[str] | None = None) -> ServePlan:
-    """The vLLM command line and environment for ``package``."""
+               extra: list[str] | None = None, device: str = "emulated") -> ServePlan:
+    """The vLLM command line and environment for ``package`` on ``device`` (``pick_device``)."""
     from .activation import ENV_EMULATED
     from .packages import open_package
 
     pkg = open_package(package)
+    if device == "tt" and not pkg.built_for_device:
+        raise InvalidInput(f"{pkg.path}: built for the emulated mesh only (no tensorbin/ weight caches); "
+                           f"for --device tt build it with `ttbundle build --backend ttnn`, or serve it "
+                           "with --device emulated")
     rt = pkg.bundle.spec.runtime
     extra = list(extra or [])
     _check_extra(extra)
@@ -166,10 +192,10 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         "--max-model-len", str(rt.max_model_len),
         "--max-num-seqs", str(rt.max_num_seqs),
         "--block-size", str(rt.kv_block_size),
-        "--dtype", "float32",
+        "--dtype", "float32" if device == "emulated" else "bfloat16",
         "--additional-config", json.dumps(cfg, separators=(",", ":")),
     ] + extra
-    env = {ENV_EMULATED: "1", "MESH_DEVICE": pkg.mesh_name, "HF_HUB_OFFLINE": "1",
+    env = {ENV_EMULATED: "1" if device == "emulated" else "0", "MESH_DEVICE": pkg.mesh_name, "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
            # the engine's OpenMP threads share the cores with vLLM's API server process: spin
            # briefly at a barrier, then sleep (the default spins ~30x longer)
