@@ -89,11 +89,51 @@ def test_llm_by_hf_id_generates_the_transformers_tokens(repo, make_package, monk
     from vllm import LLM, SamplingParams
 
     _, src = make_package("qwen3", "N150")
-    llm = LLM(model=hf_id("qwen3"), dtype="float32", seed=0)
+    # with Tenstorrent's always_compat_sampling: every batch samples on the host
+    llm = LLM(model=hf_id("qwen3"), dtype="float32", seed=0, additional_config={"tt": {"always_compat_sampling": True}})
     try:
+        assert llm.llm_engine.model_config.served_model_name == hf_id("qwen3")
         prompt = [11, 200, 37, 5, 99, 140, 8]
         out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=8, temperature=0,
                                                                           ignore_eos=True), use_tqdm=False)
         assert list(out[0].outputs[0].token_ids) == hf_greedy(src, prompt, 8)
+        runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
+        assert {s.sampling for s in runner.step_log} == {"host"}
     finally:
         llm.llm_engine.engine_core.shutdown()
+
+
+@pytest.mark.slow
+def test_vllm_serve_by_bundle_name(repo, monkeypatch, tmp_path):
+    """``vllm serve tiny-llama`` (HF_HUB_OFFLINE=1, MESH_DEVICE=T3K picks the mesh) serves the
+    registered package, under the name given; the openai client lists and queries it."""
+    import socket
+
+    import openai
+
+    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
+
+    out, _ = repo
+    monkeypatch.setenv("MESH_DEVICE", "T3K")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    plan = plan_serve(out / "T3K" / "tiny-llama", "127.0.0.1", port)
+    argv = list(plan.argv)
+    argv[argv.index(str(plan.package))] = "tiny-llama"  # the bare name, as a user types it
+    i = argv.index("--served-model-name")
+    del argv[i:i + 2]
+    plan.argv, plan.env["MESH_DEVICE"] = argv, "T3K"
+    log = tmp_path / "vllm.log"
+    with open(log, "wb") as f:
+        proc = start(plan, log=f)
+    try:
+        wait_healthy(proc, plan.host, plan.port, timeout=600)
+        c = openai.OpenAI(base_url=plan.url, api_key="none", timeout=300, max_retries=0)
+        assert [m.id for m in c.models.list().data] == ["tiny-llama"]
+        r = c.completions.create(model="tiny-llama", prompt=[5, 17, 99], max_tokens=3, temperature=0,
+                                 extra_body={"ignore_eos": True})
+        assert r.usage.completion_tokens == 3
+        assert "serving tiny-llama-T3K" in log.read_text()
+    finally:
+        stop(proc)
