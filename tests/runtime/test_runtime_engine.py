@@ -262,3 +262,4 @@ def test_top_k_beyond_the_device_bound_samples_on_the_host(engine, monkeypatch):
         assert where == {"host"} and len(toks) > 4, (kw, toks, where)
     toks, where = first_tokens(top_k=4)
     assert where == {"device"} and len(toks) <= 4
+

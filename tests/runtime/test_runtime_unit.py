@@ -288,3 +288,44 @@ def test_model_capabilities_follow_the_spec():
     b = specmod.loads(yaml.safe_dump(doc), "spec.yaml")
     caps = model_capabilities(b)
     assert not caps["supports_sample_on_device"] and not caps["supports_chunked_prefill"]
+
+
+def test_prompt_logprobs_chunks_join_and_are_returned_once():
+    """Three chunks of a 10-token prompt (4, 4, 2 positions): each position's logprob of the next
+    prompt token, its rank and the top 2, against torch's log_softmax and ranks counted here; the
+    tensors come back with the chunk that ends the prompt, once (a preempted request's re-prefill
+    asks for none), and again after the request is removed."""
+    from vllm.v1.sample.sampler import Sampler
+
+    from ttbundle.runtime.sampling import PromptLogprobs
+
+    g = torch.Generator().manual_seed(5)
+    prompt = [int(x) for x in torch.randint(0, 50, (10,), generator=g)]
+    logits = torch.randn(10, 50, generator=g)
+    lp = PromptLogprobs(Sampler())
+    sp = _params(prompt_logprobs=2)
+    assert lp.wanted("r", sp, 50) == 2 and lp.wanted("r", _params(), 50) is None
+    assert lp.wanted("r", _params(prompt_logprobs=-1), 50) == 50
+    assert lp.add("r", prompt, 2, 0, logits[0:4]) is None
+    assert lp.add("r", prompt, 2, 4, logits[4:8]) is None
+    out = lp.add("r", prompt, 2, 8, logits[8:10])
+    assert out is not None and lp.wanted("r", sp, 50) is None
+    ref = logits.log_softmax(-1)
+    for i in range(9):
+        tok = prompt[i + 1]
+        assert int(out.logprob_token_ids[i, 0]) == tok
+        assert abs(float(out.logprobs[i, 0]) - float(ref[i, tok])) < 1e-5
+        assert int(out.selected_token_ranks[i]) == int((ref[i] > ref[i, tok]).sum()) + 1
+        assert out.logprob_token_ids[i, 1:].tolist() == ref[i].topk(2).indices.tolist()
+    lp.remove("r")
+    assert lp.wanted("r", sp, 50) == 2
+
+
+def test_prompt_logprobs_refused_on_a_device_only():
+    from vllm.exceptions import VLLMValidationError
+
+    from ttbundle.runtime.platform import EmulatedMeshPlatform, TTMeshPlatform
+    EmulatedMeshPlatform.validate_request(None, _params(prompt_logprobs=1))  # the host path has them
+    with pytest.raises(VLLMValidationError, match="prompt_logprobs are not supported on a Tenstorrent device"):
+        TTMeshPlatform.validate_request(None, _params(prompt_logprobs=1))
+    TTMeshPlatform.validate_request(None, _params())

@@ -292,7 +292,7 @@ class TTModelRunner:
             tokens = torch.zeros(1, bucket, dtype=torch.long)
             tokens[0, :n] = torch.tensor(st.tokens(st.num_computed, n))
             samples = st.num_computed + n >= st.num_tokens
-            k = PromptLogprobs.wanted(st.params, self.vocab_size)  # host path only (host_reasons)
+            k = self.prompt_lp.wanted(st.req_id, st.params, self.vocab_size)  # host path (host_reasons)
             res = self.mesh_model.prefill_forward(
                 tokens, self._page_table([st], 1), self.kv, [n], [st.num_computed],
                 self._device_sampling([st], 1) if (samples and on_device) else None,

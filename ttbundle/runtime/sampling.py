@@ -112,12 +112,15 @@ class PromptLogprobs:
     def __init__(self, sampler, logprobs_mode: str = "raw_logprobs"):
         self.sampler, self.mode = sampler, logprobs_mode
         self.partial: dict = {}  # req_id -> LogprobsTensors being filled
+        self.done: set = set()  # returned once: a preempted request's re-prefill computes none
 
-    @staticmethod
-    def wanted(params, vocab_size: int) -> int | None:
-        """How many top logprobs per prompt position (-1: the vocabulary), None: not asked."""
+    def wanted(self, req_id: str, params, vocab_size: int) -> int | None:
+        """How many top logprobs per prompt position (-1: the vocabulary); None: not asked, or
+        already returned."""
         k = getattr(params, "prompt_logprobs", None)
-        return None if k is None else (vocab_size if k == -1 else int(k))
+        if k is None or req_id in self.done:
+            return None
+        return vocab_size if k == -1 else int(k)
 
     def add(self, req_id: str, prompt: list[int], k: int, start: int, logits: torch.Tensor):
         """``logits`` [n, V]: positions ``start .. start + n - 1`` of the prompt. Returns the
@@ -137,11 +140,13 @@ class PromptLogprobs:
             lt.logprobs[start:start + m] = lps
             lt.selected_token_ranks[start:start + m] = ranks
         if start + logits.shape[0] >= P:
+            self.done.add(req_id)
             return self.partial.pop(req_id)
         return None
 
     def remove(self, req_id: str) -> None:
         self.partial.pop(req_id, None)
+        self.done.discard(req_id)
 
 
 class HostSampler:
