@@ -454,7 +454,7 @@ def serve(ctx: typer.Context,
             from .build import ConsoleProgress
             progress = ConsoleProgress(err, prefix="build: ")
         where = servemod.pick_device(device)
-        pkg = servemod.resolve(target, mesh, output, progress)
+        pkg = servemod.resolve(target, mesh, output, progress, "ttnn" if where == "tt" else "emulated")
         plan = servemod.plan_serve(pkg, host, port, list(ctx.args), where)
     except TTBundleError as e:
         fail(e)

@@ -52,6 +52,21 @@ def test_with_a_device_the_default_is_tt(ttnn_package, make_package, runner, mon
     assert "ttbundle build --backend ttnn" in r.output
 
 
+def test_a_spec_served_on_a_device_is_built_for_it(ttnn_package, runner, monkeypatch, tmp_path):
+    """The README's `ttbundle serve SPEC --mesh M` on a device host: the package is built with the
+    ttnn backend (tensorbin weights) and served on the TT platform."""
+    import json
+
+    monkeypatch.setenv(activation.TEST_TTNN, "recording")
+    spec = ttnn_package.parent.parent / "tiny-llama.yaml"  # build_package keeps the spec there
+    r = _command(runner, str(spec), "--mesh", "N150", "-o", str(tmp_path / "out"))
+    assert r.exit_code == 0, r.output
+    built = tmp_path / "out" / "N150" / "tiny-llama"
+    manifest = json.loads((built / "manifest.json").read_text())
+    assert manifest["key_fields"]["backend"] == "ttnn" and (built / "tensorbin" / "index.json").is_file()
+    assert "TTBUNDLE_EMULATED=0" in r.output and str(built) in r.output
+
+
 @pytest.mark.slow
 def test_serve_on_the_device_answers_completions(ttnn_package, monkeypatch, tmp_path):
     """The whole `ttbundle serve --device tt` command line through real `vllm serve` on the TT

@@ -119,10 +119,10 @@ def vllm_command() -> list[str]:
 
 
 def resolve(target: str, mesh: str | None = None, output: Path = Path("packages"),
-            progress=None) -> Path:
+            progress=None, backend: str = "emulated") -> Path:
     """The package directory for NAME (registered; ``mesh`` picks among its packages), PACKAGE
-    (a directory) or SPEC (a YAML file: built for ``mesh`` into ``output`` unless its package
-    is up to date)."""
+    (a directory) or SPEC (a YAML file: built for ``mesh`` into ``output`` with ``backend``
+    unless its package is up to date; ``ttnn`` for a device)."""
     from .packages import is_package
     from .registry import find
 
@@ -137,7 +137,7 @@ def resolve(target: str, mesh: str | None = None, output: Path = Path("packages"
         if not named:
             raise InvalidInput(f"{p}: mesh {m} is not one of its targets ({', '.join(bundle.spec.targets)})")
         m = named[0]
-        res = build(bundle, m, output, progress=progress)
+        res = build(bundle, m, output, progress=progress, backend=backend)
         return Path(res.package)
     if os.path.isdir(p):
         if not is_package(p):
