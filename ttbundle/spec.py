@@ -149,9 +149,6 @@ class BundleSpec(BaseModel):
     """Bundle name: lowercase letters, digits, `-`, `_`, `.`; at most 64 characters."""
     description: str = ""
     """Free text shown in `ttbundle ls` and the generated model card."""
-    hf_model: str | None = None
-    """The Hugging Face model id the bundle was made from, e.g. `meta-llama/Llama-3.1-8B-Instruct`:
-    a registered package is served by this id as well as by its name (`vllm serve <id>`)."""
     model: Annotated[Union[families.arch_models()], Field(discriminator="family")] | None = None  # type: ignore[valid-type]
     """Architecture: `family` plus its dims (HF config.json names). Omit when using `from_hf`."""
     from_hf: str | None = None
@@ -170,6 +167,9 @@ class BundleSpec(BaseModel):
     """Trace buckets; default: the family's."""
     runtime: Runtime = Field(default_factory=Runtime)
     """Serving limits and plugin options."""
+    hf_model: str | None = None
+    """The Hugging Face model id the bundle was made from, e.g. `meta-llama/Llama-3.1-8B-Instruct`:
+    a registered package is served by this id as well as by its name (`vllm serve <id>`)."""
 
     @field_validator("name")
     @classmethod

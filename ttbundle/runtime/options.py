@@ -2,8 +2,10 @@
 
 The keys and their meanings follow Tenstorrent's vLLM plugin so one command line works with
 either plugin. Keys that only matter on real hardware (L1 sizes, fabric, dispatch axis) are
-accepted and recorded; the emulated mesh has no use for them. Unknown keys are an error that
-names the key and the closest valid one.
+accepted and recorded; the emulated mesh has no use for them. Keys of Tenstorrent's multi-host
+launcher and its test models are accepted, type-checked and reported as having no effect
+(``no_effect``). Unknown keys are an error that names the key and the closest valid one.
+Tenstorrent's environment variables are read and checked here too (:func:`env`).
 """
 
 from __future__ import annotations
