@@ -405,7 +405,8 @@ def ls_(as_json: bool = typer.Option(False, "--json", help="Machine-readable lis
     if as_json:  # the text rich's print_json writes, without its 0.3 ms per package
         sys.stdout.write(json.dumps({"packages": [{"name": e.name, "mesh": e.mesh, "arch": e.arch,
                                                    "path": str(e.path), "prefill": e.prefill,
-                                                   "decode": e.decode} for e in good],
+                                                   "decode": e.decode, "hf_model": e.hf_model or None}
+                                                  for e in good],
                                      "refused": [{"path": str(p), "reason": why} for p, why in bad]},
                                     indent=2) + "\n")
         return

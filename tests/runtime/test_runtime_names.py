@@ -72,6 +72,17 @@ def test_vllm_engine_args_resolve_names_before_the_hub(repo, monkeypatch, name, 
     assert cfg.parallel_config.worker_cls == "ttbundle.runtime.worker.TTWorker"
 
 
+def test_ls_shows_the_hf_ids(repo, runner):
+    import json
+
+    from ttbundle.cli import app
+    r = runner.invoke(app, ["ls", "--json"])
+    assert r.exit_code == 0, r.output
+    got = {(p["name"], p["mesh"]): p["hf_model"] for p in json.loads(r.output)["packages"]}
+    assert got == {("tiny-llama", "N150"): hf_id("llama"), ("tiny-llama", "T3K"): hf_id("llama"),
+                   ("tiny-qwen3", "N150"): hf_id("qwen3")}
+
+
 def test_ttbundle_serve_resolves_hf_ids(repo):
     from ttbundle.runtime import serve
 
