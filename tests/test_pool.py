@@ -105,6 +105,42 @@ def test_a_built_package_records_and_allocates_the_pools_blocks(tmp_path_factory
     assert {b.shape[0] for b in alloc.plan_buffers(pkg.plan) if b.what == "kv_cache"} == {blocks}
     runner = Runner(EmulatedModel.from_package(pkg))
     assert runner.kv.num_blocks == blocks
+    # the serving side reads the package's record (nothing re-plans): the worker's block count,
+    # and the pool Tenstorrent's plugin sizes its cache from through the generated adapter:
+    # its ceil((tokens + block x seqs) / block) gives the package's blocks at any max_num_seqs
+    from ttbundle.package import load_adapter
+    from ttbundle.runtime.packages import open_package
+    opened = open_package(res.package)
+    assert pkg.kv_cache["num_blocks"] == opened.kv_blocks == blocks
+    cls = load_adapter(opened.path, opened.manifest, opened.metadata)
+    for seqs in (8, 3):
+        tokens = cls.get_max_tokens_all_users(max_num_seqs=seqs, max_model_len=256)
+        assert -(-(tokens + 32 * seqs) // 32) == blocks
+
+
+def test_programs_that_disagree_on_the_kv_cache_are_refused(tmp_path_factory, ckpt):  # noqa: F811
+    """The KV record is one number in every program; a package whose programs disagree (one
+    edited, manifest re-hashed) is refused when the runtime asks for its blocks."""
+    import json
+
+    from pkg_mutations import rehash
+    from test_build import REST, spec_text as build_spec
+
+    from ttbundle import build as buildmod
+    from ttbundle.errors import TTBundleError
+    from ttbundle.runtime.packages import open_package
+
+    d = tmp_path_factory.mktemp("pool-disagree")
+    (d / "spec.yaml").write_text(build_spec(ckpt, rest=REST))
+    res = buildmod.build(spec.load(d / "spec.yaml"), "T3K", d / "out", warmup=False)
+    pkgdir = Path(res.package)
+    prog = sorted((pkgdir / "programs").glob("*.json"))[0]
+    data = json.loads(prog.read_text())
+    data["kv_cache"]["num_blocks"] += 1
+    prog.write_text(json.dumps(data))
+    rehash(pkgdir, str(prog.relative_to(pkgdir)))
+    with pytest.raises(TTBundleError, match="disagree on the KV cache"):
+        open_package(res.package).kv_blocks
 
 
 def test_plan_shows_the_pool_in_text_and_json():

@@ -572,6 +572,22 @@ class LoadedPackage:
     programs: dict = field(default_factory=dict)  # (phase, bucket) -> relative path
     _ir: dict = field(default_factory=dict, repr=False)
 
+    @property
+    def kv_cache(self) -> dict:
+        """The KV cache the programs were built for (dtype, ``num_blocks``, block size): one
+        record, the same in every program (``lower`` writes the plan's pool into each). The
+        runtime allocates and hands vLLM this, not a re-planned number."""
+        if "_kv" not in self._ir:
+            recs = {}
+            for phase, bucket in self.programs:
+                kv = self.program_ir(phase, bucket).kv_cache
+                recs.setdefault(json.dumps(kv, sort_keys=True), []).append(f"{phase}/{bucket}")
+            if len(recs) != 1:
+                raise PackageError(f"{self.dir}: its programs disagree on the KV cache: "
+                                   + "; ".join(f"{', '.join(v)}: {k}" for k, v in recs.items()))
+            self._ir["_kv"] = json.loads(next(iter(recs)))
+        return dict(self._ir["_kv"])
+
     def program(self, phase: str, bucket: int) -> dict:
         """The JSON form of the (phase, bucket) program (what the ttnn lowering reads)."""
         return self.program_ir(phase, bucket).to_json()

@@ -373,9 +373,10 @@ def pool_blocks(rt, tokens: int) -> int:
     return _cdiv(tokens + rt.kv_block_size * rt.max_num_seqs, rt.kv_block_size)
 
 
-def pool_tokens(rt, blocks: int) -> int:
-    """The pool (``max_tokens_all_users``) that :func:`pool_blocks` turns into ``blocks``."""
-    return blocks * rt.kv_block_size - rt.kv_block_size * rt.max_num_seqs
+def pool_tokens(rt, blocks: int, max_num_seqs: int | None = None) -> int:
+    """The pool (``max_tokens_all_users``) that :func:`pool_blocks` turns into ``blocks`` (at
+    ``max_num_seqs`` sequences; default the spec's)."""
+    return blocks * rt.kv_block_size - rt.kv_block_size * (max_num_seqs or rt.max_num_seqs)
 
 
 def kv_blocks(bundle, mesh: Mesh | str) -> int:

@@ -96,7 +96,12 @@ def test_adapter_runs_the_ttnn_path_on_a_mesh_device(ttnn_package, monkeypatch):
     assert isinstance(dev, ttdevice.TTDeviceModel) and dev.model_capabilities == caps
 
     a = pkg.bundle.arch
-    blocks = kv_blocks(pkg.bundle.spec.runtime)
+    # Tenstorrent's plugin sizes the cache from the class's pool: ceil((tokens + block x seqs) / block)
+    bs = pkg.bundle.spec.runtime.kv_block_size
+    tokens = cls.get_max_tokens_all_users(model_name=pkg.name, num_devices=8, tt_data_parallel=1,
+                                          max_model_len=256, max_num_seqs=32)
+    blocks = -(-(tokens + bs * 32) // bs)
+    assert blocks == kv_blocks(pkg.bundle, "T3K")
     shape = (blocks, a.kv_heads // 8 or 1, 32, a.hd)
     got_logits, got_sampled = _drive(dev, shape, 32, 2)  # decode bucket 2: row 1 idle
     # every forward ran as a replay of a trace captured at warm-up, none compiled while serving

@@ -59,12 +59,14 @@ def test_worker_asks_vllm_for_the_pools_blocks_unless_overridden(override):
     from types import SimpleNamespace
 
     from ttbundle import spec
+    from ttbundle.plan import kv_blocks
     from ttbundle.runtime.worker import TTWorker
 
     bundle = spec.loads(pool_spec(), "pool.yaml")
     per_block = 12345
     fake = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks_override=override),
-                           package=SimpleNamespace(bundle=bundle, mesh_name="N150"),
+                           # a package's record is the plan's pool (tests/test_pool.py builds one)
+                           package=SimpleNamespace(kv_blocks=kv_blocks(bundle, "N150")),
                            model_runner=SimpleNamespace(kv_bytes_per_block=lambda: per_block))
     want = override or math.ceil((POOL + 32 * SEQS) / 32)
     assert TTWorker.determine_available_memory(fake) == want * per_block

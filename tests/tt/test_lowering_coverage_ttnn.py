@@ -101,7 +101,7 @@ def test_the_runtimes_own_ttnn_calls_bind(ttnn, tmp_path):
     ex = device.Executor(tt, dev)
     ex.on_call = rec.on_call
     recording.populate(ex, p, fws.values())
-    ex.env["kv"] = device.allocate_kv(tt, dev, p)
+    ex.env["kv"] = device.allocate_kv(tt, dev, p.kv)
     for c in {c.name: c for fw in fws.values() for c in fw.consts if c.kind != "rope_cos" and c.kind != "rope_sin"}.values():
         ex.env[c.name] = device.make_const(tt, dev, c)
     (tmp_path / "tensorbin").mkdir()

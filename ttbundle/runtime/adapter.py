@@ -13,6 +13,7 @@ of a request (on hardware that would be a trace capture during serving).
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from pathlib import Path
@@ -45,6 +46,12 @@ class _ClassCapabilities:
         return dict(self._cache[d])
 
 
+@functools.lru_cache(maxsize=8)
+def _opened(package_dir: str):
+    from .packages import open_package
+    return open_package(Path(package_dir))
+
+
 class BundleModel:
     """A bundle's causal LM on an emulated mesh, behind Tenstorrent's model interface."""
 
@@ -74,6 +81,20 @@ class BundleModel:
         self.model_capabilities = model_capabilities(bundle, device=False)
 
     # -- Tenstorrent's constructor -------------------------------------------------------------
+    @classmethod
+    def get_max_tokens_all_users(cls, model_name: str = "", num_devices: int = 1, tt_data_parallel: int = 1,
+                                 max_model_len: int = 0, max_num_seqs: int | None = None, **kwargs) -> int:
+        """The KV pool Tenstorrent's plugin sizes its cache from (it allocates
+        ceil((tokens + block x max_num_seqs) / block) blocks): the tokens for which that formula
+        gives exactly the blocks the package's programs were built for (``Package.kv_blocks``),
+        at ``max_num_seqs`` (default: the spec's)."""
+        if cls.package_dir is None:
+            raise ValueError("get_max_tokens_all_users: not a package's adapter (no package_dir)")
+        from ..plan import pool_tokens
+
+        pkg = _opened(cls.package_dir)
+        return pool_tokens(pkg.bundle.spec.runtime, pkg.kv_blocks, max_num_seqs)
+
     @classmethod
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len,
                               tt_data_parallel=1, optimizations=None, *, package=None,

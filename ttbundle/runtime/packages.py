@@ -49,6 +49,12 @@ class Package:
         """Built with ``--backend ttnn`` (its ``tensorbin/`` weight caches): a device can run it."""
         return self.manifest.get("key_fields", {}).get("backend") == "ttnn"
 
+    @property
+    def kv_blocks(self) -> int:
+        """KV blocks the package's programs were built for (its plan's pool, recorded in every
+        program): what the worker asks vLLM for and a device allocates; nothing re-plans."""
+        return int(self.loaded.kv_cache["num_blocks"])
+
     def emulated_model(self, dtype=None, device="cpu"):
         """The package on the emulated mesh: its programs on its own weight shards."""
         import torch

@@ -134,8 +134,7 @@ class TTDeviceModel:
         return KVHandle(plan_blocks, kv_cache_shape[2])
 
     def _plan_blocks(self) -> int:
-        from ..plan import kv_blocks
-        return kv_blocks(self.bundle, self.package.mesh_name)
+        return self.package.kv_blocks
 
     # -- programs ---------------------------------------------------------------------------------
     def _key(self, phase: str, bucket: int, sampling, start: int = 0) -> tuple:

@@ -81,12 +81,11 @@ class TTWorker(WorkerBase):
 
     def determine_available_memory(self) -> int:
         """Exactly the blocks of the plan's KV pool (Tenstorrent's
-        ceil((max_tokens_all_users + block x max_num_seqs) / block), ``plan.kv_blocks``), unless
+        ceil((max_tokens_all_users + block x max_num_seqs) / block), as ``plan.kv_blocks`` chose it
+        and the package's programs record it: ``Package.kv_blocks``), unless
         ``--num-gpu-blocks-override`` says otherwise; vLLM preempts when they run out."""
-        from ..plan import kv_blocks
-
         override = self.cache_config.num_gpu_blocks_override
-        blocks = override or kv_blocks(self.package.bundle, self.package.mesh_name)
+        blocks = override or self.package.kv_blocks
         return blocks * self.model_runner.kv_bytes_per_block()
 
     def initialize_from_config(self, kv_cache_config) -> None:

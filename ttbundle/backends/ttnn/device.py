@@ -91,19 +91,21 @@ def allocate(ttnn, device, shape, dtype: str, layout: str):
                                           ttnn_layout(ttnn, layout), device, ttnn.DRAM_MEMORY_CONFIG)
 
 
-def allocate_kv(ttnn, device, plan) -> dict:
-    """``{layer: {entry: tensor}}``: the paged KV cache the plan sizes, on every device, filled
+def allocate_kv(ttnn, device, kv: dict) -> dict:
+    """``{layer: {entry: tensor}}``: the paged KV cache ``kv`` describes (a program's
+    ``kv_cache`` record, ``LoadedPackage.kv_cache``: dtype, entries with per-device shapes and
+    layer counts, sized by the plan's pool), on every device, filled
     with zeros. Attention that gathers whole blocks of the page table (Gemma 2's softcapped
     attention) reads slots no request wrote; the additive mask cannot cancel whatever DRAM held
     there (``-1e30 + NaN`` is NaN, and ``0 * NaN`` in ``p @ v``), so the cache starts defined, as
     the emulated backend's does."""
-    kv: dict = {}
-    dtype, layout = ttnn_dtype(ttnn, plan.kv["dtype"]), ttnn_layout(ttnn, "TILE")
-    for e in plan.kv["entries"]:
+    dtype, layout = ttnn_dtype(ttnn, kv["dtype"]), ttnn_layout(ttnn, "TILE")
+    out: dict = {}
+    for e in kv["entries"]:
         for layer in range(e["layers"]):
-            kv.setdefault(layer, {})[e["name"]] = ttnn.full(list(e["device_shape"]), 0.0, dtype=dtype, layout=layout,
-                                                            device=device, memory_config=ttnn.DRAM_MEMORY_CONFIG)
-    return kv
+            out.setdefault(layer, {})[e["name"]] = ttnn.full(list(e["device_shape"]), 0.0, dtype=dtype, layout=layout,
+                                                             device=device, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+    return out
 
 
 def make_const(ttnn, device, c, arch=None):
@@ -183,7 +185,7 @@ def open_model(ttnn, package_dir: str | Path, sample_on_device_mode: str = "all"
                                             trace_region_size=plan.trace_region_size or 0)
     ex = Executor(ttnn, mesh_device)
     ex.env["weights"].update(ttcache.load_mesh_weights(ttnn, mesh_device, package_dir))
-    ex.env["kv"] = allocate_kv(ttnn, mesh_device, plan)
+    ex.env["kv"] = allocate_kv(ttnn, mesh_device, pkg.kv_cache)
     keys, trace_keys = forward_keys(bundle, sample_on_device_mode, host_fallback, trace_mode)
     forwards = {}
     for key in keys:
