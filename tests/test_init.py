@@ -408,3 +408,39 @@ def test_plan_that_cannot_divide_is_not_written(tmp_path, runner):
     assert "the family's default plan does not divide over N150, T3K" in r.stderr
     assert "intermediate_size=100 is not divisible by mesh axis cols=8 (T3K 1x8)" in r.stderr
     assert not out.exists()
+
+
+def test_hf_model_from_a_hub_cache_snapshot(tmp_path, runner):
+    """A model downloaded by huggingface_hub lives in ``models--ORG--NAME/snapshots/<rev>``
+    (huggingface_hub's own folder naming, asked of it here): init records that id."""
+    from huggingface_hub.constants import REPO_ID_SEPARATOR
+    folder = "models" + REPO_ID_SEPARATOR + REPO_ID_SEPARATOR.join(["Qwen", "Qwen3-8B"])
+    hf = llama(tmp_path / "hub" / folder / "snapshots" / "0123abc")
+    out = tmp_path / "s.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out)
+    assert r.exit_code == 0, r.output
+    assert specmod.load(out).spec.hf_model == "Qwen/Qwen3-8B"
+
+
+def test_hf_model_from_name_or_path_or_the_option(tmp_path, runner):
+    hf = llama(tmp_path / "m")
+    cfg = json.loads((hf / "config.json").read_text())  # as configs saved by older transformers carry it
+    (hf / "config.json").write_text(json.dumps({**cfg, "_name_or_path": "meta-llama/Llama-3.1-8B-Instruct"}))
+    r = invoke(runner, "--from-hf", hf, "-o", tmp_path / "a.yaml")
+    assert r.exit_code == 0, r.output
+    assert specmod.load(tmp_path / "a.yaml").spec.hf_model == "meta-llama/Llama-3.1-8B-Instruct"
+    r = invoke(runner, "--from-hf", hf, "-o", tmp_path / "b.yaml", "--hf-model", "me/my-finetune")
+    assert r.exit_code == 0, r.output
+    assert specmod.load(tmp_path / "b.yaml").spec.hf_model == "me/my-finetune"
+    r = invoke(runner, "--from-hf", hf, "-o", tmp_path / "c.yaml", "--hf-model", "not an id")
+    assert r.exit_code == 2 and "not a Hugging Face model id" in r.output and not (tmp_path / "c.yaml").exists()
+
+
+def test_without_an_id_hf_model_is_left_commented_out(tmp_path, runner):
+    hf = llama(tmp_path / "plain")
+    out = tmp_path / "s.yaml"
+    r = invoke(runner, "--from-hf", hf, "-o", out)
+    assert r.exit_code == 0, r.output
+    text = out.read_text()
+    assert specmod.load(out).spec.hf_model is None
+    assert re.search(r"^# hf_model: ", text, re.M) and "--hf-model" in text

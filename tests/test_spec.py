@@ -522,3 +522,15 @@ def test_any_preset_plans_or_says_why(mesh_name, kv, heads_mul):
     text = spec_text({"targets": [mesh_name], "model": {
         "num_attention_heads": heads, "num_key_value_heads": kv, "hidden_size": heads * 64}})
     assert_clean(text)
+
+
+def test_published_bundles_name_the_hf_model_their_header_cites():
+    """Each published bundle answers to the HF id its dims came from (``vllm serve ORG/NAME``):
+    ``hf_model`` is the id its header comment cites."""
+    root = Path(__file__).resolve().parents[1] / "bundles"
+    for p in sorted(root.glob("*.yaml")):
+        if p.name == "demo.yaml":
+            continue
+        b = spec.load(p)
+        header = "".join(line for line in p.read_text().splitlines()[1:6] if line.startswith("#"))
+        assert b.spec.hf_model and b.spec.hf_model in header, p.name

@@ -138,7 +138,10 @@ def init(from_hf: Path = typer.Option(..., "--from-hf", help="Hugging Face model
                                                     "(the largest decode bucket)."),
          name: Optional[str] = typer.Option(None, "--name", help="Bundle name (default: from the "
                                             "directory name)."),
-         force: bool = typer.Option(False, "--force", help="Overwrite the spec file if it exists.")):
+         force: bool = typer.Option(False, "--force", help="Overwrite the spec file if it exists."),
+         hf_model: Optional[str] = typer.Option(None, "--hf-model", help="The model's Hugging Face id "
+                                                "(ORG/NAME) for the spec's hf_model (default: from a "
+                                                "hub-cache path or config.json's _name_or_path).")):
     """Write a commented, valid spec from a Hugging Face config.json.
 
     Nothing is written unless the spec validates and fits every mesh (the weight dtype and the
@@ -147,7 +150,7 @@ def init(from_hf: Path = typer.Option(..., "--from-hf", help="Hugging Face model
     Exit 0 written, 2 invalid input, 3 does not fit a mesh (the arithmetic and fixes listed)."""
     from .init import init_spec
     try:
-        r = init_spec(from_hf, output, mesh, weights_dtype, max_model_len, max_num_seqs, name, force)
+        r = init_spec(from_hf, output, mesh, weights_dtype, max_model_len, max_num_seqs, name, force, hf_model)
     except TTBundleError as e:
         fail(e)
     for w in r.bundle.warnings:

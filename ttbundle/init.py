@@ -167,6 +167,24 @@ def derive_name(hf_dir: Path, fallback: str) -> str:
     return n if specmod.NAME_RE.fullmatch(n) else fallback
 
 
+#: a Hugging Face repo id (``org/name``): what ``hf_model`` holds
+HF_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+
+
+def derive_hf_id(hf_dir: Path, config: dict) -> tuple[str | None, str]:
+    """The HF model id ``hf_dir`` holds and where it was read: a hub-cache snapshot path
+    (``.../models--ORG--NAME/snapshots/<rev>``), else the config's ``_name_or_path`` when that
+    is an id, not a local path; ``(None, why)`` when neither says."""
+    for part in reversed(hf_dir.resolve().parts):
+        m = re.fullmatch(r"models--([^/]+?)--(.+)", part)
+        if m and HF_ID_RE.fullmatch(f"{m[1]}/{m[2]}"):
+            return f"{m[1]}/{m[2]}", f"the hub cache folder {part}"
+    nop = config.get("_name_or_path")
+    if isinstance(nop, str) and HF_ID_RE.fullmatch(nop) and not Path(nop).exists():
+        return nop, "config.json's _name_or_path"
+    return None, "neither a hub cache path nor config.json's _name_or_path names an id"
+
+
 def has_weights(d: Path) -> bool:
     return (d / "model.safetensors.index.json").is_file() or any(d.glob("*.safetensors"))
 
@@ -221,7 +239,7 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
              buckets: dict, bucket_notes: list[str], sharding_opts: dict[str, str],
              sharding_notes: dict[str, str], group_dtypes: dict[str, str] | None = None,
              dtype_note: str = "", pool_notes: list[str] | None = None,
-             kv_dtype: str = "bf16") -> _Ctx:
+             kv_dtype: str = "bf16", hf_model: str | None = None, hf_note: str = "") -> _Ctx:
     B, W, D, S, K, R = (specmod.BundleSpec, specmod.Weights, specmod.DtypePolicy, specmod.Sharding,
                         specmod.Buckets, specmod.Runtime)
     tensors = family.tensors(arch)
@@ -231,6 +249,8 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
         Entry("name", y(name), field_doc(B, "name")),
         Entry("description", y(f"{hf_arch} imported from {rel}/config.json by ttbundle init"),
               field_doc(B, "description")),
+        Entry("hf_model", y(hf_model or "ORG/NAME"), field_doc(B, "hf_model") + doc_lines(f"init: {hf_note}"),
+              disabled=hf_model is None),
     ]
     sections["model"] = model_entries(arch, first=("family",))
 
@@ -343,7 +363,7 @@ DTYPE_CHOICES: tuple[tuple[str, dict[str, str], str, str], ...] = (
 
 def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
                 weights_dtype: str | None = None, max_model_len: int | None = None,
-                max_num_seqs: int | None = None, name: str | None = None):
+                max_num_seqs: int | None = None, name: str | None = None, hf_model: str | None = None):
     """The spec text for ``hf_dir`` as it would be written to ``output``, validated and fitting
     every mesh: returns ``(text, bundle, plans, notes)``. Without ``weights_dtype`` the first of
     :data:`DTYPE_CHOICES` that fits every mesh is taken (said in the file and in ``notes``); the
@@ -386,11 +406,20 @@ def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
     buckets, bucket_notes = adjust_buckets(buckets0, max_model_len, max_num_seqs)
     name = name or derive_name(hf_dir, family.name)
     archs = config.get("architectures") or ["?"]
+    if hf_model is not None:
+        if not HF_ID_RE.fullmatch(hf_model):
+            raise InvalidInput(f"--hf-model {hf_model!r}: not a Hugging Face model id (ORG/NAME, e.g. "
+                               "meta-llama/Llama-3.1-8B-Instruct)")
+        hf_note = "from --hf-model"
+    else:
+        hf_model, hf_note = derive_hf_id(hf_dir, config)
+        hf_note = (f"from {hf_note}" if hf_model else
+                   f"not set: {hf_note}; write the id here (or pass --hf-model) to serve it by that id")
 
     kw = dict(arch=arch, family=family, hf_arch=str(archs[0]), cfg=cfg, out_dir=output.parent,
               hf_dir=hf_dir, name=name, meshes=meshes,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, buckets=buckets,
-              bucket_notes=bucket_notes)
+              bucket_notes=bucket_notes, hf_model=hf_model, hf_note=hf_note)
     choices = DTYPE_CHOICES if weights_dtype is None else (
         (weights_dtype, {}, "bf16", f"{weights_dtype} weights"),)
     tried = []
@@ -477,7 +506,7 @@ def _resolve(meshes, output, cfg, kw):
 def init_spec(hf_dir: str | Path, output: str | Path, meshes: list[str] | None = None,
               weights_dtype: str | None = None, max_model_len: int | None = None,
               max_num_seqs: int | None = None, name: str | None = None,
-              force: bool = False) -> InitResult:
+              force: bool = False, hf_model: str | None = None) -> InitResult:
     """Render, validate and atomically write the spec; refuses to overwrite without ``force``."""
     output = Path(output)
     if output.is_dir():
@@ -487,7 +516,7 @@ def init_spec(hf_dir: str | Path, output: str | Path, meshes: list[str] | None =
     created = _make_parents(output.parent)  # relative paths in the spec are checked from there
     try:
         text, bundle, plans, notes = render_spec(Path(hf_dir), output, meshes, weights_dtype,
-                                                 max_model_len, max_num_seqs, name)
+                                                 max_model_len, max_num_seqs, name, hf_model)
         write_text_atomic(output, text)
     except BaseException:
         for d in created:  # innermost first; only folders this call made, and only if empty
