@@ -193,6 +193,16 @@ def _sections(defn: dict, prefix: str, ref: _Ref, seen: set, level: int = 2) -> 
         if union is not None:
             out += _family_sections(path, union, prop, ref, seen, level)
             continue
+        ap = prop.get("additionalProperties")
+        if isinstance(ap, dict) and _objects(ap, ref):  # a map of name -> mapping (e.g. replicas)
+            def_name, sub = _objects(ap, ref)[0]
+            key = f"{path}.<name>"
+            if (key, def_name) not in seen:
+                seen.add((key, def_name))
+                out += [f'<a id="{ref.anchor(key, def_name)}"></a>', "", f"{'#' * level} `{key}`", ""]
+                for desc in _descriptions(prop, sub):
+                    out += [desc, ""]
+                out += _table(sub, ref.models.get(def_name), path, ref) + [""]
         for def_name, sub in _objects(prop, ref):
             if (path, def_name) in seen:
                 continue

@@ -15,6 +15,7 @@ from . import __version__, cache, lower as lowermod, warmup
 from .fsutil import MAX_TOKENIZER_BYTES, fault as _fault, read_user_bytes
 from .package import (MANIFEST, METADATA, FORMAT, hf_config_json, metadata_json, module_name,
                       render_adapter, render_readme, tt_arch)
+from .plan import replica_json
 from .program import Program
 
 
@@ -188,7 +189,8 @@ class PackageWriter:
             "bundle": b.spec.name, "description": b.spec.description, "family": p.family,
             "tt_arch": tt_arch(self.hf_arch), "main_class": self.main_class,
             "mesh": {"name": m.name, "rows": m.rows, "cols": m.cols, "devices": m.num_devices,
-                     "chip": m.chip.label},
+                     "chip": m.chip.label, "describe": m.describe(), "replicas": m.replicas,
+                     "concurrency": p.concurrency(b.spec.runtime.max_num_seqs)},
             "memory": [("weights", mem.weights), ("KV cache", mem.kv_cache),
                        ("activations", mem.activations), ("trace region", mem.trace_region),
                        ("total", mem.total), ("DRAM", mem.dram)],
@@ -213,6 +215,7 @@ class PackageWriter:
             "tt_arch": tt_arch(self.hf_arch),
             "main_class": self.main_class,
             "mesh": {"name": m.name, "shape": list(m.shape), "arch": m.chip.arch, "devices": m.num_devices},
+            **({"replicas": replica_json(m, b.spec.runtime.max_num_seqs)} if m.target_shape else {}),
             "buckets": {"prefill": list(bk.prefill), "decode": list(bk.decode),
                         "prefill_chunk": bk.prefill_chunk},
             "trace_region_bytes": p.memory.trace_region,

@@ -51,6 +51,10 @@ class Mesh:
     topology: str  # "linear" | "ring" | "torus"
     hosts: int = 1
     note: str = ""
+    #: a replica's submesh (``split``): how many replicas the target runs and the target's shape;
+    #: ``shape`` is then the submesh's, and ``name`` stays the target's (packages, MESH_DEVICE)
+    replicas: int = 1
+    target_shape: tuple[int, int] | None = None
 
     @property
     def rows(self) -> int:
@@ -67,8 +71,57 @@ class Mesh:
     def axis_size(self, axis: str) -> int:
         return self.shape[AXES.index(axis)]
 
+    @property
+    def total_devices(self) -> int:
+        """Chips of the whole target (every replica)."""
+        return self.num_devices * self.replicas
+
     def describe(self) -> str:
+        if self.target_shape is not None:
+            r, c = self.target_shape
+            return f"{self.name} {r}x{c} as {self.replicas} replicas of {self.rows}x{self.cols}"
         return f"{self.name} {self.rows}x{self.cols}"
+
+    def whole(self) -> "Mesh":
+        """The target mesh a replica was cut from (itself when not split)."""
+        if self.target_shape is None:
+            return self
+        return resolve(self.name)
+
+
+def split(target: "Mesh", submesh) -> "Mesh":
+    """The mesh one replica of ``target`` runs on when ``target`` is split into replicas of
+    shape ``submesh`` (R, C): a standalone mesh of that shape and chip (the layout and the plan
+    treat it as any other mesh), keeping the target's name. The submesh must tile the target:
+    rows divide rows and cols divide cols."""
+    try:
+        r, c = (int(x) for x in submesh)
+    except (TypeError, ValueError):
+        raise InvalidInput(f"submesh must be [rows, cols], got {submesh!r}") from None
+    R, C = target.shape
+    if r < 1 or c < 1:
+        raise InvalidInput(f"submesh [{r}, {c}]: rows and cols must be >= 1")
+    bad = [f"{what} {n} % {k} = {n % k}" for what, n, k in (("rows", R, r), ("cols", C, c)) if n % k]
+    if bad:
+        fits = [f"[{a}, {b}]" for a in range(1, R + 1) if R % a == 0 for b in range(1, C + 1)
+                if C % b == 0 and (a, b) != (R, C)]
+        raise InvalidInput(f"submesh [{r}, {c}] does not tile {target.describe()}: {'; '.join(bad)}; "
+                           f"submeshes that do: {', '.join(fits) or 'none (a 1x1 mesh)'}")
+    if target.target_shape is not None:
+        raise InvalidInput(f"{target.describe()} is already split")
+    n = (R // r) * (C // c)
+    # a strip cut from a ring or torus is a line; a 2-D block of a torus stays a torus
+    topo = "linear" if min(r, c) == 1 else target.topology
+    hosts = max(1, target.hosts * r * c // (R * C)) if target.hosts > 1 else 1
+    return Mesh(target.name, (r, c), target.chip, topo, hosts, f"replica of {target.describe()}",
+                n, (R, C))
+
+
+def submesh_origins(target_shape, submesh) -> list[tuple[int, int]]:
+    """Top-left chip (row, col) of each replica, replica 0 first, row-major over the grid of
+    submeshes (the order ttnn's ``create_submeshes`` hands them out)."""
+    (R, C), (r, c) = target_shape, submesh
+    return [(i * r, j * c) for i in range(R // r) for j in range(C // c)]
 
 
 def _m(name, shape, chip, topology, hosts=1, note=""):

@@ -286,6 +286,9 @@ def resolved_spec(bundle, plan) -> dict:
                                                "tensors": {t.name: t.dtype for t in plan.tensors
                                                            if t.layout == "TILE"}}}
     d["sharding"] = {k: v for k, v in d["sharding"].items() if k != "targets"}
+    d.pop("replicas", None)
+    if plan.mesh.target_shape:  # this target's split only
+        d["replicas"] = {plan.mesh.name: {"submesh": list(plan.mesh.shape), "count": plan.mesh.replicas}}
     d["sharding"]["plan"] = {n: [_entry(e) for e in sp] for n, sp in plan.specs.items()}
     d["buckets"] = bundle.buckets.model_dump(mode="json")
     return {k: v for k, v in d.items() if v is not None}
@@ -724,14 +727,20 @@ def _decode(t, info: dict):
 def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
     """Read a package: manifest (and every file's sha256 when ``verify``), the resolved spec, its
     programs (the weights each reads, checked against the weight files' headers)."""
-    from . import mesh as meshmod, spec as specmod
+    from . import spec as specmod
     from .lower import program_name
+    from .plan import target_mesh
 
     pkg = Path(pkg)
     m = verify_package(pkg, full=verify)
     text = (pkg / "bundle.yaml").read_text(encoding="utf-8")
     bundle = specmod.loads(text, str(pkg / "bundle.yaml"), base_dir=pkg)
-    mesh = meshmod.resolve(m["mesh"]["name"])
+    mesh = target_mesh(bundle, m["mesh"]["name"])  # one replica's submesh when split
+    if list(mesh.shape) != list(m["mesh"].get("shape", mesh.shape)) or \
+            mesh.replicas != (m.get("replicas") or {}).get("count", 1):
+        raise PackageError(f"{pkg}: manifest says mesh {m['mesh'].get('shape')} x "
+                           f"{(m.get('replicas') or {}).get('count', 1)} replicas, bundle.yaml "
+                           f"{mesh.describe()}: the package is inconsistent; rebuild it")
     programs = {}
     for phase, buckets in (("prefill", m["buckets"]["prefill"]), ("decode", m["buckets"]["decode"])):
         for b in buckets:

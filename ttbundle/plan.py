@@ -114,6 +114,7 @@ class Plan:
     programs: list = field(default_factory=list)  # [(layer kind, count, [Step])], embedding first, head last
     trace_region_size: int = 0  # bytes requested (open_mesh_device); memory.trace_region is what DRAM gives up
     activation_buffers: list = field(default_factory=list)  # [(name, [rows, features])], bf16 TILE each
+    max_num_seqs: int = 0  # runtime.max_num_seqs: per replica
 
     @property
     def fits(self) -> bool:
@@ -130,12 +131,20 @@ class Plan:
                   ("activations", self.memory.activations), ("trace region", self.memory.trace_region)]
         return sorted(items, key=lambda x: -x[1])
 
+    @property
+    def replicas(self) -> int:
+        return self.mesh.replicas
+
+    def concurrency(self, max_num_seqs: int) -> int:
+        """Sequences the whole target serves at once: replicas x per-replica max_num_seqs."""
+        return self.mesh.replicas * max_num_seqs
+
     def to_json(self) -> dict:
         m = self.mesh
         mem = asdict(self.memory)
         mem["free"] = self.memory.free
         mem["trace_region_size"] = self.trace_region_size
-        return {
+        out = {
             "bundle": self.bundle_name,
             "family": self.family,
             "mesh": {"name": m.name, "shape": list(m.shape), "arch": m.chip.arch,
@@ -157,6 +166,9 @@ class Plan:
             "num_traces": self.num_traces,
             "diagnostics": [d.to_json() for d in self.diagnostics],
         }
+        if m.target_shape is not None:
+            out["replicas"] = replica_json(m, self.max_num_seqs)
+        return out
 
 
 # ---- DRAM accounting ---------------------------------------------------------------------------
@@ -463,13 +475,28 @@ def _shard_tensors(bundle, mesh: Mesh):
 
 def sharding_diagnostics(bundle, mesh: Mesh | str) -> list[Diagnostic]:
     """The divisibility errors of ``bundle`` on ``mesh`` (works on a spec with other errors)."""
-    return _shard_tensors(bundle, meshmod.resolve(mesh) if isinstance(mesh, str) else mesh)[3]
+    if isinstance(mesh, str):
+        try:
+            mesh = target_mesh(bundle, mesh)
+        except InvalidInput:  # a submesh that does not tile: reported by spec.check
+            mesh = meshmod.resolve(mesh)
+    return _shard_tensors(bundle, mesh)[3]
+
+
+def target_mesh(bundle, name: str) -> Mesh:
+    """The mesh one replica of target ``name`` runs on: the target itself, or, when the spec's
+    ``replicas`` splits it, the submesh (``mesh.split``), planned as a standalone mesh."""
+    mesh = meshmod.resolve(name)
+    key = _target_key(bundle.spec.replicas, mesh.name)
+    rep = bundle.spec.replicas.get(key)
+    return mesh if rep is None else meshmod.split(mesh, rep.submesh)
 
 
 def make_plan(bundle, mesh: Mesh | str) -> Plan:
-    """The plan of ``bundle`` on ``mesh``. Raises InvalidInput listing every divisibility error."""
+    """The plan of ``bundle`` on ``mesh`` (a target name: on one replica's submesh when the spec
+    splits it, ``target_mesh``). Raises InvalidInput listing every divisibility error."""
     if isinstance(mesh, str):
-        mesh = meshmod.resolve(mesh)
+        mesh = target_mesh(bundle, mesh)
     fam, a, s = bundle.family, bundle.arch, bundle.spec
     specs, decls, tensors, diags = _shard_tensors(bundle, mesh)
     if diags:
@@ -556,7 +583,15 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     total = weights + kv_total + act_bytes + trace
     mem = Memory(by_dtype, weights, kv_total, act_bytes, trace, total, mesh.chip.dram_bytes)
     return Plan(s.name, a.family, mesh, tensors, mem, collectives, kv, act_tokens, num_traces,
-                list(bundle.warnings), dict(specs), programs, trace_size, act_bufs)
+                list(bundle.warnings), dict(specs), programs, trace_size, act_bufs, rt.max_num_seqs)
+
+
+def replica_json(mesh: Mesh, max_num_seqs: int) -> dict:
+    """The replica split of a target (plan JSON and the package manifest)."""
+    return {"count": mesh.replicas, "submesh": list(mesh.shape), "target_shape": list(mesh.target_shape),
+            "devices_per_replica": mesh.num_devices, "devices": mesh.total_devices,
+            "origins": [list(o) for o in meshmod.submesh_origins(mesh.target_shape, mesh.shape)],
+            "max_num_seqs_per_replica": max_num_seqs, "max_num_seqs_total": mesh.replicas * max_num_seqs}
 
 
 def _seen_by_attention(programs, weight: str):

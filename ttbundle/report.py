@@ -6,6 +6,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from . import mesh as meshmod
 from .plan import Plan, fmt_entry
 
 
@@ -29,6 +30,12 @@ def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> Non
     m = p.mesh
     console.print(f"[bold]{p.bundle_name}[/] ({p.family}) on [bold]{m.describe()}[/]: "
                   f"{m.num_devices} x {m.chip.label}, {m.topology}, axes rows={m.rows} cols={m.cols}")
+    if m.target_shape is not None:
+        origins = ", ".join(f"({r},{c})" for r, c in meshmod.submesh_origins(m.target_shape, m.shape))
+        console.print(f"replicas: {m.replicas} x {m.rows}x{m.cols} submesh = {m.total_devices} chips "
+                      f"(replica origins {origins}); each replica planned below, "
+                      f"per-replica max_num_seqs {p.max_num_seqs}, total concurrency "
+                      f"{m.replicas} x {p.max_num_seqs} = [bold]{p.concurrency(p.max_num_seqs)}[/] sequences")
     t = Table(title="per-device shards", title_justify="left", show_edge=False)
     for col in ("tensor", "global (split@axis)", "spec", "per device", "x", "per chip"):
         t.add_column(col, justify="right" if col in ("x", "per chip") else "left")
@@ -40,7 +47,7 @@ def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> Non
     console.print(t)
 
     mem = p.memory
-    mt = Table(title="per-chip DRAM", title_justify="left", show_edge=False)
+    mt = Table(title="per-chip DRAM" + (" (every chip of every replica)" if m.target_shape else ""), title_justify="left", show_edge=False)
     mt.add_column("what")
     mt.add_column("bytes", justify="right")
     mt.add_column("", justify="right")

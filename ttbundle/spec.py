@@ -140,6 +140,22 @@ class Runtime(BaseModel):
     max_model_len (every sequence at full length); at least max_model_len (one full sequence)."""
 
 
+class Replicas(BaseModel):
+    """A target run as several replicas of the model, each on its own submesh (Tenstorrent's
+    data parallel): a T3K as 8 replicas of [1, 1] or 4 of [1, 2], a TG as 4 of [8, 1] or
+    [2, 4]. Each replica is planned and built exactly as a standalone mesh of the submesh
+    shape; the package holds its weights once and every replica reads them."""
+
+    model_config = _model_config()
+
+    submesh: tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]]
+    """[rows, cols] of one replica's submesh; must tile the target (rows divide its rows, cols
+    its cols)."""
+    count: int | None = Field(default=None, gt=0)
+    """Number of replicas; optional, and when given it must equal the target's chips divided by
+    the submesh's."""
+
+
 class BundleSpec(BaseModel):
     """A model deployment on Tenstorrent meshes: architecture, weights, sharding, buckets."""
 
@@ -166,10 +182,13 @@ class BundleSpec(BaseModel):
     buckets: Buckets | None = None
     """Trace buckets; default: the family's."""
     runtime: Runtime = Field(default_factory=Runtime)
-    """Serving limits and plugin options."""
+    """Serving limits and plugin options. With `replicas`, `max_num_seqs` is per replica."""
     hf_model: str | None = None
     """The Hugging Face model id the bundle was made from, e.g. `meta-llama/Llama-3.1-8B-Instruct`:
     a registered package is served by this id as well as by its name (`vllm serve <id>`)."""
+    replicas: dict[str, Replicas] = Field(default_factory=dict)
+    """Per target (a name from `targets`): serve it as replicas on submeshes, e.g.
+    `T3K: {submesh: [1, 1]}` (8 replicas; total concurrency 8 x `runtime.max_num_seqs`)."""
 
     @field_validator("name")
     @classmethod
@@ -457,6 +476,25 @@ def check(b: Bundle) -> list[Diagnostic]:
     if len(set(s.targets)) != len(s.targets):
         d.append(b.locate(("targets",), "targets are listed twice"))
 
+    for tgt, rep in s.replicas.items():
+        at = ("replicas", tgt)
+        if tgt not in s.targets:
+            d.append(b.locate(at, f"{tgt!r} is not one of targets ({', '.join(s.targets)})"))
+            continue
+        target = meshmod.try_resolve(tgt)
+        if target is None:
+            continue  # reported at targets
+        try:
+            sub = meshmod.split(target, rep.submesh)
+        except InvalidInput as e:
+            d.append(b.locate(at + ("submesh",), e.message))
+            continue
+        if rep.count is not None and rep.count != sub.replicas:
+            d.append(b.locate(at + ("count",), f"count={rep.count}, but {target.describe()} "
+                              f"({target.num_devices} chips) holds {target.num_devices} / "
+                              f"{sub.num_devices} = {sub.replicas} replicas of {list(rep.submesh)}; "
+                              f"write count: {sub.replicas} or leave it out"))
+
     # sharding: names, ranks, axes
     def check_plan(plan: dict, at: tuple):
         for tname, spec in plan.items():
@@ -523,9 +561,11 @@ def check(b: Bundle) -> list[Diagnostic]:
                                   f"use one of {', '.join(map(str, DECODE_TRACE_SIZES))}"))
     rt = s.runtime
     if bk.decode and rt.max_num_seqs > max(bk.decode):
+        more = ("" if s.replicas else "; or split a target into replicas (`replicas:`), "
+                "each decoding max_num_seqs")
         d.append(b.locate(("runtime", "max_num_seqs"), f"max_num_seqs={rt.max_num_seqs} exceeds the "
                           f"largest decode bucket {max(bk.decode)}; lower it or add a bucket "
-                          f"(max {max(DECODE_TRACE_SIZES)})"))
+                          f"(max {max(DECODE_TRACE_SIZES)}){more}"))
     if bk.prefill:
         top = max(bk.prefill)
         if bk.prefill_chunk is not None:
