@@ -111,8 +111,11 @@ class BundleModel:
         if mesh_device is not None and not isinstance(mesh_device, meshmod.Mesh):
             return _on_device(pkg, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel,
                               optimizations, trace_mode)
-        if tt_data_parallel != 1:
-            raise ValueError("data parallel over meshes is not supported by the emulated mesh")
+        replicas = pkg.loaded.mesh.replicas
+        if tt_data_parallel < 1 or replicas % tt_data_parallel:
+            raise ValueError(f"{pkg.name}: tt_data_parallel={tt_data_parallel} lanes, but the package runs "
+                             f"{replicas} replica(s) ({pkg.loaded.mesh.describe()}); lanes must divide "
+                             "the replicas")
         if isinstance(mesh_device, meshmod.Mesh) and tuple(mesh_device.shape) != tuple(pkg.loaded.mesh.shape):
             raise ValueError(f"{pkg.name}: built for {pkg.loaded.mesh.describe()}, handed a "
                              f"{mesh_device.describe()} mesh")
@@ -121,7 +124,11 @@ class BundleModel:
             raise ValueError(f"{pkg.name}: max_batch_size={max_batch_size} / max_seq_len={max_seq_len} "
                              f"exceed the package's decode buckets {pkg.bundle.buckets.decode} / "
                              f"max_model_len={rt.max_model_len}")
-        return cls(pkg.bundle, pkg.emulated_model(dtype), trace_mode=trace_mode)
+        # every lane runs the same programs on the same (read-only) weight shards: the lanes'
+        # own state is their KV cache region (``allocate_kv_cache`` once per lane)
+        model = cls(pkg.bundle, pkg.emulated_model(dtype), trace_mode=trace_mode)
+        model.tt_data_parallel = tt_data_parallel
+        return model
 
     # -- KV cache -------------------------------------------------------------------------------
     def allocate_kv_cache(self, kv_cache_shape, dtype=None, num_layers=None) -> KVCache:

@@ -58,9 +58,10 @@ class Step:
 
     phase: str  # "prefill" | "decode"
     rows: list  # [(req_id, start position, tokens)]
-    buckets: list  # prefill: bucket per row; decode: [batch bucket]
+    buckets: list  # prefill: bucket per row; decode: [batch bucket] (with lanes: one per lane run)
     sampling: str  # "device" | "host" | "none" (partial chunks only)
     seconds: float = 0.0
+    lanes: list | None = None  # with lanes: the lane (replica) of each row
 
 
 def model_class(package):
@@ -104,6 +105,9 @@ class TTModelRunner:
         self._pending = None
         self.step_log: deque[Step] = deque(maxlen=10_000)
         self._log_path = os.environ.get("TTBUNDLE_STEP_LOG")
+        from .lanes import plan_lanes_for
+        self.lane_plan = plan_lanes_for(vllm_config, package, options)  # replicas / DP / lanes
+        self.lanes = None  # runtime.lanes.Lanes when this engine drives more than one replica
 
     # -- set-up ---------------------------------------------------------------------------------
     def load_model(self):
@@ -121,8 +125,8 @@ class TTModelRunner:
         else:
             cls = model_class(self.package)
             self.mesh_model = cls.initialize_vllm_model(
-                self.vllm_config.model_config.hf_config, meshmod.resolve(self.package.mesh_name),
-                self.vllm_config.scheduler_config.max_num_seqs, self.max_model_len, 1,
+                self.vllm_config.model_config.hf_config, self.package.loaded.mesh,
+                self.lane_plan.per_lane_seqs, self.max_model_len, self.lane_plan.lanes,
                 self.options.optimizations, package=self.package, dtype=self.dtype,
                 trace_mode=self.options.trace_mode)
         self.model = torch.nn.Module()
@@ -148,6 +152,17 @@ class TTModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int):
         a = self.bundle.arch
+        lp = self.lane_plan
+        if lp.lanes > 1:  # one region per lane: vLLM's pool is lanes x the per-lane formula
+            from .lanes import Lanes
+            per = num_blocks // lp.lanes
+            kvs = [self.mesh_model.allocate_kv_cache((per, a.kv_heads, self.block_size, a.hd),
+                                                     self.dtype, a.num_hidden_layers) for _ in range(lp.lanes)]
+            self.lanes = Lanes(lp.first_replica, kvs, per)
+            self.kv = kvs[0]  # warm-up runs the (shared) programs once
+            logger.info("ttbundle: %s; KV cache of %d blocks x %d tokens per lane", lp.describe(), per,
+                        self.block_size)
+            return
         self.kv = self.mesh_model.allocate_kv_cache((num_blocks, a.kv_heads, self.block_size, a.hd),
                                                     self.dtype, a.num_hidden_layers)
         logger.info("ttbundle: KV cache of %d blocks x %d tokens", num_blocks, self.block_size)
@@ -189,6 +204,8 @@ class TTModelRunner:
 
     # -- per step -------------------------------------------------------------------------------
     def _update_states(self, so) -> None:
+        if self.lanes is not None:
+            self._update_lanes(so)
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
             self.host.remove(rid)
@@ -206,6 +223,8 @@ class TTModelRunner:
             st = self.requests[rid]
             new = c.new_block_ids[i]
             if rid in c.resumed_req_ids:
+                if self.lanes is not None:
+                    self.lanes.free_blocks(self.lanes.of[rid], st.block_ids)
                 st.block_ids = list(new[0]) if new is not None else []
             elif new is not None:
                 st.block_ids += new[0]
@@ -232,7 +251,9 @@ class TTModelRunner:
         on_device = allowed and not any(host_reasons(st.params, self.max_device_top_k) or (st.params.seed is not None and not seeds)
                                         for st in sampled_rows)
         t0 = time.perf_counter()
-        if decode:
+        if decode and self.lanes is not None:
+            result, step = self._decode_lanes([st for st, _ in rows], on_device)
+        elif decode:
             result, step = self._decode([st for st, _ in rows], on_device)
         else:
             result, step = self._prefill(rows, on_device)
@@ -278,8 +299,40 @@ class TTModelRunner:
         pt = torch.zeros(rows, self.max_blocks, dtype=torch.long)  # block 0: vLLM's null block
         for i, st in enumerate(states):
             b = st.block_ids[:self.max_blocks]
+            if self.lanes is not None:  # the lane's own blocks (its region's 0 is its null block)
+                b = self.lanes.local(self.lanes.of[st.req_id], b)
             pt[i, :len(b)] = torch.tensor(b, dtype=torch.long)
         return pt
+
+    def _kv_of(self, st: ReqState):
+        return self.kv if self.lanes is None else self.lanes.of[st.req_id].kv
+
+    # -- lanes (runtime/lanes.py) ---------------------------------------------------------------
+    def _update_lanes(self, so) -> None:
+        """Requests leave their lane when they finish (their blocks with them), give their
+        blocks back when preempted, and join the least-loaded lane when first scheduled."""
+        for rid in list(so.finished_req_ids) + list(getattr(so, "preempted_req_ids", None) or ()):
+            st = self.requests.get(rid)
+            if rid in so.finished_req_ids:
+                self.lanes.release(rid, st.block_ids if st else ())
+            elif st is not None and rid in self.lanes.of:
+                self.lanes.free_blocks(self.lanes.of[rid], st.block_ids)
+                st.block_ids = []
+        for nr in so.scheduled_new_reqs:
+            self.lanes.assign(nr.req_id)
+
+    def _decode_lanes(self, states, on_device):
+        """One decode step over every lane: each lane's rows run as that lane's batch, padded to
+        its own decode bucket, on its own KV region (lane order; one program per lane)."""
+        by_lane: dict = {}
+        for st in states:
+            by_lane.setdefault(self.lanes.of[st.req_id].index, []).append(st)
+        out, buckets = {}, []
+        for idx in sorted(by_lane):
+            res, step = self._decode(by_lane[idx], on_device)
+            out.update(res)
+            buckets += step.buckets
+        return out, Step("decode", [(st.req_id, st.num_computed, 1) for st in states], buckets, "")
 
     def _device_sampling(self, states: list[ReqState], rows: int) -> DeviceSampling:
         return DeviceSampling.from_params([s.params for s in states], [s.generator for s in states], rows)
@@ -294,7 +347,7 @@ class TTModelRunner:
             samples = st.num_computed + n >= st.num_tokens
             k = self.prompt_lp.wanted(st.req_id, st.params, self.vocab_size)  # host path (host_reasons)
             res = self.mesh_model.prefill_forward(
-                tokens, self._page_table([st], 1), self.kv, [n], [st.num_computed],
+                tokens, self._page_table([st], 1), self._kv_of(st), [n], [st.num_computed],
                 self._device_sampling([st], 1) if (samples and on_device) else None,
                 **({"return_prompt_logits": True} if k is not None else {}))
             if k is not None:  # every position's logits [n, V]: the prompt's, then the last one's
@@ -314,12 +367,14 @@ class TTModelRunner:
         for i, st in enumerate(states):
             tokens[i, 0] = st.tokens(st.num_computed, 1)[0]
             pos[i] = st.num_computed
-        res = self.mesh_model.decode_forward(tokens, pos, self._page_table(states, bucket), self.kv,
+        res = self.mesh_model.decode_forward(tokens, pos, self._page_table(states, bucket), self._kv_of(states[0]),
                                              self._device_sampling(states, bucket) if on_device else None)
         out = {st.req_id: (int(res[i]) if on_device else res[i]) for i, st in enumerate(states)}
         return out, Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [bucket], "")
 
     def _log(self, step: Step):
+        if self.lanes is not None:
+            step.lanes = [self.lanes.of[rid].index for rid, _, _ in step.rows]
         self.step_log.append(step)
         if self._log_path:
             with open(self._log_path, "a") as f:

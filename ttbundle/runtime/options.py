@@ -61,6 +61,10 @@ class TTOptions(BaseModel):
     or RELAXED_INIT (hardware only)."""
     dispatch_core_axis: Literal["row", "col"] | None = None
     """Dispatch cores on a row or a column (hardware only)."""
+    tt_data_parallel_size: int | None = Field(default=None, gt=0)
+    """Replicas one engine drives as lanes (Tenstorrent's key); default: the package's replicas
+    divided by vLLM's ``--data-parallel-size``. lanes x DP x chips per replica must be the
+    target's chips."""
     optimizations: Literal["performance", "accuracy"] | None = None
     """Model precision preset passed to ``initialize_vllm_model``."""
     always_compat_sampling: bool = False

@@ -133,10 +133,10 @@ def configure(vllm_config, emulated: bool) -> None:
     n = (pkg.bundle.family.name, pkg.mesh_name)
     devices = _mesh_devices(pkg.mesh_name)
 
-    # parallelism: the mesh is the parallelism
+    # parallelism: the mesh is the parallelism; data parallel runs the package's replicas
+    lanes = _configure_lanes(vllm_config, pkg, opts, emulated)
     for flag, size in (("-tp/--tensor-parallel-size", pc.tensor_parallel_size),
-                       ("-pp/--pipeline-parallel-size", pc.pipeline_parallel_size),
-                       ("-dp/--data-parallel-size", pc.data_parallel_size)):
+                       ("-pp/--pipeline-parallel-size", pc.pipeline_parallel_size)):
         if size > 1:
             _fail(f"{flag} {size} is not supported: the mesh replaces it. Package "
                   f"{pkg.name}-{pkg.mesh_name} already splits the model over the {pkg.mesh_name} mesh's "
@@ -160,10 +160,10 @@ def configure(vllm_config, emulated: bool) -> None:
         logger.warning("ttbundle: max_model_len %d capped to the package's %d", mc.max_model_len,
                        rt.max_model_len)
         mc.max_model_len = rt.max_model_len
-    if sc.max_num_seqs > rt.max_num_seqs:
-        logger.warning("ttbundle: max_num_seqs %d capped to the package's %d", sc.max_num_seqs,
-                       rt.max_num_seqs)
-        sc.max_num_seqs = rt.max_num_seqs
+    if sc.max_num_seqs > lanes.engine_seqs:
+        logger.warning("ttbundle: max_num_seqs %d capped to the package's %d%s", sc.max_num_seqs,
+                       lanes.engine_seqs, f" ({lanes.lanes} lanes x {rt.max_num_seqs})" if lanes.lanes > 1 else "")
+        sc.max_num_seqs = lanes.engine_seqs
     if cc.user_specified_block_size and cc.block_size != rt.kv_block_size:
         _fail(f"--block-size {cc.block_size}: the package's KV cache uses blocks of "
               f"{rt.kv_block_size} tokens (runtime.kv_block_size)")
@@ -174,7 +174,9 @@ def configure(vllm_config, emulated: bool) -> None:
     # that starts on a cached block has not been exercised, so it stays off there.
     from .capabilities import model_capabilities
     caps = model_capabilities(pkg.bundle, device=not emulated)
-    cc.enable_prefix_caching = bool(cc.enable_prefix_caching) and caps["supports_prefix_caching"]
+    # with lanes a cached block would live in one lane's KV region only: off
+    cc.enable_prefix_caching = bool(cc.enable_prefix_caching) and caps["supports_prefix_caching"] \
+        and lanes.lanes == 1
     chunk = bk.prefill_chunk or max(bk.prefill)
     sc.enable_chunked_prefill = True
     sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs, chunk)
@@ -224,6 +226,33 @@ def _environment_notes(pkg, opts, tenv, emulated: bool) -> None:
     if tenv.TT_VISIBLE_DEVICES is not None and emulated:
         logger.info("ttbundle: TT_VISIBLE_DEVICES=%s: the emulated mesh opens no device",
                     ",".join(map(str, tenv.TT_VISIBLE_DEVICES)))
+
+
+def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
+    """The package's replicas over vLLM's data-parallel ranks and each engine's lanes
+    (``runtime/lanes.py``); records the DP size for the engine processes. Refuses impossible
+    combinations naming the numbers."""
+    from .lanes import DP_KEY, LaneError, dp_size_of, plan_lanes
+
+    pc = vllm_config.parallel_config
+    dp = dp_size_of(vllm_config)
+    try:
+        lp = plan_lanes(pkg.loaded.mesh, pkg.bundle.spec.runtime.max_num_seqs, dp,
+                        opts.tt_data_parallel_size, 0, f"package {pkg.name}-{pkg.mesh_name}")
+    except LaneError as e:
+        _fail(str(e))
+    if dp > 1:
+        if vllm_config.additional_config is None:
+            vllm_config.additional_config = {}
+        vllm_config.additional_config[DP_KEY] = dp
+        if pc.data_parallel_size > 1 and vllm_config.model_config.is_moe:
+            _fail(f"--data-parallel-size {dp} with a mixture-of-experts model: vLLM runs MoE ranks "
+                  "in lockstep with collectives the emulated mesh does not provide; serve the replicas "
+                  "as lanes in one engine instead (leave --data-parallel-size out)")
+    if not emulated and (lp.lanes > 1 or dp > 1):
+        _fail(f"{lp.describe()}: replicas on a Tenstorrent device (opening submeshes) are not "
+              "implemented yet; they run on the emulated mesh")
+    return lp
 
 
 def _mesh_devices(name: str) -> int:

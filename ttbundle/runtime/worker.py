@@ -85,7 +85,8 @@ class TTWorker(WorkerBase):
         and the package's programs record it: ``Package.kv_blocks``), unless
         ``--num-gpu-blocks-override`` says otherwise; vLLM preempts when they run out."""
         override = self.cache_config.num_gpu_blocks_override
-        blocks = override or self.package.kv_blocks
+        # with lanes, one region of the package's pool per lane
+        blocks = override or self.package.kv_blocks * self.model_runner.lane_plan.lanes
         return blocks * self.model_runner.kv_bytes_per_block()
 
     def initialize_from_config(self, kv_cache_config) -> None:
