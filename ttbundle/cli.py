@@ -442,7 +442,17 @@ def serve(ctx: typer.Context,
           device: Optional[str] = typer.Option(None, "--device", metavar="tt|emulated", help="Where "
                                                "the mesh runs: a Tenstorrent device (tt) or the emulated "
                                                "mesh (default: tt where a device is present, else "
-                                               "emulated).")):
+                                               "emulated)."),
+          data_parallel_size: Optional[int] = typer.Option(None, "--data-parallel-size", "-dp", min=1,
+                                                           help="vLLM engine ranks over the package's "
+                                                           "replicas (each rank drives replicas / DP lanes)."),
+          print_launch: bool = typer.Option(False, "--print-launch", help="Write the launch plan (per-host "
+                                            "tt-run rank bindings and vLLM multi-node data-parallel "
+                                            "arguments) for the target and exit; builds nothing."),
+          hosts: Optional[str] = typer.Option(None, "--hosts", help="--print-launch: comma-separated host "
+                                              "names, head first (default host0, host1, ...)."),
+          rpc_port: int = typer.Option(13345, "--data-parallel-rpc-port", help="--print-launch: the head's "
+                                       "data-parallel RPC port.")):
     """Serve a package with vLLM's OpenAI server on a Tenstorrent device or the emulated mesh;
     Ctrl-C stops it cleanly.
 
@@ -457,9 +467,16 @@ def serve(ctx: typer.Context,
         if Path(target).suffix in (".yaml", ".yml"):
             from .build import ConsoleProgress
             progress = ConsoleProgress(err, prefix="build: ")
+        if print_launch:
+            from .runtime import launch
+            lp = launch.launch_plan(target, mesh, data_parallel_size,
+                                    hosts.split(",") if hosts else None, port, rpc_port, list(ctx.args),
+                                    output)
+            out.print(Text(launch.render(lp)))
+            return
         where = servemod.pick_device(device)
         pkg = servemod.resolve(target, mesh, output, progress, "ttnn" if where == "tt" else "emulated")
-        plan = servemod.plan_serve(pkg, host, port, list(ctx.args), where)
+        plan = servemod.plan_serve(pkg, host, port, list(ctx.args), where, data_parallel_size)
     except TTBundleError as e:
         fail(e)
     if print_command:

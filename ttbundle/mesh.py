@@ -117,11 +117,26 @@ def split(target: "Mesh", submesh) -> "Mesh":
                 n, (R, C))
 
 
-def submesh_origins(target_shape, submesh) -> list[tuple[int, int]]:
-    """Top-left chip (row, col) of each replica, replica 0 first, row-major over the grid of
-    submeshes (the order ttnn's ``create_submeshes`` hands them out)."""
+def host_of(mesh_shape, hosts: int, chip: tuple[int, int]) -> int:
+    """The host a chip of a multi-host mesh belongs to: the hosts split the cols axis into equal
+    blocks (a DUAL_GALAXY (8,8) is two Galaxies of (8,4) side by side, a QUAD_GALAXY (8,16) four)."""
+    if hosts <= 1:
+        return 0
+    per = mesh_shape[1] // hosts
+    return chip[1] // per
+
+
+def host_shape(mesh_shape, hosts: int) -> tuple[int, int]:
+    return (mesh_shape[0], mesh_shape[1] // max(1, hosts))
+
+
+def submesh_origins(target_shape, submesh, hosts: int = 1) -> list[tuple[int, int]]:
+    """Top-left chip (row, col) of each replica, replica 0 first: row-major over the grid of
+    submeshes (the order ttnn's ``create_submeshes`` hands them out); on a multi-host mesh host
+    by host (so each host's replicas, and the data-parallel ranks driving them, are contiguous)."""
     (R, C), (r, c) = target_shape, submesh
-    return [(i * r, j * c) for i in range(R // r) for j in range(C // c)]
+    out = [(i * r, j * c) for i in range(R // r) for j in range(C // c)]
+    return sorted(out, key=lambda o: host_of(target_shape, hosts, o)) if hosts > 1 else out
 
 
 def _m(name, shape, chip, topology, hosts=1, note=""):

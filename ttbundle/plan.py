@@ -590,7 +590,8 @@ def replica_json(mesh: Mesh, max_num_seqs: int) -> dict:
     """The replica split of a target (plan JSON and the package manifest)."""
     return {"count": mesh.replicas, "submesh": list(mesh.shape), "target_shape": list(mesh.target_shape),
             "devices_per_replica": mesh.num_devices, "devices": mesh.total_devices,
-            "origins": [list(o) for o in meshmod.submesh_origins(mesh.target_shape, mesh.shape)],
+            "origins": [list(o) for o in meshmod.submesh_origins(mesh.target_shape, mesh.shape,
+                                                                   mesh.whole().hosts)],
             "max_num_seqs_per_replica": max_num_seqs, "max_num_seqs_total": mesh.replicas * max_num_seqs}
 
 

@@ -31,7 +31,7 @@ def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> Non
     console.print(f"[bold]{p.bundle_name}[/] ({p.family}) on [bold]{m.describe()}[/]: "
                   f"{m.num_devices} x {m.chip.label}, {m.topology}, axes rows={m.rows} cols={m.cols}")
     if m.target_shape is not None:
-        origins = ", ".join(f"({r},{c})" for r, c in meshmod.submesh_origins(m.target_shape, m.shape))
+        origins = ", ".join(f"({r},{c})" for r, c in meshmod.submesh_origins(m.target_shape, m.shape, m.whole().hosts))
         console.print(f"replicas: {m.replicas} x {m.rows}x{m.cols} submesh = {m.total_devices} chips "
                       f"(replica origins {origins}); each replica planned below, "
                       f"per-replica max_num_seqs {p.max_num_seqs}, total concurrency "

@@ -375,6 +375,8 @@ class TTModelRunner:
     def _log(self, step: Step):
         if self.lanes is not None:
             step.lanes = [self.lanes.of[rid].index for rid, _, _ in step.rows]
+        elif self.lane_plan.replicas > 1:  # one replica per engine: this DP rank's
+            step.lanes = [self.lane_plan.first_replica] * len(step.rows)
         self.step_log.append(step)
         if self._log_path:
             with open(self._log_path, "a") as f:

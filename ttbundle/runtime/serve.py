@@ -110,6 +110,28 @@ def _check_extra(extra: list[str]) -> None:
                                        "built for a bigger mesh instead")
 
 
+def _flag_value(extra: list[str], *flags: str) -> str | None:
+    """The value of the last of ``flags`` among the extra vLLM args (``--f V`` or ``--f=V``)."""
+    found = None
+    for i, a in enumerate(extra):
+        for f in flags:
+            if a == f and i + 1 < len(extra):
+                found = extra[i + 1]
+            elif a.startswith(f + "="):
+                found = a.split("=", 1)[1]
+    return found
+
+
+def _int_flag(extra, *flags) -> int | None:
+    v = _flag_value(extra, *flags)
+    if v is None:
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise InvalidInput(f"{flags[0]} {v}: expected a whole number") from None
+
+
 def vllm_command() -> list[str]:
     exe = Path(sys.executable).with_name("vllm")
     if exe.exists():
@@ -167,9 +189,14 @@ def pick_device(device: str | None) -> str:
 
 
 def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
-               extra: list[str] | None = None, device: str = "emulated") -> ServePlan:
-    """The vLLM command line and environment for ``package`` on ``device`` (``pick_device``)."""
+               extra: list[str] | None = None, device: str = "emulated",
+               data_parallel_size: int | None = None) -> ServePlan:
+    """The vLLM command line and environment for ``package`` on ``device`` (``pick_device``);
+    ``data_parallel_size``: vLLM engine ranks over the package's replicas (also read from
+    ``--data-parallel-size`` in ``extra``); ``--max-num-seqs`` is then each engine's lanes x the
+    per-replica max_num_seqs."""
     from .activation import ENV_EMULATED
+    from .lanes import LaneError, plan_lanes
     from .packages import open_package
 
     pkg = open_package(package)
@@ -181,6 +208,18 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     extra = list(extra or [])
     _check_extra(extra)
     extra, user_cfg = _split_additional_config(extra)
+    dp_extra = _int_flag(extra, "--data-parallel-size", "-dp")
+    if data_parallel_size and dp_extra and data_parallel_size != dp_extra:
+        raise InvalidInput(f"--data-parallel-size {data_parallel_size} and, after --, {dp_extra}: give it once")
+    dp = data_parallel_size or dp_extra or 1
+    try:
+        lanes = plan_lanes(pkg.loaded.mesh, rt.max_num_seqs, dp,
+                           (user_cfg.get("tt") or {}).get("tt_data_parallel_size"),
+                           name=f"{pkg.name}-{pkg.mesh_name}")
+    except LaneError as e:
+        raise InvalidInput(str(e)) from None
+    if dp > 1 and dp_extra is None:
+        extra += ["--data-parallel-size", str(dp)]
     tt = {"trace_mode": rt.trace_mode, "sample_on_device_mode": rt.sample_on_device_mode}
     if pkg.trace_region_bytes:
         tt["trace_region_size"] = int(pkg.trace_region_bytes)
@@ -190,7 +229,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         "--host", host, "--port", str(port),
         "--served-model-name", pkg.name,
         "--max-model-len", str(rt.max_model_len),
-        "--max-num-seqs", str(rt.max_num_seqs),
+        "--max-num-seqs", str(lanes.engine_seqs),
         "--block-size", str(rt.kv_block_size),
         "--dtype", "float32" if device == "emulated" else "bfloat16",
         "--additional-config", json.dumps(cfg, separators=(",", ":")),
