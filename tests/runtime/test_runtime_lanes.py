@@ -166,3 +166,24 @@ def test_platform_refuses_impossible_combinations(lanes_package, make_package):
     for p, kw, msg in cases:
         with pytest.raises(Exception, match=msg):
             EngineArgs(model=str(p), dtype="float32", **kw).create_engine_config()
+
+
+def test_serve_command_for_lanes_and_data_parallel(lanes_package):
+    """`ttbundle serve`'s vLLM command: --max-num-seqs is each engine's lanes x the per-replica
+    max_num_seqs (8 x 16 alone, 4 x 16 with DP 2), DP passed once, a DP not dividing 8 refused."""
+    from ttbundle.errors import InvalidInput
+    from ttbundle.runtime.serve import plan_serve
+    pkg, _ = lanes_package
+
+    def seqs(plan):
+        return int(plan.argv[plan.argv.index("--max-num-seqs") + 1])
+    assert seqs(plan_serve(pkg)) == 8 * PER_LANE
+    p = plan_serve(pkg, data_parallel_size=2)
+    assert seqs(p) == 4 * PER_LANE and p.argv.count("--data-parallel-size") == 1
+    assert p.argv[p.argv.index("--data-parallel-size") + 1] == "2"
+    p = plan_serve(pkg, extra=["--data-parallel-size", "8"])
+    assert seqs(p) == PER_LANE and p.argv.count("--data-parallel-size") == 1
+    with pytest.raises(InvalidInput, match=r"--data-parallel-size 3 does not divide the 8 replica"):
+        plan_serve(pkg, data_parallel_size=3)
+    with pytest.raises(InvalidInput, match="give it once"):
+        plan_serve(pkg, extra=["-dp", "4"], data_parallel_size=2)

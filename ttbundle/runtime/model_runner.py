@@ -62,6 +62,7 @@ class Step:
     sampling: str  # "device" | "host" | "none" (partial chunks only)
     seconds: float = 0.0
     lanes: list | None = None  # with lanes: the lane (replica) of each row
+    lane_seconds: list | None = None  # with lanes, decode: seconds of each lane's program
 
 
 def model_class(package):
@@ -327,12 +328,15 @@ class TTModelRunner:
         by_lane: dict = {}
         for st in states:
             by_lane.setdefault(self.lanes.of[st.req_id].index, []).append(st)
-        out, buckets = {}, []
+        out, buckets, secs = {}, [], []
         for idx in sorted(by_lane):
+            t0 = time.perf_counter()
             res, step = self._decode(by_lane[idx], on_device)
+            secs.append(time.perf_counter() - t0)
             out.update(res)
             buckets += step.buckets
-        return out, Step("decode", [(st.req_id, st.num_computed, 1) for st in states], buckets, "")
+        return out, Step("decode", [(st.req_id, st.num_computed, 1) for st in states], buckets, "",
+                         lane_seconds=secs)
 
     def _device_sampling(self, states: list[ReqState], rows: int) -> DeviceSampling:
         return DeviceSampling.from_params([s.params for s in states], [s.generator for s in states], rows)
