@@ -136,6 +136,10 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
                          f"{plan.memory.total:,} B per chip, has {plan.memory.dram:,} B "
                          f"(see `ttbundle plan --mesh {mesh}`)")
     _check_dtypes(plan)
+    if backend == "ttnn" and plan.mesh.target_shape is not None:
+        raise InvalidInput(f"not yet: --backend ttnn for {plan.mesh.describe()} (replicas: in the spec): "
+                           "the TT device path does not open submeshes yet; build the emulated package, or "
+                           "a target without replicas, for ttnn")
     pkg = package_path(out_dir, bundle.spec.name, plan.mesh.name)
     sfpi = _sfpi(backend)
     res = BuildResult(str(pkg), bundle.spec.name, plan.mesh.name, "dry-run" if dry_run else "built", None)
