@@ -187,3 +187,22 @@ def test_serve_command_for_lanes_and_data_parallel(lanes_package):
         plan_serve(pkg, data_parallel_size=3)
     with pytest.raises(InvalidInput, match="give it once"):
         plan_serve(pkg, extra=["-dp", "4"], data_parallel_size=2)
+
+
+def test_lanes_refuse_a_pool_smaller_than_every_sequence_at_full_length(packages_dir):
+    """A pinned pool below max_num_seqs x max_model_len per lane: vLLM's preemption is per engine,
+    so lanes are refused (naming the numbers); one lane per engine (DP = replicas) is allowed."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    from ttbundle.runtime.demo import build_package
+    d = yaml.safe_load(lanes_spec(per_lane=8))
+    d["name"] = "tiny-small-pool"
+    d["runtime"]["max_tokens_all_users"] = 1024  # < 8 x 256 = 2048
+    pkg = build_package(yaml.safe_dump(d), packages_dir, "T3K")
+    with pytest.raises(Exception, match=r"max_num_seqs=8 x max_model_len=256 = 2048 tokens, 72 blocks\); "
+                                        r"the plan's pool is 40 blocks"):
+        EngineArgs(model=str(pkg), dtype="float32").create_engine_config()
+    from ttbundle.runtime.lanes import check_pool
+    from ttbundle.runtime.packages import open_package
+    p = open_package(pkg)
+    check_pool(p.bundle, p.mesh_name, 1)  # DP 8: one lane per engine, vLLM's accounting is the lane's

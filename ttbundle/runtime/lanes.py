@@ -165,3 +165,24 @@ def plan_lanes_for(vllm_config, package, options) -> LanePlan:
     return plan_lanes(package.loaded.mesh, package.bundle.spec.runtime.max_num_seqs,
                       dp_size_of(vllm_config), getattr(options, "tt_data_parallel_size", None),
                       dp_rank_of(vllm_config), f"{package.name}-{package.mesh_name}")
+
+
+def check_pool(bundle, mesh_name: str, lanes: int, name: str = "package") -> None:
+    """With lanes, each lane's KV region is the plan's pool, but vLLM accounts (and preempts) over
+    the engine's whole pool: a lane could run out while another has room. Until the scheduler
+    accounts per lane, a pool smaller than every sequence at full length is refused with lanes."""
+    from ..plan import kv_blocks, pool_blocks
+
+    if lanes <= 1:
+        return
+    rt = bundle.spec.runtime
+    have = kv_blocks(bundle, mesh_name)
+    full = rt.max_num_seqs * rt.max_model_len
+    need = pool_blocks(rt, full)
+    if have < need:
+        raise LaneError(f"{name}: {lanes} lanes need each lane's KV pool to hold every sequence at full "
+                        f"length (max_num_seqs={rt.max_num_seqs} x max_model_len={rt.max_model_len} = "
+                        f"{full} tokens, {need} blocks); the plan's pool is {have} blocks: vLLM's "
+                        "preemption does not see lanes yet. Set runtime.max_tokens_all_users to "
+                        f"{full} (if it fits), or lower max_num_seqs or max_model_len, or serve with "
+                        "--data-parallel-size equal to the replicas (one lane per engine)")

@@ -232,13 +232,14 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
     """The package's replicas over vLLM's data-parallel ranks and each engine's lanes
     (``runtime/lanes.py``); records the DP size for the engine processes. Refuses impossible
     combinations naming the numbers."""
-    from .lanes import DP_KEY, LaneError, dp_size_of, plan_lanes
+    from .lanes import DP_KEY, LaneError, check_pool, dp_size_of, plan_lanes
 
     pc = vllm_config.parallel_config
     dp = dp_size_of(vllm_config)
     try:
         lp = plan_lanes(pkg.loaded.mesh, pkg.bundle.spec.runtime.max_num_seqs, dp,
                         opts.tt_data_parallel_size, 0, f"package {pkg.name}-{pkg.mesh_name}")
+        check_pool(pkg.bundle, pkg.mesh_name, lp.lanes, f"package {pkg.name}-{pkg.mesh_name}")
     except LaneError as e:
         _fail(str(e))
     if dp > 1:
