@@ -67,6 +67,7 @@ def test_worker_asks_vllm_for_the_pools_blocks_unless_overridden(override):
     fake = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks_override=override),
                            # a package's record is the plan's pool (tests/test_pool.py builds one)
                            package=SimpleNamespace(kv_blocks=kv_blocks(bundle, "N150")),
-                           model_runner=SimpleNamespace(kv_bytes_per_block=lambda: per_block))
+                           model_runner=SimpleNamespace(kv_bytes_per_block=lambda: per_block,
+                                                        lane_plan=SimpleNamespace(lanes=1)))
     want = override or math.ceil((POOL + 32 * SEQS) / 32)
     assert TTWorker.determine_available_memory(fake) == want * per_block
