@@ -167,16 +167,16 @@ def plan_lanes_for(vllm_config, package, options) -> LanePlan:
                       dp_rank_of(vllm_config), f"{package.name}-{package.mesh_name}")
 
 
-def check_pool(bundle, mesh_name: str, lanes: int, name: str = "package") -> None:
+def check_pool(bundle, have: int, lanes: int, name: str = "package") -> None:
     """With lanes, each lane's KV region is the plan's pool, but vLLM accounts (and preempts) over
     the engine's whole pool: a lane could run out while another has room. Until the scheduler
-    accounts per lane, a pool smaller than every sequence at full length is refused with lanes."""
-    from ..plan import kv_blocks, pool_blocks
+    accounts per lane, a pool smaller than every sequence at full length is refused with lanes.
+    ``have``: the package's recorded pool, in blocks per lane (``Package.kv_blocks``)."""
+    from ..plan import pool_blocks
 
     if lanes <= 1:
         return
     rt = bundle.spec.runtime
-    have = kv_blocks(bundle, mesh_name)
     full = rt.max_num_seqs * rt.max_model_len
     need = pool_blocks(rt, full)
     if have < need:

@@ -239,7 +239,7 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
     try:
         lp = plan_lanes(pkg.loaded.mesh, pkg.bundle.spec.runtime.max_num_seqs, dp,
                         opts.tt_data_parallel_size, 0, f"package {pkg.name}-{pkg.mesh_name}")
-        check_pool(pkg.bundle, pkg.mesh_name, lp.lanes, f"package {pkg.name}-{pkg.mesh_name}")
+        check_pool(pkg.bundle, pkg.kv_blocks, lp.lanes, f"package {pkg.name}-{pkg.mesh_name}")
     except LaneError as e:
         _fail(str(e))
     if dp > 1:
