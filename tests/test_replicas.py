@@ -213,3 +213,18 @@ def test_ttnn_build_of_a_split_target_is_refused_clearly(tmp_path):
     with pytest.raises(InvalidInput, match=r"not yet: --backend ttnn for T3K 1x8 as 4 replicas of 1x2"):
         build(b, "T3K", tmp_path / "out", backend="ttnn")
     assert not (tmp_path / "out").exists()
+
+
+def test_validate_says_a_replica_does_not_fit_its_chips(tmp_path):
+    """Llama-70B on a T3K as 8 replicas of one chip: each replica is a standalone 1x1 plan (the
+    N150's numbers), which does not fit; validate exits 3 naming the split."""
+    from spec_helpers import LLAMA_70B
+    text = spec_text(deep_update({"targets": ["T3K"]}, {"replicas": {"T3K": {"submesh": [1, 1]}}}), base=LLAMA_70B)
+    alone = planmod.make_plan(specmod.loads(spec_text({"targets": ["N150"]}, base=LLAMA_70B), SPEC_FILE), "N150")
+    assert not alone.fits
+    f = tmp_path / "s.yaml"
+    f.write_text(text)
+    r = CliRunner().invoke(app, ["validate", str(f)])
+    assert r.exit_code == 3, r.output
+    out = " ".join(r.output.split())
+    assert f"T3K (each of its 8 replicas on 1x1): does not fit: needs {alone.memory.total:,} B per chip" in out
