@@ -167,7 +167,12 @@ def test_engine_config_caps_limits_to_the_package(make_package):
     assert cfg.cache_config.block_size == 32 and cfg.cache_config.enable_prefix_caching  # vLLM's default kept
     off = EngineArgs(model=str(pkg), dtype="float32", enable_prefix_caching=False).create_engine_config()
     assert not off.cache_config.enable_prefix_caching  # and the user's --no-enable-prefix-caching too
-    assert cfg.scheduler_config.scheduler_cls == "ttbundle.runtime.scheduler.PhaseScheduler"
+    # vLLM's async scheduling (its default) kept, over the phase rules; --no-async-scheduling kept too
+    assert cfg.scheduler_config.async_scheduling
+    assert cfg.scheduler_config.scheduler_cls == "ttbundle.runtime.scheduler.AsyncPhaseScheduler"
+    sync = EngineArgs(model=str(pkg), dtype="float32", async_scheduling=False).create_engine_config()
+    assert not sync.scheduler_config.async_scheduling
+    assert sync.scheduler_config.scheduler_cls == "ttbundle.runtime.scheduler.PhaseScheduler"
     assert cfg.parallel_config.worker_cls == "ttbundle.runtime.worker.TTWorker"
     assert cfg.model_config.hf_config.architectures == ["TTLlamaForCausalLM"]
 

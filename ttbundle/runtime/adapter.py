@@ -178,9 +178,17 @@ class BundleModel:
     @torch.no_grad()
     def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: torch.Tensor,
                        kv_cache: KVCache, sampling_params: DeviceSampling | None = None,
-                       enable_trace: bool = True, read_from_device: bool = True):
+                       enable_trace: bool = True, read_from_device: bool = True, prev_output=None,
+                       prev_rows: torch.Tensor | None = None):
         """One decode step. ``tokens`` [B, 1] with B a decode bucket; ``start_pos`` [B] is each
-        row's position, -1 for padding rows. Returns logits [B, V] or sampled ids [B]."""
+        row's position, -1 for padding rows. Returns logits [B, V] or sampled ids [B].
+        Async decode: ``read_from_device=False`` returns the step's output handle (read with
+        :meth:`read_decode_output`); a row ``i`` with ``prev_rows[i] >= 0`` takes its input token
+        from row ``prev_rows[i]`` of ``prev_output``, an earlier step's unread sampled ids (on the
+        emulated mesh the handle already holds them: the step ran at submit)."""
+        if prev_rows is not None:
+            take = prev_rows >= 0
+            tokens = torch.where(take[:, None], prev_output[prev_rows.clamp(min=0)].long()[:, None], tokens)
         B = tokens.shape[0]
         if tokens.shape[1] != 1 or B not in self.decode_buckets:
             raise ValueError(f"decode runs a batch padded to a bucket {self.decode_buckets}, "

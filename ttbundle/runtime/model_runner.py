@@ -13,6 +13,16 @@ then the program returns logits and vLLM's sampler runs in :meth:`sample_tokens`
 
 The runner keeps each request's tokens itself (vLLM sends the sampled tokens of cached
 requests only with pipeline parallelism); a resumed request's block list replaces the old one.
+
+**Async decode** (vLLM's async scheduling on; :func:`async_decode_supported`): a decode step
+sampled on the device is *submitted* (``decode_forward(read_from_device=False)``: on a device
+the trace is enqueued and the call returns at once) and ``sample_tokens`` hands vLLM an
+:class:`AsyncDecodeOutput` whose ``get_output`` *collects* it (``read_decode_output``: waits
+for the device, reads the token ids back). vLLM schedules step N+1 before it asks for step N's
+tokens, so decode N+1 is submitted before N is read back: its rows whose input token is N's
+still-unread output take it on the device (``prev_output``/``prev_rows``). Every other step
+(prefill, host-sampled decode) is synchronous, and first collects the step in flight when one of
+its rows needs a token that step produces (host sampling needs the output tokens on the host).
 """
 
 from __future__ import annotations
@@ -25,12 +35,28 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import torch
+from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from .phases import is_decode, pick
 from .capabilities import device_top_k
 from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons
 
 logger = logging.getLogger("vllm.ttbundle.model_runner")
+
+#: the runner's submit/collect split for device-sampled decodes (the emulated mesh's models
+#: implement ``read_from_device=False``, ``prev_output`` and ``read_decode_output``); what
+#: ``model_capabilities["supports_async_decode"]`` reports on the emulated mesh
+ASYNC_DECODE = True
+
+
+def async_decode_supported(emulated: bool) -> bool:
+    """Whether decode steps may be submitted before the previous one is read back, so vLLM's
+    async scheduling can stay on: on the emulated mesh always; on the TT platform only where the
+    device can feed a decode's sampled tokens into the next one (``ttdevice.async_decode_supported``)."""
+    if emulated:
+        return ASYNC_DECODE
+    from .ttdevice import async_decode_supported as tt_async
+    return tt_async()
 
 
 @dataclass
@@ -63,6 +89,34 @@ class Step:
     seconds: float = 0.0
     lanes: list | None = None  # with lanes: the lane (replica) of each row
     lane_seconds: list | None = None  # with lanes, decode: seconds of each lane's program
+    mode: str = "sync"  # "async": submitted, read back later (the collect's wait in ``wait``)
+    inputs: float = 0.0  # seconds building inputs and submitting
+    wait: float = 0.0  # seconds blocked reading the output back
+
+
+@dataclass
+class InFlight:
+    """A device-sampled decode submitted and not read back yet."""
+
+    states: list  # ReqState per row, in row order
+    handle: object  # the mesh model's output (``read_decode_output`` reads it)
+    step: Step
+    t0: float
+    prev: "InFlight | None" = None  # the step whose output this one's inputs take on the device
+    output: object = None  # the ModelRunnerOutput, once collected
+
+
+class AsyncDecodeOutput(AsyncModelRunnerOutput):
+    """vLLM's ``AsyncModelRunnerOutput`` for a submitted decode: ``get_output`` collects it."""
+
+    def __init__(self, runner: "TTModelRunner", flight: InFlight):
+        self.runner, self.flight = runner, flight
+
+    def get_output(self):
+        return self.runner._collect(self.flight)
+
+    def get_kv_connector_output(self):
+        return None
 
 
 def model_class(package):
@@ -104,6 +158,8 @@ class TTModelRunner:
         self.prompt_lp: PromptLogprobs | None = None
         self._prompt_lp_out: dict = {}  # req_id -> LogprobsTensors, emitted with this step's output
         self._pending = None
+        self._inflight: InFlight | None = None  # the last submitted decode, until collected
+        self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.step_log: deque[Step] = deque(maxlen=10_000)
         self._log_path = os.environ.get("TTBUNDLE_STEP_LOG")
         from .lanes import plan_lanes_for
@@ -241,7 +297,8 @@ class TTModelRunner:
         if not so.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
         rows = [(self.requests[rid], n) for rid, n in so.num_scheduled_tokens.items()]
-        phases = {is_decode(st.num_computed, len(st.prompt), st.num_tokens) and n == 1 for st, n in rows}
+        phases = {is_decode(st.num_computed, len(st.prompt), max(st.num_tokens, st.num_computed + 1)) and n == 1
+                  for st, n in rows}  # (async: a decode's input token may still be on the device)
         if len(phases) != 1:
             raise RuntimeError("a step mixes prefill and decode; the ttbundle scheduler must be "
                                "in use (scheduler_cls)")
@@ -251,6 +308,13 @@ class TTModelRunner:
         seeds = getattr(self.mesh_model, "seeded_on_device", True)  # one seed per device batch: host
         on_device = allowed and not any(host_reasons(st.params, self.max_device_top_k) or (st.params.seed is not None and not seeds)
                                         for st in sampled_rows)
+        if self.async_scheduling and decode and on_device and self.lanes is None:  # (lanes: synchronous)
+            self._pending = ("async", self._submit_decode([st for st, _ in rows]))
+            return None  # vLLM asks sample_tokens for the output
+        # a synchronous step: the tokens its rows need must be on the host first
+        if self._inflight is not None and any(st.num_computed + n > st.num_tokens for st, n in rows):
+            self._collect(self._inflight)
+        sampled_rows = [st for st, n in rows if st.num_computed + n >= st.num_tokens]
         t0 = time.perf_counter()
         if decode and self.lanes is not None:
             result, step = self._decode_lanes([st for st, _ in rows], on_device)
@@ -262,7 +326,11 @@ class TTModelRunner:
         step.sampling = ("none" if not sampled_rows else "device" if on_device else "host")
         self._log(step)
         if not sampled_rows or on_device:
-            return self._output(rows, result if on_device else {}, None)
+            out = self._output(rows, result if on_device else {}, None)
+            if self.async_scheduling:  # vLLM calls sample_tokens for every step that ran
+                self._pending = ("done", out)
+                return None
+            return out
         self._pending = (so, rows, sampled_rows, result)
         return None
 
@@ -271,10 +339,71 @@ class TTModelRunner:
 
         if self._pending is None:
             return EMPTY_MODEL_RUNNER_OUTPUT
-        so, rows, sampled_rows, logits = self._pending
-        self._pending = None
+        pending, self._pending = self._pending, None
+        if pending[0] == "async":
+            return AsyncDecodeOutput(self, pending[1])
+        if pending[0] == "done":
+            return pending[1]
+        so, rows, sampled_rows, logits = pending
         order, ids, lp = self.host.sample(sampled_rows, logits, so, grammar_output)
         return self._output(rows, dict(zip(order, ids)), (order, lp))
+
+    # -- async decode: submit now, collect when vLLM asks for the tokens --------------------------
+    def _submit_decode(self, states: list[ReqState]) -> InFlight:
+        """Enqueue a device-sampled decode of ``states`` without reading it back. A row whose
+        input token is the in-flight step's unread output takes it on the device."""
+        t0 = time.perf_counter()
+        prev = self._inflight
+        if prev is not None and prev.output is not None:
+            prev = None
+        B = len(states)
+        bucket = pick(self.decode_buckets, B)
+        tokens = torch.zeros(bucket, 1, dtype=torch.long)
+        pos = torch.full((bucket,), -1, dtype=torch.long)
+        src = torch.full((bucket,), -1, dtype=torch.long)
+        prev_row = {id(st): i for i, st in enumerate(prev.states)} if prev is not None else {}
+        for i, st in enumerate(states):
+            pos[i] = st.num_computed
+            if st.num_computed < st.num_tokens:
+                tokens[i, 0] = st.tokens(st.num_computed, 1)[0]
+            elif id(st) in prev_row:
+                src[i] = prev_row[id(st)]
+            else:  # pragma: no cover - a pending token only ever comes from the step in flight
+                raise RuntimeError(f"request {st.req_id}: input token at {st.num_computed} is not known")
+        chained = bool((src >= 0).any())
+        handle = self.mesh_model.decode_forward(
+            tokens, pos, self._page_table(states, bucket), self.kv, self._device_sampling(states, bucket),
+            read_from_device=False, **({"prev_output": prev.handle, "prev_rows": src} if chained else {}))
+        step = Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [bucket], "device",
+                    mode="async", inputs=time.perf_counter() - t0)
+        self._inflight = InFlight(list(states), handle, step, t0, prev if chained else None)
+        return self._inflight
+
+    def _collect(self, flight: InFlight):
+        """Read ``flight``'s tokens back (after the step it took tokens from), once."""
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        if flight.output is not None:
+            return flight.output
+        if flight.prev is not None:
+            self._collect(flight.prev)
+        t = time.perf_counter()
+        ids = self.mesh_model.read_decode_output(flight.handle)
+        flight.step.wait = time.perf_counter() - t
+        flight.step.seconds = time.perf_counter() - flight.t0
+        order, tokens = [], []
+        for i, st in enumerate(flight.states):
+            tok = int(ids[i])
+            st.output.append(tok)
+            order.append(st.req_id)
+            tokens.append([tok])
+        flight.output = ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
+                                          sampled_token_ids=tokens, logprobs=None)
+        flight.prev = None
+        if self._inflight is flight:
+            self._inflight = None
+        self._log(flight.step)
+        return flight.output
 
     def _output(self, rows, sampled: dict, host):
         from vllm.v1.outputs import ModelRunnerOutput

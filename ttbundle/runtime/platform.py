@@ -19,6 +19,7 @@ logger = logging.getLogger("vllm.ttbundle.platform")
 
 WORKER = "ttbundle.runtime.worker.TTWorker"
 SCHEDULER = "ttbundle.runtime.scheduler.PhaseScheduler"
+ASYNC_SCHEDULER = "ttbundle.runtime.scheduler.AsyncPhaseScheduler"
 
 
 class EmulatedMeshPlatform(Platform):
@@ -182,10 +183,16 @@ def configure(vllm_config, emulated: bool) -> None:
     sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs, chunk)
     sc.max_num_scheduled_tokens = None
     sc.long_prefill_token_threshold = chunk
-    sc.async_scheduling = False
-    if sc.scheduler_cls not in (None, SCHEDULER) and "ttbundle" not in str(sc.scheduler_cls):
+    # async scheduling (vLLM's default; off with --no-async-scheduling) needs async decode: a
+    # decode step submitted before the previous one's tokens are read back (model_runner.py)
+    from .model_runner import async_decode_supported
+    if sc.async_scheduling and not async_decode_supported(emulated):
+        logger.info("ttbundle: async scheduling off: this device cannot feed a decode's sampled tokens "
+                    "into the next decode (ttdevice.async_decode_supported)")
+    sc.async_scheduling = bool(sc.async_scheduling) and async_decode_supported(emulated)
+    if sc.scheduler_cls not in (None, SCHEDULER, ASYNC_SCHEDULER) and "ttbundle" not in str(sc.scheduler_cls):
         logger.warning("ttbundle: replacing scheduler %s: every step must be one phase", sc.scheduler_cls)
-    sc.scheduler_cls = SCHEDULER
+    sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SCHEDULER
     pc.worker_cls = WORKER
     pc.distributed_executor_backend = "uni"
 

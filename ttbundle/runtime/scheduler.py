@@ -27,6 +27,13 @@ Everything else (KV block allocation, preemption, stop conditions, structured ou
 is vLLM's ``Scheduler``: each step restricts what it sees (the running requests of the phase,
 how many waiting requests it may admit, the token budget) and calls ``super().schedule()``.
 vLLM warns that the scheduler interface is not public: this module is pinned to vLLM 0.33.0.
+
+**Async scheduling.** With vLLM's async scheduling on (the platform turns it on when the model
+supports async decode, ``model_runner.async_decode_supported``), :class:`AsyncPhaseScheduler`
+is used: the same rules on top of vLLM's ``AsyncScheduler``, which schedules step N+1 while
+step N's sampled tokens are still on the device (a request then carries
+``num_output_placeholders``: tokens scheduled whose values are not back yet). A request with a
+placeholder is still *ready to decode*; the phase rules above count placeholders as tokens.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
@@ -85,7 +93,16 @@ class PhaseScheduler(Scheduler):
     # -- helpers --------------------------------------------------------------------------------
     @staticmethod
     def _decodes(r) -> bool:
-        return is_decode(r.num_computed_tokens, r.num_prompt_tokens, r.num_tokens_with_spec)
+        # placeholders (async scheduling): sampled tokens still on the device count as tokens
+        return is_decode(r.num_computed_tokens, r.num_prompt_tokens,
+                         r.num_tokens_with_spec + r.num_output_placeholders)
+
+    @staticmethod
+    def _last_in_flight(r) -> bool:
+        """Async scheduling: the step in flight samples this request's last token (max_tokens),
+        so vLLM schedules nothing more for it (the condition of vLLM's ``Scheduler.schedule``)."""
+        return (r.num_output_placeholders > 0
+                and r.num_computed_tokens + 2 - r.num_output_placeholders >= r.num_prompt_tokens + r.max_tokens)
 
     def _waiting_in_order(self):
         yield from self.kv_holding_waiting
@@ -99,7 +116,9 @@ class PhaseScheduler(Scheduler):
 
         def take(r) -> bool:
             nonlocal used
-            n = min(r.num_tokens_with_spec - r.num_computed_tokens, self.chunk)
+            n = min(r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens, self.chunk)
+            if n <= 0:  # nothing left to compute (its last step is still in flight)
+                return True
             padded = pick(self.prefill_buckets, n)
             if tokens and used + padded > self.prefill_budget:
                 return False
@@ -108,7 +127,7 @@ class PhaseScheduler(Scheduler):
             return True
 
         for r in self.running:
-            if self._decodes(r):
+            if self._decodes(r) or r.num_tokens_with_spec + r.num_output_placeholders <= r.num_computed_tokens:
                 continue
             if not take(r):
                 return planned_running, planned_waiting, tokens
@@ -152,7 +171,7 @@ class PhaseScheduler(Scheduler):
 
     # -- the step -------------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False):
-        decodes = [r for r in self.running if self._decodes(r)]
+        decodes = [r for r in self.running if self._decodes(r) and not self._last_in_flight(r)]
         planned_running, planned_waiting, tokens = self._plan_prefill()
         want_prefill = bool(tokens)
         prefill_first = want_prefill and (not decodes or self.prefill_run < self.max_prefill_run)
@@ -193,8 +212,16 @@ class PhaseScheduler(Scheduler):
         for rid, n in out.num_scheduled_tokens.items():
             r = self.requests[rid]
             start = r.num_computed_tokens - n  # already advanced by _update_after_schedule
-            kinds.add(n == 1 and is_decode(start, r.num_prompt_tokens, r.num_tokens_with_spec))
+            # async scheduling: the placeholder this step added (a step that samples) is not a token yet
+            added = 1 if isinstance(self, AsyncScheduler) and not r.is_prefill_chunk else 0
+            total = r.num_tokens_with_spec + r.num_output_placeholders - added
+            kinds.add(n == 1 and is_decode(start, r.num_prompt_tokens, total))
         if len(kinds) > 1:
             raise RuntimeError(f"ttbundle scheduler: a step mixes prefill and decode: "
                                f"{out.num_scheduled_tokens}")
         return "decode" if kinds.pop() else "prefill"
+
+
+class AsyncPhaseScheduler(PhaseScheduler, AsyncScheduler):
+    """:class:`PhaseScheduler`'s rules over vLLM's ``AsyncScheduler`` (async scheduling on): the
+    phase rules are the same; ``AsyncScheduler`` adds the output placeholders."""
