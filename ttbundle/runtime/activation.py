@@ -5,7 +5,8 @@
   set it yourself for a direct ``vllm serve PACKAGE``.
 * else a Tenstorrent device (``/dev/tenstorrent``) with ``ttnn`` importable, and Tenstorrent's
   own plugin not installed: the TT platform (``TTBUNDLE_TEST_TTNN=recording`` fakes both, for
-  tests only: ``ttdevice.py``).
+  tests only: ``ttdevice.py``; so does the timing device ``TTBUNDLE_DEVICE_MODEL=timing:14ms``,
+  for benches and tests: ``timing.py``).
 * else None: a vLLM that did not ask for ttbundle never sees it.
 """
 
@@ -25,13 +26,15 @@ def _truthy(v: str | None) -> bool:
 
 
 TEST_TTNN = "TTBUNDLE_TEST_TTNN"  # test-only: "recording" (runtime/ttdevice.py)
+DEVICE_MODEL = "TTBUNDLE_DEVICE_MODEL"  # bench/test device: "timing:14ms" (runtime/timing.py)
 
 
 def tt_hardware_missing() -> str | None:
     """Why this host cannot serve on a Tenstorrent device through ttbundle (None: it can): no
     device node, no ttnn, or Tenstorrent's own plugin installed (it owns the device then). The
-    test-only hook ``TTBUNDLE_TEST_TTNN=recording`` stands the recording double in for all three."""
-    if os.environ.get(TEST_TTNN) == "recording":
+    test-only hook ``TTBUNDLE_TEST_TTNN=recording`` stands the recording double in for all three,
+    and so does the timing device ``TTBUNDLE_DEVICE_MODEL`` (benches and tests: ``timing.py``)."""
+    if os.environ.get(TEST_TTNN) == "recording" or os.environ.get(DEVICE_MODEL):
         return None
     if not Path("/dev/tenstorrent").exists():
         return "no Tenstorrent device on this host (/dev/tenstorrent is missing)"

@@ -15,6 +15,17 @@ Device sampling returns token ids; the host fallback returns logits for vLLM's s
 without a device (``activation.py``), so the whole path runs through vLLM's engine in tests.
 Its weights are fake, so the double knows no value of the model's (every token read is 0,
 listed in ``RECORDER.zero_reads``); never set it to serve.
+
+**Timing device** (benches and tests): ``TTBUNDLE_DEVICE_MODEL=timing:14ms`` stands the timing
+model of ``timing.py`` (over the same double) in for ttnn: replayed traces take a modeled time off
+the CPU, readbacks wait for it, device sampling returns deterministic ids (``DEVICE`` holds it).
+
+**Async decode** (``read_from_device=False``): the trace is enqueued, the readback of its sampled
+ids enqueued right behind it (``from_device(blocking=False)`` and an event, as Tenstorrent's
+``read_decode_output(async_read=True)``), and :meth:`read_decode_output` waits for the event. The
+next decode's rows take their input token from that output on the device (``feed_rows``), which
+only the timing device models so far: on ttnn it is not lowered, so :func:`async_decode_supported`
+is False there and vLLM's async scheduling is turned off.
 """
 
 from __future__ import annotations
@@ -32,11 +43,26 @@ logger = logging.getLogger("vllm.ttbundle.ttdevice")
 TEST_TTNN_ENV = "TTBUNDLE_TEST_TTNN"
 #: the recording double's Recorder when the test-only hook is on (tests read it)
 RECORDER = None
+#: the timing device (``timing.TimingDevice``) when ``TTBUNDLE_DEVICE_MODEL`` selects it
+DEVICE = None
+
+
+def async_decode_supported() -> bool:
+    """Whether a decode's sampled ids can feed the next decode on the device (``feed_rows``):
+    the timing device models it; on ttnn it is not lowered yet."""
+    from . import timing
+    return bool(os.environ.get(timing.ENV))
 
 
 def import_ttnn():
     """The ttnn module: the wheel, or the recording double under the test-only hook."""
-    global RECORDER
+    global RECORDER, DEVICE
+    from . import timing
+    dev = timing.from_env()
+    if dev is not None:  # the timing device over the recording double
+        from ..backends.ttnn import recording
+        RECORDER, DEVICE = recording.Recorder(unknown_reads="zeros"), dev
+        return dev.wrap(RECORDER.module())
     if os.environ.get(TEST_TTNN_ENV) == "recording":
         from ..backends.ttnn import recording
         if RECORDER is None:
@@ -82,6 +108,7 @@ class DecodeOutput:
 
     def __init__(self, out: dict, rows: int, tokens: bool, host=None):
         self.out, self.rows, self.tokens, self.host = out, rows, tokens, host
+        self.pending = None  # async decode: (host tensor, event) of the readback queued at submit
 
 
 class TTDeviceModel:
@@ -202,7 +229,10 @@ class TTDeviceModel:
 
     @torch.no_grad()
     def decode_forward(self, tokens, start_pos, page_table, kv_cache, sampling_params=None, enable_trace: bool = True,
-                       read_from_device: bool = True):
+                       read_from_device: bool = True, prev_output=None, prev_rows=None):
+        """``read_from_device=False`` (device sampling): enqueue and return a handle for
+        :meth:`read_decode_output`; rows with ``prev_rows[i] >= 0`` take their token from row
+        ``prev_rows[i]`` of ``prev_output`` (an earlier such handle) on the device."""
         import numpy as np
         from ..backends.ttnn.device import mask_inputs
 
@@ -226,14 +256,26 @@ class TTDeviceModel:
                 "cur_pos": pos.astype(np.int32), "page_table": pt}
         host.update(mask_inputs(fw, host["cur_pos"][:, None]))
         host.update(self._sampling_inputs(sampling_params, R))
+        if prev_rows is not None:  # the device feeds the previous step's ids into this one's tokens
+            rows = np.full(R, -1, np.int64)
+            rows[:B] = prev_rows.numpy()
+            self.ttnn.feed_rows(self.runner.inputs[key]["tokens"], prev_output.out["next_tokens"], rows)
         handle = DecodeOutput(self._run(key, host), B, sampling_params is not None)
         if not read_from_device:
+            if handle.tokens:  # async decode: the readback queued right behind the trace, and its event
+                handle.pending = (self.ttnn.from_device(handle.out["next_tokens"], blocking=False),
+                                  self.ttnn.record_event(self.runner.ex.device, 0))
             return handle
         return self.process_decode_output_host(self.read_decode_output(handle), is_tokens=handle.tokens)
 
     def read_decode_output(self, tt_out: DecodeOutput, async_read: bool = True) -> DecodeOutput:
         """The decode's output read back to the host (token ids or logits)."""
         import numpy as np
+        if tt_out.pending is not None:  # enqueued at submit: wait for its event
+            host_t, event = tt_out.pending
+            self.ttnn.event_synchronize(event)
+            ids = np.asarray(self.ttnn.get_device_tensors(host_t)[0].to_numpy())
+            return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, ids)
         name = "next_tokens" if tt_out.tokens else "logits.out"
         return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, np.asarray(self.runner.read(tt_out.out[name])))
 
@@ -274,4 +316,6 @@ class TTDeviceModel:
         t0 = time.perf_counter()
         self.runner.capture()
         self.sealed = True
+        if DEVICE is not None:
+            DEVICE.attach(self.runner, self.vocab_size)
         logger.info("[WARMUP] captured %d traces in %.1f s", len(self.runner.traces), time.perf_counter() - t0)
