@@ -92,6 +92,7 @@ class Step:
     mode: str = "sync"  # "async": submitted, read back later (the collect's wait in ``wait``)
     inputs: float = 0.0  # seconds building inputs and submitting
     wait: float = 0.0  # seconds blocked reading the output back
+    at: float = 0.0  # time.perf_counter() when the step started (async: its submit)
 
 
 @dataclass
@@ -322,7 +323,7 @@ class TTModelRunner:
             result, step = self._decode([st for st, _ in rows], on_device)
         else:
             result, step = self._prefill(rows, on_device)
-        step.seconds = time.perf_counter() - t0
+        step.seconds, step.at = time.perf_counter() - t0, t0
         step.sampling = ("none" if not sampled_rows else "device" if on_device else "host")
         self._log(step)
         if not sampled_rows or on_device:
@@ -375,7 +376,7 @@ class TTModelRunner:
             tokens, pos, self._page_table(states, bucket), self.kv, self._device_sampling(states, bucket),
             read_from_device=False, **({"prev_output": prev.handle, "prev_rows": src} if chained else {}))
         step = Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [bucket], "device",
-                    mode="async", inputs=time.perf_counter() - t0)
+                    mode="async", inputs=time.perf_counter() - t0, at=t0)
         self._inflight = InFlight(list(states), handle, step, t0, prev if chained else None)
         return self._inflight
 

@@ -39,6 +39,7 @@ placeholder is still *ready to decode*; the phase rules above count placeholders
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -60,6 +61,7 @@ class StepRecord:
     tokens: dict  # req_id -> tokens scheduled
     starts: dict  # req_id -> first position scheduled
     decode_ready: list = field(default_factory=list)  # requests that could decode at step start
+    seconds: float = 0.0  # host time of the schedule() call
 
 
 class PhaseScheduler(Scheduler):
@@ -171,6 +173,7 @@ class PhaseScheduler(Scheduler):
 
     # -- the step -------------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False):
+        t0 = time.perf_counter()
         decodes = [r for r in self.running if self._decodes(r) and not self._last_in_flight(r)]
         planned_running, planned_waiting, tokens = self._plan_prefill()
         want_prefill = bool(tokens)
@@ -202,7 +205,7 @@ class PhaseScheduler(Scheduler):
         for i, rid in enumerate(c.req_ids):
             starts[rid] = c.num_computed_tokens[i]
         self.records.append(StepRecord(phase, dict(out.num_scheduled_tokens), starts,
-                                       [r.request_id for r in decodes]))
+                                       [r.request_id for r in decodes], time.perf_counter() - t0))
         return out
 
     def _phase_of(self, out) -> str:

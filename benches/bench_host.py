@@ -1,0 +1,340 @@
+"""Host overhead per step against a fast device (issue 13): the TT platform path on the timing
+device (``TTBUNDLE_DEVICE_MODEL=timing:<T>ms``, ``ttbundle/runtime/timing.py``) through vLLM,
+in-engine (``vllm.LLM``) and through the OpenAI API (streaming and not), at 1, 8 and 32 streams,
+for decode step times of 38, 14 and 5 ms; next to it the same engine with a null model and no
+ttbundle logic (``benches/null_engine.py``: vLLM's own scheduler and engine, the same device
+clock) as the floor of what vLLM itself costs on this machine. One run, all cells.
+
+Per cell (S streams, step T), from the engine's step log of the steady state (the decode steps
+holding all S rows; the first and last few steps, where streams start and end, left out):
+
+  eff      tokens/s / device bound, the bound being S rows per T (= T / mean interval between
+           consecutive decode submits: 1.0 means the device never waits for the host)
+  interval mean ms between decode submits, split into the host's parts:
+           sched  the scheduler's schedule() (in-engine only: measured in that process)
+           input  building the step's inputs and submitting it (the runner)
+           wait   blocked on the readback (device time not overlapped: async decode hides
+                  host work behind it)
+           other  the rest: vLLM's engine loop (update_from_output, output processing,
+                  detokenizing) and, through the API, the server process's streaming, sharing
+                  the CPU with it
+  vs null  eff / the null engine's eff in the same cell (the API target: >= 0.9)
+  TTFT     first-token latency of the 1-stream cell minus the modeled prefill (host overhead
+           in TTFT; streaming API: the client's first chunk; in-engine / non-streaming: the step
+           log's end of the prefill)
+  e2e      client-side output tokens/s of the whole cell / device bound (prefills included)
+
+Targets: in-engine eff >= 0.95 at 14 ms / 32 streams, >= 0.9 at 5 ms; API within 10% of the null
+floor. Tiny llama (the runtime tests' spec) built with --backend ttnn for N150, prompts of
+--prompt tokens, --tokens output tokens (ignore_eos).
+
+Run: .venv/bin/python benches/bench_host.py [--steps 38,14,5] [--streams 1,8,32]
+     [--modes engine,stream,nostream] [--kinds ttbundle,null] [--tokens 48] [--prompt 32] [--json]
+(all cells: about 10 minutes on a 2-core host; a subset with the options above).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "tests" / "runtime"))  # the runtime tests' tiny spec (one owner)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+SKIP = 3  # steady state: decode steps left out at each end of a cell
+
+
+def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    import random
+    rng = random.Random(seed)
+    return [[rng.randrange(8, vocab) for _ in range(length)] for _ in range(n)]
+
+
+# -- what a cell's step log says ---------------------------------------------------------------
+def steady(steps: list[dict], streams: int, step_ms: float, sched: list[float] | None = None) -> dict:
+    """Steady-state figures of one cell from its step log (dicts with phase, rows, at, inputs, wait)."""
+    dec = [s for s in steps if s["phase"] == "decode" and len(s["rows"]) == streams]
+    dec.sort(key=lambda s: s["at"])
+    core = dec[SKIP:-SKIP] if len(dec) > 2 * SKIP + 2 else dec
+    if len(core) < 2:
+        return {"eff": float("nan"), "steps": len(core)}
+    iv = [(b["at"] - a["at"]) for a, b in zip(core, core[1:])]
+    interval = statistics.mean(iv)
+    parts = {"input": statistics.mean(s.get("inputs", 0.0) for s in core[1:]),
+             "wait": statistics.mean(s.get("wait", 0.0) for s in core[:-1])}
+    if sched:
+        parts["sched"] = statistics.mean(sched)
+    parts["other"] = interval - sum(parts.values())
+    return {"eff": (step_ms / 1000) / interval, "interval_ms": interval * 1e3, "steps": len(core),
+            **{k + "_ms": v * 1e3 for k, v in parts.items()}}
+
+
+def prefill_done(steps: list[dict], t0: float) -> float | None:
+    """Seconds from ``t0`` to the end of the first prefill step after it (the 1-stream TTFT as the
+    engine sees it)."""
+    pre = sorted((s for s in steps if s["phase"] == "prefill" and s["at"] >= t0), key=lambda s: s["at"])
+    return (pre[0]["at"] + pre[0].get("seconds", 0.0) + pre[0].get("wait", 0.0) - t0) if pre else None
+
+
+# -- in-engine child (its own process: vLLM picks one platform per process) ----------------------
+def child_engine(a) -> None:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    if a.kind == "null":
+        sys.path.insert(0, str(HERE))
+        import null_engine
+        null_engine.patch_cpu_platform()
+    from vllm import LLM, SamplingParams
+
+    model = a.package if a.kind == "ttbundle" else a.src
+    llm = LLM(model=model, dtype="float32", seed=0, max_num_seqs=32, max_model_len=256,
+              **({"worker_cls": "null_engine.NullWorker"} if a.kind == "null" else {}))
+    core = llm.llm_engine.engine_core.engine_core
+    worker = core.model_executor.driver_worker.worker
+    log = (worker.model_runner.step_log if a.kind == "ttbundle" else worker.step_log)
+    sched_times: list = []
+    orig = core.scheduler.schedule
+
+    def timed(*args, **kw):
+        t = time.perf_counter()
+        out = orig(*args, **kw)
+        if out.total_num_scheduled_tokens and out.num_scheduled_tokens and \
+                all(n == 1 for n in out.num_scheduled_tokens.values()):
+            sched_times.append((len(out.num_scheduled_tokens), time.perf_counter() - t))
+        return out
+    core.scheduler.schedule = timed
+    sp = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
+    vocab = llm.llm_engine.vllm_config.model_config.get_vocab_size()
+    llm.generate(prompts(4, a.prompt, vocab, 99), sp, use_tqdm=False)  # first requests: warm paths
+    res = {}
+    for S in a.streams:
+        n0 = len(log)
+        sched_times.clear()
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts(S, a.prompt, vocab), sp, use_tqdm=False)
+        wall = time.perf_counter() - t0
+        assert all(len(o.outputs[0].token_ids) == a.tokens for o in outs)
+        steps = [s if isinstance(s, dict) else dict(s.__dict__) for s in list(log)[n0:]]
+        st = steady(steps, S, a.step, [t for n, t in sched_times if n == S][SKIP:-SKIP] or None)
+        st["e2e"] = S * a.tokens / wall / (S / (a.step / 1000))
+        if S == 1:
+            st["ttft_s"] = prefill_done(steps, t0)
+        res[S] = st
+    llm.llm_engine.engine_core.shutdown()
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def run_child_engine(a, kind: str, step: float, pkg: Path, src: Path) -> dict:
+    env = _env(kind, step)
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "engine", "--kind", kind, "--step", str(step),
+           "--package", str(pkg), "--src", str(src), "--tokens", str(a.tokens), "--prompt", str(a.prompt),
+           "--streams", ",".join(map(str, a.streams))]
+    r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
+    if r.returncode != 0 or not line:
+        raise SystemExit(f"engine child {kind} {step} ms failed:\n{r.stderr[-3000:]}")
+    return {int(k): v for k, v in json.loads(line[-1][7:]).items()}
+
+
+def _env(kind: str, step: float) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("TTBUNDLE_EMULATED", "TTBUNDLE_TEST_TTNN",
+                                                          "TTBUNDLE_DEVICE_MODEL", "TTBUNDLE_STEP_LOG")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if kind == "ttbundle":
+        env["TTBUNDLE_DEVICE_MODEL"] = f"timing:{step:g}ms"
+    else:
+        env["BENCH_NULL_DEVICE_MODEL"] = f"timing:{step:g}ms"
+        env["VLLM_TARGET_DEVICE"] = "cpu"  # vLLM's own CPU platform (this vLLM is a CPU build)
+    return env
+
+
+# -- through the API -------------------------------------------------------------------------------
+async def one(client, prompt, tokens: int, stream: bool) -> dict:
+    t0 = time.perf_counter()
+    if not stream:
+        r = await client.completions.create(model="m", prompt=prompt, max_tokens=tokens, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        return {"start": t0, "end": time.perf_counter(), "tokens": r.usage.completion_tokens, "ttft": None}
+    first, n = None, 0
+    s = await client.completions.create(model="m", prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
+                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    async for ch in s:
+        if ch.choices and ch.choices[0].text and first is None:
+            first = time.perf_counter()
+        if ch.usage is not None:
+            n = ch.usage.completion_tokens
+    end = time.perf_counter()
+    return {"start": t0, "end": end, "tokens": n, "ttft": (first or end) - t0}
+
+
+async def many(url: str, batch, tokens: int, stream: bool) -> list[dict]:
+    import openai
+    client = openai.AsyncOpenAI(base_url=url, api_key="none", timeout=3600, max_retries=0)
+    try:
+        return await asyncio.gather(*(one(client, p, tokens, stream) for p in batch))
+    finally:
+        await client.close()
+
+
+def run_api(a, kind: str, step: float, pkg: Path, src: Path, vocab: int) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log_path = a.cache / f"steps-{kind}-{step:g}.jsonl"
+    log_path.unlink(missing_ok=True)
+    env = _env(kind, step)
+    env["TTBUNDLE_STEP_LOG"] = str(log_path)
+    common = ["--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m",
+              "--max-num-seqs", "32", "--max-model-len", "256", "--seed", "0"]
+    if kind == "ttbundle":
+        cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(pkg)] + common
+    else:
+        cmd = [sys.executable, str(HERE / "null_engine.py"), "serve", str(src)] + common
+    out = open(a.cache / f"server-{kind}-{step:g}.log", "wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    res: dict = {}
+    try:
+        t_end = time.time() + 900
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"{kind} server exited ({proc.returncode}); see {out.name}")
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if time.time() > t_end:
+                raise SystemExit(f"{kind} server not healthy after 900 s")
+            time.sleep(1)
+        asyncio.run(many(url + "/v1", prompts(4, a.prompt, vocab, 99), 4, True))  # warm paths
+        for mode in [m for m in a.modes if m != "engine"]:
+            for S in a.streams:
+                t0 = time.perf_counter()
+                rs = asyncio.run(many(url + "/v1", prompts(S, a.prompt, vocab), a.tokens, mode == "stream"))
+                t1 = time.perf_counter()
+                assert all(r["tokens"] == a.tokens for r in rs), [r["tokens"] for r in rs]
+                time.sleep(0.3)  # the step log's last lines
+                steps = [json.loads(x) for x in log_path.read_text().splitlines() if x.strip()]
+                steps = [s for s in steps if t0 <= s.get("at", 0) <= t1]
+                st = steady(steps, S, step)
+                st["e2e"] = S * a.tokens / (t1 - t0) / (S / (step / 1000))
+                if S == 1:
+                    st["ttft_s"] = rs[0]["ttft"] if mode == "stream" else prefill_done(steps, t0)
+                res[(mode, S)] = st
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+        out.close()
+    return res
+
+
+# -- the table ---------------------------------------------------------------------------------------
+def fmt(x, spec=".2f"):
+    return "-" if x is None or (isinstance(x, float) and x != x) else format(x, spec)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", default="38,14,5")
+    ap.add_argument("--streams", default="1,8,32")
+    ap.add_argument("--modes", default="engine,stream,nostream")
+    ap.add_argument("--kinds", default="ttbundle,null")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--cache", type=Path, default=Path("out/bench-host"))
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--kind", help=argparse.SUPPRESS)
+    ap.add_argument("--step", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--package", help=argparse.SUPPRESS)
+    ap.add_argument("--src", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    a.streams = [int(x) for x in str(a.streams).split(",")]
+    if a.child == "engine":
+        return child_engine(a)
+    a.steps = [float(x) for x in a.steps.split(",")]
+    a.modes = a.modes.split(",")
+    a.kinds = a.kinds.split(",")
+    a.cache = a.cache.absolute()
+    a.cache.mkdir(parents=True, exist_ok=True)
+
+    from runtime_helpers import spec_text
+
+    from ttbundle.runtime import timing
+    from ttbundle.runtime.demo import build_package
+
+    t0 = time.perf_counter()
+    pkg = build_package(spec_text("llama"), a.cache, "N150", backend="ttnn", warmup=False)
+    src = a.cache / "src-tiny-llama"
+    vocab = json.loads((src / "config.json").read_text())["vocab_size"]
+    print(f"package {pkg} ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    cells: dict = {}  # (kind, mode, step, S) -> figures
+    for step in a.steps:
+        for kind in a.kinds:
+            t = time.perf_counter()
+            if "engine" in a.modes:
+                for S, st in run_child_engine(a, kind, step, pkg, src).items():
+                    cells[(kind, "engine", step, S)] = st
+            if any(m != "engine" for m in a.modes):
+                for (mode, S), st in run_api(a, kind, step, pkg, src, vocab).items():
+                    cells[(kind, mode, step, S)] = st
+            print(f"{kind} at {step:g} ms: {time.perf_counter() - t:.0f} s", file=sys.stderr)
+    rows = []
+    for (kind, mode, step, S), st in cells.items():
+        if kind != "ttbundle":
+            continue
+        null = cells.get(("null", mode, step, S), {})
+        pre = timing.parse(f"timing:{step:g}ms").seconds("prefill", a.prompt)
+        r = {"mode": mode, "step_ms": step, "streams": S, **st,
+             "null_eff": null.get("eff"), "vs_null": (st["eff"] / null["eff"]) if null.get("eff") else None,
+             "null_interval_ms": null.get("interval_ms"), "null_other_ms": null.get("other_ms")}
+        if st.get("ttft_s") is not None:
+            r["ttft_overhead_ms"] = (st["ttft_s"] - pre) * 1e3
+        if null.get("ttft_s") is not None:
+            r["null_ttft_overhead_ms"] = (null["ttft_s"] - pre) * 1e3
+        rows.append(r)
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print(f"tiny llama, TT platform on the timing device (N150 package, --backend ttnn), prompt {a.prompt}, "
+          f"{a.tokens} output tokens, one run; null = vLLM with a null model, same device clock")
+    hdr = (f"{'mode':9}{'T ms':>5}{'S':>4}{'eff':>7}{'null':>7}{'vs null':>8}{'e2e':>6}{'intvl':>7}"
+           f"{'sched':>7}{'input':>7}{'wait':>7}{'other':>7}{'null oth':>9}{'TTFT+ms':>8}{'null':>7}")
+    print(hdr)
+    for r in sorted(rows, key=lambda r: (["engine", "stream", "nostream"].index(r["mode"]), -r["step_ms"],
+                                         r["streams"])):
+        print(f"{r['mode']:9}{r['step_ms']:>5g}{r['streams']:>4}{fmt(r['eff']):>7}{fmt(r['null_eff']):>7}"
+              f"{fmt(r['vs_null']):>8}{fmt(r.get('e2e')):>6}{fmt(r.get('interval_ms'), '.1f'):>7}"
+              f"{fmt(r.get('sched_ms')):>7}{fmt(r.get('input_ms')):>7}{fmt(r.get('wait_ms')):>7}"
+              f"{fmt(r.get('other_ms')):>7}{fmt(r.get('null_other_ms')):>9}"
+              f"{fmt(r.get('ttft_overhead_ms'), '.0f'):>8}{fmt(r.get('null_ttft_overhead_ms'), '.0f'):>7}")
+    by = {(r["mode"], r["step_ms"], r["streams"]): r for r in rows}
+    for (mode, step, S, target) in (("engine", 14.0, 32, 0.95), ("engine", 5.0, 32, 0.9)):
+        if (mode, step, S) in by:
+            e = by[(mode, step, S)]["eff"]
+            print(f"target in-engine {step:g} ms / {S} streams: eff {e:.3f} (>= {target}) "
+                  f"{'met' if e >= target else 'NOT met'}")
+    api = [r for r in rows if r["mode"] != "engine" and r["vs_null"] is not None]
+    if api:
+        worst = min(api, key=lambda r: r["vs_null"])
+        print(f"target API within 10% of the null floor: worst {worst['mode']} {worst['step_ms']:g} ms / "
+              f"{worst['streams']} streams at {worst['vs_null']:.3f} {'met' if worst['vs_null'] >= 0.9 else 'NOT met'}")
+
+
+if __name__ == "__main__":
+    main()
