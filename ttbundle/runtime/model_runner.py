@@ -359,18 +359,19 @@ class TTModelRunner:
             prev = None
         B = len(states)
         bucket = pick(self.decode_buckets, B)
-        tokens = torch.zeros(bucket, 1, dtype=torch.long)
-        pos = torch.full((bucket,), -1, dtype=torch.long)
-        src = torch.full((bucket,), -1, dtype=torch.long)
+        tok, pos, src = [0] * bucket, [-1] * bucket, [-1] * bucket
         prev_row = {id(st): i for i, st in enumerate(prev.states)} if prev is not None else {}
         for i, st in enumerate(states):
             pos[i] = st.num_computed
-            if st.num_computed < st.num_tokens:
-                tokens[i, 0] = st.tokens(st.num_computed, 1)[0]
+            c, n_prompt = st.num_computed, len(st.prompt)
+            if c < st.num_tokens:
+                tok[i] = st.prompt[c] if c < n_prompt else st.output[c - n_prompt]
             elif id(st) in prev_row:
                 src[i] = prev_row[id(st)]
             else:  # pragma: no cover - a pending token only ever comes from the step in flight
                 raise RuntimeError(f"request {st.req_id}: input token at {st.num_computed} is not known")
+        tokens = torch.tensor(tok, dtype=torch.long)[:, None]
+        pos, src = torch.tensor(pos, dtype=torch.long), torch.tensor(src, dtype=torch.long)
         chained = bool((src >= 0).any())
         handle = self.mesh_model.decode_forward(
             tokens, pos, self._page_table(states, bucket), self.kv, self._device_sampling(states, bucket),
@@ -427,13 +428,14 @@ class TTModelRunner:
                                  prompt_logprobs_dict=prompt_lp)
 
     def _page_table(self, states: list[ReqState], rows: int) -> torch.Tensor:
-        pt = torch.zeros(rows, self.max_blocks, dtype=torch.long)  # block 0: vLLM's null block
+        import numpy as np
+        pt = np.zeros((rows, self.max_blocks), dtype=np.int64)  # block 0: vLLM's null block
         for i, st in enumerate(states):
             b = st.block_ids[:self.max_blocks]
             if self.lanes is not None:  # the lane's own blocks (its region's 0 is its null block)
                 b = self.lanes.local(self.lanes.of[st.req_id], b)
-            pt[i, :len(b)] = torch.tensor(b, dtype=torch.long)
-        return pt
+            pt[i, :len(b)] = b
+        return torch.from_numpy(pt)
 
     def _kv_of(self, st: ReqState):
         return self.kv if self.lanes is None else self.lanes.of[st.req_id].kv

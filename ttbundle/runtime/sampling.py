@@ -62,13 +62,10 @@ class DeviceSampling:
     @classmethod
     def from_params(cls, params: list, generators: list, rows: int) -> "DeviceSampling":
         """From vLLM SamplingParams of the real rows; padding rows are greedy."""
-        t = torch.zeros(rows)
-        k = torch.zeros(rows, dtype=torch.long)
-        p = torch.ones(rows)
-        for i, sp in enumerate(params):
-            t[i] = sp.temperature if sp.temperature >= _EPS else 0.0
-            k[i] = max(sp.top_k, 0)
-            p[i] = sp.top_p
+        pad = rows - len(params)  # one tensor per field (per-element writes cost microseconds each)
+        t = torch.tensor([sp.temperature if sp.temperature >= _EPS else 0.0 for sp in params] + [0.0] * pad)
+        k = torch.tensor([max(sp.top_k, 0) for sp in params] + [0] * pad, dtype=torch.long)
+        p = torch.tensor([float(sp.top_p) for sp in params] + [1.0] * pad)
         return cls(t, k, p, list(generators) + [None] * (rows - len(generators)))
 
 
