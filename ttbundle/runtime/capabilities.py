@@ -7,9 +7,22 @@ model it built, so one function decides both.
 
 from __future__ import annotations
 
-#: split decode submit / readback (vLLM's async scheduling). False until async decode exists:
-#: flip this one constant (and implement ``decode_forward(read_from_device=False)`` overlap).
-ASYNC_DECODE = False
+#: split decode submit / readback (vLLM's async scheduling): ``decode_forward(read_from_device=False,
+#: prev_output=, prev_rows=)`` and ``read_decode_output`` (model_runner's submit / collect)
+ASYNC_DECODE = True
+
+
+def async_decode(device: bool) -> bool:
+    """Whether decode N+1 may be submitted before step N is read back. The emulated mesh: yes. A
+    device: only where a decode's sampled ids can feed the next decode's token input on the
+    device (``feed_rows``): the timing device (``timing.py``) models it; on ttnn that gather is not
+    lowered yet, so no."""
+    if not device:
+        return ASYNC_DECODE
+    import os
+
+    from .timing import ENV
+    return ASYNC_DECODE and bool(os.environ.get(ENV))
 
 
 def model_capabilities(bundle, device: bool = True) -> dict:
@@ -34,7 +47,7 @@ def model_capabilities(bundle, device: bool = True) -> dict:
         "supports_device_grammar": False,
         "supports_prefix_caching": not device,
         "supports_chunked_prefill": bk.prefill_chunk is not None,
-        "supports_async_decode": ASYNC_DECODE,
+        "supports_async_decode": async_decode(device),
         "output_tokens_per_step": 1,
         "supports_spec_decode": False,
     }

@@ -43,20 +43,13 @@ from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons
 
 logger = logging.getLogger("vllm.ttbundle.model_runner")
 
-#: the runner's submit/collect split for device-sampled decodes (the emulated mesh's models
-#: implement ``read_from_device=False``, ``prev_output`` and ``read_decode_output``); what
-#: ``model_capabilities["supports_async_decode"]`` reports on the emulated mesh
-ASYNC_DECODE = True
-
 
 def async_decode_supported(emulated: bool) -> bool:
     """Whether decode steps may be submitted before the previous one is read back, so vLLM's
-    async scheduling can stay on: on the emulated mesh always; on the TT platform only where the
-    device can feed a decode's sampled tokens into the next one (``ttdevice.async_decode_supported``)."""
-    if emulated:
-        return ASYNC_DECODE
-    from .ttdevice import async_decode_supported as tt_async
-    return tt_async()
+    async scheduling can stay on (``capabilities.async_decode``: the one flag the models'
+    ``model_capabilities["supports_async_decode"]`` report too)."""
+    from .capabilities import async_decode
+    return async_decode(device=not emulated)
 
 
 @dataclass
@@ -160,6 +153,7 @@ class TTModelRunner:
         self._prompt_lp_out: dict = {}  # req_id -> LogprobsTensors, emitted with this step's output
         self._pending = None
         self._inflight: InFlight | None = None  # the last submitted decode, until collected
+        self._decode_cache = None  # (rows key, page table, DeviceSampling) of the last async decode
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.step_log: deque[Step] = deque(maxlen=10_000)
         self._log_path = os.environ.get("TTBUNDLE_STEP_LOG")
@@ -373,8 +367,14 @@ class TTModelRunner:
         tokens = torch.tensor(tok, dtype=torch.long)[:, None]
         pos, src = torch.tensor(pos, dtype=torch.long), torch.tensor(src, dtype=torch.long)
         chained = bool((src >= 0).any())
+        # a steady decode batch is the same rows step after step: their page table changes when a
+        # row gets a block, their sampling parameters never (both cached for the last batch)
+        key = (bucket, tuple(st.req_id for st in states), tuple(tuple(st.block_ids) for st in states))
+        if self._decode_cache is None or self._decode_cache[0] != key:
+            self._decode_cache = (key, self._page_table(states, bucket), self._device_sampling(states, bucket))
+        _, table, sampling = self._decode_cache
         handle = self.mesh_model.decode_forward(
-            tokens, pos, self._page_table(states, bucket), self.kv, self._device_sampling(states, bucket),
+            tokens, pos, table, self.kv, sampling,
             read_from_device=False, **({"prev_output": prev.handle, "prev_rows": src} if chained else {}))
         step = Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [bucket], "device",
                     mode="async", inputs=time.perf_counter() - t0, at=t0)
@@ -390,7 +390,8 @@ class TTModelRunner:
         if flight.prev is not None:
             self._collect(flight.prev)
         t = time.perf_counter()
-        ids = self.mesh_model.read_decode_output(flight.handle)
+        mm = self.mesh_model
+        ids = mm.process_decode_output_host(mm.read_decode_output(flight.handle), is_tokens=True)
         flight.step.wait = time.perf_counter() - t
         flight.step.seconds = time.perf_counter() - flight.t0
         order, tokens = [], []

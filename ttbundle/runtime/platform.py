@@ -188,7 +188,7 @@ def configure(vllm_config, emulated: bool) -> None:
     from .model_runner import async_decode_supported
     if sc.async_scheduling and not async_decode_supported(emulated):
         logger.info("ttbundle: async scheduling off: this device cannot feed a decode's sampled tokens "
-                    "into the next decode (ttdevice.async_decode_supported)")
+                    "into the next decode (capabilities.async_decode)")
     sc.async_scheduling = bool(sc.async_scheduling) and async_decode_supported(emulated)
     if sc.scheduler_cls not in (None, SCHEDULER, ASYNC_SCHEDULER) and "ttbundle" not in str(sc.scheduler_cls):
         logger.warning("ttbundle: replacing scheduler %s: every step must be one phase", sc.scheduler_cls)

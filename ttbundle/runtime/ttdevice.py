@@ -24,7 +24,7 @@ the CPU, readbacks wait for it, device sampling returns deterministic ids (``DEV
 ids enqueued right behind it (``from_device(blocking=False)`` and an event, as Tenstorrent's
 ``read_decode_output(async_read=True)``), and :meth:`read_decode_output` waits for the event. The
 next decode's rows take their input token from that output on the device (``feed_rows``), which
-only the timing device models so far: on ttnn it is not lowered, so :func:`async_decode_supported`
+only the timing device models so far: on ttnn it is not lowered, so ``capabilities.async_decode``
 is False there and vLLM's async scheduling is turned off.
 """
 
@@ -45,13 +45,6 @@ TEST_TTNN_ENV = "TTBUNDLE_TEST_TTNN"
 RECORDER = None
 #: the timing device (``timing.TimingDevice``) when ``TTBUNDLE_DEVICE_MODEL`` selects it
 DEVICE = None
-
-
-def async_decode_supported() -> bool:
-    """Whether a decode's sampled ids can feed the next decode on the device (``feed_rows``):
-    the timing device models it; on ttnn it is not lowered yet."""
-    from . import timing
-    return bool(os.environ.get(timing.ENV))
 
 
 def import_ttnn():
@@ -129,6 +122,7 @@ class TTDeviceModel:
         self.replays: list[tuple] = []  # forward key of every step's run, in order
         from .capabilities import model_capabilities
         self.model_capabilities = model_capabilities(self.bundle, device=True)
+        self._sampling_cache = None  # (DeviceSampling, rows, its host inputs) of the last decode
 
     @classmethod
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel=1,
@@ -255,7 +249,11 @@ class TTDeviceModel:
         host = {"tokens": toks.reshape(1, R), "positions": pos.clip(min=0).reshape(1, R).astype(np.uint32),
                 "cur_pos": pos.astype(np.int32), "page_table": pt}
         host.update(mask_inputs(fw, host["cur_pos"][:, None]))
-        host.update(self._sampling_inputs(sampling_params, R))
+        if sampling_params is not None:  # the runner passes one object while a batch's rows stay
+            cached = self._sampling_cache
+            if cached is None or cached[0] is not sampling_params or cached[1] != R:
+                self._sampling_cache = cached = (sampling_params, R, self._sampling_inputs(sampling_params, R))
+            host.update(cached[2])
         if prev_rows is not None:  # the device feeds the previous step's ids into this one's tokens
             rows = np.full(R, -1, np.int64)
             rows[:B] = prev_rows.numpy()
