@@ -30,6 +30,7 @@ floor. Tiny llama (the runtime tests' spec) built with --backend ttnn for N150, 
 
 Run: .venv/bin/python benches/bench_host.py [--steps 38,14,5] [--streams 1,8,32]
      [--modes engine,stream,nostream] [--kinds ttbundle,null] [--tokens 48] [--prompt 32] [--json]
+     (--kinds ttbundle-sync: the TT path with --no-async-scheduling, each step read back first)
 (all cells: about 10 minutes on a 2-core host; a subset with the options above).
 """
 
@@ -96,12 +97,13 @@ def child_engine(a) -> None:
         null_engine.patch_cpu_platform()
     from vllm import LLM, SamplingParams
 
-    model = a.package if a.kind == "ttbundle" else a.src
+    model = a.src if a.kind == "null" else a.package
     llm = LLM(model=model, dtype="float32", seed=0, max_num_seqs=32, max_model_len=256,
+              async_scheduling=a.kind != "ttbundle-sync",
               **({"worker_cls": "null_engine.NullWorker"} if a.kind == "null" else {}))
     core = llm.llm_engine.engine_core.engine_core
     worker = core.model_executor.driver_worker.worker
-    log = (worker.model_runner.step_log if a.kind == "ttbundle" else worker.step_log)
+    log = (worker.step_log if a.kind == "null" else worker.model_runner.step_log)
     sched_times: list = []
     orig = core.scheduler.schedule
 
@@ -150,7 +152,7 @@ def _env(kind: str, step: float) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("TTBUNDLE_EMULATED", "TTBUNDLE_TEST_TTNN",
                                                           "TTBUNDLE_DEVICE_MODEL", "TTBUNDLE_STEP_LOG")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(HERE)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
-    if kind == "ttbundle":
+    if kind != "null":
         env["TTBUNDLE_DEVICE_MODEL"] = f"timing:{step:g}ms"
     else:
         env["BENCH_NULL_DEVICE_MODEL"] = f"timing:{step:g}ms"
@@ -196,8 +198,10 @@ def run_api(a, kind: str, step: float, pkg: Path, src: Path, vocab: int) -> dict
     env["TTBUNDLE_STEP_LOG"] = str(log_path)
     common = ["--dtype", "float32", "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "m",
               "--max-num-seqs", "32", "--max-model-len", "256", "--seed", "0"]
-    if kind == "ttbundle":
+    if kind != "null":
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(pkg)] + common
+        if kind == "ttbundle-sync":
+            cmd.append("--no-async-scheduling")
     else:
         cmd = [sys.executable, str(HERE / "null_engine.py"), "serve", str(src)] + common
     out = open(a.cache / f"server-{kind}-{step:g}.log", "wb")
@@ -296,11 +300,11 @@ def main():
             print(f"{kind} at {step:g} ms: {time.perf_counter() - t:.0f} s", file=sys.stderr)
     rows = []
     for (kind, mode, step, S), st in cells.items():
-        if kind != "ttbundle":
+        if kind == "null":
             continue
         null = cells.get(("null", mode, step, S), {})
         pre = timing.parse(f"timing:{step:g}ms").seconds("prefill", a.prompt)
-        r = {"mode": mode, "step_ms": step, "streams": S, **st,
+        r = {"kind": kind, "mode": mode, "step_ms": step, "streams": S, **st,
              "null_eff": null.get("eff"), "vs_null": (st["eff"] / null["eff"]) if null.get("eff") else None,
              "null_interval_ms": null.get("interval_ms"), "null_other_ms": null.get("other_ms")}
         if st.get("ttft_s") is not None:
@@ -316,20 +320,20 @@ def main():
     hdr = (f"{'mode':9}{'T ms':>5}{'S':>4}{'eff':>7}{'null':>7}{'vs null':>8}{'e2e':>6}{'intvl':>7}"
            f"{'sched':>7}{'input':>7}{'wait':>7}{'other':>7}{'null oth':>9}{'TTFT+ms':>8}{'null':>7}")
     print(hdr)
-    for r in sorted(rows, key=lambda r: (["engine", "stream", "nostream"].index(r["mode"]), -r["step_ms"],
-                                         r["streams"])):
-        print(f"{r['mode']:9}{r['step_ms']:>5g}{r['streams']:>4}{fmt(r['eff']):>7}{fmt(r['null_eff']):>7}"
+    for r in sorted(rows, key=lambda r: (r["kind"], ["engine", "stream", "nostream"].index(r["mode"]),
+                                         -r["step_ms"], r["streams"])):
+        print(f"{r['mode'] + ('' if r['kind'] == 'ttbundle' else ' sync'):9}{r['step_ms']:>5g}{r['streams']:>4}{fmt(r['eff']):>7}{fmt(r['null_eff']):>7}"
               f"{fmt(r['vs_null']):>8}{fmt(r.get('e2e')):>6}{fmt(r.get('interval_ms'), '.1f'):>7}"
               f"{fmt(r.get('sched_ms')):>7}{fmt(r.get('input_ms')):>7}{fmt(r.get('wait_ms')):>7}"
               f"{fmt(r.get('other_ms')):>7}{fmt(r.get('null_other_ms')):>9}"
               f"{fmt(r.get('ttft_overhead_ms'), '.0f'):>8}{fmt(r.get('null_ttft_overhead_ms'), '.0f'):>7}")
-    by = {(r["mode"], r["step_ms"], r["streams"]): r for r in rows}
+    by = {(r["mode"], r["step_ms"], r["streams"]): r for r in rows if r["kind"] == "ttbundle"}
     for (mode, step, S, target) in (("engine", 14.0, 32, 0.95), ("engine", 5.0, 32, 0.9)):
         if (mode, step, S) in by:
             e = by[(mode, step, S)]["eff"]
             print(f"target in-engine {step:g} ms / {S} streams: eff {e:.3f} (>= {target}) "
                   f"{'met' if e >= target else 'NOT met'}")
-    api = [r for r in rows if r["mode"] != "engine" and r["vs_null"] is not None]
+    api = [r for r in rows if r["mode"] != "engine" and r["vs_null"] is not None and r["kind"] == "ttbundle"]
     if api:
         worst = min(api, key=lambda r: r["vs_null"])
         print(f"target API within 10% of the null floor: worst {worst['mode']} {worst['step_ms']:g} ms / "
