@@ -267,7 +267,8 @@ def test_host_reasons_route_rows_beyond_the_device_top_k():
 def test_model_capabilities_follow_the_spec():
     """Derived from the spec: device sampling unless sample_on_device_mode is off, the lowering's
     top-k bound (ttnn.sampling's 32) on a device and the vocabulary on the emulated mesh,
-    prefix caching only emulated, chunked prefill with prefill_chunk, async decode off."""
+    prefix caching only emulated, chunked prefill with prefill_chunk, async decode emulated (and on
+    the timing device) only."""
     from ttbundle import spec as specmod
     from ttbundle.backends.ttnn.lowering import TOPK
     from ttbundle.runtime.capabilities import device_top_k, model_capabilities
@@ -282,6 +283,14 @@ def test_model_capabilities_follow_the_spec():
     assert (dev["supports_prefix_caching"], emu["supports_prefix_caching"]) == (False, True)
     assert dev["supports_chunked_prefill"] and dev["supports_sample_on_device"]
     assert dev["supports_async_decode"] is False and dev["output_tokens_per_step"] == 1
+    # async decode: the emulated mesh; a device only as the timing device (ttnn lacks the token feed)
+    assert emu["supports_async_decode"] is True
+    import os
+    os.environ["TTBUNDLE_DEVICE_MODEL"] = "timing:14ms"
+    try:
+        assert model_capabilities(b, device=True)["supports_async_decode"] is True
+    finally:
+        del os.environ["TTBUNDLE_DEVICE_MODEL"]
     doc["runtime"]["sample_on_device_mode"] = "off"
     doc["buckets"].pop("prefill_chunk")
     doc["runtime"]["max_model_len"] = 128
