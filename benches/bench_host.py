@@ -167,16 +167,8 @@ async def one(client, prompt, tokens: int, stream: bool) -> dict:
         r = await client.completions.create(model="m", prompt=prompt, max_tokens=tokens, temperature=0,
                                             extra_body={"ignore_eos": True})
         return {"start": t0, "end": time.perf_counter(), "tokens": r.usage.completion_tokens, "ttft": None}
-    first, n = None, 0
-    s = await client.completions.create(model="m", prompt=prompt, max_tokens=tokens, temperature=0, stream=True,
-                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-    async for ch in s:
-        if ch.choices and ch.choices[0].text and first is None:
-            first = time.perf_counter()
-        if ch.usage is not None:
-            n = ch.usage.completion_tokens
-    end = time.perf_counter()
-    return {"start": t0, "end": end, "tokens": n, "ttft": (first or end) - t0}
+    from bench_serve import stream as streamed  # one streaming client for every bench
+    return await streamed(client, "m", prompt, tokens)
 
 
 async def many(url: str, batch, tokens: int, stream: bool) -> list[dict]:
