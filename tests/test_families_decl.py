@@ -66,21 +66,22 @@ def built(case: str):
     return cfg, model, fam, fam.arch_model.model_validate(imported)
 
 
-def hf_key(fam, key: str) -> str | None:
-    """A checkpoint key as the family's name table spells it; None if deliberately unused."""
+def hf_key(fam, key: str, a=None) -> str | None:
+    """A checkpoint key as the family's name table spells it; None if deliberately unused (for
+    arch ``a``: a multimodal arch uses its vision tower, a text-only one leaves it)."""
     for pat, rep in fam.hf_key_renames:
         key = re.sub(pat, rep, key)
-    return None if any(re.match(p, key) for p in fam.hf_ignored) else key
+    return None if any(re.match(p, key) for p in fam.ignored(a)) else key
 
 
-def checkpoint(fam, model) -> dict:
+def checkpoint(fam, model, a=None) -> dict:
     """The model's tensors as a saved checkpoint holds them: tied weights once (the first name)."""
     seen, out = set(), {}
     for k, v in model.state_dict().items():
         if v.data_ptr() in seen:
             continue
         seen.add(v.data_ptr())
-        if (name := hf_key(fam, k)) is not None:
+        if (name := hf_key(fam, k, a)) is not None:
             out[name] = v
     return out
 
@@ -93,7 +94,7 @@ def test_declared_tensors_count_every_hf_parameter(case):
     ours = sum(math.prod(t.shape) * t.count for t in decls.values())
     if a.tie_word_embeddings:  # the device's lm_head is a transposed copy, HF's a second name
         ours -= math.prod(decls["lm_head"].shape)
-    theirs = sum(p.numel() for n, p in model.named_parameters() if hf_key(fam, n) is not None)
+    theirs = sum(p.numel() for n, p in model.named_parameters() if hf_key(fam, n, a) is not None)
     assert ours == theirs
 
 
@@ -101,7 +102,7 @@ def test_declared_tensors_count_every_hf_parameter(case):
 @pytest.mark.parametrize("case", CASES)
 def test_hf_names_consume_every_checkpoint_key_once(case):
     cfg, model, fam, a = built(case)
-    ck = checkpoint(fam, model)
+    ck = checkpoint(fam, model, a)
     decls = {t.name: t for t in fam.tensors(a)}
     table = fam.hf_names(a)
     assert sorted(n.tensor for n in table) == sorted(decls)
@@ -211,6 +212,16 @@ PUBLISHED = {
         "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
                           "model_type": "siglip_vision_model", "num_attention_heads": 16,
                           "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}},
+    "gemma-3-4b-it.yaml": {  # imported with its vision tower (the bundle keeps it)
+        "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+        "boi_token_index": 255999, "eoi_token_index": 256000, "image_token_index": 262144,
+        "mm_tokens_per_image": 256,
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                          "model_type": "siglip_vision_model", "num_attention_heads": 16,
+                          "num_hidden_layers": 27, "patch_size": 14, "vision_use_head": False}},
 }
 
 
@@ -219,9 +230,21 @@ def test_published_config_imports_to_the_bundle_dims(bundle):
     cfg = PUBLISHED[bundle]
     imported = spec.hf_config_to_arch(cfg)
     a = families.get(imported["family"]).arch_model.model_validate(imported)
-    assert a == spec.load(BUNDLES / bundle).arch
+    ours = spec.load(BUNDLES / bundle).arch
+    if "vision_config" in cfg and ours.vision is None:  # a text-only bundle of a multimodal model
+        a = a.model_copy(update={"vision": None})
+    assert a == ours
     hf = transformers.AutoConfig.for_model(**cfg)
     assert hf_view(hf, view(a)) == view(a)
+    if getattr(a, "vision", None) is not None:  # the vision dims as transformers reads them
+        vc = hf.vision_config
+        assert {k: getattr(vc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                            "num_attention_heads", "image_size", "patch_size", "layer_norm_eps")} \
+            == {k: getattr(a.vision, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
+                                                  "num_attention_heads", "image_size", "patch_size", "layer_norm_eps")}
+        assert (hf.mm_tokens_per_image, hf.image_token_id, hf.boi_token_index, hf.eoi_token_index) == \
+            (a.vision.mm_tokens_per_image, a.vision.image_token_index, a.vision.boi_token_index,
+             a.vision.eoi_token_index)
 
 
 @pytest.mark.parametrize("name,model_type", [("mistral", "mistral"), ("gemma2", "gemma2"), ("gemma3", "gemma3_text")])

@@ -32,7 +32,7 @@ class PackageWriter:
         self.prev_files = (prev or {}).get("files", {}) if not force else {}
         self.prev_art = (prev or {}).get("artifacts", {}) if not force else {}
         self.artifacts: dict[str, dict] = {}
-        self.hf_arch = bundle.family.hf_architectures[0]
+        self.hf_arch = bundle.family.hf_architecture(bundle.arch)
 
     # -- files ---------------------------------------------------------------------------------
     def _link(self, rel: str) -> bool:
@@ -217,7 +217,8 @@ class PackageWriter:
             "mesh": {"name": m.name, "shape": list(m.shape), "arch": m.chip.arch, "devices": m.num_devices},
             **({"replicas": replica_json(m, b.spec.runtime.max_num_seqs)} if m.target_shape else {}),
             "buckets": {"prefill": list(bk.prefill), "decode": list(bk.decode),
-                        "prefill_chunk": bk.prefill_chunk},
+                        "prefill_chunk": bk.prefill_chunk,
+                        **({"vision": list(b.vision.buckets)} if b.vision is not None else {})},
             "trace_region_bytes": p.memory.trace_region,
             "versions": cache.versions(),
             "spec_sha256": self.inp.fields["spec"],

@@ -194,7 +194,7 @@ def _decoder_layers(model):
 
 def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_weights: bool = False,
               seed: int = 0, prompt_len: int | None = None, device: str = "cpu",
-              package_hook=None) -> CheckReport:
+              package_hook=None, images: list | None = None) -> CheckReport:
     """``ttbundle check SPEC --mesh M``: build the package into a temporary directory, then
     check that package (:func:`check_package`). With ``random_weights`` the checkpoint is a
     random instance of the architecture, saved (bf16) beside it. ``package_hook(pkg_dir)`` runs
@@ -222,11 +222,11 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
         if package_hook is not None:
             package_hook(Path(res.package))
         return check_package(res.package, src, steps=steps, dtype=dtype, seed=seed, prompt_len=prompt_len,
-                             device=device)
+                             device=device, images=images)
 
 
 def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", seed: int = 0,
-                  prompt_len: int | None = None, device: str = "cpu") -> CheckReport:
+                  prompt_len: int | None = None, device: str = "cpu", images: list | None = None) -> CheckReport:
     """``ttbundle check PACKAGE_DIR``: the package's own programs on its own weight bytes (bf16
     values, bfp8/bfp4 tiles decoded as ttnn decodes them), its KV cache in its declared dtype,
     against transformers in float32 on the checkpoint in ``reference_dir`` (rounded to bf16, the
@@ -256,6 +256,15 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
         raise InvalidInput(f"prompt of {prompt_len} + {steps} steps must fit max_model_len={rt.max_model_len}")
     g = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randint(0, bundle.arch.vocab_size, (prompt_len,), generator=g).tolist()
+    mm = None
+    if images:
+        from . import vision
+        pixels = vision.pixel_values(bundle, images).to(tdtype)
+        prompt, mm = vision.prompt_with_images(bundle, prompt, len(images), chunk)
+        if len(prompt) + steps > rt.max_model_len:
+            raise InvalidInput(f"a prompt of {len(prompt)} tokens with its images + {steps} steps must fit "
+                               f"max_model_len={rt.max_model_len}; give fewer --steps or images")
+        prompt_len = len(prompt)
 
     # reference: per-layer outputs via forward hooks (independent of hidden_states conventions)
     cap: list = []
@@ -274,7 +283,10 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     try:
         with torch.no_grad():
             past = reference.kv_cache(hf, kv_dtype if kv_dtype == "bf16" else None)
-            out = hf(torch.tensor([prompt], device=device), past_key_values=past, use_cache=True)
+            kw = {} if mm is None else {
+                "pixel_values": pixels.to(device),
+                "token_type_ids": (torch.tensor([prompt]) == bundle.arch.vision.image_token_index).long().to(device)}
+            out = hf(torch.tensor([prompt], device=device), past_key_values=past, use_cache=True, **kw)
             ref_layers.append([c[0] for c in cap])
             cap.clear()
             past = out.past_key_values
@@ -310,8 +322,17 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     blocks = list(range(1, need + 1))
     emu_layers: list = []
     emu_logits = []
+    image_stat = None
     with torch.no_grad():
-        logits = runner.prefill(prompt, blocks, capture=emu_layers)
+        if mm is not None:  # the package's vision program against transformers' image features
+            mm["embeds"] = model.encode_images(pixels.to(device))
+            runner.shapes_run.add(("vision", min(b for ph, b in model.programs if ph == "vision"
+                                                 and b >= len(images))))
+            ref_img = hf.model.get_image_features(pixels.to(device)).pooler_output
+            ref_img = ref_img.reshape(-1, ref_img.shape[-1]).float().cpu()
+            e = mm["embeds"].float().cpu()
+            image_stat = LayerStat("image", 0, float((ref_img - e).abs().max()), pcc(ref_img, e))
+        logits = runner.prefill(prompt, blocks, capture=emu_layers, mm=mm)
         emu_tokens = [int(logits.argmax())]
         emu_logits.append(logits.float().cpu())
         prefill_caps = [torch.cat([c[i] for c in emu_layers], dim=0) for i in range(len(emu_layers[0]))]
@@ -333,6 +354,8 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
         for li, (r, e) in enumerate(zip(r_layers, e_layers)):
             r, e = r.float().cpu(), e.float().cpu().reshape(r.shape)
             report.layers.append(LayerStat(label, li, float((r - e).abs().max()), pcc(r, e)))
+    if image_stat is not None:
+        report.layers.insert(0, image_stat)
     report.logits_pcc = [pcc(r, e) for r, e in zip(ref_logits, emu_logits)]
     if router:
         report.routing = _routing(routes, prompt_len, chunk, steps)

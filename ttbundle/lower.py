@@ -23,7 +23,7 @@ from .layout import Policy, axes_of, local_len
 from .mesh import AXES
 from .plan import ACT_BYTES, TILE, TRACE_BYTES_PER_OP, Plan
 from .program import FORMAT, Activation, LayerProgram, Op, Program, Step, WeightRef
-PHASES = ("prefill", "decode")
+PHASES = ("prefill", "decode", "vision")
 
 
 def _round_up(a: int, b: int) -> int:
@@ -34,7 +34,8 @@ def _round_up(a: int, b: int) -> int:
 def trace_set(bundle) -> list[tuple[str, int]]:
     """Every (phase, bucket) the package holds a program for: prefill buckets, then decode."""
     b = bundle.buckets
-    return [("prefill", n) for n in b.prefill] + [("decode", n) for n in b.decode]
+    vision = [("vision", n) for n in bundle.vision.buckets] if bundle.vision is not None else []
+    return [("prefill", n) for n in b.prefill] + [("decode", n) for n in b.decode] + vision
 
 
 def traced(bundle, phase: str) -> bool:
@@ -61,8 +62,15 @@ def lower(bundle, plan: Plan, phase: str, bucket: int) -> Program:
 
     hid = decls["embed"].dims[1] if "embed" in decls else Dim("hidden_size", a.hidden_size)
     dims: dict[str, tuple[Dim, ...]] = {"h": (hid,)}
+    kinds, row_of = plan.programs, {}
+    if phase == "vision":  # the vision encoder on ``bucket`` images: rows are their patches
+        kinds = plan.vision
+        rows, row_of = fam.vision_rows(a, bucket)
+        context = rows
+        dims.update(fam.vision_inputs(a))
 
     def act(name: str, spec, lead: int) -> Activation:
+        lead = row_of.get(name, lead)
         sp = tuple(tuple(x) for x in spec)
         return Activation(name, (lead,) + tuple(local_len(d, ax, mesh, policy) for d, ax in zip(dims[name], sp)), sp)
 
@@ -70,7 +78,7 @@ def lower(bundle, plan: Plan, phase: str, bucket: int) -> Program:
     tot = {"ops": 0, "collectives": 0, "flops": 0, "collective_payload_bytes": 0,
            "collective_traffic_bytes": 0}
     peak_act = 0
-    for kind, count, steps in plan.programs:
+    for kind, count, steps in kinds:
         out_steps = []
         live: dict[str, int] = {}
         cur: dict[str, tuple] = {}  # each activation's spec as the steps so far left it

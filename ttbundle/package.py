@@ -267,7 +267,7 @@ def hf_config_json(bundle) -> str:
     """config.json: the arch's HF config (transformers' full dict) with the TT-prefixed arch."""
     from . import reference
     cfg = json.loads(reference.hf_config(bundle).to_json_string(use_diff=False))
-    cfg["architectures"] = [tt_arch(bundle.family.hf_architectures[0])]
+    cfg["architectures"] = [tt_arch(bundle.family.hf_architecture(bundle.arch))]
     cfg["torch_dtype"] = "bfloat16"
     return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
 
@@ -742,7 +742,8 @@ def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
                            f"{(m.get('replicas') or {}).get('count', 1)} replicas, bundle.yaml "
                            f"{mesh.describe()}: the package is inconsistent; rebuild it")
     programs = {}
-    for phase, buckets in (("prefill", m["buckets"]["prefill"]), ("decode", m["buckets"]["decode"])):
+    for phase, buckets in (("prefill", m["buckets"]["prefill"]), ("decode", m["buckets"]["decode"]),
+                           ("vision", m["buckets"].get("vision", []))):
         for b in buckets:
             rel = f"programs/{program_name(phase, b)}.json"
             if rel not in m["files"]:

@@ -115,6 +115,7 @@ class Plan:
     trace_region_size: int = 0  # bytes requested (open_mesh_device); memory.trace_region is what DRAM gives up
     activation_buffers: list = field(default_factory=list)  # [(name, [rows, features])], bf16 TILE each
     max_num_seqs: int = 0  # runtime.max_num_seqs: per replica
+    vision: list = field(default_factory=list)  # the vision encoder's [(layer kind, count, [Step])], if any
 
     @property
     def fits(self) -> bool:
@@ -583,7 +584,8 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     total = weights + kv_total + act_bytes + trace
     mem = Memory(by_dtype, weights, kv_total, act_bytes, trace, total, mesh.chip.dram_bytes)
     return Plan(s.name, a.family, mesh, tensors, mem, collectives, kv, act_tokens, num_traces,
-                list(bundle.warnings), dict(specs), programs, trace_size, act_bufs, rt.max_num_seqs)
+                list(bundle.warnings), dict(specs), programs, trace_size, act_bufs, rt.max_num_seqs,
+                vision_steps(bundle, mesh, specs, decls))
 
 
 def replica_json(mesh: Mesh, max_num_seqs: int) -> dict:
@@ -593,6 +595,24 @@ def replica_json(mesh: Mesh, max_num_seqs: int) -> dict:
             "origins": [list(o) for o in meshmod.submesh_origins(mesh.target_shape, mesh.shape,
                                                                    mesh.whole().hosts)],
             "max_num_seqs_per_replica": max_num_seqs, "max_num_seqs_total": mesh.replicas * max_num_seqs}
+
+
+def vision_steps(bundle, mesh: Mesh, specs: dict, decls: dict) -> list:
+    """The vision encoder's per-layer steps (multimodal families; [] otherwise), traced like the
+    text layers from the activations ``Family.vision_inputs`` declares, replicated."""
+    fam, a = bundle.family, bundle.arch
+    kinds = fam.vision_programs(a)
+    if not kinds:
+        return []
+    out = []
+    for name, count, ops in kinds:
+        tr = _Tracer(mesh, specs, decls, name, count, bundle.spec.sharding)
+        tr.acts.update({n: _Act(tuple(d), tuple(() for _ in d), frozenset())
+                        for n, d in fam.vision_inputs(a).items()})
+        for op in ops:
+            tr.run(op)
+        out.append((name, count, tr.steps))
+    return out
 
 
 def _seen_by_attention(programs, weight: str):

@@ -58,6 +58,8 @@ class DtypePolicy(BaseModel):
     """Output projection to the vocabulary."""
     norms: DType | None = None
     """1-D tensors (norm weights, biases, attention sinks); ttnn keeps these bf16."""
+    vision: DType | None = None
+    """Vision encoder and multimodal projector matrices (multimodal families)."""
     tensors: dict[str, DType] = Field(default_factory=dict)
     """Per-tensor overrides by tensor name (see `ttbundle plan` for names), e.g. `wo: bf16`."""
 
@@ -156,6 +158,18 @@ class Replicas(BaseModel):
     the submesh's."""
 
 
+class Vision(BaseModel):
+    """Image inputs of a multimodal model (its vision dims are the model's, `model.vision`)."""
+
+    model_config = _model_config()
+
+    images_per_prompt: int = Field(default=1, gt=0)
+    """Most images one prompt may carry (vLLM's `limit_mm_per_prompt`; more is refused with a 400)."""
+    buckets: list[int] = Field(default_factory=lambda: [1])
+    """Image counts the vision encoder is traced for, sorted and unique: a prompt's images are
+    encoded in one call padded to the smallest bucket holding them."""
+
+
 class BundleSpec(BaseModel):
     """A model deployment on Tenstorrent meshes: architecture, weights, sharding, buckets."""
 
@@ -189,6 +203,9 @@ class BundleSpec(BaseModel):
     replicas: dict[str, Replicas] = Field(default_factory=dict)
     """Per target (a name from `targets`): serve it as replicas on submeshes, e.g.
     `T3K: {submesh: [1, 1]}` (8 replicas; total concurrency 8 x `runtime.max_num_seqs`)."""
+    vision: Vision | None = None
+    """Image inputs (multimodal models only); default for a model with a vision part: one image
+    per prompt, one vision bucket."""
 
     @field_validator("name")
     @classmethod
@@ -221,6 +238,13 @@ class Bundle:
     @property
     def buckets(self) -> Buckets:
         return self.spec.buckets or Buckets(**self.family.default_buckets(self.arch))
+
+    @property
+    def vision(self) -> Vision | None:
+        """The image settings of a model with a vision part (the spec's or the default), else None."""
+        if getattr(self.arch, "vision", None) is None:
+            return None
+        return self.spec.vision or Vision()
 
     def locate(self, path: tuple, message: str, severity: str = "error") -> Diagnostic:
         return locate(self.file, self.positions, path, message, severity)
@@ -450,14 +474,17 @@ def hf_config_to_arch(config: dict, where: str = "config.json") -> dict:
             if isinstance(cfg, dict) and k in cfg and cfg[k] is not None and not isinstance(cfg[k], dict):
                 raise InvalidInput(f"{where}: {at}: expected a JSON object (or null), got "
                                    f"{json.dumps(cfg[k])[:60]}")
+    wrapper = None
     if "text_config" in config and isinstance(config["text_config"], dict):
-        # multimodal wrappers (Gemma 3): the text model's dims live in text_config
+        # multimodal wrappers (Gemma 3): the text model's dims live in text_config, the vision
+        # part's beside it (``Family.from_hf_wrapper``)
         inner = dict(config["text_config"])
         inner.setdefault("architectures", archs)
-        config = inner
+        config, wrapper = inner, config
     family = families.by_hf_architecture(archs[0])
     try:
-        return family.from_hf(config)
+        out = family.from_hf(config)
+        return out if wrapper is None else family.from_hf_wrapper(wrapper, out)
     except (TypeError, AttributeError, KeyError, IndexError, ValueError) as e:
         raise InvalidInput(f"{where}: a value has the wrong type for a {family.name} config "
                            f"({type(e).__name__}: {e}); compare it with the model's published "
@@ -615,4 +642,42 @@ def check(b: Bundle) -> list[Diagnostic]:
         if not found:
             d.append(b.locate(tuple(key.split(".")), f"{b.resolve_path(p)} does not exist"))
     d += b.family.check(a, b)
+    d += _check_vision(b)
+    return d
+
+
+def _check_vision(b: Bundle) -> list[Diagnostic]:
+    """Image settings against the model's vision part and the token budget."""
+    s, v = b.spec, getattr(b.arch, "vision", None)
+    if v is None:
+        if s.vision is not None:
+            return [b.locate(("vision",), f"the model has no vision part ({b.arch.family} "
+                             "text only); remove `vision:` or import a multimodal config")]
+        return []
+    d, vs, at = [], b.vision, ("vision",)
+    bks = vs.buckets
+    if not bks:
+        return [b.locate(at + ("buckets",), "needs at least one image count")]
+    if bks != sorted(set(bks)):
+        d.append(b.locate(at + ("buckets",), f"must be sorted and unique, got {bks}; write {sorted(set(bks))}"))
+    for i, n in enumerate(bks):
+        if n <= 0:
+            d.append(b.locate(at + ("buckets", i), f"{n} must be positive"))
+    if max(bks) < vs.images_per_prompt:
+        d.append(b.locate(at + ("buckets",), f"the largest vision bucket ({max(bks)} images) cannot hold "
+                          f"images_per_prompt={vs.images_per_prompt}: a prompt's images are encoded in one "
+                          f"call; add a bucket of {vs.images_per_prompt} or lower images_per_prompt"))
+    per_image = v.mm_tokens_per_image + 2  # begin-of-image, soft tokens, end-of-image
+    bk = b.buckets
+    chunk = bk.prefill_chunk or (max(bk.prefill) if bk.prefill else 0)
+    if chunk and per_image > chunk:
+        d.append(b.locate(("buckets", "prefill_chunk" if bk.prefill_chunk else "prefill"),
+                          f"one image is {per_image} tokens (mm_tokens_per_image={v.mm_tokens_per_image} + "
+                          f"begin/end of image) but a prefill chunk holds {chunk}; an image's tokens attend to "
+                          f"each other and must be prefilled together: use a chunk >= {per_image}"))
+    need = vs.images_per_prompt * per_image
+    if need >= s.runtime.max_model_len:
+        d.append(b.locate(at + ("images_per_prompt",), f"{vs.images_per_prompt} images x {per_image} tokens "
+                          f"= {need} tokens leave no room in max_model_len={s.runtime.max_model_len}; lower "
+                          "images_per_prompt or raise runtime.max_model_len"))
     return d

@@ -95,6 +95,15 @@ def run(model, bundle, phase: str, b: int):
     """The recorded rows' logits [rows, vocab] (float32) of ``model`` on the fixed input."""
     import torch
 
+    if phase == "vision":  # the vision encoder on b fixed images: some soft-token rows recorded
+        v = bundle.arch.vision
+        n = torch.arange(b * v.num_channels * v.image_size ** 2, dtype=torch.float64)
+        px = torch.sin(n * 0.37).reshape(b, v.num_channels, v.image_size, v.image_size).float()
+        with torch.no_grad():
+            out = model.encode_images(px)
+        k = min(PREFILL_ROWS, out.shape[0])
+        ts = sorted({round(j * (out.shape[0] - 1) / max(1, k - 1)) for j in range(k)})
+        return out[ts].float(), [f"soft token {t}" for t in ts]
     x = fixed_input(bundle, phase, b)
     kv = model.allocate_kv_cache(x["num_blocks"], x["block_size"])
     with torch.no_grad():

@@ -163,7 +163,7 @@ def _expand(key: str, layer: int | None, experts: int | None) -> list[str]:
     return [k]
 
 
-def renamed(family, keys: Iterable[str]) -> dict[str, str]:
+def renamed(family, keys: Iterable[str], a=None) -> dict[str, str]:
     """Family key name -> checkpoint key, after the family's renames (e.g. Gemma 3's multimodal
     ``language_model.model.`` prefix) and without the keys it deliberately ignores."""
     out = {}
@@ -171,7 +171,7 @@ def renamed(family, keys: Iterable[str]) -> dict[str, str]:
         n = k
         for pat, rep in family.hf_key_renames:
             n = re.sub(pat, rep, n)
-        if any(re.search(p, n) for p in family.hf_ignored):
+        if any(re.search(p, n) for p in family.ignored(a)):
             continue
         out[n] = k
     return out
@@ -183,7 +183,7 @@ def read_plan(family, a, keys: Iterable[str], aliases: dict[str, set[str]] | Non
     ``(tensor, layer, [(hf key pattern, [checkpoint keys])])`` in declaration order. A missing
     tensor or a checkpoint tensor no entry consumes is an error naming it. ``aliases`` maps a
     key to the keys sharing its storage (tied weights in a state_dict count as one)."""
-    keymap = renamed(family, keys)
+    keymap = renamed(family, keys, a)
     decls = {t.name: t for t in family.tensors(a)}
     table = {n.tensor: n for n in family.hf_names(a)}
     if set(table) != set(decls):  # a family bug, not a user error

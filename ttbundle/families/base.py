@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from ..errors import InvalidInput
 
 # dtype policy groups a tensor can belong to (see spec.DtypePolicy)
-GROUPS = ("embedding", "attention", "mlp", "experts", "router", "lm_head", "norms")
+GROUPS = ("embedding", "attention", "mlp", "experts", "router", "lm_head", "norms", "vision")
 
 
 @dataclass(frozen=True)
@@ -311,6 +311,33 @@ class Family:
     hf_key_renames: ClassVar[tuple[tuple[str, str], ...]] = ()
     #: Checkpoint keys (regexes, after renaming) deliberately left unused, e.g. a vision tower.
     hf_ignored: ClassVar[tuple[str, ...]] = ()
+
+    def hf_architecture(self, a) -> str:
+        """The HF class name a package of arch ``a`` registers (TT-prefixed for the plugin)."""
+        return self.hf_architectures[0]
+
+    def ignored(self, a) -> tuple[str, ...]:
+        """The checkpoint keys (regexes) left unused for arch ``a`` (default: ``hf_ignored``)."""
+        return self.hf_ignored
+
+    # -- vision (multimodal families) -----------------------------------------------------------
+    def vision_programs(self, a) -> list | None:
+        """(layer kind, count, ops) of the vision encoder's program, or None (text only). Its
+        activations start from ``vision_inputs``; its tensors are part of ``tensors()``."""
+        return None
+
+    def vision_inputs(self, a) -> dict:
+        """Feature dims of the activations a vision program starts from."""
+        raise NotImplementedError
+
+    def vision_rows(self, a, images: int) -> tuple[int, dict]:
+        """(rows of a vision program for ``images`` images, per activation rows that differ)."""
+        raise NotImplementedError
+
+    def from_hf_wrapper(self, config: dict, out: dict) -> dict:
+        """Arch fields from a multimodal wrapper config.json (``out``: its text_config's, read
+        by :meth:`from_hf`); default: the text model only."""
+        return out
 
     def from_hf(self, config: dict) -> dict:
         """Arch fields (a dict, validated later with the spec) from an HF ``config.json``."""

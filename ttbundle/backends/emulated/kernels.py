@@ -124,6 +124,9 @@ class Ctx:
     cache: dict = field(default_factory=dict)  # rope tables etc. shared across layers
     units: object = None  # callable (tensor, dim) -> [D, L] global units each device holds (-1 = pad)
     store: object = None  # callable x -> x as the KV cache's declared dtype holds it (None: as is)
+    #: [N, S] image block of each context position (-1: text): the soft tokens of one image
+    #: attend to each other bidirectionally (Gemma 3's token_type_ids mask); None: no images
+    blocks: object = None
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (new cache rows, last dim = one token's row) as the cache's storage holds it."""
@@ -153,6 +156,10 @@ def _mask(ctx: Ctx, window):
         kpos = torch.arange(S, device=ctx.positions.device)[None, None, :]
         qpos = ctx.positions[:, :, None]
         m = kpos <= qpos
+        if ctx.blocks is not None:  # OR(causal, same image), then the window (as HF composes them)
+            kb = ctx.blocks[:, :S]
+            qb = kb.gather(1, ctx.positions.clamp(max=S - 1))
+            m |= (qb[:, :, None] == kb[:, None, :]) & (qb[:, :, None] >= 0)
         if window:
             m &= kpos > qpos - window
         ctx.cache[key] = m
@@ -215,3 +222,4 @@ def swiglu(ctx: Ctx, layer: int, g, u):
 
 KERNELS = {"attention": attention, "swiglu": swiglu}
 from . import moe_kernels  # noqa: E402,F401  (registers the MLA, routing and expert kernels here)
+from . import vision_kernels  # noqa: E402,F401  (registers the vision encoder kernels here)

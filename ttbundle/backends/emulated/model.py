@@ -145,9 +145,12 @@ class EmulatedModel:
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, program: Program, tokens, positions, valid, page_table, kv: KVCache,
-                capture: list | None = None):
+                capture: list | None = None, mm: dict | None = None):
         """Run ``program`` on tokens/positions/valid [N, Tq]; page_table [N, blocks]. Returns
-        logits [N, Tq, vocab] (device 0's copy; every device holds the same after the gather)."""
+        logits [N, Tq, vocab] (device 0's copy; every device holds the same after the gather).
+        ``mm``: image soft tokens merged after the embedding: ``mask`` [N*Tq] (the placeholder
+        tokens), ``embeds`` [mask.sum(), hidden] (the vision program's output), ``blocks``
+        [N, S] the image block of every context position (-1: text)."""
         N, Tq = tokens.shape
         dev = self.device
         tokens, positions, valid = tokens.to(dev), positions.to(dev), valid.to(dev)
@@ -159,7 +162,8 @@ class EmulatedModel:
         nblk = -(-S // bs)
         ctx_slots = (page_table[:, :nblk, None] * bs + torch.arange(bs, device=dev)).reshape(N, -1)[:, :S]
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, positions, valid, slots,
-                  ctx_slots, kv.layers, self.dtype, units=self.units, store=self._store)
+                  ctx_slots, kv.layers, self.dtype, units=self.units, store=self._store,
+                  blocks=None if mm is None else mm["blocks"].to(dev))
         flat = tokens.reshape(-1)
         h = None
         layer = 0
@@ -173,6 +177,8 @@ class EmulatedModel:
                 h = acts["h"]
                 if kind == "embedding":
                     h = acts["h"]
+                    if mm is not None:
+                        h = self._merge_images(program, h, mm)
                 elif kind == "head":
                     logits = out
                 else:
@@ -181,6 +187,50 @@ class EmulatedModel:
                     layer += 1
         vocab = self.arch.vocab_size
         return logits[0, :, :vocab].reshape(N, Tq, vocab)
+
+    def _merge_images(self, program: Program, h, mm: dict):
+        """Image soft tokens in place of their placeholders; the embedding leaves ``h``
+        replicated (its program gathers it), so every device takes the whole rows."""
+        if h.shape[-1] != self.arch.hidden_size:
+            raise ProgramMismatch(f"{program.name}: embedding leaves h split ({list(h.shape[2:])} of "
+                                  f"{self.arch.hidden_size} features per device); image tokens need it whole")
+        mask = mm["mask"].to(self.device)
+        h = h.clone()
+        h[:, mask] = mm["embeds"].to(device=self.device, dtype=h.dtype)[None]
+        return h
+
+    def encode_images(self, pixel_values):
+        """The vision program of the smallest vision bucket holding ``pixel_values`` [n, C, S, S]
+        (zero images pad it) -> soft tokens [n * mm_tokens_per_image, hidden]."""
+        v = self.arch.vision
+        n = pixel_values.shape[0]
+        buckets = sorted(b for (ph, b) in self.programs if ph == "vision")
+        if not buckets:
+            raise ValueError("the package has no vision program (a text-only model)")
+        bucket = pick(buckets, n)
+        prog = self.program("vision", bucket)
+        px = torch.zeros(bucket, *pixel_values.shape[1:], dtype=self.dtype)
+        px[:n] = pixel_values.to(self.dtype)
+        p, side = v.patch_size, v.patches_per_side
+        # [n, C, side, p, side, p] -> patches row-major, each (channel, row, column) like the conv weight
+        patches = px.view(bucket, v.num_channels, side, p, side, p).permute(0, 2, 4, 1, 3, 5)
+        patches = patches.reshape(1, bucket * v.num_patches, v.patch_pixels).to(self.device)
+        patches = patches.expand(self.ops.D, -1, -1)
+        T = bucket * v.num_patches
+        zeros = torch.zeros(1, T, dtype=torch.long, device=self.device)
+        ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, zeros, zeros >= 0, zeros[0],
+                  zeros, [], self.dtype, units=self.units)
+        h, layer = None, 0
+        for lp in prog.layers:
+            for _ in range(lp.count):
+                acts = {"h": h, "patches": patches}
+                self._run(prog, lp.kind, lp.steps, acts, layer if lp.kind == "vision_layer" else None, ctx)
+                h = acts["h"]
+                if lp.kind == "vision_layer":
+                    layer += 1
+                else:
+                    out = acts
+        return out["image"][0, :n * v.mm_tokens_per_image]
 
     def _run(self, program: Program, kind: str, steps, acts: dict, layer, ctx: Ctx):
         ops = self.ops
@@ -262,6 +312,9 @@ class EmulatedModel:
         w = self.weight(name, layer)[:, None, :]
         how = self.traits.get("norms", {}).get(name, {})
         eps, n = how.get("eps", self.arch.rms_norm_eps), how.get("features")
+        if how.get("layer_norm"):  # LayerNorm with a bias (vision towers)
+            y = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
+            return y * w + self.weight(how["bias"], layer)[:, None, :]
         y = rms_norm(x if n is None else x[..., :n], w, eps, self.traits.get("norm_offset", 0.0),
                      self.traits.get("norm_weight_fp32", False))
         return y if n is None else torch.cat([y, x[..., n:]], dim=-1)
@@ -313,9 +366,14 @@ class Runner:
         self.kv = model.allocate_kv_cache(num_blocks or model.kv_layout["num_blocks"], self.block)
         self.shapes_run: set = set()  # (phase, bucket) pairs executed
 
-    def prefill(self, tokens: list[int], page_table: list[int], start: int = 0, capture=None):
-        """Prefill ``tokens`` at positions start.. in chunks; returns last-token logits [vocab]."""
+    def prefill(self, tokens: list[int], page_table: list[int], start: int = 0, capture=None,
+                mm: dict | None = None):
+        """Prefill ``tokens`` at positions start.. in chunks; returns last-token logits [vocab].
+        ``mm``: images in the prompt: ``embeds`` [M, hidden] (soft tokens in prompt order),
+        ``positions`` (the M prompt indices they take) and ``blocks`` (per prompt token its image
+        block, -1 for text); an image's block must lie within one chunk."""
         logits = None
+        rank = {} if mm is None else {j: r for r, j in enumerate(mm["positions"])}
         pos = start
         for i in range(0, len(tokens), self.chunk):
             chunk = tokens[i:i + self.chunk]
@@ -328,8 +386,17 @@ class Runner:
             valid[0, :len(chunk)] = True
             pt = self._table([page_table])
             cap = [] if capture is not None else None
+            mmc = None
+            if mm is not None:
+                sel = [j for j in mm["positions"] if i <= j < i + len(chunk)]
+                mask = torch.zeros(bucket, dtype=torch.bool)
+                mask[[j - i for j in sel]] = True
+                blocks = torch.full((1, max(pos + bucket, start + len(tokens))), -1, dtype=torch.long)
+                blocks[0, start:start + len(tokens)] = torch.tensor(mm["blocks"], dtype=torch.long)
+                mmc = {"mask": mask, "embeds": mm["embeds"][[rank[j] for j in sel]], "blocks": blocks}
             out = self.model.forward(self.model.program("prefill", bucket), t,
-                                     torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv, cap)
+                                     torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv, cap,
+                                     mm=mmc)
             if capture is not None:
                 capture.append([c[0, :len(chunk)] for c in cap])
             logits = out[0, len(chunk) - 1]
