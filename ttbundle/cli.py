@@ -177,6 +177,9 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
           prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens (default: "
                                                    "a bit over one prefill chunk)."),
           device: str = typer.Option("cpu", "--device", help="torch device for both sides (cpu, cuda)."),
+          image: Optional[list[Path]] = typer.Option(None, "--image", help="An image file in the prompt "
+                                                     "(multimodal models; repeatable, at most "
+                                                     "vision.images_per_prompt)."),
           as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")):
     """Run a package's programs on its own weights (emulated mesh) against Hugging Face
     transformers on the same tokens. A spec is built into a temporary package first.
@@ -194,7 +197,7 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
                                    "apply to a spec")
             ref = reference if reference is not None else recorded_checkpoint(target)
             report = check_package(target, ref, steps=steps, dtype=dtype, seed=seed, prompt_len=prompt_len,
-                                   device=device)
+                                   device=device, images=image or None)
         else:
             if reference is not None:
                 raise InvalidInput("--reference applies to a package directory; a spec's reference is "
@@ -202,7 +205,7 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
             bundle = specmod.load(target)
             name = _targets(bundle, mesh)[0]
             report = run_check(bundle, name, steps=steps, dtype=dtype, random_weights=random_weights,
-                               seed=seed, prompt_len=prompt_len, device=device)
+                               seed=seed, prompt_len=prompt_len, device=device, images=image or None)
     except TTBundleError as e:
         fail(e)
     if as_json:
@@ -213,14 +216,19 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
                   f"{report.prompt_len} tokens, {report.steps} steps)", title_justify="left", show_edge=False)
         for c in ("layer", "prefill max|err|", "prefill PCC", "worst decode max|err|", "worst decode PCC"):
             t.add_column(c, justify="right")
-        layers = sorted({s.layer for s in report.layers})
+        text = [s for s in report.layers if s.step != "image"]
+        layers = sorted({s.layer for s in text})
         for li in layers:
-            pre = next(s for s in report.layers if s.layer == li and s.step == "prefill")
-            dec = [s for s in report.layers if s.layer == li and s.step != "prefill"]
+            pre = next(s for s in text if s.layer == li and s.step == "prefill")
+            dec = [s for s in text if s.layer == li and s.step != "prefill"]
             w = min(dec, key=lambda s: s.pcc) if dec else None
             t.add_row(str(li), f"{pre.max_abs:.3g}", f"{pre.pcc:.6f}",
                       f"{w.max_abs:.3g}" if w else "-", f"{w.pcc:.6f}" if w else "-")
         out.print(t)
+        for s in report.layers:
+            if s.step == "image":
+                out.print(f"image soft tokens (vision program vs transformers): max|err| {s.max_abs:.3g}, "
+                          f"PCC {s.pcc:.6f}")
         agree = sum(a == b for a, b in zip(report.ref_tokens, report.emu_tokens))
         out.print(f"greedy tokens: {agree}/{len(report.ref_tokens)} identical (teacher-forced)")
         st = report.storage
