@@ -58,6 +58,12 @@ def save_tiny(arch: str, d: Path, **over) -> Path:
     kw = {k: v for k, v in dims.items() if k in defaults}
     if isinstance(defaults.get("text_config"), dict):  # multimodal wrapper (Gemma 3)
         kw["text_config"] = {k: v for k, v in dims.items() if k in defaults["text_config"]}
+        # a vision tower that fits the tiny text model: 2x2 patches pooled to 4 soft tokens, the
+        # image tokens inside the vocabulary
+        v = dims["vocab_size"]
+        kw.update(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=2, image_size=28, patch_size=14),
+                  mm_tokens_per_image=4, image_token_index=v - 1, boi_token_index=v - 3, eoi_token_index=v - 2)
     cls(architectures=[arch], **kw).save_pretrained(d)
     return d
 
