@@ -165,6 +165,9 @@ class PackageWriter:
         self._write(f"{mod}.py", render_adapter(b.spec.name, plan.mesh.name, self.hf_arch, cls,
                                                 __version__).encode())
         self._write("config.json", hf_config_json(b).encode())
+        from . import vision
+        for rel, data in vision.package_files(b).items():  # what vLLM's image processor reads
+            self._write(rel, data)
         self._write("bundle.yaml", self.inp.bundle_yaml.encode())
         for r in self.inp.tokenizer_records:
             self._write(r["name"], read_user_bytes(Path(r["dir"]) / r["name"], "tokenizer file",

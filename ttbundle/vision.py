@@ -31,6 +31,24 @@ def preprocessor_config(bundle) -> dict:
             "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False}
 
 
+def processor_config(bundle) -> dict:
+    """HF ``processor_config.json``: the processor class vLLM's multimodal processor loads (with
+    the package's tokenizer, whose special tokens name the image tokens) and its soft tokens."""
+    v = _vision(bundle)
+    return {"processor_class": "Gemma3Processor", "image_seq_length": v.mm_tokens_per_image}
+
+
+def package_files(bundle) -> dict[str, bytes]:
+    """The files a multimodal package carries for vLLM's processor ({} for a text model)."""
+    import json
+
+    if getattr(bundle.arch, "vision", None) is None:
+        return {}
+    dump = lambda d: (json.dumps(d, indent=2, sort_keys=True) + "\n").encode()  # noqa: E731
+    return {"preprocessor_config.json": dump(preprocessor_config(bundle)),
+            "processor_config.json": dump(processor_config(bundle))}
+
+
 def load_images(images) -> list:
     """PIL images from paths (or PIL images as they are); an unreadable file is InvalidInput."""
     from PIL import Image, UnidentifiedImageError

@@ -155,12 +155,13 @@ class BundleModel:
     @torch.no_grad()
     def prefill_forward(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache: KVCache,
                         prompt_lens, start_pos=None, sampling_params: DeviceSampling | None = None,
-                        enable_trace: bool = True, return_prompt_logits: bool = False):
+                        enable_trace: bool = True, return_prompt_logits: bool = False, mm: dict | None = None):
         """One sequence's prefill chunk. ``tokens`` [1, S] with S a prefill bucket, the first
         ``prompt_lens[0]`` real; positions start at ``start_pos[0]``. Returns the last real
         token's logits [1, V] (host sampling) or its sampled id [1] (``sampling_params``);
         ``return_prompt_logits`` (ttbundle's runner, for prompt_logprobs): every real
-        position's logits [n, V]."""
+        position's logits [n, V]. ``mm``: the chunk's image soft tokens
+        (``runtime.images.chunk_inputs``)."""
         N, S = tokens.shape
         if N != 1 or S not in self.prefill_buckets:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
@@ -170,10 +171,22 @@ class BundleModel:
         p0 = 0 if start_pos is None else int(start_pos[0])
         valid = torch.arange(S)[None, :] < n
         positions = torch.where(valid, torch.arange(p0, p0 + S)[None, :], torch.zeros(1, S, dtype=torch.long))
-        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache)
+        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache, mm=mm)
         if return_prompt_logits:
             return logits[0, :n].float()
         return self._finish(logits[:, n - 1], sampling_params)
+
+    @property
+    def vision_buckets(self) -> list[int]:
+        return sorted(b for ph, b in self.model.programs if ph == "vision")
+
+    @torch.no_grad()
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Soft tokens [images * mm_tokens_per_image, hidden] of ``pixel_values`` [images, C, H, W]
+        (vLLM's processor made them): the vision program of the smallest bucket holding them."""
+        from ..backends.emulated.model import pick
+        self._program("vision", pick(self.vision_buckets, pixel_values.shape[0]))
+        return self.model.encode_images(pixel_values)
 
     @torch.no_grad()
     def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: torch.Tensor,
@@ -217,6 +230,12 @@ class BundleModel:
             self.warmed.add(("prefill", S))
             logger.info("[WARMUP] (%d/%d) prefill %d tokens: %.2f s", i + 1, len(self.prefill_buckets),
                         S, time.perf_counter() - t0)
+        v = getattr(self.bundle.arch, "vision", None)
+        for n in self.vision_buckets:  # the vision encoder on zero images of each bucket
+            t0 = time.perf_counter()
+            self.encode_images(torch.zeros(n, v.num_channels, v.image_size, v.image_size))
+            self.warmed.add(("vision", n))
+            logger.info("[WARMUP] vision %d image(s): %.2f s", n, time.perf_counter() - t0)
 
     def warmup_model_decode(self, kv_cache: KVCache, enable_trace: bool = True, max_batch_size=None,
                             num_blocks=None, can_sample_on_device: bool = True):

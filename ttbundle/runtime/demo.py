@@ -33,20 +33,46 @@ def words(n: int) -> list[str]:
     return out[:n]
 
 
-def make_tokenizer(directory: str | Path, vocab_size: int):
+#: Gemma 3's image tokens as its tokenizer spells them (the processor finds them by these roles)
+IMAGE_TOKENS = {"boi_token": ("<start_of_image>", "boi_token_index"),
+                "image_token": ("<image_soft_token>", "image_token_index"),
+                "eoi_token": ("<end_of_image>", "eoi_token_index")}
+
+
+def make_tokenizer(directory: str | Path, vocab_size: int, vision=None):
     """A word-level tokenizer of exactly ``vocab_size`` ids (special tokens first, then demo
-    words), with a chat template; saved into ``directory``. Returns the HF tokenizer."""
+    words), with a chat template; saved into ``directory``. With ``vision`` (a multimodal arch's
+    vision part) the image tokens take their ids (``IMAGE_TOKENS``). Returns the HF tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     if vocab_size <= len(SPECIALS):
         raise ValueError(f"vocab_size must exceed {len(SPECIALS)}")
-    vocab = {t: i for i, t in enumerate(SPECIALS + words(vocab_size - len(SPECIALS)))}
+    names = SPECIALS + words(vocab_size - len(SPECIALS))
+    extra, newlines = {}, []
+    if vision is not None:
+        for role, (text, field) in IMAGE_TOKENS.items():
+            names[getattr(vision, field)] = text
+            extra[role] = text
+        # vLLM's Gemma 3 processor puts "\n\n" around each image and merges newline runs by
+        # their tokens (Gemma's vocabulary has 1-4 newlines as tokens): the top free ids. A
+        # single "\n" stays whitespace in text (the chat's separator between two images'
+        # placeholders), so two images' "\n\n" runs merge and split back symmetrically
+        used = {getattr(vision, f) for _, f in IMAGE_TOKENS.values()}
+        free = [i for i in range(vocab_size - 1, len(SPECIALS) - 1, -1) if i not in used][:4]
+        for k, i in enumerate(free):
+            names[i] = "\n" * (k + 1)
+            newlines.append(names[i])
+    vocab = {t: i for i, t in enumerate(names)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     hf = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
                                  eos_token="</s>", pad_token="<pad>",
-                                 additional_special_tokens=SPECIALS[4:])
+                                 additional_special_tokens=SPECIALS[4:] + list(extra.values()),
+                                 **({"extra_special_tokens": extra} if extra else {}))
+    if newlines:
+        from tokenizers import AddedToken
+        hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in newlines[1:]])
     hf.chat_template = CHAT_TEMPLATE
     hf.save_pretrained(str(directory))
     return hf
@@ -59,7 +85,7 @@ def make_source(bundle, directory: str | Path, seed: int = 0) -> Path:
     from .. import reference
 
     out = reference.save_random(bundle, directory, seed, eos=False)
-    make_tokenizer(out, bundle.arch.vocab_size)
+    make_tokenizer(out, bundle.arch.vocab_size, getattr(bundle.arch, "vision", None))
     return out
 
 

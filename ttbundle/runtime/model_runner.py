@@ -61,6 +61,7 @@ class ReqState:
     block_ids: list[int]
     num_computed: int
     output: list[int] = field(default_factory=list)
+    images: object = None  # runtime.images.RequestImages of a request with images
 
     @property
     def num_tokens(self) -> int:
@@ -270,6 +271,10 @@ class TTModelRunner:
                 gen.manual_seed(sp.seed)
             self.requests[nr.req_id] = ReqState(nr.req_id, list(nr.prompt_token_ids), sp, gen,
                                                 list(nr.block_ids[0]), nr.num_computed_tokens)
+            if getattr(nr, "mm_features", None):
+                from .images import request_images
+                self.requests[nr.req_id].images = request_images(nr.mm_features, list(nr.prompt_token_ids),
+                                                                 self.bundle.arch.vision)
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
             st = self.requests[rid]
@@ -483,10 +488,15 @@ class TTModelRunner:
             tokens[0, :n] = torch.tensor(st.tokens(st.num_computed, n))
             samples = st.num_computed + n >= st.num_tokens
             k = self.prompt_lp.wanted(st.req_id, st.params, self.vocab_size)  # host path (host_reasons)
+            kw = {"return_prompt_logits": True} if k is not None else {}
+            if st.images is not None:
+                from .images import chunk_inputs
+                mm = chunk_inputs(st.images, self.mesh_model.encode_images, st.num_computed, n, bucket)
+                if mm is not None:
+                    kw["mm"] = mm
             res = self.mesh_model.prefill_forward(
                 tokens, self._page_table([st], 1), self._kv_of(st), [n], [st.num_computed],
-                self._device_sampling([st], 1) if (samples and on_device) else None,
-                **({"return_prompt_logits": True} if k is not None else {}))
+                self._device_sampling([st], 1) if (samples and on_device) else None, **kw)
             if k is not None:  # every position's logits [n, V]: the prompt's, then the last one's
                 done = self.prompt_lp.add(st.req_id, st.prompt, k, st.num_computed, res)
                 if done is not None:

@@ -197,6 +197,7 @@ def configure(vllm_config, emulated: bool) -> None:
     if sc.scheduler_cls not in (None, SCHEDULER, ASYNC_SCHEDULER) and "ttbundle" not in str(sc.scheduler_cls):
         logger.warning("ttbundle: replacing scheduler %s: every step must be one phase", sc.scheduler_cls)
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SCHEDULER
+    _configure_images(pkg, mc, sc, emulated)
     pc.worker_cls = WORKER
     pc.distributed_executor_backend = "uni"
 
@@ -265,6 +266,31 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
         _fail(f"{lp.describe()}: replicas on a Tenstorrent device (opening submeshes) are not "
               "implemented yet; they run on the emulated mesh")
     return lp
+
+
+def _configure_images(pkg, mc, sc, emulated: bool) -> None:
+    """A multimodal package: the spec's ``vision.images_per_prompt`` as vLLM's
+    ``limit_mm_per_prompt`` (a larger limit asked for is capped, with a warning; more images
+    in a request is vLLM's 400), and an image's tokens never split over two prefill chunks
+    (they attend to each other)."""
+    vs = pkg.bundle.vision
+    mm = getattr(mc, "multimodal_config", None)
+    if vs is None or mm is None:
+        return
+    if not emulated:
+        _fail(f"{pkg.name}: images run on the emulated mesh only (the ttnn lowering of the vision "
+              "encoder is not done); serve it with TTBUNDLE_EMULATED=1")
+    from vllm.config.multimodal import ImageDummyOptions
+
+    asked = mm.get_limit_per_prompt("image")
+    if "image" in mm.limit_per_prompt and asked > vs.images_per_prompt:
+        logger.warning("ttbundle: limit_mm_per_prompt image=%d capped to the package's %d "
+                       "(vision.images_per_prompt)", asked, vs.images_per_prompt)
+    if "image" not in mm.limit_per_prompt or asked > vs.images_per_prompt:
+        old = mm.limit_per_prompt.get("image")
+        mm.limit_per_prompt["image"] = ImageDummyOptions(
+            count=vs.images_per_prompt, width=getattr(old, "width", None), height=getattr(old, "height", None))
+    sc.disable_chunked_mm_input = True
 
 
 def _mesh_devices(name: str) -> int:

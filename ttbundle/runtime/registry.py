@@ -358,6 +358,56 @@ def hook_name_resolution() -> None:
 
 _STUBS: dict[str, type] = {}
 
+#: multimodal architectures: vLLM's own processor for the HF class (module, processor, processing
+#: info, dummy inputs builder) and the placeholder a chat message's image becomes in the prompt
+MULTIMODAL = {
+    "Gemma3ForConditionalGeneration": ("vllm.model_executor.models.gemma3_mm", "Gemma3MultiModalProcessor",
+                                       "Gemma3ProcessingInfo", "Gemma3DummyInputsBuilder", "<start_of_image>"),
+}
+
+
+def _pil_image_processors() -> None:
+    """Without torchvision transformers' torchvision image processors do not import, and vLLM's
+    Gemma 3 module imports one (for a type); transformers itself then loads the PIL processor of
+    the same settings (``Gemma3ImageProcessorPil``). Make the import name that class."""
+    import sys
+    import types
+
+    name = "transformers.models.gemma3.image_processing_gemma3"
+    try:
+        importlib_import(name)
+    except ImportError:
+        from transformers.models.gemma3 import image_processing_pil_gemma3 as pil
+        shim = types.ModuleType(name)
+        shim.Gemma3ImageProcessor = pil.Gemma3ImageProcessorPil
+        sys.modules[name] = shim
+        logger.debug("ttbundle: torchvision missing: %s is the PIL image processor", name)
+
+
+def importlib_import(name: str):
+    import importlib
+    return importlib.import_module(name)
+
+
+def _multimodal(name: str, arch: str, attrs: dict):
+    """``attrs`` plus what vLLM needs to preprocess images for ``arch`` with its own processor:
+    SupportsMultiModal's class attributes and the placeholder string (the registration of the
+    processor factories happens on the class, :func:`stub_class`)."""
+    import importlib
+
+    mod, proc, info, dummy, placeholder = MULTIMODAL[arch]
+    _pil_image_processors()
+    m = importlib.import_module(mod)
+
+    def get_placeholder_str(cls, modality: str, i: int):
+        if modality.startswith("image"):
+            return placeholder
+        raise ValueError(f"{name}: only images are supported")
+
+    attrs.update(get_placeholder_str=classmethod(get_placeholder_str),
+                 embed_multimodal=lambda self, **kw: None)
+    return (getattr(m, proc), getattr(m, info), getattr(m, dummy))
+
 
 def stub_class(arch: str):
     """The class registered with vLLM as ``TT<arch>``: it satisfies vLLM's model-class checks;
@@ -370,11 +420,21 @@ def stub_class(arch: str):
     def _no(self, *a, **k):
         raise RuntimeError(f"{name} runs on a Tenstorrent mesh through ttbundle's model runner")
 
-    cls = type(name, (nn.Module,), {
+    attrs = {
         "__init__": lambda self, *, vllm_config=None, prefix="": _no(self),
         "embed_input_ids": _no, "forward": lambda self, input_ids, positions, **kw: _no(self),
         "compute_logits": _no, "__module__": __name__,
-    })
+    }
+    base = arch.removeprefix("TT")
+    if base in MULTIMODAL:  # images preprocessed by vLLM's own processor for the HF class
+        from vllm.model_executor.models.interfaces import SupportsMultiModal
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+
+        proc, info, dummy = _multimodal(name, base, attrs)
+        cls = type(name, (nn.Module, SupportsMultiModal), attrs)
+        cls = MULTIMODAL_REGISTRY.register_processor(proc, info=info, dummy_inputs=dummy)(cls)
+    else:
+        cls = type(name, (nn.Module,), attrs)
     _STUBS[name] = cls
     return cls
 

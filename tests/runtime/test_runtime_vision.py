@@ -1,0 +1,169 @@
+"""End to end with images: `ttbundle serve` (vLLM's own OpenAI server, real vLLM 0.33.0) on a tiny
+Gemma 3 multimodal package, driven by the official `openai` client with `image_url` base64 data
+URLs. vLLM preprocesses the images with its own Gemma 3 processor from the files the package
+carries; the reference is transformers' Gemma3ForConditionalGeneration `generate` on the
+checkpoint the package was built from, fed the prompt vLLM built and the pixels of the package's
+HF image processor."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from test_vision import TINY_VL  # noqa: E402
+
+pytestmark = pytest.mark.slow
+MESH = "N300"
+SOFT, IMAGE, BOI, EOI = 16, 500, 501, 502  # TINY_VL's mm_tokens_per_image and image token ids
+
+
+@dataclass
+class Server:
+    url: str
+    name: str
+    src: Path
+    pkg: Path
+    log: Path
+
+    def client(self):
+        return openai.OpenAI(base_url=self.url, api_key="none", timeout=180, max_retries=0)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(packages_dir, tmp_path_factory):
+    from ttbundle.runtime.demo import build_package
+    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
+
+    pkg = build_package(TINY_VL, packages_dir, MESH)
+    d = tmp_path_factory.mktemp("serve-vl")
+    plan = plan_serve(pkg, "127.0.0.1", _free_port())
+    log = d / "vllm.log"
+    with open(log, "wb") as f:
+        proc = start(plan, log=f)
+    try:
+        wait_healthy(proc, plan.host, plan.port, timeout=600)
+        yield Server(plan.url, plan.name, packages_dir / "src-tiny-gemma3-vl", pkg, log)
+    except Exception:
+        print(log.read_text()[-5000:])
+        raise
+    finally:
+        stop(proc)
+
+
+def image(seed: int):
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((48 + 4 * seed, 80, 3)) * 255).astype("uint8"))
+
+
+def data_url(im) -> str:
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def message(text: str, *images) -> list:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+def hf_greedy(server, ids: list[int], images: list, n: int) -> list[int]:
+    """transformers generate on the checkpoint (bf16 KV cache as the package's), the pixels from
+    the package's own HF image processor, image tokens marked as HF's processor marks them."""
+    import torch
+    import transformers
+
+    from ttbundle import reference
+    m = _hf(str(server.src))
+    kw = {}
+    if images:
+        proc = transformers.AutoProcessor.from_pretrained(str(server.pkg))
+        kw["pixel_values"] = proc.image_processor(images=images, return_tensors="pt")["pixel_values"]
+        kw["token_type_ids"] = (torch.tensor([ids]) == IMAGE).long()
+    with torch.no_grad():
+        out = m.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                         past_key_values=reference.kv_cache(m, "bf16"), **kw)
+    return out[0, len(ids):].tolist()
+
+
+_MODELS: dict = {}
+
+
+def _hf(src: str):
+    import torch
+    import transformers
+    if src not in _MODELS:
+        _MODELS[src] = transformers.AutoModelForImageTextToText.from_pretrained(
+            src, dtype=torch.float32, attn_implementation="eager").eval()
+    return _MODELS[src]
+
+
+def chat(server, messages, n=8):
+    return server.client().chat.completions.create(
+        model=server.name, messages=messages, max_tokens=n, temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True})
+
+
+def test_image_chat_is_greedy_identical_to_transformers(server):
+    ims = [image(1), image(2)]
+    r = chat(server, message("ba be bi", *ims))
+    ids = r.prompt_token_ids
+    # each image became begin-of-image, 16 soft tokens, end-of-image (vLLM's processor)
+    assert ids.count(IMAGE) == 2 * SOFT and ids.count(BOI) == 2 and ids.count(EOI) == 2
+    first = ids.index(BOI)
+    assert ids[first:first + SOFT + 2] == [BOI] + [IMAGE] * SOFT + [EOI]
+    assert r.choices[0].token_ids == hf_greedy(server, ids, ims, 8)
+
+
+def test_text_only_chat_on_the_same_server_is_identical_to_transformers(server):
+    r = chat(server, [{"role": "user", "content": "ka ke ki ko ku"}])
+    assert IMAGE not in r.prompt_token_ids
+    assert r.choices[0].token_ids == hf_greedy(server, r.prompt_token_ids, [], 8)
+
+
+def test_8_concurrent_image_requests_complete(server):
+    c = openai.AsyncOpenAI(base_url=server.url, api_key="none", timeout=300, max_retries=0)
+
+    async def one(i):
+        return await c.chat.completions.create(
+            model=server.name, messages=message(f"ba {'be ' * i}", image(i % 3)), max_tokens=4,
+            temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True})
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(8)))
+    rs = asyncio.run(main())
+    assert all(len(r.choices[0].token_ids) == 4 for r in rs)
+    # batching does not change a request's tokens: two of them against transformers
+    for i in (0, 5):
+        assert rs[i].choices[0].token_ids == hf_greedy(server, rs[i].prompt_token_ids, [image(i % 3)], 4)
+
+
+def test_too_many_images_or_audio_get_400_and_the_server_keeps_serving(server):
+    c = server.client()
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=server.name, messages=message("ba", image(1), image(2), image(3)),
+                                  max_tokens=2)
+    assert "image" in str(e.value) and "2" in str(e.value)
+    audio = [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": base64.b64encode(b"\0" * 64).decode(), "format": "wav"}},
+        {"type": "text", "text": "ba"}]}]
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model=server.name, messages=audio, max_tokens=2)
+    r = chat(server, message("ba", image(4)), n=3)
+    assert len(r.choices[0].token_ids) == 3

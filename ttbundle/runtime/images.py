@@ -1,0 +1,75 @@
+"""Images of one request on the model runner: vLLM's preprocessed ``mm_features`` (its own
+processor made the ``pixel_values``) -> the soft tokens of the prompt chunk being prefilled.
+
+A request's image tokens are the prompt tokens equal to the model's ``image_token_index``
+(vLLM's placeholder ranges mark the same positions as embeddings); each image is one block of
+them, and the soft tokens of one block attend to each other (``blocks``). Images are encoded
+when the first chunk holding their tokens runs, all of that chunk's images in one vision
+program; an image covered by the prefix cache has no data and is not encoded again (its KV is
+cached), so prefix caching stays correct: vLLM's block hashes include the images' hashes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class RequestImages:
+    features: list  # vLLM MultiModalFeatureSpec, in prompt order
+    positions: list[int]  # prompt positions of the soft tokens, image after image
+    image_of: list[int]  # per soft token: which image
+    blocks: torch.Tensor  # [prompt length] image block per position, -1: text
+    embeds: dict = field(default_factory=dict)  # image index -> soft tokens [mm, hidden]
+
+
+def request_images(features, prompt: list[int], vision) -> RequestImages | None:
+    """The images of a new request (None without images); the prompt must hold
+    ``mm_tokens_per_image`` placeholders per image."""
+    feats = sorted((f for f in features or [] if f.modality == "image"), key=lambda f: f.mm_position.offset)
+    if not feats:
+        return None
+    positions = [i for i, t in enumerate(prompt) if t == vision.image_token_index]
+    per = vision.mm_tokens_per_image
+    if len(positions) != per * len(feats):
+        raise ValueError(f"{len(feats)} image(s) need {per * len(feats)} image tokens in the prompt, found "
+                         f"{len(positions)}")
+    blocks = torch.full((len(prompt),), -1, dtype=torch.long)
+    image_of = [k // per for k in range(len(positions))]
+    blocks[positions] = torch.tensor(image_of, dtype=torch.long)
+    return RequestImages(feats, positions, image_of, blocks)
+
+
+def pixel_values(feature) -> torch.Tensor:
+    """[1, C, H, W] of one image feature (vLLM's field is flat over the image's crops: one here)."""
+    t = feature.data["pixel_values"].data
+    return t[None] if t.dim() == 3 else t
+
+
+def chunk_inputs(ri: RequestImages | None, encode, start: int, n: int, bucket: int) -> dict | None:
+    """``mm`` for ``EmulatedModel.forward`` of the chunk ``[start, start + n)`` padded to
+    ``bucket``: its soft tokens (encoding the chunk's images not encoded yet with ``encode``),
+    where they go, and every position's image block; None when the chunk has no image token."""
+    if ri is None:
+        return None
+    sel = [k for k, p in enumerate(ri.positions) if start <= p < start + n]
+    if not sel:
+        return None
+    todo = sorted({ri.image_of[k] for k in sel} - set(ri.embeds))
+    if todo:
+        per = len(ri.positions) // len(ri.features)
+        missing = [i for i in todo if ri.features[i].data is None]
+        if missing:
+            raise RuntimeError(f"image(s) {missing} are in the chunk but vLLM sent no pixel data")
+        out = encode(torch.cat([pixel_values(ri.features[i]) for i in todo]))
+        for j, i in enumerate(todo):
+            ri.embeds[i] = out[j * per:(j + 1) * per]
+    per = len(ri.positions) // len(ri.features)
+    mask = torch.zeros(bucket, dtype=torch.bool)
+    mask[[ri.positions[k] - start for k in sel]] = True
+    embeds = torch.stack([ri.embeds[ri.image_of[k]][k % per] for k in sel])
+    blocks = torch.full((1, max(start + bucket, len(ri.blocks))), -1, dtype=torch.long)
+    blocks[0, :len(ri.blocks)] = ri.blocks
+    return {"mask": mask, "embeds": embeds, "blocks": blocks}
