@@ -34,6 +34,7 @@ class Server:
     src: Path
     pkg: Path
     log: Path
+    step_log: Path
 
     def client(self):
         return openai.OpenAI(base_url=self.url, api_key="none", timeout=180, max_retries=0)
@@ -53,12 +54,13 @@ def server(packages_dir, tmp_path_factory):
     pkg = build_package(TINY_VL, packages_dir, MESH)
     d = tmp_path_factory.mktemp("serve-vl")
     plan = plan_serve(pkg, "127.0.0.1", _free_port())
+    plan.env["TTBUNDLE_STEP_LOG"] = str(d / "steps.jsonl")
     log = d / "vllm.log"
     with open(log, "wb") as f:
         proc = start(plan, log=f)
     try:
         wait_healthy(proc, plan.host, plan.port, timeout=600)
-        yield Server(plan.url, plan.name, packages_dir / "src-tiny-gemma3-vl", pkg, log)
+        yield Server(plan.url, plan.name, packages_dir / "src-tiny-gemma3-vl", pkg, log, d / "steps.jsonl")
     except Exception:
         print(log.read_text()[-5000:])
         raise
@@ -167,3 +169,33 @@ def test_too_many_images_or_audio_get_400_and_the_server_keeps_serving(server):
         c.chat.completions.create(model=server.name, messages=audio, max_tokens=2)
     r = chat(server, message("ba", image(4)), n=3)
     assert len(r.choices[0].token_ids) == 3
+
+
+def _lines(server) -> list[str]:
+    return server.step_log.read_text().splitlines() if server.step_log.exists() else []
+
+
+def _prefill_starts(server, since: int) -> list[int]:
+    import json
+    lines = _lines(server)[since:]
+    return [row[1] for s in map(json.loads, lines) if s["phase"] == "prefill" for row in s["rows"]]
+
+
+def test_prefix_caching_with_images_keys_on_the_images(server):
+    """A repeated prompt with the same images reuses its cached blocks (vLLM's block hashes
+    include the images'); the same text with another image does not, and still equals
+    transformers for its own image."""
+    text = "ba be bi bo bu da de di"
+    a, b = [image(7), image(8)], [image(7), image(9)]
+    n0 = len(_lines(server))
+    first = chat(server, message(text, *a))
+    assert len(first.prompt_token_ids) > 32  # the first 32-token block holds image tokens
+    n1 = len(_lines(server))
+    again = chat(server, message(text, *a))
+    n2 = len(_lines(server))
+    other = chat(server, message(text, *b))
+    assert _prefill_starts(server, n0)[:1] == [0]
+    assert _prefill_starts(server, n1)[0] >= 32, "the repeated prompt's first block came from the cache"
+    assert _prefill_starts(server, n2)[0] < 32, "another image must not hit the first image's blocks"
+    assert again.choices[0].token_ids == first.choices[0].token_ids == hf_greedy(server, first.prompt_token_ids, a, 8)
+    assert other.choices[0].token_ids == hf_greedy(server, other.prompt_token_ids, b, 8)
