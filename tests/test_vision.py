@@ -171,3 +171,15 @@ def test_cli_check_with_image_files(tmp_path):
     r = CliRunner().invoke(app, ["check", str(tmp_path / "spec.yaml"), "--random-weights", "--steps", "1",
                                  "--image", str(tmp_path / "bad.png")])
     assert r.exit_code != 0 and "not an image PIL can read" in r.output and "Traceback" not in r.output
+
+
+def test_plan_cli_lists_the_vision_programs(tmp_path):
+    import json
+    (tmp_path / "spec.yaml").write_text(TINY_VL)
+    r = CliRunner().invoke(app, ["plan", str(tmp_path / "spec.yaml"), "--mesh", "T3K", "--json"])
+    assert r.exit_code == 0, r.output
+    vp = json.loads(r.stdout)["vision_programs"]
+    # rows = images x (64 / 8)^2 patches; two all_reduces per vision layer, 2 layers
+    assert [(v["bucket"], v["rows"], v["collectives"]) for v in vp] == [(1, 64, 4), (2, 128, 4)]
+    r = CliRunner().invoke(app, ["plan", str(tmp_path / "spec.yaml"), "--mesh", "T3K"])
+    assert "vision programs" in r.stdout and "v_wq" in r.stdout

@@ -109,6 +109,9 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
         target = _targets(bundle, mesh)[0]
         p = planmod.make_plan(bundle, target)
         fx = [] if p.fits else planmod.fixes(bundle, p)
+        from . import lower as lowermod
+        vision = [lowermod.summary(lowermod.lower(bundle, p, ph, n))
+                  for ph, n in lowermod.trace_set(bundle) if ph == "vision"]
         if svg:
             from .svg import render_plan
             _write_atomic(svg, render_plan(p))
@@ -117,9 +120,13 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
     if as_json:
         data = p.to_json()
         data["fixes"] = fx
+        if vision:
+            data["vision_programs"] = vision
         out.print_json(data=data)
     else:
         report.print_plan(p, out, fx)
+        if vision:
+            report.print_vision(vision, out)
     if not p.fits:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
 

@@ -26,6 +26,17 @@ def pool_line(p: Plan) -> str:
             f"length); {kv['pool_why']}")
 
 
+def print_vision(programs: list[dict], console: Console) -> None:
+    """The vision encoder's programs (``lower.summary`` of each vision bucket)."""
+    t = Table(title="vision programs (images per call)", title_justify="left", show_edge=False)
+    for col in ("images", "rows", "ops", "collectives", "FLOPs/device", "activations", "traffic"):
+        t.add_column(col, justify="right")
+    for s in programs:
+        t.add_row(str(s["bucket"]), str(s["rows"]), str(s["ops"]), str(s["collectives"]),
+                  f"{s['flops_per_device']:.3g}", human(s["activation_bytes"]), human(s["collective_traffic_bytes"]))
+    console.print(t)
+
+
 def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> None:
     m = p.mesh
     console.print(f"[bold]{p.bundle_name}[/] ({p.family}) on [bold]{m.describe()}[/]: "
