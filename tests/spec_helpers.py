@@ -35,6 +35,39 @@ TINY = {
     "runtime": {"max_model_len": 2048, "max_num_seqs": 32},
 }
 
+# text dims as tests/test_emulated.py's tiny Gemma 3; a 64x64 image is 8x8 patches of 8 pixels,
+# pooled 2x2 to 16 soft tokens; 8 vision heads split over T3K's 8 columns
+TINY_VL = """\
+name: tiny-gemma3-vl
+model:
+  family: gemma3
+  vocab_size: 512
+  hidden_size: 256
+  intermediate_size: 512
+  num_hidden_layers: 3
+  num_attention_heads: 8
+  num_key_value_heads: 4
+  head_dim: 32
+  max_position_embeddings: 1024
+  sliding_window: 48
+  query_pre_attn_scalar: 32
+  vision:
+    hidden_size: 64
+    intermediate_size: 128
+    num_hidden_layers: 2
+    num_attention_heads: 8
+    image_size: 64
+    patch_size: 8
+    mm_tokens_per_image: 16
+    image_token_index: 500
+    boi_token_index: 501
+    eoi_token_index: 502
+targets: [N150, N300, T3K]
+buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 64}
+runtime: {max_model_len: 256, max_num_seqs: 8}
+vision: {images_per_prompt: 2, buckets: [1, 2]}
+"""
+
 # Llama-3.1-70B's published dims (HF config.json of meta-llama/Llama-3.1-70B).
 LLAMA_70B = {
     "name": "llama-3.1-70b",

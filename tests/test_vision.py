@@ -13,7 +13,7 @@ from PIL import Image
 from typer.testing import CliRunner
 
 from pkg_mutations import drop_first, edit_programs
-from spec_helpers import line_of
+from spec_helpers import TINY_VL, line_of
 
 from ttbundle import plan as planmod, spec
 from ttbundle.backends.emulated import model as emodel
@@ -23,38 +23,6 @@ from ttbundle.errors import InvalidInput
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-# text dims as tests/test_emulated.py's tiny Gemma 3; a 64x64 image is 8x8 patches of 8 pixels,
-# pooled 2x2 to 16 soft tokens; 8 vision heads split over T3K's 8 columns
-TINY_VL = """\
-name: tiny-gemma3-vl
-model:
-  family: gemma3
-  vocab_size: 512
-  hidden_size: 256
-  intermediate_size: 512
-  num_hidden_layers: 3
-  num_attention_heads: 8
-  num_key_value_heads: 4
-  head_dim: 32
-  max_position_embeddings: 1024
-  sliding_window: 48
-  query_pre_attn_scalar: 32
-  vision:
-    hidden_size: 64
-    intermediate_size: 128
-    num_hidden_layers: 2
-    num_attention_heads: 8
-    image_size: 64
-    patch_size: 8
-    mm_tokens_per_image: 16
-    image_token_index: 500
-    boi_token_index: 501
-    eoi_token_index: 502
-targets: [N150, N300, T3K]
-buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 64}
-runtime: {max_model_len: 256, max_num_seqs: 8}
-vision: {images_per_prompt: 2, buckets: [1, 2]}
-"""
 
 
 def tiny_vl(text: str = TINY_VL):
@@ -183,3 +151,14 @@ def test_plan_cli_lists_the_vision_programs(tmp_path):
     assert [(v["bucket"], v["rows"], v["collectives"]) for v in vp] == [(1, 64, 4), (2, 128, 4)]
     r = CliRunner().invoke(app, ["plan", str(tmp_path / "spec.yaml"), "--mesh", "T3K"])
     assert "vision programs" in r.stdout and "v_wq" in r.stdout
+
+
+def test_the_ttnn_pooling_matrix_is_the_average_pool():
+    """The ttnn lowering pools by a matmul (``pool_matrix``); torch's avg_pool2d on the patch grid
+    (as transformers' Gemma 3 projector pools) is the reference."""
+    from ttbundle.backends.emulated.vision_kernels import pool_matrix
+    n, side, k, H = 2, 8, 2, 5
+    x = torch.randn(n, side * side, H)
+    ref = torch.nn.functional.avg_pool2d(x.transpose(1, 2).reshape(n, H, side, side), k, k)
+    ref = ref.flatten(2).transpose(1, 2).reshape(-1, H)
+    assert torch.allclose(pool_matrix(n, side, k) @ x.reshape(-1, H), ref, atol=1e-6)

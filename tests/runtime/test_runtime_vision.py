@@ -20,7 +20,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from test_vision import TINY_VL  # noqa: E402
+from spec_helpers import TINY_VL  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MESH = "N300"

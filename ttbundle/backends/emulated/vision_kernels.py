@@ -65,5 +65,17 @@ def vision_pool(ctx: Ctx, layer, x):
     return pooled.flatten(2).transpose(1, 2).reshape(D, n * vis.mm_tokens_per_image, H)
 
 
+def pool_matrix(images: int, side: int, window: int) -> torch.Tensor:
+    """The average pool as a matrix ``[images * (side / window)^2, images * side^2]`` (row-major
+    patches and soft tokens, image after image): what the ttnn lowering multiplies by."""
+    out = side // window
+    m = torch.zeros(images * out * out, images * side * side)
+    for i in range(images):
+        for r in range(side):
+            for c in range(side):
+                m[i * out * out + (r // window) * out + c // window, i * side * side + r * side + c] = 1.0 / window ** 2
+    return m
+
+
 KERNELS.update(vision_embed=vision_embed, vision_attention=vision_attention, vision_bias_o=vision_bias_o,
                vision_bias_2=vision_bias_2, vision_gelu=vision_gelu, vision_pool=vision_pool)

@@ -123,6 +123,10 @@ def make_const(ttnn, device, c, arch=None):
         host = m.reshape(c.shape)
     elif c.kind in ("rope_cos", "rope_sin"):
         host = _rope_table(c, arch)
+    elif c.kind == "avg_pool":  # [soft tokens, patches]: each soft token the mean of its window
+        from ..emulated.vision_kernels import pool_matrix
+        p = dict(c.params)
+        host = pool_matrix(p["images"], p["side"], p["window"]).numpy().reshape(c.shape)
     else:  # pragma: no cover - a lowering bug
         raise ValueError(f"unknown constant kind {c.kind!r}")
     t = ttnn.Tensor(np.ascontiguousarray(host, dtype=np.float32), ttnn_dtype(ttnn, c.dtype), None,

@@ -160,6 +160,11 @@ def _rms_norm(lw: _Lowerer, st: dict) -> None:
     norm = lw.traits.get("norms", {}).get(st["w"], {})
     eps = f32(norm.get("eps", getattr(lw.a, "rms_norm_eps", 1e-6)))
     w = W(st["w"], per_layer=lw.layer is not None)
+    if norm.get("layer_norm"):  # LayerNorm with a bias (vision towers)
+        lw.call("layer_norm", T(x), out=out, shape=shp, epsilon=eps, weight=w,
+                bias=W(norm["bias"], per_layer=lw.layer is not None),
+                compute_kernel_config=configs.compute_config(), memory_config=DRAM)
+        return
     if lw.traits.get("norm_offset"):  # Gemma: x * (1 + w); the 1 is added once at setup
         w = W(st["w"], per_layer=lw.layer is not None, variant="plus1")
         for layer in ([None] if lw.layer is None else [lw.layer]):
@@ -631,6 +636,81 @@ def _out_bias(lw: _Lowerer, st: dict) -> None:
     _bias(lw, x, "bo", st["out"])
 
 
+# ---- vision encoder (rows: the patches of the program's images, image after image) ---------------
+def _one_input(lw: _Lowerer, st: dict) -> str:
+    (x,) = st["ins"]
+    lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
+    return x
+
+
+def _vision_embed(lw: _Lowerer, st: dict) -> None:
+    """Patch matmul output + the conv bias + each patch's position embedding (the table, made a
+    TILE ``[1, 1, patches, hidden]`` once at setup, repeated for each image)."""
+    x = _bias(lw, _one_input(lw, st), "v_patch_b", f"{st['out']}.b")
+    v = lw.a.vision
+    rows, hid = lw.shapes[x][2], lw.shapes[x][3]
+    pos = W("v_pos", variant="tile")
+    lw.setup_call(pos.key(None), "to_layout", W("v_pos", per_layer=False), TILE_L, shape=(v.num_patches, hid))
+    posr = W("v_pos", variant="tile4")
+    lw.setup_call(posr.key(None), "reshape", pos, [1, 1, v.num_patches, hid], shape=(1, 1, v.num_patches, hid))
+    rep = lw.call("repeat", posr, [1, 1, rows // v.num_patches, 1], out=f"{st['out']}.pos", shape=(1, 1, rows, hid),
+                  memory_config=DRAM)
+    lw.call("add", T(x), T(rep), out=st["out"], shape=(1, 1, rows, hid), memory_config=DRAM)
+
+
+def _vision_attention(lw: _Lowerer, st: dict) -> None:
+    """q/k/v biases, then attention among the patches of each image (images as the batch, no
+    mask), this device's heads, as matmuls and a softmax: ttnn's fused SDPA does not pad the
+    head dim (SigLIP's is 72)."""
+    q, k, v = st["ins"]
+    for name, shp in zip(st["ins"], st["in_shapes"]):
+        lw.shapes.setdefault(name, tt_shape(shp))
+    vis = lw.a.vision
+    hd, P = vis.head_dim, vis.num_patches
+    rows, width = lw.shapes[q][2], lw.shapes[q][3]
+    n, h = rows // P, width // hd
+    heads = []
+    for b, x in (("v_bq", q), ("v_bk", k), ("v_bv", v)):
+        xb = _bias(lw, x, b, f"{x}.b")
+        r = lw.call("reshape", T(xb), [n, P, h, hd], out=f"{x}.r", shape=(n, P, h, hd))
+        heads.append(lw.call("transpose", T(r), 1, 2, out=f"{x}.h", shape=(n, h, P, hd), memory_config=DRAM))
+    kernel = configs.compute_config()
+    qh, kh, vh = heads
+    s = lw.call("matmul", T(qh), T(kh), out="vo.s", shape=(n, h, P, P), transpose_b=True, memory_config=DRAM,
+                compute_kernel_config=kernel)
+    s = lw.call("multiply", T(s), f32(hd ** -0.5), out="vo.ss", shape=(n, h, P, P), memory_config=DRAM)
+    p = lw.call("softmax", T(s), -1, out="vo.p", shape=(n, h, P, P), memory_config=DRAM)
+    o = lw.call("matmul", T(p), T(vh), out="vo.h", shape=(n, h, P, hd), memory_config=DRAM,
+                compute_kernel_config=kernel)
+    t = lw.call("transpose", T(o), 1, 2, out="vo.t", shape=(n, P, h, hd), memory_config=DRAM)
+    lw.call("reshape", T(t), [1, 1, rows, width], out=st["out"], shape=(1, 1, rows, width))
+
+
+def _vision_bias(w: str):
+    def fn(lw: _Lowerer, st: dict) -> None:
+        _bias(lw, _one_input(lw, st), w, st["out"])
+    return fn
+
+
+def _vision_gelu(lw: _Lowerer, st: dict) -> None:
+    x = _bias(lw, _one_input(lw, st), "v_b1", f"{st['out']}.b")
+    lw.call("gelu", T(x), out=st["out"], shape=lw.shapes[x], fast_and_approximate_mode=True, memory_config=DRAM)
+
+
+def _vision_pool(lw: _Lowerer, st: dict) -> None:
+    """The average pool to soft tokens as one matmul by a host-made pooling matrix."""
+    x = _one_input(lw, st)
+    v = lw.a.vision
+    rows, hid = lw.shapes[x][2], lw.shapes[x][3]
+    n = rows // v.num_patches
+    soft = n * v.mm_tokens_per_image
+    name = f"vision.pool.{n}"
+    lw.consts[name] = Const(name, (1, 1, soft, rows), "bf16", "TILE", "avg_pool",
+                            (("images", n), ("side", v.patches_per_side), ("window", v.pool)))
+    lw.call("matmul", T(name), T(x), out=st["out"], shape=(1, 1, soft, hid), memory_config=DRAM,
+            compute_kernel_config=configs.compute_config())
+
+
 def _residual_add(lw: _Lowerer, st: dict) -> None:
     x = st["x"]
     lw.call("add", T("h"), T(x), out="h", shape=lw.shapes["h"], memory_config=DRAM)
@@ -725,6 +805,8 @@ OPS: dict[str, Callable[[_Lowerer, dict], None]] = {
     "mla_attention": _mla_attention, "swiglu": _swiglu, "clamped_swiglu": _clamped_swiglu,
     "topk_softmax": _topk_softmax, "group_topk": _group_topk, "combine": _combine, "out_bias": _out_bias,
     "residual_add": _residual_add, "logits": _logits,
+    "vision_embed": _vision_embed, "vision_attention": _vision_attention, "vision_bias_o": _vision_bias("v_bo"),
+    "vision_bias_2": _vision_bias("v_b2"), "vision_gelu": _vision_gelu, "vision_pool": _vision_pool,
     # collectives (program steps with "collective")
     "all_reduce": _collective, "all_gather": _collective,
 }
@@ -737,6 +819,8 @@ def step_kind(st: dict) -> str:
 def inputs_of(program: dict, bundle, plan) -> dict:
     """The device tensors a run writes before it starts (shape, dtype, layout)."""
     rows = program["rows"]
+    if program["phase"] == "vision":  # the images' patches, flattened like the conv weight
+        return {"patches": ((1, 1, rows, bundle.arch.vision.patch_pixels), "bf16", "TILE")}
     B = rows
     blocks_per_seq = -(-bundle.spec.runtime.max_model_len // plan.kv["block_size"])
     ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
@@ -802,10 +886,12 @@ def lower_forward(bundle, plan, program: dict, sampling: str = "device", grid: t
     lw = _Lowerer(bundle, plan, program, sampling, grid)
     lw.chunk_start = int(chunk_start)
     lw.inputs = inputs_of(program, bundle, plan)
+    if program["phase"] == "vision":
+        lw.shapes["patches"] = lw.inputs["patches"][0]
     layers: list[Layer] = []
     index = 0
     for kind in program["layers"]:
-        decoder = kind["kind"] not in ("embedding", "head")
+        decoder = kind["kind"] not in ("embedding", "head", "vision_embedding", "vision_projector")
         for i in range(kind["count"] if decoder else 1):
             lw.layer = index if decoder else None
             lw.calls = []
@@ -826,7 +912,9 @@ def lower_forward(bundle, plan, program: dict, sampling: str = "device", grid: t
             layers.append(Layer(kind["kind"], lw.layer, lw.calls))
             index += 1 if decoder else 0
     outputs = ["next_tokens"] if sampling == "device" else ["logits.out"]
-    if sampling == "host":
+    if program["phase"] == "vision":  # the soft tokens, replicated
+        outputs = [program["layers"][-1]["steps"][-1]["out"]]
+    elif sampling == "host":
         for k in ("top_k", "top_p", "temperature"):
             lw.inputs.pop(k)
     return Forward(program["phase"], program["bucket"], program["rows"], lw.inputs, layers, outputs,

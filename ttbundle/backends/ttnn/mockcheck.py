@@ -158,7 +158,9 @@ def main(argv: list[str] | None = None) -> int:
             bundle = specmod.loads(yaml.safe_dump(d), path)
             plan = planmod.make_plan(bundle, mesh_name)
             ts = lowermod.trace_set(bundle)
-            for key in (min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")):
+            keys = [min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")]
+            keys += [min(k for k in ts if k[0] == "vision")] if any(k[0] == "vision" for k in ts) else []
+            for key in keys:
                 prog = one_layer_per_kind(lowermod.lower(bundle, plan, *key).to_json())
                 fw = lower_forward(bundle, plan, prog, "device")
                 r = validate(ttnn, device, plan, fw)
