@@ -162,3 +162,22 @@ def test_the_ttnn_pooling_matrix_is_the_average_pool():
     ref = torch.nn.functional.avg_pool2d(x.transpose(1, 2).reshape(n, H, side, side), k, k)
     ref = ref.flatten(2).transpose(1, 2).reshape(-1, H)
     assert torch.allclose(pool_matrix(n, side, k) @ x.reshape(-1, H), ref, atol=1e-6)
+
+
+def test_plan_charges_the_vision_encoders_activations_when_they_are_the_peak():
+    """256x256 images of 8-pixel patches: 1024 patches each, 2 images per call = 2048 rows, more
+    than the 128-token prefill. On N150 (nothing split) the vision layer holds h, x, q, k, v, o,
+    attn_out, attn_outb, x2, mlp_out, mlp_outb (64 features) and f, fa (128), each a bf16 TILE
+    buffer: tiles round-robin over 12 DRAM banks, 2,048 B each."""
+    import math
+    text = TINY_VL.replace("image_size: 64", "image_size: 256").replace("mm_tokens_per_image: 16",
+                                                                       "mm_tokens_per_image: 64")
+    text = text.replace("prefill_chunk: 64}", "prefill_chunk: 128}")
+    p = planmod.make_plan(tiny_vl(text), "N150")
+    banks = p.mesh.chip.dram_banks
+
+    def buf(rows, f):
+        return math.ceil(rows // 32 * f // 32 / banks) * banks * 2048
+    assert p.memory.activations == 11 * buf(2048, 64) + 2 * buf(2048, 128)
+    small = planmod.make_plan(tiny_vl(), "N150")  # 64-patch images: the text prefill is the peak
+    assert any(n == "logits" for n, _ in small.activation_buffers)

@@ -535,6 +535,10 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
 
     act_bufs = act_layer + [("logits", [_round_up(max(bk.decode), TILE), vocab_gathered])]
     act_bytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in act_bufs)
+    vision, vision_bufs = vision_steps(bundle, mesh, specs, decls)
+    vision_bytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in vision_bufs)
+    if vision_bytes > act_bytes:  # the vision encoder runs alone: its largest layer is the peak
+        act_bufs, act_bytes = vision_bufs, vision_bytes
 
     rt = s.runtime
     traced_prefill = len(bk.prefill) if rt.trace_mode == "all" else 0
@@ -584,8 +588,7 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     total = weights + kv_total + act_bytes + trace
     mem = Memory(by_dtype, weights, kv_total, act_bytes, trace, total, mesh.chip.dram_bytes)
     return Plan(s.name, a.family, mesh, tensors, mem, collectives, kv, act_tokens, num_traces,
-                list(bundle.warnings), dict(specs), programs, trace_size, act_bufs, rt.max_num_seqs,
-                vision_steps(bundle, mesh, specs, decls))
+                list(bundle.warnings), dict(specs), programs, trace_size, act_bufs, rt.max_num_seqs, vision)
 
 
 def replica_json(mesh: Mesh, max_num_seqs: int) -> dict:
@@ -597,22 +600,31 @@ def replica_json(mesh: Mesh, max_num_seqs: int) -> dict:
             "max_num_seqs_per_replica": max_num_seqs, "max_num_seqs_total": mesh.replicas * max_num_seqs}
 
 
-def vision_steps(bundle, mesh: Mesh, specs: dict, decls: dict) -> list:
+def vision_steps(bundle, mesh: Mesh, specs: dict, decls: dict) -> tuple[list, list]:
     """The vision encoder's per-layer steps (multimodal families; [] otherwise), traced like the
-    text layers from the activations ``Family.vision_inputs`` declares, replicated."""
+    text layers from the activations ``Family.vision_inputs`` declares, replicated; and the
+    activation buffers of its largest layer kind at the largest vision bucket (each activation
+    its own bf16 TILE buffer, as for the text layers)."""
     fam, a = bundle.family, bundle.arch
     kinds = fam.vision_programs(a)
-    if not kinds:
-        return []
-    out = []
-    for name, count, ops in kinds:
+    if not kinds or bundle.vision is None:
+        return [], []
+    rows, row_of = fam.vision_rows(a, max(bundle.vision.buckets))
+    out, best, best_bytes = [], [], 0
+    seed = fam.vision_inputs(a)
+    for i, (name, count, ops) in enumerate(kinds):
         tr = _Tracer(mesh, specs, decls, name, count, bundle.spec.sharding)
+        # every kind starts from the vision residual stream; the first also from the inputs
         tr.acts.update({n: _Act(tuple(d), tuple(() for _ in d), frozenset())
-                        for n, d in fam.vision_inputs(a).items()})
+                        for n, d in seed.items() if i == 0 or n == "h"})
         for op in ops:
             tr.run(op)
         out.append((name, count, tr.steps))
-    return out
+        bufs = [(n, [row_of.get(n, rows), x.local_elems(mesh, bundle.spec.sharding)]) for n, x in tr.acts.items()]
+        nbytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in bufs)
+        if nbytes > best_bytes:
+            best, best_bytes = bufs, nbytes
+    return out, best
 
 
 def _seen_by_attention(programs, weight: str):

@@ -67,7 +67,9 @@ def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> Non
     kv = p.kv
     mt.add_row(f"KV cache {kv['dtype']} ({kv['num_blocks']:,} blocks x {kv['block_size']})",
                f"{mem.kv_cache:,}", human(mem.kv_cache))
-    mt.add_row(f"activations ({p.activation_tokens} tokens)", f"{mem.activations:,}", human(mem.activations))
+    what = ("the vision encoder's largest layer" if p.vision and p.activation_buffers is not None
+            and not any(n == "logits" for n, _ in p.activation_buffers) else f"{p.activation_tokens} tokens")
+    mt.add_row(f"activations ({what})", f"{mem.activations:,}", human(mem.activations))
     mt.add_row(f"trace region ({p.num_traces} traces)", f"{mem.trace_region:,}", human(mem.trace_region))
     mt.add_row("[bold]total[/]", f"{mem.total:,}", human(mem.total))
     mt.add_row(f"chip DRAM ({m.chip.dram_banks} banks x {m.chip.dram_bank_bytes:,})", f"{mem.dram:,}",
