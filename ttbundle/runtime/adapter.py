@@ -155,13 +155,18 @@ class BundleModel:
     @torch.no_grad()
     def prefill_forward(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache: KVCache,
                         prompt_lens, start_pos=None, sampling_params: DeviceSampling | None = None,
-                        enable_trace: bool = True, return_prompt_logits: bool = False, mm: dict | None = None):
+                        enable_trace: bool = True, return_prompt_logits: bool = False, mm: dict | None = None,
+                        pixel_values=None, **kwargs):
         """One sequence's prefill chunk. ``tokens`` [1, S] with S a prefill bucket, the first
         ``prompt_lens[0]`` real; positions start at ``start_pos[0]``. Returns the last real
         token's logits [1, V] (host sampling) or its sampled id [1] (``sampling_params``);
         ``return_prompt_logits`` (ttbundle's runner, for prompt_logprobs): every real
         position's logits [n, V]. ``mm``: the chunk's image soft tokens
-        (``runtime.images.chunk_inputs``)."""
+        (``runtime.images.chunk_inputs``; ttbundle's runner). ``pixel_values``: the request's
+        images as Tenstorrent's plugin passes them (a list per request, or a tensor), encoded
+        here by the package's vision program (``runtime.images.prompt_inputs``): the prompt is
+        prefilled whole in this call. Other keyword arguments of that plugin (e.g.
+        ``image_grid_thw``, for models this package is not) are accepted and unused."""
         N, S = tokens.shape
         if N != 1 or S not in self.prefill_buckets:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
@@ -169,6 +174,14 @@ class BundleModel:
         program = self._program("prefill", S)
         n = int(prompt_lens[0])
         p0 = 0 if start_pos is None else int(start_pos[0])
+        if mm is None and pixel_values is not None:
+            # one entry per request of the batch (one here), else the request's images
+            px = pixel_values[0] if isinstance(pixel_values, (list, tuple)) and len(pixel_values) == N else pixel_values
+            if px is not None and p0 != 0:
+                raise ValueError(f"pixel_values with a prefill starting at position {p0}: images are merged "
+                                 "into a prompt prefilled whole (start_pos 0)")
+            from .images import prompt_inputs
+            mm = prompt_inputs(tokens[0, :n].tolist(), px, self.bundle.arch.vision, self.encode_images, S)
         valid = torch.arange(S)[None, :] < n
         positions = torch.where(valid, torch.arange(p0, p0 + S)[None, :], torch.zeros(1, S, dtype=torch.long))
         logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache, mm=mm)

@@ -73,3 +73,27 @@ def chunk_inputs(ri: RequestImages | None, encode, start: int, n: int, bucket: i
     blocks = torch.full((1, max(start + bucket, len(ri.blocks))), -1, dtype=torch.long)
     blocks[0, :len(ri.blocks)] = ri.blocks
     return {"mask": mask, "embeds": embeds, "blocks": blocks}
+
+
+def prompt_inputs(prompt: list[int], pixel_values, vision, encode, bucket: int) -> dict | None:
+    """``mm`` for a whole prompt prefilled in one call, the way Tenstorrent's plugin hands images
+    to ``prefill_forward``: the request's ``pixel_values`` ([images, C, H, W], or a list of
+    them) in prompt order, the prompt holding ``mm_tokens_per_image`` image tokens per image.
+    None without images."""
+    parts = [p for p in (pixel_values if isinstance(pixel_values, (list, tuple)) else [pixel_values])
+             if p is not None and p.numel()]
+    if not parts:
+        return None
+    px = torch.cat([p if p.dim() == 4 else p[None] for p in parts])  # [C, H, W] is one image
+    positions = [i for i, t in enumerate(prompt) if t == vision.image_token_index]
+    per, k = vision.mm_tokens_per_image, px.shape[0]
+    if len(positions) != per * k:
+        raise ValueError(f"{k} image(s) in pixel_values need {per * k} image tokens "
+                         f"({vision.image_token_index}) in the prompt, found {len(positions)}")
+    blocks = torch.full((len(prompt),), -1, dtype=torch.long)
+    image_of = [j // per for j in range(len(positions))]
+    blocks[positions] = torch.tensor(image_of, dtype=torch.long)
+    out = encode(px)
+    ri = RequestImages([None] * k, positions, image_of, blocks,
+                       {i: out[i * per:(i + 1) * per] for i in range(k)})
+    return chunk_inputs(ri, encode, 0, len(prompt), bucket)
