@@ -103,7 +103,10 @@ def test_streaming_gives_the_same_text(server):
     kw = dict(model=server.name, prompt=_text(20, 3), max_tokens=15, temperature=0, extra_body={"ignore_eos": True})
     full = c.completions.create(**kw).choices[0].text
     parts = [ch.choices[0].text for ch in c.completions.create(stream=True, **kw) if ch.choices]
-    assert len([p for p in parts if p]) >= 10
+    # streamed in pieces, not one blob: vLLM's server merges the deltas of outputs that queued
+    # while it was busy (RequestOutputCollector), and with async scheduling the engine runs a
+    # step ahead, so how many pieces arrive depends on the machine's load, not on us
+    assert len([p for p in parts if p]) >= 2
     assert "".join(parts) == full
     chat = list(c.chat.completions.create(model=server.name, stream=True, max_tokens=8, temperature=0,
                                           messages=[{"role": "user", "content": _text(4, 4)}],
