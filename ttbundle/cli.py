@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from . import __version__
-from .errors import EXIT_DOES_NOT_FIT, EXIT_INVALID, InvalidInput, TTBundleError
+from .errors import EXIT_DOES_NOT_FIT, InvalidInput, TTBundleError
 
 app = typer.Typer(help="Declarative model bundles for vLLM on Tenstorrent meshes.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)

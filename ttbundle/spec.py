@@ -18,7 +18,6 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from . import families, mesh as meshmod
 from .errors import Diagnostic, InvalidInput
-from .families.base import GROUPS
 from .yamlpos import load_yaml
 
 DType = Literal["bf16", "bfp8", "bfp4"]

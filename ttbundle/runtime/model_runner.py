@@ -164,8 +164,6 @@ class TTModelRunner:
 
     # -- set-up ---------------------------------------------------------------------------------
     def load_model(self):
-        from .. import mesh as meshmod
-
         t0 = time.perf_counter()
         if self.tt is not None:
             from .ttdevice import TTDeviceModel
