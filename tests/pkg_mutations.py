@@ -58,3 +58,38 @@ def flip_byte(pkg: Path, rel: str, tensor_key: str, offset: int = 0) -> None:
     raw[pos] ^= 0xFF
     path.write_bytes(bytes(raw))
     rehash(pkg, rel)
+
+
+def edit_program_json(pkg: Path, edit) -> int:
+    """Apply ``edit(program dict)`` (in place) to every program of the package, each re-hashed;
+    returns how many programs changed."""
+    changed = 0
+    for p in sorted((pkg / "programs").glob("*.json")):
+        prog = json.loads(p.read_text())
+        before = json.dumps(prog, sort_keys=True)
+        edit(prog)
+        if json.dumps(prog, sort_keys=True) != before:
+            changed += 1
+            p.write_text(json.dumps(prog, sort_keys=True, indent=1) + "\n")
+            rehash(pkg, f"programs/{p.name}")
+    return changed
+
+
+def edit_json(pkg: Path, rel: str, edit) -> None:
+    """Apply ``edit(doc)`` (in place) to JSON file ``rel`` of the package, re-hashed."""
+    doc = json.loads((pkg / rel).read_text())
+    edit(doc)
+    (pkg / rel).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n")
+    rehash(pkg, rel)
+
+
+def edit_bundle_yaml(pkg: Path, edit) -> None:
+    """Apply ``edit(resolved spec dict)`` (in place) to the package's bundle.yaml, written back
+    the way ``build`` writes it (``package.render_bundle_yaml``), re-hashed."""
+    import yaml
+
+    from ttbundle import __version__, package
+    d = yaml.safe_load((pkg / "bundle.yaml").read_text())
+    edit(d)
+    (pkg / "bundle.yaml").write_text(package.render_bundle_yaml(d, __version__))
+    rehash(pkg, "bundle.yaml")

@@ -19,6 +19,7 @@ import pytest
 
 from ttbundle import build as buildmod, convert, fsutil, package, spec as specmod, txn
 from ttbundle.errors import InvalidInput, TTBundleError
+from ttbundle.plan import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 # vocab 500 pads to 512 on an 8-wide axis (whole tiles); 2 KV heads are replicated on T3K/TG
@@ -152,7 +153,8 @@ def test_device_shards_are_the_emulated_backends_shards(tmp_path, ckpt):
     bundle = specmod.load(write_spec(tmp_path, ckpt))
     res = buildmod.build(bundle, "T3K", tmp_path / "out", warmup=False)
     pkg = package.load_package(res.package)
-    emu = EmulatedModel.from_canonical(bundle, pkg.plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
+    plan = make_plan(pkg.bundle, pkg.mesh)  # build time: the plan the package was built from
+    emu = EmulatedModel.from_canonical(bundle, plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
                                        dtype=torch.bfloat16)
     for d in (0, 5):
         dev = pkg.weights.device(d)
@@ -387,7 +389,8 @@ def test_block_float_shards_are_device_tiles(tmp_path, ckpt):
     bundle = specmod.load(spec)
     res = buildmod.build(bundle, "T3K", tmp_path / "out", warmup=False)
     pkg = package.load_package(res.package, verify=True)
-    emu = EmulatedModel.from_canonical(bundle, pkg.plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
+    plan = make_plan(pkg.bundle, pkg.mesh)  # build time: the plan the package was built from
+    emu = EmulatedModel.from_canonical(bundle, plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
                                        dtype=torch.bfloat16)
     from safetensors import safe_open
     with safe_open(str(Path(res.package) / package.weight_file(3)), framework="pt") as f:

@@ -102,7 +102,7 @@ def test_a_built_package_records_and_allocates_the_pools_blocks(tmp_path_factory
     for phase, bucket in pkg.programs:
         kv = pkg.program(phase, bucket)["kv_cache"]
         assert kv["num_blocks"] == blocks and {e["device_shape"][0] for e in kv["entries"]} == {blocks}
-    assert {b.shape[0] for b in alloc.plan_buffers(pkg.plan) if b.what == "kv_cache"} == {blocks}
+    assert {b.shape[0] for b in alloc.plan_buffers(planmod.make_plan(pkg.bundle, pkg.mesh)) if b.what == "kv_cache"} == {blocks}
     runner = Runner(EmulatedModel.from_package(pkg))
     assert runner.kv.num_blocks == blocks
     # the serving side reads the package's record (nothing re-plans): the worker's block count,

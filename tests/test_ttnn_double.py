@@ -559,6 +559,101 @@ def test_a_deleted_all_reduce_step_breaks_the_forward(t3k_package, monkeypatch):
         ["decode 0 (position 7) ('decode', 1)", "decode 1 (position 8) ('decode', 1)"]
 
 
+def test_the_ttnn_path_runs_the_package_without_a_planner(t3k_package, monkeypatch):
+    """Nothing after ``lower`` re-plans: with the planner gone (``make_plan``, ``kv_blocks``
+    raise), the package still loads, lowers (every weight's PartitionSpec and shape, the KV dtype
+    and block size, the mesh and trace region from its programs and manifest) and gives the
+    emulated backend's numbers on the double. Before, ``open_model`` lowered ``pkg.plan``, a
+    re-plan of bundle.yaml."""
+    from ttbundle import plan as planmod
+
+    def no_planner(*a, **k):
+        raise AssertionError("re-planned at run time")
+    monkeypatch.setattr(planmod, "make_plan", no_planner)
+    monkeypatch.setattr(planmod, "kv_blocks", no_planner)
+    assert forward_differences(t3k_package, [5, 17, 99, 3, 250, 42, 7], 1) == []
+
+
+def _mutated(src: Path, tmp: Path) -> Path:
+    import shutil
+    dst = tmp / src.name
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _set_spec(name: str, spec: list):
+    def edit(prog):
+        prog["weights"][name]["spec"] = spec
+    return edit
+
+
+def _set_kv_dtype(prog):
+    prog["kv_cache"]["dtype"] = "bfp8"
+
+
+def _swap_w1(d):  # w1 row-parallel instead of column-parallel: a placement the programs do not run
+    d["sharding"]["plan"]["w1"] = ["cols", "rows"]
+
+
+@pytest.mark.parametrize("where,edit,needle", [
+    # bundle.yaml from a spec that differs only in w1's placement (per-device shapes computed
+    # with the programs' spec still agree, so only comparing the placements catches it)
+    ("bundle.yaml", _swap_w1, "weight w1 is split [rows, cols] (PartitionSpec), bundle.yaml says [cols, rows] "),
+    # every program records wq over the columns only: the same per-device shape on 1x8
+    ("programs", _set_spec("wq", [[], ["cols"]]), "weight wq is split [null, cols] (PartitionSpec), bundle.yaml "
+                                                  "says [rows, cols] "),
+    ("programs", _set_kv_dtype, "KV cache dtype bfp8, bundle.yaml says bf16 "),
+])
+def test_a_package_whose_spec_and_programs_disagree_is_refused(t3k_package, tmp_path, where, edit, needle):
+    """bundle.yaml and the programs edited apart (the manifest re-hashed, as a rebuilt file
+    would be): the ttnn path refuses the package at load, naming the program, the weight (or the
+    KV field), both values and the bundle.yaml line, instead of running one and describing the
+    other."""
+    import re
+
+    from pkg_mutations import edit_bundle_yaml, edit_program_json
+    from ttbundle.package import PackageError
+    pkg = _mutated(t3k_package, tmp_path)
+    if where == "bundle.yaml":
+        edit_bundle_yaml(pkg, edit)
+    else:
+        assert edit_program_json(pkg, edit) == len(list((pkg / "programs").glob("*.json")))
+    with pytest.raises(PackageError) as e:
+        device.open_model(recording.Recorder().module(), pkg, "all")
+    msg = str(e.value)
+    assert needle in msg, msg
+    assert re.search(r"programs/(prefill|decode)-\d+\.json \(and its \d+ other program", msg), msg
+    at = re.search(r"bundle\.yaml:(\d+): (sharding\.plan\.(w1|wq)|runtime\.kv_cache_dtype)\)", msg)
+    assert at, msg
+    key = at.group(2).split(".")[-1]  # the line named holds that key
+    assert f"{key}: " in (pkg / "bundle.yaml").read_text().splitlines()[int(at.group(1)) - 1]
+
+
+def test_tensorbin_caches_that_disagree_with_the_programs_are_refused(t3k_package, tmp_path):
+    """The ttnn path's weights come from ``tensorbin/``: an index whose dtype for a key is not
+    the programs' is refused at open, naming the key and both (before, the caches were loaded as
+    the index said)."""
+    from pkg_mutations import edit_json
+    from ttbundle.package import PackageError
+    pkg = _mutated(t3k_package, tmp_path)
+
+    def bfp8(idx):
+        idx["tensors"]["wq.0"]["dtype"] = "bfp8"
+    edit_json(pkg, "tensorbin/index.json", bfp8)
+    with pytest.raises(PackageError, match=r"tensorbin/index.json: wq.0 is cached as bfp8\[.*\], the programs "
+                                           r"read wq as bf16\["):
+        device.open_model(recording.Recorder().module(), pkg, "all")
+
+
+def test_a_program_for_another_mesh_is_not_lowered(t3k_package):
+    """``lower_forward`` lowers a program on the mesh it records: a T3K program on N300 is
+    refused naming both."""
+    from ttbundle import package
+    pk = package.load_package(t3k_package)
+    with pytest.raises(ValueError, match=r"program decode-1 is for a \[1, 8\] mesh, lowering for N300"):
+        lowering.lower_forward(pk.bundle, planmod.target_mesh(pk.bundle, "N300"), pk.program("decode", 1))
+
+
 def test_a_cache_write_of_an_unknown_value_leaves_the_cache_unknown():
     """A never-written cache starts as garbage (NaN) when first written; once a write of an
     unknown value made it unknown, later writes do not make it known again."""

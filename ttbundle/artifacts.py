@@ -222,7 +222,8 @@ class PackageWriter:
             "buckets": {"prefill": list(bk.prefill), "decode": list(bk.decode),
                         "prefill_chunk": bk.prefill_chunk,
                         **({"vision": list(b.vision.buckets)} if b.vision is not None else {})},
-            "trace_region_bytes": p.memory.trace_region,
+            "trace_region_bytes": p.memory.trace_region,  # the DRAM it costs (per-bank rounding)
+            "trace_region_size": p.trace_region_size,  # what the mesh is opened with
             "versions": cache.versions(),
             "spec_sha256": self.inp.fields["spec"],
             "key": cache.content_key(self.inp.fields),

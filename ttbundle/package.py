@@ -564,8 +564,10 @@ def load_adapter(pkg: str | Path, m: dict, metadata: dict | None = None):
 class LoadedPackage:
     """A package read back: the resolved bundle, its mesh, programs, weights and manifest.
 
-    Nothing here re-plans: the programs say what runs and where every weight lives; ``plan`` is
-    computed only when asked for (the ttnn backend's lowering still reads it)."""
+    Nothing here re-plans: the programs say what runs and where every weight lives
+    (:attr:`weight_refs`), the KV cache they were built for (:attr:`kv_cache`), and the manifest
+    the trace region (:attr:`trace_region_size`); a backend reads these, never ``plan``. (A
+    build-time caller that wants the plan makes it: ``plan.make_plan(pkg.bundle, pkg.mesh)``.)"""
 
     dir: Path
     manifest: dict
@@ -612,10 +614,20 @@ class LoadedPackage:
                 raise PackageError(f"{self.dir}: {rel}: {e}") from None
         return self._ir[key]
 
-    @functools.cached_property
-    def plan(self):
-        from .plan import make_plan
-        return make_plan(self.bundle, self.mesh)
+    @property
+    def weight_refs(self) -> dict:
+        """``{name: program.WeightRef}``: every weight the programs read, with its PartitionSpec,
+        per-device shape, dtype and layers (one record: every program of a package agrees on it,
+        and the weight files' headers agree with it; checked at load)."""
+        return dict(self.weights.refs)
+
+    @property
+    def trace_region_size(self) -> int:
+        """Bytes to open the mesh's trace region with (``open_mesh_device(trace_region_size=)``):
+        the size the build planned (manifest ``trace_region_size``). A manifest written before it
+        was recorded gives ``trace_region_bytes``, the DRAM that size costs (a little more)."""
+        m = self.manifest
+        return int(m.get("trace_region_size", m.get("trace_region_bytes")) or 0)
 
 
 class PackageWeights:
@@ -761,6 +773,7 @@ def assemble(pkg: Path, manifest: dict, bundle, mesh, programs: dict) -> LoadedP
         raise PackageError(f"{pkg}: no programs")
     refs = _weight_refs(loaded)
     _check_arch(Path(pkg), bundle, mesh, refs)
+    _check_spec(loaded, refs)
     loaded.weights = PackageWeights(Path(pkg), bundle, mesh, refs)
     _check_headers(Path(pkg), refs, mesh)
     return loaded
@@ -779,6 +792,59 @@ def _check_arch(pkg: Path, bundle, mesh, refs: dict) -> None:
         if want != list(refs[n].device_shape):
             raise PackageError(f"{pkg}: bundle.yaml's model gives {n} {want} per device, the programs "
                                f"{list(refs[n].device_shape)}: the package is inconsistent; rebuild it")
+
+
+def _check_spec(loaded: LoadedPackage, refs: dict) -> None:
+    """bundle.yaml (the spec the package says it was built from) and the programs (what runs)
+    agree: every program's mesh is the package's, and every weight's PartitionSpec and dtype and
+    the KV cache's dtype and block size are what the spec resolves to (``plan.resolved_plan``,
+    ``plan.tensor_dtype``; no plan is made). A disagreement names the program, the weight, both
+    values and the bundle.yaml line; nothing at run time re-derives a layout, so a package whose
+    programs and spec disagree would run one and describe the other."""
+    from .layout import axes_of
+    from .plan import resolved_plan, tensor_dtype
+
+    pkg, bundle, mesh = loaded.dir, loaded.bundle, loaded.mesh
+    first = min(loaded.programs)
+    others = len(loaded.programs) - 1
+    where = f"{pkg}: {loaded.programs[first]}" + (f" (and its {others} other program(s), which agree with it)"
+                                                  if others else "")
+    for key in sorted(loaded.programs):
+        p = loaded.program_ir(*key)
+        if list(p.mesh.get("shape", ())) != list(mesh.shape) or p.mesh.get("name") != mesh.name:
+            raise PackageError(f"{pkg}: {loaded.programs[key]}: program for mesh {p.mesh.get('name')} "
+                               f"{p.mesh.get('shape')}, the package is for {mesh.describe()}; rebuild it")
+
+    def at(path: tuple) -> str:
+        d = bundle.locate(path, "")
+        return f"{d.file}:{d.line}" if d.file and d.line is not None else str(d.file or "bundle.yaml")
+
+    def show(spec) -> str:
+        return "[" + ", ".join("null" if not e else e[0] if len(e) == 1 else "[" + ", ".join(e) + "]"
+                               for e in spec) + "]"
+
+    specs, origin = resolved_plan(bundle, mesh.name)
+    decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
+    for n, ref in sorted(refs.items()):
+        want = tuple(axes_of(e) for e in specs[n])
+        if want != tuple(ref.spec):
+            src = origin[n] or ("sharding", "plan")
+            raise PackageError(
+                f"{where}: weight {n} is split {show(ref.spec)} (PartitionSpec), bundle.yaml says "
+                f"{show(want)} ({at(src)}: {'.'.join(map(str, src))}): the programs and the spec disagree, "
+                "and the programs are what runs; rebuild the package from its spec")
+        dt = tensor_dtype(bundle.spec, decls[n])
+        if dt != ref.dtype:
+            path = ("weights", "dtypes", "tensors", n)
+            raise PackageError(f"{where}: weight {n} is {ref.dtype}, bundle.yaml says {dt} ({at(path)}): the "
+                               "programs and the spec disagree; rebuild the package from its spec")
+    kv, rt = loaded.kv_cache, bundle.spec.runtime
+    for what, field_, got, want in (("dtype", "kv_cache_dtype", kv.get("dtype"), rt.kv_cache_dtype),
+                                    ("block size", "kv_block_size", kv.get("block_size"), rt.kv_block_size)):
+        if got != want:
+            raise PackageError(f"{where}: KV cache {what} {got}, bundle.yaml says {want} "
+                               f"({at(('runtime', field_))}: runtime.{field_}): the programs and the spec "
+                               "disagree; rebuild the package from its spec")
 
 
 def _weight_refs(loaded: LoadedPackage) -> dict:

@@ -239,8 +239,17 @@ def _target_key(names, mesh_name: str) -> str:
     return mesh_name
 
 
-def _layout(t: TensorDecl) -> str:
+def tensor_layout(t: TensorDecl) -> str:
+    """How a declared tensor is held on device: matrices ``TILE``, vectors and embeddings
+    ``ROW_MAJOR`` (``backends/ttnn/layout.py`` gives the buffer shapes)."""
     return "TILE" if t.kind == "matrix" else "ROW_MAJOR"
+
+
+def tensor_dtype(spec, t: TensorDecl) -> str:
+    """A declared tensor's storage dtype under ``spec``'s dtype policy (matrices only; the rest
+    stay bf16)."""
+    return spec.weights.dtypes.dtype_of(t.name, t.group) if t.kind == "matrix" else "bf16"
+
 
 
 # ---- activation sharding propagation ------------------------------------------------------------
@@ -463,8 +472,8 @@ def _shard_tensors(bundle, mesh: Mesh):
             if note and note not in notes:
                 notes.append(note)
             dev.append(units * d.unit)
-        dtype = s.weights.dtypes.dtype_of(t.name, t.group) if t.kind == "matrix" else "bf16"
-        layout = _layout(t)
+        dtype = tensor_dtype(s, t)
+        layout = tensor_layout(t)
         tensors.append(TensorPlan(t.name, t.group, dtype, layout, list(t.shape), list(spec), dev,
                                   t.count, tensor_bytes(dev, dtype, layout, mesh), notes))
     diags = []

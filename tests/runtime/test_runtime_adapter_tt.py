@@ -90,7 +90,7 @@ def test_adapter_runs_the_ttnn_path_on_a_mesh_device(ttnn_package, monkeypatch):
     rec = recording.Recorder()  # computing: weights from the package's tensorbin caches
     monkeypatch.setattr(ttdevice, "RECORDER", rec)
     ttnn = ttdevice.import_ttnn()
-    mesh_device = ttnn.open_mesh_device(ttnn.MeshShape(1, 8), trace_region_size=pkg.trace_region_bytes or 0)
+    mesh_device = ttnn.open_mesh_device(ttnn.MeshShape(1, 8), trace_region_size=pkg.trace_region_size)
     hf = SimpleNamespace(_name_or_path=str(pkg.path))
     dev = cls.initialize_vllm_model(hf, mesh_device, 32, 256, 1, None)
     assert isinstance(dev, ttdevice.TTDeviceModel) and dev.model_capabilities == caps

@@ -78,10 +78,12 @@ def test_open_mesh_passes_the_fabric_options_to_ttnn(mesh, tt, want):
     FabricConfig and FabricReliabilityMode members, before the mesh opens."""
     from types import SimpleNamespace
 
+    from ttbundle import mesh as meshmod
     from ttbundle.backends.ttnn.recording import Recorder
     from ttbundle.runtime.ttdevice import open_mesh
     rec = Recorder()
-    open_mesh(rec.module(), SimpleNamespace(mesh_name=mesh, trace_region_bytes=1 << 20), parse({"tt": tt}))
+    pkg = SimpleNamespace(loaded=SimpleNamespace(mesh=meshmod.resolve(mesh)), trace_region_size=1 << 20)
+    open_mesh(rec.module(), pkg, parse({"tt": tt}))
     calls = [e.fn for e in rec.events]
     fabric = [e for e in rec.events if e.fn == "set_fabric_config"]
     if want is None:

@@ -41,8 +41,9 @@ class Package:
         return self.metadata["arch"]
 
     @property
-    def trace_region_bytes(self) -> int | None:
-        return self.manifest.get("trace_region_bytes")
+    def trace_region_size(self) -> int:
+        """The trace region the package's mesh is opened with (``LoadedPackage.trace_region_size``)."""
+        return self.loaded.trace_region_size
 
     @property
     def built_for_device(self) -> bool:

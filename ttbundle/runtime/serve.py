@@ -221,8 +221,8 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     if dp > 1 and dp_extra is None:
         extra += ["--data-parallel-size", str(dp)]
     tt = {"trace_mode": rt.trace_mode, "sample_on_device_mode": rt.sample_on_device_mode}
-    if pkg.trace_region_bytes:
-        tt["trace_region_size"] = int(pkg.trace_region_bytes)
+    if pkg.trace_region_size:
+        tt["trace_region_size"] = int(pkg.trace_region_size)
     cfg = _merge({"tt": tt}, user_cfg)
     argv = vllm_command() + [
         "serve", str(pkg.path),

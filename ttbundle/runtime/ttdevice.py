@@ -66,18 +66,16 @@ def import_ttnn():
 
 
 def open_mesh(ttnn, package, options):
-    """The package's mesh, opened with the plugin options (trace region: the option, else the
-    package's planned size)."""
-    from .. import mesh as meshmod
-
-    mesh = meshmod.resolve(package.mesh_name)
+    """The package's mesh (the one its programs run on), opened with the plugin options (trace
+    region: the option, else the size the package's build planned, from its manifest)."""
+    mesh = package.loaded.mesh
     fabric = options.fabric_config or ("FABRIC_1D" if mesh.num_devices > 1 else None)
     if fabric:  # collectives need the fabric; 1D by default, as Tenstorrent's plugin
         args = [getattr(ttnn.FabricConfig, fabric)]
         if options.fabric_reliability_mode:
             args.append(getattr(ttnn.FabricReliabilityMode, options.fabric_reliability_mode))
         ttnn.set_fabric_config(*args)
-    kw = {"trace_region_size": options.trace_region_size or package.trace_region_bytes or 0}
+    kw = {"trace_region_size": options.trace_region_size or package.trace_region_size}
     if options.l1_small_size:
         kw["l1_small_size"] = options.l1_small_size
     if options.worker_l1_size:
@@ -137,7 +135,7 @@ class TTDeviceModel:
                                "built with `ttbundle build --backend ttnn`")
         ttnn = ttnn or import_ttnn()
         t0 = time.perf_counter()
-        runner = open_model(ttnn, package.path, sample_mode, mesh_device, host_fallback=True,
+        runner = open_model(ttnn, package.loaded, sample_mode, mesh_device, host_fallback=True,
                             trace_mode=options.trace_mode)
         if RECORDER is not None and RECORDER.unknown_reads == "zeros":  # test-only hook, fake weights:
             runner.ex.on_call = RECORDER.on_call  # each op's output gets the shape the lowering says

@@ -191,6 +191,25 @@ def load_host_shards(ttnn, pkg: str | Path, key: str, devices: int) -> list:
     return [ttnn.load_tensor(str(Path(pkg) / cache_file(d, key))) for d in range(devices)]
 
 
+def check_index(pkg: str | Path, idx: dict, refs: dict, mesh_shape) -> None:
+    """The caches hold what the package's programs read (``LoadedPackage.weight_refs``): the
+    mesh shape, and per key a weight of the programs in its dtype and per-device shape (as ttnn
+    holds it, :func:`.layout.device_shape`). Raises PackageError naming the key and both."""
+    from ...package import PackageError
+
+    if list(idx["mesh"]["shape"]) != list(mesh_shape):
+        raise PackageError(f"{pkg}: {INDEX}: caches for a {idx['mesh']['shape']} mesh, the programs run on "
+                           f"{list(mesh_shape)}; rebuild the package")
+    for key, e in idx["tensors"].items():
+        ref = refs.get(e.get("tensor"))
+        want = None if ref is None else (list(device_shape(ref.device_shape, e.get("layout"))), ref.dtype)
+        if want != (list(e.get("shape", ())), e.get("dtype")):
+            got = f"{e.get('dtype')}{e.get('shape')}"
+            raise PackageError(f"{pkg}: {INDEX}: {key} is cached as {got}, the programs read "
+                               + (f"{e.get('tensor')} as {want[1]}{want[0]}" if want else f"no weight {e.get('tensor')!r}")
+                               + "; rebuild the package")
+
+
 def load_mesh_weights(ttnn, mesh_device, pkg: str | Path, keys: list[str] | None = None) -> dict:
     """Every cached tensor (or ``keys``) as one mesh tensor in DRAM: per-device files joined with
     ``ttnn.from_host_shards`` (device ``d`` = mesh coordinate ``(d // cols, d % cols)``)."""

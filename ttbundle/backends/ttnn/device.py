@@ -173,28 +173,32 @@ def forward_keys(bundle, sample_on_device_mode: str = "all", host_fallback: bool
     return keys, traced
 
 
-def open_model(ttnn, package_dir: str | Path, sample_on_device_mode: str = "all", mesh_device=None, *,
+def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=None, *,
                host_fallback: bool = False, trace_mode: str | None = None):
     """The package's model on a mesh, ready for ``warmup()`` (hardware; see module docstring).
-    Forwards are keyed as :func:`forward_keys` says."""
-    from ...package import load_package
+    ``package``: its directory, or a ``package.LoadedPackage``. Everything comes from the
+    package as built, nothing is re-planned: its mesh and trace region (manifest), its
+    ``tensorbin/`` weights, its KV cache record and its programs, each lowered as it is (the
+    weights' PartitionSpecs and shapes it records). Forwards are keyed as :func:`forward_keys`
+    says."""
+    from ...package import LoadedPackage, load_package
     from . import cache as ttcache
     from .lowering import lower_forward
     from .trace import TraceRunner
 
-    pkg = load_package(package_dir)
-    bundle, plan = pkg.bundle, pkg.plan
+    pkg = package if isinstance(package, LoadedPackage) else load_package(package)
+    bundle = pkg.bundle
     if mesh_device is None:
-        mesh_device = ttnn.open_mesh_device(ttnn.MeshShape(*plan.mesh.shape),
-                                            trace_region_size=plan.trace_region_size or 0)
+        mesh_device = ttnn.open_mesh_device(ttnn.MeshShape(*pkg.mesh.shape), trace_region_size=pkg.trace_region_size)
     ex = Executor(ttnn, mesh_device)
-    ex.env["weights"].update(ttcache.load_mesh_weights(ttnn, mesh_device, package_dir))
+    ttcache.check_index(pkg.dir, ttcache.read_index(pkg.dir), pkg.weight_refs, pkg.mesh.shape)
+    ex.env["weights"].update(ttcache.load_mesh_weights(ttnn, mesh_device, pkg.dir))
     ex.env["kv"] = allocate_kv(ttnn, mesh_device, pkg.kv_cache)
     keys, trace_keys = forward_keys(bundle, sample_on_device_mode, host_fallback, trace_mode)
     forwards = {}
     for key in keys:
         phase, b, sampling, start = key
-        forwards[key] = lower_forward(bundle, plan, pkg.program(phase, b), sampling, chunk_start=start)
+        forwards[key] = lower_forward(bundle, pkg.mesh, pkg.program(phase, b), sampling, chunk_start=start)
     consts = {c.name: c for fw in forwards.values() for c in fw.consts}
     for c in consts.values():
         ex.env[c.name] = make_const(ttnn, mesh_device, c, bundle.arch)

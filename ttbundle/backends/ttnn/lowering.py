@@ -33,7 +33,7 @@ from typing import Callable
 from ... import layout
 from ...families.base import Dim
 from ...mesh import AXES, Mesh
-from ...plan import axes_of
+from ...plan import axes_of, tensor_layout
 from . import configs
 from .calls import KV, Attr, Call, Const, Forward, Layer, New, T, W
 from .layout import TILE, device_shape
@@ -104,18 +104,36 @@ class _Emitter:
         return cur  # x itself when nothing is split on this mesh
 
 
+class _Weight:
+    """A weight as the program records it (``program.WeightRef``'s JSON: PartitionSpec,
+    per-device shape, dtype, layers) and how ttnn holds it (``plan.tensor_layout`` of its kind)."""
+
+    def __init__(self, ref: dict, layout_: str):
+        self.spec = [axes_of(e) for e in ref["spec"]]
+        self.device_shape = list(ref["device_shape"])
+        self.dtype = ref["dtype"]
+        self.layers = None if ref.get("layers") is None else tuple(ref["layers"])
+        self.layout = layout_
+
+
 class _Lowerer(_Emitter):
-    def __init__(self, bundle, plan, program: dict, sampling: str, grid: tuple[int, int] | None = None):
-        super().__init__(plan.mesh, program_policy(program, bundle))
-        self.bundle, self.plan, self.prog = bundle, plan, program
+    """Lowers one program with what it records: the weights it reads (``weights``), its KV cache
+    (dtype, block size) and its mesh; ``bundle`` gives the arch (family traits, dims) and the
+    runtime limits. Nothing here reads a plan."""
+
+    def __init__(self, bundle, mesh: Mesh, program: dict, sampling: str, grid: tuple[int, int] | None = None):
+        super().__init__(mesh, program_policy(program, bundle))
+        self.bundle, self.prog = bundle, program
         self.fam, self.a = bundle.family, bundle.arch
         self.phase, self.rows = program["phase"], program["rows"]
         self.decode = self.phase == "decode"
         self.sampling = sampling
         self.grid = grid or self.mesh.chip.compute_grid
-        self.tensors = {t.name: t for t in plan.tensors}
+        decls = {t.name: t for t in self.fam.tensors(self.a)}
+        self.tensors = {n: _Weight(r, tensor_layout(decls[n])) for n, r in program["weights"].items()}
         self.traits = self.fam.traits(self.a)
-        self.kv_dtype = plan.kv["dtype"]
+        self.kv_dtype = program["kv_cache"]["dtype"]
+        self.block_size = int(program["kv_cache"]["block_size"])
         self.layer: int | None = None
         self.setup: dict[str, Call] = {}
         self.consts: dict[str, Const] = {}
@@ -135,8 +153,7 @@ class _Lowerer(_Emitter):
         t = self.tensors.get(w)
         if t is None:
             return False
-        decl = next(d for d in self.fam.tensors(self.a) if d.name == w)
-        return decl.layers is None or self.layer is None or decl.layers[0] <= self.layer < decl.layers[1]
+        return t.layers is None or self.layer is None or t.layers[0] <= self.layer < t.layers[1]
 
     def lt(self) -> dict:
         return self.fam.layer_traits(self.a, self.layer) if self.layer is not None else {}
@@ -187,7 +204,7 @@ def _rms_norm(lw: _Lowerer, st: dict) -> None:
 
 def _matmul(lw: _Lowerer, st: dict) -> None:
     x, w, out = st["x"], st["w"], st["out"]
-    spec = [axes_of(e) for e in lw.plan.specs[w]]
+    spec = lw.tensors[w].spec
     held = lw.shapes[x]
     inp = st["in_shape"]
     k = st["w_shape"][-2]
@@ -389,7 +406,7 @@ def _softcap_attention(lw: _Lowerer, nq: int, nkv: int, hd: int, scale: float, c
     (the mask input: causal, window, validity; made on the host per step), softmax, ``@ v``.
     Writes ``oh`` shaped like ``qr``."""
     blocks = lw.inputs["page_table"][0][1]
-    bs = lw.plan.kv["block_size"]
+    bs = lw.block_size
     L = blocks * bs
     R = lw.rows if lw.decode else 1  # sequences (page-table rows)
     Sq = 1 if lw.decode else lw.rows  # queries per sequence
@@ -619,7 +636,7 @@ def _combine(lw: _Lowerer, st: dict) -> None:
         lw.setup_call(view.key(lw.layer), "reshape", W("experts_b2"), [1, s[1], 1, s[3]], shape=(1, s[1], 1, s[3]))
         src = lw.call("add", T(x), view, out=f"{x}.b", shape=s, memory_config=DRAM)
     experts_w = "experts_w2"
-    axes = axes_of(lw.plan.specs[experts_w][0])
+    axes = lw.tensors[experts_w].spec[0]
     local = lw.partition("route", 3, axes, "route.local")  # [1, 1, rows, E_local]
     _, _, rows, El = lw.shapes[local]
     wt = lw.call("transpose", T(local), 1, 3, out="route.t", shape=(1, El, rows, 1), memory_config=DRAM)
@@ -816,13 +833,15 @@ def step_kind(st: dict) -> str:
     return st.get("op") or st["collective"]
 
 
-def inputs_of(program: dict, bundle, plan) -> dict:
-    """The device tensors a run writes before it starts (shape, dtype, layout)."""
+def inputs_of(program: dict, bundle) -> dict:
+    """The device tensors a run writes before it starts (shape, dtype, layout); page tables in
+    the program's KV blocks."""
     rows = program["rows"]
     if program["phase"] == "vision":  # the images' patches, flattened like the conv weight
         return {"patches": ((1, 1, rows, bundle.arch.vision.patch_pixels), "bf16", "TILE")}
     B = rows
-    blocks_per_seq = -(-bundle.spec.runtime.max_model_len // plan.kv["block_size"])
+    block_size = int(program["kv_cache"]["block_size"])
+    blocks_per_seq = -(-bundle.spec.runtime.max_model_len // block_size)
     ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
            "positions": ((1, rows), "uint32", "ROW_MAJOR")}
     if program["phase"] == "decode":
@@ -831,7 +850,7 @@ def inputs_of(program: dict, bundle, plan) -> dict:
     else:
         ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
         ins["chunk_start"] = ((1,), "int32", "ROW_MAJOR")
-        ins["fill_page_table"] = ((1, -(-rows // plan.kv["block_size"])), "int32", "ROW_MAJOR")  # the chunk's blocks
+        ins["fill_page_table"] = ((1, -(-rows // block_size)), "int32", "ROW_MAJOR")  # the chunk's blocks
         ins["seq_slot"] = ((1,), "int32", "ROW_MAJOR")
         ins["last_rows"] = ((1, 1, min(rows, TILE), rows), "bf16", "TILE")  # one-hot: the last prompt tile row
     head_rows = rows if program["phase"] == "decode" else min(rows, TILE)  # rows the head samples
@@ -876,16 +895,24 @@ def static_start(bundle, phase: str, bucket: int, start: int) -> int:
     return start
 
 
-def lower_forward(bundle, plan, program: dict, sampling: str = "device", grid: tuple[int, int] | None = None,
+def lower_forward(bundle, mesh, program: dict, sampling: str = "device", grid: tuple[int, int] | None = None,
                   chunk_start: int = 0) -> Forward:
-    """The ttnn calls of ``program`` (``lower.lower``'s JSON for one phase and bucket).
-    ``grid``: the compute grid to configure ops for (default: the mesh chip's); ``chunk_start``:
-    the static chunk start of an MLA prefill (:func:`chunk_starts`)."""
+    """The ttnn calls of ``program`` (``lower.lower``'s JSON for one phase and bucket, as a
+    package holds it) on ``mesh`` (the package's ``Mesh``; a build-time ``Plan`` gives its
+    ``mesh``). Every weight's PartitionSpec, per-device shape and dtype, the KV cache's dtype and
+    block size come from the program, nothing from a plan; a program for another mesh shape is
+    refused. ``grid``: the compute grid to configure ops for (default: the mesh chip's);
+    ``chunk_start``: the static chunk start of an MLA prefill (:func:`chunk_starts`)."""
     if sampling not in SAMPLING:
         raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
-    lw = _Lowerer(bundle, plan, program, sampling, grid)
+    mesh = getattr(mesh, "mesh", mesh)  # a Plan: its mesh
+    name = f"{program['phase']}-{program['bucket']}"
+    shape = list((program.get("mesh") or {}).get("shape", ()))
+    if shape != list(mesh.shape):
+        raise ValueError(f"program {name} is for a {shape} mesh, lowering for {mesh.describe()}")
+    lw = _Lowerer(bundle, mesh, program, sampling, grid)
     lw.chunk_start = int(chunk_start)
-    lw.inputs = inputs_of(program, bundle, plan)
+    lw.inputs = inputs_of(program, bundle)
     if program["phase"] == "vision":
         lw.shapes["patches"] = lw.inputs["patches"][0]
     layers: list[Layer] = []
