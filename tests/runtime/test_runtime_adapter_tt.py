@@ -133,3 +133,42 @@ def test_adapter_refuses_a_mesh_device_of_another_shape(ttnn_package, monkeypatc
     with pytest.raises(ValueError, match=r"built for .*handed a 1x2 mesh device"):
         model_class(pkg).initialize_vllm_model(SimpleNamespace(), n300, 32, 256)
     assert np.prod(n300.shape) == 2
+
+
+def test_the_adapter_class_opens_its_package_once_per_build(ttnn_package, tmp_path, monkeypatch):
+    """The generated class's ``model_capabilities`` and ``get_max_tokens_all_users`` read one
+    opened package (one cache, ``adapter._opened``): opened once for both, opened again when the
+    package is rebuilt in place (a new manifest.json). The capabilities are computed at each read
+    (the async decode bit follows the environment: a timing device turns it on), equal to
+    ``model_capabilities`` of the package's bundle.yaml, and the pool is Tenstorrent's formula
+    solved for the package's blocks."""
+    import os
+    import shutil
+
+    from ttbundle import spec as specmod
+    from ttbundle.runtime import packages, timing
+    from ttbundle.runtime.capabilities import model_capabilities
+    from ttbundle.runtime.model_runner import model_class
+
+    monkeypatch.delenv(timing.ENV, raising=False)
+    pkg_dir = tmp_path / ttnn_package.name
+    shutil.copytree(ttnn_package, pkg_dir)
+    opened, real = [], packages.open_package
+    monkeypatch.setattr(packages, "open_package", lambda p, *a, **k: opened.append(p) or real(p, *a, **k))
+    cls = model_class(real(pkg_dir))
+    bundle = specmod.load(pkg_dir / "bundle.yaml")
+    rt = bundle.spec.runtime
+    caps = cls.model_capabilities
+    assert caps == model_capabilities(bundle, device=True) and caps["supports_async_decode"] is False
+    tokens = cls.get_max_tokens_all_users(max_num_seqs=rt.max_num_seqs)
+    blocks = real(pkg_dir).kv_blocks
+    assert -(-(tokens + rt.kv_block_size * rt.max_num_seqs) // rt.kv_block_size) == blocks
+    assert len(opened) == 1
+    monkeypatch.setenv(timing.ENV, "timing:14ms")
+    assert cls.model_capabilities["supports_async_decode"] is True and len(opened) == 1
+    m = pkg_dir / "manifest.json"  # rebuilt in place: the build renames a new manifest over it
+    tmp = pkg_dir.parent / "manifest.json.new"
+    shutil.copyfile(m, tmp)
+    os.replace(tmp, m)
+    cls.get_max_tokens_all_users()
+    assert len(opened) == 2

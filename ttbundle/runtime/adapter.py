@@ -30,24 +30,32 @@ logger = logging.getLogger("vllm.ttbundle.adapter")
 
 class _ClassCapabilities:
     """``BundleModel.model_capabilities`` read on a generated adapter class: derived from its
-    package's spec (``capabilities.model_capabilities``, device path), read once per package."""
-
-    _cache: dict = {}
+    package's spec (``capabilities.model_capabilities``, device path), the package opened once
+    (:func:`_opened`)."""
 
     def __get__(self, obj, cls):
         d = cls.package_dir
         if d is None:
             return {}
-        if d not in self._cache:
-            from .. import spec as specmod
-            p = Path(d) / "bundle.yaml"
-            bundle = specmod.loads(p.read_text(encoding="utf-8"), str(p), base_dir=Path(d))
-            self._cache[d] = model_capabilities(bundle, device=True)
-        return dict(self._cache[d])
+        return model_capabilities(_opened(d).bundle, device=True)
+
+
+def _opened(package_dir: str):
+    """The package at ``package_dir``, verified and opened once per build of it: the one
+    per-package cache of the adapter class (its capabilities and KV pool read it). Keyed by the
+    directory and its manifest file, so a package rebuilt in place (a new manifest.json) is
+    opened again."""
+    d = Path(package_dir).absolute()
+    try:
+        st = (d / "manifest.json").stat()
+        ident = (st.st_ino, st.st_mtime_ns, st.st_size)
+    except OSError:
+        ident = None  # open_package names what is missing
+    return _open_once(str(d), ident)
 
 
 @functools.lru_cache(maxsize=8)
-def _opened(package_dir: str):
+def _open_once(package_dir: str, ident):
     from .packages import open_package
     return open_package(Path(package_dir))
 
