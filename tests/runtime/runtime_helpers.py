@@ -3,7 +3,13 @@ checks every recorded step sequence must pass."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
 
 import yaml
 
@@ -120,3 +126,55 @@ def check_steps(records, prompt_lens: dict, chunk: int, prefill_buckets: list[in
                 assert n == chunk, f"{rid}: chunk of {n} tokens in the middle of the prompt"
             assert total == plen, f"{rid}: chunks {run} cover {total} of {plen} tokens"
     return chunks
+
+
+# ---- vLLM's server on a package (the OpenAI tests) -------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def serving(pkg, d: Path, timeout: float = 600):
+    """vLLM's OpenAI server on package ``pkg`` as ``ttbundle serve`` starts it, with the step log
+    at ``d/steps.jsonl`` and its output in ``d/vllm.log``; yields the serve plan once /health
+    answers, prints the log's tail when start-up or the body fails, stops the server at exit."""
+    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
+
+    plan = plan_serve(pkg, "127.0.0.1", free_port())
+    plan.env["TTBUNDLE_STEP_LOG"] = str(d / "steps.jsonl")
+    log = d / "vllm.log"
+    with open(log, "wb") as f:
+        proc = start(plan, log=f)
+    try:
+        wait_healthy(proc, plan.host, plan.port, timeout=timeout)
+        yield plan
+    except Exception:
+        print(log.read_text()[-5000:])
+        raise
+    finally:
+        stop(proc)
+
+
+# ---- vLLM's engine in its own process (tt_engine_run.py, timing_engine_run.py) ----------------------
+RESULT = "RESULT "
+
+
+def engine_main(run_case) -> int:
+    """An engine script's entry: ``SCRIPT PACKAGE CASES_JSON``; prints one ``RESULT {json}`` line
+    of ``{case name: run_case(package, case)}``."""
+    pkg, cases = sys.argv[1], json.loads(sys.argv[2])
+    results = {name: run_case(pkg, case) for name, case in cases.items()}
+    print(RESULT + json.dumps(results), flush=True)
+    return 0
+
+
+def run_engine_script(script: Path, pkg, cases: dict, env: dict, timeout: float = 900) -> dict:
+    """``script`` (an :func:`engine_main` script) on ``pkg`` and ``cases`` in a fresh process (vLLM
+    resolves its platform once per process); its RESULT, or the failure with stderr's tail."""
+    r = subprocess.run([sys.executable, str(script), str(pkg), json.dumps(cases)], capture_output=True, text=True,
+                       env=env, cwd=script.parent, timeout=timeout)
+    line = [x for x in r.stdout.splitlines() if x.startswith(RESULT)]
+    assert r.returncode == 0 and line, r.stderr[-4000:]
+    return json.loads(line[-1][len(RESULT):])

@@ -11,15 +11,12 @@
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from runtime_helpers import PREFILL, hf_greedy, pick, spec_text
+from runtime_helpers import PREFILL, hf_greedy, pick, run_engine_script, spec_text
 
 HERE = Path(__file__).resolve().parent
 STEP_MS = 14.0
@@ -39,11 +36,7 @@ def timed(tmp_path_factory):
     pkg = build_package(spec_text("llama"), tmp_path_factory.mktemp("ttpkg"), "N150", backend="ttnn", warmup=False)
     env = {k: v for k, v in os.environ.items() if k not in ("TTBUNDLE_EMULATED", "TTBUNDLE_TEST_TTNN")}
     env["TTBUNDLE_DEVICE_MODEL"] = f"timing:{STEP_MS:g}ms"
-    r = subprocess.run([sys.executable, str(HERE / "timing_engine_run.py"), str(pkg), json.dumps(CASES)],
-                       capture_output=True, text=True, env=env, cwd=HERE, timeout=900)
-    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    assert r.returncode == 0 and line, r.stderr[-4000:]
-    return json.loads(line[-1][len("RESULT "):])
+    return run_engine_script(HERE / "timing_engine_run.py", pkg, CASES, env)
 
 
 def decode_order(res: dict) -> list[tuple[int, int, int]]:

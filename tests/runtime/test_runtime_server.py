@@ -8,13 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from runtime_helpers import CASES, DECODE, MAX_MODEL_LEN, PREFILL, hf_greedy, pick
+from runtime_helpers import CASES, DECODE, MAX_MODEL_LEN, PREFILL, hf_greedy, pick, serving
 
 openai = pytest.importorskip("openai")
 
@@ -33,32 +32,13 @@ class Server:
         return openai.OpenAI(base_url=self.url, api_key="none", timeout=120, max_retries=0, **kw)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def server(request, make_package, tmp_path_factory):
-    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
-
     family, mesh = request.param
     pkg, src = make_package(family, mesh)
     d = tmp_path_factory.mktemp(f"serve-{family}-{mesh}")
-    plan = plan_serve(pkg, "127.0.0.1", _free_port())
-    plan.env["TTBUNDLE_STEP_LOG"] = str(d / "steps.jsonl")
-    log = d / "vllm.log"
-    with open(log, "wb") as f:
-        proc = start(plan, log=f)
-    try:
-        wait_healthy(proc, plan.host, plan.port, timeout=600)
-        yield Server(plan.url, plan.name, src, d / "steps.jsonl", log)
-    except Exception:
-        print(log.read_text()[-5000:])
-        raise
-    finally:
-        stop(proc)
+    with serving(pkg, d) as plan:
+        yield Server(plan.url, plan.name, src, d / "steps.jsonl", d / "vllm.log")
 
 
 @pytest.fixture(scope="module")

@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from runtime_helpers import DECODE, PREFILL, pick, spec_text
+from runtime_helpers import DECODE, PREFILL, pick, run_engine_script, spec_text
 
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 4
@@ -37,11 +35,7 @@ def results(tmp_path_factory):
 
     pkg = build_package(spec_text("llama"), tmp_path_factory.mktemp("ttpkg"), "T3K", backend="ttnn", warmup=False)
     env = {k: v for k, v in os.environ.items() if k != "TTBUNDLE_EMULATED"}
-    r = subprocess.run([sys.executable, str(HERE / "tt_engine_run.py"), str(pkg), json.dumps(CASES)],
-                       capture_output=True, text=True, env=env, cwd=HERE, timeout=900)
-    line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
-    assert r.returncode == 0 and line, r.stderr[-4000:]
-    return json.loads(line[-1][len("RESULT "):])
+    return run_engine_script(HERE / "tt_engine_run.py", pkg, CASES, env)
 
 
 def check_order(res: dict) -> None:

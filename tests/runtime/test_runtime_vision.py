@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +20,8 @@ import pytest
 openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from spec_helpers import TINY_VL  # noqa: E402
+
+from runtime_helpers import serving  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MESH = "N300"
@@ -40,32 +41,14 @@ class Server:
         return openai.OpenAI(base_url=self.url, api_key="none", timeout=180, max_retries=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(packages_dir, tmp_path_factory):
     from ttbundle.runtime.demo import build_package
-    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
 
     pkg = build_package(TINY_VL, packages_dir, MESH)
     d = tmp_path_factory.mktemp("serve-vl")
-    plan = plan_serve(pkg, "127.0.0.1", _free_port())
-    plan.env["TTBUNDLE_STEP_LOG"] = str(d / "steps.jsonl")
-    log = d / "vllm.log"
-    with open(log, "wb") as f:
-        proc = start(plan, log=f)
-    try:
-        wait_healthy(proc, plan.host, plan.port, timeout=600)
-        yield Server(plan.url, plan.name, packages_dir / "src-tiny-gemma3-vl", pkg, log, d / "steps.jsonl")
-    except Exception:
-        print(log.read_text()[-5000:])
-        raise
-    finally:
-        stop(proc)
+    with serving(pkg, d) as plan:
+        yield Server(plan.url, plan.name, packages_dir / "src-tiny-gemma3-vl", pkg, d / "vllm.log", d / "steps.jsonl")
 
 
 def image(seed: int):

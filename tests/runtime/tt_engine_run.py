@@ -9,9 +9,7 @@ traces, and the double's events (op / compile / capture / replay), in order.
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 
 os.environ["TTBUNDLE_TEST_TTNN"] = "recording"
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -61,12 +59,6 @@ def run_case(pkg: str, case: dict) -> dict:
     return res
 
 
-def main() -> int:
-    pkg, cases = sys.argv[1], json.loads(sys.argv[2])
-    results = {name: run_case(pkg, case) for name, case in cases.items()}
-    print("RESULT " + json.dumps(results), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from runtime_helpers import engine_main
+    raise SystemExit(engine_main(run_case))
