@@ -645,6 +645,33 @@ def test_tensorbin_caches_that_disagree_with_the_programs_are_refused(t3k_packag
         device.open_model(recording.Recorder().module(), pkg, "all")
 
 
+def test_the_lowering_follows_the_programs_kv_record_not_the_spec():
+    """A program's ``kv_cache`` record edited (bfp8 blocks of 64 tokens, where the spec and its
+    plan say bf16 blocks of 32): the lowered forward writes the cache through a typecast to
+    bfloat8_b and its page tables hold ceil(max_model_len / 64) blocks; the program as lowered
+    has neither."""
+    import copy
+
+    bundle = _bundle("tiny-llama")
+    p = planmod.make_plan(bundle, "T3K")  # build time: the program a package would hold
+    rt = bundle.spec.runtime
+    assert (rt.kv_cache_dtype, rt.kv_block_size, rt.max_model_len) == ("bf16", 32, 256)
+    for phase, bucket, write in (("decode", 1, "experimental.paged_update_cache"),
+                                 ("prefill", 32, "experimental.paged_fill_cache")):
+        prog = lowermod.lower(bundle, p, phase, bucket).to_json()
+        edited = copy.deepcopy(prog)
+        edited["kv_cache"].update(dtype="bfp8", block_size=64)
+        for fw, cast, blocks in ((lowering.lower_forward(bundle, p.mesh, prog), False, 256 // 32),
+                                 (lowering.lower_forward(bundle, p.mesh, edited), True, 256 // 64)):
+            calls = [c for _, c in fw.calls()]
+            casts = [c for c in calls if c.fn == "typecast" and "bfloat8_b" in repr(c.args)]
+            writes = [c for c in calls if c.fn == write]
+            assert writes and (len(casts) == len(writes) if cast else not casts), (phase, cast)
+            assert fw.inputs["page_table"][0][1] == blocks
+            if phase == "prefill":
+                assert fw.inputs["fill_page_table"][0][1] == -(-32 // (64 if cast else 32))
+
+
 def test_a_program_for_another_mesh_is_not_lowered(t3k_package):
     """``lower_forward`` lowers a program on the mesh it records: a T3K program on N300 is
     refused naming both."""

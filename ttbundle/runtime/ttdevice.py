@@ -112,7 +112,7 @@ class TTDeviceModel:
         b = self.bundle.buckets
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
         self.trace_mode, self.sample_mode = trace_mode, sample_mode
-        self.block_size = self.bundle.spec.runtime.kv_block_size
+        self.block_size = int(package.loaded.kv_cache["block_size"])  # the programs' KV layout
         self.vocab_size = self.bundle.arch.vocab_size
         self.warmed: set[tuple[str, int]] = set()
         self.sealed = False
