@@ -629,6 +629,22 @@ def test_a_package_whose_spec_and_programs_disagree_is_refused(t3k_package, tmp_
     assert f"{key}: " in (pkg / "bundle.yaml").read_text().splitlines()[int(at.group(1)) - 1]
 
 
+def test_check_refuses_a_package_whose_spec_and_programs_disagree(t3k_package, tmp_path):
+    """`ttbundle check PACKAGE` on the swapped-placement package: exit 1 (a bad package,
+    docs/cli.md) with the disagreement, no traceback."""
+    from typer.testing import CliRunner
+
+    from pkg_mutations import edit_bundle_yaml
+    from ttbundle.cli import app
+    pkg = _mutated(t3k_package, tmp_path)
+    edit_bundle_yaml(pkg, _swap_w1)
+    r = CliRunner().invoke(app, ["check", str(pkg), "--steps", "1"])
+    out = " ".join(r.output.split())  # rich wraps long lines
+    assert r.exit_code == 1, r.output
+    assert "weight w1 is split [rows, cols] (PartitionSpec), bundle.yaml says [cols, rows]" in out, out
+    assert "Traceback" not in r.output and not isinstance(r.exception, AssertionError)
+
+
 def test_tensorbin_caches_that_disagree_with_the_programs_are_refused(t3k_package, tmp_path):
     """The ttnn path's weights come from ``tensorbin/``: an index whose dtype for a key is not
     the programs' is refused at open, naming the key and both (before, the caches were loaded as
