@@ -251,7 +251,6 @@ def tensor_dtype(spec, t: TensorDecl) -> str:
     return spec.weights.dtypes.dtype_of(t.name, t.group) if t.kind == "matrix" else "bf16"
 
 
-
 # ---- activation sharding propagation ------------------------------------------------------------
 @dataclass
 class _Act:

@@ -15,8 +15,6 @@ Real-device tests (``tt_hardware``) drive it; nothing here has run on hardware y
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from .calls import Call, Forward, resolve, resolve_attr
 from .layout import ttnn_dtype, ttnn_layout
 
