@@ -169,3 +169,41 @@ def llama_weights_one_chip(v, d, i, layers, heads, kv, hd, mlp_dtype, other_dtyp
     per_layer = (t(d, heads * hd, other_dtype) * 2 + t(d, kv * hd, other_dtype) * 2
                  + t(d, i, mlp_dtype) * 3 + wh_dram(d // 32, 64) * 2)
     return (wh_dram(v, d * 2) + t(d, v, other_dtype) + wh_dram(d // 32, 64) + layers * per_layer)
+
+# a tiny Qwen2.5-VL: text 8 heads of 32 (M-RoPE sections 4/6/6 of its 16 frequencies); vision 8 heads
+# of 8 (split over T3K's 8 columns), 4-pixel patches merged 2x2 (8-pixel blocks), windows of 16
+# pixels (2x2 blocks), full attention at layer 1; images up to 64x64 pixels = 256 patches, two
+# per prompt in a bucket of 512 patches
+TINY_QVL = """\
+name: tiny-qwen25-vl
+model:
+  family: qwen2_5_vl
+  vocab_size: 512
+  hidden_size: 256
+  intermediate_size: 512
+  num_hidden_layers: 2
+  num_attention_heads: 8
+  num_key_value_heads: 2
+  max_position_embeddings: 1024
+  rope_theta: 10000.0
+  mrope_section: [4, 6, 6]
+  vision:
+    depth: 3
+    hidden_size: 64
+    intermediate_size: 96
+    num_heads: 8
+    patch_size: 4
+    temporal_patch_size: 2
+    spatial_merge_size: 2
+    window_size: 16
+    fullatt_block_indexes: [1]
+    out_hidden_size: 256
+    image_token_id: 500
+    video_token_id: 501
+    vision_start_token_id: 502
+    vision_end_token_id: 503
+targets: [N150, N300, T3K]
+buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}
+runtime: {max_model_len: 384, max_num_seqs: 8}
+vision: {images_per_prompt: 2, min_pixels: 256, max_pixels: 4096, buckets: [256, 512]}
+"""

@@ -50,6 +50,11 @@ CASES = {
         text_config=GEMMA3_TEXT, mm_tokens_per_image=4, vision_config=dict(
             hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
             image_size=28, patch_size=14))),
+    "qwen2_5_vl": ("Qwen2_5_VLForConditionalGeneration", lambda: transformers.Qwen2_5_VLConfig(
+        text_config=dict(TINY, rope_parameters={"rope_type": "default", "rope_theta": 1e6, "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           fullatt_block_indexes=[1]),
+        image_token_id=127, video_token_id=126, vision_start_token_id=124, vision_end_token_id=125)),
 }
 
 
@@ -118,7 +123,21 @@ def test_hf_names_consume_every_checkpoint_key_once(case):
             assert tuple(w.shape) == t.shape, f"{n.tensor} layer {i}"
     assert sorted(set(ck) - set(uses)) == [], "HF tensors no declaration consumes"
     tied = {"model.embed_tokens.weight": 2} if a.tie_word_embeddings else {}
-    assert {k: c for k, c in uses.items() if c != 1} == tied
+    # a fused q/k/v checkpoint tensor (Qwen2.5-VL's vision qkv) is read by its three parts, which
+    # put back together are the tensor itself
+    fused: dict = {}
+    for n in table:
+        if n.transform.startswith("qkv_"):
+            fused.setdefault(n.hf[0], []).append(n)
+    for key, parts in fused.items():
+        assert sorted(p.transform for p in parts) == ["qkv_0", "qkv_1", "qkv_2"], key
+        src = ck[key.replace("{i}", "0")]
+        got = [transforms.apply(f"qkv_{k}", [src], a) for k in range(3)]
+        back = torch.cat([g.transpose(0, 1) if g.dim() == 2 else g for g in got], dim=0)
+        assert torch.equal(back, src), key
+    fused_uses = {k.replace("{i}", str(i)): 3 for k in fused
+                  for i in ([None] if "{i}" not in k else range(a.vision.depth))}
+    assert {k: c for k, c in uses.items() if c != 1} == {**tied, **fused_uses}
 
 
 # ---- (3) config import --------------------------------------------------------------------------
@@ -137,6 +156,8 @@ def view(a) -> dict:
         v["layer_types"] = list(a.kinds)
     if hasattr(a, "rope_local_base_freq"):
         v["local_rope"] = a.rope_local_base_freq
+    if hasattr(a, "mrope_section"):
+        v["mrope_section"] = list(a.mrope_section)
     return v
 
 
@@ -148,7 +169,8 @@ def hf_view(cfg, like: dict) -> dict:
     v = dict(vocab=t.vocab_size, hidden=t.hidden_size, inter=t.intermediate_size, layers=t.num_hidden_layers,
              heads=t.num_attention_heads, kv_heads=t.num_key_value_heads,
              head_dim=getattr(t, "head_dim", None) or t.hidden_size // t.num_attention_heads,
-             max_pos=t.max_position_embeddings, eps=t.rms_norm_eps, tied=t.tie_word_embeddings,
+             max_pos=t.max_position_embeddings, eps=t.rms_norm_eps,
+             tied=getattr(t, "tie_word_embeddings", None) if hasattr(t, "tie_word_embeddings") else cfg.tie_word_embeddings,
              act=getattr(t, "hidden_activation", None) or t.hidden_act,
              rope={k: full.get(k) for k in like["rope"]})
     v |= {k: getattr(t, k) for k in EXTRA if k in like}
@@ -156,6 +178,8 @@ def hf_view(cfg, like: dict) -> dict:
         v["layer_types"] = list(t.layer_types)
     if "local_rope" in like:
         v["local_rope"] = rp["sliding_attention"]["rope_theta"]
+    if "mrope_section" in like:
+        v["mrope_section"] = list(rp["mrope_section"])
     return v
 
 

@@ -61,9 +61,17 @@ def save_tiny(arch: str, d: Path, **over) -> Path:
         # a vision tower that fits the tiny text model: 2x2 patches pooled to 4 soft tokens, the
         # image tokens inside the vocabulary
         v = dims["vocab_size"]
-        kw.update(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                     num_attention_heads=2, image_size=28, patch_size=14),
-                  mm_tokens_per_image=4, image_token_index=v - 1, boi_token_index=v - 3, eoi_token_index=v - 2)
+        if arch.startswith("Qwen2_5_VL"):  # window attention, a 2x2 patch merger, M-RoPE over 16 freqs
+            kw["text_config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6,
+                                                    "mrope_section": [4, 6, 6]}
+            kw.update(vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2,
+                                         out_hidden_size=dims["hidden_size"], fullatt_block_indexes=[1]),
+                      image_token_id=v - 1, video_token_id=v - 2, vision_start_token_id=v - 4,
+                      vision_end_token_id=v - 3)
+        else:
+            kw.update(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, image_size=28, patch_size=14),
+                      mm_tokens_per_image=4, image_token_index=v - 1, boi_token_index=v - 3, eoi_token_index=v - 2)
     cls(architectures=[arch], **kw).save_pretrained(d)
     return d
 

@@ -256,15 +256,19 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
         raise InvalidInput(f"prompt of {prompt_len} + {steps} steps must fit max_model_len={rt.max_model_len}")
     g = torch.Generator().manual_seed(seed + 1)
     prompt = torch.randint(0, bundle.arch.vocab_size, (prompt_len,), generator=g).tolist()
-    mm = None
+    mm, inputs, rope, delta = None, None, None, 0
+    part = bundle.family.vision_part(bundle.arch)  # the family's vision part owns what differs
     if images:
         from . import vision
-        pixels = vision.pixel_values(bundle, images).to(tdtype)
-        prompt, mm = vision.prompt_with_images(bundle, prompt, len(images), chunk)
+        inputs = {k: x.to(tdtype) if x.is_floating_point() else x
+                  for k, x in vision.image_inputs(bundle, images).items()}
+        prompt, mm = vision.prompt_with_images(bundle, prompt, len(images), chunk, inputs)
         if len(prompt) + steps > rt.max_model_len:
             raise InvalidInput(f"a prompt of {len(prompt)} tokens with its images + {steps} steps must fit "
                                f"max_model_len={rt.max_model_len}; give fewer --steps or images")
         prompt_len = len(prompt)
+    if part is not None and hasattr(part, "rope_positions"):  # M-RoPE: the prompt's 3-row positions
+        rope, delta = part.rope_positions(bundle.arch.vision, prompt, inputs)
 
     # reference: per-layer outputs via forward hooks (independent of hidden_states conventions)
     cap: list = []
@@ -283,9 +287,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     try:
         with torch.no_grad():
             past = reference.kv_cache(hf, kv_dtype if kv_dtype == "bf16" else None)
-            kw = {} if mm is None else {
-                "pixel_values": pixels.to(device),
-                "token_type_ids": (torch.tensor([prompt]) == bundle.arch.vision.image_token_index).long().to(device)}
+            kw = {} if mm is None else part.reference_kwargs(bundle.arch.vision, prompt, inputs, device)
             out = hf(torch.tensor([prompt], device=device), past_key_values=past, use_cache=True, **kw)
             ref_layers.append([c[0] for c in cap])
             cap.clear()
@@ -325,14 +327,13 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     image_stat = None
     with torch.no_grad():
         if mm is not None:  # the package's vision program against transformers' image features
-            mm["embeds"] = model.encode_images(pixels.to(device))
-            runner.shapes_run.add(("vision", min(b for ph, b in model.programs if ph == "vision"
-                                                 and b >= len(images))))
-            ref_img = hf.model.get_image_features(pixels.to(device)).pooler_output
-            ref_img = ref_img.reshape(-1, ref_img.shape[-1]).float().cpu()
+            mm["embeds"] = model.encode_images(inputs["pixel_values"].to(device), inputs.get("image_grid_thw"))
+            need = part.bucket_need(bundle.arch.vision, inputs)
+            runner.shapes_run.add(("vision", min(b for ph, b in model.programs if ph == "vision" and b >= need)))
+            ref_img = part.reference_features(hf, inputs, device).float().cpu()
             e = mm["embeds"].float().cpu()
             image_stat = LayerStat("image", 0, float((ref_img - e).abs().max()), pcc(ref_img, e))
-        logits = runner.prefill(prompt, blocks, capture=emu_layers, mm=mm)
+        logits = runner.prefill(prompt, blocks, capture=emu_layers, mm=mm, rope_positions=rope)
         emu_tokens = [int(logits.argmax())]
         emu_logits.append(logits.float().cpu())
         prefill_caps = [torch.cat([c[i] for c in emu_layers], dim=0) for i in range(len(emu_layers[0]))]
@@ -340,7 +341,8 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
         pos = prompt_len
         for i in range(steps - 1):
             c: list = []
-            lg = runner.decode([ref_tokens[i]], [pos], [blocks], capture=c)
+            lg = runner.decode([ref_tokens[i]], [pos], [blocks], capture=c,
+                               rope_deltas=None if rope is None else [delta])
             pos += 1
             emu_tokens.append(int(lg[0].argmax()))
             emu_logits.append(lg[0].float().cpu())

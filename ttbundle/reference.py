@@ -23,6 +23,17 @@ def hf_config(bundle):
         raise InvalidInput(f"transformers cannot build a {model_type!r} config: {e}") from None
 
 
+def auto_class(model_type: str):
+    """transformers' auto class for a model type: the causal LM one, or the image-text-to-text
+    one for multimodal models transformers registers only there (Qwen2.5-VL)."""
+    import transformers
+    from transformers.models.auto import modeling_auto as m
+
+    if model_type not in m.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and model_type in m.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        return transformers.AutoModelForImageTextToText
+    return transformers.AutoModelForCausalLM
+
+
 def random_model(bundle, seed: int = 0, dtype=None):
     """A tiny-or-not HF model of the bundle's architecture with random weights scaled so that
     activations stay O(1) and greedy tokens vary (HF's own init makes near-constant outputs)."""
@@ -31,7 +42,7 @@ def random_model(bundle, seed: int = 0, dtype=None):
 
     cfg = hf_config(bundle)
     # eager attention: transformers' SDPA path ignores Gemma 2's attn_logit_softcapping
-    model = transformers.AutoModelForCausalLM.from_config(
+    model = auto_class(cfg.model_type).from_config(
         cfg, dtype=torch.float32, attn_implementation="eager", experts_implementation=EXPERTS).eval()
     g = torch.Generator().manual_seed(seed)
     traits = bundle.family.traits(bundle.arch)
@@ -70,7 +81,8 @@ def load_model(directory: str | Path, dtype=None):
 
     _quiet()
     try:
-        return transformers.AutoModelForCausalLM.from_pretrained(
+        cfg = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+        return auto_class(cfg.model_type).from_pretrained(
             str(directory), dtype=dtype or torch.float32, local_files_only=True,
             attn_implementation="eager", experts_implementation=EXPERTS).eval()
     except (OSError, ValueError) as e:

@@ -165,8 +165,17 @@ class Vision(BaseModel):
     images_per_prompt: int = Field(default=1, gt=0)
     """Most images one prompt may carry (vLLM's `limit_mm_per_prompt`; more is refused with a 400)."""
     buckets: list[int] = Field(default_factory=lambda: [1])
-    """Image counts the vision encoder is traced for, sorted and unique: a prompt's images are
-    encoded in one call padded to the smallest bucket holding them."""
+    """What the vision encoder is traced for, sorted and unique: Gemma 3, image counts (a
+    prompt's images are encoded in one call padded to the smallest bucket holding them);
+    Qwen2.5-VL, patch counts (a prompt's images' patches, padded likewise; default: the
+    patches of `images_per_prompt` images of `max_pixels`)."""
+    min_pixels: int | None = Field(default=None, gt=0)
+    """Qwen2.5-VL: the image processor enlarges a smaller image to at least this many pixels
+    (default 3136 = 56 x 56)."""
+    max_pixels: int | None = Field(default=None, gt=0)
+    """Qwen2.5-VL: the image processor shrinks a larger image to at most this many pixels, which
+    bounds one image's patches (max_pixels / patch_size^2) and soft tokens (a quarter of them);
+    default: 256 soft tokens' worth (200704 = 256 x 28 x 28 pixels at 14-pixel patches)."""
 
 
 class BundleSpec(BaseModel):
@@ -243,7 +252,7 @@ class Bundle:
         """The image settings of a model with a vision part (the spec's or the default), else None."""
         if getattr(self.arch, "vision", None) is None:
             return None
-        return self.spec.vision or Vision()
+        return self.family.vision_part(self.arch).settings(self.arch.vision, self.spec.vision or Vision())
 
     def locate(self, path: tuple, message: str, severity: str = "error") -> Diagnostic:
         return locate(self.file, self.positions, path, message, severity)
@@ -656,27 +665,12 @@ def _check_vision(b: Bundle) -> list[Diagnostic]:
     d, vs, at = [], b.vision, ("vision",)
     bks = vs.buckets
     if not bks:
-        return [b.locate(at + ("buckets",), "needs at least one image count")]
+        return [b.locate(at + ("buckets",), "needs at least one entry")]
     if bks != sorted(set(bks)):
         d.append(b.locate(at + ("buckets",), f"must be sorted and unique, got {bks}; write {sorted(set(bks))}"))
     for i, n in enumerate(bks):
         if n <= 0:
             d.append(b.locate(at + ("buckets", i), f"{n} must be positive"))
-    if max(bks) < vs.images_per_prompt:
-        d.append(b.locate(at + ("buckets",), f"the largest vision bucket ({max(bks)} images) cannot hold "
-                          f"images_per_prompt={vs.images_per_prompt}: a prompt's images are encoded in one "
-                          f"call; add a bucket of {vs.images_per_prompt} or lower images_per_prompt"))
-    per_image = v.mm_tokens_per_image + 2  # begin-of-image, soft tokens, end-of-image
-    bk = b.buckets
-    chunk = bk.prefill_chunk or (max(bk.prefill) if bk.prefill else 0)
-    if chunk and per_image > chunk:
-        d.append(b.locate(("buckets", "prefill_chunk" if bk.prefill_chunk else "prefill"),
-                          f"one image is {per_image} tokens (mm_tokens_per_image={v.mm_tokens_per_image} + "
-                          f"begin/end of image) but a prefill chunk holds {chunk}; an image's tokens attend to "
-                          f"each other and must be prefilled together: use a chunk >= {per_image}"))
-    need = vs.images_per_prompt * per_image
-    if need >= s.runtime.max_model_len:
-        d.append(b.locate(at + ("images_per_prompt",), f"{vs.images_per_prompt} images x {per_image} tokens "
-                          f"= {need} tokens leave no room in max_model_len={s.runtime.max_model_len}; lower "
-                          "images_per_prompt or raise runtime.max_model_len"))
-    return d
+    # what the buckets count, and what else must fit, is the family's vision part's rule
+    return d + b.family.vision_part(b.arch).check_settings(b, vs)
+

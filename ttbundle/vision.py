@@ -21,21 +21,24 @@ def _vision(bundle):
     return v
 
 
+def _part(bundle):
+    """The module of the bundle's vision part (``Family.vision_part``): it owns what differs
+    between families (processor settings, the prompt layout of an image, program inputs)."""
+    _vision(bundle)
+    return bundle.family.vision_part(bundle.arch)
+
+
 def preprocessor_config(bundle) -> dict:
     """HF ``preprocessor_config.json`` of the bundle's image processor (Gemma 3: resize to
-    image_size, scale to [0, 1], normalize with mean = std = 0.5, no pan-and-scan)."""
-    v = _vision(bundle)
-    return {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
-            "do_convert_rgb": True, "do_resize": True, "size": {"height": v.image_size, "width": v.image_size},
-            "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False}
+    image_size, scale to [0, 1], normalize with mean = std = 0.5, no pan-and-scan; Qwen2.5-VL:
+    resize within the spec's pixel budget to multiples of patch x merge pixels, CLIP's mean/std)."""
+    return _part(bundle).preprocessor_config(bundle.arch.vision, bundle.vision)
 
 
 def processor_config(bundle) -> dict:
     """HF ``processor_config.json``: the processor class vLLM's multimodal processor loads (with
-    the package's tokenizer, whose special tokens name the image tokens) and its soft tokens."""
-    v = _vision(bundle)
-    return {"processor_class": "Gemma3Processor", "image_seq_length": v.mm_tokens_per_image}
+    the package's tokenizer, whose special tokens name the image tokens) and its settings."""
+    return _part(bundle).processor_config(bundle.arch.vision, bundle.vision)
 
 
 def package_files(bundle) -> dict[str, bytes]:
@@ -68,41 +71,41 @@ def load_images(images) -> list:
     return out
 
 
+def image_inputs(bundle, images) -> dict:
+    """What the HF image processor makes of ``images`` with the package's settings, float32:
+    ``pixel_values`` (Gemma 3: [n, channels, image_size, image_size]; Qwen2.5-VL: [patches,
+    channels x temporal x patch^2]) and, where the family has it, ``image_grid_thw`` [n, 3]."""
+    return _part(bundle).image_inputs(bundle.arch.vision, bundle.vision, load_images(images))
+
+
 def pixel_values(bundle, images):
-    """[n, channels, image_size, image_size] float32 as the HF image processor makes them."""
-    import transformers
-
-    _vision(bundle)
-    cfg = {k: v for k, v in preprocessor_config(bundle).items()
-           if k not in ("image_processor_type", "processor_class")}
-    proc = transformers.Gemma3ImageProcessor(**cfg)
-    return proc(images=load_images(images), return_tensors="pt")["pixel_values"].float()
+    """``image_inputs(bundle, images)["pixel_values"]``."""
+    return image_inputs(bundle, images)["pixel_values"]
 
 
-def image_tokens(v) -> list[int]:
-    """One image in a prompt: begin-of-image, the soft-token placeholders, end-of-image."""
-    return [v.boi_token_index] + [v.image_token_index] * v.mm_tokens_per_image + [v.eoi_token_index]
-
-
-def prompt_with_images(bundle, prompt: list[int], n: int, chunk: int) -> tuple[list[int], dict]:
+def prompt_with_images(bundle, prompt: list[int], n: int, chunk: int, inputs: dict | None = None) -> tuple[list[int], dict]:
     """``prompt`` (random text tokens) with ``n`` images after its first token, special tokens
     kept out of the text; the placeholders' positions and every token's image block (-1: text).
-    Every image lies within the first prefill chunk (an image's tokens are prefilled together)."""
-    v = _vision(bundle)
+    Every image lies within the first prefill chunk (an image's tokens are prefilled together).
+    ``inputs`` (:func:`image_inputs`): the images, for families whose images differ in length."""
+    part = _part(bundle)
+    v = bundle.arch.vision
     vs = bundle.vision
     if n > vs.images_per_prompt:
         raise InvalidInput(f"{n} images exceed vision.images_per_prompt={vs.images_per_prompt} of {bundle.file}")
-    special = {v.image_token_index, v.boi_token_index, v.eoi_token_index}
+    special = set(part.special_tokens(v))
     text = [t if t not in special else (t + 3) % bundle.arch.vocab_size for t in prompt]
     text = [t if t not in special else 0 for t in text]
-    per = len(image_tokens(v))
-    if 1 + n * per > chunk:
-        raise InvalidInput(f"{n} images x {per} tokens after the first token need {1 + n * per} tokens in "
-                           f"the first prefill chunk, which holds {chunk}; give fewer images")
-    out = text[:1] + sum((image_tokens(v) for _ in range(n)), []) + text[1:]
+    per = [part.image_tokens(v, inputs, k) for k in range(n)]
+    if 1 + sum(map(len, per)) > chunk:
+        raise InvalidInput(f"{n} images of {', '.join(str(len(p)) for p in per)} tokens after the first token need "
+                           f"{1 + sum(map(len, per))} tokens in the first prefill chunk, which holds {chunk}; "
+                           "give fewer or smaller images")
+    out = text[:1] + sum(per, []) + text[1:]
+    pad = part.placeholder(v)
     blocks, positions, b, prev = [], [], -1, False
     for i, t in enumerate(out):
-        img = t == v.image_token_index
+        img = t == pad
         if img and not prev:
             b += 1
         blocks.append(b if img else -1)

@@ -96,11 +96,9 @@ def run(model, bundle, phase: str, b: int):
     import torch
 
     if phase == "vision":  # the vision encoder on b fixed images: some soft-token rows recorded
-        v = bundle.arch.vision
-        n = torch.arange(b * v.num_channels * v.image_size ** 2, dtype=torch.float64)
-        px = torch.sin(n * 0.37).reshape(b, v.num_channels, v.image_size, v.image_size).float()
+        inputs = bundle.family.vision_part(bundle.arch).warmup_inputs(bundle.arch.vision, bundle.vision, b)
         with torch.no_grad():
-            out = model.encode_images(px)
+            out = model.encode_images(inputs["pixel_values"], inputs.get("image_grid_thw"))
         k = min(PREFILL_ROWS, out.shape[0])
         ts = sorted({round(j * (out.shape[0] - 1) / max(1, k - 1)) for j in range(k)})
         return out[ts].float(), [f"soft token {t}" for t in ts]

@@ -11,6 +11,7 @@ from .gpt_oss import GptOss
 from .llama import Llama
 from .mistral import Mistral
 from .qwen2 import Qwen2
+from .qwen2_5_vl import Qwen25VL
 from .qwen3 import Qwen3
 
 _FAMILIES: dict[str, Family] = {}
@@ -22,7 +23,7 @@ def register(family: Family) -> None:
     _FAMILIES[family.name] = family
 
 
-for _f in (Llama(), Qwen2(), Qwen3(), Mistral(), Gemma2(), Gemma3(), DeepseekV3(), GptOss()):
+for _f in (Llama(), Qwen2(), Qwen3(), Mistral(), Gemma2(), Gemma3(), DeepseekV3(), GptOss(), Qwen25VL()):
     register(_f)
 
 

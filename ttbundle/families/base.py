@@ -321,6 +321,12 @@ class Family:
         return self.hf_ignored
 
     # -- vision (multimodal families) -----------------------------------------------------------
+    def vision_part(self, a):
+        """The module of arch ``a``'s vision part (``gemma3_vision``, ``qwen2_5_vl_vision``), or
+        None (text only). Each such module has the same functions (image settings, preprocessing,
+        prompt layout, program inputs, reference): shared code calls them, never a family name."""
+        return None
+
     def vision_programs(self, a) -> list | None:
         """(layer kind, count, ops) of the vision encoder's program, or None (text only). Its
         activations start from ``vision_inputs``; its tensors are part of ``tensors()``."""

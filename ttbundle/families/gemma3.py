@@ -80,6 +80,9 @@ class Gemma3(Gemma2):
         return t if a.vision is None else {**t, "norms": {**t.get("norms", {}), **gv.norms(a.vision)}}
 
     # -- vision ---------------------------------------------------------------------------------
+    def vision_part(self, a):
+        return None if a.vision is None else gv
+
     def vision_programs(self, a):
         return None if a.vision is None else gv.programs(a.vision)
 

@@ -27,6 +27,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl
 from . import transforms
 
+#: one image's soft tokens attend to each other bidirectionally in the text model (HF's
+#: ``token_type_ids`` mask, vLLM's ``is_mm_prefix_lm``)
+BIDIRECTIONAL_IMAGES = True
+
 
 class Gemma3Vision(BaseModel):
     """Gemma 3's vision tower (HF ``vision_config``, a SiglipVisionConfig) and image tokens."""
@@ -237,3 +241,116 @@ def norms(v: Gemma3Vision) -> dict:
     ln = {"eps": v.layer_norm_eps, "layer_norm": True}
     return {"v_ln1": {**ln, "bias": "v_ln1_b"}, "v_ln2": {**ln, "bias": "v_ln2_b"},
             "v_post_ln": {**ln, "bias": "v_post_ln_b"}, "mm_norm": {"eps": v.layer_norm_eps}}
+
+
+# ---- the vision part's interface (shared code calls these; qwen2_5_vl_vision has the same) -----
+def settings(v: Gemma3Vision, vs):
+    """The spec's ``vision:`` settings as they apply (Gemma 3: as written; buckets count images)."""
+    return vs
+
+
+def check_settings(b, vs) -> list:
+    """Diagnostics for ``vs`` (buckets = image counts) against the token budget."""
+    v, d, at = b.arch.vision, [], ("vision",)
+    for k in ("min_pixels", "max_pixels"):
+        if getattr(vs, k) is not None:
+            d.append(b.locate(at + (k,), f"{k} is Qwen2.5-VL's pixel budget; Gemma 3 resizes every image to "
+                              f"image_size={v.image_size}: remove it"))
+    bks = vs.buckets
+    if bks and max(bks) < vs.images_per_prompt:
+        d.append(b.locate(at + ("buckets",), f"the largest vision bucket ({max(bks)} images) cannot hold "
+                          f"images_per_prompt={vs.images_per_prompt}: a prompt's images are encoded in one "
+                          f"call; add a bucket of {vs.images_per_prompt} or lower images_per_prompt"))
+    per_image = v.mm_tokens_per_image + 2  # begin-of-image, soft tokens, end-of-image
+    bk = b.buckets
+    chunk = bk.prefill_chunk or (max(bk.prefill) if bk.prefill else 0)
+    if chunk and per_image > chunk:
+        d.append(b.locate(("buckets", "prefill_chunk" if bk.prefill_chunk else "prefill"),
+                          f"one image is {per_image} tokens (mm_tokens_per_image={v.mm_tokens_per_image} + "
+                          f"begin/end of image) but a prefill chunk holds {chunk}; an image's tokens attend to "
+                          f"each other and must be prefilled together: use a chunk >= {per_image}"))
+    need = vs.images_per_prompt * per_image
+    if need >= b.spec.runtime.max_model_len:
+        d.append(b.locate(at + ("images_per_prompt",), f"{vs.images_per_prompt} images x {per_image} tokens "
+                          f"= {need} tokens leave no room in max_model_len={b.spec.runtime.max_model_len}; lower "
+                          "images_per_prompt or raise runtime.max_model_len"))
+    return d
+
+
+def preprocessor_config(v: Gemma3Vision, vs) -> dict:
+    """HF ``preprocessor_config.json``: resize to image_size, scale to [0, 1], normalize with
+    mean = std = 0.5, no pan-and-scan."""
+    return {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
+            "do_convert_rgb": True, "do_resize": True, "size": {"height": v.image_size, "width": v.image_size},
+            "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
+            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False}
+
+
+def processor_config(v: Gemma3Vision, vs) -> dict:
+    return {"processor_class": "Gemma3Processor", "image_seq_length": v.mm_tokens_per_image}
+
+
+def image_inputs(v: Gemma3Vision, vs, images: list) -> dict:
+    """``pixel_values`` [n, channels, image_size, image_size] as transformers' Gemma 3 image
+    processor makes them."""
+    import transformers
+
+    cfg = {k: x for k, x in preprocessor_config(v, vs).items() if k not in ("image_processor_type", "processor_class")}
+    proc = transformers.Gemma3ImageProcessor(**cfg)
+    return {"pixel_values": proc(images=images, return_tensors="pt")["pixel_values"].float()}
+
+
+def special_tokens(v: Gemma3Vision) -> tuple[int, ...]:
+    return (v.image_token_index, v.boi_token_index, v.eoi_token_index)
+
+
+def placeholder(v: Gemma3Vision) -> int:
+    """The prompt token each soft token replaces."""
+    return v.image_token_index
+
+
+def image_tokens(v: Gemma3Vision, inputs, k: int) -> list[int]:
+    """Image ``k`` in a prompt: begin-of-image, the soft-token placeholders, end-of-image."""
+    return [v.boi_token_index] + [v.image_token_index] * v.mm_tokens_per_image + [v.eoi_token_index]
+
+
+def bucket_need(v: Gemma3Vision, inputs: dict) -> int:
+    """What a vision bucket must hold for ``inputs``: images."""
+    return inputs["pixel_values"].shape[0]
+
+
+def program_inputs(v: Gemma3Vision, inputs: dict, bucket: int, dtype):
+    """(patches [bucket images x num_patches, patch_pixels], per-call metadata (none), a function
+    from the program's ``image`` rows to the images' soft tokens in prompt order)."""
+    import torch
+
+    px = inputs["pixel_values"]
+    n = px.shape[0]
+    pad = torch.zeros(bucket, *px.shape[1:], dtype=dtype)
+    pad[:n] = px.to(dtype)
+    p, side = v.patch_size, v.patches_per_side
+    # [n, C, side, p, side, p] -> patches row-major, each (channel, row, column) like the conv weight
+    patches = pad.view(bucket, v.num_channels, side, p, side, p).permute(0, 2, 4, 1, 3, 5)
+    return patches.reshape(bucket * v.num_patches, v.patch_pixels), None, lambda out: out[:n * v.mm_tokens_per_image]
+
+
+def warmup_inputs(v: Gemma3Vision, vs, bucket: int) -> dict:
+    """Fixed pixels filling a vision bucket (the build records the program's output on them)."""
+    import torch
+
+    n = torch.arange(bucket * v.num_channels * v.image_size ** 2, dtype=torch.float64)
+    return {"pixel_values": torch.sin(n * 0.37).reshape(bucket, v.num_channels, v.image_size, v.image_size).float()}
+
+
+def reference_kwargs(v: Gemma3Vision, prompt: list[int], inputs: dict, device) -> dict:
+    """transformers ``Gemma3ForConditionalGeneration`` inputs besides the prompt's ids."""
+    import torch
+
+    return {"pixel_values": inputs["pixel_values"].to(device),
+            "token_type_ids": (torch.tensor([prompt]) == v.image_token_index).long().to(device)}
+
+
+def reference_features(hf, inputs: dict, device):
+    """transformers' soft tokens of the images [soft tokens, text hidden]."""
+    out = hf.model.get_image_features(inputs["pixel_values"].to(device)).pooler_output
+    return out.reshape(-1, out.shape[-1])

@@ -164,7 +164,7 @@ class BundleModel:
     def prefill_forward(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache: KVCache,
                         prompt_lens, start_pos=None, sampling_params: DeviceSampling | None = None,
                         enable_trace: bool = True, return_prompt_logits: bool = False, mm: dict | None = None,
-                        pixel_values=None, **kwargs):
+                        pixel_values=None, rope_positions: torch.Tensor | None = None, **kwargs):
         """One sequence's prefill chunk. ``tokens`` [1, S] with S a prefill bucket, the first
         ``prompt_lens[0]`` real; positions start at ``start_pos[0]``. Returns the last real
         token's logits [1, V] (host sampling) or its sampled id [1] (``sampling_params``);
@@ -174,7 +174,10 @@ class BundleModel:
         images as Tenstorrent's plugin passes them (a list per request, or a tensor), encoded
         here by the package's vision program (``runtime.images.prompt_inputs``): the prompt is
         prefilled whole in this call. Other keyword arguments of that plugin (e.g.
-        ``image_grid_thw``, for models this package is not) are accepted and unused."""
+        ``image_grid_thw``, for models this package is not) are accepted and unused.
+        ``rope_positions`` [3, 1, S]: M-RoPE positions (temporal, height, width) of the chunk's
+        tokens for a family with M-RoPE (Qwen2.5-VL; ``qwen2_5_vl_vision.mrope_positions``);
+        None: the cache positions. KV slots always come from the cache positions."""
         N, S = tokens.shape
         if N != 1 or S not in self.prefill_buckets:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
@@ -192,7 +195,8 @@ class BundleModel:
             mm = prompt_inputs(tokens[0, :n].tolist(), px, self.bundle.arch.vision, self.encode_images, S)
         valid = torch.arange(S)[None, :] < n
         positions = torch.where(valid, torch.arange(p0, p0 + S)[None, :], torch.zeros(1, S, dtype=torch.long))
-        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache, mm=mm)
+        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache, mm=mm,
+                                    rope_positions=rope_positions)
         if return_prompt_logits:
             return logits[0, :n].float()
         return self._finish(logits[:, n - 1], sampling_params)
@@ -202,24 +206,30 @@ class BundleModel:
         return sorted(b for ph, b in self.model.programs if ph == "vision")
 
     @torch.no_grad()
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Soft tokens [images * mm_tokens_per_image, hidden] of ``pixel_values`` [images, C, H, W]
-        (vLLM's processor made them): the vision program of the smallest bucket holding them."""
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw=None) -> torch.Tensor:
+        """Soft tokens [soft tokens, hidden] of the images vLLM's processor made (Gemma 3:
+        ``pixel_values`` [images, C, H, W]; Qwen2.5-VL: [patches, C x T x P x P] with
+        ``image_grid_thw`` [images, 3]): the vision program of the smallest bucket holding them
+        (what a bucket counts is the family's vision part's ``bucket_need``)."""
         from ..backends.emulated.model import pick
-        self._program("vision", pick(self.vision_buckets, pixel_values.shape[0]))
-        return self.model.encode_images(pixel_values)
+        inputs = {"pixel_values": pixel_values, **({} if image_grid_thw is None else {"image_grid_thw": image_grid_thw})}
+        need = self.model.vision_part.bucket_need(self.bundle.arch.vision, inputs)
+        self._program("vision", pick(self.vision_buckets, need))
+        return self.model.encode_images(pixel_values, image_grid_thw)
 
     @torch.no_grad()
     def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: torch.Tensor,
                        kv_cache: KVCache, sampling_params: DeviceSampling | None = None,
                        enable_trace: bool = True, read_from_device: bool = True, prev_output=None,
-                       prev_rows: torch.Tensor | None = None):
+                       prev_rows: torch.Tensor | None = None, rope_positions: torch.Tensor | None = None):
         """One decode step. ``tokens`` [B, 1] with B a decode bucket; ``start_pos`` [B] is each
         row's position, -1 for padding rows. Returns logits [B, V] or sampled ids [B].
         Async decode: ``read_from_device=False`` returns the step's output handle (read with
         :meth:`read_decode_output`); a row ``i`` with ``prev_rows[i] >= 0`` takes its input token
         from row ``prev_rows[i]`` of ``prev_output``, an earlier step's unread sampled ids (on the
-        emulated mesh the handle already holds them: the step ran at submit)."""
+        emulated mesh the handle already holds them: the step ran at submit). ``rope_positions``
+        [3, B, 1]: M-RoPE positions (a row at cache position p of a prompt with M-RoPE delta d:
+        p + d in all three rows); None: the cache positions."""
         if prev_rows is not None:
             take = prev_rows >= 0
             tokens = torch.where(take[:, None], prev_output[prev_rows.clamp(min=0)].long()[:, None], tokens)
@@ -230,7 +240,8 @@ class BundleModel:
         program = self._program("decode", B)
         valid = (start_pos >= 0)[:, None]
         positions = start_pos.clamp(min=0)[:, None]
-        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache)
+        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache,
+                                    rope_positions=rope_positions)
         return self._finish(logits[:, 0], sampling_params)
 
     # -- warm-up --------------------------------------------------------------------------------
@@ -251,10 +262,11 @@ class BundleModel:
             self.warmed.add(("prefill", S))
             logger.info("[WARMUP] (%d/%d) prefill %d tokens: %.2f s", i + 1, len(self.prefill_buckets),
                         S, time.perf_counter() - t0)
-        v = getattr(self.bundle.arch, "vision", None)
-        for n in self.vision_buckets:  # the vision encoder on zero images of each bucket
+        part = self.model.vision_part
+        for n in self.vision_buckets:  # the vision encoder on fixed pixels filling each bucket
             t0 = time.perf_counter()
-            self.encode_images(torch.zeros(n, v.num_channels, v.image_size, v.image_size))
+            x = part.warmup_inputs(self.bundle.arch.vision, self.bundle.vision, n)
+            self.encode_images(x["pixel_values"], x.get("image_grid_thw"))
             self.warmed.add(("vision", n))
             logger.info("[WARMUP] vision %d image(s): %.2f s", n, time.perf_counter() - t0)
 

@@ -70,6 +70,19 @@ def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, scaling, dtype
     return (emb.cos() * att).to(dtype), (emb.sin() * att).to(dtype)
 
 
+def mrope_cos_sin(positions: torch.Tensor, dim: int, theta: float, scaling, section, dtype):
+    """M-RoPE (Qwen2-VL / Qwen2.5-VL): ``positions`` [3, T] (temporal, height, width); the
+    rotary frequencies split by ``section`` (summing to dim / 2) rotate by the temporal, height
+    and width position in turn, as HF's multimodal rotary embedding does. Equal rows (text) give
+    ``rope_cos_sin`` of that row."""
+    inv, att = rope_inv_freq(dim, theta, scaling)
+    freqs = positions.to(torch.float64)[:, :, None] * inv.to(positions.device)[None, None, :]  # [3, T, dim/2]
+    which = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(list(section)))
+    f = freqs.gather(0, which.to(positions.device)[None, None, :].expand(1, freqs.shape[1], -1))[0]
+    emb = torch.cat([f, f], dim=-1)
+    return (emb.cos() * att).to(dtype), (emb.sin() * att).to(dtype)
+
+
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
@@ -127,6 +140,12 @@ class Ctx:
     #: [N, S] image block of each context position (-1: text): the soft tokens of one image
     #: attend to each other bidirectionally (Gemma 3's token_type_ids mask); None: no images
     blocks: object = None
+    #: [3, N, Tq] M-RoPE positions (temporal, height, width) of the tokens when the family's
+    #: traits carry ``mrope_section``; None: ``positions`` in all three rows
+    rope_positions: object = None
+    #: per-call inputs of a vision program besides its activations (the family's vision part
+    #: makes them on the host: e.g. Qwen2.5-VL's rope angles and attention segments per row)
+    vision: dict | None = None
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (new cache rows, last dim = one token's row) as the cache's storage holds it."""
@@ -135,6 +154,11 @@ class Ctx:
 
 def _rope_tables(ctx: Ctx, dim: int, theta: float, scaling):
     key = ("rope", dim, theta, id(scaling))
+    section = ctx.traits.get("mrope_section")
+    if key not in ctx.cache and section:
+        rp = getattr(ctx, "rope_positions", None)
+        rp = ctx.positions[None].expand(3, -1, -1) if rp is None else rp
+        ctx.cache[key] = mrope_cos_sin(rp.reshape(3, -1), dim, theta, scaling, section, ctx.dtype)
     if key not in ctx.cache:
         ctx.cache[key] = rope_cos_sin(ctx.positions.reshape(-1), dim, theta, scaling, ctx.dtype)
     return ctx.cache[key]

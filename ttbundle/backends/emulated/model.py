@@ -86,6 +86,10 @@ class EmulatedModel:
         self.kv_dtype, self._store = kv_store(self.kv_layout["dtype"], dtype)
         self._embed_rows = None
         self._splits: dict = {}
+        self.vision_part = self.family.vision_part(self.arch)
+        # whether one image's soft tokens attend to each other bidirectionally (Gemma 3) or
+        # causally like text (Qwen2.5-VL): the family's vision part says
+        self._image_blocks = bool(getattr(self.vision_part, "BIDIRECTIONAL_IMAGES", False))
 
     @classmethod
     def from_canonical(cls, bundle, plan, canonical: dict, programs: dict | None = None, dtype=torch.float32,
@@ -145,13 +149,19 @@ class EmulatedModel:
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, program: Program, tokens, positions, valid, page_table, kv: KVCache,
-                capture: list | None = None, mm: dict | None = None):
+                capture: list | None = None, mm: dict | None = None, rope_positions=None):
         """Run ``program`` on tokens/positions/valid [N, Tq]; page_table [N, blocks]. Returns
         logits [N, Tq, vocab] (device 0's copy; every device holds the same after the gather).
         ``mm``: image soft tokens merged after the embedding: ``mask`` [N*Tq] (the placeholder
         tokens), ``embeds`` [mask.sum(), hidden] (the vision program's output), ``blocks``
-        [N, S] the image block of every context position (-1: text)."""
+        [N, S] the image block of every context position (-1: text). ``rope_positions``
+        [3, N, Tq]: M-RoPE positions (temporal, height, width) of a family with
+        ``mrope_section`` (Qwen2.5-VL; ``qwen2_5_vl_vision.mrope_positions`` makes a prompt's);
+        None: ``positions`` in all three rows. Cache slots always come from ``positions``."""
         N, Tq = tokens.shape
+        if rope_positions is not None and tuple(rope_positions.shape) != (3, N, Tq):
+            raise ValueError(f"rope_positions must be [3, {N}, {Tq}] (temporal, height, width per token), "
+                             f"got {list(rope_positions.shape)}")
         dev = self.device
         tokens, positions, valid = tokens.to(dev), positions.to(dev), valid.to(dev)
         page_table = page_table.to(dev)
@@ -163,7 +173,8 @@ class EmulatedModel:
         ctx_slots = (page_table[:, :nblk, None] * bs + torch.arange(bs, device=dev)).reshape(N, -1)[:, :S]
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, positions, valid, slots,
                   ctx_slots, kv.layers, self.dtype, units=self.units, store=self._store,
-                  blocks=None if mm is None else mm["blocks"].to(dev))
+                  blocks=None if mm is None or not self._image_blocks else mm["blocks"].to(dev),
+                  rope_positions=None if rope_positions is None else rope_positions.to(dev))
         flat = tokens.reshape(-1)
         h = None
         layer = 0
@@ -199,38 +210,39 @@ class EmulatedModel:
         h[:, mask] = mm["embeds"].to(device=self.device, dtype=h.dtype)[None]
         return h
 
-    def encode_images(self, pixel_values):
-        """The vision program of the smallest vision bucket holding ``pixel_values`` [n, C, S, S]
-        (zero images pad it) -> soft tokens [n * mm_tokens_per_image, hidden]."""
-        v = self.arch.vision
-        n = pixel_values.shape[0]
+    def encode_images(self, pixel_values, image_grid_thw=None):
+        """The vision program of the smallest vision bucket holding the images (padding fills
+        it) -> their soft tokens [soft tokens, hidden] in prompt order. ``pixel_values`` as the
+        family's HF image processor makes them (Gemma 3: [n, C, S, S]; Qwen2.5-VL: [patches,
+        C x temporal x patch^2] with ``image_grid_thw`` [n, 3]); what a bucket counts and the
+        program's inputs are the family's vision part's (``program_inputs``)."""
+        part = self.vision_part
         buckets = sorted(b for (ph, b) in self.programs if ph == "vision")
-        if not buckets:
+        if part is None or not buckets:
             raise ValueError("the package has no vision program (a text-only model)")
-        bucket = pick(buckets, n)
+        inputs = {"pixel_values": pixel_values}
+        if image_grid_thw is not None:
+            inputs["image_grid_thw"] = image_grid_thw
+        bucket = pick(buckets, part.bucket_need(self.arch.vision, inputs))
         prog = self.program("vision", bucket)
-        px = torch.zeros(bucket, *pixel_values.shape[1:], dtype=self.dtype)
-        px[:n] = pixel_values.to(self.dtype)
-        p, side = v.patch_size, v.patches_per_side
-        # [n, C, side, p, side, p] -> patches row-major, each (channel, row, column) like the conv weight
-        patches = px.view(bucket, v.num_channels, side, p, side, p).permute(0, 2, 4, 1, 3, 5)
-        patches = patches.reshape(1, bucket * v.num_patches, v.patch_pixels).to(self.device)
-        patches = patches.expand(self.ops.D, -1, -1)
-        T = bucket * v.num_patches
+        patches, meta, finish = part.program_inputs(self.arch.vision, inputs, bucket, self.dtype)
+        T = patches.shape[0]
+        patches = patches[None].to(self.device).expand(self.ops.D, -1, -1)
         zeros = torch.zeros(1, T, dtype=torch.long, device=self.device)
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, zeros, zeros >= 0, zeros[0],
-                  zeros, [], self.dtype, units=self.units)
-        h, layer = None, 0
+                  zeros, [], self.dtype, units=self.units, vision=meta)
+        h, layer, out = None, 0, None
         for lp in prog.layers:
+            layered = lp.kind.endswith("_layer")  # encoder layers (the others: embedding, projector)
             for _ in range(lp.count):
                 acts = {"h": h, "patches": patches}
-                self._run(prog, lp.kind, lp.steps, acts, layer if lp.kind == "vision_layer" else None, ctx)
+                self._run(prog, lp.kind, lp.steps, acts, layer if layered else None, ctx)
                 h = acts["h"]
-                if lp.kind == "vision_layer":
+                if layered:
                     layer += 1
                 else:
                     out = acts
-        return out["image"][0, :n * v.mm_tokens_per_image]
+        return finish(out["image"][0])
 
     def _run(self, program: Program, kind: str, steps, acts: dict, layer, ctx: Ctx):
         ops = self.ops
@@ -367,11 +379,12 @@ class Runner:
         self.shapes_run: set = set()  # (phase, bucket) pairs executed
 
     def prefill(self, tokens: list[int], page_table: list[int], start: int = 0, capture=None,
-                mm: dict | None = None):
+                mm: dict | None = None, rope_positions=None):
         """Prefill ``tokens`` at positions start.. in chunks; returns last-token logits [vocab].
         ``mm``: images in the prompt: ``embeds`` [M, hidden] (soft tokens in prompt order),
         ``positions`` (the M prompt indices they take) and ``blocks`` (per prompt token its image
-        block, -1 for text); an image's block must lie within one chunk."""
+        block, -1 for text); an image's block must lie within one chunk. ``rope_positions``
+        [3, len(tokens)]: the tokens' M-RoPE positions (None: their positions)."""
         logits = None
         rank = {} if mm is None else {j: r for r, j in enumerate(mm["positions"])}
         pos = start
@@ -394,17 +407,23 @@ class Runner:
                 blocks = torch.full((1, max(pos + bucket, start + len(tokens))), -1, dtype=torch.long)
                 blocks[0, start:start + len(tokens)] = torch.tensor(mm["blocks"], dtype=torch.long)
                 mmc = {"mask": mask, "embeds": mm["embeds"][[rank[j] for j in sel]], "blocks": blocks}
+            rp = None
+            if rope_positions is not None:
+                rp = torch.zeros(3, 1, bucket, dtype=torch.long)
+                rp[:, 0, :len(chunk)] = rope_positions[:, i:i + len(chunk)]
             out = self.model.forward(self.model.program("prefill", bucket), t,
                                      torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv, cap,
-                                     mm=mmc)
+                                     mm=mmc, rope_positions=rp)
             if capture is not None:
                 capture.append([c[0, :len(chunk)] for c in cap])
             logits = out[0, len(chunk) - 1]
             pos += len(chunk)
         return logits
 
-    def decode(self, tokens: list[int], positions: list[int], page_tables: list[list[int]], capture=None):
-        """One decode step for a batch; returns logits [B, vocab]."""
+    def decode(self, tokens: list[int], positions: list[int], page_tables: list[list[int]], capture=None,
+               rope_deltas: list[int] | None = None):
+        """One decode step for a batch; returns logits [B, vocab]. ``rope_deltas``: per row the
+        M-RoPE delta of its prompt (rope position = position + delta in all three rows)."""
         B = len(tokens)
         bucket = pick(self.decode_buckets, B)
         self.shapes_run.add(("decode", bucket))
@@ -416,7 +435,13 @@ class Runner:
         valid[:B] = True
         pt = self._table(page_tables + [[0]] * (bucket - B))
         cap = [] if capture is not None else None
-        out = self.model.forward(self.model.program("decode", bucket), t, p, valid, pt, self.kv, cap)
+        rp = None
+        if rope_deltas is not None:
+            d = torch.zeros(bucket, 1, dtype=torch.long)
+            d[:B, 0] = torch.tensor(rope_deltas)
+            rp = (p + d)[None].expand(3, -1, -1)
+        out = self.model.forward(self.model.program("decode", bucket), t, p, valid, pt, self.kv, cap,
+                                 rope_positions=rp)
         if capture is not None:
             capture.append([c[:B, 0] for c in cap])
         return out[:B, 0]

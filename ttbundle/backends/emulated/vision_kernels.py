@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import KERNELS, Ctx, activation
+from .kernels import KERNELS, Ctx, activation, rotate_half
 
 
 def _vision(ctx: Ctx):
@@ -79,3 +79,57 @@ def pool_matrix(images: int, side: int, window: int) -> torch.Tensor:
 
 KERNELS.update(vision_embed=vision_embed, vision_attention=vision_attention, vision_bias_o=vision_bias_o,
                vision_bias_2=vision_bias_2, vision_gelu=vision_gelu, vision_pool=vision_pool)
+
+
+# ---- Qwen2.5-VL's vision transformer and merger ---------------------------------------------------
+# rows are the patches of the program's images in window order (``qwen2_5_vl_vision.patch_layout``);
+# ``ctx.vision`` holds the per-call metadata the host made: rope cos/sin per row, and each row's
+# window and image segment
+def qwen_vision_attention(ctx: Ctx, layer, q, k, v):
+    """q/k/v biases, the 2-D rope, then attention among the rows of one window (one image at the
+    layers of ``fullatt_block_indexes``), this device's heads."""
+    vis, W, meta = _vision(ctx), ctx.weights, ctx.vision
+    D, T, _ = q.shape
+    hd = vis.head_dim
+    q = (q + W("v_bq", layer)[:, None, :]).view(D, T, -1, hd)
+    k = (k + W("v_bk", layer)[:, None, :]).view(D, T, -1, hd)
+    v = (v + W("v_bv", layer)[:, None, :]).view(D, T, -1, hd)
+    cos, sin = meta["cos"].to(q.device), meta["sin"].to(q.device)
+    q = (q.float() * cos[None, :, None] + rotate_half(q.float()) * sin[None, :, None]).to(q.dtype)
+    k = (k.float() * cos[None, :, None] + rotate_half(k.float()) * sin[None, :, None]).to(k.dtype)
+    which = "image" if layer in vis.fullatt_block_indexes else "window"
+    key = ("vision_mask", which)
+    if key not in ctx.cache:
+        seg = meta[which].to(q.device)
+        ctx.cache[key] = seg[:, None] == seg[None, :]
+    allowed = ctx.cache[key]
+    q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # [D, heads, T, hd]
+    scores = (q @ k.transpose(-1, -2)) * hd ** -0.5
+    scores = scores.masked_fill(~allowed[None, None], float("-inf"))
+    p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    return (p @ v).transpose(1, 2).reshape(D, T, -1)
+
+
+def qwen_vision_swiglu(ctx: Ctx, layer, g, u):
+    W = ctx.weights
+    return activation(_vision(ctx).hidden_act, g + W("v_b1", layer)[:, None, :]) * (u + W("v_b3", layer)[:, None, :])
+
+
+def qwen_vision_merge(ctx: Ctx, layer, x):
+    """Each merge block's patches (consecutive rows) concatenated into one row."""
+    D, T, H = x.shape
+    unit = _vision(ctx).merge_unit
+    return x.reshape(D, T // unit, unit * H)
+
+
+def qwen_vision_merge_gelu(ctx: Ctx, layer, x):
+    return F.gelu(x + ctx.weights("v_merge1_b")[:, None, :])
+
+
+def qwen_vision_merge_bias(ctx: Ctx, layer, x):
+    return x + ctx.weights("v_merge2_b")[:, None, :]
+
+
+KERNELS.update(qwen_vision_attention=qwen_vision_attention, qwen_vision_swiglu=qwen_vision_swiglu,
+               qwen_vision_merge=qwen_vision_merge, qwen_vision_merge_gelu=qwen_vision_merge_gelu,
+               qwen_vision_merge_bias=qwen_vision_merge_bias)

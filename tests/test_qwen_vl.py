@@ -1,0 +1,183 @@
+"""Qwen2.5-VL: M-RoPE positions, the vision transformer (window attention, patch merger) and the
+text model on the emulated mesh against Hugging Face transformers'
+``Qwen2_5_VLForConditionalGeneration`` (the independent reference), with test images generated
+here; the spec's pixel budget and its errors."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from pkg_mutations import drop_first, edit_programs
+from spec_helpers import TINY_QVL, line_of
+
+from ttbundle import plan as planmod, reference, spec
+from ttbundle.check import PCC_MIN_FP32, run_check
+from ttbundle.errors import InvalidInput
+from ttbundle.families import qwen2_5_vl_vision as qv
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def tiny(text: str = TINY_QVL):
+    return spec.loads(text, "spec.yaml")
+
+
+def images(sizes=((40, 72), (48, 56)), seed: int = 0) -> list:
+    """Random RGB images of two sizes: the processor gives them different patch grids."""
+    rng = np.random.default_rng(seed)
+    return [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for h, w in sizes]
+
+
+# ---- M-RoPE positions against transformers' get_rope_index ------------------------------------------
+@pytest.fixture(scope="module")
+def hf_vl():
+    import transformers
+    b = tiny()
+    return transformers.Qwen2_5_VLModel(reference.hf_config(b)).eval(), b.arch.vision
+
+
+@pytest.mark.parametrize("grids", [[], [(1, 6, 8)], [(1, 10, 18), (1, 4, 12)]], ids=["text", "1 image", "2 images"])
+def test_mrope_positions_are_transformers_rope_index(hf_vl, grids):
+    model, v = hf_vl
+    g = torch.Generator().manual_seed(len(grids))
+    text = lambda n: torch.randint(0, 400, (n,), generator=g).tolist()  # noqa: E731
+    prompt = text(3)
+    for t, h, w in grids:
+        prompt += [v.vision_start_token_id] + [v.image_token_id] * (t * h * w // 4) + [v.vision_end_token_id] + text(5)
+    ids = torch.tensor([prompt])
+    ours, delta = qv.mrope_positions(prompt, grids, v)
+    if not grids:  # transformers: text-only prompts use the plain positions (no rope index)
+        assert torch.equal(ours, torch.arange(len(prompt)).expand(3, -1)) and delta == 0
+        return
+    theirs, deltas = model.get_rope_index(ids, mm_token_type_ids=(ids == v.image_token_id).int(),
+                                          image_grid_thw=torch.tensor(grids))
+    assert torch.equal(ours, theirs[:, 0])
+    assert delta == int(deltas[0, 0]) and delta < 0
+
+
+def test_mrope_positions_refuse_a_placeholder_run_that_does_not_match_the_grid():
+    v = tiny().arch.vision
+    with pytest.raises(ValueError, match="needs 12 placeholder tokens at prompt position 1, found a run of 11"):
+        qv.mrope_positions([7] + [v.image_token_id] * 11 + [7], [(1, 6, 8)], v)
+
+
+def test_window_order_is_transformers_window_index():
+    """``patch_layout``'s merge-block order and window boundaries against transformers'
+    ``get_vision_window_index`` (two images; windows of 2x2 blocks with partial windows at the edges)."""
+    from transformers.vision_utils import get_vision_window_index
+    v = tiny().arch.vision
+    grids = [(1, 10, 18), (1, 12, 14)]
+    idx, cu = get_vision_window_index(torch.tensor(grids), v.spatial_merge_size, v.window_size, v.patch_size)
+    lay = qv.patch_layout(v, grids, 512)
+    n = sum(t * h * w for t, h, w in grids)
+    assert torch.equal(lay["order"][::4] // 4, idx)
+    starts = [i for i in range(n) if i == 0 or lay["window"][i] != lay["window"][i - 1]] + [n]
+    assert starts == cu.tolist()
+    assert set(lay["window"][n:].tolist()) == {int(lay["window"][:n].max()) + 1}  # padding: its own segment
+
+
+# ---- the model against transformers ---------------------------------------------------------------
+def test_text_only_prompt_is_token_identical_to_transformers():
+    r = run_check(tiny(), "N150", steps=6, random_weights=True, seed=1)
+    assert r.tokens_agree and r.passed, (r.ref_tokens, r.emu_tokens, r.diverging())
+
+
+@pytest.mark.parametrize("mesh", ["N150", "N300", "T3K"])
+def test_check_with_images_is_token_identical_to_transformers(mesh):
+    r = run_check(tiny(), mesh, steps=6, random_weights=True, seed=1, images=images())
+    img = r.layers[0]
+    assert img.step == "image" and img.pcc >= PCC_MIN_FP32
+    assert r.tokens_agree and r.passed, (r.ref_tokens, r.emu_tokens, r.diverging())
+    # 40x72 and 48x56 pixels: grids 10x18 and 12x14 patches = 180 + 168 patches in the 512 bucket;
+    # 45 + 42 soft tokens, each image between vision start and end, after one text token
+    assert ("vision", 512) in r.shapes_run
+    assert r.prompt_len >= 1 + (45 + 2) + (42 + 2)
+
+
+def test_full_attention_in_place_of_window_attention_changes_the_image(monkeypatch):
+    """Window layers attending over the whole image no longer match transformers."""
+    layout = qv.patch_layout
+
+    def no_windows(v, grid, bucket):
+        lay = layout(v, grid, bucket)
+        return {**lay, "window": lay["image"]}
+    monkeypatch.setattr(qv, "patch_layout", no_windows)
+    r = run_check(tiny(), "N150", steps=2, random_weights=True, seed=1, images=images())
+    assert not r.passed
+    d = r.diverging()
+    assert d.step == "image" and d.pcc < PCC_MIN_FP32
+
+
+def test_dropped_vision_all_reduce_fails_at_the_image():
+    hook = lambda pkg: edit_programs(pkg, "vision_layer", drop_first(  # noqa: E731
+        lambda s: s.get("collective") == "all_reduce" and s["act"] == "mlp_out"))
+    r = run_check(tiny(), "T3K", steps=2, random_weights=True, seed=1, images=images(), package_hook=hook)
+    assert not r.passed
+    d = r.diverging()
+    assert d.step == "image" and d.pcc < PCC_MIN_FP32
+
+
+def test_plan_splits_vision_heads_and_mlp_and_lists_the_programs():
+    p = planmod.make_plan(tiny(), "T3K")
+    t = {x.name: x for x in p.tensors}
+    # 8 vision heads of 8 over 8 columns: one head per device; the MLP's 96 over 8: 12 each
+    assert t["v_wq"].device_shape == [64, 8] and t["v_w1"].device_shape == [64, 12]
+    assert t["v_w3"].device_shape == [64, 12] and t["v_w2"].device_shape == [12, 64]
+    # the merger is replicated: 4 patches x 64 = 256 in, the text hidden (256) out
+    assert t["v_merge1"].device_shape == [256, 256] and t["v_merge2"].device_shape == [256, 256]
+    assert [k for k, _, _ in p.vision] == ["vision_embedding", "vision_layer", "vision_projector"]
+    reduces = [s.act for _, _, steps in p.vision for s in steps if s.kind == "all_reduce"]
+    assert reduces == ["attn_out", "mlp_out"]
+
+
+# ---- spec errors ---------------------------------------------------------------------------------
+def _err(text: str) -> str:
+    with pytest.raises(InvalidInput) as e:
+        tiny(text)
+    return "\n".join(f"{d.line}: {d.message}" for d in e.value.diagnostics)
+
+
+def test_a_vision_bucket_too_small_for_the_images_is_an_error():
+    text = TINY_QVL.replace("buckets: [256, 512]}", "buckets: [256, 384]}")
+    msg = _err(text)
+    assert f"{line_of(text, 'vision: {images_per_prompt: 2')}:" in msg
+    # 4096 pixels / (4 x 2)^2 = 64 merge blocks = 256 patches per image, 2 images = 512
+    assert "largest vision bucket (384 patches) cannot hold images_per_prompt=2" in msg
+    assert "256 patches each, 512 in all" in msg
+
+
+def test_an_image_longer_than_the_prefill_chunk_is_an_error():
+    text = TINY_QVL.replace("max_pixels: 4096, buckets: [256, 512]", "max_pixels: 16384, buckets: [2048]")
+    # 16384 / 64 = 256 soft tokens + vision start/end = 258 > a chunk of 128
+    msg = _err(text)
+    assert "is 258 tokens" in msg and "use a chunk >= 258" in msg
+
+
+def test_a_bucket_that_is_not_whole_merge_blocks_is_an_error():
+    assert "510 patches is not a multiple of 4" in _err(TINY_QVL.replace("[256, 512]", "[256, 510, 512]"))
+
+
+def test_min_pixels_above_max_pixels_is_an_error():
+    assert "min_pixels=8192 exceeds max_pixels=4096" in _err(TINY_QVL.replace("min_pixels: 256", "min_pixels: 8192"))
+
+
+def test_default_vision_bucket_holds_the_default_pixel_budget():
+    text = TINY_QVL.replace("vision: {images_per_prompt: 2, min_pixels: 256, max_pixels: 4096, buckets: [256, 512]}\n", "")
+    text = text.replace("prefill_chunk: 128}", "prefill_chunk: 128}").replace("max_model_len: 384", "max_model_len: 512")
+    text = text.replace("buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}",
+                        "buckets: {prefill: [64, 128, 512], decode: [1, 8, 32], prefill_chunk: 512}")
+    vs = tiny(text).vision
+    # 256 soft tokens' worth of 8-pixel merge blocks; one image per prompt: 1024 patches
+    assert (vs.images_per_prompt, vs.max_pixels, vs.buckets) == (1, 256 * 64, [1024])
+
+
+def test_gemma_pixel_budget_is_an_error():
+    from spec_helpers import TINY_VL
+    text = TINY_VL.replace("vision: {images_per_prompt: 2, buckets: [1, 2]}",
+                           "vision: {images_per_prompt: 2, buckets: [1, 2], max_pixels: 4096}")
+    assert "max_pixels is Qwen2.5-VL's pixel budget" in _err(text)

@@ -1,0 +1,551 @@
+"""Qwen2.5-VL's vision part: the vision transformer with window attention and the patch merger,
+and the M-RoPE position rule of a prompt carrying images.
+
+HF's processor (``Qwen2VLImageProcessor``) resizes an image so that both sides are multiples of
+``patch_size * spatial_merge_size`` and its area lies in [min_pixels, max_pixels], then cuts it
+into a grid ``(t, h, w)`` of patches (``t`` = 1 for an image: the frame is repeated
+``temporal_patch_size`` times) and sends ``pixel_values`` ``[t*h*w, C * temporal * p * p]``, the
+patches ordered by 2x2 merge blocks (block after block, row-major, each block row-major). The
+patch embedding (HF's stride-patch Conv3d without bias) is a matmul on those rows.
+
+Encoder layers (HF ``Qwen2_5_VLVisionBlock``): RMSNorm -> q/k/v (+bias, one fused ``qkv`` in the
+checkpoint) -> 2-D rotary (height and width halves of each head) -> attention within one window
+of ``window_size`` pixels (``window_size / patch_size / merge`` merge blocks per side), or within
+the whole image at ``fullatt_block_indexes`` -> out-proj (+bias) -> residual; RMSNorm -> SiLU-gated
+MLP with biases -> residual. The merger: RMSNorm, each merge block's 4 patches concatenated into
+one row, Linear + bias, GELU, Linear + bias into the text hidden size: one soft token per block.
+
+Window order: HF permutes the merge blocks so that each window is contiguous (``window_index``,
+``cu_window_seqlens``) and un-permutes the soft tokens at the end. The host does that here
+(:func:`patch_layout`): the program's rows are the patches in window order, padded to the vision
+bucket (a fixed patch count), and the per-row metadata the program reads (rotary angles, window
+and image of each row) is made from ``image_grid_thw`` on the host, as a device would receive it.
+
+Tensors are prefixed ``v_``; default plan: heads and the MLP's intermediate dim over ``cols``
+(Megatron-style column then row parallel, one all_reduce per branch), the hidden dim replicated,
+the merger replicated.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl
+from . import transforms
+
+#: image placeholders attend causally, like text (no image-block mask)
+BIDIRECTIONAL_IMAGES = False
+NORM_EPS = 1e-6  # HF's vision RMSNorms (blocks and merger) use a fixed epsilon
+
+
+class Qwen25Vision(BaseModel):
+    """Qwen2.5-VL's vision transformer (HF ``vision_config``) and the wrapper's image tokens."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+
+    depth: int = Field(default=32, gt=0)
+    """Vision encoder layers."""
+    hidden_size: int = Field(default=1280, gt=0)
+    """Width of the vision transformer's residual stream."""
+    intermediate_size: int = Field(default=3420, gt=0)
+    """Width of the vision MLP's hidden layer (SiLU-gated)."""
+    num_heads: int = Field(default=16, gt=0)
+    """Vision attention heads (head width = hidden_size / num_heads)."""
+    in_channels: int = Field(default=3, gt=0)
+    """Color channels."""
+    patch_size: int = Field(default=14, gt=0)
+    """Pixels per side of one patch."""
+    temporal_patch_size: int = Field(default=2, gt=0)
+    """Frames per patch (an image is repeated to fill them)."""
+    spatial_merge_size: int = Field(default=2, gt=0)
+    """Patches per side of one merge block (one soft token)."""
+    window_size: int = Field(default=112, gt=0)
+    """Pixels per side of one attention window."""
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    """Layers attending over the whole image instead of a window."""
+    out_hidden_size: int = Field(default=3584, gt=0)
+    """Width of a soft token (the text model's hidden size)."""
+    hidden_act: Literal["silu"] = "silu"
+    """Vision MLP activation."""
+    rope_theta: float = 10000.0
+    """Rotary base of the 2-D vision rope."""
+    tokens_per_second: int = 2
+    """Videos only (not served): temporal position spacing."""
+    image_token_id: int = Field(default=151655, ge=0)
+    """Placeholder token (`<|image_pad|>`) the soft tokens replace."""
+    video_token_id: int = Field(default=151656, ge=0)
+    """Video placeholder token (videos are not served)."""
+    vision_start_token_id: int = Field(default=151652, ge=0)
+    """Token before an image's placeholders (`<|vision_start|>`)."""
+    vision_end_token_id: int = Field(default=151653, ge=0)
+    """Token after an image's placeholders (`<|vision_end|>`)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_pixels(self) -> int:
+        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
+
+    @property
+    def merge_unit(self) -> int:
+        """Patches per soft token."""
+        return self.spatial_merge_size ** 2
+
+    @property
+    def window_blocks(self) -> int:
+        """Merge blocks per side of one attention window."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+    @property
+    def factor(self) -> int:
+        """Image sides are resized to multiples of this many pixels."""
+        return self.patch_size * self.spatial_merge_size
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = []
+        if self.hidden_size % self.num_heads:
+            out.append(("num_heads", f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"))
+        elif self.head_dim % 4:
+            out.append(("num_heads", f"head width {self.head_dim} (hidden_size / num_heads) must be a multiple of "
+                        "4: the 2-D rope gives height and width a rotary half each"))
+        if self.window_blocks < 1 or self.window_size % self.factor:
+            out.append(("window_size", f"window_size={self.window_size} must be a positive multiple of "
+                        f"patch_size x spatial_merge_size = {self.factor} pixels"))
+        bad = [i for i in self.fullatt_block_indexes if not 0 <= i < self.depth]
+        if bad:
+            out.append(("fullatt_block_indexes", f"{bad} are not layers of depth={self.depth}"))
+        return out
+
+
+HF_VISION_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels", "patch_size",
+                  "temporal_patch_size", "spatial_merge_size", "window_size", "fullatt_block_indexes",
+                  "out_hidden_size", "hidden_act", "tokens_per_second")
+HF_WRAPPER_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+#: HF processor defaults (``Qwen2VLImageProcessor``): 56x56 to 28x28x1280... pixels; ttbundle's
+#: default budget is smaller (the vision bucket must hold the largest image)
+DEFAULT_MIN_PIXELS = 56 * 56
+DEFAULT_MAX_TOKENS = 256  # soft tokens of the largest image by default
+
+
+def from_hf(config: dict) -> dict | None:
+    """The ``vision`` arch fields of a ``Qwen2_5_VLForConditionalGeneration`` config.json."""
+    vc = config.get("vision_config")
+    if not isinstance(vc, dict):
+        return None
+    vc = dict(vc)
+    if "in_chans" in vc and "in_channels" not in vc:  # the published checkpoints' spelling
+        vc["in_channels"] = vc["in_chans"]
+    out = {k: vc[k] for k in HF_VISION_KEYS if vc.get(k) is not None}
+    rp = vc.get("rope_parameters") or {}
+    if rp.get("rope_theta") is not None:
+        out["rope_theta"] = rp["rope_theta"]
+    out.update({k: config[k] for k in HF_WRAPPER_KEYS if config.get(k) is not None})
+    return out
+
+
+def to_hf(v: Qwen25Vision) -> tuple[dict, dict]:
+    """(HF vision_config, wrapper keys) for the reference model."""
+    vc = {k: getattr(v, k) for k in HF_VISION_KEYS}
+    vc["fullatt_block_indexes"] = list(v.fullatt_block_indexes)
+    vc["model_type"] = "qwen2_5_vl_vision"
+    vc["rope_parameters"] = {"rope_type": "axial", "rope_theta": v.rope_theta}
+    return vc, {k: getattr(v, k) for k in HF_WRAPPER_KEYS}
+
+
+# ---- declarations -------------------------------------------------------------------------------
+def dims(v: Qwen25Vision, text_hidden: int) -> dict[str, Dim]:
+    return {"hid": Dim("vision.hidden_size", v.hidden_size),
+            "heads": Dim("vision.num_heads", v.num_heads, v.head_dim),
+            "inter": Dim("vision.intermediate_size", v.intermediate_size),
+            "pix": Dim("vision.patch_pixels", v.patch_pixels),
+            "merge": Dim("vision.merge_hidden", v.merge_unit * v.hidden_size),
+            "text": Dim("vision.out_hidden_size", text_hidden)}
+
+
+def tensors(v: Qwen25Vision, text_hidden: int) -> list[TensorDecl]:
+    d = dims(v, text_hidden)
+    L = (0, v.depth)
+    hid, heads, inter, merge = d["hid"], d["heads"], d["inter"], d["merge"]
+    vec = lambda n, dim, doc, layers=L: TensorDecl(n, "norms", (dim,), layers, doc, "vector")  # noqa: E731
+    mat = lambda n, a, b, doc, layers=L: TensorDecl(n, "vision", (a, b), layers, doc)  # noqa: E731
+    return [mat("v_patch", d["pix"], hid, "patch embedding (the Conv3d as a matmul, no bias)", None),
+            vec("v_ln1", hid, "pre-attention RMSNorm"),
+            mat("v_wq", hid, heads, "vision query projection"), mat("v_wk", hid, heads, "vision key projection"),
+            mat("v_wv", hid, heads, "vision value projection"),
+            vec("v_bq", heads, "vision query bias"), vec("v_bk", heads, "vision key bias"),
+            vec("v_bv", heads, "vision value bias"),
+            mat("v_wo", heads, hid, "vision output projection"), vec("v_bo", hid, "vision output projection bias"),
+            vec("v_ln2", hid, "pre-MLP RMSNorm"),
+            mat("v_w1", hid, inter, "vision MLP gate"), vec("v_b1", inter, "vision MLP gate bias"),
+            mat("v_w3", hid, inter, "vision MLP up"), vec("v_b3", inter, "vision MLP up bias"),
+            mat("v_w2", inter, hid, "vision MLP down"), vec("v_b2", hid, "vision MLP down bias"),
+            vec("v_merge_ln", hid, "merger RMSNorm", None),
+            mat("v_merge1", merge, merge, "merger fc1 (2x2 patches concatenated)", None),
+            vec("v_merge1_b", merge, "merger fc1 bias", None),
+            mat("v_merge2", merge, d["text"], "merger fc2 into the text model's hidden size", None),
+            vec("v_merge2_b", d["text"], "merger fc2 bias", None)]
+
+
+PLAN: dict[str, tuple] = {
+    "v_wq": (None, "cols"), "v_wk": (None, "cols"), "v_wv": (None, "cols"),
+    "v_bq": ("cols",), "v_bk": ("cols",), "v_bv": ("cols",), "v_wo": ("cols", None),
+    "v_w1": (None, "cols"), "v_b1": ("cols",), "v_w3": (None, "cols"), "v_b3": ("cols",),
+    "v_w2": ("cols", None),
+}
+
+
+def hf_names(v: Qwen25Vision) -> list[HFName]:
+    p = "visual.blocks.{i}."
+    n = [HFName("v_patch", ("visual.patch_embed.proj.weight",), "conv_patch"),
+         HFName("v_merge_ln", ("visual.merger.ln_q.weight",), "id"),
+         HFName("v_merge1", ("visual.merger.mlp.0.weight",)), HFName("v_merge1_b", ("visual.merger.mlp.0.bias",), "id"),
+         HFName("v_merge2", ("visual.merger.mlp.2.weight",)), HFName("v_merge2_b", ("visual.merger.mlp.2.bias",), "id"),
+         HFName("v_ln1", (p + "norm1.weight",), "id"), HFName("v_ln2", (p + "norm2.weight",), "id"),
+         HFName("v_wo", (p + "attn.proj.weight",)), HFName("v_bo", (p + "attn.proj.bias",), "id")]
+    for k, x in enumerate("qkv"):
+        n.append(HFName(f"v_w{x}", (p + "attn.qkv.weight",), f"qkv_{k}"))
+        n.append(HFName(f"v_b{x}", (p + "attn.qkv.bias",), f"qkv_{k}"))
+    for ours, hf in (("1", "gate_proj"), ("3", "up_proj"), ("2", "down_proj")):
+        n.append(HFName(f"v_w{ours}", (f"{p}mlp.{hf}.weight",)))
+        n.append(HFName(f"v_b{ours}", (f"{p}mlp.{hf}.bias",), "id"))
+    return n
+
+
+def _qkv(k: int):
+    def part(src, a):
+        """One third (q, k or v) of the fused ``qkv`` weight [3 * hidden, hidden] (-> [in, out]) or bias."""
+        t = src[0]
+        third = t.shape[0] // 3
+        x = t[k * third:(k + 1) * third]
+        return x.transpose(0, 1).contiguous() if x.dim() == 2 else x.contiguous()
+    return part
+
+
+for _k in range(3):
+    transforms.register(f"qkv_{_k}", _qkv(_k))
+
+
+# ---- dataflow -----------------------------------------------------------------------------------
+def programs(v: Qwen25Vision) -> list[tuple[str, int, list]]:
+    """(layer kind, count, ops): patch embedding, encoder layers, merger. Input ``patches``
+    [bucket patches, patch_pixels] in window order; output ``image`` [bucket / 4, text hidden]."""
+    full = list(v.fullatt_block_indexes)
+    layer = [Norm("h", "x", "v_ln1"), Linear("x", "v_wq", "q"), Linear("x", "v_wk", "k"), Linear("x", "v_wv", "v"),
+             Local(("q", "k", "v"), "o", f"+bias, 2-D rope, attention within each window (whole image at "
+                   f"layers {full})", fn="qwen_vision_attention"),
+             Linear("o", "v_wo", "attn_out"), Local(("attn_out",), "attn_outb", "+ bias", fn="vision_bias_o"),
+             Residual("attn_outb"),
+             Norm("h", "x2", "v_ln2"), Linear("x2", "v_w1", "g"), Linear("x2", "v_w3", "u"),
+             Local(("g", "u"), "gu", "+ biases, SiLU-gated", fn="qwen_vision_swiglu"),
+             Linear("gu", "v_w2", "mlp_out"), Local(("mlp_out",), "mlp_outb", "+ bias", fn="vision_bias_2"),
+             Residual("mlp_outb")]
+    merge = Dim("vision.merge_hidden", v.merge_unit * v.hidden_size)
+    return [("vision_embedding", 1, [Linear("patches", "v_patch", "h")]),
+            ("vision_layer", v.depth, layer),
+            ("vision_projector", 1, [Norm("h", "hn", "v_merge_ln"),
+                                     Local(("hn",), "hm", "each merge block's patches as one row", out_dim=merge,
+                                           fn="qwen_vision_merge"),
+                                     Linear("hm", "v_merge1", "m1"),
+                                     Local(("m1",), "m1a", "+ bias, gelu", fn="qwen_vision_merge_gelu"),
+                                     Linear("m1a", "v_merge2", "m2"),
+                                     Local(("m2",), "image", "+ bias", fn="qwen_vision_merge_bias")])]
+
+
+def inputs(v: Qwen25Vision) -> dict[str, tuple[Dim, ...]]:
+    return {"patches": (Dim("vision.patch_pixels", v.patch_pixels),),
+            "h": (Dim("vision.hidden_size", v.hidden_size),)}
+
+
+def rows(v: Qwen25Vision, patches: int) -> tuple[int, dict[str, int]]:
+    soft = patches // v.merge_unit
+    return patches, {n: soft for n in ("hm", "m1", "m1a", "m2", "image")}
+
+
+def norms(v: Qwen25Vision) -> dict:
+    return {n: {"eps": NORM_EPS} for n in ("v_ln1", "v_ln2", "v_merge_ln")}
+
+
+# ---- image geometry (host side) -----------------------------------------------------------------
+def max_patches(v: Qwen25Vision, max_pixels: int) -> int:
+    """Patches of the largest image the processor makes under ``max_pixels`` (its sides are
+    multiples of ``factor`` pixels with area <= max_pixels), a multiple of the merge unit."""
+    blocks = max_pixels // (v.factor ** 2)
+    return blocks * v.merge_unit
+
+
+def soft_tokens(v: Qwen25Vision, grid) -> int:
+    t, h, w = (int(x) for x in grid)
+    return t * h * w // v.merge_unit
+
+
+def mrope_positions(prompt_ids: list[int], image_grid_thw, vision: Qwen25Vision):
+    """(positions [3, L] (temporal, height, width), delta): Qwen2.5-VL's M-RoPE positions of a
+    prompt. Text tokens take one position in all three rows, counting on from the last; an
+    image's placeholders (its ``soft_tokens`` run of ``image_token_id``) take ``start + t``,
+    ``start + row``, ``start + column`` of their merge block, and the text after it continues at
+    ``start + max(h, w) / merge``. ``delta`` = max position + 1 - L: a token decoded at cache
+    position p has rope position p + delta in all three rows."""
+    import torch
+
+    grids = [tuple(int(x) for x in g) for g in (image_grid_thw if image_grid_thw is not None else [])]
+    m = vision.spatial_merge_size
+    rows: list[list[int]] = [[], [], []]
+    cur, i, k, L = 0, 0, 0, len(prompt_ids)
+    while i < L:
+        if prompt_ids[i] != vision.image_token_id:
+            for r in rows:
+                r.append(cur)
+            cur, i = cur + 1, i + 1
+            continue
+        if k >= len(grids):
+            raise ValueError(f"prompt token {i} is an image placeholder ({vision.image_token_id}) but "
+                             f"image_grid_thw has only {len(grids)} image(s)")
+        t, h, w = grids[k]
+        gh, gw = h // m, w // m
+        n = t * gh * gw
+        if prompt_ids[i:i + n] != [vision.image_token_id] * n:
+            run = next((j for j in range(i, L) if prompt_ids[j] != vision.image_token_id), L) - i
+            raise ValueError(f"image {k} (grid {t}x{h}x{w}) needs {n} placeholder tokens at prompt "
+                             f"position {i}, found a run of {run}")
+        for tt in range(t):
+            for y in range(gh):
+                for x in range(gw):
+                    rows[0].append(cur + tt)
+                    rows[1].append(cur + y)
+                    rows[2].append(cur + x)
+        cur += max(gh, gw)
+        i, k = i + n, k + 1
+    if k != len(grids):
+        raise ValueError(f"image_grid_thw has {len(grids)} images, the prompt's placeholders hold {k}")
+    pos = torch.tensor(rows, dtype=torch.long).reshape(3, L)
+    delta = int(pos.max()) + 1 - L if L else 0
+    return pos, delta
+
+
+def patch_layout(v: Qwen25Vision, image_grid_thw, bucket: int) -> dict:
+    """Where each patch of the images goes in a vision program of ``bucket`` rows, and what the
+    program reads per row. Merge blocks are put in window order (each window contiguous: windows
+    of ``window_blocks`` blocks per side, row-major, each row-major inside; one image after the
+    other), their patches kept together; rows past the images are padding.
+
+    ``order`` [patches]: the input row (in the processor's order) of each program row;
+    ``window`` / ``image`` [bucket]: the attention segment of each row in window layers and in
+    full-attention layers (padding rows form their own segment); ``hw`` [bucket, 2]: each row's
+    patch row and column in its image (the 2-D rope); ``unorder`` [soft tokens]: the program's
+    output row of each soft token in prompt order."""
+    import torch
+
+    m, ws, unit = v.spatial_merge_size, v.window_blocks, v.merge_unit
+    order, window, image, hw, block_rows = [], [], [], [], []
+    base, seg, frame = 0, 0, 0
+    for t, h, w in (tuple(int(x) for x in g) for g in image_grid_thw):
+        gh, gw = h // m, w // m
+        for tt in range(t):
+            for wy in range(0, gh, ws):
+                for wx in range(0, gw, ws):
+                    for y in range(wy, min(wy + ws, gh)):
+                        for x in range(wx, min(wx + ws, gw)):
+                            blk = tt * gh * gw + y * gw + x  # the block's index in the image
+                            block_rows.append(base // unit + blk)
+                            for j in range(unit):
+                                order.append(base + blk * unit + j)
+                                window.append(seg)
+                                image.append(-1 - frame - tt)  # a frame attends over itself
+                                hw.append((y * m + j // m, x * m + j % m))
+                    seg += 1
+        base, frame = base + t * h * w, frame + t
+    if len(order) > bucket:
+        raise ValueError(f"{len(order)} patches exceed the vision bucket of {bucket}")
+    pad = bucket - len(order)
+    pad_seg = seg  # padding rows: one segment of their own in both kinds of layer
+    window += [pad_seg] * pad
+    image += [pad_seg] * pad
+    hw += [(0, 0)] * pad
+    unorder = torch.argsort(torch.tensor(block_rows, dtype=torch.long)) if block_rows else torch.zeros(0, dtype=torch.long)
+    return {"order": torch.tensor(order, dtype=torch.long), "window": torch.tensor(window, dtype=torch.long),
+            "image": torch.tensor(image, dtype=torch.long), "hw": torch.tensor(hw, dtype=torch.long).reshape(-1, 2),
+            "unorder": unorder}
+
+
+def rope_tables(v: Qwen25Vision, hw, dtype):
+    """cos, sin [rows, head_dim] of the 2-D vision rope: the first half of the rotary angles from
+    the patch row, the second from its column (head_dim / 4 frequencies each), repeated for the
+    rotate-half layout."""
+    import torch
+
+    spatial = v.head_dim // 2
+    inv = 1.0 / (v.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
+    ang = torch.cat([hw[:, 0:1].float() * inv, hw[:, 1:2].float() * inv], dim=-1)
+    emb = torch.cat([ang, ang], dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+# ---- the vision part's interface (shared code calls these; gemma3_vision has the same) ---------
+def settings(v: Qwen25Vision, vs):
+    """The spec's ``vision:`` settings with Qwen2.5-VL's defaults filled in: the pixel budget
+    and, unless given, one bucket of ``images_per_prompt`` images of ``max_pixels``."""
+    upd = {}
+    if vs.min_pixels is None:
+        upd["min_pixels"] = DEFAULT_MIN_PIXELS
+    if vs.max_pixels is None:
+        upd["max_pixels"] = DEFAULT_MAX_TOKENS * v.factor ** 2
+    if "buckets" not in vs.model_fields_set:
+        upd["buckets"] = [vs.images_per_prompt * max_patches(v, upd.get("max_pixels", vs.max_pixels))]
+    return vs.model_copy(update=upd) if upd else vs
+
+
+def check_settings(b, vs) -> list:
+    """Diagnostics for ``vs`` (buckets = patch counts) against the pixel and token budgets."""
+    v, d, at = b.arch.vision, [], ("vision",)
+    f2 = v.factor ** 2
+    if vs.max_pixels < f2:
+        d.append(b.locate(at + ("max_pixels",), f"max_pixels={vs.max_pixels} is less than one merge block "
+                          f"({v.factor} x {v.factor} = {f2} pixels); raise it"))
+        return d
+    if vs.min_pixels > vs.max_pixels:
+        d.append(b.locate(at + ("min_pixels",), f"min_pixels={vs.min_pixels} exceeds max_pixels={vs.max_pixels}"))
+    for i, n in enumerate(vs.buckets):
+        if n > 0 and n % v.merge_unit:
+            d.append(b.locate(at + ("buckets", i), f"{n} patches is not a multiple of {v.merge_unit} "
+                              f"(spatial_merge_size^2: patches merge {v.merge_unit} to a soft token); "
+                              f"use {-(-n // v.merge_unit) * v.merge_unit}"))
+    per = max_patches(v, vs.max_pixels)
+    need = vs.images_per_prompt * per
+    if vs.buckets and max(vs.buckets) < need:
+        d.append(b.locate(at + ("buckets",), f"the largest vision bucket ({max(vs.buckets)} patches) cannot hold "
+                          f"images_per_prompt={vs.images_per_prompt} images of up to max_pixels={vs.max_pixels} "
+                          f"({vs.max_pixels} // {v.factor}^2 = {per // v.merge_unit} merge blocks = {per} patches "
+                          f"each, {need} in all): a prompt's images are encoded in one call; add a bucket of "
+                          f"{need}, lower max_pixels or images_per_prompt"))
+    per_image = per // v.merge_unit + 2  # vision start, soft tokens, vision end
+    bk = b.buckets
+    chunk = bk.prefill_chunk or (max(bk.prefill) if bk.prefill else 0)
+    if chunk and per_image > chunk:
+        d.append(b.locate(("buckets", "prefill_chunk" if bk.prefill_chunk else "prefill"),
+                          f"an image of max_pixels={vs.max_pixels} is {per_image} tokens ({per // v.merge_unit} soft "
+                          f"tokens + vision start/end) but a prefill chunk holds {chunk}; an image is never split "
+                          f"over two chunks: use a chunk >= {per_image} or lower vision.max_pixels"))
+    total = vs.images_per_prompt * per_image
+    if total >= b.spec.runtime.max_model_len:
+        d.append(b.locate(at + ("images_per_prompt",), f"{vs.images_per_prompt} images x {per_image} tokens "
+                          f"= {total} tokens leave no room in max_model_len={b.spec.runtime.max_model_len}; lower "
+                          "images_per_prompt or max_pixels, or raise runtime.max_model_len"))
+    return d
+
+
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+def preprocessor_config(v: Qwen25Vision, vs) -> dict:
+    """HF ``preprocessor_config.json`` of ``Qwen2VLImageProcessor``: sides resized to multiples
+    of patch x merge pixels with the area in [min_pixels, max_pixels], CLIP's mean and std."""
+    return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+            "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True,
+            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+            "min_pixels": vs.min_pixels, "max_pixels": vs.max_pixels,
+            "size": {"shortest_edge": vs.min_pixels, "longest_edge": vs.max_pixels},
+            "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
+            "merge_size": v.spatial_merge_size}
+
+
+def processor_config(v: Qwen25Vision, vs) -> dict:
+    return {"processor_class": "Qwen2_5_VLProcessor"}
+
+
+def image_inputs(v: Qwen25Vision, vs, images: list) -> dict:
+    """``pixel_values`` [patches, channels x temporal x patch^2] and ``image_grid_thw`` [n, 3]
+    as transformers' Qwen2-VL image processor makes them (its PIL backend where torchvision is
+    not installed, as transformers itself falls back)."""
+    import transformers
+
+    try:
+        cls = transformers.Qwen2VLImageProcessorPil
+    except AttributeError:  # pragma: no cover - transformers without the PIL backend's own name
+        cls = transformers.Qwen2VLImageProcessor
+    cfg = preprocessor_config(v, vs)
+    keep = ("do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize",
+            "image_mean", "image_std", "size", "patch_size", "temporal_patch_size", "merge_size")
+    out = cls(**{k: cfg[k] for k in keep})(images=images, return_tensors="pt")
+    return {"pixel_values": out["pixel_values"].float(), "image_grid_thw": out["image_grid_thw"].long()}
+
+
+def special_tokens(v: Qwen25Vision) -> tuple[int, ...]:
+    return tuple(getattr(v, k) for k in HF_WRAPPER_KEYS)
+
+
+def placeholder(v: Qwen25Vision) -> int:
+    return v.image_token_id
+
+
+def image_tokens(v: Qwen25Vision, inputs, k: int) -> list[int]:
+    """Image ``k`` in a prompt: vision start, one ``<|image_pad|>`` per merge block of its grid,
+    vision end."""
+    return [v.vision_start_token_id] + [v.image_token_id] * soft_tokens(v, inputs["image_grid_thw"][k]) \
+        + [v.vision_end_token_id]
+
+
+def bucket_need(v: Qwen25Vision, inputs: dict) -> int:
+    """What a vision bucket must hold for ``inputs``: patches."""
+    return int(inputs["pixel_values"].shape[0])
+
+
+def program_inputs(v: Qwen25Vision, inputs: dict, bucket: int, dtype):
+    """(patches [bucket, patch_pixels] in window order, the per-call metadata the program's
+    attention reads (rope cos/sin per row, each row's window and image segment), a function from
+    the program's ``image`` rows to the soft tokens in prompt order)."""
+    import torch
+
+    px, grid = inputs["pixel_values"], inputs.get("image_grid_thw")
+    if grid is None:
+        raise ValueError("Qwen2.5-VL images need image_grid_thw (the processor's patch grid of each image)")
+    grid = [tuple(int(x) for x in g) for g in (grid.tolist() if hasattr(grid, "tolist") else grid)]
+    want = sum(t * h * w for t, h, w in grid)
+    if px.shape[0] != want or px.shape[-1] != v.patch_pixels:
+        raise ValueError(f"pixel_values {list(px.shape)} do not match image_grid_thw {grid}: expected "
+                         f"[{want}, {v.patch_pixels}]")
+    lay = patch_layout(v, grid, bucket)
+    patches = torch.zeros(bucket, v.patch_pixels, dtype=dtype)
+    patches[:want] = px.to(dtype)[lay["order"]]
+    cos, sin = rope_tables(v, lay["hw"], torch.float32)  # HF rotates in float32
+    meta = {"cos": cos, "sin": sin, "window": lay["window"], "image": lay["image"]}
+    unorder = lay["unorder"]
+    return patches, meta, lambda out: out[unorder.to(out.device)]
+
+
+def warmup_inputs(v: Qwen25Vision, vs, bucket: int) -> dict:
+    """Fixed pixels of one image filling a vision bucket (grid 1 x merge x bucket / merge)."""
+    import torch
+
+    m = v.spatial_merge_size
+    grid = (1, m, bucket // m)
+    n = torch.arange(bucket * v.patch_pixels, dtype=torch.float64)
+    return {"pixel_values": torch.sin(n * 0.37).reshape(bucket, v.patch_pixels).float(),
+            "image_grid_thw": torch.tensor([grid], dtype=torch.long)}
+
+
+def rope_positions(v: Qwen25Vision, prompt: list[int], inputs: dict | None):
+    """(M-RoPE positions [3, L], delta) of a prompt (:func:`mrope_positions`)."""
+    return mrope_positions(prompt, None if inputs is None else inputs.get("image_grid_thw"), v)
+
+
+def reference_kwargs(v: Qwen25Vision, prompt: list[int], inputs: dict, device) -> dict:
+    """transformers ``Qwen2_5_VLForConditionalGeneration`` inputs besides the prompt's ids."""
+    import torch
+
+    return {"pixel_values": inputs["pixel_values"].to(device), "image_grid_thw": inputs["image_grid_thw"].to(device),
+            "mm_token_type_ids": (torch.tensor([prompt]) == v.image_token_id).int().to(device)}
+
+
+def reference_features(hf, inputs: dict, device):
+    """transformers' soft tokens of the images [soft tokens, text hidden], in prompt order."""
+    import torch
+
+    out = hf.model.get_image_features(inputs["pixel_values"].to(device), inputs["image_grid_thw"].to(device))
+    return torch.cat(list(out.pooler_output), dim=0)
