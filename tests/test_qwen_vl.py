@@ -181,3 +181,71 @@ def test_gemma_pixel_budget_is_an_error():
     text = TINY_VL.replace("vision: {images_per_prompt: 2, buckets: [1, 2]}",
                            "vision: {images_per_prompt: 2, buckets: [1, 2], max_pixels: 4096}")
     assert "max_pixels is Qwen2.5-VL's pixel budget" in _err(text)
+
+
+# ---- the package and the plan ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def package(tmp_path_factory):
+    from ttbundle.runtime import demo
+    return demo.build_package(TINY_QVL, tmp_path_factory.mktemp("qvl"), "N300")
+
+
+def test_package_carries_the_tt_arch_processor_settings_and_chat_template(package):
+    import json
+
+    import transformers
+    cfg = json.loads((package / "config.json").read_text())
+    assert cfg["architectures"] == ["TTQwen2_5_VLForConditionalGeneration"]
+    hf = transformers.Qwen2_5_VLConfig(**{k: v for k, v in cfg.items() if k != "architectures"})
+    assert (hf.vision_config.depth, hf.vision_config.window_size, list(hf.vision_config.fullatt_block_indexes),
+            hf.text_config.rope_parameters["mrope_section"]) == (3, 16, [1], [4, 6, 6])
+    # the package's image processor resizes within the spec's budget: 40x72 stays (8-pixel blocks,
+    # 2880 <= 4096 pixels) = 10x18 patches; 200x200 shrinks to at most 4096 pixels: 64x64 = 16x16
+    proc = transformers.AutoImageProcessor.from_pretrained(package)
+    out = proc(images=images(((40, 72), (200, 200))), return_tensors="pt")
+    assert out["image_grid_thw"].tolist() == [[1, 10, 18], [1, 16, 16]]
+    assert list(out["pixel_values"].shape) == [180 + 256, 3 * 2 * 4 * 4]
+    # the tokenizer's chat template puts Qwen's image placeholder where the image part is
+    tok = transformers.AutoTokenizer.from_pretrained(package)
+    text = tok.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "ba"}]}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids = tok(text)["input_ids"]
+    k = ids.index(500)
+    assert ids[k - 1:k + 2] == [502, 500, 503] and tok.image_token_id == 500
+
+
+def test_package_vision_program_is_transformers_image_features(package):
+    """The built package's own vision program (its weight files) against transformers on the
+    checkpoint it was built from."""
+    import transformers
+
+    from ttbundle.backends.emulated import EmulatedModel
+    from ttbundle.package import load_package
+    pkg = load_package(package)
+    model = EmulatedModel.from_package(pkg)
+    src = package.parent.parent / "src-tiny-qwen25-vl"
+    hf = reference.load_model(src)
+    reference.round_to_bf16(hf)
+    proc = transformers.AutoImageProcessor.from_pretrained(package)
+    x = proc(images=images(((40, 72), (32, 24))), return_tensors="pt")
+    ours = model.encode_images(x["pixel_values"], x["image_grid_thw"])
+    with torch.no_grad():
+        theirs = torch.cat(hf.model.get_image_features(x["pixel_values"], x["image_grid_thw"]).pooler_output)
+    assert ours.shape == theirs.shape == (45 + 12, 256)
+    assert torch.allclose(ours, theirs, atol=1e-4)
+
+
+def test_plan_cli_lists_the_vision_programs(tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from ttbundle.cli import app
+    (tmp_path / "spec.yaml").write_text(TINY_QVL)
+    r = CliRunner().invoke(app, ["plan", str(tmp_path / "spec.yaml"), "--mesh", "T3K", "--json"])
+    assert r.exit_code == 0, r.output
+    vp = json.loads(r.stdout)["vision_programs"]
+    # rows = the bucket's patches; two all_reduces per vision layer, 3 layers
+    assert [(v["bucket"], v["rows"], v["collectives"]) for v in vp] == [(256, 256, 6), (512, 512, 6)]
+    r = CliRunner().invoke(app, ["plan", str(tmp_path / "spec.yaml"), "--mesh", "T3K"])
+    assert "vision programs" in r.stdout and "v_merge1" in r.stdout

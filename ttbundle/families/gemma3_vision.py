@@ -30,6 +30,13 @@ from . import transforms
 #: one image's soft tokens attend to each other bidirectionally in the text model (HF's
 #: ``token_type_ids`` mask, vLLM's ``is_mm_prefix_lm``)
 BIDIRECTIONAL_IMAGES = True
+#: the image tokens as Gemma 3's tokenizer spells them, by the role its processor finds them by
+#: (``extra_special_tokens``): role -> (text, the id's field)
+TOKENIZER_TOKENS = {"boi_token": ("<start_of_image>", "boi_token_index"),
+                    "image_token": ("<image_soft_token>", "image_token_index"),
+                    "eoi_token": ("<end_of_image>", "eoi_token_index")}
+#: vLLM's Gemma 3 processor merges newline runs around images by their tokens ("\n" .. "\n\n\n\n")
+NEWLINE_TOKENS = True
 
 
 class Gemma3Vision(BaseModel):

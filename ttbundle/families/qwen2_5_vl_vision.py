@@ -38,6 +38,21 @@ from . import transforms
 
 #: image placeholders attend causally, like text (no image-block mask)
 BIDIRECTIONAL_IMAGES = False
+#: the vision tokens as Qwen2.5-VL's tokenizer spells them, by the role its processor reads
+#: (``image_token``, ``video_token``; the others are the chat template's): role -> (text, id field)
+TOKENIZER_TOKENS = {"vision_start_token": ("<|vision_start|>", "vision_start_token_id"),
+                    "vision_end_token": ("<|vision_end|>", "vision_end_token_id"),
+                    "image_token": ("<|image_pad|>", "image_token_id"),
+                    "video_token": ("<|video_pad|>", "video_token_id")}
+#: the demo tokenizer's chat template (``runtime.demo``) with Qwen's image placeholder: an image
+#: part of a message is vision start, one ``<|image_pad|>`` (the processor repeats it per soft
+#: token), vision end
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|> {% if m['content'] is string %}{{ m['content'] }} "
+    "{% else %}{% for c in m['content'] %}{% if c['type'] in ('image', 'image_url') %}"
+    "<|vision_start|><|image_pad|><|vision_end|> {% elif c['type'] == 'text' %}{{ c['text'] }} {% endif %}"
+    "{% endfor %}{% endif %}<|end|> {% endfor %}{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
 NORM_EPS = 1e-6  # HF's vision RMSNorms (blocks and merger) use a fixed epsilon
 
 

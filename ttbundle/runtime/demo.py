@@ -9,6 +9,7 @@ and the server (on the package) run the same numbers.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import yaml
@@ -33,16 +34,16 @@ def words(n: int) -> list[str]:
     return out[:n]
 
 
-#: Gemma 3's image tokens as its tokenizer spells them (the processor finds them by these roles)
-IMAGE_TOKENS = {"boi_token": ("<start_of_image>", "boi_token_index"),
-                "image_token": ("<image_soft_token>", "image_token_index"),
-                "eoi_token": ("<end_of_image>", "eoi_token_index")}
+#: Gemma 3's image tokens as its tokenizer spells them (the processor finds them by these roles);
+#: each family's vision part names its own (``TOKENIZER_TOKENS``)
+from ..families.gemma3_vision import TOKENIZER_TOKENS as IMAGE_TOKENS  # noqa: E402
 
 
 def make_tokenizer(directory: str | Path, vocab_size: int, vision=None):
     """A word-level tokenizer of exactly ``vocab_size`` ids (special tokens first, then demo
     words), with a chat template; saved into ``directory``. With ``vision`` (a multimodal arch's
-    vision part) the image tokens take their ids (``IMAGE_TOKENS``). Returns the HF tokenizer."""
+    vision part) the image tokens take their ids (its module's ``TOKENIZER_TOKENS``: role ->
+    (text, id field)). Returns the HF tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -50,15 +51,17 @@ def make_tokenizer(directory: str | Path, vocab_size: int, vision=None):
         raise ValueError(f"vocab_size must exceed {len(SPECIALS)}")
     names = SPECIALS + words(vocab_size - len(SPECIALS))
     extra, newlines = {}, []
+    part = None if vision is None else sys.modules[type(vision).__module__]
     if vision is not None:
-        for role, (text, field) in IMAGE_TOKENS.items():
+        for role, (text, field) in part.TOKENIZER_TOKENS.items():
             names[getattr(vision, field)] = text
             extra[role] = text
+    if vision is not None and getattr(part, "NEWLINE_TOKENS", False):
         # vLLM's Gemma 3 processor puts "\n\n" around each image and merges newline runs by
         # their tokens (Gemma's vocabulary has 1-4 newlines as tokens): the top free ids. A
         # single "\n" stays whitespace in text (the chat's separator between two images'
         # placeholders), so two images' "\n\n" runs merge and split back symmetrically
-        used = {getattr(vision, f) for _, f in IMAGE_TOKENS.values()}
+        used = {getattr(vision, f) for _, f in part.TOKENIZER_TOKENS.values()}
         free = [i for i in range(vocab_size - 1, len(SPECIALS) - 1, -1) if i not in used][:4]
         for k, i in enumerate(free):
             names[i] = "\n" * (k + 1)
@@ -73,7 +76,7 @@ def make_tokenizer(directory: str | Path, vocab_size: int, vision=None):
     if newlines:
         from tokenizers import AddedToken
         hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in newlines[1:]])
-    hf.chat_template = CHAT_TEMPLATE
+    hf.chat_template = getattr(part, "CHAT_TEMPLATE", CHAT_TEMPLATE)
     hf.save_pretrained(str(directory))
     return hf
 
