@@ -249,6 +249,35 @@ PUBLISHED = {
 }
 
 
+PUBLISHED["qwen2.5-vl-7b-instruct.yaml"] = {  # flat: the text dims beside vision_config (transformers 4.x)
+    "architectures": ["Qwen2_5_VLForConditionalGeneration"], "model_type": "qwen2_5_vl", "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "vision_token_id": 151654, "image_token_id": 151655, "video_token_id": 151656, "hidden_act": "silu",
+    "hidden_size": 3584, "intermediate_size": 18944, "max_position_embeddings": 128000, "max_window_layers": 28,
+    "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": False, "use_sliding_window": False,
+    "vocab_size": 152064, "rope_scaling": {"type": "mrope", "mrope_section": [16, 24, 24]},
+    "vision_config": {"depth": 32, "hidden_act": "silu", "hidden_size": 1280, "intermediate_size": 3420,
+                      "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
+                      "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
+                      "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2}}
+# the vision dims transformers reads, per family: (name in the HF vision config, name in ours)
+VISION_KEYS = {
+    "gemma3": [(k, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                "image_size", "patch_size", "layer_norm_eps")],
+    "qwen2_5_vl": [(k, k) for k in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+                                    "patch_size", "temporal_patch_size", "spatial_merge_size", "window_size",
+                                    "out_hidden_size", "hidden_act")]
+    + [("fullatt_block_indexes", "fullatt_block_indexes")],
+}
+WRAPPER_KEYS = {
+    "gemma3": [("mm_tokens_per_image", "mm_tokens_per_image"), ("image_token_id", "image_token_index"),
+               ("boi_token_index", "boi_token_index"), ("eoi_token_index", "eoi_token_index")],
+    "qwen2_5_vl": [(k, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                    "vision_end_token_id")],
+}
+
+
 @pytest.mark.parametrize("bundle", sorted(PUBLISHED))
 def test_published_config_imports_to_the_bundle_dims(bundle):
     cfg = PUBLISHED[bundle]
@@ -262,13 +291,11 @@ def test_published_config_imports_to_the_bundle_dims(bundle):
     assert hf_view(hf, view(a)) == view(a)
     if getattr(a, "vision", None) is not None:  # the vision dims as transformers reads them
         vc = hf.vision_config
-        assert {k: getattr(vc, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                            "num_attention_heads", "image_size", "patch_size", "layer_norm_eps")} \
-            == {k: getattr(a.vision, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                  "num_attention_heads", "image_size", "patch_size", "layer_norm_eps")}
-        assert (hf.mm_tokens_per_image, hf.image_token_id, hf.boi_token_index, hf.eoi_token_index) == \
-            (a.vision.mm_tokens_per_image, a.vision.image_token_index, a.vision.boi_token_index,
-             a.vision.eoi_token_index)
+        norm = lambda x: list(x) if isinstance(x, (list, tuple)) else x  # noqa: E731
+        assert {h: norm(getattr(vc, h)) for h, _ in VISION_KEYS[a.family]} == \
+            {h: norm(getattr(a.vision, o)) for h, o in VISION_KEYS[a.family]}
+        assert {h: getattr(hf, h) for h, _ in WRAPPER_KEYS[a.family]} == \
+            {h: getattr(a.vision, o) for h, o in WRAPPER_KEYS[a.family]}
 
 
 @pytest.mark.parametrize("name,model_type", [("mistral", "mistral"), ("gemma2", "gemma2"), ("gemma3", "gemma3_text")])

@@ -126,7 +126,7 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
     else:
         report.print_plan(p, out, fx)
         if vision:
-            report.print_vision(vision, out)
+            report.print_vision(vision, out, bundle.family.vision_part(bundle.arch).BUCKET_UNIT)
     if not p.fits:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
 

@@ -26,10 +26,11 @@ def pool_line(p: Plan) -> str:
             f"length); {kv['pool_why']}")
 
 
-def print_vision(programs: list[dict], console: Console) -> None:
-    """The vision encoder's programs (``lower.summary`` of each vision bucket)."""
-    t = Table(title="vision programs (images per call)", title_justify="left", show_edge=False)
-    for col in ("images", "rows", "ops", "collectives", "FLOPs/device", "activations", "traffic"):
+def print_vision(programs: list[dict], console: Console, unit: str = "images") -> None:
+    """The vision encoder's programs (``lower.summary`` of each vision bucket); ``unit``: what a
+    bucket counts (the family's vision part's ``BUCKET_UNIT``)."""
+    t = Table(title=f"vision programs ({unit} per call)", title_justify="left", show_edge=False)
+    for col in (unit, "rows", "ops", "collectives", "FLOPs/device", "activations", "traffic"):
         t.add_column(col, justify="right")
     for s in programs:
         t.add_row(str(s["bucket"]), str(s["rows"]), str(s["ops"]), str(s["collectives"]),

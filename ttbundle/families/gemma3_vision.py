@@ -27,6 +27,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl
 from . import transforms
 
+#: what a vision bucket counts
+BUCKET_UNIT = "images"
 #: one image's soft tokens attend to each other bidirectionally in the text model (HF's
 #: ``token_type_ids`` mask, vLLM's ``is_mm_prefix_lm``)
 BIDIRECTIONAL_IMAGES = True

@@ -36,6 +36,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl
 from . import transforms
 
+#: what a vision bucket counts
+BUCKET_UNIT = "patches"
 #: image placeholders attend causally, like text (no image-block mask)
 BIDIRECTIONAL_IMAGES = False
 #: the vision tokens as Qwen2.5-VL's tokenizer spells them, by the role its processor reads
