@@ -204,6 +204,6 @@ model:
     vision_end_token_id: 503
 targets: [N150, N300, T3K]
 buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}
-runtime: {max_model_len: 384, max_num_seqs: 8}
+runtime: {max_model_len: 512, max_num_seqs: 8}
 vision: {images_per_prompt: 2, min_pixels: 256, max_pixels: 4096, buckets: [256, 512]}
 """

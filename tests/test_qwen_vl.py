@@ -168,7 +168,7 @@ def test_min_pixels_above_max_pixels_is_an_error():
 
 def test_default_vision_bucket_holds_the_default_pixel_budget():
     text = TINY_QVL.replace("vision: {images_per_prompt: 2, min_pixels: 256, max_pixels: 4096, buckets: [256, 512]}\n", "")
-    text = text.replace("prefill_chunk: 128}", "prefill_chunk: 128}").replace("max_model_len: 384", "max_model_len: 512")
+    text = text.replace("max_model_len: 512", "max_model_len: 1024")
     text = text.replace("buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}",
                         "buckets: {prefill: [64, 128, 512], decode: [1, 8, 32], prefill_chunk: 512}")
     vs = tiny(text).vision
@@ -249,3 +249,32 @@ def test_plan_cli_lists_the_vision_programs(tmp_path):
     assert [(v["bucket"], v["rows"], v["collectives"]) for v in vp] == [(256, 256, 6), (512, 512, 6)]
     r = CliRunner().invoke(app, ["plan", str(tmp_path / "spec.yaml"), "--mesh", "T3K"])
     assert "vision programs" in r.stdout and "v_merge1" in r.stdout
+
+
+def test_the_ttnn_rotate_half_matrix_is_rotate_half():
+    """The ttnn lowering rotates by a matmul (``rotate_half_matrix``); transformers' own
+    ``rotate_half`` (Qwen2.5-VL's modeling file) is the reference."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import rotate_half
+
+    from ttbundle.backends.emulated.vision_kernels import rotate_half_matrix
+    x = torch.randn(3, 5, 80)
+    assert torch.equal(x @ rotate_half_matrix(80), rotate_half(x))
+
+
+def test_cli_check_with_image_files(tmp_path):
+    from typer.testing import CliRunner
+
+    from ttbundle.cli import app
+    paths = []
+    for i, im in enumerate(images()):
+        im.save(tmp_path / f"im{i}.png")
+        paths += ["--image", str(tmp_path / f"im{i}.png")]
+    (tmp_path / "spec.yaml").write_text(TINY_QVL)
+    r = CliRunner().invoke(app, ["check", str(tmp_path / "spec.yaml"), "--mesh", "N300", "--random-weights",
+                                 "--steps", "3", "--seed", "1", *paths])
+    assert r.exit_code == 0, r.output
+    assert "image soft tokens" in r.output and "3/3 identical" in r.output
+    # three images exceed images_per_prompt=2: a clear error, no traceback
+    r = CliRunner().invoke(app, ["check", str(tmp_path / "spec.yaml"), "--random-weights", "--steps", "1",
+                                 *paths, "--image", paths[1]])
+    assert r.exit_code != 0 and "images_per_prompt=2" in r.output and "Traceback" not in r.output

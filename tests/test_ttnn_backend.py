@@ -290,7 +290,7 @@ def test_every_program_op_kind_has_a_lowering():
             for phase, b in lowermod.trace_set(bundle):
                 prog = lowermod.lower(bundle, p, phase, b).to_json()
                 kinds |= {lowering.step_kind(st) for layer in prog["layers"] for st in layer["steps"]}
-    assert len(fams) == 8
+    assert len(fams) == 9
     assert kinds <= set(lowering.OPS), sorted(kinds - set(lowering.OPS))
 
 

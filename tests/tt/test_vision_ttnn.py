@@ -2,7 +2,10 @@
 text families are in test_lowering_coverage_ttnn.py): every call of the smallest vision program
 (each layer kind once) must get as far as kernel compilation, beside the multimodal model's
 smallest prefill and decode. Specs: the tiny Gemma 3 VLM of the emulated tests, and Gemma-3-4B-it
-at published dims (SigLIP: 4096 patches, head dim 72, which ttnn's fused SDPA cannot pad)."""
+at published dims (SigLIP: 4096 patches, head dim 72, which ttnn's fused SDPA cannot pad); the
+tiny Qwen2.5-VL of the emulated tests and Qwen2.5-VL-7B-Instruct at published dims (window
+attention by a host-made mask over the bucket's 5120 patches, 2-D rope by per-row cos / sin
+inputs, the 2x2 patch merger as a reshape)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from spec_helpers import TINY_VL
+from spec_helpers import TINY_QVL, TINY_VL
 
 BUNDLES = Path(__file__).resolve().parents[2] / "bundles"
 
@@ -28,7 +31,10 @@ def test_vision_programs_pass_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
         pytest.skip("no SFPI stub: mock meshes do not open (scripts/setup_tt.sh)")
     tiny = tmp_path / "tiny-vl.yaml"
     tiny.write_text(TINY_VL)
-    specs = [str(tiny), str(BUNDLES / "gemma-3-4b-it.yaml")]
+    tiny_q = tmp_path / "tiny-qwen-vl.yaml"
+    tiny_q.write_text(TINY_QVL)
+    specs = [str(tiny), str(BUNDLES / "gemma-3-4b-it.yaml"), str(tiny_q),
+             str(BUNDLES / "qwen2.5-vl-7b-instruct.yaml")]
     env = mockcluster.mock_env(mesh, tmp_path)
     r = subprocess.run([sys.executable, "-m", "ttbundle.backends.ttnn.mockcheck", mesh, *specs], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=900)

@@ -130,6 +130,16 @@ def qwen_vision_merge_bias(ctx: Ctx, layer, x):
     return x + ctx.weights("v_merge2_b")[:, None, :]
 
 
+def rotate_half_matrix(dim: int) -> torch.Tensor:
+    """``m`` [dim, dim] with ``x @ m == rotate_half(x)``: what the ttnn lowering multiplies by
+    where its rotary kernel does not take the head dim (Qwen2.5-VL-7B's vision heads are 80)."""
+    m = torch.zeros(dim, dim)
+    h = dim // 2
+    m[torch.arange(h, dim), torch.arange(h)] = -1.0
+    m[torch.arange(h), torch.arange(h, dim)] = 1.0
+    return m
+
+
 KERNELS.update(qwen_vision_attention=qwen_vision_attention, qwen_vision_swiglu=qwen_vision_swiglu,
                qwen_vision_merge=qwen_vision_merge, qwen_vision_merge_gelu=qwen_vision_merge_gelu,
                qwen_vision_merge_bias=qwen_vision_merge_bias)

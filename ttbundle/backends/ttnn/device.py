@@ -119,6 +119,9 @@ def make_const(ttnn, device, c, arch=None):
         m[np.arange(0, 32, 2), np.arange(1, 32, 2)] = 1
         m[np.arange(1, 32, 2), np.arange(0, 32, 2)] = -1
         host = m.reshape(c.shape)
+    elif c.kind == "rotate_half":  # x @ m = rotate_half(x) = [-x2, x1] (HF's rope layout)
+        from ..emulated.vision_kernels import rotate_half_matrix
+        host = rotate_half_matrix(dict(c.params)["dim"]).numpy().reshape(c.shape)
     elif c.kind in ("rope_cos", "rope_sin"):
         host = _rope_table(c, arch)
     elif c.kind == "avg_pool":  # [soft tokens, patches]: each soft token the mean of its window

@@ -728,6 +728,77 @@ def _vision_pool(lw: _Lowerer, st: dict) -> None:
             compute_kernel_config=configs.compute_config())
 
 
+# ---- Qwen2.5-VL's vision transformer (rows: the patches in window order, host-made per call) ------
+def vision_mask_input(full: bool) -> str:
+    """The additive mask input of a Qwen2.5-VL vision layer (0 within a row's window, or its
+    image at full-attention layers; -inf elsewhere), made on the host from ``image_grid_thw``."""
+    return "vision_mask.image" if full else "vision_mask.window"
+
+
+def _qwen_vision_attention(lw: _Lowerer, st: dict) -> None:
+    """q/k/v biases, the 2-D rope (per-row cos / sin inputs; rotate-half by a matmul), then attention over
+    all rows with the window (or image) mask input, as matmuls and a softmax: this device's
+    heads ``[1, h, rows, hd]``."""
+    q, k, v = st["ins"]
+    for name, shp in zip(st["ins"], st["in_shapes"]):
+        lw.shapes.setdefault(name, tt_shape(shp))
+    vis = lw.a.vision
+    hd = vis.head_dim
+    rows, width = lw.shapes[q][2], lw.shapes[q][3]
+    h = width // hd
+    for name in ("vision_cos", "vision_sin"):
+        lw.inputs[name] = ((1, 1, rows, hd), "bf16", "TILE")
+    mask = vision_mask_input(lw.layer in vis.fullatt_block_indexes)
+    lw.inputs[mask] = ((1, 1, rows, rows), "bf16", "TILE")
+    heads = []
+    for b, x in (("v_bq", q), ("v_bk", k), ("v_bv", v)):
+        xb = _bias(lw, x, b, f"{x}.b")
+        heads.append(_heads(lw, xb, h, hd, f"{x}.h"))
+    qh, kh, vh = heads
+    kernel = configs.compute_config()
+    # rotate-half as a matmul by a host-made [hd, hd] matrix (ttnn's rotary_embedding_hf wants a
+    # head dim of 32 or a multiple of 64; 7B's vision heads are 80)
+    rot = f"vision.rotate_half.{hd}"
+    lw.consts[rot] = Const(rot, (1, 1, hd, hd), "bf16", "TILE", "rotate_half", (("dim", hd),))
+    qr, kr = "vq.r", "vk.r"
+    for x, out in ((qh, qr), (kh, kr)):
+        shp = lw.shapes[x]
+        xr = lw.call("matmul", T(x), T(rot), out=f"{out}.rh", shape=shp, memory_config=DRAM, compute_kernel_config=kernel)
+        c = lw.call("multiply", T(x), T("vision_cos"), out=f"{out}.c", shape=shp, memory_config=DRAM)
+        sn = lw.call("multiply", T(xr), T("vision_sin"), out=f"{out}.s", shape=shp, memory_config=DRAM)
+        lw.call("add", T(c), T(sn), out=out, shape=shp, memory_config=DRAM)
+    s = lw.call("matmul", T(qr), T(kr), out="vo.s", shape=(1, h, rows, rows), transpose_b=True, memory_config=DRAM,
+                compute_kernel_config=kernel)
+    s = lw.call("multiply", T(s), f32(hd ** -0.5), out="vo.ss", shape=(1, h, rows, rows), memory_config=DRAM)
+    s = lw.call("add", T(s), T(mask), out="vo.sm", shape=(1, h, rows, rows), memory_config=DRAM)
+    p = lw.call("softmax", T(s), -1, out="vo.p", shape=(1, h, rows, rows), memory_config=DRAM)
+    o = lw.call("matmul", T(p), T(vh), out="vo.h", shape=(1, h, rows, hd), memory_config=DRAM,
+                compute_kernel_config=kernel)
+    _merge_heads(lw, o, st["out"])
+
+
+def _qwen_vision_swiglu(lw: _Lowerer, st: dict) -> None:
+    g, u = st["ins"]
+    for name, shp in zip(st["ins"], st["in_shapes"]):
+        lw.shapes.setdefault(name, tt_shape(shp))
+    gb, ub = _bias(lw, g, "v_b1", f"{g}.b"), _bias(lw, u, "v_b3", f"{u}.b")
+    a = lw.call("silu", T(gb), out=f"{g}.a", shape=lw.shapes[gb], memory_config=DRAM)
+    lw.call("multiply", T(a), T(ub), out=st["out"], shape=lw.shapes[gb], memory_config=DRAM)
+
+
+def _qwen_vision_merge(lw: _Lowerer, st: dict) -> None:
+    """Each merge block's patches (consecutive rows) as one row: a reshape."""
+    x = _one_input(lw, st)
+    rows, hid = lw.shapes[x][2], lw.shapes[x][3]
+    unit = lw.a.vision.merge_unit
+    lw.call("reshape", T(x), [1, 1, rows // unit, unit * hid], out=st["out"], shape=(1, 1, rows // unit, unit * hid))
+
+
+def _qwen_vision_merge_gelu(lw: _Lowerer, st: dict) -> None:
+    x = _bias(lw, _one_input(lw, st), "v_merge1_b", f"{st['out']}.b")
+    lw.call("gelu", T(x), out=st["out"], shape=lw.shapes[x], fast_and_approximate_mode=False, memory_config=DRAM)
+
+
 def _residual_add(lw: _Lowerer, st: dict) -> None:
     x = st["x"]
     lw.call("add", T("h"), T(x), out="h", shape=lw.shapes["h"], memory_config=DRAM)
@@ -824,6 +895,9 @@ OPS: dict[str, Callable[[_Lowerer, dict], None]] = {
     "residual_add": _residual_add, "logits": _logits,
     "vision_embed": _vision_embed, "vision_attention": _vision_attention, "vision_bias_o": _vision_bias("v_bo"),
     "vision_bias_2": _vision_bias("v_b2"), "vision_gelu": _vision_gelu, "vision_pool": _vision_pool,
+    "qwen_vision_attention": _qwen_vision_attention, "qwen_vision_swiglu": _qwen_vision_swiglu,
+    "qwen_vision_merge": _qwen_vision_merge, "qwen_vision_merge_gelu": _qwen_vision_merge_gelu,
+    "qwen_vision_merge_bias": _vision_bias("v_merge2_b"),
     # collectives (program steps with "collective")
     "all_reduce": _collective, "all_gather": _collective,
 }
@@ -949,4 +1023,4 @@ def lower_forward(bundle, mesh, program: dict, sampling: str = "device", grid: t
 
 
 __all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "partition_calls", "program_policy", "device_shape", "inputs_of", "lower_forward", "mask_input",
-           "static_start", "step_kind", "tt_dim", "tt_shape"]
+           "static_start", "step_kind", "tt_dim", "tt_shape", "vision_mask_input"]

@@ -154,6 +154,9 @@ def main(argv: list[str] | None = None) -> int:
         for path in specs:
             d = yaml.safe_load(open(path))
             d["targets"] = [mesh_name]
+            sh = d.get("sharding") or {}
+            if sh.get("targets"):  # per-target overrides of the other targets do not apply here
+                sh["targets"] = {k: x for k, x in sh["targets"].items() if k == mesh_name}
             d.get("weights", {}).pop("source", None)
             bundle = specmod.loads(yaml.safe_dump(d), path)
             plan = planmod.make_plan(bundle, mesh_name)
