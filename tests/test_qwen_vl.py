@@ -278,3 +278,30 @@ def test_cli_check_with_image_files(tmp_path):
     r = CliRunner().invoke(app, ["check", str(tmp_path / "spec.yaml"), "--random-weights", "--steps", "1",
                                  *paths, "--image", paths[1]])
     assert r.exit_code != 0 and "images_per_prompt=2" in r.output and "Traceback" not in r.output
+
+
+def test_ttnn_mrope_tables_give_transformers_rotary_embedding():
+    """The ttnn lowering's M-RoPE: three host-made tables (each zero outside its section's
+    frequencies) looked up by the temporal, height and width positions and summed, against
+    transformers' ``Qwen2_5_VLRotaryEmbedding`` on the same 3-row positions."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+
+    from ttbundle.backends.ttnn import device, lowering
+    b = tiny()
+    p = planmod.make_plan(b, "N150")
+    prog = __import__("ttbundle.lower", fromlist=["lower"]).lower(b, p, "prefill", 64).to_json()
+    fw = lowering.lower_forward(b, p, prog, "host")
+    assert {lowering.mrope_position_input(r) for r in range(3)} <= set(fw.inputs)
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, 200, (3, 64), generator=g)
+    got = {}
+    for part in ("cos", "sin"):
+        tabs = sorted((c for c in fw.consts if c.kind == f"rope_{part}"), key=lambda c: dict(c.params)["mrope_row"])
+        assert len(tabs) == 3
+        got[part] = sum(torch.from_numpy(device._rope_table(c, b.arch))[pos[r]] for r, c in enumerate(tabs))
+    cfg = reference.hf_config(b).text_config
+    cos, sin = Qwen2_5_VLRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), pos[:, None, :])
+    assert torch.allclose(got["cos"], cos[0], atol=1e-5) and torch.allclose(got["sin"], sin[0], atol=1e-5)
+    # the host fills the three inputs with each row's position for text (the same in all three)
+    ins = device.rope_position_inputs(fw, torch.arange(64)[None].numpy())
+    assert all((ins[lowering.mrope_position_input(r)] == torch.arange(64).numpy()).all() for r in range(3))

@@ -11,13 +11,14 @@ the text model only (a multimodal checkpoint's vision weights are left unused)."
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from pydantic import Field
 
 from . import base
 from . import qwen2_5_vl_vision as qv
-from .base import ArchBase
+from .base import ArchBase, Local
 from .qwen2 import Qwen2
 
 
@@ -62,6 +63,13 @@ class Qwen25VL(Qwen2):
 
     def ignored(self, a):
         return () if a is not None and a.vision is not None else self.hf_ignored
+
+    def layers(self, a):
+        # the attention's rope is M-RoPE: each token's three positions (``rope_positions``)
+        kinds = super().layers(a)
+        ops = [replace(o, what=o.what.replace("rope", "M-RoPE (temporal, height, width)", 1))
+               if isinstance(o, Local) and o.kernel == "attention" else o for o in kinds[0].ops]
+        return [replace(kinds[0], ops=ops)]
 
     def tensors(self, a):
         t = super().tensors(a)

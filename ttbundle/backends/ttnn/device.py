@@ -146,6 +146,10 @@ def _rope_table(c, arch):
     scaling = getattr(arch, "rope_scaling", None)
     cos, sin = rope_cos_sin(torch.arange(c.shape[0]), p["head_dim"], p["theta"], scaling, torch.float32)
     t = cos if c.kind == "rope_cos" else sin
+    if p.get("mrope_section"):  # M-RoPE: this position row's frequencies only (the others zero)
+        from ..emulated.kernels import mrope_rows
+        keep = mrope_rows(p["mrope_section"], p["head_dim"]) == p["mrope_row"]
+        t = t * keep[None, :].to(t.dtype)
     if p.get("interleaved"):  # rotary_embedding_llama rotates pairs (x0, x1), (x2, x3)...: f0 f0 f1 f1 ...
         t = t[:, : p["head_dim"] // 2].repeat_interleave(2, dim=-1)
     return t.reshape(c.shape).numpy()
@@ -226,7 +230,24 @@ def mask_inputs(fw: Forward, qpos) -> dict:
         if window:
             ok &= k > q - window
         out[name] = np.where(ok, 0.0, -1e30).astype(np.float32)
+    out.update(rope_position_inputs(fw, qpos))
     return out
+
+
+def rope_position_inputs(fw: Forward, qpos, rope_positions=None) -> dict:
+    """The M-RoPE position inputs a forward reads (``lowering.mrope_position_input``; families
+    with ``mrope_section``): ``rope_positions`` [3, rows] when given, else each row's position
+    ``qpos`` in all three (a text token's M-RoPE positions); padding rows (-1) take 0."""
+    import numpy as np
+
+    from .lowering import mrope_position_input
+    names = [mrope_position_input(r) for r in range(3)]
+    if names[0] not in fw.inputs:
+        return {}
+    rows = fw.inputs[names[0]][0][1]
+    pos = np.asarray(qpos, dtype=np.int64).reshape(-1)[:rows]
+    rp = np.repeat(pos[None], 3, 0) if rope_positions is None else np.asarray(rope_positions, np.int64).reshape(3, -1)
+    return {n: rp[r].clip(min=0).astype(np.uint32)[None] for r, n in enumerate(names)}
 
 
 def prefill_host_inputs(fw: Forward, tokens, n: int, start: int, page_table, block_size: int,

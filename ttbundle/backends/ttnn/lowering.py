@@ -270,6 +270,9 @@ def _rope_tables(lw: _Lowerer, head_dim: int, lt: dict, interleaved: bool = Fals
     scaling = lt.get("rope_scaling", getattr(lw.a, "rope_scaling", None))
     tag = f"rope.{head_dim}.{theta:g}.{abs(hash(repr(scaling))) % 10 ** 8}" + (".il" if interleaved else "")
     L = lw.bundle.spec.runtime.max_model_len
+    section = lw.traits.get("mrope_section")
+    if section:
+        return _mrope_tables(lw, tag, head_dim, theta, scaling, section)
     for part in ("cos", "sin"):  # ROW_MAJOR [positions, head_dim]: what ttnn.embedding reads
         lw.consts[f"{tag}.{part}"] = Const(f"{tag}.{part}", (L, head_dim), "bf16", "ROW_MAJOR", "rope_" + part,
                                            (("head_dim", head_dim), ("theta", theta), ("scaling", repr(scaling)),
@@ -282,6 +285,42 @@ def _rope_tables(lw: _Lowerer, head_dim: int, lt: dict, interleaved: bool = Fals
             lw.call("embedding", T("positions"), T(f"{tag}.{part}"), out=f"{name}.e", shape=(1, rows, head_dim),
                     layout=TILE_L, dtype=BF16, memory_config=DRAM)
             lw.call("reshape", T(f"{name}.e"), [1, 1, rows, head_dim], out=name, shape=(1, 1, rows, head_dim))
+        out.append(T(name))
+    return out[0], out[1]
+
+
+def mrope_position_input(row: int) -> str:
+    """The input holding each token's M-RoPE position of ``row`` (0 temporal, 1 height, 2 width)."""
+    return f"rope_positions.{row}"
+
+
+def _mrope_tables(lw: _Lowerer, tag: str, head_dim: int, theta: float, scaling, section) -> tuple[T, T]:
+    """M-RoPE (Qwen2.5-VL): cos / sin of each token from three position inputs (temporal,
+    height, width). Each has its own table, zero outside the frequencies its ``mrope_section``
+    rotates; every frequency belongs to one section, so the sum of the three lookups is the
+    token's cos / sin (text tokens: the same position in all three)."""
+    L = lw.bundle.spec.runtime.max_model_len
+    rows = lw.rows
+    out = []
+    for part in ("cos", "sin"):
+        name = f"{tag}.{part}.at"
+        if name not in lw.shapes:
+            looked = []
+            for r in range(3):
+                lw.inputs[mrope_position_input(r)] = ((1, rows), "uint32", "ROW_MAJOR")
+                tab = f"{tag}.{part}.m{r}"
+                # M-RoPE positions exceed the cache positions by at most the prompt's rope delta
+                # (negative for images), so the table of max_model_len rows covers them
+                lw.consts[tab] = Const(tab, (L, head_dim), "bf16", "ROW_MAJOR", "rope_" + part,
+                                       (("head_dim", head_dim), ("theta", theta), ("scaling", repr(scaling)),
+                                        ("interleaved", False), ("mrope_section", tuple(section)), ("mrope_row", r)))
+                e = lw.call("embedding", T(mrope_position_input(r)), T(tab), out=f"{name}.e{r}", shape=(1, rows, head_dim),
+                            layout=TILE_L, dtype=BF16, memory_config=DRAM)
+                looked.append(lw.call("reshape", T(e), [1, 1, rows, head_dim], out=f"{name}.{r}",
+                                      shape=(1, 1, rows, head_dim)))
+            s01 = lw.call("add", T(looked[0]), T(looked[1]), out=f"{name}.01", shape=(1, 1, rows, head_dim),
+                          memory_config=DRAM)
+            lw.call("add", T(s01), T(looked[2]), out=name, shape=(1, 1, rows, head_dim), memory_config=DRAM)
         out.append(T(name))
     return out[0], out[1]
 
@@ -1023,4 +1062,4 @@ def lower_forward(bundle, mesh, program: dict, sampling: str = "device", grid: t
 
 
 __all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "partition_calls", "program_policy", "device_shape", "inputs_of", "lower_forward", "mask_input",
-           "static_start", "step_kind", "tt_dim", "tt_shape", "vision_mask_input"]
+           "mrope_position_input", "static_start", "step_kind", "tt_dim", "tt_shape", "vision_mask_input"]
