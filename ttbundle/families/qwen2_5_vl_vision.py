@@ -144,10 +144,10 @@ HF_VISION_KEYS = ("depth", "hidden_size", "intermediate_size", "num_heads", "in_
                   "out_hidden_size", "hidden_act", "tokens_per_second")
 HF_WRAPPER_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
-#: HF processor defaults (``Qwen2VLImageProcessor``): 56x56 to 28x28x1280... pixels; ttbundle's
-#: default budget is smaller (the vision bucket must hold the largest image)
+#: the pixel budget's defaults: HF's processor's minimum (56 x 56 pixels); as maximum, images of
+#: 256 soft tokens (HF's processor allows 16384, which a vision bucket would have to hold)
 DEFAULT_MIN_PIXELS = 56 * 56
-DEFAULT_MAX_TOKENS = 256  # soft tokens of the largest image by default
+DEFAULT_MAX_TOKENS = 256
 
 
 def from_hf(config: dict) -> dict | None:

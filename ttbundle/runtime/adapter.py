@@ -268,7 +268,7 @@ class BundleModel:
             x = part.warmup_inputs(self.bundle.arch.vision, self.bundle.vision, n)
             self.encode_images(x["pixel_values"], x.get("image_grid_thw"))
             self.warmed.add(("vision", n))
-            logger.info("[WARMUP] vision %d image(s): %.2f s", n, time.perf_counter() - t0)
+            logger.info("[WARMUP] vision %d %s: %.2f s", n, part.BUCKET_UNIT, time.perf_counter() - t0)
 
     def warmup_model_decode(self, kv_cache: KVCache, enable_trace: bool = True, max_batch_size=None,
                             num_blocks=None, can_sample_on_device: bool = True):
