@@ -305,3 +305,16 @@ def test_ttnn_mrope_tables_give_transformers_rotary_embedding():
     # the host fills the three inputs with each row's position for text (the same in all three)
     ins = device.rope_position_inputs(fw, torch.arange(64)[None].numpy())
     assert all((ins[lowering.mrope_position_input(r)] == torch.arange(64).numpy()).all() for r in range(3))
+
+
+def test_text_only_arch_leaves_the_vision_weights_unused():
+    """Without ``model.vision`` the arch is the text model (M-RoPE on text positions); the
+    checkpoint's vision tower is left unused and the tokens still equal transformers'."""
+    head, rest = TINY_QVL.split("  vision:\n")
+    text = head + "targets:" + rest.split("targets:", 1)[1]
+    text = "\n".join(ln for ln in text.splitlines() if not ln.startswith("vision:")) + "\n"
+    b = tiny(text)
+    assert b.arch.vision is None and b.vision is None
+    assert not any(t.name.startswith("v_") for t in b.family.tensors(b.arch))
+    r = run_check(b, "N300", steps=4, random_weights=True, seed=2)
+    assert r.tokens_agree and r.passed, (r.ref_tokens, r.emu_tokens, r.diverging())
