@@ -164,7 +164,8 @@ class BundleModel:
     def prefill_forward(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache: KVCache,
                         prompt_lens, start_pos=None, sampling_params: DeviceSampling | None = None,
                         enable_trace: bool = True, return_prompt_logits: bool = False, mm: dict | None = None,
-                        pixel_values=None, rope_positions: torch.Tensor | None = None, **kwargs):
+                        pixel_values=None, rope_positions: torch.Tensor | None = None, image_grid_thw=None,
+                        **kwargs):
         """One sequence's prefill chunk. ``tokens`` [1, S] with S a prefill bucket, the first
         ``prompt_lens[0]`` real; positions start at ``start_pos[0]``. Returns the last real
         token's logits [1, V] (host sampling) or its sampled id [1] (``sampling_params``);
@@ -173,10 +174,13 @@ class BundleModel:
         (``runtime.images.chunk_inputs``; ttbundle's runner). ``pixel_values``: the request's
         images as Tenstorrent's plugin passes them (a list per request, or a tensor), encoded
         here by the package's vision program (``runtime.images.prompt_inputs``): the prompt is
-        prefilled whole in this call. Other keyword arguments of that plugin (e.g.
-        ``image_grid_thw``, for models this package is not) are accepted and unused.
+        prefilled whole in this call. ``image_grid_thw`` (Qwen2.5-VL, a list per request like
+        ``pixel_values``: [images, 3]): the images' patch grids; the prompt's M-RoPE positions come
+        from them (``qwen2_5_vl_vision.mrope_positions``) and the call returns ``(output,
+        rope_deltas)`` (rope_deltas [1]: decode this request with ``rope_deltas=``, the convention
+        of Tenstorrent's M-RoPE models); for other models it is accepted and unused.
         ``rope_positions`` [3, 1, S]: M-RoPE positions (temporal, height, width) of the chunk's
-        tokens for a family with M-RoPE (Qwen2.5-VL; ``qwen2_5_vl_vision.mrope_positions``);
+        tokens for a family with M-RoPE (ttbundle's runner, ``runtime.qwen_vl.chunk_rope``);
         None: the cache positions. KV slots always come from the cache positions."""
         N, S = tokens.shape
         if N != 1 or S not in self.prefill_buckets:
@@ -185,21 +189,29 @@ class BundleModel:
         program = self._program("prefill", S)
         n = int(prompt_lens[0])
         p0 = 0 if start_pos is None else int(start_pos[0])
+        deltas = None
         if mm is None and pixel_values is not None:
             # one entry per request of the batch (one here), else the request's images
             px = pixel_values[0] if isinstance(pixel_values, (list, tuple)) and len(pixel_values) == N else pixel_values
             if px is not None and p0 != 0:
                 raise ValueError(f"pixel_values with a prefill starting at position {p0}: images are merged "
                                  "into a prompt prefilled whole (start_pos 0)")
-            from .images import prompt_inputs
-            mm = prompt_inputs(tokens[0, :n].tolist(), px, self.bundle.arch.vision, self.encode_images, S)
+            thw = image_grid_thw[0] if isinstance(image_grid_thw, (list, tuple)) else image_grid_thw
+            if thw is not None and rope_positions is None:  # Qwen2.5-VL
+                from .qwen_vl import prompt_inputs as qwen_prompt_inputs
+                mm, rope_positions, deltas = qwen_prompt_inputs(tokens[0, :n].tolist(), px, thw,
+                                                                self.bundle.arch.vision, self.encode_images, S)
+            else:
+                from .images import prompt_inputs
+                mm = prompt_inputs(tokens[0, :n].tolist(), px, self.bundle.arch.vision, self.encode_images, S)
         valid = torch.arange(S)[None, :] < n
         positions = torch.where(valid, torch.arange(p0, p0 + S)[None, :], torch.zeros(1, S, dtype=torch.long))
         logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache, mm=mm,
                                     rope_positions=rope_positions)
         if return_prompt_logits:
             return logits[0, :n].float()
-        return self._finish(logits[:, n - 1], sampling_params)
+        out = self._finish(logits[:, n - 1], sampling_params)
+        return out if deltas is None else (out, deltas)
 
     @property
     def vision_buckets(self) -> list[int]:
@@ -221,7 +233,8 @@ class BundleModel:
     def decode_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, page_table: torch.Tensor,
                        kv_cache: KVCache, sampling_params: DeviceSampling | None = None,
                        enable_trace: bool = True, read_from_device: bool = True, prev_output=None,
-                       prev_rows: torch.Tensor | None = None, rope_positions: torch.Tensor | None = None):
+                       prev_rows: torch.Tensor | None = None, rope_positions: torch.Tensor | None = None,
+                       rope_deltas=None):
         """One decode step. ``tokens`` [B, 1] with B a decode bucket; ``start_pos`` [B] is each
         row's position, -1 for padding rows. Returns logits [B, V] or sampled ids [B].
         Async decode: ``read_from_device=False`` returns the step's output handle (read with
@@ -229,7 +242,9 @@ class BundleModel:
         from row ``prev_rows[i]`` of ``prev_output``, an earlier step's unread sampled ids (on the
         emulated mesh the handle already holds them: the step ran at submit). ``rope_positions``
         [3, B, 1]: M-RoPE positions (a row at cache position p of a prompt with M-RoPE delta d:
-        p + d in all three rows); None: the cache positions."""
+        p + d in all three rows); None: the cache positions. ``rope_deltas`` [B] (what
+        ``prefill_forward`` returned per request, Tenstorrent's convention; 0 for text-only rows)
+        gives the same: row ``i`` at ``start_pos[i] + rope_deltas[i]``."""
         if prev_rows is not None:
             take = prev_rows >= 0
             tokens = torch.where(take[:, None], prev_output[prev_rows.clamp(min=0)].long()[:, None], tokens)
@@ -240,6 +255,10 @@ class BundleModel:
         program = self._program("decode", B)
         valid = (start_pos >= 0)[:, None]
         positions = start_pos.clamp(min=0)[:, None]
+        if rope_positions is None and rope_deltas is not None:
+            from .qwen_vl import decode_rope
+            d = torch.as_tensor(rope_deltas, dtype=torch.long).reshape(-1)
+            rope_positions = decode_rope(start_pos, torch.nn.functional.pad(d, (0, B - d.numel())))
         logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache,
                                     rope_positions=rope_positions)
         return self._finish(logits[:, 0], sampling_params)

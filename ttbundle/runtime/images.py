@@ -23,6 +23,16 @@ class RequestImages:
     image_of: list[int]  # per soft token: which image
     blocks: torch.Tensor  # [prompt length] image block per position, -1: text
     embeds: dict = field(default_factory=dict)  # image index -> soft tokens [mm, hidden]
+    counts: list[int] | None = None  # soft tokens per image (Qwen2.5-VL: by its grid); None: uniform
+
+    def first(self, i: int) -> int:
+        """Index into ``positions`` of image ``i``'s first soft token."""
+        if self.counts is None:
+            return i * (len(self.positions) // len(self.features))
+        return sum(self.counts[:i])
+
+    def count(self, i: int) -> int:
+        return len(self.positions) // len(self.features) if self.counts is None else self.counts[i]
 
 
 def request_images(features, prompt: list[int], vision) -> RequestImages | None:
@@ -59,17 +69,24 @@ def chunk_inputs(ri: RequestImages | None, encode, start: int, n: int, bucket: i
         return None
     todo = sorted({ri.image_of[k] for k in sel} - set(ri.embeds))
     if todo:
-        per = len(ri.positions) // len(ri.features)
-        missing = [i for i in todo if ri.features[i].data is None]
+        missing = [i for i in todo if ri.features[i].data is None or "pixel_values" not in ri.features[i].data]
         if missing:
             raise RuntimeError(f"image(s) {missing} are in the chunk but vLLM sent no pixel data")
-        out = encode(torch.cat([pixel_values(ri.features[i]) for i in todo]))
-        for j, i in enumerate(todo):
-            ri.embeds[i] = out[j * per:(j + 1) * per]
-    per = len(ri.positions) // len(ri.features)
+        if ri.counts is None:
+            out = encode(torch.cat([pixel_values(ri.features[i]) for i in todo]))
+        else:  # Qwen2.5-VL: patches and grids (runtime.qwen_vl)
+            from .qwen_vl import encode_features
+            out = encode_features(encode, [ri.features[i] for i in todo])
+        at = 0
+        for i in todo:
+            ri.embeds[i] = out[at:at + ri.count(i)]
+            at += ri.count(i)
+        if at != out.shape[0]:
+            raise RuntimeError(f"the vision program returned {out.shape[0]} soft tokens for image(s) {todo}, "
+                               f"their placeholders hold {at}")
     mask = torch.zeros(bucket, dtype=torch.bool)
     mask[[ri.positions[k] - start for k in sel]] = True
-    embeds = torch.stack([ri.embeds[ri.image_of[k]][k % per] for k in sel])
+    embeds = torch.stack([ri.embeds[ri.image_of[k]][k - ri.first(ri.image_of[k])] for k in sel])
     blocks = torch.full((1, max(start + bucket, len(ri.blocks))), -1, dtype=torch.long)
     blocks[0, :len(ri.blocks)] = ri.blocks
     return {"mask": mask, "embeds": embeds, "blocks": blocks}

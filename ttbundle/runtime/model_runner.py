@@ -62,6 +62,8 @@ class ReqState:
     num_computed: int
     output: list[int] = field(default_factory=list)
     images: object = None  # runtime.images.RequestImages of a request with images
+    rope: object = None  # M-RoPE positions [3, prompt length] (Qwen2.5-VL with images; runtime.qwen_vl)
+    rope_delta: int = 0  # decode at cache position p: rope position p + rope_delta
 
     @property
     def num_tokens(self) -> int:
@@ -270,9 +272,7 @@ class TTModelRunner:
             self.requests[nr.req_id] = ReqState(nr.req_id, list(nr.prompt_token_ids), sp, gen,
                                                 list(nr.block_ids[0]), nr.num_computed_tokens)
             if getattr(nr, "mm_features", None):
-                from .images import request_images
-                self.requests[nr.req_id].images = request_images(nr.mm_features, list(nr.prompt_token_ids),
-                                                                 self.bundle.arch.vision)
+                self._request_images(self.requests[nr.req_id], nr.mm_features)
         c = so.scheduled_cached_reqs
         for i, rid in enumerate(c.req_ids):
             st = self.requests[rid]
@@ -287,6 +287,25 @@ class TTModelRunner:
             full = c.all_token_ids.get(rid)
             if full is not None and len(full) > st.num_tokens:  # tokens we never saw
                 st.output += full[st.num_tokens:]
+
+    def _request_images(self, st: ReqState, features) -> None:
+        """A new request's images (Gemma 3: soft tokens per image; Qwen2.5-VL: patches and grids,
+        plus its M-RoPE positions and rope delta)."""
+        from . import qwen_vl
+        if qwen_vl.is_qwen_features(features):
+            st.images, st.rope, st.rope_delta = qwen_vl.request_state(features, st.prompt, self.bundle.arch.vision)
+            return
+        from .images import request_images
+        st.images = request_images(features, st.prompt, self.bundle.arch.vision)
+
+    def _decode_rope(self, states: list[ReqState], pos: torch.Tensor) -> dict:
+        """``rope_positions`` for a decode batch holding an M-RoPE request ({} otherwise)."""
+        if all(st.rope is None for st in states):
+            return {}
+        from .qwen_vl import decode_rope
+        deltas = torch.zeros_like(pos)
+        deltas[:len(states)] = torch.tensor([st.rope_delta for st in states], dtype=torch.long)
+        return {"rope_positions": decode_rope(pos, deltas)}
 
     def execute_model(self, so):
         from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
@@ -377,8 +396,8 @@ class TTModelRunner:
             self._decode_cache = (key, self._page_table(states, bucket), self._device_sampling(states, bucket))
         _, table, sampling = self._decode_cache
         handle = self.mesh_model.decode_forward(
-            tokens, pos, table, self.kv, sampling,
-            read_from_device=False, **({"prev_output": prev.handle, "prev_rows": src} if chained else {}))
+            tokens, pos, table, self.kv, sampling, read_from_device=False,
+            **({"prev_output": prev.handle, "prev_rows": src} if chained else {}), **self._decode_rope(states, pos))
         step = Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [bucket], "device",
                     mode="async", inputs=time.perf_counter() - t0, at=t0)
         self._inflight = InFlight(list(states), handle, step, t0, prev if chained else None)
@@ -492,6 +511,9 @@ class TTModelRunner:
                 mm = chunk_inputs(st.images, self.mesh_model.encode_images, st.num_computed, n, bucket)
                 if mm is not None:
                     kw["mm"] = mm
+            if st.rope is not None:
+                from .qwen_vl import chunk_rope
+                kw["rope_positions"] = chunk_rope(st.rope, st.rope_delta, st.num_computed, n, bucket)
             res = self.mesh_model.prefill_forward(
                 tokens, self._page_table([st], 1), self._kv_of(st), [n], [st.num_computed],
                 self._device_sampling([st], 1) if (samples and on_device) else None, **kw)
@@ -513,7 +535,8 @@ class TTModelRunner:
             tokens[i, 0] = st.tokens(st.num_computed, 1)[0]
             pos[i] = st.num_computed
         res = self.mesh_model.decode_forward(tokens, pos, self._page_table(states, bucket), self._kv_of(states[0]),
-                                             self._device_sampling(states, bucket) if on_device else None)
+                                             self._device_sampling(states, bucket) if on_device else None,
+                                             **self._decode_rope(states, pos))
         out = {st.req_id: (int(res[i]) if on_device else res[i]) for i, st in enumerate(states)}
         return out, Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [bucket], "")
 

@@ -360,28 +360,49 @@ _STUBS: dict[str, type] = {}
 
 #: multimodal architectures: vLLM's own processor for the HF class (module, processor, processing
 #: info, dummy inputs builder) and the placeholder a chat message's image becomes in the prompt
+#: (vLLM's own class's ``get_placeholder_str``)
 MULTIMODAL = {
     "Gemma3ForConditionalGeneration": ("vllm.model_executor.models.gemma3_mm", "Gemma3MultiModalProcessor",
                                        "Gemma3ProcessingInfo", "Gemma3DummyInputsBuilder", "<start_of_image>"),
+    "Qwen2_5_VLForConditionalGeneration": ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VLMultiModalProcessor",
+                                           "Qwen2_5_VLProcessingInfo", "Qwen2_5_VLDummyInputsBuilder",
+                                           "<|vision_start|><|image_pad|><|vision_end|>"),
+}
+
+#: transformers' torchvision image-processor modules vLLM's model modules import from, and the
+#: PIL module of the same processor: {torchvision module: (PIL module, {name there: name in PIL})}
+PIL_PROCESSORS = {
+    "transformers.models.gemma3.image_processing_gemma3": (
+        "transformers.models.gemma3.image_processing_pil_gemma3",
+        {"Gemma3ImageProcessor": "Gemma3ImageProcessorPil"}),
+    "transformers.models.qwen2_vl.image_processing_qwen2_vl": (
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+        {"Qwen2VLImageProcessor": "Qwen2VLImageProcessorPil", "smart_resize": "smart_resize"}),
 }
 
 
 def _pil_image_processors() -> None:
     """Without torchvision transformers' torchvision image processors do not import, and vLLM's
-    Gemma 3 module imports one (for a type); transformers itself then loads the PIL processor of
-    the same settings (``Gemma3ImageProcessorPil``). Make the import name that class."""
+    Gemma 3 and Qwen2-VL modules import from them (a type, Qwen's ``smart_resize``); transformers
+    itself then loads the PIL processor of the same settings (``Gemma3ImageProcessorPil``,
+    ``Qwen2VLImageProcessorPil``). Make each import name those."""
     import sys
     import types
 
-    name = "transformers.models.gemma3.image_processing_gemma3"
-    try:
-        importlib_import(name)
-    except ImportError:
-        from transformers.models.gemma3 import image_processing_pil_gemma3 as pil
-        shim = types.ModuleType(name)
-        shim.Gemma3ImageProcessor = pil.Gemma3ImageProcessorPil
-        sys.modules[name] = shim
-        logger.debug("ttbundle: torchvision missing: %s is the PIL image processor", name)
+    for name, (pil_name, names) in PIL_PROCESSORS.items():
+        try:
+            importlib_import(name)
+        except ImportError:
+            pil = importlib_import(pil_name)
+            shim = types.ModuleType(name)
+            for ours, theirs in names.items():
+                setattr(shim, ours, getattr(pil, theirs))
+            sys.modules[name] = shim
+            package = importlib_import(name.rsplit(".", 1)[0])
+            for ours in names:  # the package's lazy attribute would import the torchvision module
+                if ours.endswith("Processor"):
+                    setattr(package, ours, getattr(pil, names[ours]))
+            logger.debug("ttbundle: torchvision missing: %s is the PIL image processor", name)
 
 
 def importlib_import(name: str):
@@ -406,7 +427,11 @@ def _multimodal(name: str, arch: str, attrs: dict):
 
     attrs.update(get_placeholder_str=classmethod(get_placeholder_str),
                  embed_multimodal=lambda self, **kw: None)
-    return (getattr(m, proc), getattr(m, info), getattr(m, dummy))
+    info_cls = getattr(m, info)
+    if arch == "Qwen2_5_VLForConditionalGeneration":  # its HF processor without a video processor
+        from .qwen_vl import processing_info
+        info_cls = processing_info(info_cls)
+    return (getattr(m, proc), info_cls, getattr(m, dummy))
 
 
 def stub_class(arch: str):

@@ -1,0 +1,182 @@
+"""Qwen2.5-VL requests on the serving side, before any model runs: vLLM 0.33's own Qwen2.5-VL
+processor through ttbundle's ``TTQwen2_5_VLForConditionalGeneration`` registration (no torchvision
+here: transformers' PIL image processor), and the runner's per-request state from the
+``mm_features`` it makes (image tokens, M-RoPE positions and rope delta, soft tokens per chunk,
+an image covered by the prefix cache). References: transformers' ``Qwen2VLImageProcessorPil``
+and ``Qwen2_5_VLModel.get_rope_index``, vLLM's ``strip_covered_mm_data``, arithmetic."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+VISION = SimpleNamespace(image_token_id=502, video_token_id=503, vision_start_token_id=500,
+                         vision_end_token_id=501, spatial_merge_size=2)
+PRE = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+       "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 56 * 56,
+       "max_pixels": 28 * 28 * 64, "image_mean": [0.48145466, 0.4578275, 0.40821073],
+       "image_std": [0.26862954, 0.26130258, 0.27577711], "do_rescale": True, "rescale_factor": 1 / 255,
+       "do_normalize": True, "do_resize": True, "do_convert_rgb": True, "resample": 3}
+
+
+def _config():
+    from transformers import Qwen2_5_VLConfig
+    return Qwen2_5_VLConfig(
+        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                           fullatt_block_indexes=[0]),
+        image_token_id=502, video_token_id=503, vision_start_token_id=500, vision_end_token_id=501)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    from ttbundle.runtime.demo import make_tokenizer
+
+    d = tmp_path_factory.mktemp("qwen-vl")
+    cfg = _config()
+    cfg.architectures = ["TTQwen2_5_VLForConditionalGeneration"]
+    cfg.save_pretrained(str(d))
+    make_tokenizer(d, 512, VISION)
+    (d / "preprocessor_config.json").write_text(json.dumps(PRE))
+    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def processor(model_dir):
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    from ttbundle.runtime.registry import register_arch
+    register_arch("Qwen2_5_VLForConditionalGeneration")
+    mc = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="float32", max_model_len=512,
+                     limit_mm_per_prompt={"image": 2, "video": 0})
+    return MULTIMODAL_REGISTRY.create_processor(mc)
+
+
+def image(h, w, seed=0):
+    from PIL import Image
+    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
+
+
+IMG = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+def apply(processor, text: str, images):
+    from vllm.multimodal.processing import TimingContext
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+
+    ids = processor.info.ctx.tokenizer.encode(text, add_special_tokens=False)
+    return processor.apply(ProcessorInputs(prompt=ids, mm_data_items=processor.info.parse_mm_data({"image": images})),
+                           TimingContext(enabled=False))
+
+
+def features(out):
+    """vLLM's ``MultiModalFeatureSpec`` per image, as the scheduler hands them to a runner."""
+    from vllm.multimodal.inputs import MultiModalFeatureSpec
+    return [MultiModalFeatureSpec(data=item, modality="image", identifier=h, mm_position=pos)
+            for item, h, pos in zip(out["mm_kwargs"]["image"], out["mm_hashes"]["image"],
+                                    out["mm_placeholders"]["image"])]
+
+
+def hf_rope_index(ids, thw):
+    from transformers import Qwen2_5_VLModel
+    m = Qwen2_5_VLModel(_config())
+    x = torch.tensor([ids])
+    return m.get_rope_index(x, (x == VISION.image_token_id).int(), image_grid_thw=thw)
+
+
+def test_vllms_processor_runs_without_torchvision_and_matches_hfs_image_processor(processor):
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    ims = [image(60, 90, 1), image(120, 50, 2)]
+    out = apply(processor, f"<|user|> {IMG} ba {IMG} be <|end|>", ims)
+    ref = Qwen2VLImageProcessorPil(**{k: v for k, v in PRE.items() if not k.endswith(("_type", "_class"))})
+    ids = out["prompt_token_ids"]
+    for i, (im, item, pos) in enumerate(zip(ims, out["mm_kwargs"]["image"], out["mm_placeholders"]["image"])):
+        r = ref(images=[im], return_tensors="pt")
+        assert torch.equal(item["image_grid_thw"].data, r["image_grid_thw"][0])
+        torch.testing.assert_close(item["pixel_values"].data, r["pixel_values"], rtol=0, atol=1e-6)
+        n = int(r["image_grid_thw"][0].prod()) // 4  # one token per 2x2 merged patches
+        assert ids[pos.offset:pos.offset + pos.length] == [502] * n, i
+        assert ids[pos.offset - 1] == 500 and ids[pos.offset + n] == 501
+    g = [tuple(x["image_grid_thw"].data.tolist()) for x in out["mm_kwargs"]["image"]]
+    assert g[0] != g[1]  # images of different sizes: different grids
+
+
+def test_request_state_positions_equal_transformers_and_chunks_get_their_soft_tokens(processor):
+    from ttbundle.runtime import qwen_vl
+    from ttbundle.runtime.images import chunk_inputs
+
+    ims = [image(60, 90, 1), image(120, 50, 2)]
+    out = apply(processor, f"<|user|> ba {IMG} be bi {IMG} bo <|end|> <|assistant|>", ims)
+    ids, feats = out["prompt_token_ids"], features(out)
+    ri, rope, delta = qwen_vl.request_state(feats, ids, VISION)
+    thw = torch.stack([f.data["image_grid_thw"].data for f in feats])
+    ref, ref_delta = hf_rope_index(ids, thw)
+    assert torch.equal(rope, ref[:, 0]) and delta == int(ref_delta) and delta < 0
+    # soft tokens: a fake vision program numbering its output rows; a chunk split between images
+    calls = []
+
+    def encode(px, image_grid_thw):
+        calls.append(image_grid_thw.tolist())
+        n = int(image_grid_thw.prod(dim=1).sum()) // 4
+        assert px.shape[0] == 4 * n
+        return torch.arange(n, dtype=torch.float32)[:, None].repeat(1, 8) + 1000 * len(calls)
+
+    split = feats[1].mm_position.offset - 1  # the first chunk ends before the second image
+    a = chunk_inputs(ri, encode, 0, split, 64)
+    b = chunk_inputs(ri, encode, split, len(ids) - split, 64)
+    assert calls == [[thw[0].tolist()], [thw[1].tolist()]]  # each image encoded once, when reached
+    n0, n1 = (int(g.prod()) // 4 for g in thw)
+    assert a["mask"].nonzero().flatten().tolist() == list(range(feats[0].mm_position.offset, feats[0].mm_position.offset + n0))
+    assert a["embeds"][:, 0].tolist() == [1000 + k for k in range(n0)]
+    assert b["embeds"][:, 0].tolist() == [2000 + k for k in range(n1)]
+    assert (a["blocks"] == -1).all()  # causal image tokens (no bidirectional blocks)
+    # the chunk's rope positions, then decode at cache position p: p + delta on all axes
+    r = qwen_vl.chunk_rope(rope, delta, split, len(ids) - split, 64)
+    assert torch.equal(r[:, 0, :len(ids) - split], ref[:, 0, split:]) and (r[:, 0, len(ids) - split:] == 0).all()
+    d = qwen_vl.decode_rope(torch.tensor([len(ids), len(ids) + 3, -1]), torch.tensor([delta, delta, 0]))
+    assert d.shape == (3, 3, 1) and d[:, :, 0].tolist() == [[len(ids) + delta, len(ids) + 3 + delta, 0]] * 3
+    assert len(ids) + delta == int(ref[:, 0].max()) + 1  # the next position after the prompt's last
+
+
+def test_an_image_covered_by_the_prefix_cache_is_not_encoded_yet_positions_stay_right(processor):
+    """vLLM strips a covered image's pixels but keeps its grid for M-RoPE models
+    (``strip_covered_mm_data(uses_mrope=True)``); the chunk after the cached prefix gets the
+    second image's soft tokens and the prompt's true positions."""
+    from vllm.multimodal.utils import strip_covered_mm_data
+
+    from ttbundle.runtime import qwen_vl
+    from ttbundle.runtime.images import chunk_inputs
+
+    ims = [image(60, 90, 1), image(120, 50, 2)]
+    out = apply(processor, f"<|user|> {IMG} ba be {IMG} bi <|end|>", ims)
+    ids, feats = out["prompt_token_ids"], features(out)
+    cached = feats[1].mm_position.offset - 1
+    stripped = strip_covered_mm_data(feats, cached, uses_mrope=True)
+    assert "pixel_values" not in stripped[0].data.keys()
+    ri, rope, delta = qwen_vl.request_state(stripped, ids, VISION)
+    thw = torch.stack([f.data["image_grid_thw"].data for f in feats])
+    ref, ref_delta = hf_rope_index(ids, thw)
+    assert torch.equal(rope, ref[:, 0]) and delta == int(ref_delta)
+    seen = []
+    mm = chunk_inputs(ri, lambda px, image_grid_thw: seen.append(image_grid_thw.tolist()) or
+                      torch.ones(int(image_grid_thw.prod()) // 4, 8), cached, len(ids) - cached, 64)
+    assert seen == [[thw[1].tolist()]]
+    assert mm["mask"].sum() == int(thw[1].prod()) // 4
+    with pytest.raises(RuntimeError, match="no pixel data"):  # the covered one cannot be encoded
+        chunk_inputs(ri, lambda *a, **k: None, 0, cached, 64)
+
+
+def test_mrope_positions_refuse_grids_that_do_not_match_the_tokens():
+    from ttbundle.vision import mrope_positions
+    with pytest.raises(ValueError, match=r"needs 6 image tokens"):
+        mrope_positions([1, 502, 502, 3], torch.tensor([[1, 4, 6]]), VISION)
