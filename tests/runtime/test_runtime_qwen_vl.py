@@ -177,6 +177,6 @@ def test_an_image_covered_by_the_prefix_cache_is_not_encoded_yet_positions_stay_
 
 
 def test_mrope_positions_refuse_grids_that_do_not_match_the_tokens():
-    from ttbundle.vision import mrope_positions
-    with pytest.raises(ValueError, match=r"needs 6 image tokens"):
-        mrope_positions([1, 502, 502, 3], torch.tensor([[1, 4, 6]]), VISION)
+    from ttbundle.runtime.qwen_vl import mrope_rule
+    with pytest.raises(ValueError, match=r"needs 6 (image|placeholder) tokens"):
+        mrope_rule()([1, 502, 502, 3], torch.tensor([[1, 4, 6]]), VISION)
