@@ -241,3 +241,4 @@ def prompt_inputs(prompt: list[int], pixel_values, image_grid_thw, vision, encod
     ri = RequestImages([None] * len(counts), positions, image_of, torch.full((len(prompt),), -1, dtype=torch.long),
                        embeds, counts=counts)
     return chunk_inputs(ri, encode, 0, len(prompt), bucket), rope_positions, deltas
+
