@@ -271,7 +271,7 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
 def _configure_images(pkg, mc, sc, emulated: bool) -> None:
     """A multimodal package: the spec's ``vision.images_per_prompt`` as vLLM's
     ``limit_mm_per_prompt`` (a larger limit asked for is capped, with a warning; more images
-    in a request is vLLM's 400), video refused (limit 0: a video is vLLM's 400), and an image's
+    in a request is vLLM's 400), and an image's
     tokens never split over two prefill chunks (Gemma 3's attend to each other; Qwen2.5-VL's
     are encoded by one vision program)."""
     vs = pkg.bundle.vision
@@ -291,14 +291,6 @@ def _configure_images(pkg, mc, sc, emulated: bool) -> None:
         old = mm.limit_per_prompt.get("image")
         mm.limit_per_prompt["image"] = ImageDummyOptions(
             count=vs.images_per_prompt, width=getattr(old, "width", None), height=getattr(old, "height", None))
-    if hasattr(pkg.bundle.arch.vision, "spatial_merge_size"):  # Qwen2.5-VL: images only, no video
-        from vllm.config.multimodal import VideoDummyOptions
-        if mm.get_limit_per_prompt("video"):
-            if "video" in mm.limit_per_prompt:
-                logger.warning("ttbundle: limit_mm_per_prompt video=%d ignored: ttbundle packages take "
-                               "images only (Qwen2.5-VL's video input is not supported)",
-                               mm.get_limit_per_prompt("video"))
-            mm.limit_per_prompt["video"] = VideoDummyOptions(count=0)
     sc.disable_chunked_mm_input = True
 
 

@@ -6,11 +6,12 @@ request's images and M-RoPE positions on the model runner.
 ``image_grid_thw`` ``[images, 3]``; each image becomes ``grid_t*grid_h*grid_w / merge**2``
 ``<|image_pad|>`` tokens). Its processing info loads transformers' ``Qwen2_5_VLProcessor``, whose
 ``from_pretrained`` also loads the video processor, which needs torchvision. ttbundle serves
-images only (Qwen2.5-VL's video input is not supported: ``limit_mm_per_prompt`` video = 0), so
-without torchvision the processing info loads :class:`ImageOnlyQwen2_5_VLProcessor`: the same
-transformers processor class (its prompt expansion and image handling are transformers' own)
-with no video processor; its image processor is transformers' PIL one
-(``Qwen2VLImageProcessorPil``, what ``AutoImageProcessor`` picks without torchvision).
+images only (Qwen2.5-VL's video input is not supported: a request with a video gets vLLM's 400),
+so the processing info (:func:`processing_info`) declares images alone and loads
+:class:`ImageOnlyQwen2_5_VLProcessor`: the same transformers processor class (its prompt
+expansion and image handling are transformers' own) with no video processor; without
+torchvision its image processor is transformers' PIL one (``Qwen2VLImageProcessorPil``, what
+``AutoImageProcessor`` picks then).
 
 **Runner.** A request's images arrive as vLLM ``mm_features`` (one per image: its
 ``pixel_values`` patches and its ``image_grid_thw``; its placeholder range marks its
@@ -23,16 +24,11 @@ positions; decode at cache position ``p`` uses ``p + delta`` on all three axes.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
 
 logger = logging.getLogger("vllm.ttbundle.qwen_vl")
-
-
-def has_torchvision() -> bool:
-    return importlib.util.find_spec("torchvision") is not None
 
 
 def _image_only_processor_class():
@@ -53,10 +49,9 @@ _CLASSES: dict = {}
 
 
 def processing_info(base):
-    """vLLM's ``Qwen2_5_VLProcessingInfo`` (``base``) as is with torchvision; without it, a
-    subclass whose HF processor is :class:`ImageOnlyQwen2_5_VLProcessor`."""
-    if has_torchvision():
-        return base
+    """vLLM's ``Qwen2_5_VLProcessingInfo`` (``base``) for images only: its HF processor is
+    :class:`ImageOnlyQwen2_5_VLProcessor` and it declares image inputs alone, so vLLM neither
+    profiles nor accepts video (a video part is vLLM's 400)."""
     if "info" not in _CLASSES:
         proc_cls = _image_only_processor_class()
 
@@ -64,8 +59,11 @@ def processing_info(base):
             def get_hf_processor(self, **kwargs):
                 return self.ctx.get_hf_processor(proc_cls, **kwargs)
 
-            def get_video_processor(self, **kwargs):  # pragma: no cover - video is refused earlier
-                raise ValueError("video input is not supported by ttbundle packages (images only)")
+            def get_supported_mm_limits(self):
+                return {"image": None}
+
+            def get_mm_max_tokens_per_item(self, seq_len, mm_counts):
+                return {"image": self.get_max_image_tokens()}
 
         _CLASSES["info"] = TTQwen2_5_VLProcessingInfo
     return _CLASSES["info"]
@@ -73,46 +71,7 @@ def processing_info(base):
 
 def image_only_processor(directory, **kwargs):
     """transformers' Qwen2.5-VL processor of a package (or checkpoint) directory, images only."""
-    cls = _image_only_processor_class() if not has_torchvision() else None
-    if cls is None:
-        from transformers import AutoProcessor
-        return AutoProcessor.from_pretrained(str(directory), **kwargs)
-    return cls.from_pretrained(str(directory), **kwargs)
-
-
-def _stand_in_mrope_positions(prompt_ids, image_grid_thw, vision):
-    """(Stand-in for the family's rule, removed once it lands.) Qwen2.5-VL's M-RoPE positions of a prompt: ``(LongTensor[3, L], delta)``.
-
-    Text tokens advance all three axes by one; image ``i``'s ``t*h*w / merge**2`` tokens
-    (``vision.image_token_id``, in prompt order; ``image_grid_thw[i]`` in patches) take
-    ``start + (t, h // merge, w // merge)`` grid indices, and the text after the image resumes at
-    ``start + max(t, h/merge, w/merge)``. Decode at cache position p uses ``p + delta`` on every
-    axis (``delta = max position + 1 - L``)."""
-    import torch
-
-    ids = list(prompt_ids)
-    merge = vision.spatial_merge_size
-    grids = [tuple(int(x) for x in g) for g in (image_grid_thw if image_grid_thw is not None else [])]
-    out = torch.zeros(3, len(ids), dtype=torch.long)
-    pos, i, k = 0, 0, 0
-    while i < len(ids):
-        if ids[i] != vision.image_token_id:
-            out[:, i] = pos
-            pos, i = pos + 1, i + 1
-            continue
-        if k >= len(grids):
-            raise ValueError(f"image tokens at prompt position {i} but only {len(grids)} image grid(s)")
-        t, h, w = grids[k][0], grids[k][1] // merge, grids[k][2] // merge
-        n = t * h * w
-        if ids[i:i + n] != [vision.image_token_id] * n:
-            raise ValueError(f"image {k} (grid {list(grids[k])}) needs {n} image tokens from prompt position {i}")
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-        out[:, i:i + n] = torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + pos
-        pos, i, k = pos + max(t, h, w), i + n, k + 1
-    if k != len(grids):
-        raise ValueError(f"{len(grids)} image grid(s) but the prompt holds {k} image(s)")
-    delta = (int(out.max()) + 1 - len(ids)) if len(ids) else 0
-    return out, delta
+    return _image_only_processor_class().from_pretrained(str(directory), **kwargs)
 
 
 # -- the model runner ---------------------------------------------------------------------------

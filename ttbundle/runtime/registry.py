@@ -428,7 +428,7 @@ def _multimodal(name: str, arch: str, attrs: dict):
     attrs.update(get_placeholder_str=classmethod(get_placeholder_str),
                  embed_multimodal=lambda self, **kw: None)
     info_cls = getattr(m, info)
-    if arch == "Qwen2_5_VLForConditionalGeneration":  # its HF processor without a video processor
+    if arch == "Qwen2_5_VLForConditionalGeneration":  # images only (no video processor, no video)
         from .qwen_vl import processing_info
         info_cls = processing_info(info_cls)
     return (getattr(m, proc), info_cls, getattr(m, dummy))
