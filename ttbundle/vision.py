@@ -113,4 +113,3 @@ def prompt_with_images(bundle, prompt: list[int], n: int, chunk: int, inputs: di
             positions.append(i)
         prev = img
     return out, {"positions": positions, "blocks": blocks}
-

@@ -8,44 +8,43 @@ and ``Qwen2_5_VLModel.get_rope_index``, vLLM's ``strip_covered_mm_data``, arithm
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-VISION = SimpleNamespace(image_token_id=502, video_token_id=503, vision_start_token_id=500,
-                         vision_end_token_id=501, spatial_merge_size=2)
-PRE = {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
-       "patch_size": 14, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 56 * 56,
-       "max_pixels": 28 * 28 * 64, "image_mean": [0.48145466, 0.4578275, 0.40821073],
-       "image_std": [0.26862954, 0.26130258, 0.27577711], "do_rescale": True, "rescale_factor": 1 / 255,
-       "do_normalize": True, "do_resize": True, "do_convert_rgb": True, "resample": 3}
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from spec_helpers import TINY_QVL  # noqa: E402
+
+IMAGE, START, END = 500, 502, 503  # TINY_QVL's image_token_id, vision_start / vision_end
 
 
-def _config():
-    from transformers import Qwen2_5_VLConfig
-    return Qwen2_5_VLConfig(
-        text_config=dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
-        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
-                           patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
-                           fullatt_block_indexes=[0]),
-        image_token_id=502, video_token_id=503, vision_start_token_id=500, vision_end_token_id=501)
+def _bundle():
+    from ttbundle import spec
+    return spec.loads(TINY_QVL, "tiny-qwen25-vl.yaml")
+
+
+@pytest.fixture(scope="module")
+def vision_cfg():
+    return _bundle().arch.vision
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    from ttbundle.runtime.demo import make_tokenizer
+    """What a package carries for vLLM's processor: the checkpoint's config.json with the TT
+    architecture, the demo tokenizer and the package's processor files (``vision.package_files``)."""
+    from ttbundle import vision
+    from ttbundle.runtime.demo import make_source
 
-    d = tmp_path_factory.mktemp("qwen-vl")
-    cfg = _config()
-    cfg.architectures = ["TTQwen2_5_VLForConditionalGeneration"]
-    cfg.save_pretrained(str(d))
-    make_tokenizer(d, 512, VISION)
-    (d / "preprocessor_config.json").write_text(json.dumps(PRE))
-    (d / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor"}))
+    bundle = _bundle()
+    d = make_source(bundle, tmp_path_factory.mktemp("qwen-vl"))
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["TT" + a for a in cfg["architectures"]]
+    (d / "config.json").write_text(json.dumps(cfg))
+    for name, data in vision.package_files(bundle).items():
+        (d / name).write_bytes(data)
     return d
 
 
@@ -86,41 +85,45 @@ def features(out):
                                     out["mm_placeholders"]["image"])]
 
 
-def hf_rope_index(ids, thw):
+_HF: dict = {}
+
+
+def hf_rope_index(model_dir, ids, thw):
     from transformers import Qwen2_5_VLModel
-    m = Qwen2_5_VLModel(_config())
+    if "m" not in _HF:
+        _HF["m"] = Qwen2_5_VLModel.from_pretrained(str(model_dir))
     x = torch.tensor([ids])
-    return m.get_rope_index(x, (x == VISION.image_token_id).int(), image_grid_thw=thw)
+    return _HF["m"].get_rope_index(x, (x == IMAGE).int(), image_grid_thw=thw)
 
 
-def test_vllms_processor_runs_without_torchvision_and_matches_hfs_image_processor(processor):
+def test_vllms_processor_runs_without_torchvision_and_matches_hfs_image_processor(processor, model_dir):
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
-    ims = [image(60, 90, 1), image(120, 50, 2)]
+    ims = [image(40, 56, 1), image(64, 32, 2)]
     out = apply(processor, f"<|user|> {IMG} ba {IMG} be <|end|>", ims)
-    ref = Qwen2VLImageProcessorPil(**{k: v for k, v in PRE.items() if not k.endswith(("_type", "_class"))})
+    ref = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
     ids = out["prompt_token_ids"]
     for i, (im, item, pos) in enumerate(zip(ims, out["mm_kwargs"]["image"], out["mm_placeholders"]["image"])):
         r = ref(images=[im], return_tensors="pt")
         assert torch.equal(item["image_grid_thw"].data, r["image_grid_thw"][0])
         torch.testing.assert_close(item["pixel_values"].data, r["pixel_values"], rtol=0, atol=1e-6)
         n = int(r["image_grid_thw"][0].prod()) // 4  # one token per 2x2 merged patches
-        assert ids[pos.offset:pos.offset + pos.length] == [502] * n, i
-        assert ids[pos.offset - 1] == 500 and ids[pos.offset + n] == 501
+        assert ids[pos.offset:pos.offset + pos.length] == [IMAGE] * n, i
+        assert ids[pos.offset - 1] == START and ids[pos.offset + n] == END
     g = [tuple(x["image_grid_thw"].data.tolist()) for x in out["mm_kwargs"]["image"]]
     assert g[0] != g[1]  # images of different sizes: different grids
 
 
-def test_request_state_positions_equal_transformers_and_chunks_get_their_soft_tokens(processor):
+def test_request_state_positions_equal_transformers_and_chunks_get_their_soft_tokens(processor, model_dir, vision_cfg):
     from ttbundle.runtime import qwen_vl
     from ttbundle.runtime.images import chunk_inputs
 
-    ims = [image(60, 90, 1), image(120, 50, 2)]
+    ims = [image(40, 56, 1), image(64, 32, 2)]
     out = apply(processor, f"<|user|> ba {IMG} be bi {IMG} bo <|end|> <|assistant|>", ims)
     ids, feats = out["prompt_token_ids"], features(out)
-    ri, rope, delta = qwen_vl.request_state(feats, ids, VISION)
+    ri, rope, delta = qwen_vl.request_state(feats, ids, vision_cfg)
     thw = torch.stack([f.data["image_grid_thw"].data for f in feats])
-    ref, ref_delta = hf_rope_index(ids, thw)
+    ref, ref_delta = hf_rope_index(model_dir, ids, thw)
     assert torch.equal(rope, ref[:, 0]) and delta == int(ref_delta) and delta < 0
     # soft tokens: a fake vision program numbering its output rows; a chunk split between images
     calls = []
@@ -148,7 +151,7 @@ def test_request_state_positions_equal_transformers_and_chunks_get_their_soft_to
     assert len(ids) + delta == int(ref[:, 0].max()) + 1  # the next position after the prompt's last
 
 
-def test_an_image_covered_by_the_prefix_cache_is_not_encoded_yet_positions_stay_right(processor):
+def test_an_image_covered_by_the_prefix_cache_is_not_encoded_yet_positions_stay_right(processor, model_dir, vision_cfg):
     """vLLM strips a covered image's pixels but keeps its grid for M-RoPE models
     (``strip_covered_mm_data(uses_mrope=True)``); the chunk after the cached prefix gets the
     second image's soft tokens and the prompt's true positions."""
@@ -157,15 +160,15 @@ def test_an_image_covered_by_the_prefix_cache_is_not_encoded_yet_positions_stay_
     from ttbundle.runtime import qwen_vl
     from ttbundle.runtime.images import chunk_inputs
 
-    ims = [image(60, 90, 1), image(120, 50, 2)]
+    ims = [image(40, 56, 1), image(64, 32, 2)]
     out = apply(processor, f"<|user|> {IMG} ba be {IMG} bi <|end|>", ims)
     ids, feats = out["prompt_token_ids"], features(out)
     cached = feats[1].mm_position.offset - 1
     stripped = strip_covered_mm_data(feats, cached, uses_mrope=True)
     assert "pixel_values" not in stripped[0].data.keys()
-    ri, rope, delta = qwen_vl.request_state(stripped, ids, VISION)
+    ri, rope, delta = qwen_vl.request_state(stripped, ids, vision_cfg)
     thw = torch.stack([f.data["image_grid_thw"].data for f in feats])
-    ref, ref_delta = hf_rope_index(ids, thw)
+    ref, ref_delta = hf_rope_index(model_dir, ids, thw)
     assert torch.equal(rope, ref[:, 0]) and delta == int(ref_delta)
     seen = []
     mm = chunk_inputs(ri, lambda px, image_grid_thw: seen.append(image_grid_thw.tolist()) or
@@ -176,7 +179,12 @@ def test_an_image_covered_by_the_prefix_cache_is_not_encoded_yet_positions_stay_
         chunk_inputs(ri, lambda *a, **k: None, 0, cached, 64)
 
 
-def test_mrope_positions_refuse_grids_that_do_not_match_the_tokens():
-    from ttbundle.runtime.qwen_vl import mrope_rule
-    with pytest.raises(ValueError, match=r"needs 6 (image|placeholder) tokens"):
-        mrope_rule()([1, 502, 502, 3], torch.tensor([[1, 4, 6]]), VISION)
+def test_request_state_refuses_a_placeholder_that_does_not_match_the_grid(processor, vision_cfg):
+    from ttbundle.runtime import qwen_vl
+
+    out = apply(processor, f"<|user|> {IMG} ba <|end|>", [image(40, 56, 1)])
+    ids, feats = list(out["prompt_token_ids"]), features(out)
+    pos = feats[0].mm_position
+    ids[pos.offset + 3] = 7  # one placeholder token is text now
+    with pytest.raises(ValueError, match="image 0"):
+        qwen_vl.request_state(feats, ids, vision_cfg)

@@ -271,9 +271,8 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
 def _configure_images(pkg, mc, sc, emulated: bool) -> None:
     """A multimodal package: the spec's ``vision.images_per_prompt`` as vLLM's
     ``limit_mm_per_prompt`` (a larger limit asked for is capped, with a warning; more images
-    in a request is vLLM's 400), and an image's
-    tokens never split over two prefill chunks (Gemma 3's attend to each other; Qwen2.5-VL's
-    are encoded by one vision program)."""
+    in a request is vLLM's 400), and an image's tokens never split over two prefill chunks
+    (Gemma 3's attend to each other; Qwen2.5-VL's are encoded by one vision program)."""
     vs = pkg.bundle.vision
     mm = getattr(mc, "multimodal_config", None)
     if vs is None or mm is None:

@@ -74,41 +74,6 @@ def image_only_processor(directory, **kwargs):
     return _image_only_processor_class().from_pretrained(str(directory), **kwargs)
 
 
-def _stand_in_mrope_positions(prompt_ids, image_grid_thw, vision):
-    """(Stand-in for the family's rule, removed once it lands.) Qwen2.5-VL's M-RoPE positions of a prompt: ``(LongTensor[3, L], delta)``.
-
-    Text tokens advance all three axes by one; image ``i``'s ``t*h*w / merge**2`` tokens
-    (``vision.image_token_id``, in prompt order; ``image_grid_thw[i]`` in patches) take
-    ``start + (t, h // merge, w // merge)`` grid indices, and the text after the image resumes at
-    ``start + max(t, h/merge, w/merge)``. Decode at cache position p uses ``p + delta`` on every
-    axis (``delta = max position + 1 - L``)."""
-    import torch
-
-    ids = list(prompt_ids)
-    merge = vision.spatial_merge_size
-    grids = [tuple(int(x) for x in g) for g in (image_grid_thw if image_grid_thw is not None else [])]
-    out = torch.zeros(3, len(ids), dtype=torch.long)
-    pos, i, k = 0, 0, 0
-    while i < len(ids):
-        if ids[i] != vision.image_token_id:
-            out[:, i] = pos
-            pos, i = pos + 1, i + 1
-            continue
-        if k >= len(grids):
-            raise ValueError(f"image tokens at prompt position {i} but only {len(grids)} image grid(s)")
-        t, h, w = grids[k][0], grids[k][1] // merge, grids[k][2] // merge
-        n = t * h * w
-        if ids[i:i + n] != [vision.image_token_id] * n:
-            raise ValueError(f"image {k} (grid {list(grids[k])}) needs {n} image tokens from prompt position {i}")
-        tt, hh, ww = torch.meshgrid(torch.arange(t), torch.arange(h), torch.arange(w), indexing="ij")
-        out[:, i:i + n] = torch.stack([tt.flatten(), hh.flatten(), ww.flatten()]) + pos
-        pos, i, k = pos + max(t, h, w), i + n, k + 1
-    if k != len(grids):
-        raise ValueError(f"{len(grids)} image grid(s) but the prompt holds {k} image(s)")
-    delta = (int(out.max()) + 1 - len(ids)) if len(ids) else 0
-    return out, delta
-
-
 # -- the model runner ---------------------------------------------------------------------------
 def is_qwen_features(features) -> bool:
     return any(f.modality == "image" and f.data is not None and "image_grid_thw" in f.data for f in features or [])
@@ -125,13 +90,10 @@ def feature_patches(feature) -> torch.Tensor:
 
 
 def mrope_rule():
-    """The owner of the M-RoPE position rule (the family side,
+    """The owner of the M-RoPE position rule (the family side):
     ``families.qwen2_5_vl_vision.mrope_positions(prompt_ids, image_grid_thw, vision) ->
-    (LongTensor[3, L], delta)``); :func:`_stand_in_mrope_positions` until that module exists."""
-    try:
-        from ..families.qwen2_5_vl_vision import mrope_positions
-    except ImportError:
-        return _stand_in_mrope_positions
+    (LongTensor[3, L], delta)``."""
+    from ..families.qwen2_5_vl_vision import mrope_positions
     return mrope_positions
 
 
