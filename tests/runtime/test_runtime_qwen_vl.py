@@ -149,6 +149,11 @@ def test_request_state_positions_equal_transformers_and_chunks_get_their_soft_to
     d = qwen_vl.decode_rope(torch.tensor([len(ids), len(ids) + 3, -1]), torch.tensor([delta, delta, 0]))
     assert d.shape == (3, 3, 1) and d[:, :, 0].tolist() == [[len(ids) + delta, len(ids) + 3 + delta, 0]] * 3
     assert len(ids) + delta == int(ref[:, 0].max()) + 1  # the next position after the prompt's last
+    # a resumed request re-prefills its prompt's end and its output tokens: those at p + delta
+    L = len(ids)
+    r = qwen_vl.chunk_rope(rope, delta, L - 2, 4, 8)
+    assert torch.equal(r[:, 0, :2], ref[:, 0, L - 2:])
+    assert r[:, 0, 2:4].tolist() == [[L + delta, L + 1 + delta]] * 3
 
 
 def test_an_image_covered_by_the_prefix_cache_is_not_encoded_yet_positions_stay_right(processor, model_dir, vision_cfg):
