@@ -291,9 +291,10 @@ class TTModelRunner:
     def _request_images(self, st: ReqState, features) -> None:
         """A new request's images (Gemma 3: soft tokens per image; Qwen2.5-VL: patches and grids,
         plus its M-RoPE positions and rope delta)."""
-        from . import qwen_vl
-        if qwen_vl.is_qwen_features(features):
-            st.images, st.rope, st.rope_delta = qwen_vl.request_state(features, st.prompt, self.bundle.arch.vision)
+        part = self.bundle.family.vision_part(self.bundle.arch)
+        if hasattr(part, "mrope_positions"):  # M-RoPE (Qwen2.5-VL; runtime.qwen_vl)
+            from .qwen_vl import request_state
+            st.images, st.rope, st.rope_delta = request_state(features, st.prompt, self.bundle.arch.vision)
             return
         from .images import request_images
         st.images = request_images(features, st.prompt, self.bundle.arch.vision)

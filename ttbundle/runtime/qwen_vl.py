@@ -15,7 +15,7 @@ torchvision its image processor is transformers' PIL one (``Qwen2VLImageProcesso
 
 **Runner.** A request's images arrive as vLLM ``mm_features`` (one per image: its
 ``pixel_values`` patches and its ``image_grid_thw``; its placeholder range marks its
-``<|image_pad|>`` tokens). :func:`request_images` turns them into ``images.RequestImages``
+``<|image_pad|>`` tokens). :func:`request_state` turns them into ``images.RequestImages``
 (per-image token counts, no bidirectional blocks: Qwen2.5-VL's image tokens attend causally)
 plus the request's M-RoPE positions ``[3, L]`` and rope delta, from the position rule's one
 owner (``mrope_positions``). Prefill chunk ``[s, s+n)`` uses columns ``s..s+n`` of the
@@ -24,14 +24,14 @@ positions; decode at cache position ``p`` uses ``p + delta`` on all three axes.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
-logger = logging.getLogger("vllm.ttbundle.qwen_vl")
+_CLASSES: dict = {}
 
 
 def _image_only_processor_class():
+    if "processor" in _CLASSES:
+        return _CLASSES["processor"]
     from transformers import Qwen2_5_VLProcessor
 
     class ImageOnlyQwen2_5_VLProcessor(Qwen2_5_VLProcessor):
@@ -42,10 +42,8 @@ def _image_only_processor_class():
             super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
             self.video_processor = None
 
+    _CLASSES["processor"] = ImageOnlyQwen2_5_VLProcessor
     return ImageOnlyQwen2_5_VLProcessor
-
-
-_CLASSES: dict = {}
 
 
 def processing_info(base):
@@ -69,16 +67,7 @@ def processing_info(base):
     return _CLASSES["info"]
 
 
-def image_only_processor(directory, **kwargs):
-    """transformers' Qwen2.5-VL processor of a package (or checkpoint) directory, images only."""
-    return _image_only_processor_class().from_pretrained(str(directory), **kwargs)
-
-
 # -- the model runner ---------------------------------------------------------------------------
-def is_qwen_features(features) -> bool:
-    return any(f.modality == "image" and f.data is not None and "image_grid_thw" in f.data for f in features or [])
-
-
 def feature_grid(feature) -> torch.Tensor:
     """[3] (t, h, w) of one image feature, in patches."""
     return feature.data["image_grid_thw"].data.reshape(3).long()
@@ -107,7 +96,7 @@ def request_state(features, prompt: list[int], vision):
     from .images import RequestImages
 
     feats = sorted((f for f in features or [] if f.modality == "image"), key=lambda f: f.mm_position.offset)
-    grids = [_grid_of(f, vision) for f in feats]
+    grids = [_grid_of(f) for f in feats]
     thw = torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
     rope, delta = mrope_rule()(list(prompt), thw, vision)
     if not feats:
@@ -128,12 +117,12 @@ def request_state(features, prompt: list[int], vision):
     return RequestImages(feats, positions, image_of, blocks, counts=counts), rope, int(delta)
 
 
-def _grid_of(feature, vision) -> torch.Tensor:  # noqa: ARG001
+def _grid_of(feature) -> torch.Tensor:
     if feature.data is not None and "image_grid_thw" in feature.data:
         return feature_grid(feature)
-    # a cached image (no data): its token count fixes h*w only; vLLM keeps the grid with it
-    raise RuntimeError("an image feature without image_grid_thw: vLLM sent no data for it and its grid "
-                       "is unknown")
+    # vLLM keeps a prefix-cached image's grid for M-RoPE models (strip_covered_mm_data)
+    raise RuntimeError("an image feature without image_grid_thw: vLLM sent no grid for it, so the "
+                       "prompt's M-RoPE positions are unknown")
 
 
 def encode_features(encode, feats) -> torch.Tensor:
