@@ -134,7 +134,12 @@ def test_the_runtimes_own_ttnn_calls_bind(ttnn, tmp_path):
 VALIDATE = {"N150": ["gemma-3-27b", "gpt-oss-20b", "llama-3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "qwen3-8b"],
             # one MoE layer of each fits a Blackhole; so does Gemma 2's softcapped attention, whose K/V
             # gathered from the paged cache (32 decode rows x 8K tokens, 1 GiB) does not fit an N150
-            "P150": ["deepseek-v3", "gemma-2-9b", "gpt-oss-120b"]}
+            "P150": ["deepseek-v3", "gemma-2-9b", "gpt-oss-120b"],
+            # the dense families on 8 chips (tensor-parallel attention and MLP, gathered logits); not
+            # yet: Gemma 2 (ttnn's softcap is Blackhole-only), the MoE families (an all_reduce over
+            # the 2-chip axis is refused by reduce_scatter's neighbour lookup; gpt-oss's combine
+            # partitions a width that is not a tile multiple)
+            "T3K": ["gemma-3-27b", "llama-3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "qwen3-8b"]}
 
 
 @pytest.mark.parametrize("mesh", sorted(VALIDATE))
@@ -144,7 +149,11 @@ def test_every_family_passes_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
     which is where a mock device stops. Every call must get that far (``mockcheck``). Found this
     way and fixed: SDPA's scale must be a float32 value, paged_update_cache wants height-sharded
     heads, sinks are [1, H, 1, 1] in prefill and [H, 1] in decode, sampling reads uint32
-    ROW_MAJOR ids, scatter takes no fp32 tiles, 1D matmul configs need a core rectangle."""
+    ROW_MAJOR ids, scatter takes no fp32 tiles, 1D matmul configs need a core rectangle.
+
+    On T3K (``mockcheck``'s docstring) the ops are configured for the grid the mock device
+    reports (8x7) and the all_gather / all_reduce calls, which need a fabric a mock mesh cannot
+    start, are checked by signature and output spec and counted apart; single chips have none."""
     import importlib.util
     import subprocess
     import sys
@@ -162,4 +171,8 @@ def test_every_family_passes_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
     bad = [f"{Path(x['spec']).stem} {x['phase']}-{x['bucket']}: {fn} ({op}): {msg[:300]}"
            for x in results for fn, (op, msg) in x["refused"].items()]
     assert not bad, "\n".join(bad)
-    assert all(x["accepted"] == x["calls"] > 0 for x in results)
+    assert all(x["accepted"] + sum(x["by_signature"].values()) == x["calls"] > 0 for x in results)
+    if mesh == "T3K":  # every program reduces and gathers over the mesh (attention, MLP, logits)
+        assert all(x["by_signature"].get("all_reduce") and x["by_signature"].get("all_gather") for x in results)
+    else:
+        assert all(x["by_signature"] == {} for x in results)

@@ -12,6 +12,30 @@ really receive.
 
 This checks argument validity, not numerics: nothing is computed (reads from a mock device are
 zeros), which is why op numerics can only be checked on hardware.
+
+Multi-chip meshes (N300, T3K), as measured on ttnn 0.81.1's mock:
+
+* **Collectives.** ``all_gather`` and ``all_reduce`` look up the fabric context in their host
+  code, and a mock mesh cannot have one: with ``ttnn.set_fabric_config(FABRIC_1D | FABRIC_2D)``
+  ``open_mesh_device`` compiles the fabric router firmware (``fabric_erisc_router``: "Compiling
+  fabric on mock devices (no router programming or sync)"), which the SFPI stub cannot, so the
+  mesh does not open; with the fabric disabled ``all_gather`` stops at "Trying to get
+  un-initialized fabric context" and ``all_reduce`` at "Unsupported fabric config". Graph
+  capture with ``RunMode.NO_DISPATCH`` does not skip either (nor kernel compilation). What runs
+  before that point still runs for real (a cluster_axis the mesh does not have is refused), so
+  each collective call is first attempted; only a refusal naming the fabric sends it to
+  :func:`check_by_signature`: the wheel's signature binding (``introspect.check``) and the
+  output spec checked by arithmetic (an all_gather multiplies ``dim`` by the mesh's size along
+  ``cluster_axis``, an all_reduce keeps the shape; dtype and layout of the input). Those calls
+  are counted apart (``Validation.by_signature``), never as accepted. ``mesh_partition`` is
+  device-local and is validated for real.
+* **Worker grid.** The mock N300/T3K chips have two harvested Tensix rows, and ttnn's program
+  validation refuses any core on row 7 ("the compute worker grid on this device is 8x7") under
+  every dispatch configuration, while ``compute_with_storage_grid_size()`` says 8x8 with the
+  default (ethernet) dispatch. With dispatch on a worker row (``DispatchCoreConfig(WORKER,
+  ROW)``) the device itself reports 8x7 and ops pick their cores inside it; :func:`open_mesh`
+  opens multi-chip Wormhole meshes that way and :func:`worker_grid` passes the device's answer
+  to the lowering as its ``grid``.
 """
 
 from __future__ import annotations
@@ -32,6 +56,7 @@ class Validation:
     calls: int = 0
     accepted: Counter = field(default_factory=Counter)  # fn -> calls that reached kernel build (or ran)
     refused: dict = field(default_factory=dict)  # fn -> first TT_FATAL (op, message)
+    by_signature: Counter = field(default_factory=Counter)  # fn -> collectives only a fabric could check
 
     @property
     def ok(self) -> bool:
@@ -41,6 +66,57 @@ class Validation:
 def _is_build_failure(msg: str) -> bool:
     low = msg.lower()
     return any(m.lower() in low for m in BUILD_MARKERS)
+
+
+FABRIC_MARKERS = ("fabric context", "fabric config")
+COLLECTIVES = ("all_gather", "all_reduce")
+
+
+def _needs_fabric(fn: str, msg: str) -> bool:
+    low = msg.lower()
+    return fn in COLLECTIVES and any(m in low for m in FABRIC_MARKERS)
+
+
+def open_mesh(ttnn, mesh):
+    """Open preset ``mesh`` as a mock mesh device. Multi-chip Wormhole meshes dispatch from a
+    worker row, the only configuration in which the device's reported grid is the grid its
+    program validation accepts (module docstring)."""
+    kw = {}
+    if mesh.chip.arch.startswith("wormhole") and mesh.num_devices > 1:
+        kw["dispatch_core_config"] = ttnn.DispatchCoreConfig(ttnn.DispatchCoreType.WORKER, ttnn.DispatchCoreAxis.ROW)
+    return ttnn.open_mesh_device(ttnn.MeshShape(*mesh.shape), **kw)
+
+
+def worker_grid(device) -> tuple[int, int]:
+    """The compute grid ``device`` reports (x, y): what the lowering configures ops for."""
+    g = device.compute_with_storage_grid_size()
+    return int(g.x), int(g.y)
+
+
+def check_by_signature(ttnn, ex: Executor, c: Call, layer) -> list[str]:
+    """Problems with collective ``c`` that ttnn's host checks would have seen had the fabric been
+    up: the call's binding to the wheel's signature, then the lowering's per-device output shape
+    against the arithmetic of the collective on the input ttnn holds (empty: none)."""
+    from .introspect import check_call
+    problems = check_call(ttnn, c)
+    if problems:
+        return problems
+    kw = dict(c.kwargs)
+    src = resolve(ttnn, c.args[0], ex.env, layer)
+    shape = list(src.shape)
+    axis = kw.get("cluster_axis")
+    mesh_shape = list(ex.device.shape)
+    if axis is None or not 0 <= axis < len(mesh_shape):
+        return [f"ttnn.{c.fn}: cluster_axis {axis!r} is not an axis of the {mesh_shape} mesh"]
+    if c.fn == "all_gather":
+        dim = c.args[1]
+        if not -len(shape) <= dim < len(shape):
+            return [f"ttnn.all_gather: dim {dim} is not a dim of the input's shape {shape}"]
+        shape[dim] *= mesh_shape[axis]
+    if c.shape is not None and list(c.shape) != shape:
+        return [f"ttnn.{c.fn}: the lowering expects output shape {list(c.shape)}, but {c.fn} over cluster_axis "
+                f"{axis} (size {mesh_shape[axis]}) of an input of shape {list(src.shape)} gives {shape}"]
+    return []
 
 
 def _stand_in(ttnn, ex: Executor, c: Call, layer):
@@ -107,6 +183,12 @@ def validate(ttnn, device, plan, fw) -> Validation:
             msg = str(e)
             if _is_build_failure(msg):
                 res.accepted[c.fn] += 1
+            elif _needs_fabric(c.fn, msg):
+                why = check_by_signature(ttnn, ex, c, lyr)
+                if why:
+                    res.refused.setdefault(c.fn, (c.op, "; ".join(why)[:1500]))
+                else:
+                    res.by_signature[c.fn] += 1
             else:
                 first = next((ln for ln in msg.splitlines() if "TT_FATAL" in ln or "info" in ln), msg[:300])
                 res.refused.setdefault(c.fn, (c.op, " ".join(msg.splitlines()[:3])[:500] if "TT_" in msg else msg[:1500]))
@@ -131,7 +213,7 @@ def validate(ttnn, device, plan, fw) -> Validation:
     return res
 
 
-__all__ = ["Validation", "validate"]
+__all__ = ["Validation", "check_by_signature", "open_mesh", "validate", "worker_grid"]
 
 
 # ---- a process per mock cluster: python -m ttbundle.backends.ttnn.mockcheck MESH SPEC... --------
@@ -149,7 +231,8 @@ def main(argv: list[str] | None = None) -> int:
 
     args = sys.argv[1:] if argv is None else argv
     mesh_name, specs = args[0], args[1:]
-    device = ttnn.open_mesh_device(ttnn.MeshShape(*meshmod.resolve(mesh_name).shape))
+    device = open_mesh(ttnn, meshmod.resolve(mesh_name))
+    grid = worker_grid(device)
     try:
         for path in specs:
             d = yaml.safe_load(open(path))
@@ -165,10 +248,12 @@ def main(argv: list[str] | None = None) -> int:
             keys += [min(k for k in ts if k[0] == "vision")] if any(k[0] == "vision" for k in ts) else []
             for key in keys:
                 prog = one_layer_per_kind(lowermod.lower(bundle, plan, *key).to_json())
-                fw = lower_forward(bundle, plan, prog, "device")
+                fw = lower_forward(bundle, plan, prog, "device", grid=grid)
                 r = validate(ttnn, device, plan, fw)
                 print("RESULT " + json.dumps({"spec": path, "mesh": mesh_name, "phase": key[0], "bucket": key[1],
-                                              "calls": r.calls, "accepted": sum(r.accepted.values()),
+                                              "calls": r.calls, "grid": list(grid),
+                                              "accepted": sum(r.accepted.values()),
+                                              "by_signature": dict(r.by_signature),
                                               "refused": {fn: list(v) for fn, v in r.refused.items()}}), flush=True)
     finally:
         ttnn.close_mesh_device(device)
