@@ -142,7 +142,7 @@ VALIDATE = {"N150": ["gemma-3-27b", "gpt-oss-20b", "llama-3.1-8b", "mistral-7b-v
             "T3K": ["gemma-3-27b", "llama-3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "qwen3-8b"]}
 
 
-@pytest.mark.parametrize("mesh", sorted(VALIDATE))
+@pytest.mark.parametrize("mesh", [pytest.param(m, marks=pytest.mark.slow) if m == "T3K" else m for m in sorted(VALIDATE)])
 def test_every_family_passes_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
     """Every call of the smallest prefill and decode bucket (each layer kind once) on a mock chip:
     ttnn checks shapes, dtypes, layouts, memory and program configs before compiling kernels,

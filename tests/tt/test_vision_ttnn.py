@@ -26,7 +26,7 @@ from spec_helpers import TINY_QVL, TINY_VL
 BUNDLES = Path(__file__).resolve().parents[2] / "bundles"
 
 
-@pytest.mark.parametrize("mesh", ["N150", "T3K"])
+@pytest.mark.parametrize("mesh", ["N150", pytest.param("T3K", marks=pytest.mark.slow)])
 def test_vision_programs_pass_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
     import importlib.util
 

@@ -9,7 +9,7 @@ Host side (runs anywhere; what can be checked without a device):
 * :mod:`.calls` — a lowered op as data: ttnn function names and arguments;
 * :mod:`.lowering` / :mod:`.configs` — every program op kind -> ttnn calls with program configs;
 * :mod:`.introspect` — those calls checked against the installed wheel's signatures;
-* :mod:`.mockcheck` — those calls through ttnn's own op validation on a mock chip;
+* :mod:`.mockcheck` — those calls through ttnn's own op validation on a mock chip or mesh (collectives that need a fabric: by signature and output spec);
 * :mod:`.recording` — a recording stand-in for the ttnn module (program cache, trace API).
 
 Device side: :mod:`.device` (executor, KV cache, constants, ``open_model``, ``generate``) and
