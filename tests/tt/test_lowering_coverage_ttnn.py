@@ -135,6 +135,7 @@ VALIDATE = {"N150": ["gemma-3-27b", "gpt-oss-20b", "llama-3.1-8b", "mistral-7b-v
             # one MoE layer of each fits a Blackhole; so does Gemma 2's softcapped attention, whose K/V
             # gathered from the paged cache (32 decode rows x 8K tokens, 1 GiB) does not fit an N150
             "P150": ["deepseek-v3", "gemma-2-9b", "gpt-oss-120b"],
+            "N300": ["llama-3.1-8b", "qwen3-8b"],
             # the dense families on 8 chips (tensor-parallel attention and MLP, gathered logits); not
             # yet: Gemma 2 (ttnn's softcap is Blackhole-only), the MoE families (an all_reduce over
             # the 2-chip axis is refused by reduce_scatter's neighbour lookup; gpt-oss's combine
@@ -151,7 +152,7 @@ def test_every_family_passes_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
     heads, sinks are [1, H, 1, 1] in prefill and [H, 1] in decode, sampling reads uint32
     ROW_MAJOR ids, scatter takes no fp32 tiles, 1D matmul configs need a core rectangle.
 
-    On T3K (``mockcheck``'s docstring) the ops are configured for the grid the mock device
+    On N300 and T3K (``mockcheck``'s docstring) the ops are configured for the grid the mock device
     reports (8x7) and the all_gather / all_reduce calls, which need a fabric a mock mesh cannot
     start, are checked by signature and output spec and counted apart; single chips have none."""
     import importlib.util
@@ -172,7 +173,8 @@ def test_every_family_passes_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
            for x in results for fn, (op, msg) in x["refused"].items()]
     assert not bad, "\n".join(bad)
     assert all(x["accepted"] + sum(x["by_signature"].values()) == x["calls"] > 0 for x in results)
-    if mesh == "T3K":  # every program reduces and gathers over the mesh (attention, MLP, logits)
+    from ttbundle import mesh as meshmod
+    if meshmod.resolve(mesh).num_devices > 1:  # every program reduces and gathers (attention, MLP, logits)
         assert all(x["by_signature"].get("all_reduce") and x["by_signature"].get("all_gather") for x in results)
     else:
         assert all(x["by_signature"] == {} for x in results)

@@ -141,6 +141,8 @@ def _stand_in(ttnn, ex: Executor, c: Call, layer):
         dtype = {"bfloat16": "bf16", "float32": "f32"}.get(kw["dtype"].path, "bf16")
     if c.fn == "to_memory_config":
         mem = resolve(ttnn, c.args[1], ex.env, layer)
+    if c.fn in COLLECTIVES and kw.get("memory_config") is not None:  # where the call writes its output
+        mem = resolve(ttnn, kw["memory_config"], ex.env, layer)
     if c.fn in ("argmax", "sampling"):
         dtype = "uint32"
     if c.fn == "to_layout":
