@@ -65,6 +65,7 @@ try:
         r = mockcheck.validate(ttnn, device, plan, make())
         print("RESULT " + json.dumps({"case": name, "grid": list(grid), "calls": r.calls,
                                       "accepted": sum(r.accepted.values()), "by_signature": dict(r.by_signature),
+                                      "refused_calls": sum(r.refusals.values()),
                                       "refused": {fn: list(v) for fn, v in r.refused.items()}}), flush=True)
 finally:
     ttnn.close_mesh_device(device)
@@ -94,6 +95,12 @@ def test_the_forward_passes_on_the_mock_t3ks_own_worker_grid(cases):
     assert ok["refused"] == {}
     assert ok["by_signature"].get("all_gather", 0) > 0 and ok["by_signature"].get("all_reduce", 0) > 0
     assert ok["accepted"] + sum(ok["by_signature"].values()) == ok["calls"] > 0
+
+
+def test_every_call_is_accepted_refused_or_checked_by_signature(cases):
+    for r in cases.values():
+        assert r["accepted"] + r["refused_calls"] + sum(r["by_signature"].values()) == r["calls"], r
+        assert (r["refused_calls"] > 0) == bool(r["refused"]), r
 
 
 def test_ops_configured_for_row_7_are_refused(cases):

@@ -53,14 +53,27 @@ BUILD_MARKERS = ("build failed", "trisc", "brisc", "ncrisc", "erisc", "sfpi", "r
 
 @dataclass
 class Validation:
+    """What ttnn made of a forward's calls: ``accepted`` (its host checks passed: the call got as
+    far as kernel compilation), ``refused`` (a check failed: the first message per function) and
+    ``by_signature`` (collectives whose checks need a fabric: bound to the wheel's signature and
+    their output spec checked by arithmetic, :func:`check_by_signature`); every call is counted in
+    one of ``accepted``, ``refusals`` (calls per refused function) and ``by_signature``."""
+
     calls: int = 0
     accepted: Counter = field(default_factory=Counter)  # fn -> calls that reached kernel build (or ran)
     refused: dict = field(default_factory=dict)  # fn -> first TT_FATAL (op, message)
     by_signature: Counter = field(default_factory=Counter)  # fn -> collectives only a fabric could check
+    refusals: Counter = field(default_factory=Counter)  # fn -> calls refused
 
     @property
     def ok(self) -> bool:
+        """Nothing refused (collectives checked by signature count as not refused)."""
         return not self.refused
+
+    @property
+    def all_by_ttnn(self) -> bool:
+        """Nothing refused and nothing left to the signature check: every call validated by ttnn."""
+        return self.ok and not self.by_signature
 
 
 def _is_build_failure(msg: str) -> bool:
@@ -188,11 +201,13 @@ def validate(ttnn, device, plan, fw) -> Validation:
             elif _needs_fabric(c.fn, msg):
                 why = check_by_signature(ttnn, ex, c, lyr)
                 if why:
+                    res.refusals[c.fn] += 1
                     res.refused.setdefault(c.fn, (c.op, "; ".join(why)[:1500]))
                 else:
                     res.by_signature[c.fn] += 1
             else:
                 first = next((ln for ln in msg.splitlines() if "TT_FATAL" in ln or "info" in ln), msg[:300])
+                res.refusals[c.fn] += 1
                 res.refused.setdefault(c.fn, (c.op, " ".join(msg.splitlines()[:3])[:500] if "TT_" in msg else msg[:1500]))
             return None
 
@@ -256,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
                                               "calls": r.calls, "grid": list(grid),
                                               "accepted": sum(r.accepted.values()),
                                               "by_signature": dict(r.by_signature),
+                                              "refused_calls": sum(r.refusals.values()),
                                               "refused": {fn: list(v) for fn, v in r.refused.items()}}), flush=True)
     finally:
         ttnn.close_mesh_device(device)
