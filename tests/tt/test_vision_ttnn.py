@@ -10,7 +10,8 @@ inputs, the 2x2 patch merger as a reshape).
 On a mock T3K the non-collective calls are validated the same way, on the worker grid the mock
 device reports (8x7); all_gather / all_reduce need a fabric a mock mesh cannot start and are
 checked by signature and output spec instead (``mockcheck``), counted apart and required: the
-vision tower's tensor-parallel attention and MLP each end in an all_reduce."""
+vision tower's tensor-parallel attention ends in an all_reduce (so does its MLP, except
+Qwen2.5-VL-7B's, replicated on T3K)."""
 
 from __future__ import annotations
 
