@@ -10,7 +10,7 @@ T3K and runs :func:`mockcheck.validate` on the mock mesh (one process, one mesh)
 * ``axis0``: an all_gather over cluster_axis 0 (2 devices) where the lowering expects the
   gathered dim x4 (axis 1): refused by the output-spec arithmetic of ``check_by_signature``;
 * ``kwarg``: an all_reduce given a keyword the wheel's all_reduce does not take: refused by the
-  signature binding;
+  wheel's own binding ("incompatible function arguments"), before any fabric lookup;
 * ``mem``: a non-collective call (the first ``linear``) told to write an L1 height-sharded output
   without a shard spec: refused by ttnn.
 """
