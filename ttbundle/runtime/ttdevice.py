@@ -102,6 +102,23 @@ class DecodeOutput:
         self.pending = None  # async decode: (host tensor, event) of the readback queued at submit
 
 
+def refuse_unlowered_vision(loaded) -> None:
+    """A package whose vision programs hold ops the ttnn lowering has none for (Qwen2.5-VL's
+    window attention and patch merger, until they are lowered) cannot encode images on a
+    device: refused naming the program and the ops."""
+    from ..backends.ttnn.lowering import unlowered_ops
+    from ..errors import InvalidInput
+
+    for phase, b in loaded.programs:
+        if phase != "vision":
+            continue
+        missing = unlowered_ops(loaded.program(phase, b))
+        if missing:
+            raise InvalidInput(f"{loaded.dir}: programs/vision-{b}.json uses {', '.join(missing)}, which the ttnn "
+                               "lowering does not translate yet: images run on the emulated mesh only for this "
+                               "model (serve it with TTBUNDLE_EMULATED=1)")
+
+
 class TTDeviceModel:
     #: ``ttnn.sampling`` runs with one seed for the batch: seeded requests sample on the host
     seeded_on_device = False
@@ -133,6 +150,7 @@ class TTDeviceModel:
         if not (package.path / "tensorbin" / "index.json").is_file():
             raise InvalidInput(f"{package.path}: no tensorbin/ weight caches; a Tenstorrent device runs packages "
                                "built with `ttbundle build --backend ttnn`")
+        refuse_unlowered_vision(package.loaded)
         ttnn = ttnn or import_ttnn()
         t0 = time.perf_counter()
         runner = open_model(ttnn, package.loaded, sample_mode, mesh_device, host_fallback=True,
@@ -196,7 +214,14 @@ class TTDeviceModel:
 
     @torch.no_grad()
     def prefill_forward(self, tokens, page_table, kv_cache, prompt_lens, start_pos=None, sampling_params=None,
-                        enable_trace: bool = True):
+                        enable_trace: bool = True, mm: dict | None = None, pixel_values=None, **kwargs):
+        """One sequence's prefill chunk (as ``adapter.BundleModel.prefill_forward``). ``mm``: the
+        chunk's image soft tokens (``runtime.images.chunk_inputs``; ttbundle's runner);
+        ``pixel_values``: the request's images as Tenstorrent's plugin passes them (the whole
+        prompt in this call), encoded here by the vision forwards (``images.prompt_inputs``).
+        Either way the soft tokens are merged by the prefill forward itself
+        (``lowering._merge_images``) and its attention mask holds their image blocks. Other
+        keywords of that plugin (``image_grid_thw``) are accepted and unused."""
         import numpy as np
         from ..backends.ttnn.device import prefill_host_inputs
 
@@ -205,10 +230,17 @@ class TTDeviceModel:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
                              f"got tokens {list(tokens.shape)}")
         n, p0 = int(prompt_lens[0]), 0 if start_pos is None else int(start_pos[0])
+        if mm is None and pixel_values is not None:
+            px = pixel_values[0] if isinstance(pixel_values, (list, tuple)) and len(pixel_values) == N else pixel_values
+            if px is not None and p0 != 0:
+                raise ValueError(f"pixel_values with a prefill starting at position {p0}: images are merged "
+                                 "into a prompt prefilled whole (start_pos 0)")
+            from .images import prompt_inputs
+            mm = prompt_inputs(tokens[0, :n].tolist(), px, self.bundle.arch.vision, self.encode_images, S)
         key = self._key("prefill", S, sampling_params, p0)
         fw = self.runner.forwards[key]
         host = prefill_host_inputs(fw, tokens[0].numpy(), n, p0, page_table[0].numpy(), self.block_size,
-                                   self.bundle.spec.runtime.max_model_len)
+                                   self.bundle.spec.runtime.max_model_len, mm=mm)
         head = fw.inputs["last_rows"][0][2]
         host.update(self._sampling_inputs(sampling_params, head))
         out = self._run(key, host)
@@ -218,6 +250,30 @@ class TTDeviceModel:
             return torch.tensor([int(ids[row])])
         logits = np.asarray(self.runner.read(out["logits.out"])).reshape(head, -1)
         return torch.from_numpy(logits[row:row + 1, :self.vocab_size].astype(np.float32))
+
+    @property
+    def vision_buckets(self) -> list[int]:
+        return sorted(k[1] for k in self.runner.forwards if k[0] == "vision")
+
+    @torch.no_grad()
+    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """Soft tokens [images * mm_tokens_per_image, hidden] of ``pixel_values`` [images, C, H, W]:
+        the lowered vision program of the smallest vision bucket holding them, on the mesh (its
+        trace replayed where ``trace_mode`` is ``all``), read back to the host for the prefill
+        that merges them (as Tenstorrent's models pass vision embeddings into prefill)."""
+        import numpy as np
+        from ..backends.emulated.model import pick
+        from ..backends.emulated.vision_kernels import patches
+
+        v = self.bundle.arch.vision
+        n = pixel_values.shape[0]
+        bucket = pick(self.vision_buckets, n)
+        key = self._key("vision", bucket, None)
+        patch_rows = patches(pixel_values.float(), v, bucket).numpy()
+        out = self._run(key, {"patches": patch_rows.reshape(self.runner.forwards[key].inputs["patches"][0])})
+        (name,) = self.runner.forwards[key].outputs
+        soft = np.asarray(self.runner.read(out[name]), dtype=np.float32).reshape(-1, self.bundle.arch.hidden_size)
+        return torch.from_numpy(soft[:n * v.mm_tokens_per_image].copy())
 
     @torch.no_grad()
     def decode_forward(self, tokens, start_pos, page_table, kv_cache, sampling_params=None, enable_trace: bool = True,
@@ -289,10 +345,10 @@ class TTDeviceModel:
     # -- warm-up: compile everything, then (seal) capture ------------------------------------------
     def warmup_model_prefill(self, kv_cache, enable_trace: bool = True, can_sample_on_device: bool = True):
         t0 = time.perf_counter()
-        keys = [k for k in self.runner.forwards if k[0] == "prefill"]
+        keys = [k for k in self.runner.forwards if k[0] in ("prefill", "vision")]  # images encode at prefill
         self.runner.warmup(keys)
-        self.warmed |= {("prefill", k[1]) for k in keys}
-        logger.info("[WARMUP] compiled %d prefill forwards in %.1f s", len(keys), time.perf_counter() - t0)
+        self.warmed |= {(k[0], k[1]) for k in keys}
+        logger.info("[WARMUP] compiled %d prefill and vision forwards in %.1f s", len(keys), time.perf_counter() - t0)
 
     def warmup_model_decode(self, kv_cache, enable_trace: bool = True, max_batch_size=None, num_blocks=None,
                             can_sample_on_device: bool = True):

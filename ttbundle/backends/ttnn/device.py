@@ -168,6 +168,11 @@ def forward_keys(bundle, sample_on_device_mode: str = "all", host_fallback: bool
     mode = trace_mode or bundle.spec.runtime.trace_mode
     keys, traced = [], set()
     for phase, b in trace_set(bundle):
+        if phase == "vision":  # one forward per vision bucket (its soft tokens come back); traced
+            keys.append((phase, b, "host", 0))  # with the prefills (fixed shapes, as lower.traced)
+            if mode == "all":
+                traced.add(keys[-1])
+            continue
         on_device = sample_on_device_mode == "all" or (sample_on_device_mode == "decode_only" and phase == "decode")
         modes = (["device"] if on_device else []) + (["host"] if host_fallback or not on_device else [])
         for sampling in modes:
@@ -211,14 +216,17 @@ def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=No
 
 
 # ---- host inputs of one run -------------------------------------------------------------------------
-def mask_inputs(fw: Forward, qpos) -> dict:
-    """The additive attention masks a softcapped-attention forward reads (``lowering.mask_input``):
-    ``[R, 1, Sq, L]``, 0 where key position l may be attended by the query at ``qpos[r, q]``
-    (l <= it, and within the window), -1e30 elsewhere; a query at -1 (a padding row) sees l = 0
-    only."""
+def mask_inputs(fw: Forward, qpos, blocks=None) -> dict:
+    """The additive attention masks an explicit-mask attention forward reads
+    (``lowering.mask_input``: softcapped attention, an image prefill): ``[R, 1, Sq, L]``, 0 where
+    key position l may be attended by the query at ``qpos[r, q]`` (l <= it, or l in the query's
+    own image, ``blocks[r, l]`` the image block of position l, -1 for text; then within the
+    window, as the emulated backend's mask composes them), -1e30 elsewhere; a query at -1 (a
+    padding row) sees l = 0 only."""
     import numpy as np
 
     out = {}
+    kb = None
     for name, (shape, _, _) in fw.inputs.items():
         if not name.startswith("attn_mask"):
             continue
@@ -227,6 +235,13 @@ def mask_inputs(fw: Forward, qpos) -> dict:
         q = np.asarray(qpos, dtype=np.int64).reshape(R, Sq)[:, None, :, None]
         k = np.arange(L)[None, None, None, :]
         ok = (k <= q) | ((q < 0) & (k == 0))
+        if blocks is not None:
+            if kb is None:
+                kb = np.full((R, L), -1, np.int64)
+                given = np.asarray(blocks, dtype=np.int64).reshape(R, -1)[:, :L]
+                kb[:, :given.shape[1]] = given
+            qb = np.take_along_axis(kb, np.clip(q.reshape(R, Sq), 0, L - 1), axis=1)[:, None, :, None]
+            ok |= (qb == kb[:, None, None, :]) & (qb >= 0) & (q >= 0)
         if window:
             ok &= k > q - window
         out[name] = np.where(ok, 0.0, -1e30).astype(np.float32)
@@ -250,11 +265,32 @@ def rope_position_inputs(fw: Forward, qpos, rope_positions=None) -> dict:
     return {n: rp[r].clip(min=0).astype(np.uint32)[None] for r, n in enumerate(names)}
 
 
+def image_inputs(fw: Forward, mm: dict | None) -> dict:
+    """An image prefill's merge inputs (``lowering._merge_images``): ``mm_keep`` 0 at the rows of
+    ``mm["mask"]`` (the chunk's image tokens, ``runtime.images.chunk_inputs``) and 1 elsewhere,
+    ``mm_embeds`` the soft tokens ``mm["embeds"]`` at those rows, 0 elsewhere; no ``mm``: text."""
+    import numpy as np
+
+    shape = fw.inputs["mm_keep"][0]
+    keep = np.ones(shape, np.float32)
+    embeds = np.zeros(shape, np.float32)
+    if mm is not None:
+        rows = np.flatnonzero(np.asarray(mm["mask"], dtype=bool)[:shape[2]])
+        e = np.asarray(mm["embeds"], dtype=np.float32).reshape(len(rows), -1)
+        if e.shape[1] != shape[3]:
+            raise ValueError(f"image soft tokens of {e.shape[1]} features for a prefill of {shape[3]}")
+        keep[0, 0, rows] = 0.0
+        embeds[0, 0, rows] = e
+    return {"mm_keep": keep, "mm_embeds": embeds}
+
+
 def prefill_host_inputs(fw: Forward, tokens, n: int, start: int, page_table, block_size: int,
-                        max_model_len: int) -> dict:
+                        max_model_len: int, mm: dict | None = None) -> dict:
     """Host inputs of a prefill forward: ``tokens`` (the bucket's row, the first ``n`` real) at
     positions ``start``...; ``page_table`` the sequence's blocks (the chunk's own ones are
-    ``fill_page_table``); the head's one-hot picks the tile row holding token ``n - 1``."""
+    ``fill_page_table``); the head's one-hot picks the tile row holding token ``n - 1``. ``mm``:
+    the chunk's images (``runtime.images.chunk_inputs``; an image prefill forward only): their
+    soft tokens merged, the attention mask with their image blocks."""
     import numpy as np
 
     rows = fw.rows
@@ -283,7 +319,12 @@ def prefill_host_inputs(fw: Forward, tokens, n: int, start: int, page_table, blo
         if first_row + i < rows:
             sel[0, 0, i, first_row + i] = 1.0
     ins["last_rows"] = sel
-    ins.update(mask_inputs(fw, np.arange(start, start + rows)[None]))
+    if mm is not None and "mm_keep" not in fw.inputs:
+        raise ValueError("images for a prefill forward that takes none (a text-only model)")
+    if "mm_keep" in fw.inputs:
+        ins.update(image_inputs(fw, mm))
+    blocks = None if mm is None else np.asarray(mm["blocks"], dtype=np.int64).reshape(1, -1)
+    ins.update(mask_inputs(fw, np.arange(start, start + rows)[None], blocks))
     return ins
 
 

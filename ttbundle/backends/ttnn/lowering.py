@@ -409,8 +409,11 @@ def _attention(lw: _Lowerer, st: dict) -> None:
     _cache_write(lw, "k", "kr")
     _cache_write(lw, "v", vh)
     scale = f32(lt.get("attn_scale", hd ** -0.5))
-    if lt.get("attn_softcap"):
-        o = _softcap_attention(lw, nq, nkv, hd, scale, float(lt["attn_softcap"]), lt.get("window"))
+    if lt.get("attn_softcap") or (not lw.decode and image_prefill(lw.bundle, lw.prog)):
+        # an image prefill's soft tokens attend to their whole image (a host-made mask input):
+        # the fused SDPA kernels are causal only
+        cap = float(lt["attn_softcap"]) if lt.get("attn_softcap") else None
+        o = _softcap_attention(lw, nq, nkv, hd, scale, cap, lt.get("window"))
         _merge_heads(lw, o, st["out"])
         return
     extra = {}
@@ -438,8 +441,10 @@ def mask_input(window) -> str:
     return f"attn_mask.w{int(window)}" if window else "attn_mask"
 
 
-def _softcap_attention(lw: _Lowerer, nq: int, nkv: int, hd: int, scale: float, cap: float, window) -> str:
-    """Attention with logit soft-capping, as the emulated backend computes it: the rows' K/V
+def _softcap_attention(lw: _Lowerer, nq: int, nkv: int, hd: int, scale: float, cap: float | None,
+                       window) -> str:
+    """Attention with logit soft-capping (``cap``; None: none, an image prefill's explicit mask
+    alone), as the emulated backend computes it: the rows' K/V
     blocks gathered from the paged cache by the page table into ``[R, nkv, L, hd]`` (L = the page
     table's tokens), heads repeated for GQA, ``scores = softcap(q k^T * scale, cap) + mask``
     (the mask input: causal, window, validity; made on the host per step), softmax, ``@ v``.
@@ -476,7 +481,8 @@ def _softcap_attention(lw: _Lowerer, nq: int, nkv: int, hd: int, scale: float, c
     s = lw.call("matmul", T(q), T(seq["k"]), out="sc.s", shape=(R, nq, Sq, L), transpose_b=True,
                 memory_config=DRAM, compute_kernel_config=kernel)
     s = lw.call("multiply", T(s), scale, out="sc.ss", shape=(R, nq, Sq, L), memory_config=DRAM)
-    s = lw.call("softcap", T(s), cap, out="sc.cap", shape=(R, nq, Sq, L), memory_config=DRAM)
+    if cap is not None:
+        s = lw.call("softcap", T(s), cap, out="sc.cap", shape=(R, nq, Sq, L), memory_config=DRAM)
     s = lw.call("add", T(s), T(mname), out="sc.m", shape=(R, nq, Sq, L), memory_config=DRAM)
     p = lw.call("softmax", T(s), -1, out="sc.p", shape=(R, nq, Sq, L), memory_config=DRAM)
     o = lw.call("matmul", T(p), T(seq["v"]), out="sc.o", shape=(R, nq, Sq, hd), memory_config=DRAM,
@@ -966,11 +972,42 @@ def inputs_of(program: dict, bundle) -> dict:
         ins["fill_page_table"] = ((1, -(-rows // block_size)), "int32", "ROW_MAJOR")  # the chunk's blocks
         ins["seq_slot"] = ((1,), "int32", "ROW_MAJOR")
         ins["last_rows"] = ((1, 1, min(rows, TILE), rows), "bf16", "TILE")  # one-hot: the last prompt tile row
+        if image_prefill(bundle, program):  # the chunk's image soft tokens (_merge_images)
+            hid = bundle.arch.hidden_size
+            ins["mm_keep"] = ((1, 1, rows, hid), "bf16", "TILE")
+            ins["mm_embeds"] = ((1, 1, rows, hid), "bf16", "TILE")
     head_rows = rows if program["phase"] == "decode" else min(rows, TILE)  # rows the head samples
     ins["top_k"] = ((head_rows,), "uint32", "ROW_MAJOR")
     ins["top_p"] = ((head_rows,), "bf16", "ROW_MAJOR")
     ins["temperature"] = ((head_rows,), "bf16", "ROW_MAJOR")
     return ins
+
+
+def image_prefill(bundle, program: dict) -> bool:
+    """Does this forward take images: a prefill of a model with a vision encoder. Its prefill
+    takes the chunk's soft tokens as inputs (``mm_keep``, ``mm_embeds``: :func:`_merge_images`)
+    and attends with an explicit mask input (an image's soft tokens see the whole image)."""
+    return program["phase"] == "prefill" and getattr(bundle.arch, "vision", None) is not None
+
+
+def _merge_images(lw: _Lowerer) -> None:
+    """The image soft tokens in place of their placeholder tokens, after the embedding (its scale
+    included, as HF merges them) leaves ``h`` whole on every device: ``h * mm_keep + mm_embeds``,
+    both host-made per step (``device.image_inputs``: 0 / the soft token at an image token's row,
+    1 / 0 at a text token's), so every bucket keeps one forward and one trace."""
+    h = lw.shapes["h"]
+    if h[3] != lw.a.hidden_size:
+        raise NotImplementedError(f"the embedding leaves h split ({h[3]} of {lw.a.hidden_size} features per "
+                                  "device); merging image soft tokens needs it whole")
+    lw.op = "merge_images"
+    lw.call("multiply", T("h"), T("mm_keep"), out="h", shape=h, memory_config=DRAM)
+    lw.call("add", T("h"), T("mm_embeds"), out="h", shape=h, memory_config=DRAM)
+
+
+def unlowered_ops(program: dict) -> list[str]:
+    """The op kinds of ``program`` that have no ttnn lowering (in :data:`OPS`), in order."""
+    kinds = [step_kind(st) for kind in program["layers"] for st in kind["steps"]]
+    return list(dict.fromkeys(k for k in kinds if k not in OPS))
 
 
 def one_layer_per_kind(program: dict) -> dict:
@@ -1049,6 +1086,8 @@ def lower_forward(bundle, mesh, program: dict, sampling: str = "device", grid: t
                     raise NotImplementedError(f"no ttnn lowering for program op {k!r}")
                 lw.op = k
                 fn(lw, st)
+            if kind["kind"] == "embedding" and "mm_keep" in lw.inputs:
+                _merge_images(lw)
             layers.append(Layer(kind["kind"], lw.layer, lw.calls))
             index += 1 if decoder else 0
     outputs = ["next_tokens"] if sampling == "device" else ["logits.out"]
@@ -1061,5 +1100,6 @@ def lower_forward(bundle, mesh, program: dict, sampling: str = "device", grid: t
                    list(lw.setup.values()), list(lw.consts.values()), lw.gaps)
 
 
-__all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "partition_calls", "program_policy", "device_shape", "inputs_of", "lower_forward", "mask_input",
-           "mrope_position_input", "static_start", "step_kind", "tt_dim", "tt_shape", "vision_mask_input"]
+__all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "image_prefill", "partition_calls", "program_policy",
+           "device_shape", "inputs_of", "lower_forward", "mask_input", "mrope_position_input", "static_start",
+           "step_kind", "tt_dim", "tt_shape", "unlowered_ops", "vision_mask_input"]

@@ -13,7 +13,7 @@ the per-device result, following the ttnn 0.81.1 docstrings (``help(ttnn.all_gat
   the mesh rows and ``col_dim`` over the columns (a dim named twice is cut rows outermost, as
   DTensor does; not checked against ttnn, and ``mappers.mapper_dims`` never asks for it);
   ``ConcatMesh2dToTensor`` is its inverse;
-* ops: elementwise math, reductions, shapes, matmul, rms_norm, embedding, rotary embeddings,
+* ops: elementwise math, reductions, shapes, matmul, rms_norm, layer_norm, embedding, rotary embeddings,
   topk / gather / scatter, greedy sampling, the paged KV cache writes, paged SDPA and MLA.
 
 Anything else is not computed (no entry in :data:`IMPLS_PER_DEVICE`, :data:`COLLECTIVES` or the
@@ -232,6 +232,18 @@ def _rms_norm(x, epsilon=1e-12, weight=None, bias=None, **_):
     return y
 
 
+def _layer_norm(x, epsilon=1e-12, weight=None, bias=None, **_):
+    """``ttnn.layer_norm``: (x - mean) / sqrt(var + epsilon) over the last dim, then weight, bias."""
+    x = np.asarray(x, np.float32)
+    c = x - np.mean(x, axis=-1, keepdims=True)
+    y = c / np.sqrt(np.mean(c * c, axis=-1, keepdims=True) + epsilon)
+    if weight is not None:
+        y = y * _vector(weight, x.shape[-1])
+    if bias is not None:
+        y = y + _vector(bias, x.shape[-1])
+    return y
+
+
 def _embedding(ids, table, **_):
     ids = np.asarray(ids).astype(np.int64)
     table = np.asarray(table)
@@ -309,7 +321,7 @@ IMPLS_PER_DEVICE = {
     "reshape": _reshape, "permute": _permute, "transpose": _transpose, "slice": _slice, "concat": _concat,
     "repeat": _repeat, "repeat_interleave": _repeat_interleave,
     "to_layout": lambda x, *a, **k: x, "to_memory_config": lambda x, *a, **k: x,
-    "matmul": _matmul, "linear": _matmul, "rms_norm": _rms_norm, "embedding": _embedding,
+    "matmul": _matmul, "linear": _matmul, "rms_norm": _rms_norm, "layer_norm": _layer_norm, "embedding": _embedding,
     "experimental.rotary_embedding_hf": _rope_hf, "experimental.rotary_embedding_llama": _rope_llama,
     "experimental.nlp_concat_heads": _nlp_concat_heads,
     "topk": _topk, "gather": _gather, "scatter": _scatter, "sampling": _sampling,
