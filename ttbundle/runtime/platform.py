@@ -272,14 +272,20 @@ def _configure_images(pkg, mc, sc, emulated: bool) -> None:
     """A multimodal package: the spec's ``vision.images_per_prompt`` as vLLM's
     ``limit_mm_per_prompt`` (a larger limit asked for is capped, with a warning; more images
     in a request is vLLM's 400), and an image's tokens never split over two prefill chunks
-    (Gemma 3's attend to each other; Qwen2.5-VL's are encoded by one vision program)."""
+    (Gemma 3's attend to each other; Qwen2.5-VL's are encoded by one vision program). On a
+    device, a package whose images the TT device path cannot run yet is refused
+    (``ttdevice.refuse_unlowered_vision``)."""
     vs = pkg.bundle.vision
     mm = getattr(mc, "multimodal_config", None)
     if vs is None or mm is None:
         return
-    if not emulated:
-        _fail(f"{pkg.name}: images run on the emulated mesh only (the ttnn lowering of the vision "
-              "encoder is not done); serve it with TTBUNDLE_EMULATED=1")
+    if not emulated:  # the device encodes images with the lowered vision programs, if every op is
+        from ..errors import InvalidInput
+        from .ttdevice import refuse_unlowered_vision
+        try:
+            refuse_unlowered_vision(pkg.loaded)
+        except InvalidInput as e:
+            _fail(str(e))
     from vllm.config.multimodal import ImageDummyOptions
 
     asked = mm.get_limit_per_prompt("image")
