@@ -552,8 +552,11 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     traced_prefill = len(bk.prefill) if rt.trace_mode == "all" else 0
     traced_decode = len(bk.decode) if rt.trace_mode in ("all", "decode_only") else 0
     num_traces = traced_prefill + traced_decode
+    # the vision forwards are traced with the prefills (one per vision bucket, its own op count)
+    vision_trace_ops = sum(len(steps) * count for _, count, steps in vision) * len(bundle.vision.buckets) \
+        if vision and rt.trace_mode == "all" else 0
     trace_size = rt.trace_region_size if rt.trace_region_size is not None else \
-        _round_up(num_traces * ops_per_forward * TRACE_BYTES_PER_OP, 1 << 20)
+        _round_up((num_traces * ops_per_forward + vision_trace_ops) * TRACE_BYTES_PER_OP, 1 << 20)
     trace = trace_region_dram(trace_size, mesh) if trace_size else 0
 
     # KV cache: (num_blocks, kv_heads/device, block_size, head_dim) per layer, K and V separately,

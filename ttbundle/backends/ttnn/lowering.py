@@ -13,12 +13,16 @@ expert activation ``[rows, E, f]`` is ``[1, E, rows, f]``; attention heads are `
 tensorbin caches say (``layout.py``); setup derives the few views the ops need (bias rows,
 per-expert batches, MLA's absorbed projections).
 
-Two ops ttnn's fused kernels cannot express are lowered differently:
+Ops ttnn's fused kernels cannot express are lowered differently:
 
 * Gemma 2's attention logit soft-capping (ttnn 0.81.1's SDPA kernels have no soft-cap): those
   layers gather the sequence's K/V blocks from the paged cache (``gather`` by the page table) and
   attend explicitly, ``softcap(q k^T * scale)`` plus a host-made mask input, then softmax and
   ``@ v`` — correct, but O(max_model_len) per step, like the emulated backend's attention.
+* an image prefill (a model with a vision encoder): its image soft tokens attend to their whole
+  image, which the causal fused SDPA cannot say, so its prefill attention is the explicit-mask
+  path above without the soft-cap (the mask input holds the image blocks); the soft tokens
+  themselves are merged after the embedding from two inputs (:func:`_merge_images`).
 * DeepSeek's MLA prefill: ``chunked_flash_mla_prefill`` takes its chunk's start position as a
   static int, so a forward is lowered per chunk start (:func:`chunk_starts`; the runtime keys
   them ``(phase, bucket, sampling, start)``).
