@@ -9,6 +9,10 @@ allocated, then warm-up compiles every forward (each bucket, device- and host-sa
 variants), :meth:`seal` captures a trace of each traced one (``trace_mode``), and each step
 writes its inputs and replays the trace of the bucket it was padded to (``execute_trace``).
 Device sampling returns token ids; the host fallback returns logits for vLLM's sampler.
+Images (multimodal packages): :meth:`TTDeviceModel.encode_images` runs the lowered vision
+program of the images' vision bucket (warmed, and traced, with the prefills) and reads the soft
+tokens back; the prefill forward merges them at the image tokens and attends with the image-block
+mask (docs/multimodal.md, "Images on the TT device path").
 
 **Test-only hook**: ``TTBUNDLE_TEST_TTNN=recording`` stands ttbundle's recording double
 (``backends/ttnn/recording.py``) in for the ``ttnn`` module and makes the TT platform active
