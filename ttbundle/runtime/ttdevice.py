@@ -233,6 +233,8 @@ class TTDeviceModel:
         if N != 1 or S not in self.prefill_buckets:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
                              f"got tokens {list(tokens.shape)}")
+        if kwargs.get("return_prompt_logits"):  # the platform refuses prompt_logprobs on a device
+            raise ValueError("every prompt position's logits (prompt_logprobs) come back on the emulated mesh only")
         n, p0 = int(prompt_lens[0]), 0 if start_pos is None else int(start_pos[0])
         if mm is None and pixel_values is not None:
             px = pixel_values[0] if isinstance(pixel_values, (list, tuple)) and len(pixel_values) == N else pixel_values
