@@ -107,20 +107,33 @@ class DecodeOutput:
 
 
 def refuse_unlowered_vision(loaded) -> None:
-    """A package whose vision programs hold ops the ttnn lowering has none for (Qwen2.5-VL's
-    window attention and patch merger, until they are lowered) cannot encode images on a
-    device: refused naming the program and the ops."""
-    from ..backends.ttnn.lowering import unlowered_ops
+    """A multimodal package whose images the TT device path cannot run yet is refused (naming
+    what is missing, before anything opens): a vision op the ttnn lowering has none for; a
+    vision forward that reads host-made inputs besides the patches (the device runner fills
+    only those); a text model with M-RoPE positions (the runner's ``rope_positions`` / rope
+    deltas are not fed to the device forwards yet). Qwen2.5-VL is the last two today."""
+    from ..backends.ttnn.lowering import lower_forward, unlowered_ops
     from ..errors import InvalidInput
 
-    for phase, b in loaded.programs:
-        if phase != "vision":
-            continue
-        missing = unlowered_ops(loaded.program(phase, b))
+    bundle = loaded.bundle
+    vision = sorted(b for phase, b in loaded.programs if phase == "vision")
+    if not vision:
+        return
+    way_out = "images run on the emulated mesh only for this model (serve it with TTBUNDLE_EMULATED=1)"
+    for b in vision:
+        missing = unlowered_ops(loaded.program("vision", b))
         if missing:
             raise InvalidInput(f"{loaded.dir}: programs/vision-{b}.json uses {', '.join(missing)}, which the ttnn "
-                               "lowering does not translate yet: images run on the emulated mesh only for this "
-                               "model (serve it with TTBUNDLE_EMULATED=1)")
+                               f"lowering does not translate yet: {way_out}")
+    fw = lower_forward(bundle, loaded.mesh, loaded.program("vision", vision[0]), "host")
+    extra = sorted(set(fw.inputs) - {"patches"})
+    if extra:
+        raise InvalidInput(f"{loaded.dir}: programs/vision-{vision[0]}.json lowered reads the host-made inputs "
+                           f"{', '.join(extra)} besides the patches; the TT device path does not fill them yet: "
+                           f"{way_out}")
+    if bundle.family.traits(bundle.arch).get("mrope_section"):
+        raise InvalidInput(f"{loaded.dir}: {bundle.spec.name}'s text model takes M-RoPE positions (mrope_section); "
+                           f"the TT device path does not feed an image prompt's rope positions yet: {way_out}")
 
 
 class TTDeviceModel:
@@ -262,24 +275,26 @@ class TTDeviceModel:
         return sorted(k[1] for k in self.runner.forwards if k[0] == "vision")
 
     @torch.no_grad()
-    def encode_images(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        """Soft tokens [images * mm_tokens_per_image, hidden] of ``pixel_values`` [images, C, H, W]:
-        the lowered vision program of the smallest vision bucket holding them, on the mesh (its
-        trace replayed where ``trace_mode`` is ``all``), read back to the host for the prefill
-        that merges them (as Tenstorrent's models pass vision embeddings into prefill)."""
+    def encode_images(self, pixel_values: torch.Tensor, image_grid_thw=None) -> torch.Tensor:
+        """Soft tokens [soft tokens, hidden] of the images vLLM's processor made: the lowered
+        vision program of the smallest vision bucket holding them (the family's vision part
+        says what a bucket counts and makes the patches, as for the emulated backend), on the
+        mesh (its trace replayed where ``trace_mode`` is ``all``), read back to the host for the
+        prefill that merges them (as Tenstorrent's models pass vision embeddings into prefill)."""
         import numpy as np
         from ..backends.emulated.model import pick
-        from ..backends.emulated.vision_kernels import patches
 
         v = self.bundle.arch.vision
-        n = pixel_values.shape[0]
-        bucket = pick(self.vision_buckets, n)
+        part = self.bundle.family.vision_part(self.bundle.arch)
+        inputs = {"pixel_values": pixel_values, **({} if image_grid_thw is None else {"image_grid_thw": image_grid_thw})}
+        bucket = pick(self.vision_buckets, part.bucket_need(v, inputs))
         key = self._key("vision", bucket, None)
-        patch_rows = patches(pixel_values.float(), v, bucket).numpy()
-        out = self._run(key, {"patches": patch_rows.reshape(self.runner.forwards[key].inputs["patches"][0])})
-        (name,) = self.runner.forwards[key].outputs
+        fw = self.runner.forwards[key]
+        patches, _, finish = part.program_inputs(v, inputs, bucket, torch.float32)
+        out = self._run(key, {"patches": patches.numpy().reshape(fw.inputs["patches"][0])})
+        (name,) = fw.outputs
         soft = np.asarray(self.runner.read(out[name]), dtype=np.float32).reshape(-1, self.bundle.arch.hidden_size)
-        return torch.from_numpy(soft[:n * v.mm_tokens_per_image].copy())
+        return finish(torch.from_numpy(soft.copy()))
 
     @torch.no_grad()
     def decode_forward(self, tokens, start_pos, page_table, kv_cache, sampling_params=None, enable_trace: bool = True,

@@ -413,7 +413,7 @@ def _attention(lw: _Lowerer, st: dict) -> None:
     _cache_write(lw, "k", "kr")
     _cache_write(lw, "v", vh)
     scale = f32(lt.get("attn_scale", hd ** -0.5))
-    if lt.get("attn_softcap") or (not lw.decode and image_prefill(lw.bundle, lw.prog)):
+    if lt.get("attn_softcap") or (not lw.decode and image_mask(lw.bundle, lw.prog)):
         # an image prefill's soft tokens attend to their whole image (a host-made mask input):
         # the fused SDPA kernels are causal only
         cap = float(lt["attn_softcap"]) if lt.get("attn_softcap") else None
@@ -988,10 +988,17 @@ def inputs_of(program: dict, bundle) -> dict:
 
 
 def image_prefill(bundle, program: dict) -> bool:
-    """Does this forward take images: a prefill of a model with a vision encoder. Its prefill
-    takes the chunk's soft tokens as inputs (``mm_keep``, ``mm_embeds``: :func:`_merge_images`)
-    and attends with an explicit mask input (an image's soft tokens see the whole image)."""
-    return program["phase"] == "prefill" and getattr(bundle.arch, "vision", None) is not None
+    """Does this forward take images: a prefill of a model with a vision part. Its prefill takes
+    the chunk's soft tokens as inputs (``mm_keep``, ``mm_embeds``: :func:`_merge_images`)."""
+    return program["phase"] == "prefill" and bundle.family.vision_part(bundle.arch) is not None
+
+
+def image_mask(bundle, program: dict) -> bool:
+    """Does this image prefill attend with an explicit mask input: its family's image soft tokens
+    see their whole image (the vision part's ``BIDIRECTIONAL_IMAGES``: Gemma 3), which the
+    causal fused SDPA cannot say."""
+    part = bundle.family.vision_part(bundle.arch) if program["phase"] == "prefill" else None
+    return bool(getattr(part, "BIDIRECTIONAL_IMAGES", False))
 
 
 def _merge_images(lw: _Lowerer) -> None:
@@ -1104,6 +1111,6 @@ def lower_forward(bundle, mesh, program: dict, sampling: str = "device", grid: t
                    list(lw.setup.values()), list(lw.consts.values()), lw.gaps)
 
 
-__all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "image_prefill", "partition_calls", "program_policy",
+__all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "image_mask", "image_prefill", "partition_calls", "program_policy",
            "device_shape", "inputs_of", "lower_forward", "mask_input", "mrope_position_input", "static_start",
            "step_kind", "tt_dim", "tt_shape", "unlowered_ops", "vision_mask_input"]
