@@ -171,3 +171,23 @@ def test_a_vision_program_the_lowering_cannot_translate_is_refused_on_a_device(b
                                            r"lowering does not translate yet.*TTBUNDLE_EMULATED=1"):
         ttdevice.TTDeviceModel.initialize_vllm_model(None, None, 8, 256, 1, None, package=pkg,
                                                      options=TTOptions(), sample_mode="all", ttnn=object())
+
+
+@pytest.mark.slow
+def test_qwen2_5_vl_images_are_refused_on_the_tt_device_path_naming_what_is_missing(tmp_path):
+    """The tiny Qwen2.5-VL built with ``--backend ttnn``: its vision forward reads host-made rope
+    and window / image mask inputs the device runner does not fill yet, so the device path
+    refuses it (the error names them and the way out) rather than serving wrong images."""
+    from spec_helpers import TINY_QVL
+    from ttbundle.errors import InvalidInput
+    from ttbundle.runtime import ttdevice
+    from ttbundle.runtime.demo import build_package
+    from ttbundle.runtime.options import TTOptions
+    from ttbundle.runtime.packages import open_package
+
+    pkg = open_package(build_package(TINY_QVL, tmp_path, "N150", backend="ttnn", warmup=False))
+    with pytest.raises(InvalidInput, match=r"programs/vision-\d+.json lowered reads the host-made inputs "
+                                           r".*vision_mask.*the TT device path does not fill them yet.*"
+                                           r"TTBUNDLE_EMULATED=1"):
+        ttdevice.TTDeviceModel.initialize_vllm_model(None, None, 8, 512, 1, None, package=pkg,
+                                                     options=TTOptions(), sample_mode="all", ttnn=object())
