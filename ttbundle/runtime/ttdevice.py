@@ -286,7 +286,9 @@ class TTDeviceModel:
 
         v = self.bundle.arch.vision
         part = self.bundle.family.vision_part(self.bundle.arch)
-        inputs = {"pixel_values": pixel_values, **({} if image_grid_thw is None else {"image_grid_thw": image_grid_thw})}
+        inputs = {"pixel_values": pixel_values}
+        if image_grid_thw is not None:
+            inputs["image_grid_thw"] = image_grid_thw
         bucket = pick(self.vision_buckets, part.bucket_need(v, inputs))
         key = self._key("vision", bucket, None)
         fw = self.runner.forwards[key]

@@ -1111,6 +1111,7 @@ def lower_forward(bundle, mesh, program: dict, sampling: str = "device", grid: t
                    list(lw.setup.values()), list(lw.consts.values()), lw.gaps)
 
 
-__all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "image_mask", "image_prefill", "partition_calls", "program_policy",
-           "device_shape", "inputs_of", "lower_forward", "mask_input", "mrope_position_input", "static_start",
-           "step_kind", "tt_dim", "tt_shape", "unlowered_ops", "vision_mask_input"]
+__all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "image_mask", "image_prefill",
+           "partition_calls", "program_policy", "device_shape", "inputs_of", "lower_forward", "mask_input",
+           "mrope_position_input", "static_start", "step_kind", "tt_dim", "tt_shape", "unlowered_ops",
+           "vision_mask_input"]
