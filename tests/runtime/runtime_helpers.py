@@ -72,12 +72,31 @@ def pick(buckets, n):
     return min(b for b in buckets if b >= n)
 
 
+def assert_prefill_plan(lens: list[int], buckets: list[int], where: str = "") -> None:
+    """The program calls the runner makes of a prefill step's chunks (``phases.pack_prefill``,
+    the emulated mesh's packing) are valid calls that fit the largest bucket: each call one
+    bucket's rows, one chunk padded to a bucket holding it or k chunks of R rows (R a multiple of
+    32 dividing the bucket, each chunk <= R, k <= bucket / R <= 32); every chunk in exactly one
+    call; never more rows than one call per chunk."""
+    from ttbundle.runtime.phases import pack_prefill
+
+    calls = pack_prefill(lens, buckets)
+    assert sorted(i for _, _, idx in calls for i in idx) == list(range(len(lens))), (where, calls)
+    for S, R, idx in calls:
+        assert S in buckets and all(lens[i] <= R for i in idx), (where, calls, lens)
+        assert R == S and len(idx) == 1 or (R % 32 == 0 and S % R == 0 and len(idx) <= S // R <= 32), (where, calls)
+    rows = sum(S for S, _, _ in calls)
+    assert rows <= max(buckets), f"{where}: prefill calls of {rows} rows ({calls}, chunks {lens})"
+    assert rows <= sum(pick(buckets, n) for n in lens), (where, calls, lens)
+
+
 def check_steps(records, prompt_lens: dict, chunk: int, prefill_buckets: list[int],
                 max_prefill_run: int) -> dict:
     """Invariants of a scheduler's recorded steps (``PhaseScheduler.records``):
 
     * each step is prefill-only, decode-only or empty, and its phase is what its rows are;
-    * a prefill step's chunks padded to buckets fit the largest bucket; every chunk starts at a
+    * a prefill step's program calls (one per chunk padded to its bucket, or several chunks
+      packed into one call: ``assert_prefill_plan``) fit the largest bucket; every chunk starts at a
       multiple of ``chunk`` and is ``chunk`` long unless it ends the prompt;
     * a decode step holds every request that was ready to decode at its start;
     * a request ready to decode waits at most ``max_prefill_run`` prefill steps in a row.
@@ -99,8 +118,7 @@ def check_steps(records, prompt_lens: dict, chunk: int, prefill_buckets: list[in
             continue
         assert r.phase == "prefill", r.phase
         assert not set(rows) & set(r.decode_ready), f"step {i}: a decode row in a prefill step"
-        padded = sum(pick(prefill_buckets, n) for n in rows.values())
-        assert padded <= max(prefill_buckets), f"step {i}: padded prefill tokens {padded}"
+        assert_prefill_plan(list(rows.values()), prefill_buckets, f"step {i}")
         for rid, n in rows.items():
             start = r.starts[rid]
             chunks.setdefault(rid, []).append((start, n))

@@ -62,11 +62,42 @@ def test_runner_pads_every_batch_to_the_smallest_bucket(engine):
     for s in steps:
         if s.phase == "decode":
             assert s.buckets == [pick(DECODE, len(s.rows))]
-        else:
-            assert s.buckets == [pick(PREFILL, n) for _, _, n in s.rows]
+        else:  # one call per chunk padded to its bucket, or several chunks sharing one call
+            assert_prefill_calls(s, PREFILL)
     model = runner.mesh_model
     assert model.sealed and set(model.programs_run) <= model.warmed
     assert model.warmed == {("prefill", b) for b in PREFILL} | {("decode", b) for b in DECODE}
+
+
+def assert_prefill_calls(step, buckets):
+    """A prefill step's program calls: each a bucket's rows, either one chunk padded to the
+    smallest bucket holding it, or k chunks of R rows each (R a multiple of 32 dividing the
+    bucket, k <= bucket / R <= 32), every chunk in exactly one call, and never more rows than
+    one call per chunk would run."""
+    lens = [n for _, _, n in step.rows]
+    assert sum(k for _, _, k in step.calls) == len(lens)
+    for S, R, k in step.calls:
+        assert S in buckets and (R == S or (R % 32 == 0 and S % R == 0 and k <= S // R <= 32)), step.calls
+    # the rows the calls run: at most the rows of one padded call per chunk
+    assert sum(S for S, _, _ in step.calls) <= sum(pick(buckets, n) for n in lens), (step.calls, lens)
+    for (_, _, n), b in zip(step.rows, step.buckets):
+        assert b >= n and any(S == b and R >= n for S, R, _ in step.calls)
+
+
+def test_several_short_prompts_share_one_prefill_call_and_match_transformers(engine):
+    llm, sched, runner, src = engine
+    lens = (20, 31, 5, 17, 32, 9, 1, 28)  # each pads to 32 rows: 4 per 128-row call
+    prompts = _prompts(lens, offset=3)
+    n0 = len(runner.step_log)
+    outs = _generate(llm, prompts, dict(max_tokens=8, temperature=0, ignore_eos=True))
+    for p, o in zip(prompts, outs):
+        assert list(o.outputs[0].token_ids) == hf_greedy(src, p["prompt_token_ids"], 8)
+    prefills = [s for s in list(runner.step_log)[n0:] if s.phase == "prefill"]
+    calls = [c for s in prefills for c in s.calls]
+    # 8 chunks of <= 32 tokens: two calls of the 128 bucket, 4 sequences of 32 rows each
+    assert sorted(map(tuple, calls)) == [(128, 32, 4), (128, 32, 4)], calls
+    for s in prefills:
+        assert_prefill_calls(s, PREFILL)
 
 
 def test_unwarmed_or_unbucketed_shapes_are_refused(engine):

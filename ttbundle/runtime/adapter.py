@@ -183,7 +183,13 @@ class BundleModel:
         tokens for a family with M-RoPE (ttbundle's runner, ``runtime.qwen_vl.chunk_rope``);
         None: the cache positions. KV slots always come from the cache positions."""
         N, S = tokens.shape
-        if N != 1 or S not in self.prefill_buckets:
+        if N != 1:
+            if (mm is not None or pixel_values is not None or return_prompt_logits or rope_positions is not None
+                    or image_grid_thw is not None):
+                raise ValueError("a packed prefill (several sequences in one call) takes text chunks only; "
+                                 "prefill a request with images, M-RoPE positions or prompt logits alone")
+            return self.prefill_packed(tokens, page_table, kv_cache, prompt_lens, start_pos, sampling_params)
+        if S not in self.prefill_buckets:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
                              f"got tokens {list(tokens.shape)}")
         program = self._program("prefill", S)
@@ -206,12 +212,44 @@ class BundleModel:
                 mm = prompt_inputs(tokens[0, :n].tolist(), px, self.bundle.arch.vision, self.encode_images, S)
         valid = torch.arange(S)[None, :] < n
         positions = torch.where(valid, torch.arange(p0, p0 + S)[None, :], torch.zeros(1, S, dtype=torch.long))
-        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache, mm=mm,
-                                    rope_positions=rope_positions)
         if return_prompt_logits:
+            logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache, mm=mm,
+                                        rope_positions=rope_positions)
             return logits[0, :n].float()
-        out = self._finish(logits[:, n - 1], sampling_params)
+        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache, mm=mm,
+                                    rope_positions=rope_positions, last=[n - 1])
+        out = self._finish(logits[:, 0], sampling_params)
         return out if deltas is None else (out, deltas)
+
+    @torch.no_grad()
+    def prefill_packed(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache: KVCache, prompt_lens,
+                       start_pos=None, sampling_params: DeviceSampling | None = None):
+        """Several sequences' prefill chunks in one call of one prefill program: ``tokens``
+        [N, R], N sequences of R rows each, N * R a prefill bucket (the program's rows;
+        ``runtime.phases.pack_prefill`` plans it), R a multiple of the tile height, N at most
+        one tile (the head's rows). Sequence ``i`` has its first ``prompt_lens[i]`` rows real,
+        at positions from ``start_pos[i]``, and its own page table row; ``prompt_lens[i] == 0``
+        is an empty sequence (nothing written, its output ignored). Each sequence attends to its
+        own context only (the attention kernel's per-sequence paged context, as in decode).
+        Returns each sequence's last real token's logits [N, V] or sampled ids [N]."""
+        from .phases import TILE
+
+        N, R = tokens.shape
+        S = N * R
+        lens = torch.as_tensor(list(prompt_lens), dtype=torch.long)
+        starts = torch.zeros(N, dtype=torch.long) if start_pos is None else torch.as_tensor(list(start_pos),
+                                                                                             dtype=torch.long)
+        if S not in self.prefill_buckets or R % TILE or N > TILE or len(lens) != N or bool((lens > R).any()):
+            raise ValueError(f"a packed prefill runs N sequences of R rows (R a multiple of {TILE}, N <= {TILE}) "
+                             f"filling a prefill bucket {self.prefill_buckets}, got tokens {list(tokens.shape)} "
+                             f"with prompt_lens {lens.tolist()}")
+        program = self._program("prefill", S)
+        ar = torch.arange(R)[None, :]
+        valid = ar < lens[:, None]
+        positions = torch.where(valid, starts[:, None] + ar, torch.zeros(N, R, dtype=torch.long))
+        logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache,
+                                    last=(lens - 1).clamp(min=0))
+        return self._finish(logits[:, 0], sampling_params)
 
     @property
     def vision_buckets(self) -> list[int]:

@@ -25,6 +25,15 @@ def async_decode(device: bool) -> bool:
     return ASYNC_DECODE and bool(os.environ.get(ENV))
 
 
+def packed_prefill(device: bool) -> bool:
+    """Whether one prefill call may carry several sequences' chunks (``prefill_forward`` with
+    tokens [N, R], ``phases.pack_prefill``): the emulated mesh, yes (one program of the bucket's
+    rows; its attention takes each sequence's own paged context, as decode does). A device: no:
+    the ttnn lowering's prefill attention (paged SDPA over one page-table row) and its traces
+    take one sequence per program call, so there a step's prompts run one call each."""
+    return not device
+
+
 def model_capabilities(bundle, device: bool = True) -> dict:
     """The capabilities of ``bundle``'s model on a Tenstorrent device (``device``: the ttnn
     lowering's programs) or on the emulated mesh.
@@ -48,6 +57,7 @@ def model_capabilities(bundle, device: bool = True) -> dict:
         "supports_prefix_caching": not device,
         "supports_chunked_prefill": bk.prefill_chunk is not None,
         "supports_async_decode": async_decode(device),
+        "supports_packed_prefill": packed_prefill(device),
         "output_tokens_per_step": 1,
         "supports_spec_decode": False,
     }

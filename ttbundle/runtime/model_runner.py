@@ -89,6 +89,7 @@ class Step:
     inputs: float = 0.0  # seconds building inputs and submitting
     wait: float = 0.0  # seconds blocked reading the output back
     at: float = 0.0  # time.perf_counter() when the step started (async: its submit)
+    calls: list | None = None  # prefill: [bucket, rows per sequence, sequences] per program call
 
 
 @dataclass
@@ -163,6 +164,8 @@ class TTModelRunner:
         from .lanes import plan_lanes_for
         self.lane_plan = plan_lanes_for(vllm_config, package, options)  # replicas / DP / lanes
         self.lanes = None  # runtime.lanes.Lanes when this engine drives more than one replica
+        from .capabilities import packed_prefill
+        self.packed_prefill = packed_prefill(device=tt is not None)  # several prompts per prefill call
 
     # -- set-up ---------------------------------------------------------------------------------
     def load_model(self):
@@ -497,8 +500,60 @@ class TTModelRunner:
     def _device_sampling(self, states: list[ReqState], rows: int) -> DeviceSampling:
         return DeviceSampling.from_params([s.params for s in states], [s.generator for s in states], rows)
 
+    def _packable(self, st, n) -> bool:
+        """Whether a prefill chunk may share a program call with others (``_prefill_packs``):
+        text only (a request with images prefills alone: its chunk merges soft tokens and takes
+        its own M-RoPE positions, ``st.rope``) and no prompt logprobs (those need every row's
+        logits). A text-only request of an M-RoPE model packs: its rope positions are its cache
+        positions in all three rows, the forward's default."""
+        return (self.packed_prefill and st.images is None and st.rope is None
+                and self.prompt_lp.wanted(st.req_id, st.params, self.vocab_size) is None)
+
+    def _prefill_packs(self, rows, on_device):
+        """The packable chunks of a prefill step as ``phases.pack_prefill`` plans them (the plan
+        the scheduler sized the step with), per KV cache (lanes): each call runs one prefill
+        program on several sequences (``prefill_forward`` with tokens [N, R]); a call of one
+        sequence is the plain per-prompt call. Returns (sampled per request, bucket per row)."""
+        from .phases import pack_prefill
+
+        out, bucket_of, calls = {}, {}, []
+        groups: dict = {}
+        for st, n in rows:
+            groups.setdefault(id(self._kv_of(st)), []).append((st, n))
+        for group in groups.values():
+            for S, R, idx in pack_prefill([n for _, n in group], self.prefill_buckets):
+                members = [group[i] for i in idx]
+                N = S // R
+                calls.append([S, R, len(members)])
+                tokens = torch.zeros(N, R, dtype=torch.long)
+                lens, starts = [0] * N, [0] * N
+                for j, (st, n) in enumerate(members):
+                    tokens[j, :n] = torch.tensor(st.tokens(st.num_computed, n))
+                    lens[j], starts[j] = n, st.num_computed
+                    bucket_of[st.req_id] = S
+                states = [st for st, _ in members]
+                sampled = [st for st, n in members if st.num_computed + n >= st.num_tokens]
+                res = self.mesh_model.prefill_forward(
+                    tokens, self._page_table(states, N), self._kv_of(states[0]), lens, starts,
+                    self._device_sampling(states, N) if (sampled and on_device) else None)
+                for j, (st, n) in enumerate(members):
+                    if st.num_computed + n >= st.num_tokens:
+                        out[st.req_id] = int(res[j]) if on_device else res[j]
+        return out, bucket_of, calls
+
     def _prefill(self, rows, on_device):
         out, buckets = {}, []
+        packed = [(st, n) for st, n in rows if self._packable(st, n)]
+        if len(packed) > 1:
+            out, bucket_of, calls = self._prefill_packs(packed, on_device)
+            alone = [(st, n) for st, n in rows if st.req_id not in bucket_of]
+            res, step = self._prefill(alone, on_device) if alone else ({}, None)
+            out.update(res)
+            solo = dict(zip((st.req_id for st, _ in alone), step.buckets)) if step else {}
+            buckets = [bucket_of.get(st.req_id) or solo[st.req_id] for st, _ in rows]
+            calls += step.calls if step else []
+            return out, Step("prefill", [(st.req_id, st.num_computed, n) for st, n in rows], buckets, "",
+                             calls=calls)
         for st, n in rows:
             bucket = pick(self.prefill_buckets, n)
             buckets.append(bucket)
@@ -525,7 +580,8 @@ class TTModelRunner:
                 res = res[n - 1:n]
             if samples:
                 out[st.req_id] = int(res[0]) if on_device else res[0]
-        return out, Step("prefill", [(st.req_id, st.num_computed, n) for st, n in rows], buckets, "")
+        return out, Step("prefill", [(st.req_id, st.num_computed, n) for st, n in rows], buckets, "",
+                         calls=[[b, b, 1] for b in buckets])
 
     def _decode(self, states, on_device):
         B = len(states)

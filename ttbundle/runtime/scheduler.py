@@ -11,9 +11,11 @@ per step, and prefill and decode are different programs. Per step:
 2. *Prefill step.* Requests in FCFS order (partial prefills first, then ``waiting``) each
    get ``min(remaining, prefill_chunk)`` tokens, so a long prompt is split into chunks of
    exactly ``prefill_chunk`` tokens (only the last is shorter) and a chunk always starts at a
-   multiple of ``prefill_chunk``. Requests join the step while the sum of their chunks padded
-   to prefill buckets stays within the largest prefill bucket (the first always joins), and
-   never past ``max_num_seqs`` running requests.
+   multiple of ``prefill_chunk``. Requests join the step while the rows of the program calls
+   that run its chunks (``phases.pack_prefill``: on the emulated mesh several short chunks share
+   one call of a bucket, each padded to a tile-aligned slice of it; on a device one call per
+   chunk, padded to its bucket) stay within the largest prefill bucket (the first always
+   joins), and never past ``max_num_seqs`` running requests.
 3. *Decode step.* Every running request whose prompt is computed decodes one token; nothing
    is admitted. The runner pads the batch to the smallest decode bucket that holds it
    (``max_num_seqs`` <= the largest decode bucket, checked by the spec).
@@ -48,7 +50,7 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from .options import parse
-from .phases import is_decode, pick
+from .phases import is_decode, prefill_rows
 
 logger = logging.getLogger("vllm.ttbundle.scheduler")
 
@@ -74,15 +76,19 @@ class PhaseScheduler(Scheduler):
         pkg = open_package(self.vllm_config.model_config.model, check_hashes=False)
         b = pkg.bundle.buckets
         opts = parse(self.vllm_config.additional_config)
+        from .activation import HARDWARE, active_platform
+        from .capabilities import packed_prefill
         self.configure(list(b.prefill), b.prefill_chunk or max(b.prefill), list(b.decode),
-                       opts.max_prefill_steps_between_decodes)
+                       opts.max_prefill_steps_between_decodes,
+                       packed=packed_prefill(device=active_platform() == HARDWARE))
 
     def configure(self, prefill_buckets: list[int], chunk: int, decode_buckets: list[int],
-                  max_prefill_run: int) -> None:
+                  max_prefill_run: int, packed: bool = False) -> None:
         self.prefill_buckets = sorted(prefill_buckets)
         self.chunk = chunk
         self.decode_buckets = sorted(decode_buckets)
         self.max_prefill_run = max_prefill_run
+        self.packed = packed
         self.prefill_budget = max(self.prefill_buckets)  # padded tokens per prefill step
         self.prefill_run = 0
         self.records: deque[StepRecord] = deque(maxlen=10_000)
@@ -113,18 +119,16 @@ class PhaseScheduler(Scheduler):
     def _plan_prefill(self) -> tuple[list, list, dict]:
         """(running partial prefills to schedule, waiting requests to admit, tokens per req)."""
         planned_running, planned_waiting, tokens = [], [], {}
-        used = 0
         free_slots = self.max_num_running_reqs - len(self.running)
 
         def take(r) -> bool:
-            nonlocal used
             n = min(r.num_tokens_with_spec + r.num_output_placeholders - r.num_computed_tokens, self.chunk)
             if n <= 0:  # nothing left to compute (its last step is still in flight)
                 return True
-            padded = pick(self.prefill_buckets, n)
-            if tokens and used + padded > self.prefill_budget:
+            # the step's program calls as the runner will run them (packed or one per chunk)
+            if tokens and prefill_rows(list(tokens.values()) + [n], self.prefill_buckets,
+                                       self.packed) > self.prefill_budget:
                 return False
-            used += padded
             tokens[r.request_id] = n
             return True
 

@@ -149,9 +149,12 @@ class EmulatedModel:
 
     # -- forward ------------------------------------------------------------------------------
     def forward(self, program: Program, tokens, positions, valid, page_table, kv: KVCache,
-                capture: list | None = None, mm: dict | None = None, rope_positions=None):
+                capture: list | None = None, mm: dict | None = None, rope_positions=None, last=None):
         """Run ``program`` on tokens/positions/valid [N, Tq]; page_table [N, blocks]. Returns
         logits [N, Tq, vocab] (device 0's copy; every device holds the same after the gather).
+        ``last`` [N] (prefill): the one row of each sequence whose logits are wanted (the token
+        sampled next); the head then runs on those N rows only, as a prefill program's head
+        runs on one tile row (``lower``: at most ``TILE`` rows), and logits are [N, 1, vocab].
         ``mm``: image soft tokens merged after the embedding: ``mask`` [N*Tq] (the placeholder
         tokens), ``embeds`` [mask.sum(), hidden] (the vision program's output), ``blocks``
         [N, S] the image block of every context position (-1: text). ``rope_positions``
@@ -183,6 +186,9 @@ class EmulatedModel:
             kind, count, steps = lp.kind, lp.count, lp.steps
             for _ in range(count):
                 li = None if kind in ("embedding", "head") else layer
+                if kind == "head" and last is not None:
+                    rows = torch.arange(N, device=dev) * Tq + torch.as_tensor(last, device=dev)
+                    h = h.index_select(1, rows)
                 acts = {"h": h, "tokens": flat}
                 out = self._run(program, kind, steps, acts, li, ctx)
                 h = acts["h"]
@@ -197,7 +203,7 @@ class EmulatedModel:
                         capture.append(h[0].reshape(N, Tq, -1))
                     layer += 1
         vocab = self.arch.vocab_size
-        return logits[0, :, :vocab].reshape(N, Tq, vocab)
+        return logits[0, :, :vocab].reshape(N, 1 if last is not None else Tq, vocab)
 
     def _merge_images(self, program: Program, h, mm: dict):
         """Image soft tokens in place of their placeholders; the embedding leaves ``h``
@@ -413,10 +419,10 @@ class Runner:
                 rp[:, 0, :len(chunk)] = rope_positions[:, i:i + len(chunk)]
             out = self.model.forward(self.model.program("prefill", bucket), t,
                                      torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv, cap,
-                                     mm=mmc, rope_positions=rp)
+                                     mm=mmc, rope_positions=rp, last=[len(chunk) - 1])
             if capture is not None:
                 capture.append([c[0, :len(chunk)] for c in cap])
-            logits = out[0, len(chunk) - 1]
+            logits = out[0, 0]
             pos += len(chunk)
         return logits
 
