@@ -11,9 +11,13 @@ uses TTBUNDLE_EMULATED_THREADS (default: every core this process may use).
 
 It also measures, while the server is idle, the **ceiling** for the 16 streams on this machine:
 one 16-row step's weight matmuls alone (each weight read once, as a real step does), i.e. the
-tokens/s no implementation of this model in fp32 can beat here. Set TTBUNDLE_STEP_LOG=FILE to get
-the engine's per-step log (phase, rows, bucket, seconds) and split the wall time into model time
-and everything else.
+tokens/s no implementation of this model in fp32 can beat here, and the **work ceiling**: the
+whole run's weight matmuls alone (every prompt's unpadded prefill, every decode step). The engine's
+per-step log (``TTBUNDLE_STEP_LOG``, default ``<cache>/bench-serve-steps.jsonl``) splits the
+16 streams' wall into prefill steps (with their program calls and rows), decode steps holding
+every stream, decode steps at partial occupancy and the rest, and gives the **steady-state
+decode** rate: streams / the median submit-to-submit interval of consecutive full decode steps,
+against the ceiling.
 
 Prints (target in brackets, from issue 5):
   aggregate output tok/s, 16 concurrent streams via the API / HF generate at batch 8  [>= 4x]
@@ -129,6 +133,35 @@ def gemm_ceiling(src: Path, rows: int, threads: int) -> float:
     return rows / best
 
 
+def step_split(path: Path, t0: float, t1: float, streams: int) -> dict:
+    """Split the window [t0, t1] (the 16 streams' wall, perf_counter: one clock for every
+    process of this host) by the engine's step log: prefill steps, decode steps holding every
+    stream (the steady state) and fewer, and the rest (vLLM's host work between steps). The
+    steady-state rate is streams / the median submit-to-submit interval of consecutive full
+    decode steps, i.e. what serving sustains once every stream decodes."""
+    if not path.exists():
+        return {}
+    steps = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    steps = [s for s in steps if t0 <= s["at"] <= t1]
+    pre = [s for s in steps if s["phase"] == "prefill"]
+    dec = [s for s in steps if s["phase"] == "decode"]
+    full = sorted((s for s in dec if len(s["rows"]) == streams), key=lambda s: s["at"])
+    model = lambda s: s["inputs"] if s.get("mode") == "async" else s["seconds"]  # noqa: E731  (async: the emulated step runs at submit)
+    gaps = [b["at"] - a["at"] for a, b in zip(full, full[1:])]
+    out = {"wall_s": t1 - t0, "prefill_s": sum(s["seconds"] for s in pre),
+           "prefill_calls": sum(len(s.get("calls") or s["buckets"]) for s in pre),
+           "prefill_rows": sum(c[0] for s in pre for c in (s.get("calls") or [[b] for b in s["buckets"]])),
+           "prompt_tokens_run": sum(n for s in pre for _, _, n in s["rows"]),
+           "full_decode_s": sum(model(s) for s in full), "partial_decode_steps": len(dec) - len(full),
+           "partial_decode_s": sum(model(s) for s in dec if len(s["rows"]) != streams)}
+    out["other_s"] = out["wall_s"] - out["prefill_s"] - out["full_decode_s"] - out["partial_decode_s"]
+    if len(gaps) >= 3:
+        out.update(steady_decode_steps=len(full), steady_decode_interval_s=statistics.median(gaps),
+                   steady_decode_tok_s=streams / statistics.median(gaps),
+                   steady_model_step_s=statistics.median(model(s) for s in full))
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt", type=int, default=64)
@@ -162,6 +195,10 @@ def main():
     eng = emulated_threads()
     tries = sorted({eng, os.cpu_count() or 1})
 
+    # the engine's per-step log (phase, rows, seconds, submit time): the steady-state decode figure
+    step_log = Path(os.environ.get("TTBUNDLE_STEP_LOG") or a.cache.absolute() / "bench-serve-steps.jsonl")
+    step_log.unlink(missing_ok=True)
+    os.environ["TTBUNDLE_STEP_LOG"] = str(step_log)  # the server inherits it
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -211,6 +248,10 @@ def main():
         "ttft_p50_s": statistics.median(r["ttft"] for r in many),
         "ttft_p99_s": pct([r["ttft"] for r in many], 99),
     }
+    res.update(step_split(step_log, min(r["start"] for r in many), max(r["end"] for r in many), a.streams))
+    if res.get("steady_decode_tok_s"):
+        res["ratio_steady_decode_vs_gemm_ceiling"] = res["steady_decode_tok_s"] / ceiling
+        res["ratio_steady_model_step_vs_gemm_ceiling"] = a.streams / res["steady_model_step_s"] / ceiling
     res["gemm_ceiling_streams_tok_s"] = ceiling
     work_s = a.streams * a.prompt / prefill_ceiling + (a.tokens - 1) * a.streams / ceiling
     res["work_ceiling_streams_tok_s"] = a.streams * a.tokens / work_s
@@ -243,6 +284,17 @@ def main():
     print(f"  work ceiling: every prompt's prefill ({a.prompt} rows, unpadded) and every decode step's weight "
           f"matmuls alone: {res['work_ceiling_streams_tok_s']:8.1f} tok/s; the {a.streams} streams reach "
           f"{res['ratio_streams_vs_work_ceiling']:.2f}x of it (prefill buckets {res['prefill_buckets']})")
+    if res.get("steady_decode_tok_s"):
+        print(f"  steady state ({res['steady_decode_steps']} decode steps holding all {a.streams} streams, median "
+              f"submit-to-submit {res['steady_decode_interval_s'] * 1e3:.1f} ms, model step "
+              f"{res['steady_model_step_s'] * 1e3:.1f} ms): {res['steady_decode_tok_s']:8.1f} tok/s = "
+              f"{res['ratio_steady_decode_vs_gemm_ceiling']:.2f}x of the ceiling "
+              f"(model step alone {res['ratio_steady_model_step_vs_gemm_ceiling']:.2f}x)")
+        print(f"  the {a.streams}-stream wall {res['wall_s']:.2f} s: prefill steps {res['prefill_s']:.2f} s "
+              f"({res['prefill_calls']} program calls, {res['prefill_rows']} rows for {res['prompt_tokens_run']} "
+              f"prompt tokens), decode steps at full occupancy {res['full_decode_s']:.2f} s, at partial "
+              f"occupancy {res['partial_decode_s']:.2f} s ({res['partial_decode_steps']} steps), the rest "
+              f"{res['other_s']:.2f} s")
     print(f"  TTFT single {res['ttft_single_s'] * 1e3:.0f} ms; {a.streams} streams p50 "
           f"{res['ttft_p50_s'] * 1e3:.0f} ms, p99 {res['ttft_p99_s'] * 1e3:.0f} ms")
     print(f"  server start to healthy (incl. warm-up of every bucket) {res['server_startup_s']:.0f} s")

@@ -283,6 +283,7 @@ def test_model_capabilities_follow_the_spec():
     assert TOPK == 32 and dev["max_device_top_k"] == 32 and emu["max_device_top_k"] == 512
     assert device_top_k(dev, 512) == 32 and device_top_k(emu, 512) is None
     assert (dev["supports_prefix_caching"], emu["supports_prefix_caching"]) == (False, True)
+    assert (dev["supports_packed_prefill"], emu["supports_packed_prefill"]) == (False, True)
     assert dev["supports_chunked_prefill"] and dev["supports_sample_on_device"]
     assert dev["supports_async_decode"] is False and dev["output_tokens_per_step"] == 1
     # async decode: the emulated mesh; a device only as the timing device (ttnn lacks the token feed)
