@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runtime_helpers import MAX_MODEL_LEN, PREFILL, hf_model
+from runtime_helpers import CASES, MAX_MODEL_LEN, PREFILL, hf_model
 
 from ttbundle.runtime.phases import pack_prefill, prefill_rows
 
@@ -46,11 +46,11 @@ def test_a_backend_without_packing_runs_one_call_per_chunk():
     assert pack_prefill([64] * 4, [128, 512], packed=False) == [(128, 128, [i]) for i in range(4)]
 
 
-@pytest.fixture(scope="module")
-def model(make_package):
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def model(make_package, request):
     from ttbundle.runtime.packages import open_package
 
-    pkg, src = make_package("llama", "N150")
+    pkg, src = make_package(*request.param)
     from ttbundle.runtime.adapter import BundleModel
 
     opened = open_package(pkg, check_hashes=False)
@@ -63,7 +63,8 @@ def test_a_packed_call_gives_each_prompt_its_own_transformers_logits(model):
 
     m, src, bs = model
     kv = m.allocate_kv_cache((64, 4, bs, 16))
-    lens = [20, 32, 5, 17]  # 4 sequences of 32 rows: the 128 bucket's program
+    # 4 sequences of 32 rows: the 128 bucket's program (gemma3: longer than its 16-token window)
+    lens = [20, 32, 5, 17]
     prompts = [[(7 * i + 3 * n) % 500 + 8 for i in range(n)] for n in lens]
     tokens = torch.zeros(4, 32, dtype=torch.long)
     for j, p in enumerate(prompts):
