@@ -318,3 +318,23 @@ def test_text_only_arch_leaves_the_vision_weights_unused():
     assert not any(t.name.startswith("v_") for t in b.family.tensors(b.arch))
     r = run_check(b, "N300", steps=4, random_weights=True, seed=2)
     assert r.tokens_agree and r.passed, (r.ref_tokens, r.emu_tokens, r.diverging())
+
+
+@pytest.mark.parametrize("family", ["gemma3", "qwen2_5_vl"])
+def test_images_that_leave_no_room_in_max_model_len_are_an_error(family):
+    """One rule for both vision families (families.base.image_token_budget)."""
+    from spec_helpers import TINY_VL
+    if family == "gemma3":  # 2 images x (16 soft tokens + begin/end) = 36 tokens
+        text, need = TINY_VL.replace("max_model_len: 256", "max_model_len: 36"), 2 * (16 + 2)
+    else:  # 4096 pixels / (4 x 2)^2 = 64 soft tokens + start/end, 2 images = 132 tokens
+        text, need = TINY_QVL.replace("max_model_len: 512", "max_model_len: 132"), 2 * (4096 // 64 + 2)
+    msg = _err(text)
+    assert f"{line_of(text, 'images_per_prompt: 2')}:" in msg
+    assert f"2 images x {need // 2} tokens = {need} tokens leave no room in max_model_len={need}" in msg
+
+
+def test_a_gemma_image_longer_than_the_prefill_chunk_is_an_error():
+    from spec_helpers import TINY_VL
+    text = TINY_VL.replace("prefill_chunk: 64", "prefill_chunk: 16").replace("prefill: [64, 128]", "prefill: [16, 64]")
+    msg = _err(text)  # 16 soft tokens + begin/end of image = 18 > 16
+    assert "one image is 18 tokens" in msg and "use a chunk >= 18" in msg

@@ -529,3 +529,23 @@ def hf_import(family: Family, config: dict, defaults: dict | None = None) -> dic
     for k in ("hidden_act", "hidden_activation"):
         reject_hf(config, k, acts.__contains__, f"supported: {', '.join(acts)}")
     return hf_fill(config, {**Family.from_hf(family, config), **hf_rope(config)}, defaults or {})
+
+
+def image_token_budget(b, vs, per_image: int, image: str, fewer: str, smaller: str | None = None) -> list:
+    """Diagnostics of a vision part's prompt budget, for every vision family: one image's
+    ``per_image`` tokens (``image`` says what they are) must fit one prefill chunk (an image is
+    never split over two chunks), and ``images_per_prompt`` of them must leave room in
+    ``max_model_len``. ``fewer`` names what to lower for the second, ``smaller`` what else shrinks
+    an image."""
+    d, bk = [], b.buckets
+    chunk = bk.prefill_chunk or (max(bk.prefill) if bk.prefill else 0)
+    if chunk and per_image > chunk:
+        d.append(b.locate(("buckets", "prefill_chunk" if bk.prefill_chunk else "prefill"),
+                          f"{image} but a prefill chunk holds {chunk}; an image is never split over two chunks: "
+                          f"use a chunk >= {per_image}" + (f" or lower {smaller}" if smaller else "")))
+    need, room = vs.images_per_prompt * per_image, b.spec.runtime.max_model_len
+    if need >= room:
+        d.append(b.locate(("vision", "images_per_prompt"), f"{vs.images_per_prompt} images x {per_image} tokens "
+                          f"= {need} tokens leave no room in max_model_len={room}; lower {fewer}, or raise "
+                          "runtime.max_model_len"))
+    return d

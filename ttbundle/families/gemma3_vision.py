@@ -24,7 +24,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl
+from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
 from . import transforms
 
 #: what a vision bucket counts
@@ -271,18 +271,8 @@ def check_settings(b, vs) -> list:
                           f"images_per_prompt={vs.images_per_prompt}: a prompt's images are encoded in one "
                           f"call; add a bucket of {vs.images_per_prompt} or lower images_per_prompt"))
     per_image = v.mm_tokens_per_image + 2  # begin-of-image, soft tokens, end-of-image
-    bk = b.buckets
-    chunk = bk.prefill_chunk or (max(bk.prefill) if bk.prefill else 0)
-    if chunk and per_image > chunk:
-        d.append(b.locate(("buckets", "prefill_chunk" if bk.prefill_chunk else "prefill"),
-                          f"one image is {per_image} tokens (mm_tokens_per_image={v.mm_tokens_per_image} + "
-                          f"begin/end of image) but a prefill chunk holds {chunk}; an image's tokens attend to "
-                          f"each other and must be prefilled together: use a chunk >= {per_image}"))
-    need = vs.images_per_prompt * per_image
-    if need >= b.spec.runtime.max_model_len:
-        d.append(b.locate(at + ("images_per_prompt",), f"{vs.images_per_prompt} images x {per_image} tokens "
-                          f"= {need} tokens leave no room in max_model_len={b.spec.runtime.max_model_len}; lower "
-                          "images_per_prompt or raise runtime.max_model_len"))
+    d += image_token_budget(b, vs, per_image, f"one image is {per_image} tokens (mm_tokens_per_image="
+                            f"{v.mm_tokens_per_image} + begin/end of image)", "images_per_prompt")
     return d
 
 

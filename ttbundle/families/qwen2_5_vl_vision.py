@@ -33,7 +33,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl
+from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
 from . import transforms
 
 #: what a vision bucket counts
@@ -441,18 +441,9 @@ def check_settings(b, vs) -> list:
                           f"each, {need} in all): a prompt's images are encoded in one call; add a bucket of "
                           f"{need}, lower max_pixels or images_per_prompt"))
     per_image = per // v.merge_unit + 2  # vision start, soft tokens, vision end
-    bk = b.buckets
-    chunk = bk.prefill_chunk or (max(bk.prefill) if bk.prefill else 0)
-    if chunk and per_image > chunk:
-        d.append(b.locate(("buckets", "prefill_chunk" if bk.prefill_chunk else "prefill"),
-                          f"an image of max_pixels={vs.max_pixels} is {per_image} tokens ({per // v.merge_unit} soft "
-                          f"tokens + vision start/end) but a prefill chunk holds {chunk}; an image is never split "
-                          f"over two chunks: use a chunk >= {per_image} or lower vision.max_pixels"))
-    total = vs.images_per_prompt * per_image
-    if total >= b.spec.runtime.max_model_len:
-        d.append(b.locate(at + ("images_per_prompt",), f"{vs.images_per_prompt} images x {per_image} tokens "
-                          f"= {total} tokens leave no room in max_model_len={b.spec.runtime.max_model_len}; lower "
-                          "images_per_prompt or max_pixels, or raise runtime.max_model_len"))
+    d += image_token_budget(b, vs, per_image, f"an image of max_pixels={vs.max_pixels} is {per_image} tokens "
+                            f"({per // v.merge_unit} soft tokens + vision start/end)", "images_per_prompt or max_pixels",
+                            "vision.max_pixels")
     return d
 
 
