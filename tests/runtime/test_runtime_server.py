@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime_helpers import CASES, DECODE, MAX_MODEL_LEN, PREFILL, hf_greedy, pick, serving
+from runtime_helpers import CASES, DECODE, MAX_MODEL_LEN, PREFILL, assert_prefill_plan, hf_greedy, pick, serving
 
 openai = pytest.importorskip("openai")
 
@@ -185,9 +185,12 @@ def test_every_step_was_one_phase_padded_to_its_bucket(server):
     for s in steps:
         if s["phase"] == "decode":
             assert all(n == 1 for _, _, n in s["rows"]) and s["buckets"] == [pick(DECODE, len(s["rows"]))]
-        else:
-            assert s["buckets"] == [pick(PREFILL, n) for _, _, n in s["rows"]]
-            assert sum(s["buckets"]) <= max(PREFILL)
+        else:  # one call per chunk padded to its bucket, or several chunks packed into one call
+            lens = [n for _, _, n in s["rows"]]
+            assert_prefill_plan(lens, PREFILL, f"step {s}")
+            assert sum(k for _, _, k in s["calls"]) == len(lens), s  # every chunk in one call
+            assert sum(S for S, _, _ in s["calls"]) <= max(PREFILL), s
+            assert all(b in PREFILL and b >= n for b, n in zip(s["buckets"], lens)), s
     assert {"device", "host"} <= {s["sampling"] for s in steps}
     assert max(len(s["rows"]) for s in steps if s["phase"] == "decode") > 8  # concurrency batched
     assert "Traceback" not in server.log.read_text()
