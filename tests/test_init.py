@@ -413,15 +413,23 @@ def test_y_round_trips_on_one_line(value):
     assert yaml.safe_load(f"k: {s}\n") == {"k": value}
 
 
-def test_plan_that_cannot_divide_is_not_written(tmp_path, runner):
-    # intermediate_size=100 over T3K's 8 columns: no sharding option fixes that
+def test_a_tensor_that_cannot_divide_is_replicated_on_that_mesh(tmp_path, runner):
+    # intermediate_size=100 over T3K's 8 columns is 12.5 per device: no padding option fixes
+    # that, so init replicates the MLP on T3K only (a per-target override) and says so
     out = tmp_path / "spec.yaml"
     r = invoke(runner, "--from-hf", llama(tmp_path / "m", intermediate_size=100), "-o", out,
                "-m", "N150", "-m", "T3K")
-    assert r.exit_code == 2, r.output
-    assert "the family's default plan does not divide over N150, T3K" in r.stderr
-    assert "intermediate_size=100 is not divisible by mesh axis cols=8 (T3K 1x8)" in r.stderr
-    assert not out.exists()
+    assert r.exit_code == 0, r.output
+    assert "intermediate_size=100 is not divisible by mesh axis cols=8 (T3K 1x8)" not in r.stderr
+    assert "sharding.targets.T3K: w1, w3, w2 replicated" in r.stderr
+    b = specmod.load(out)
+    assert set(b.spec.sharding.targets) == {"T3K"} and set(b.spec.sharding.targets["T3K"]) == {"w1", "w3", "w2"}
+    p = planmod.make_plan(b, "T3K")  # T3K is 1x8: its rows axis splits nothing
+    for w in (t for t in p.tensors if t.name in ("w1", "w3", "w2")):
+        assert w.device_shape == w.shape, w  # the whole MLP on every device
+    # attention still split over the 8 columns: 4 heads of 128 / 4 = 32 padded to 8, one per device
+    assert next(t for t in p.tensors if t.name == "wq").device_shape[-1] == 128 // 4
+    assert planmod.make_plan(b, "N150").fits
 
 
 def test_hf_model_from_a_hub_cache_snapshot(tmp_path, runner):

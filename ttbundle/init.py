@@ -237,7 +237,7 @@ class _Ctx:
 def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Path, name: str,
              meshes: list[str], weights_dtype: str, max_model_len: int, max_num_seqs: int,
              buckets: dict, bucket_notes: list[str], sharding_opts: dict[str, str],
-             sharding_notes: dict[str, str], group_dtypes: dict[str, str] | None = None,
+             sharding_notes: dict[str, str], sharding_targets: dict | None = None, group_dtypes: dict[str, str] | None = None,
              dtype_note: str = "", pool_notes: list[str] | None = None,
              kv_dtype: str = "bf16", hf_model: str | None = None, hf_note: str = "") -> _Ctx:
     B, W, D, S, K, R = (specmod.BundleSpec, specmod.Weights, specmod.DtypePolicy, specmod.Sharding,
@@ -298,7 +298,9 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
         value = sharding_opts.get(n, f.default)
         sharding.append(Entry(n, y(value), doc_lines(f.description)
                               + doc_lines(sharding_notes.get(n))))
-    sharding.append(Entry("targets", y({}), field_doc(S, "targets")))
+    sharding.append(Entry("targets", y(sharding_targets or {}), field_doc(S, "targets")
+                          + doc_lines(sharding_targets and "init: replicated on those meshes, where the "
+                                      "family default plan's split of these tensors is not whole tiles per device")))
     sections["sharding"] = sharding
 
     sections["buckets"] = [
@@ -472,7 +474,8 @@ def _does_not_fit(cfg: Path, meshes: list[str], tried: list, auto: bool) -> "Doe
 
 def _resolve(meshes, output, cfg, kw):
     """The spec for ``kw`` whose sharding plan resolves on every mesh (padding heads if the
-    family default does not divide): ``(text, bundle, plans, notes, kw)``."""
+    family default does not divide, then replicating per mesh the tensors that still do not):
+    ``(text, bundle, plans, notes, kw)``."""
     def plans_for(bundle):
         plans, diags = {}, []
         for m in meshes:
@@ -482,25 +485,40 @@ def _resolve(meshes, output, cfg, kw):
                 diags += e.diagnostics or [Diagnostic(e.message)]
         return plans, diags
 
-    reason, diags = "", []
-    for opts in ({},) + SHARDING_FALLBACKS:
-        why = {k: f"set by init: {reason}" for k in opts}
-        text = _render(_context(sharding_opts=opts, sharding_notes=why, **kw))
+    def load(opts, why, targets):
+        text = _render(_context(sharding_opts=opts, sharding_notes=why, sharding_targets=targets, **kw))
         try:
-            bundle = specmod.loads(text, str(output), base_dir=output.parent)
+            return text, specmod.loads(text, str(output), base_dir=output.parent)
         except InvalidInput as e:
             # the arguments were checked above, so config.json (or the family) is at fault
             raise InvalidInput(f"{cfg}: the spec generated from it does not validate; nothing "
                                "written", e.diagnostics) from None
-        plans, diags = plans_for(bundle)
-        if not diags:
-            notes = [f"buckets: {n}" for n in kw["bucket_notes"]]
-            notes += [f"sharding.{k}: {v} because {reason}" for k, v in opts.items()]
-            return text, bundle, plans, notes, dict(kw, sharding_opts=opts, sharding_notes=why)
-        if not opts:
-            reason = diags[0].message.split("; fix:")[0]
+
+    reason, diags = "", []
+    # padded heads first; then, if a tensor still does not divide, it is replicated on that mesh
+    for replicate in (False, True):
+        for opts in ({},) + SHARDING_FALLBACKS:
+            why = {k: f"set by init: {reason}" for k in opts}
+            text, bundle = load(opts, why, {})
+            targets = {}
+            if replicate:
+                targets = {m: r for m in meshes if (r := planmod.replicate_undividable(bundle, m))}
+                if not targets:
+                    continue
+                text, bundle = load(opts, why, targets)
+            plans, diags = plans_for(bundle)
+            if not diags:
+                notes = [f"buckets: {n}" for n in kw["bucket_notes"]]
+                notes += [f"sharding.{k}: {v} because {reason}" for k, v in opts.items()]
+                notes += [f"sharding.targets.{m}: {', '.join(r)} replicated (their split is not whole "
+                          "tiles per device there)" for m, r in targets.items()]
+                return text, bundle, plans, notes, dict(kw, sharding_opts=opts, sharding_notes=why,
+                                                        sharding_targets=targets)
+            if not opts and not replicate:
+                reason = diags[0].message.split("; fix:")[0]
     raise InvalidInput(f"{cfg}: the family's default plan does not divide over "
-                       f"{', '.join(meshes)}, even with padded heads; nothing written", diags)
+                       f"{', '.join(meshes)}, even with padded heads and undividable tensors replicated; nothing "
+                       "written", diags)
 
 
 def init_spec(hf_dir: str | Path, output: str | Path, meshes: list[str] | None = None,

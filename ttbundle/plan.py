@@ -441,6 +441,25 @@ def choose_pool(rt, kv_bytes, free: int) -> _Pool:
                  f"{_gib(free)} left after weights, activations and trace region")
 
 
+def replicate_undividable(bundle, mesh_name: str) -> dict[str, list]:
+    """Per tensor whose resolved spec does not divide mesh ``mesh_name``'s axes (the dims
+    ``_shard_tensors`` reports): that spec with those dims replicated, i.e. the per-target
+    override ``init`` writes when padding heads is not enough (e.g. an MLP width that is not
+    whole tiles per device). Head dims are left alone: ``sharding.attention_heads`` /
+    ``kv_heads`` pad them instead."""
+    mesh = target_mesh(bundle, mesh_name)
+    specs, _ = resolved_plan(bundle, mesh.name)
+    out = {}
+    for t in bundle.family.tensors(bundle.arch):
+        spec = list(specs[t.name])
+        bad = {i for i, (d, e) in enumerate(zip(t.dims, spec))
+               if axes_of(e) and d.name not in ("num_attention_heads", "num_key_value_heads")
+               and layoutmod.split(d, axes_of(e), mesh, bundle.spec.sharding).error}
+        if bad:
+            out[t.name] = [None if i in bad else e for i, e in enumerate(spec)]
+    return out
+
+
 def _shard_tensors(bundle, mesh: Mesh):
     """Per-device shard of every tensor, and one diagnostic per dim that does not divide its axis.
     Needs only the schema to be valid, so ``validate`` can report these next to spec errors."""
