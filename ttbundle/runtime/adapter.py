@@ -197,11 +197,8 @@ class BundleModel:
         p0 = 0 if start_pos is None else int(start_pos[0])
         deltas = None
         if mm is None and pixel_values is not None:
-            # one entry per request of the batch (one here), else the request's images
-            px = pixel_values[0] if isinstance(pixel_values, (list, tuple)) and len(pixel_values) == N else pixel_values
-            if px is not None and p0 != 0:
-                raise ValueError(f"pixel_values with a prefill starting at position {p0}: images are merged "
-                                 "into a prompt prefilled whole (start_pos 0)")
+            from .images import request_pixels
+            px = request_pixels(pixel_values, N, p0)
             thw = image_grid_thw[0] if isinstance(image_grid_thw, (list, tuple)) else image_grid_thw
             if thw is not None and rope_positions is None:  # Qwen2.5-VL
                 from .qwen_vl import prompt_inputs as qwen_prompt_inputs

@@ -114,3 +114,14 @@ def prompt_inputs(prompt: list[int], pixel_values, vision, encode, bucket: int) 
     ri = RequestImages([None] * k, positions, image_of, blocks,
                        {i: out[i * per:(i + 1) * per] for i in range(k)})
     return chunk_inputs(ri, encode, 0, len(prompt), bucket)
+
+
+def request_pixels(pixel_values, rows: int, start: int):
+    """The one request's images out of ``prefill_forward``'s ``pixel_values`` as Tenstorrent's
+    plugin passes them (one entry per request of the batch, here ``rows`` = 1, or the request's
+    images directly); images are merged into a prompt prefilled whole, so ``start`` must be 0."""
+    px = pixel_values[0] if isinstance(pixel_values, (list, tuple)) and len(pixel_values) == rows else pixel_values
+    if px is not None and start != 0:
+        raise ValueError(f"pixel_values with a prefill starting at position {start}: images are merged "
+                         "into a prompt prefilled whole (start_pos 0)")
+    return px

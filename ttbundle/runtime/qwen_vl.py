@@ -78,14 +78,6 @@ def feature_patches(feature) -> torch.Tensor:
     return feature.data["pixel_values"].data
 
 
-def mrope_rule():
-    """The owner of the M-RoPE position rule (the family side):
-    ``families.qwen2_5_vl_vision.mrope_positions(prompt_ids, image_grid_thw, vision) ->
-    (LongTensor[3, L], delta)``."""
-    from ..families.qwen2_5_vl_vision import mrope_positions
-    return mrope_positions
-
-
 def request_state(features, prompt: list[int], vision):
     """``(images.RequestImages | None, rope positions [3, L], rope delta)`` of a new request.
 
@@ -93,20 +85,20 @@ def request_state(features, prompt: list[int], vision):
     an image whose data vLLM did not send (its blocks came from the prefix cache) still has its
     grid, so the positions of every chunk are right. ``features`` of a request without images
     give ``(None, positions, 0)``: the text positions on all three axes."""
+    from ..families.qwen2_5_vl_vision import mrope_positions, soft_tokens
     from .images import RequestImages
 
     feats = sorted((f for f in features or [] if f.modality == "image"), key=lambda f: f.mm_position.offset)
     grids = [_grid_of(f) for f in feats]
     thw = torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
-    rope, delta = mrope_rule()(list(prompt), thw, vision)
+    rope, delta = mrope_positions(list(prompt), thw, vision)
     if not feats:
         return None, rope, int(delta)
     positions, image_of, counts = [], [], []
     for i, f in enumerate(feats):
         lo, n = f.mm_position.offset, f.mm_position.length
         mine = [p for p in range(lo, lo + n) if prompt[p] == vision.image_token_id]
-        merge = vision.spatial_merge_size
-        want = int(grids[i].prod()) // (merge * merge)
+        want = soft_tokens(vision, grids[i])
         if len(mine) != want:
             raise ValueError(f"image {i}: grid {grids[i].tolist()} needs {want} image tokens, its placeholder "
                              f"holds {len(mine)}")
@@ -158,6 +150,7 @@ def prompt_inputs(prompt: list[int], pixel_values, image_grid_thw, vision, encod
     ``prefill_forward``: its ``pixel_values`` ([patches, C*T*P*P], or a list of them) and
     ``image_grid_thw`` ([images, 3], or a list), in prompt order. ``mm`` is None without
     images (the positions are then the text's)."""
+    from ..families.qwen2_5_vl_vision import mrope_positions, soft_tokens
     from .images import RequestImages, chunk_inputs
 
     def cat(x, width):
@@ -165,7 +158,7 @@ def prompt_inputs(prompt: list[int], pixel_values, image_grid_thw, vision, encod
         return torch.cat([p.reshape(-1, width) for p in parts]) if parts else torch.zeros(0, width)
 
     thw = cat(image_grid_thw, 3).long()
-    rope, delta = mrope_rule()(list(prompt), thw, vision)  # refuses grids that do not match the tokens
+    rope, delta = mrope_positions(list(prompt), thw, vision)  # refuses grids that do not match the tokens
     rope_positions = chunk_rope(rope, int(delta), 0, len(prompt), bucket)
     deltas = torch.tensor([int(delta)], dtype=torch.long)
     if not thw.shape[0]:
@@ -175,8 +168,7 @@ def prompt_inputs(prompt: list[int], pixel_values, image_grid_thw, vision, encod
     if px.shape[0] != int(thw.prod(dim=1).sum()):
         raise ValueError(f"pixel_values hold {px.shape[0]} patches, image_grid_thw {thw.tolist()} needs "
                          f"{int(thw.prod(dim=1).sum())}")
-    merge = vision.spatial_merge_size
-    counts = [int(g.prod()) // (merge * merge) for g in thw]
+    counts = [soft_tokens(vision, g) for g in thw]
     positions = [i for i, t in enumerate(prompt) if t == vision.image_token_id]
     image_of = sum(([i] * c for i, c in enumerate(counts)), [])
     out = encode(px, image_grid_thw=thw)

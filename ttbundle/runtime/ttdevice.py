@@ -250,11 +250,8 @@ class TTDeviceModel:
             raise ValueError("every prompt position's logits (prompt_logprobs) come back on the emulated mesh only")
         n, p0 = int(prompt_lens[0]), 0 if start_pos is None else int(start_pos[0])
         if mm is None and pixel_values is not None:
-            px = pixel_values[0] if isinstance(pixel_values, (list, tuple)) and len(pixel_values) == N else pixel_values
-            if px is not None and p0 != 0:
-                raise ValueError(f"pixel_values with a prefill starting at position {p0}: images are merged "
-                                 "into a prompt prefilled whole (start_pos 0)")
-            from .images import prompt_inputs
+            from .images import prompt_inputs, request_pixels
+            px = request_pixels(pixel_values, N, p0)
             mm = prompt_inputs(tokens[0, :n].tolist(), px, self.bundle.arch.vision, self.encode_images, S)
         key = self._key("prefill", S, sampling_params, p0)
         fw = self.runner.forwards[key]
