@@ -196,3 +196,15 @@ def run_engine_script(script: Path, pkg, cases: dict, env: dict, timeout: float 
     line = [x for x in r.stdout.splitlines() if x.startswith(RESULT)]
     assert r.returncode == 0 and line, r.stderr[-4000:]
     return json.loads(line[-1][len(RESULT):])
+
+
+def step_lines(server) -> list[str]:
+    """The served engine's step log so far (``TTBUNDLE_STEP_LOG``), one JSON line per step."""
+    return server.step_log.read_text().splitlines() if server.step_log.exists() else []
+
+
+def prefill_starts(server, since: int) -> list[int]:
+    """First position of every prefill row logged after the first ``since`` steps."""
+    import json
+    return [row[1] for s in map(json.loads, step_lines(server)[since:]) if s["phase"] == "prefill"
+            for row in s["rows"]]

@@ -21,7 +21,7 @@ openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from spec_helpers import TINY_VL  # noqa: E402
 
-from runtime_helpers import serving  # noqa: E402
+from runtime_helpers import prefill_starts, serving, step_lines  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MESH = "N300"
@@ -154,31 +154,21 @@ def test_too_many_images_or_audio_get_400_and_the_server_keeps_serving(server):
     assert len(r.choices[0].token_ids) == 3
 
 
-def _lines(server) -> list[str]:
-    return server.step_log.read_text().splitlines() if server.step_log.exists() else []
-
-
-def _prefill_starts(server, since: int) -> list[int]:
-    import json
-    lines = _lines(server)[since:]
-    return [row[1] for s in map(json.loads, lines) if s["phase"] == "prefill" for row in s["rows"]]
-
-
 def test_prefix_caching_with_images_keys_on_the_images(server):
     """A repeated prompt with the same images reuses its cached blocks (vLLM's block hashes
     include the images'); the same text with another image does not, and still equals
     transformers for its own image."""
     text = "ba be bi bo bu da de di"
     a, b = [image(7), image(8)], [image(7), image(9)]
-    n0 = len(_lines(server))
+    n0 = len(step_lines(server))
     first = chat(server, message(text, *a))
     assert len(first.prompt_token_ids) > 32  # the first 32-token block holds image tokens
-    n1 = len(_lines(server))
+    n1 = len(step_lines(server))
     again = chat(server, message(text, *a))
-    n2 = len(_lines(server))
+    n2 = len(step_lines(server))
     other = chat(server, message(text, *b))
-    assert _prefill_starts(server, n0)[:1] == [0]
-    assert _prefill_starts(server, n1)[0] >= 32, "the repeated prompt's first block came from the cache"
-    assert _prefill_starts(server, n2)[0] < 32, "another image must not hit the first image's blocks"
+    assert prefill_starts(server, n0)[:1] == [0]
+    assert prefill_starts(server, n1)[0] >= 32, "the repeated prompt's first block came from the cache"
+    assert prefill_starts(server, n2)[0] < 32, "another image must not hit the first image's blocks"
     assert again.choices[0].token_ids == first.choices[0].token_ids == hf_greedy(server, first.prompt_token_ids, a, 8)
     assert other.choices[0].token_ids == hf_greedy(server, other.prompt_token_ids, b, 8)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
-import json
-import socket
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +21,7 @@ import pytest
 openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spec_helpers  # noqa: E402
+from runtime_helpers import prefill_starts, serving, step_lines  # noqa: E402
 
 TINY_QVL = getattr(spec_helpers, "TINY_QVL", None)
 pytestmark = [pytest.mark.slow,
@@ -44,32 +43,14 @@ class Server:
         return openai.OpenAI(base_url=self.url, api_key="none", timeout=180, max_retries=0)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(packages_dir, tmp_path_factory):
     from ttbundle.runtime.demo import build_package
-    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
 
     pkg = build_package(TINY_QVL, packages_dir, MESH)
     d = tmp_path_factory.mktemp("serve-qvl")
-    plan = plan_serve(pkg, "127.0.0.1", _free_port())
-    plan.env["TTBUNDLE_STEP_LOG"] = str(d / "steps.jsonl")
-    log = d / "vllm.log"
-    with open(log, "wb") as f:
-        proc = start(plan, log=f)
-    try:
-        wait_healthy(proc, plan.host, plan.port, timeout=600)
-        yield Server(plan.url, plan.name, packages_dir / "src-tiny-qwen25-vl", pkg, log, d / "steps.jsonl")
-    except Exception:
-        print(log.read_text()[-5000:])
-        raise
-    finally:
-        stop(proc)
+    with serving(pkg, d) as plan:
+        yield Server(plan.url, plan.name, packages_dir / "src-tiny-qwen25-vl", pkg, d / "vllm.log", d / "steps.jsonl")
 
 
 def image(seed: int, h: int = 40, w: int = 56):
@@ -203,14 +184,6 @@ def test_too_many_images_video_or_audio_get_400_and_the_server_keeps_serving(ser
     assert len(r.choices[0].token_ids) == 3
 
 
-def _lines(server) -> list[str]:
-    return server.step_log.read_text().splitlines() if server.step_log.exists() else []
-
-
-def _prefill_starts(server, since: int) -> list[int]:
-    return [row[1] for s in map(json.loads, _lines(server)[since:]) if s["phase"] == "prefill" for row in s["rows"]]
-
-
 def test_prefix_caching_with_images_keys_on_the_images_and_keeps_positions(server):
     """A repeated prompt with the same images reuses its cached blocks (vLLM's block hashes
     include the images'), so the first image is not sent nor encoded again, yet the rest of the
@@ -218,17 +191,17 @@ def test_prefix_caching_with_images_keys_on_the_images_and_keeps_positions(serve
     another first image does not hit the cache."""
     text = "ba be bi bo bu da de di"
     a, b = [image(17, 64, 64), image(18)], [image(19, 64, 64), image(18)]  # images no other test sends
-    n0 = len(_lines(server))
+    n0 = len(step_lines(server))
     first = chat(server, message(text, *a))
     assert first.prompt_token_ids.index(START) < 32 < len(first.prompt_token_ids) - 32
-    n1 = len(_lines(server))
+    n1 = len(step_lines(server))
     again = chat(server, message(text, *a))
-    n2 = len(_lines(server))
+    n2 = len(step_lines(server))
     other = chat(server, message(text, *b))
-    assert _prefill_starts(server, n0)[:1] == [0]
-    assert _prefill_starts(server, n1)[0] > first.prompt_token_ids.index(END), \
+    assert prefill_starts(server, n0)[:1] == [0]
+    assert prefill_starts(server, n1)[0] > first.prompt_token_ids.index(END), \
         "the repeated prompt's first image came from the cache (vLLM sends its grid, not its pixels)"
-    assert _prefill_starts(server, n2)[0] < 32, "another image must not hit the first image's blocks"
+    assert prefill_starts(server, n2)[0] < 32, "another image must not hit the first image's blocks"
     _, want = hf_greedy(server, text, a, 8)
     assert again.choices[0].token_ids == first.choices[0].token_ids == want
     assert other.choices[0].token_ids == hf_greedy(server, text, b, 8)[1]
