@@ -155,6 +155,10 @@ class Ctx:
     #: per-call inputs of a vision program besides its activations (the family's vision part
     #: makes them on the host: e.g. Qwen2.5-VL's rope angles and attention segments per row)
     vision: dict | None = None
+    #: [N, S / block_size] the cache blocks of ``context_slots`` (which are whole blocks, in
+    #: order) and the block size: attention gathers whole blocks; None: gather slots
+    context_blocks: object = None
+    block_size: int = 0
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (new cache rows, last dim = one token's row) as the cache's storage holds it."""
@@ -200,6 +204,17 @@ def _mask(ctx: Ctx, window):
     return ctx.cache[key]
 
 
+def _context(ctx: Ctx, cache, N: int, S: int):
+    """[D, kvh, N, S, hd]: each sequence's context gathered from ``cache`` [D, kvh, slots, hd]
+    (whole blocks of ``block_size`` contiguous slots when the context is given in blocks: one
+    copy of block_size rows per block instead of a row per slot)."""
+    D, kvh, _, hd = cache.shape
+    if getattr(ctx, "context_blocks", None) is not None:
+        bs = ctx.block_size
+        return cache.view(D, kvh, -1, bs, hd).index_select(2, ctx.context_blocks.reshape(-1)).view(D, kvh, N, S, hd)
+    return cache.index_select(2, ctx.context_slots.reshape(-1)).view(D, kvh, N, S, hd)
+
+
 def attention(ctx: Ctx, layer: int, q, k, v):
     """GQA attention over the paged cache, with the optional pieces families use: q/k/v bias,
     per-head q/k RMSNorm, rope variants, sliding window, logit soft-capping, attention sinks."""
@@ -232,9 +247,8 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     N, Tq = ctx.positions.shape
     S = ctx.context_slots.shape[1]
     kvh = cache["k"].shape[1]
-    flat = ctx.context_slots.reshape(-1)
-    K = cache["k"].index_select(2, flat).view(D, kvh, N, S, hd).to(q.dtype)
-    V = cache["v"].index_select(2, flat).view(D, kvh, N, S, hd).to(q.dtype)
+    K, V = _context(ctx, cache["k"], N, S), _context(ctx, cache["v"], N, S)
+    K, V = K.to(q.dtype), V.to(q.dtype)
     g = q.shape[2] // kvh  # query heads grouped under their KV head
     Q = q.view(D, N, Tq, kvh, g, hd).permute(0, 3, 1, 4, 2, 5).reshape(D, kvh, N, g * Tq, hd)
     scores = (Q @ K.transpose(-1, -2)).view(D, kvh, N, g, Tq, S) * lt.get("attn_scale", hd ** -0.5)

@@ -21,6 +21,7 @@ import torch
 
 from ... import layout
 from ...program import Op, Program
+from . import gemm
 from .kernels import KERNELS, Ctx, rms_norm, softcap
 from .meshops import MeshOps
 
@@ -78,9 +79,10 @@ class EmulatedModel:
         missing = sorted(set(self.refs) - set(weights))
         if missing:
             raise ValueError(f"weights missing for {missing}")
-        self.w = weights
         self.kernels = dict(KERNELS, **(kernels or {}))
         self.traits = self.family.traits(self.arch)
+        self.w = gemm.hold(weights, _matmul_only(self.programs.values()) - set(self.traits.get("linear_fp32", ())),
+                           dtype, self.device)
         self.layer_traits = [self.family.layer_traits(self.arch, i)
                              for i in range(self.arch.num_hidden_layers)]
         self.kv_dtype, self._store = kv_store(self.kv_layout["dtype"], dtype)
@@ -118,6 +120,12 @@ class EmulatedModel:
 
     # -- weights ------------------------------------------------------------------------------
     def weight(self, name: str, layer: int | None = None):
+        """Weight ``name`` (of ``layer``) as ``[D, *local]``, or None where the layer has none."""
+        W = self._held(name, layer)
+        return W.dense() if isinstance(W, gemm.Packed) else W
+
+    def _held(self, name: str, layer: int | None = None):
+        """The weight as held: a dense matmul weight may be :class:`gemm.Packed`."""
         t = self.decls.get(name)
         if t is None:
             return None
@@ -173,11 +181,19 @@ class EmulatedModel:
         slots = torch.where(valid, slot, torch.full_like(slot, -1)).reshape(-1)
         S = int(positions[valid].max().item()) + 1 if bool(valid.any()) else 1
         nblk = -(-S // bs)
-        ctx_slots = (page_table[:, :nblk, None] * bs + torch.arange(bs, device=dev)).reshape(N, -1)[:, :S]
+        # the context in whole blocks (positions past S are masked as later than every query):
+        # a block is bs contiguous slots, so attention gathers blocks, not slots
+        ctx_blocks = page_table[:, :nblk]
+        ctx_slots = (ctx_blocks[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(N, -1)
+        blocks = None
+        if mm is not None and self._image_blocks:
+            blocks = mm["blocks"].to(dev)
+            if blocks.shape[1] < nblk * bs:
+                blocks = torch.nn.functional.pad(blocks, (0, nblk * bs - blocks.shape[1]), value=-1)
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, positions, valid, slots,
-                  ctx_slots, kv.layers, self.dtype, units=self.units, store=self._store,
-                  blocks=None if mm is None or not self._image_blocks else mm["blocks"].to(dev),
-                  rope_positions=None if rope_positions is None else rope_positions.to(dev))
+                  ctx_slots, kv.layers, self.dtype, units=self.units, store=self._store, blocks=blocks,
+                  rope_positions=None if rope_positions is None else rope_positions.to(dev),
+                  context_blocks=ctx_blocks, block_size=bs)
         flat = tokens.reshape(-1)
         h = None
         layer = 0
@@ -339,7 +355,7 @@ class EmulatedModel:
 
     def _linear(self, x, st, layer):
         name = st.w
-        W = self.weight(name, layer)
+        W = self._held(name, layer)
         if name in self.traits.get("linear_fp32", ()):  # HF computes these in float32 (a router)
             x, W = x.float(), W.float()
         t = self.decls[name]
@@ -350,7 +366,7 @@ class EmulatedModel:
             pos = self.ops.shard_positions(t.dims[-2], k_axes, self.policy)
             x = self.ops.take(x, x.dim() - 1, pos)
         if W.dim() == 3:  # [D, K, N]
-            return torch.bmm(x, W) if x.dim() == 3 else torch.einsum("dtek,dkn->dten", x, W)
+            return gemm.matmul(x, W)
         # experts [D, E, K, N]
         if x.dim() == 3:
             return torch.einsum("dtk,dekn->dten", x, W)
@@ -359,6 +375,17 @@ class EmulatedModel:
             pos = self.ops.shard_positions(t.dims[0], e_axes, self.policy)
             x = self.ops.take(x, 2, pos)
         return torch.einsum("dtek,dekn->dten", x, W)
+
+
+def _matmul_only(programs) -> set:
+    """Names of the weights that the programs' matmul steps read and no other step does."""
+    matmul, other = set(), set()
+    for p in programs:
+        for lp in p.layers:
+            for st in lp.steps:
+                if st.w:
+                    (matmul if st.op is Op.MATMUL else other).add(st.w)
+    return matmul - other
 
 
 # ---- static-shape entry points --------------------------------------------------------------------

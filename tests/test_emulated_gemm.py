@@ -1,0 +1,120 @@
+"""The emulated mesh's weight GEMM (``backends/emulated/gemm.py``): oneDNN-packed weights against
+torch's own matmul in float64, and a package's model run both ways."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ttbundle.backends.emulated import gemm
+from ttbundle.backends.emulated.model import EmulatedModel
+from ttbundle.package import load_package
+from ttbundle.runtime.demo import build_package
+
+needs_onednn = pytest.mark.skipif(not gemm.packs(torch.float32, torch.device("cpu")),
+                                  reason="torch without oneDNN on this CPU")
+
+SPEC = """
+name: gemm-llama
+model:
+  family: llama
+  vocab_size: 512
+  hidden_size: 256
+  intermediate_size: 512
+  num_hidden_layers: 2
+  num_attention_heads: 8
+  num_key_value_heads: 4
+  max_position_embeddings: 1024
+targets: [N150, T3K]
+buckets: {prefill: [64], decode: [1, 8], prefill_chunk: 64}
+runtime: {max_model_len: 256, max_num_seqs: 8}
+"""
+
+
+@needs_onednn
+@pytest.mark.parametrize("D", [1, 3])
+@pytest.mark.parametrize("rows", [1, 7, 16, 130])
+def test_packed_matmul_is_the_fp32_product(D, rows):
+    g = torch.Generator().manual_seed(rows * 10 + D)
+    W = torch.randn(D, 96, 80, generator=g)
+    x = torch.randn(D, rows, 96, generator=g)
+    got = gemm.matmul(x, gemm.Packed(W))
+    want = torch.bmm(x.double(), W.double())
+    assert got.shape == (D, rows, 80) and got.dtype == torch.float32
+    # an fp32 product's rounding (1e-5 of |x||w| summed over K=96), not a wrong device or layout
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)
+    # each device multiplies by its own shard: device 0's weight on every device would differ
+    if D > 1:
+        assert (torch.bmm(x, W[:1].expand(D, -1, -1)) - got).abs().max() > 1.0
+
+
+@needs_onednn
+def test_packed_matmul_of_expert_rows_and_a_strided_input():
+    W = torch.randn(2, 64, 48)
+    x = torch.randn(2, 5, 3, 64)  # [D, T, E, K]
+    torch.testing.assert_close(gemm.matmul(x, gemm.Packed(W)), torch.einsum("dtek,dkn->dten", x, W),
+                               rtol=1e-5, atol=1e-4)
+    xt = torch.randn(2, 64, 9).transpose(1, 2)  # not contiguous
+    torch.testing.assert_close(gemm.matmul(xt, gemm.Packed(W)), torch.bmm(xt, W), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    # decode steps batch any sequences together; a token must not change with its neighbours
+    W = gemm.Packed(torch.randn(1, 1024, 512))
+    x = torch.randn(1, 32, 1024)
+    full = gemm.matmul(x, W)
+    for n in (1, 5, 16):
+        assert torch.equal(gemm.matmul(x[:, :n], W), full[:, :n])
+
+
+@needs_onednn
+def test_dense_gives_back_the_exact_weight():
+    W = torch.randn(2, 40, 24).bfloat16().float()
+    assert torch.equal(gemm.Packed(W).dense(), W)
+
+
+def test_the_switch_and_a_bad_value(monkeypatch):
+    monkeypatch.setenv(gemm.ENV, "torch")
+    assert not gemm.packs(torch.float32, torch.device("cpu"))
+    W = torch.randn(1, 8, 4)
+    held = gemm.hold({"w": W}, {"w"}, torch.float32, "cpu")
+    assert held["w"] is W
+    monkeypatch.setenv(gemm.ENV, "fast")
+    with pytest.raises(ValueError, match="TTBUNDLE_EMULATED_GEMM='fast'.*'auto' or 'torch'"):
+        gemm.packs(torch.float32, torch.device("cpu"))
+    monkeypatch.delenv(gemm.ENV)
+    # never packed: other dtypes, other devices
+    assert not gemm.packs(torch.bfloat16, torch.device("cpu"))
+    assert not gemm.packs(torch.float32, torch.device("meta"))
+
+
+@needs_onednn
+@pytest.mark.parametrize("mesh", ["N150", "T3K"])
+def test_a_packages_model_packed_and_plain_give_the_same_logits(tmp_path, monkeypatch, mesh):
+    pkg = load_package(build_package(SPEC, tmp_path, mesh, warmup=False))
+    packed = EmulatedModel.from_package(pkg)
+    monkeypatch.setenv(gemm.ENV, "torch")
+    plain = EmulatedModel.from_package(pkg)
+    # what is packed: the matmul weights, not the embedding table or the norms
+    assert isinstance(packed._held("wq", 0), gemm.Packed) and isinstance(packed._held("lm_head"), gemm.Packed)
+    assert not isinstance(packed._held("embed"), gemm.Packed)
+    assert all(not isinstance(v, gemm.Packed) for v in plain.w.values())
+    # a reader other than the GEMM still gets the package's shard, exactly
+    assert torch.equal(packed.weight("wq", 1), plain.weight("wq", 1))
+    outs = []
+    for m in (packed, plain):
+        kv = m.allocate_kv_cache(16, pkg.bundle.spec.runtime.kv_block_size)
+        g = torch.Generator().manual_seed(0)
+        tok = torch.randint(0, 512, (1, 64), generator=g)
+        pos = torch.arange(64)[None]
+        table = torch.arange(1, 5)[None]
+        pre = m.forward(m.program("prefill", 64), tok, pos, pos >= 0, table, kv)
+        dec = m.forward(m.program("decode", 1), pre[:, -1:].argmax(-1), torch.tensor([[64]]),
+                        torch.tensor([[True]]), table, kv)
+        outs.append((pre, dec))
+    for a, b in zip(outs[0], outs[1]):
+        # fp32 summation order, which can flip a bf16 rounding of a cached key (2^-8 of it): a
+        # wrong shard or layout would be off by the logits' own size (std ~1)
+        assert (a - b).abs().mean() < 1e-4 and (a - b).abs().max() < 5e-3
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
