@@ -101,11 +101,35 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
 
 
+def ceiling_layouts() -> list[str]:
+    """The weight layouts / GEMM kernels the ceiling tries (the best counts): torch's matmul on
+    ``[out, in]`` and ``[in, out]`` (MKL's sgemm on x86) and, where torch has oneDNN, its
+    inner-product kernel on a weight reordered once (what ``torch.compile`` prepacks; several
+    times MKL's speed for few rows on some CPUs, e.g. this host's AMD EPYC)."""
+    import torch
+    out = ["[out, in]", "[in, out]"]
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        out.append("oneDNN packed")
+    return out
+
+
+def ceiling_mats(layout: str, ws: list, rows: int):
+    """([(weight as ``layout`` holds it, K)], multiply) for ``torch.nn.Linear`` weights ``ws``
+    ``[out, in]``."""
+    import torch
+    if layout == "[out, in]":
+        return [(w, w.shape[1]) for w in ws], torch.nn.functional.linear
+    if layout == "[in, out]":
+        return [(w.t().contiguous(), w.shape[1]) for w in ws], torch.matmul
+    return ([(torch.ops.mkldnn._reorder_linear_weight(w.contiguous(), rows), w.shape[1]) for w in ws],
+            lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+
+
 def gemm_ceiling(src: Path, rows: int, threads: int) -> float:
     """Decode tokens/s that ``rows`` concurrent streams could reach at most on this machine: one
     step's weight matmuls alone (every linear layer, then the LM head, at M=rows, fp32, each
-    weight read once per step as a real step does: 640 MB do not stay in cache; best of the two
-    weight layouts), with nothing else: no attention, no framework, no server."""
+    weight read once per step as a real step does: 640 MB do not stay in cache; best of
+    :func:`ceiling_layouts`), with nothing else: no attention, no framework, no server."""
     import torch
     import transformers
 
@@ -116,14 +140,12 @@ def gemm_ceiling(src: Path, rows: int, threads: int) -> float:
     xs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in ws}}
     best = float("inf")
     with torch.no_grad():
-        for layout in ("[out, in]", "[in, out]"):
-            mats = ws if layout == "[out, in]" else [w.t().contiguous() for w in ws]
-            mul = ((lambda x, w: torch.nn.functional.linear(x, w)) if layout == "[out, in]"
-                   else (lambda x, w: x @ w))
+        for layout in ceiling_layouts():
+            mats, mul = ceiling_mats(layout, ws, rows)
 
             def step():
-                for w in mats:
-                    mul(xs[w.shape[1] if layout == "[out, in]" else w.shape[0]], w)
+                for w, k in mats:
+                    mul(xs[k], w)
             step()
             t0 = time.perf_counter()
             for _ in range(5):

@@ -22,6 +22,7 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench_model import SPEC  # noqa: E402
+from bench_serve import ceiling_layouts, ceiling_mats  # noqa: E402
 
 
 def main():
@@ -60,18 +61,21 @@ def main():
     prompts = torch.randint(8, 32000, (S, n))
     greedy = lambda rows: DeviceSampling.from_params([], [], rows)  # noqa: E731
 
-    # the ceiling's weights: every linear weight of the model, both layouts (bench_serve.gemm_ceiling)
-    ws = [w[0] for name, v in m.model.w.items() if name not in ("embed",)
-          for w in (v if isinstance(v, list) else [v]) if w.dim() == 3]
-    wt = [w.t().contiguous() for w in ws]
-    xs = {k: torch.randn(S, k) for k in {w.shape[0] for w in ws}}
+    # the ceiling's weights: every linear weight of the model ([out, in] as torch.nn.Linear holds
+    # them), in each of bench_serve's ceiling layouts
+    em = m.model
+    ws = [em.weight(name, li)[0].t().contiguous() for name, t in em.decls.items()
+          if name in em.w and t.kind == "matrix" and len(t.dims) == 2
+          for li in ([None] if t.layers is None else range(*t.layers))]
+    layouts = {lay: ceiling_mats(lay, ws, S) for lay in ceiling_layouts()}
+    xs = {k: torch.randn(S, k) for k in {w.shape[1] for w in ws}}
 
     def ceiling_step():
         best = float("inf")
-        for mats, mul in ((ws, lambda x, w: x @ w), (wt, lambda x, w: torch.nn.functional.linear(x, w))):
+        for mats, mul in layouts.values():
             t0 = time.perf_counter()
-            for w in mats:
-                mul(xs[w.shape[0] if mats is ws else w.shape[1]], w)
+            for w, k in mats:
+                mul(xs[k], w)
             best = min(best, time.perf_counter() - t0)
         return best
 
