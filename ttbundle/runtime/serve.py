@@ -235,10 +235,11 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         "--additional-config", json.dumps(cfg, separators=(",", ":")),
     ] + extra
     env = {ENV_EMULATED: "1" if device == "emulated" else "0", "MESH_DEVICE": pkg.mesh_name, "HF_HUB_OFFLINE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
-           # the engine's OpenMP threads share the cores with vLLM's API server process: spin
-           # briefly at a barrier, then sleep (the default spins ~30x longer)
-           "GOMP_SPINCOUNT": os.environ.get("GOMP_SPINCOUNT", "10000")}
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    # OpenMP's spin at a barrier stays libgomp's default (a GOMP_SPINCOUNT of the caller's
+    # environment is inherited): with the oneDNN-packed GEMMs a step is ~60 short parallel
+    # regions, and shortening the spin to 10,000 cost 13-20% of the 16-stream throughput on a
+    # quiet host (docs/benchmarks.md); on a host busy with other jobs a short spin helps
     return ServePlan(pkg.path, pkg.name, pkg.mesh_name, argv, env, host, port)
 
 
