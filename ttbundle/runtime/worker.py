@@ -23,7 +23,7 @@ logger = logging.getLogger("vllm.ttbundle.worker")
 def emulated_threads() -> int:
     """torch threads of the emulated mesh: ``TTBUNDLE_EMULATED_THREADS``, else every core this
     process may use. (On a host busy with other work, fewer threads than free cores avoid
-    OpenMP barriers waiting on descheduled threads; `ttbundle serve` also shortens OpenMP's spin.)"""
+    OpenMP barriers waiting on descheduled threads.)"""
     import os
     v = os.environ.get("TTBUNDLE_EMULATED_THREADS")
     if v:
