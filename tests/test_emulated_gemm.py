@@ -11,24 +11,12 @@ from ttbundle.backends.emulated.model import EmulatedModel
 from ttbundle.package import load_package
 from ttbundle.runtime.demo import build_package
 
+from test_emulated import COMMON, TINY
+
 needs_onednn = pytest.mark.skipif(not gemm.packs(torch.float32, torch.device("cpu")),
                                   reason="torch without oneDNN on this CPU")
 
-SPEC = """
-name: gemm-llama
-model:
-  family: llama
-  vocab_size: 512
-  hidden_size: 256
-  intermediate_size: 512
-  num_hidden_layers: 2
-  num_attention_heads: 8
-  num_key_value_heads: 4
-  max_position_embeddings: 1024
-targets: [N150, T3K]
-buckets: {prefill: [64], decode: [1, 8], prefill_chunk: 64}
-runtime: {max_model_len: 256, max_num_seqs: 8}
-"""
+SPEC = TINY["llama"] + COMMON  # test_emulated's tiny Llama (vocab 512), buckets 64/128 and 1/8/32
 
 
 @needs_onednn
