@@ -8,6 +8,7 @@ import torch
 
 from ttbundle.backends.emulated import gemm
 from ttbundle.backends.emulated.model import EmulatedModel
+from ttbundle.errors import InvalidInput
 from ttbundle.package import load_package
 from ttbundle.runtime.demo import build_package
 
@@ -69,7 +70,7 @@ def test_the_switch_and_a_bad_value(monkeypatch):
     held = gemm.hold({"w": W}, {"w"}, torch.float32, "cpu")
     assert held["w"] is W
     monkeypatch.setenv(gemm.ENV, "fast")
-    with pytest.raises(ValueError, match="TTBUNDLE_EMULATED_GEMM='fast'.*'auto' or 'torch'"):
+    with pytest.raises(InvalidInput, match="TTBUNDLE_EMULATED_GEMM='fast': expected 'auto'.*or 'torch'"):
         gemm.packs(torch.float32, torch.device("cpu"))
     monkeypatch.delenv(gemm.ENV)
     # never packed: other dtypes, other devices

@@ -238,8 +238,8 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     # OpenMP's spin at a barrier stays libgomp's default (a GOMP_SPINCOUNT of the caller's
     # environment is inherited): with the oneDNN-packed GEMMs a step is ~60 short parallel
-    # regions, and shortening the spin to 10,000 cost 13-20% of the 16-stream throughput on a
-    # quiet host (docs/benchmarks.md); on a host busy with other jobs a short spin helps
+    # regions, and shortening the spin to 10,000 cost ~12% of the 16-stream throughput on a
+    # quiet host (5 runs) (docs/benchmarks.md); on a host busy with other jobs a short spin helps
     return ServePlan(pkg.path, pkg.name, pkg.mesh_name, argv, env, host, port)
 
 

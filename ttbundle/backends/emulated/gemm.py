@@ -17,6 +17,8 @@ import os
 
 import torch
 
+from ...errors import InvalidInput
+
 ENV = "TTBUNDLE_EMULATED_GEMM"
 #: the row count oneDNN's reorder is told to expect (a decode bucket); any row count works
 ROWS_HINT = 16
@@ -26,7 +28,8 @@ def packs(dtype: torch.dtype, device: torch.device) -> bool:
     """Whether dense weights of this dtype on this device are held oneDNN-packed."""
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
     if mode not in ("auto", "torch"):
-        raise ValueError(f"{ENV}={mode!r}: expected 'auto' or 'torch'")
+        raise InvalidInput(f"environment variable {ENV}={mode!r}: expected 'auto' (oneDNN-packed weights "
+                           f"where torch has oneDNN) or 'torch' (torch's bmm); unset it for the default")
     return (mode == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
