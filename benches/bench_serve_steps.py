@@ -1,6 +1,6 @@
 """bench_serve's model work, interleaved in one process: what a shared, loaded host still lets us
 compare. Per round, back to back: the ceiling step (one 16-row step's bare weight matmuls, best of
-the two weight layouts, as bench_serve measures it), one 16-row decode step of the package
+bench_serve.ceiling_layouts: two plain layouts and oneDNN packed, as bench_serve measures it), one 16-row decode step of the package
 (``BundleModel.decode_forward``), and the 16 prompts' prefill twice: as the previous code ran it
 (one call per prompt padded to its bucket, the head over every row) and as the runner runs it now
 (``phases.pack_prefill``'s calls through ``prefill_forward``, the head on each sequence's last
