@@ -4,6 +4,7 @@ checks every recorded step sequence must pass."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 import socket
@@ -173,6 +174,34 @@ def serving(pkg, d: Path, timeout: float = 600):
         raise
     finally:
         stop(proc)
+
+
+@dataclasses.dataclass
+class Server:
+    """A running server of a test package: its URL, served name, source checkpoint, package, and
+    the vLLM log and step log (``serving``'s files)."""
+    url: str
+    name: str
+    src: Path
+    pkg: Path
+    log: Path
+    step_log: Path
+
+    def client(self):
+        import openai
+        return openai.OpenAI(base_url=self.url, api_key="none", timeout=180, max_retries=0)
+
+
+@contextlib.contextmanager
+def served_package(spec: str, packages_dir: Path, mesh: str, d: Path):
+    """``spec`` built for ``mesh`` into ``packages_dir`` (random weights) and served from ``d``."""
+    from ttbundle import spec as specmod
+    from ttbundle.runtime.demo import build_package
+
+    pkg = build_package(spec, packages_dir, mesh)
+    name = specmod.loads(spec, "<spec>").spec.name
+    with serving(pkg, d) as plan:
+        yield Server(plan.url, plan.name, packages_dir / f"src-{name}", pkg, d / "vllm.log", d / "steps.jsonl")
 
 
 # ---- vLLM's engine in its own process (tt_engine_run.py, timing_engine_run.py) ----------------------

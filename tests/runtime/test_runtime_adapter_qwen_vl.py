@@ -87,23 +87,23 @@ def test_pixel_values_and_grids_as_tenstorrents_plugin_passes_them_equal_transfo
     assert (plain[0] - ref2).abs().max().item() > 10 * err2
 
 
-def test_grids_that_do_not_match_the_image_tokens_are_refused(adapter):
-    model, _ = adapter
+def prefill_with(model, pixel_values, grids):
+    """One prefill of the two-image prompt with these images' patches and grids."""
     ids = prompt()
     kv = model.allocate_kv_cache((16, 2, 32, 32), torch.float32, 2)
     tokens = torch.zeros(1, 128, dtype=torch.long)
     tokens[0, :len(ids)] = torch.tensor(ids)
+    return model.prefill_forward(tokens, torch.arange(1, 13)[None, :], kv, [len(ids)], [0],
+                                 pixel_values=[pixel_values], image_grid_thw=[grids])
+
+
+def test_grids_that_do_not_match_the_image_tokens_are_refused(adapter):
+    model, _ = adapter
     with pytest.raises(ValueError, match=r"image 1 \(grid .*\) needs 32"):
-        model.prefill_forward(tokens, torch.arange(1, 13)[None, :], kv, [len(ids)], [0],
-                              pixel_values=[torch.randn(96 + 128, 96)], image_grid_thw=[torch.tensor([[1, 8, 12], [1, 8, 16]])])
+        prefill_with(model, torch.randn(96 + 128, 96), torch.tensor([[1, 8, 12], [1, 8, 16]]))
 
 
 def test_patches_that_do_not_match_the_grids_are_refused(adapter):
     model, _ = adapter
-    ids = prompt()
-    kv = model.allocate_kv_cache((16, 2, 32, 32), torch.float32, 2)
-    tokens = torch.zeros(1, 128, dtype=torch.long)
-    tokens[0, :len(ids)] = torch.tensor(ids)
     with pytest.raises(ValueError, match=r"pixel_values hold 100 patches, image_grid_thw .* needs 160"):
-        model.prefill_forward(tokens, torch.arange(1, 13)[None, :], kv, [len(ids)], [0],
-                              pixel_values=[torch.randn(100, 96)], image_grid_thw=[GRIDS])
+        prefill_with(model, torch.randn(100, 96), GRIDS)

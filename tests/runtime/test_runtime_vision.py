@@ -11,7 +11,6 @@ import asyncio
 import base64
 import io
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,34 +20,17 @@ openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from spec_helpers import TINY_VL  # noqa: E402
 
-from runtime_helpers import prefill_starts, serving, step_lines  # noqa: E402
+from runtime_helpers import prefill_starts, served_package, step_lines  # noqa: E402
 
 pytestmark = pytest.mark.slow
 MESH = "N300"
 SOFT, IMAGE, BOI, EOI = 16, 500, 501, 502  # TINY_VL's mm_tokens_per_image and image token ids
 
 
-@dataclass
-class Server:
-    url: str
-    name: str
-    src: Path
-    pkg: Path
-    log: Path
-    step_log: Path
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url, api_key="none", timeout=180, max_retries=0)
-
-
 @pytest.fixture(scope="module")
 def server(packages_dir, tmp_path_factory):
-    from ttbundle.runtime.demo import build_package
-
-    pkg = build_package(TINY_VL, packages_dir, MESH)
-    d = tmp_path_factory.mktemp("serve-vl")
-    with serving(pkg, d) as plan:
-        yield Server(plan.url, plan.name, packages_dir / "src-tiny-gemma3-vl", pkg, d / "vllm.log", d / "steps.jsonl")
+    with served_package(TINY_VL, packages_dir, MESH, tmp_path_factory.mktemp("serve-vl")) as srv:
+        yield srv
 
 
 def image(seed: int):

@@ -12,7 +12,6 @@ import asyncio
 import base64
 import io
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +20,7 @@ import pytest
 openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spec_helpers  # noqa: E402
-from runtime_helpers import prefill_starts, serving, step_lines  # noqa: E402
+from runtime_helpers import prefill_starts, served_package, step_lines  # noqa: E402
 
 TINY_QVL = getattr(spec_helpers, "TINY_QVL", None)
 pytestmark = [pytest.mark.slow,
@@ -30,27 +29,10 @@ MESH = "N150"
 IMAGE, START, END = 500, 502, 503  # TINY_QVL's image_token_id, vision_start / vision_end
 
 
-@dataclass
-class Server:
-    url: str
-    name: str
-    src: Path
-    pkg: Path
-    log: Path
-    step_log: Path
-
-    def client(self):
-        return openai.OpenAI(base_url=self.url, api_key="none", timeout=180, max_retries=0)
-
-
 @pytest.fixture(scope="module")
 def server(packages_dir, tmp_path_factory):
-    from ttbundle.runtime.demo import build_package
-
-    pkg = build_package(TINY_QVL, packages_dir, MESH)
-    d = tmp_path_factory.mktemp("serve-qvl")
-    with serving(pkg, d) as plan:
-        yield Server(plan.url, plan.name, packages_dir / "src-tiny-qwen25-vl", pkg, d / "vllm.log", d / "steps.jsonl")
+    with served_package(TINY_QVL, packages_dir, MESH, tmp_path_factory.mktemp("serve-qvl")) as srv:
+        yield srv
 
 
 def image(seed: int, h: int = 40, w: int = 56):
