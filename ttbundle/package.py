@@ -657,26 +657,47 @@ class PackageWeights:
         return out
 
     def _open(self):
-        from safetensors import safe_open
-        try:
-            handles = [safe_open(str(p), framework="pt") for p in self.files()]
-            metas = [json.loads(h.metadata()["ttbundle"])["tensors"] for h in handles]
-        except Exception as e:  # safetensors raises its own error types
-            raise PackageError(f"{self.pkg}: weights unreadable: {e}") from None
-        return handles, metas
+        """The device files' safetensors handles (memory-mapped) and headers, opened once."""
+        if getattr(self, "_handles", None) is None:
+            from safetensors import safe_open
+            try:
+                handles = [safe_open(str(p), framework="pt") for p in self.files()]
+                metas = [json.loads(h.metadata()["ttbundle"])["tensors"] for h in handles]
+            except Exception as e:  # safetensors raises its own error types
+                raise PackageError(f"{self.pkg}: weights unreadable: {e}") from None
+            self._handles = (handles, metas)
+        return self._handles
+
+    def close(self) -> None:
+        """Drop the open handles (their mmaps); the next read opens the files again."""
+        self._handles = None
+
+    def shards(self, name: str, layer: int | None = None, dtype=None) -> list:
+        """Every device's shard of tensor ``name`` (of ``layer``), decoded from its file to
+        ``dtype`` (bf16 values; bfp8/bfp4 tiles decoded as ttnn does)."""
+        import torch
+        handles, metas = self._open()
+        key = tensor_key(name, layer)
+        return [_decode(h.get_tensor(key), metas[d][key]).to(dtype or torch.float32)
+                for d, h in enumerate(handles)]
+
+    def stack(self, name: str, layer: int | None = None, dtype=None, device="cpu"):
+        """One tensor (of ``layer``) as the emulated mesh holds it: ``[D, *local]``, each
+        device's shard exactly as its file holds it. What a layer-by-layer reader loads."""
+        import torch
+        return torch.stack(self.shards(name, layer, dtype)).to(device).contiguous()
+
+    def layers_of(self, name: str) -> list:
+        """``[None]`` for a global tensor, else the layer indices it has."""
+        t = self.decls[name]
+        return [None] if t.layers is None else list(range(*t.layers))
 
     def _each(self, combine, dtype):
         """``{tensor: combine(name, [shard of each device])}`` (a list per layer for layered
         tensors), every shard decoded from its file to ``dtype``."""
-        handles, metas = self._open()
         out: dict = {}
         for name, t in self.decls.items():
-            layers = [None] if t.layers is None else list(range(*t.layers))
-            per_layer = []
-            for layer in layers:
-                key = tensor_key(name, layer)
-                shards = [_decode(h.get_tensor(key), metas[d][key]).to(dtype) for d, h in enumerate(handles)]
-                per_layer.append(combine(name, shards))
+            per_layer = [combine(name, self.shards(name, layer, dtype)) for layer in self.layers_of(name)]
             out[name] = per_layer[0] if t.layers is None else per_layer
         return out
 
@@ -684,7 +705,10 @@ class PackageWeights:
         """Every tensor as ``[D, *local]`` (a list per layer for layered tensors): each device's
         shard exactly as its file holds it (bf16 values; bfp8/bfp4 tiles decoded as ttnn does)."""
         import torch
-        return self._each(lambda name, shards: torch.stack(shards).to(device).contiguous(), dtype or torch.float32)
+        dtype = dtype or torch.float32
+        return {name: [self.stack(name, layer, dtype, device) for layer in self.layers_of(name)]
+                if self.decls[name].layers is not None else self.stack(name, None, dtype, device)
+                for name in self.decls}
 
     def canonical(self, dtype=None) -> dict:
         """Global tensors reassembled from every device's shards (padding dropped)."""

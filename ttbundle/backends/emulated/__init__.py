@@ -1,5 +1,5 @@
 """Emulated mesh backend: per-device shards and explicit collectives in torch."""
 
-from .model import EmulatedModel, Runner, pick
+from .model import EmulatedModel, LazyWeights, Runner, Stages, pick
 
-__all__ = ["EmulatedModel", "Runner", "pick"]
+__all__ = ["EmulatedModel", "LazyWeights", "Runner", "Stages", "pick"]

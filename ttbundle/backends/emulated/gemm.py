@@ -66,9 +66,15 @@ def hold(weights: dict, matmul_only: set, dtype: torch.dtype, device) -> dict:
         return weights
 
     def one(W):
-        return Packed(W) if isinstance(W, torch.Tensor) and W.dim() == 3 and W.dtype == dtype else W
+        return hold_one(W, dtype)
     return {name: (([one(x) for x in v] if isinstance(v, list) else one(v)) if name in matmul_only else v)
             for name, v in weights.items()}
+
+
+def hold_one(W, dtype: torch.dtype):
+    """One matmul-only weight as held where :func:`packs` holds: a dense ``[D, K, N]`` of the
+    compute dtype packed, anything else (expert stacks ``[D, E, K, N]``) as given."""
+    return Packed(W) if isinstance(W, torch.Tensor) and W.dim() == 3 and W.dtype == dtype else W
 
 
 def matmul(x: torch.Tensor, W) -> torch.Tensor:

@@ -54,6 +54,65 @@ def kv_store(kv_dtype: str, compute: torch.dtype):
     raise ValueError(f"KV cache dtype {kv_dtype!r}: expected bf16 or bfp8")
 
 
+class Stages:
+    """One program call run a stage at a time (:meth:`EmulatedModel.stages`): iterating yields
+    ``(kind, layer)`` before each stage runs; ``logits`` is set once it is exhausted. ``capture``
+    (when asked for) gets each decoder layer's output ``[N, Tq, hidden]`` (device 0) as it runs;
+    ``rows`` is how many leading rows of it are real (a chunk padded to its bucket)."""
+
+    def __init__(self, gen, capture: list | None = None, rows: int | None = None):
+        self._gen, self.capture, self.rows = gen, capture, rows
+        self.logits = None
+        self.done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._gen)
+        except StopIteration as e:
+            self.logits, self.done = e.value, True
+            raise
+
+    def drain(self) -> "Stages":
+        for _ in self:
+            pass
+        return self
+
+
+class LazyWeights:
+    """A package's weights read on demand (``package.PackageWeights.stack``), one tensor of one
+    layer at a time, and held until :meth:`release`: what :meth:`EmulatedModel.run_layer_major`
+    needs to hold one layer of a model of any depth."""
+
+    def __init__(self, source):
+        self.source = source
+        self.held: dict = {}
+        self._pack, self._dtype, self._device, self._packs = frozenset(), torch.float32, "cpu", False
+
+    def names(self) -> set:
+        return set(self.source.refs)
+
+    def bind(self, packed: set, dtype, device) -> "LazyWeights":
+        self._pack, self._dtype, self._device = frozenset(packed), dtype, device
+        self._packs = gemm.packs(dtype, device)
+        return self
+
+    def get(self, name: str, layer: int | None):
+        key = (name, layer)
+        W = self.held.get(key)
+        if W is None:
+            W = self.source.stack(name, layer, self._dtype, self._device)
+            if self._packs and name in self._pack:
+                W = gemm.hold_one(W, self._dtype)
+            self.held[key] = W
+        return W
+
+    def release(self) -> None:
+        self.held.clear()
+
+
 class EmulatedModel:
     """A package's model on an emulated mesh: its programs and per-device weight shards.
 
@@ -76,13 +135,17 @@ class EmulatedModel:
         self.kv_layout = first.kv_cache
         self.policy = layout.Policy.from_json(first.policy, bundle.spec.sharding)
         self.decls = {t.name: t for t in self.family.tensors(self.arch)}
+        self.kernels = dict(KERNELS, **(kernels or {}))
+        self.traits = self.family.traits(self.arch)
+        packed = _matmul_only(self.programs.values()) - set(self.traits.get("linear_fp32", ()))
+        self.lazy: LazyWeights | None = None
+        if isinstance(weights, LazyWeights):
+            self.lazy = weights.bind(packed, dtype, self.device)
+            weights = weights.names()
         missing = sorted(set(self.refs) - set(weights))
         if missing:
             raise ValueError(f"weights missing for {missing}")
-        self.kernels = dict(KERNELS, **(kernels or {}))
-        self.traits = self.family.traits(self.arch)
-        self.w = gemm.hold(weights, _matmul_only(self.programs.values()) - set(self.traits.get("linear_fp32", ())),
-                           dtype, self.device)
+        self.w = weights if self.lazy is not None else gemm.hold(weights, packed, dtype, self.device)
         self.layer_traits = [self.family.layer_traits(self.arch, i)
                              for i in range(self.arch.num_hidden_layers)]
         self.kv_dtype, self._store = kv_store(self.kv_layout["dtype"], dtype)
@@ -111,11 +174,15 @@ class EmulatedModel:
         return cls(bundle, plan.mesh, programs, w, dtype=dtype, device=device, kernels=kernels)
 
     @classmethod
-    def from_package(cls, pkg, dtype=torch.float32, device="cpu", kernels: dict | None = None):
-        """A loaded package (``package.load_package``): its programs and its weight files'
-        shards, decoded as the device decodes them (bf16; bfp8/bfp4 tiles)."""
-        programs = {k: pkg.program_ir(*k) for k in pkg.programs}
-        w = pkg.weights.device_stacks(dtype, device)
+    def from_package(cls, pkg, dtype=torch.float32, device="cpu", kernels: dict | None = None,
+                     lazy: bool = False, programs: list | None = None):
+        """A loaded package (``package.load_package``): its programs (all, or the (phase,
+        bucket) pairs in ``programs``) and its weight files' shards, decoded as the device
+        decodes them (bf16; bfp8/bfp4 tiles). ``lazy``: no weight is read here; a tensor is
+        read from the (memory-mapped) files when a step first needs it and dropped by
+        :meth:`release`, so a layer-by-layer caller (:meth:`run_layer_major`) holds one layer."""
+        programs = {k: pkg.program_ir(*k) for k in (programs or pkg.programs)}
+        w = LazyWeights(pkg.weights) if lazy else pkg.weights.device_stacks(dtype, device)
         return cls(pkg.bundle, pkg.mesh, programs, w, dtype=dtype, device=device, kernels=kernels)
 
     # -- weights ------------------------------------------------------------------------------
@@ -129,11 +196,37 @@ class EmulatedModel:
         t = self.decls.get(name)
         if t is None:
             return None
+        if t.layers is not None and (layer is None or not (t.layers[0] <= layer < t.layers[1])):
+            return None
+        if self.lazy is not None:
+            return self.lazy.get(name, None if t.layers is None else layer)
         if t.layers is None:
             return self.w[name]
-        if layer is None or not (t.layers[0] <= layer < t.layers[1]):
-            return None
         return self.w[name][layer - t.layers[0]]
+
+    def release(self) -> None:
+        """Drop every weight a lazy model has read (the next step reads what it needs again)."""
+        if self.lazy is not None:
+            self.lazy.release()
+
+    def run_layer_major(self, calls: list, after_stage=None) -> list:
+        """Run several program calls (:meth:`stages`) stage by stage: every call through the
+        embedding, then every call through layer 0, ..., then every call through the head, in the
+        order given within a stage (so a later call sees the KV cache rows an earlier one wrote
+        in that layer). A lazy model reads each stage's weights once and drops them after it, so
+        it holds one layer of weights at a time. ``after_stage((kind, layer))`` runs after each
+        stage (a comparison layer by layer). Returns each call's logits."""
+        current = [next(c, None) for c in calls]
+        while current and current[0] is not None:
+            stage = current[0]
+            if any(st != stage for st in current):
+                raise ProgramMismatch(f"calls run layer by layer must have the same stages; at {stage} "
+                                      f"the calls are at {sorted(set(map(str, current)))}")
+            current = [next(c, None) for c in calls]
+            if after_stage is not None:
+                after_stage(stage)
+            self.release()
+        return [c.logits for c in calls]
 
     # -- KV cache -----------------------------------------------------------------------------
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> KVCache:
@@ -169,6 +262,20 @@ class EmulatedModel:
         [3, N, Tq]: M-RoPE positions (temporal, height, width) of a family with
         ``mrope_section`` (Qwen2.5-VL; ``qwen2_5_vl_vision.mrope_positions`` makes a prompt's);
         None: ``positions`` in all three rows. Cache slots always come from ``positions``."""
+        stages = self.stages(program, tokens, positions, valid, page_table, kv, capture, mm, rope_positions, last)
+        for _ in stages:
+            pass
+        return stages.logits
+
+    def stages(self, program: Program, tokens, positions, valid, page_table, kv: KVCache,
+               capture: list | None = None, mm: dict | None = None, rope_positions=None, last=None) -> "Stages":
+        """:meth:`forward` one stage at a time: an iterator that yields ``(kind, layer)`` (layer
+        None for the embedding and the head) before running that stage; the logits are its
+        ``logits`` once exhausted. :meth:`run_layer_major` drives several in step."""
+        return Stages(self._stages(program, tokens, positions, valid, page_table, kv, capture, mm,
+                                   rope_positions, last), capture)
+
+    def _stages(self, program, tokens, positions, valid, page_table, kv, capture, mm, rope_positions, last):
         N, Tq = tokens.shape
         if rope_positions is not None and tuple(rope_positions.shape) != (3, N, Tq):
             raise ValueError(f"rope_positions must be [3, {N}, {Tq}] (temporal, height, width per token), "
@@ -202,6 +309,7 @@ class EmulatedModel:
             kind, count, steps = lp.kind, lp.count, lp.steps
             for _ in range(count):
                 li = None if kind in ("embedding", "head") else layer
+                yield kind, li  # the stage about to run (a layer-by-layer caller loads its weights)
                 if kind == "head" and last is not None:
                     rows = torch.arange(N, device=dev) * Tq + torch.as_tensor(last, device=dev)
                     h = h.index_select(1, rows)
@@ -418,7 +526,19 @@ class Runner:
         ``positions`` (the M prompt indices they take) and ``blocks`` (per prompt token its image
         block, -1 for text); an image's block must lie within one chunk. ``rope_positions``
         [3, len(tokens)]: the tokens' M-RoPE positions (None: their positions)."""
-        logits = None
+        calls = self.prefill_calls(tokens, page_table, start, capture is not None, mm, rope_positions)
+        for c in calls:
+            c.drain()
+            if capture is not None:
+                capture.append([x[0, :c.rows] for x in c.capture])
+        return calls[-1].logits[0, 0]
+
+    def prefill_calls(self, tokens: list[int], page_table: list[int], start: int = 0, capture: bool = False,
+                      mm: dict | None = None, rope_positions=None) -> list:
+        """:meth:`prefill` as its program calls, one per chunk, not yet run (:class:`Stages`;
+        run them in order, or layer by layer with ``EmulatedModel.run_layer_major``); a call's
+        ``logits`` [1, 1, vocab] are its chunk's last token's."""
+        calls = []
         rank = {} if mm is None else {j: r for r, j in enumerate(mm["positions"])}
         pos = start
         for i in range(0, len(tokens), self.chunk):
@@ -431,7 +551,6 @@ class Runner:
             valid = torch.zeros(1, bucket, dtype=torch.bool)
             valid[0, :len(chunk)] = True
             pt = self._table([page_table])
-            cap = [] if capture is not None else None
             mmc = None
             if mm is not None:
                 sel = [j for j in mm["positions"] if i <= j < i + len(chunk)]
@@ -444,19 +563,27 @@ class Runner:
             if rope_positions is not None:
                 rp = torch.zeros(3, 1, bucket, dtype=torch.long)
                 rp[:, 0, :len(chunk)] = rope_positions[:, i:i + len(chunk)]
-            out = self.model.forward(self.model.program("prefill", bucket), t,
-                                     torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv, cap,
-                                     mm=mmc, rope_positions=rp, last=[len(chunk) - 1])
-            if capture is not None:
-                capture.append([c[0, :len(chunk)] for c in cap])
-            logits = out[0, 0]
+            c = self.model.stages(self.model.program("prefill", bucket), t,
+                                  torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv,
+                                  [] if capture else None, mm=mmc, rope_positions=rp, last=[len(chunk) - 1])
+            c.rows = len(chunk)
+            calls.append(c)
             pos += len(chunk)
-        return logits
+        return calls
 
     def decode(self, tokens: list[int], positions: list[int], page_tables: list[list[int]], capture=None,
                rope_deltas: list[int] | None = None):
         """One decode step for a batch; returns logits [B, vocab]. ``rope_deltas``: per row the
         M-RoPE delta of its prompt (rope position = position + delta in all three rows)."""
+        c = self.decode_call(tokens, positions, page_tables, capture is not None, rope_deltas).drain()
+        if capture is not None:
+            capture.append([x[:c.rows, 0] for x in c.capture])
+        return c.logits[:c.rows, 0]
+
+    def decode_call(self, tokens: list[int], positions: list[int], page_tables: list[list[int]],
+                    capture: bool = False, rope_deltas: list[int] | None = None) -> Stages:
+        """:meth:`decode` as its program call, not yet run (:class:`Stages`); its ``logits`` are
+        [bucket, 1, vocab], the first ``rows`` real."""
         B = len(tokens)
         bucket = pick(self.decode_buckets, B)
         self.shapes_run.add(("decode", bucket))
@@ -467,17 +594,15 @@ class Runner:
         valid = torch.zeros(bucket, 1, dtype=torch.bool)
         valid[:B] = True
         pt = self._table(page_tables + [[0]] * (bucket - B))
-        cap = [] if capture is not None else None
         rp = None
         if rope_deltas is not None:
             d = torch.zeros(bucket, 1, dtype=torch.long)
             d[:B, 0] = torch.tensor(rope_deltas)
             rp = (p + d)[None].expand(3, -1, -1)
-        out = self.model.forward(self.model.program("decode", bucket), t, p, valid, pt, self.kv, cap,
-                                 rope_positions=rp)
-        if capture is not None:
-            capture.append([c[:B, 0] for c in cap])
-        return out[:B, 0]
+        c = self.model.stages(self.model.program("decode", bucket), t, p, valid, pt, self.kv,
+                              [] if capture else None, rope_positions=rp)
+        c.rows = B
+        return c
 
     def _table(self, rows: list[list[int]]) -> torch.Tensor:
         pt = torch.zeros(len(rows), self.max_blocks, dtype=torch.long)
