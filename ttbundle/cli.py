@@ -491,6 +491,8 @@ def serve(ctx: typer.Context,
                                     output)
             out.print(Text(launch.render(lp)))
             return
+        if not print_command:
+            servemod.check_address(host, port)
         where = servemod.pick_device(device)
         pkg = servemod.resolve(target, mesh, output, progress, "ttnn" if where == "tt" else "emulated")
         plan = servemod.plan_serve(pkg, host, port, list(ctx.args), where, data_parallel_size)

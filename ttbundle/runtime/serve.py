@@ -13,18 +13,24 @@ elsewhere: ``TTBUNDLE_EMULATED=1``), with ``MESH_DEVICE`` set to the package's m
   spec's ``trace_mode`` / ``sample_on_device_mode``; a ``--additional-config`` among the extra
   arguments is merged over it.
 
-Ctrl-C (or SIGTERM) is forwarded to vLLM as SIGINT, which shuts the engine down cleanly; after
-a grace period the group is killed. While serving, vLLM is watched: if it exits by itself (vLLM's
+Ctrl-C (or SIGTERM, or SIGHUP from a closed terminal) is forwarded to vLLM as SIGINT, which shuts
+the engine down cleanly; after a grace period the group is killed. If ``ttbundle serve`` dies
+without that (SIGKILL, a crash), the kernel sends vLLM SIGTERM (``PR_SET_PDEATHSIG``) and vLLM stops
+its engine: no server outlives it. The address is checked before anything starts
+(:func:`check_address`). While serving, vLLM is watched: if it exits by itself (vLLM's
 API server shuts down with code 0 when its engine process dies) or stops answering ``/health``
 (503 once the engine is dead), the server is stopped and :class:`ServeFailed` says why.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -243,6 +249,33 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     return ServePlan(pkg.path, pkg.name, pkg.mesh_name, argv, env, host, port)
 
 
+def check_address(host: str, port: int) -> None:
+    """The address vLLM will listen on, checked before anything is built or started (exit 2 in
+    well under a second instead of vLLM's traceback half a minute later): a port in 1..65535, a
+    host that resolves to an address of this machine, and nothing listening there already (a bind
+    with SO_REUSEADDR, as uvicorn binds, then closed)."""
+    if not 1 <= port <= 65535:
+        raise InvalidInput(f"--port {port}: a TCP port is 1..65535 (the default is 8000)")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError, ValueError) as e:
+        raise InvalidInput(f"--host {host}: not an address or a name this machine resolves ({e}); "
+                           "give an address of this machine (127.0.0.1 for local only, 0.0.0.0 for all)") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(addr)
+        except OSError as e:
+            why = {errno.EADDRINUSE: "already in use (another server listens there; stop it or give "
+                                     "another --port)",
+                   errno.EADDRNOTAVAIL: "not an address of this machine (give one of its addresses, "
+                                        "127.0.0.1 or 0.0.0.0)",
+                   errno.EACCES: "needs privileges (ports below 1024); give a port >= 1024"}
+            raise InvalidInput(f"--host {host} --port {port}: "
+                               f"{why.get(e.errno, e.strerror or str(e))}") from None
+
+
 def healthy(host: str, port: int, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(f"http://{host}:{port}/health", timeout=timeout) as r:
@@ -251,11 +284,26 @@ def healthy(host: str, port: int, timeout: float = 2.0) -> bool:
         return False
 
 
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _child_setup() -> None:
+    """In vLLM's process, before it runs: SIGINT back to its default, and SIGTERM when the
+    process that started it dies, however it dies (SIGKILL included): vLLM's API server stops
+    its engine on SIGTERM, so nothing outlives ``ttbundle serve`` (Linux; elsewhere only the
+    signal handlers of :func:`run` stop it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux
+        pass
+
+
 def start(plan: ServePlan, log=None) -> subprocess.Popen:
-    """Start vLLM in its own process group (``log``: a file for its output, else inherited)."""
+    """Start vLLM in its own process group (``log``: a file for its output, else inherited); it
+    gets SIGTERM if this process dies (:func:`_child_setup`)."""
     env = dict(os.environ, **plan.env)
-    return subprocess.Popen(plan.argv, env=env, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    return subprocess.Popen(plan.argv, env=env, start_new_session=True, preexec_fn=_child_setup,
                             stdout=log, stderr=subprocess.STDOUT if log is not None else None)
 
 
@@ -314,14 +362,15 @@ def watch(proc: subprocess.Popen, host: str, port: int, every: float = HEALTH_EV
 
 
 def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_every: float = HEALTH_EVERY_S) -> int:
-    """Serve until Ctrl-C / SIGTERM (returns 0); raises :class:`ServeFailed` when vLLM or its
-    engine dies first (:func:`watch`)."""
+    """Serve until Ctrl-C / SIGTERM / SIGHUP (a closed terminal or ssh session) (returns 0);
+    raises :class:`ServeFailed` when vLLM or its engine dies first (:func:`watch`)."""
     def on_term(signum, frame):
         raise KeyboardInterrupt
 
     # Ctrl-C must work even when started with SIGINT ignored (e.g. `cmd &` in a script)
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     old = signal.signal(signal.SIGTERM, on_term)
+    old_hup = signal.signal(signal.SIGHUP, on_term)
     proc = start(plan)
     try:
         wait_healthy(proc, plan.host, plan.port, startup_timeout)
@@ -335,3 +384,4 @@ def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_eve
         stop(proc)
         signal.signal(signal.SIGTERM, old)
         signal.signal(signal.SIGINT, old_int)
+        signal.signal(signal.SIGHUP, old_hup)
