@@ -121,6 +121,27 @@ def _no_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
+def _no_duplicates(where: str):
+    def pairs(items):
+        out = {}
+        for k, v in items:
+            if k in out:
+                raise InvalidInput(f"{where}: key {k!r} appears twice; keep one")
+            out[k] = v
+        return out
+    return pairs
+
+
+def strict_json(text: str, where: str):
+    """JSON that ttbundle itself writes, read back strictly: a duplicate key (which plain JSON
+    readers resolve silently, last wins), ``NaN``/``Infinity`` or broken syntax is InvalidInput
+    naming ``where``."""
+    try:
+        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_no_duplicates(where))
+    except (ValueError, RecursionError) as e:
+        raise InvalidInput(f"{where}: not readable JSON: {e}") from None
+
+
 def read_user_json(path: str | Path, what: str, inside: str | Path | None = None,
                    max_bytes: int = MAX_TEXT_BYTES):
     """A user's JSON file (``NaN``/``Infinity`` refused, integers bounded by Python's digit

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -132,3 +133,63 @@ def test_vllm_start_registers_good_packages_and_warns_about_bad(repo, xdg, monke
         ModelRegistry.get_supported_archs())
     assert any("skipping package" in m and "config.json: sha256 mismatch" in m for m in seen), seen
     assert any("registered 1 package(s): tiny-llama-N150" in m for m in seen), seen
+
+
+# ---- a corrupt registry file (issue 23) --------------------------------------------------------------
+@pytest.mark.parametrize("text, says", [
+    ('{"dirs": [5]}', "dirs.0"),
+    ('{"dirs": "abc"}', "field dirs"),
+    ('{"dirs": [], "dirs": ["/x"]}', "'dirs' appears twice"),
+    ('{"dirs": [], "extra": 1}', "field extra"),
+    ('["/x"]', "registry field"),
+    ('{"dirs": ["relative/dir"]}', "not an absolute path"),
+    ('{"dirs": [NaN]}', "not readable JSON"),
+    ('{"dirs": [', "not readable JSON"),
+])
+@pytest.mark.parametrize("cmd", [["ls"], ["register", "--dir", "."]])
+def test_a_corrupt_registry_is_exit_2_naming_the_file_and_field(xdg, runner, text, says, cmd, repo):
+    from ttbundle.cli import app
+
+    f = xdg / "ttbundle" / "registry.json"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text(text)
+    r = runner.invoke(app, cmd if cmd[0] == "ls" else ["register", "--dir", str(repo)])
+    assert r.exit_code == 2, r.output
+    assert "Traceback" not in r.output and str(f) in r.output and says in r.output
+
+
+def test_the_plugin_ignores_a_corrupt_registry_and_still_finds_extra_models_dir(xdg, repo, monkeypatch, caplog):
+    f = xdg / "ttbundle" / "registry.json"
+    f.parent.mkdir(parents=True, exist_ok=True)
+    f.write_text('{"dirs": [5]}')
+    monkeypatch.setenv("EXTRA_MODELS_DIR", str(repo))
+    with pytest.raises(Exception, match="dirs.0"):
+        registry.scan()
+    with caplog.at_level(logging.WARNING):
+        good, _ = registry.scan(strict=False)
+    assert {(e.name, e.mesh) for e in good} == {("tiny-llama", "N150"), ("tiny-llama", "T3K")}
+    assert "ignoring the registry" in caplog.text
+
+
+def test_registry_fuzz_never_crashes():
+    from hypothesis import given, settings, strategies as st
+
+    from ttbundle.errors import InvalidInput
+
+    leaf = st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8)
+    value = st.recursive(leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=5), c, max_size=3),
+                         max_leaves=8)
+    doc = st.dictionaries(st.sampled_from(["dirs", "x"]), value, max_size=2) | value
+
+    @settings(max_examples=200, deadline=None)
+    @given(doc)
+    def one(d):
+        try:
+            dirs = registry.parse_registry(json.dumps(d), "registry.json")
+        except InvalidInput:
+            return
+        # accepted only as the one shape: a list of absolute paths
+        assert isinstance(d, dict) and set(d) <= {"dirs"} and all(isinstance(x, str) and x.startswith("/")
+                                                                 for x in d.get("dirs", []))
+        assert dirs == [Path(x) for x in d.get("dirs", [])]
+    one()

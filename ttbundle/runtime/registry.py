@@ -60,14 +60,42 @@ def registry_file() -> Path:
 
 
 def registered_dirs() -> list[Path]:
+    """The directories in the user registry, parsed strictly (:func:`parse_registry`)."""
     f = registry_file()
     if not f.exists():
         return []
     try:
-        data = json.loads(f.read_text(encoding="utf-8"))
-        return [Path(d) for d in data.get("dirs", [])]
-    except (OSError, ValueError, AttributeError) as e:
-        raise TTBundleError(f"{f}: unreadable registry ({e}); fix or delete it") from None
+        text = f.read_text(encoding="utf-8")
+    except (OSError, ValueError) as e:
+        raise InvalidInput(f"{f}: unreadable registry ({getattr(e, 'strerror', None) or e}); fix or delete it") from None
+    return parse_registry(text, f)
+
+
+def parse_registry(text: str, where) -> list[Path]:
+    """``{"dirs": [absolute path, ...]}`` and nothing else: a duplicate key, an unknown key, a
+    value of another type is InvalidInput naming the file and the field (never a traceback, never
+    a string read one character at a time)."""
+    from pydantic import BaseModel, ConfigDict, ValidationError
+
+    from ..fsutil import strict_json
+
+    class Registry(BaseModel):
+        model_config = ConfigDict(extra="forbid", strict=True)
+        dirs: list[str] = []
+
+    data = strict_json(text, f"{where}")
+    try:
+        reg = Registry.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        field = ".".join(str(x) for x in err["loc"]) or "(top level)"
+        raise InvalidInput(f"{where}: registry field {field}: {err['msg']} (expected {{\"dirs\": "
+                           f"[\"/abs/dir\", ...]}}); fix it, or delete it and `ttbundle register` again") from None
+    bad = next((d for d in reg.dirs if not d or "\0" in d or not os.path.isabs(d)), None)
+    if bad is not None:
+        raise InvalidInput(f"{where}: registry field dirs: {bad!r} is not an absolute path; fix it, or "
+                           "delete the file and `ttbundle register` again")
+    return [Path(d) for d in reg.dirs]
 
 
 def _save_dirs(dirs: list[Path]) -> None:
@@ -218,21 +246,32 @@ def scan_dir(d: Path, check_hashes: bool = True, cache: VerifyCache | None = Non
     return good, bad
 
 
-def search_dirs() -> list[Path]:
-    dirs = list(registered_dirs())
+def search_dirs(strict: bool = True) -> list[Path]:
+    """The registry's directories, then ``EXTRA_MODELS_DIR``'s. ``strict=False`` (the vLLM
+    plugin): a broken registry file is a warning and only ``EXTRA_MODELS_DIR`` is searched, so a
+    corrupt registry does not stop ``serve PACKAGE_DIR``."""
+    try:
+        dirs = list(registered_dirs())
+    except InvalidInput as e:
+        if strict:
+            raise
+        logger.warning("ttbundle: ignoring the registry: %s", e)
+        dirs = []
     extra = os.environ.get("EXTRA_MODELS_DIR")
     if extra:
         dirs += [Path(x) for x in extra.split(os.pathsep) if x]
     return dirs
 
 
-def scan(check_hashes: bool = True, cached: bool = True) -> tuple[list[Entry], list[tuple[Path, str]]]:
-    """Every package of every search directory. ``cached``: through the verification cache (a
-    changed package is verified in full); else verified now, with hashes when ``check_hashes``."""
+def scan(check_hashes: bool = True, cached: bool = True, strict: bool = True
+         ) -> tuple[list[Entry], list[tuple[Path, str]]]:
+    """Every package of every search directory (:func:`search_dirs`). ``cached``: through the
+    verification cache (a changed package is verified in full); else verified now, with hashes
+    when ``check_hashes``."""
     good, bad = [], []
     seen = set()
     cache = VerifyCache() if cached else None
-    for d in search_dirs():
+    for d in search_dirs(strict):
         if not d.exists():
             bad.append((d, f"{d}: registered directory no longer exists"))
             continue
@@ -487,7 +526,7 @@ def register_models() -> None:
             register_arch(arch)
     verify = os.environ.get(VERIFIED_ENV) != "1"
     try:
-        good, bad = scan(check_hashes=verify)
+        good, bad = scan(check_hashes=verify, strict=False)
     except TTBundleError as e:
         logger.warning("ttbundle: %s", e)
         return
