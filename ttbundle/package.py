@@ -609,7 +609,9 @@ class LoadedPackage:
                                    f"{sorted(self.programs)}") from None
             try:
                 data = json.loads((self.dir / rel).read_text(encoding="utf-8"))
-                self._ir[key] = Program.from_json(data, f"{self.dir}/{rel}")
+                prog = Program.from_json(data, f"{self.dir}/{rel}")
+                prog.verify()  # every step's inputs as the steps before it leave them
+                self._ir[key] = prog
             except (OSError, ValueError, ProgramError) as e:
                 raise PackageError(f"{self.dir}: {rel}: {e}") from None
         return self._ir[key]

@@ -128,6 +128,10 @@ class Program:
             for i, st in enumerate(lp.steps):
                 yield lp.kind, i, st
 
+    def verify(self, where: str | None = None) -> None:
+        """The program type-checked as an executor would run it (:func:`verify`)."""
+        verify(self, where)
+
     # -- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict:
         return {
@@ -163,6 +167,72 @@ class Program:
             raise ProgramError(f"{where}: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProgramError(f"{where}: not a valid {FORMAT} program ({type(e).__name__}: {e})") from None
+
+
+# ---- the verifier ----------------------------------------------------------------------------------
+#: what a layer program starts from: the running hidden state, and the embedding's / a vision
+#: encoder's inputs (``EmulatedModel.forward`` / ``encode_images`` give exactly these)
+ENTRY = ("h", "tokens", "patches")
+
+
+def verify(program: "Program", where: str | None = None) -> None:
+    """Type-check ``program`` like MLIR's verifier: walking its steps in order, every step's
+    inputs must be values the earlier steps produced (or the layer program's entry values,
+    :data:`ENTRY`), with the per-device features, split and dtype the step declares; a
+    collective's result is what it makes of its input (an all_reduce keeps the shape, an
+    all_gather multiplies the gathered dim back to the feature's size, dropping its axes); a
+    weight a step reads must be listed. Mesh axes of size 1 split nothing and are ignored. Rows
+    may change only at a layer program's start (the head runs on the prefill's last rows).
+    Raises :class:`ProgramError` naming the program, layer program and step."""
+    shape = tuple(program.mesh.get("shape") or ())
+    sizes = {"rows": shape[0] if shape else 1, "cols": shape[1] if len(shape) > 1 else 1}
+    name = where or program.name
+
+    def norm(spec) -> Spec:
+        return tuple(tuple(a for a in e if sizes.get(a, 2) > 1) for e in spec)
+
+    def show(v: Activation) -> str:
+        split = ", ".join(f"dim {i + 1} over {'x'.join(e)}" for i, e in enumerate(norm(v.spec)) if e)
+        return f"{list(v.shape)} {v.dtype}" + (f" split ({split})" if split else " replicated")
+
+    env: dict[str, Activation] = {}
+    for lp in program.layers:
+        at_start = True
+        for i, st in enumerate(lp.steps):
+            here = f"{name}: {lp.kind} step {i} ({st.kernel or st.op.value})"
+            for a in st.ins:
+                have = env.get(a.name)
+                if have is None:
+                    if a.name in ENTRY and at_start:
+                        continue
+                    if a.name in ENTRY and a.name not in env:
+                        continue
+                    raise ProgramError(f"{here}: reads {a.name!r}, which no earlier step produces")
+                rows_ok = have.shape[:1] == a.shape[:1] or a.name in ENTRY and lp.kind in ("head",)
+                if have.shape[1:] != a.shape[1:] or norm(have.spec) != norm(a.spec) or \
+                        have.dtype != a.dtype or not rows_ok:
+                    hint = " (a collective missing or extra before it?)" if have.shape != a.shape or \
+                        norm(have.spec) != norm(a.spec) else ""
+                    raise ProgramError(f"{here}: reads {a.name!r} as {show(a)}, but the steps before "
+                                       f"leave it {show(have)}{hint}")
+            if st.w is not None and st.w not in program.weights:
+                raise ProgramError(f"{here}: reads weight {st.w!r}, which the program does not list")
+            if st.op.collective:
+                a = env.get(st.act) or st.ins[0]
+                if st.op is Op.ALL_REDUCE:
+                    env[a.name] = a
+                else:
+                    d = st.dim if st.dim is not None else len(a.shape) - 1
+                    if not 0 <= d < len(a.shape):
+                        raise ProgramError(f"{here}: gathers dim {d} of {a.name!r} {list(a.shape)}")
+                    size = st.feature.size if st.feature is not None else a.shape[d] * max(st.devices, 1)
+                    spec = list(a.spec) + [()] * (len(a.shape) - 1 - len(a.spec))
+                    if d >= 1:
+                        spec[d - 1] = tuple(x for x in spec[d - 1] if x not in st.axes)
+                    env[a.name] = Activation(a.name, a.shape[:d] + (size,) + a.shape[d + 1:], tuple(spec), a.dtype)
+            elif st.out is not None:
+                env[st.out.name] = st.out
+            at_start = False
 
 
 # The JSON form keeps the keys the ttnn lowering reads: ops under "op" (a LOCAL op under its
@@ -237,4 +307,4 @@ def _step_from(d: dict, where: str) -> Step:
                 flops=int(d.get("flops", 0)))
 
 
-__all__ = ["FORMAT", "Activation", "LayerProgram", "Op", "Program", "ProgramError", "Step", "WeightRef"]
+__all__ = ["ENTRY", "FORMAT", "Activation", "LayerProgram", "Op", "Program", "ProgramError", "Step", "WeightRef", "verify"]
