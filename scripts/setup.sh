@@ -28,4 +28,10 @@ if ! "$VENV/bin/python" -c "import torch, vllm; assert torch.__version__.startsw
 fi
 echo "[setup] ttbundle and pinned dependencies"
 "${pip[@]}" install -q -c constraints.txt -e '.[torch,serve,test]' torch==2.13.0
+# Triton (a GPU kernel compiler xgrammar pulls in for CUDA tensors) is not used on a CPU host:
+# vLLM and xgrammar fall back without it, and its bindings print ~30 "nanobind: leaked" lines
+# at every exit of every vLLM process (docs/runtime.md, "Stopping").
+if "$VENV/bin/python" -c "import importlib.util as u, sys; sys.exit(u.find_spec('triton') is None)" 2>/dev/null; then
+  "${pip[@]}" uninstall -q -y triton
+fi
 "$VENV/bin/python" -c "import ttbundle, torch, vllm, transformers; print('[setup] ok: ttbundle', ttbundle.__version__, 'torch', torch.__version__, 'vllm', vllm.__version__, 'transformers', transformers.__version__)"

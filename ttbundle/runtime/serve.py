@@ -25,6 +25,7 @@ API server shuts down with code 0 when its engine process dies) or stops answeri
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import errno
 import json
 import os
@@ -299,6 +300,31 @@ def _child_setup() -> None:
         pass
 
 
+def quiet_logging_config(directory: Path) -> Path | None:
+    """vLLM's own default logging configuration (``vllm.logger.DEFAULT_LOGGING_CONFIG``, as this
+    environment makes it) with :class:`~ttbundle.runtime.activation.QuietStop` on its handler,
+    written to ``directory``, for ``VLLM_LOGGING_CONFIG_PATH``: a clean stop then prints what
+    stopped and no step-by-step log. None where the user configures vLLM's logging themselves."""
+    if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
+        return None
+    import copy
+
+    try:
+        from vllm.logger import DEFAULT_LOGGING_CONFIG
+    except ImportError:  # no vLLM here (a stand-in in tests): nothing to configure
+        return None
+    cfg = copy.deepcopy(DEFAULT_LOGGING_CONFIG)
+    cfg.setdefault("filters", {})["ttbundle_quiet_stop"] = {"()": "ttbundle.runtime.activation.QuietStop"}
+    for h in cfg.get("handlers", {}).values():
+        h.setdefault("filters", []).append("ttbundle_quiet_stop")
+    # torch says "Triton not available" once per process: Triton is left out on purpose on a
+    # CPU host (scripts/setup.sh), nothing here compiles Triton kernels
+    cfg.setdefault("loggers", {})["torch._library.triton"] = {"level": "ERROR"}
+    path = Path(directory) / "vllm-logging.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
 def start(plan: ServePlan, log=None) -> subprocess.Popen:
     """Start vLLM in its own process group (``log``: a file for its output, else inherited); it
     gets SIGTERM if this process dies (:func:`_child_setup`)."""
@@ -308,10 +334,12 @@ def start(plan: ServePlan, log=None) -> subprocess.Popen:
 
 
 def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
-    """SIGINT to vLLM's process group (its clean shutdown), then SIGKILL after ``grace``."""
+    """SIGINT to vLLM's API server (its clean shutdown: it stops its engine itself; a SIGINT to
+    the whole group would kill the engine under it and log an EngineDeadError), then SIGKILL to
+    the group after ``grace``."""
     if proc.poll() is None:
         try:
-            os.killpg(proc.pid, signal.SIGINT)
+            os.kill(proc.pid, signal.SIGINT)
         except ProcessLookupError:
             pass
         try:
@@ -371,7 +399,11 @@ def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_eve
     old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     old = signal.signal(signal.SIGTERM, on_term)
     old_hup = signal.signal(signal.SIGHUP, on_term)
-    proc = start(plan)
+    import tempfile
+    tmp = tempfile.TemporaryDirectory(prefix="ttbundle-serve-")
+    quiet = quiet_logging_config(Path(tmp.name))
+    env = plan.env if quiet is None else {**plan.env, "VLLM_LOGGING_CONFIG_PATH": str(quiet)}
+    proc = start(dataclasses.replace(plan, env=env))
     try:
         wait_healthy(proc, plan.host, plan.port, startup_timeout)
         if on_ready:
@@ -382,6 +414,7 @@ def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_eve
         return 0
     finally:
         stop(proc)
+        tmp.cleanup()
         signal.signal(signal.SIGTERM, old)
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGHUP, old_hup)
