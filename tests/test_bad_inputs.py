@@ -207,7 +207,7 @@ def test_checkpoint_dtypes_the_family_does_not_read_are_refused(tmp_path, ckpt, 
     assert r.exit_code == 2, r.output
     st = {"int32": "I32", "float64": "F64"}[dtype]
     assert "checkpoint dtypes llama does not read" in r.output
-    assert f"model.layers.0.mlp.down_proj.weight: {st}, llama reads BF16 or F16 or F32 here" in r.output
+    assert f"model.layers.0.mlp.down_proj.weight: {st}, llama reads BF16, F16 or F32 here" in r.output
     assert not (tmp_path / "out" / "N150" / "tiny").exists()
 
 

@@ -159,7 +159,10 @@ def check_source_dtypes(family, a, jobs, dtypes: dict[str, str]) -> None:
                 if dtypes.get(k, "BF16") not in ok:
                     bad.setdefault(k, (dtypes[k], ok))
     if bad:
-        lines = [f"{k}: {dt}, {family.name} reads {' or '.join(sorted(ok))} here"
+        def alternatives(ok):
+            *rest, last = sorted(ok)
+            return f"{', '.join(rest)} or {last}" if rest else last
+        lines = [f"{k}: {dt}, {family.name} reads {alternatives(ok)} here"
                  for k, (dt, ok) in sorted(bad.items())]
         raise InvalidInput(f"checkpoint dtypes {family.name} does not read in {len(bad)} tensor(s); "
                            "save the checkpoint in bf16, fp16 or fp32", [Diagnostic(x) for x in lines[:20]])
