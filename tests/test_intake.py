@@ -286,11 +286,30 @@ def _check_json(runner, target, *extra) -> dict:
     return json.loads(r.output[r.output.index("{"):])
 
 
-def test_build_and_check_a_model_id_spec_and_its_recorded_snapshot(tmp_path, hf_cache, ckpt_bf16, runner):
+@pytest.fixture(scope="session")
+def ckpt_sharded(tmp_path_factory, ckpt_bf16) -> Path:
+    """``ckpt_bf16`` re-saved as 3+ shards with ``model.safetensors.index.json``."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+    d = tmp_path_factory.mktemp("sharded")
+    AutoModelForCausalLM.from_pretrained(str(ckpt_bf16)).save_pretrained(str(d), max_shard_size="400KB")
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(ckpt_bf16 / f, d / f)
+    return d
+
+
+@pytest.mark.parametrize("form", ["model id", "sharded snapshot"])
+def test_build_and_check_a_model_id_or_snapshot_spec_and_its_recorded_snapshot(
+        tmp_path, hf_cache, ckpt_bf16, ckpt_sharded, runner, form):
     from ttbundle import cache
-    snap = put_in_cache(hf_cache, REPO, ckpt_bf16)
+    src = ckpt_sharded if form == "sharded snapshot" else ckpt_bf16
+    snap = put_in_cache(hf_cache, REPO, src)
+    if form == "sharded snapshot":
+        assert (snap / "model.safetensors.index.json").is_symlink() and len(list(snap.glob("*.safetensors"))) > 2
     spec = tmp_path / "s.yaml"
-    assert _cli(runner, "init", "--from-hf", REPO, "-o", spec, *INIT, cwd=tmp_path).exit_code == 0
+    model = REPO if form == "model id" else snap
+    assert _cli(runner, "init", "--from-hf", model, "-o", spec, *INIT, cwd=tmp_path).exit_code == 0
     rep = _check_json(runner, spec)  # built into a temporary package, run against transformers
     assert rep["passed"] and rep["tokens_agree"], rep
     r = _cli(runner, "build", spec, "-o", tmp_path / "pkgs", "--no-warmup")
@@ -304,7 +323,7 @@ def test_build_and_check_a_model_id_spec_and_its_recorded_snapshot(tmp_path, hf_
         assert blob.parent.name == "blobs" and rec["blake3"] == cache.blake3_file(blob)
     toks = {r["name"] for r in man["sources"]["tokenizer"]}
     assert {"tokenizer.json", "generation_config.json"} <= toks
-    assert (pkg / "tokenizer.json").read_bytes() == (ckpt_bf16 / "tokenizer.json").read_bytes()
+    assert (pkg / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     rep = _check_json(runner, pkg)  # the package's recorded checkpoint: the snapshot
     assert rep["passed"] and rep["tokens_agree"], rep
     rep = _check_json(runner, pkg, "--reference", f"{REPO}@{COMMIT}")  # the same, named by id
