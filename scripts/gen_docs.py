@@ -251,7 +251,9 @@ def spec_reference() -> str:
         "A bundle spec is one YAML file. Every key is listed below by its full path, with its type, "
         "its default and what it means; unknown keys are rejected (with a did-you-mean hint). "
         "Paths in a spec (`from_hf`, `tokenizer`, `weights.source`) are relative to the spec "
-        "file. The same information as JSON Schema, for editor completion: "
+        "file; each may instead be a Hugging Face hub-cache snapshot or a model id "
+        "`ORG/NAME[@REVISION]` found in the Hugging Face cache (a path that exists wins; see "
+        "[quickstart](quickstart.md#2-write-a-spec-or-let-init-write-it)). The same information as JSON Schema, for editor completion: "
         "[bundle.schema.json](bundle.schema.json) (`ttbundle schema`).", "",
         "Sharding entries are PartitionSpecs over the mesh axes `rows` and `cols` (see "
         "[meshes.md](meshes.md)): one entry per tensor dim, `null` (replicated), an axis name, "

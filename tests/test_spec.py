@@ -329,9 +329,10 @@ def test_head_dim_makes_odd_hidden_valid(load):
 def test_paths_that_do_not_exist(diagnostics, spec_dir):
     text = spec_text({"weights": {"source": "ckpt"}, "tokenizer": "tok"})
     diags = diagnostics(text)
+    says = " does not exist (a directory, relative to the spec, or a model id ORG/NAME[@REVISION] in the Hugging Face cache)"
     assert [(d.path, d.message) for d in diags] == [
-        ("weights.source", f"{spec_dir / 'ckpt'} does not exist"),
-        ("tokenizer", f"{spec_dir / 'tok'} does not exist"),
+        ("weights.source", f"{spec_dir / 'ckpt'}{says}"),
+        ("tokenizer", f"{spec_dir / 'tok'}{says}"),
     ]
     at(diags[0], text, "source: ckpt")
     at(diags[1], text, "tokenizer: tok")

@@ -200,9 +200,9 @@ def weight_files(directory: Path) -> list[Path]:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidInput(f"{index}: not a safetensors index ({e})") from None
+        from .weights import shard_name
         for n in names:
-            if not isinstance(n, str) or "/" in n or "\\" in n or n in (".", "..") or n.startswith("."):
-                raise InvalidInput(f"{index}: refusing shard file {n!r} (must be a file name in {d})")
+            shard_name(index, n)
         missing = [n for n in names if not (d / n).is_file()]
         if missing:
             raise InvalidInput(f"{d}: index names missing shard files: {', '.join(missing)}")

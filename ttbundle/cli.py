@@ -132,8 +132,10 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
 
 
 @app.command()
-def init(from_hf: Path = typer.Option(..., "--from-hf", help="Hugging Face model directory (config.json; "
-                                      "*.safetensors and tokenizer files are referenced if present)."),
+def init(from_hf: str = typer.Option(..., "--from-hf", help="Hugging Face model directory (config.json; "
+                                     "*.safetensors and tokenizer files are referenced if present), "
+                                     "a hub-cache snapshot, or a model id ORG/NAME[@REVISION] "
+                                     "(from the Hugging Face cache; downloaded unless HF_HUB_OFFLINE=1)."),
          output: Path = typer.Option(..., "-o", "--output", help="Spec file to write."),
          mesh: Optional[list[str]] = typer.Option(None, "--mesh", "-m", help="Target mesh; repeat for "
                                                   "several (default: N150)."),
@@ -146,7 +148,8 @@ def init(from_hf: Path = typer.Option(..., "--from-hf", help="Hugging Face model
          max_num_seqs: Optional[int] = typer.Option(None, "--max-num-seqs", help="Default: 32 "
                                                     "(the largest decode bucket)."),
          name: Optional[str] = typer.Option(None, "--name", help="Bundle name (default: from the "
-                                            "directory name)."),
+                                            "model's name: the directory's, or NAME of a model id "
+                                            "or hub-cache snapshot)."),
          force: bool = typer.Option(False, "--force", help="Overwrite the spec file if it exists."),
          hf_model: Optional[str] = typer.Option(None, "--hf-model", help="The model's Hugging Face id "
                                                 "(ORG/NAME) for the spec's hf_model (default: from a "
@@ -178,8 +181,9 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
           dtype: str = typer.Option("fp32", "--dtype", help="Compute dtype of both sides: fp32 or bf16."),
           random_weights: bool = typer.Option(False, "--random-weights", help="Spec only: build from a "
                                               "random instance of the architecture instead of weights.source."),
-          reference: Optional[Path] = typer.Option(None, "--reference", help="Package only: the HF checkpoint "
-                                                   "to compare with (default: the one it was built from)."),
+          reference: Optional[str] = typer.Option(None, "--reference", help="Package only: the HF checkpoint "
+                                                  "to compare with, a directory or a model id ORG/NAME[@REVISION] "
+                                                  "(default: the one it was built from)."),
           seed: int = typer.Option(0, "--seed"),
           prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens (default: "
                                                    "a bit over one prefill chunk)."),
@@ -194,7 +198,7 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
     Exit 0 when they agree (bf16 storage: identical greedy tokens in fp32, PCC >= 0.99 per layer
     in bf16; block floats: the per-layer PCC and teacher-forced token bounds of docs/check.md),
     1 otherwise, naming the first diverging layer."""
-    from . import spec as specmod
+    from . import hub, spec as specmod
     from .check import MAX_FLIP_SHARE, check_package, recorded_checkpoint, run_check
     from .runtime.packages import is_package
     try:
@@ -202,7 +206,7 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
             if mesh is not None or random_weights:
                 raise InvalidInput(f"{target}: a package is checked as built; --mesh and --random-weights "
                                    "apply to a spec")
-            ref = reference if reference is not None else recorded_checkpoint(target)
+            ref = hub.resolve(reference).path if reference is not None else recorded_checkpoint(target)
             report = check_package(target, ref, steps=steps, dtype=dtype, seed=seed, prompt_len=prompt_len,
                                    device=device, images=image or None)
         else:

@@ -61,11 +61,24 @@ MAX_TEXT_BYTES = 16 << 20
 MAX_TOKENIZER_BYTES = 256 << 20
 
 
+def input_root(directory: str | Path) -> Path:
+    """Where the files of a user's input ``directory`` may resolve to (symlinks followed): the
+    directory itself, or, for a Hugging Face hub-cache snapshot (``models--ORG--NAME/snapshots/
+    REV``, every file a symlink to ``../../blobs/HASH``), that repo's ``models--ORG--NAME``
+    folder (``hub.snapshot_of``) and nothing outside it."""
+    from .hub import snapshot_of
+
+    root = Path(directory).resolve()
+    snap = snapshot_of(root)
+    return snap.folder if snap is not None else root
+
+
 def user_file(path: str | Path, what: str, inside: str | Path | None = None,
               max_bytes: int | None = None) -> Path:
     """``path`` checked as a user input file and resolved: it exists, is a regular file (not a
-    device, FIFO or directory), is at most ``max_bytes``, and, with ``inside``, lies inside that
-    directory once symlinks are resolved (``tokenizer.json -> /proc/self/environ`` is refused).
+    device, FIFO or directory), is at most ``max_bytes``, and, with ``inside``, resolves within
+    :func:`input_root` of that directory once symlinks are followed (``tokenizer.json ->
+    /proc/self/environ`` is refused; a hub-cache snapshot's links into its own blobs are not).
     Every failure is InvalidInput naming the file and what to do."""
     path = Path(path)
     try:
@@ -76,10 +89,11 @@ def user_file(path: str | Path, what: str, inside: str | Path | None = None,
     except (OSError, RuntimeError) as e:  # ENAMETOOLONG, ELOOP, EACCES, a symlink loop
         raise InvalidInput(f"{path}: cannot read {what}: {getattr(e, 'strerror', None) or e}") from None
     if inside is not None:
-        root = Path(inside).resolve()
+        root = input_root(inside)
         if not real.is_relative_to(root):
-            raise InvalidInput(f"{path}: the {what} is a symlink to {real}, outside {root}; copy the "
-                               f"file itself into {root}")
+            where = (f"its hub-cache folder {root}" if root != Path(inside).resolve() else str(root))
+            raise InvalidInput(f"{path}: the {what} is a symlink to {real}, outside {where}; copy the "
+                               f"file itself into {inside}")
     if not stat.S_ISREG(st.st_mode):
         raise InvalidInput(f"{path}: the {what} is not a regular file")
     if max_bytes is not None and st.st_size > max_bytes:

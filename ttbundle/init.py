@@ -20,7 +20,7 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from . import families, mesh as meshmod, plan as planmod, spec as specmod
+from . import families, hub, mesh as meshmod, plan as planmod, spec as specmod
 from .errors import Diagnostic, InvalidInput, TTBundleError
 from .families.base import GROUPS
 from .fsutil import TEMPLATE_DIR, read_user_json, write_text_atomic
@@ -150,7 +150,8 @@ def read_hf_config(hf_dir: Path) -> tuple[dict, Path]:
     cfg = hf_dir / "config.json"
     if not hf_dir.is_dir():
         raise InvalidInput(f"{hf_dir}: not a directory (--from-hf takes a Hugging Face model "
-                           "directory holding config.json)")
+                           "directory holding config.json, a hub-cache snapshot, or a model id "
+                           "ORG/NAME[@REVISION] in the Hugging Face cache)")
     try:
         return read_user_json(cfg, "config.json", inside=hf_dir), cfg
     except InvalidInput as e:
@@ -160,25 +161,25 @@ def read_hf_config(hf_dir: Path) -> tuple[dict, Path]:
 
 
 def derive_name(hf_dir: Path, fallback: str) -> str:
-    """A spec name (``spec.NAME_RE``) from the model directory's name, e.g.
+    """A spec name (``spec.NAME_RE``) from the model's name: the directory's, or for a hub-cache
+    snapshot the model's (``models--ORG--NAME``'s NAME, not the revision hash), e.g.
     ``Llama-3.1-8B-Instruct`` -> ``llama-3.1-8b-instruct``."""
-    n = re.sub(r"[^a-z0-9_.-]+", "-", hf_dir.resolve().name.lower())
+    snap = hub.snapshot_of(hf_dir)
+    n = re.sub(r"[^a-z0-9_.-]+", "-", (snap.name if snap else hf_dir.resolve().name).lower())
     n = re.sub(r"^[^a-z0-9]+", "", n)[:64].rstrip("-_.")
     return n if specmod.NAME_RE.fullmatch(n) else fallback
 
 
-#: a Hugging Face repo id (``org/name``): what ``hf_model`` holds
-HF_ID_RE = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
+HF_ID_RE = hub.HF_ID_RE  # a Hugging Face repo id (``org/name``): what ``hf_model`` holds
 
 
 def derive_hf_id(hf_dir: Path, config: dict) -> tuple[str | None, str]:
     """The HF model id ``hf_dir`` holds and where it was read: a hub-cache snapshot path
     (``.../models--ORG--NAME/snapshots/<rev>``), else the config's ``_name_or_path`` when that
     is an id, not a local path; ``(None, why)`` when neither says."""
-    for part in reversed(hf_dir.resolve().parts):
-        m = re.fullmatch(r"models--([^/]+?)--(.+)", part)
-        if m and HF_ID_RE.fullmatch(f"{m[1]}/{m[2]}"):
-            return f"{m[1]}/{m[2]}", f"the hub cache folder {part}"
+    snap = hub.snapshot_of(hf_dir)
+    if snap is not None and HF_ID_RE.fullmatch(snap.repo_id):
+        return snap.repo_id, f"the hub cache folder {snap.folder.name}"
     nop = config.get("_name_or_path")
     if isinstance(nop, str) and HF_ID_RE.fullmatch(nop) and not Path(nop).exists():
         return nop, "config.json's _name_or_path"
@@ -239,15 +240,16 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
              buckets: dict, bucket_notes: list[str], sharding_opts: dict[str, str],
              sharding_notes: dict[str, str], sharding_targets: dict | None = None, group_dtypes: dict[str, str] | None = None,
              dtype_note: str = "", pool_notes: list[str] | None = None,
-             kv_dtype: str = "bf16", hf_model: str | None = None, hf_note: str = "") -> _Ctx:
+             kv_dtype: str = "bf16", hf_model: str | None = None, hf_note: str = "",
+             ref: str | None = None) -> _Ctx:
     B, W, D, S, K, R = (specmod.BundleSpec, specmod.Weights, specmod.DtypePolicy, specmod.Sharding,
                         specmod.Buckets, specmod.Runtime)
     tensors = family.tensors(arch)
-    rel = rel_path(hf_dir, out_dir)
+    rel = ref or rel_path(hf_dir, out_dir)  # a model id as given, else the path from the spec
     sections: dict[str, list[Entry]] = {}
     sections["top"] = [
         Entry("name", y(name), field_doc(B, "name")),
-        Entry("description", y(f"{hf_arch} imported from {rel}/config.json by ttbundle init"),
+        Entry("description", y(f"{hf_arch} imported from {rel}{'' if ref else '/config.json'} by ttbundle init"),
               field_doc(B, "description")),
         Entry("hf_model", y(hf_model or "ORG/NAME"), field_doc(B, "hf_model") + doc_lines(f"init: {hf_note}"),
               disabled=hf_model is None),
@@ -319,7 +321,7 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
 
     docs = {k: field_doc(B, k) for k in ("model", "weights", "sharding", "buckets", "runtime")}
     header = [
-        f"Bundle spec {one_line(name)}: {one_line(hf_arch)} from {one_line(rel)}/config.json, "
+        f"Bundle spec {one_line(name)}: {one_line(hf_arch)} from {one_line(rel)}{'' if ref else '/config.json'}, "
         "written by `ttbundle init`.",
         "Every key is listed with its meaning; edit freely, then:",
         "  ttbundle validate <this file>          # exit 0 valid, 2 invalid, 3 does not fit",
@@ -363,7 +365,7 @@ DTYPE_CHOICES: tuple[tuple[str, dict[str, str], str, str], ...] = (
 )
 
 
-def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
+def render_spec(hf_dir: str | Path, output: Path, meshes: list[str] | None = None,
                 weights_dtype: str | None = None, max_model_len: int | None = None,
                 max_num_seqs: int | None = None, name: str | None = None, hf_model: str | None = None):
     """The spec text for ``hf_dir`` as it would be written to ``output``, validated and fitting
@@ -371,8 +373,9 @@ def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
     :data:`DTYPE_CHOICES` that fits every mesh is taken (said in the file and in ``notes``); the
     KV pool is ``auto`` (the largest that fits each mesh; its size per mesh is written as a
     comment). Raises :class:`DoesNotFit` (exit 3) with the arithmetic and the fixes when nothing
-    fits. ``output``'s directory must exist (paths are checked)."""
-    hf_dir = Path(hf_dir)
+    fits. ``output``'s directory must exist (paths are checked). ``hf_dir`` is a directory, a
+    hub-cache snapshot or a model id ``ORG/NAME[@REVISION]`` (``hub.resolve``; a model id is
+    written into the spec as given)."""
     meshes = list(dict.fromkeys(meshes or [DEFAULT_MESH]))
     for m in meshes:
         meshmod.resolve(m)
@@ -382,6 +385,8 @@ def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
         raise InvalidInput(f"--name {name!r}: must be 1-64 characters of lowercase letters, digits, "
                            "'-', '_', '.', starting with a letter or digit")
 
+    src = hub.resolve(hf_dir)
+    hf_dir, ref = src.path, (str(hf_dir) if src.model else None)
     config, cfg = read_hf_config(hf_dir)
     arch_dict = specmod.hf_config_to_arch(config, str(cfg))
     family = families.get(arch_dict["family"])
@@ -421,7 +426,7 @@ def render_spec(hf_dir: Path, output: Path, meshes: list[str] | None = None,
     kw = dict(arch=arch, family=family, hf_arch=str(archs[0]), cfg=cfg, out_dir=output.parent,
               hf_dir=hf_dir, name=name, meshes=meshes,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, buckets=buckets,
-              bucket_notes=bucket_notes, hf_model=hf_model, hf_note=hf_note)
+              bucket_notes=bucket_notes, hf_model=hf_model, hf_note=hf_note, ref=ref)
     choices = DTYPE_CHOICES if weights_dtype is None else (
         (weights_dtype, {}, "bf16", f"{weights_dtype} weights"),)
     tried = []
@@ -533,7 +538,7 @@ def init_spec(hf_dir: str | Path, output: str | Path, meshes: list[str] | None =
         raise InvalidInput(f"{output} exists; pass --force to overwrite it")
     created = _make_parents(output.parent)  # relative paths in the spec are checked from there
     try:
-        text, bundle, plans, notes = render_spec(Path(hf_dir), output, meshes, weights_dtype,
+        text, bundle, plans, notes = render_spec(hf_dir, output, meshes, weights_dtype,
                                                  max_model_len, max_num_seqs, name, hf_model)
         write_text_atomic(output, text)
     except BaseException:

@@ -75,7 +75,9 @@ class Weights(BaseModel):
 
     source: str | None = None
     """Directory with `*.safetensors` (or `model.safetensors.index.json` for sharded
-    checkpoints), relative to the spec file. Omit for a plan-only spec."""
+    checkpoints; bf16, fp16 or fp32), relative to the spec file, a Hugging Face hub-cache
+    snapshot, or a model id `ORG/NAME[@REVISION]` found in the Hugging Face cache (downloaded
+    unless `HF_HUB_OFFLINE=1`; a path that exists wins). Omit for a plan-only spec."""
     dtypes: DtypePolicy = Field(default_factory=DtypePolicy)
     """Storage dtype per tensor group."""
 
@@ -191,10 +193,12 @@ class BundleSpec(BaseModel):
     """Architecture: `family` plus its dims (HF config.json names). Omit when using `from_hf`."""
     from_hf: str | None = None
     """Directory holding a Hugging Face `config.json` to import the architecture from (relative
-    to the spec). Exactly one of `model` / `from_hf`."""
+    to the spec), or a model id `ORG/NAME[@REVISION]` (as `weights.source`). Exactly one of
+    `model` / `from_hf`."""
     tokenizer: str | None = None
-    """Tokenizer directory (HF `tokenizer.json` etc.), relative to the spec; defaults to
-    `from_hf`'s directory or the weights directory."""
+    """Tokenizer directory (HF `tokenizer.json` etc.), relative to the spec, or a model id
+    `ORG/NAME[@REVISION]` (as `weights.source`); defaults to `from_hf`'s directory or the
+    weights directory."""
     weights: Weights = Field(default_factory=Weights)
     """Checkpoint location and storage dtypes."""
     targets: list[str] = Field(min_length=1)
@@ -257,8 +261,11 @@ class Bundle:
     def locate(self, path: tuple, message: str, severity: str = "error") -> Diagnostic:
         return locate(self.file, self.positions, path, message, severity)
 
-    def resolve_path(self, p: str | None) -> Path | None:
-        return None if p is None else (self.base_dir / p)
+    def resolve_path(self, p: str | None, download: bool = True) -> Path | None:
+        """A spec path (``from_hf``, ``weights.source``, ``tokenizer``): relative to the spec's
+        directory, or a model id ``ORG/NAME[@REVISION]`` in the Hugging Face cache (``hub.resolve``)."""
+        from . import hub
+        return None if p is None else hub.resolve(p, self.base_dir, download).path
 
 
 class InvalidSpec(InvalidInput):
@@ -383,7 +390,8 @@ def loads(text: str, file: str = "<spec>", base_dir: Path | None = None) -> Bund
     hf_arch = None
     if "from_hf" in data and "model" not in data and isinstance(data["from_hf"], str):
         try:
-            hf_arch = _import_hf(base_dir / data["from_hf"])
+            from . import hub
+            hf_arch = _import_hf(hub.resolve(data["from_hf"], base_dir).path)
         except InvalidInput as e:
             diags.append(locate(file, positions, ("from_hf",), e.message))
     try:
@@ -638,17 +646,26 @@ def check(b: Bundle) -> list[Diagnostic]:
         d.append(b.locate(("model", "hidden_size"), f"hidden_size={a.hidden_size} is not divisible by "
                           f"num_attention_heads={a.num_attention_heads}; set head_dim"))
     # paths
+    from .hub import NotCached
     for key, p in (("weights.source", s.weights.source), ("tokenizer", s.tokenizer)):
         if p is None:
             continue
+        at, path = tuple(key.split(".")), b.base_dir / p
         try:
-            found = b.resolve_path(p).exists()
+            path = b.resolve_path(p, download=False)  # validation never downloads a model id
+            found = path.exists()
+        except NotCached as e:  # a model id not downloaded yet: an error only when nothing will
+            d.append(b.locate(at, e.message, "error" if e.final else "warning"))
+            continue
+        except InvalidInput as e:
+            d.append(b.locate(at, e.message))
+            continue
         except OSError as e:  # ENAMETOOLONG, ELOOP, ...
-            d.append(b.locate(tuple(key.split(".")), f"{b.resolve_path(p)}: {e.strerror or e}; give "
-                              "a directory path that exists"))
+            d.append(b.locate(at, f"{path}: {e.strerror or e}; give a directory path that exists"))
             continue
         if not found:
-            d.append(b.locate(tuple(key.split(".")), f"{b.resolve_path(p)} does not exist"))
+            d.append(b.locate(at, f"{path} does not exist (a directory, relative to the spec, or a "
+                              "model id ORG/NAME[@REVISION] in the Hugging Face cache)"))
     d += b.family.check(a, b)
     d += _check_vision(b)
     return d

@@ -19,8 +19,9 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 #: Checkpoint dtypes (safetensors names) a name-table transform reads, per source; any other
-#: transform reads bf16 or fp32 (an fp16 or integer checkpoint would be silently mis-converted).
-FLOAT_SOURCES = frozenset({"BF16", "F32"})
+#: transform reads bf16, fp16 or fp32 (the storage dtype decides: conversion casts each value to
+#: the package's bf16, or through float32 to a block float; an integer or fp64 checkpoint is refused).
+FLOAT_SOURCES = frozenset({"BF16", "F16", "F32"})
 SOURCE_DTYPES = {
     "fp8_block_t": (frozenset({"F8_E4M3"}), FLOAT_SOURCES),  # DeepSeek fp8 weight, its block scales
     "mxfp4_gate_up": (frozenset({"U8"}), frozenset({"U8"})),  # GPT-OSS MXFP4 blocks, e8m0 scales
@@ -29,6 +30,14 @@ SOURCE_DTYPES = {
 #: dtypes whose values are checked for NaN/Inf as they are read
 CHECKED_FINITE = frozenset({"BF16", "F16", "F32", "F64"})
 FINITE_CHUNK = 1 << 22  # elements per isfinite() pass: bounded scratch memory on big tensors
+
+
+def shard_name(index: Path, name) -> str:
+    """A shard file named by a safetensors index: a plain file name in the index's directory
+    (never a path into another one); else InvalidInput."""
+    if not isinstance(name, str) or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
+        raise InvalidInput(f"{index}: refusing shard file {name!r} (must be a file name in {index.parent})")
+    return name
 
 
 class Checkpoint:
@@ -51,7 +60,7 @@ class Checkpoint:
                     isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
                 raise InvalidInput(f"{index}: not a safetensors index (needs \"weight_map\": "
                                    "{tensor name: file name})")
-            files = {k: d / v for k, v in weight_map.items()}
+            files = {k: d / shard_name(index, v) for k, v in weight_map.items()}
             missing = sorted({str(f) for f in files.values() if not f.exists()})
             if missing:
                 raise InvalidInput(f"{d}: index names missing shard files: {', '.join(missing)}")
@@ -138,7 +147,7 @@ def nonfinite(x) -> tuple[int, int]:
 
 
 def check_source_dtypes(family, a, jobs, dtypes: dict[str, str]) -> None:
-    """Every checkpoint tensor a read plan uses has a dtype its transform reads (bf16/fp32, or
+    """Every checkpoint tensor a read plan uses has a dtype its transform reads (bf16/fp16/fp32, or
     the quantized formats of the families that read them); lists every offending tensor."""
     table = {n.tensor: n for n in family.hf_names(a)}
     bad = {}
@@ -150,10 +159,13 @@ def check_source_dtypes(family, a, jobs, dtypes: dict[str, str]) -> None:
                 if dtypes.get(k, "BF16") not in ok:
                     bad.setdefault(k, (dtypes[k], ok))
     if bad:
-        lines = [f"{k}: {dt}, {family.name} reads {' or '.join(sorted(ok))} here"
+        def alternatives(ok):
+            *rest, last = sorted(ok)
+            return f"{', '.join(rest)} or {last}" if rest else last
+        lines = [f"{k}: {dt}, {family.name} reads {alternatives(ok)} here"
                  for k, (dt, ok) in sorted(bad.items())]
         raise InvalidInput(f"checkpoint dtypes {family.name} does not read in {len(bad)} tensor(s); "
-                           "save the checkpoint in bf16 (or fp32)", [Diagnostic(x) for x in lines[:20]])
+                           "save the checkpoint in bf16, fp16 or fp32", [Diagnostic(x) for x in lines[:20]])
 
 
 def _expand(key: str, layer: int | None, experts: int | None) -> list[str]:
