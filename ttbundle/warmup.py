@@ -232,9 +232,10 @@ def compare(name: str, ref: dict, got: dict, dtype: str, rtol: float) -> float:
 # ---- a model that holds one stage's weights ----------------------------------------------------------
 def _decode_into(handle, key: str, info: dict, out) -> None:
     """Device shard ``key`` from its file (``handle``: safetensors, memory-mapped) into ``out``
-    (the device tensor, any float dtype), a band at a time: large tensors never exist whole in
-    another dtype or as a second copy. Decoding is ``package._decode``'s (bf16 as stored, or
-    transposed back; block-float tiles as the device decodes them)."""
+    (the device tensor, any float dtype), a band at a time, bands decoded on one thread per core:
+    a large tensor never exists whole in another dtype or as a second copy. Decoding is
+    ``package._decode``'s (bf16 as stored, or transposed back; block-float tiles as the device
+    decodes them)."""
     from .package import _decode
 
     enc = info.get("encoding", "bf16")
@@ -243,25 +244,46 @@ def _decode_into(handle, key: str, info: dict, out) -> None:
         out.copy_(_decode(handle.get_tensor(key), info).reshape(out.shape))
         return
     sl = handle.get_slice(key)
+    jobs = []  # (destination view, stored-slice bounds, info)
     if enc == "bf16":  # banded along the stored first dim
         flip = bool(info.get("transposed")) and len(shape) == 2
         stored0 = shape[-1] if flip else shape[0]
-        per = max(1, BAND_BYTES // max(1, out[0].numel() * 4 if not flip else out[:, 0].numel() * 4))
+        row = (out[:, 0] if flip else out[0]).numel() * 4
+        per = max(1, BAND_BYTES // max(1, row))
         for r0 in range(0, stored0, per):
             r1 = min(stored0, r0 + per)
-            part = _decode(sl[r0:r1], info)
-            (out[:, r0:r1] if flip else out[r0:r1]).copy_(part)
-        return
-    from . import blockfloat
+            jobs.append((out[:, r0:r1] if flip else out[r0:r1], r0, r1, info))
+    else:
+        from . import blockfloat
 
-    h, w = shape[-2], shape[-1]
-    mats = out.reshape(-1, h, w)
-    per = max(blockfloat.TILE, BAND_BYTES // (4 * w) // blockfloat.TILE * blockfloat.TILE)
-    for b in range(mats.shape[0]):
-        for r0 in range(0, h, per):
-            r1 = min(h, r0 + per)
-            a, z = blockfloat.row_band(shape, enc, b, r0, r1)
-            mats[b, r0:r1].copy_(_decode(sl[a:z], {**info, "shape": [r1 - r0, w]}))
+        h, w = shape[-2], shape[-1]
+        mats = out.reshape(-1, h, w)
+        per = max(blockfloat.TILE, BAND_BYTES // (4 * w) // blockfloat.TILE * blockfloat.TILE)
+        for b in range(mats.shape[0]):
+            for r0 in range(0, h, per):
+                r1 = min(h, r0 + per)
+                a, z = blockfloat.row_band(shape, enc, b, r0, r1)
+                jobs.append((mats[b, r0:r1], a, z, {**info, "shape": [r1 - r0, w]}))
+
+    def one(job):
+        dst, a, z, inf = job
+        dst.copy_(_decode(sl[a:z], inf))
+    _parallel(one, jobs)
+
+
+def _parallel(fn, jobs: list) -> None:
+    """``fn`` over ``jobs`` on one thread per usable core (numpy and torch release the GIL)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = min(len(jobs), len(os.sched_getaffinity(0)), 8)
+    if n <= 1:
+        for j in jobs:
+            fn(j)
+        return
+    with ThreadPoolExecutor(n, thread_name_prefix="ttbundle-warmup") as pool:
+        for _ in pool.map(fn, jobs):
+            pass
 
 
 def read_stack(source, name: str, layer: int | None, dtype, device="cpu"):
