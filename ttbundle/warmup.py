@@ -100,6 +100,11 @@ def tolerance(dtype: str, layers: int) -> float:
     raise ValueError(f"no warm-up tolerance for compute dtype {dtype!r} (float32 or bfloat16)")
 
 
+def real_rows(phase: str, b: int) -> int:
+    """Rows of program (phase, b) that its warm-up call runs (:func:`fixed_input`)."""
+    return {"prefill": min(b, PREFILL_TOKENS), "decode": min(b, DECODE_ROWS)}.get(phase, b)
+
+
 def _torch_dtype(name: str):
     import torch
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
@@ -114,14 +119,14 @@ def fixed_input(bundle, phase: str, b: int) -> dict:
     vocab = bundle.arch.vocab_size
     bs = bundle.spec.runtime.kv_block_size
     if phase == "prefill":
-        r = min(b, PREFILL_TOKENS)
+        r = real_rows(phase, b)
         nblk = -(-r // bs)
         tokens = torch.tensor([[(7 * j + 1) % vocab for j in range(r)]])
         positions = torch.arange(r)[None, :]
         page_table = torch.arange(nblk)[None, :]
         rows = [((0, t), f"position {t}") for t in range(r)]
     else:
-        n = min(b, DECODE_ROWS)
+        n = real_rows(phase, b)
         k = -(-n // bs)  # blocks per row: positions 0..n-1
         nblk = n * k
         tokens = torch.tensor([[(13 * i + 5) % vocab] for i in range(n)])
