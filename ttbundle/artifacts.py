@@ -128,8 +128,9 @@ class PackageWriter:
 
     def _warmup(self, keys: dict) -> None:
         """Run each (phase, bucket) whose warm-up key is new on its fixed input on the emulated
-        backend, from the weights just written, and record the output (``warmup/<program>.json``,
-        the reference ``ttbundle.warmup`` compares with at serving start and in ``cache verify``)."""
+        backend, from the weights just written, layer by layer, and record the output
+        (``warmup/<program>.json``, the reference ``ttbundle.warmup`` compares with at serving
+        start and in ``cache verify``)."""
         todo, records = [], {}
         for phase, b in self.inp.traces:
             art = f"warmup:{lowermod.program_name(phase, b)}"
@@ -143,8 +144,6 @@ class PackageWriter:
             else:
                 records[art] = {"key": keys[art], "backend": "emulated", "ran": False}
         if todo:
-            self.emit({"event": "phase", "phase": "warmup", "total": len(todo) * len(warmup.DTYPES),
-                       "unit": "traces"})
             ran = warmup._warm(self.bundle, self.plan, self.tmp, todo, self.emit)
             for (phase, b), out in zip(todo, ran):
                 art = f"warmup:{lowermod.program_name(phase, b)}"

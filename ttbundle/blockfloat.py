@@ -103,6 +103,20 @@ def encoded_bytes(shape, fmt: str | Format) -> int:
     return num_tiles(shape) * tile_bytes(fmt)
 
 
+def row_band(shape, fmt: str | Format, b: int, r0: int, r1: int) -> tuple[int, int]:
+    """Byte range ``[start, stop)`` of :func:`encode`'s output that holds rows ``[r0, r1)`` of
+    matrix ``b`` (of the ``lead`` matrices of ``shape``): tiles are stored matrix by matrix, tile
+    row by tile row, so whole tile rows are contiguous. ``r0`` must start a tile row and ``r1``
+    end one (or be the last row); :func:`decode` of those bytes with shape ``[r1 - r0, W]`` gives
+    exactly those rows."""
+    lead, h, w = _dims(shape)
+    if not (0 <= b < lead and 0 <= r0 < r1 <= h) or r0 % TILE or (r1 % TILE and r1 != h):
+        raise ValueError(f"rows [{r0}, {r1}) of matrix {b} of {list(shape)}: not whole tile rows")
+    row = -(-w // TILE) * tile_bytes(fmt)
+    base = b * -(-h // TILE) * row
+    return base + r0 // TILE * row, base + -(-r1 // TILE) * row
+
+
 # ---- input conversion --------------------------------------------------------------------------
 def _as_array(x):
     """(numpy array, kind): float32 / float16 arrays as is; bf16 as its uint16 bits ("bf16")."""

@@ -273,6 +273,11 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
             del x
             continue
         shape = tuple(v.transpose(-1, -2).shape if c.swap else v.shape)
+        if dtype != "bf16":
+            data = _encode_bands(v.transpose(-1, -2) if c.swap else v, pads, dtype)
+            del v
+            yield data, devices, None
+            continue
         x = pool.take(shape, host) if pool is not None else torch.empty(shape, dtype=host)
         if c.swap and v.shape[-2] > 16 * TRANSPOSE_BLOCK:
             # blocks of source rows (output columns): ~2x faster than one big strided copy
@@ -283,19 +288,77 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
         del v
         for k, where in pads:
             x.index_fill_(k, where, 0)
-        if dtype == "bf16":
-            yield x.view(torch.uint8).numpy(), devices, x if pool is not None else None
-        else:
-            from . import blockfloat
-            data = blockfloat.encode(x, dtype)
-            want = encoded_nbytes(list(x.shape), dtype)
-            if len(data) != want:
-                raise RuntimeError(f"blockfloat.encode gave {len(data)} B for {list(x.shape)} {dtype}, "
-                                   f"expected {want} B")
-            if pool is not None:
-                pool.give(x)
-            yield data, devices, None
+        yield x.view(torch.uint8).numpy(), devices, x if pool is not None else None
         del x
+
+
+BAND_BYTES = 64 << 20  # float32 bytes of one band of a block-float shard being encoded
+
+
+def _encode_bands(v, pads, dtype: str):
+    """The block-float tiles of shard ``v`` (device order, any strides; ``pads``: (dim, indices)
+    zeroed), encoded a band of whole tile rows at a time (float32 copies of ``BAND_BYTES``), the
+    bands on one thread per usable core, so a shard never exists whole in float32: tiles are
+    row-local, so the bands' tiles are the shard's (``blockfloat.row_band``)."""
+    import itertools
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import torch
+
+    from . import blockfloat
+
+    shape = list(v.shape)
+    h, w = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
+    nd = len(shape)
+    out = np.empty(encoded_nbytes(shape, dtype), np.uint8)
+    per = max(blockfloat.TILE, BAND_BYTES // (4 * w) // blockfloat.TILE * blockfloat.TILE)
+    lead_pads = [(k, set(where.tolist())) for k, where in pads if k < nd - 2]
+    jobs = []
+    for b, idx in enumerate(itertools.product(*(range(n) for n in shape[:-2]))):
+        m = v[idx] if idx else v.reshape(h, w)
+        zero = any(idx[k] in where for k, where in lead_pads)
+        jobs += [(b, m, zero, r0, min(h, r0 + per)) for r0 in range(0, h, per)]
+    local = threading.local()
+
+    def one(job):
+        b, m, zero, r0, r1 = job
+        if getattr(local, "buf", None) is None:
+            local.buf = torch.empty(min(per, h) * w, dtype=torch.float32)
+        xb = local.buf[:(r1 - r0) * w].view(r1 - r0, w)
+        if zero:
+            xb.zero_()
+        else:
+            src = m[r0:r1]
+            if src.stride(-1) != 1 and w > 16 * TRANSPOSE_BLOCK:
+                # a transposed source: blocks of its rows (our columns), ~2x one strided copy
+                for c0 in range(0, w, TRANSPOSE_BLOCK):
+                    xb[:, c0:c0 + TRANSPOSE_BLOCK].copy_(src[:, c0:c0 + TRANSPOSE_BLOCK])
+            else:
+                xb.copy_(src)
+            for k, where in pads:
+                if k == nd - 1:
+                    xb.index_fill_(1, where, 0)
+                elif k == nd - 2:
+                    sel = where[(where >= r0) & (where < r1)] - r0
+                    if len(sel):
+                        xb.index_fill_(0, sel, 0)
+        a, z = blockfloat.row_band(shape, dtype, b, r0, r1)
+        enc = blockfloat.encode_array(xb, dtype).reshape(-1)
+        if enc.size != z - a:
+            raise RuntimeError(f"blockfloat.encode gave {enc.size} B for rows {r0}:{r1} of {shape} {dtype}, "
+                               f"expected {z - a} B")
+        out[a:z] = enc
+
+    n = min(len(jobs), len(os.sched_getaffinity(0)), 8)
+    if n <= 1:
+        for j in jobs:
+            one(j)
+    else:
+        with ThreadPoolExecutor(n, thread_name_prefix="ttbundle-encode") as pool:
+            for _ in pool.map(one, jobs):
+                pass
+    return out
 
 
 class _WriteBehind:

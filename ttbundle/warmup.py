@@ -1,42 +1,67 @@
 """Warm-up with a reference: each program run on a fixed input, its output recorded at build and
 compared wherever the package is run again.
 
-At build (``_warm``) each (phase, bucket) runs on the emulated backend from the package's own
-weights, once per compute dtype the runtime may use (float32, bfloat16), on a fixed input:
+**Input** (:func:`fixed_input`): the real rows of a fixed input, not a whole padded bucket (the
+emulated backend runs a program on any row count whose feature dims it declares, so the steps,
+weights and collectives run are the program's own):
 
-- prefill ``B``: one sequence of ``B`` tokens ``(7 j + 1) mod vocab`` at positions ``0..B-1``;
-  rows recorded: up to :data:`PREFILL_ROWS` positions evenly spaced, the last one included;
-- decode ``B``: a full batch of ``B`` rows, row ``i`` token ``(13 i + 5) mod vocab`` at position
-  ``i`` in its own blocks of a fresh (zero) KV cache, so attention mixes ``i + 1`` positions and
-  the query/key weights matter; every row recorded.
+- prefill ``B``: one sequence of ``min(B, PREFILL_TOKENS)`` tokens ``(7 j + 1) mod vocab`` at
+  positions ``0, 1, ...``; every position recorded (position ``j`` attends to ``j + 1`` tokens);
+- decode ``B``: ``min(B, DECODE_ROWS)`` rows, row ``i`` token ``(13 i + 5) mod vocab`` at
+  position ``i`` in its own blocks of a fresh (zero) KV cache, so attention mixes ``i + 1``
+  positions and the query/key weights matter; every row recorded;
+- vision ``B``: the family's fixed images filling the bucket; 16 soft-token rows recorded.
 
-Per row the reference holds the argmax token id, its margin over the runner-up, the row's mean,
-rms and max, and :data:`SAMPLE` logits at fixed vocab ids; it is written to
-``warmup/<phase>-<bucket>.json`` (listed, with its sha256, in the manifest) together with the
-sha256 of the program file it was recorded with.
+**Layer by layer** (:func:`run`): every program's call (each with its own small KV cache) goes
+through the embedding, layer 0, ..., the head together (``EmulatedModel.run_layer_major``), on a
+model that reads one tensor of one layer at a time from the package's memory-mapped files into
+its compute dtype, in bands (:func:`stage_model`), and drops them (mappings included) after each
+stage: each layer's weights are read and decoded once for all programs, and the warm-up holds
+one stage's weights, at most the largest tensor in float32, whatever the depth.
 
-:func:`check_model` (serving start, the emulated runtime's warm-up) and :func:`verify_package`
-(``ttbundle cache verify``) run the same input and compare; a mismatch raises
-:class:`~ttbundle.errors.WarmupMismatch` naming the program, the row and expected vs got.
+**Reference** (format :data:`FORMAT`, ``warmup/<phase>-<bucket>.json``, listed with its sha256 in
+the manifest): recorded in float32 only, from the stored values (bf16, or block-float tiles as
+decoded): per row the argmax token id, its margin over the runner-up, the row's mean, rms and
+max, and :data:`SAMPLE` logits at fixed vocab ids, with the sha256 of the program file. No
+bfloat16 run at build: a CPU without native bf16 GEMMs runs it ~100x slower than float32.
 
-Tolerance, relative to the row's logit rms (:data:`RTOL`). float32: 1e-4. The same code on the
-same weights and input is deterministic up to reduction order (torch's thread count, the CPU's
-vector width), which moves float32 logits by at most ~1e-6 of their rms (rerunning with 1 thread
-instead of all gives 0 here; ``tests/test_warmup.py`` asserts <= 1e-5); 1e-4 leaves 100x headroom
-and still catches one weight changed by one bf16 ulp (measured 1.2e-4) and anything larger (one
-element doubled: 7e-3; one output row negated: 0.24). bfloat16: 5e-2. bf16 logits of a model are
-chaotic at the 1e-2 level: one weight changed by one bf16 ulp moves them by 1.7% of rms (a
-rounding flip early on cascades), and so can another CPU's bf16 kernels (another accumulation
-order) at serving; 5e-2 is 3x that floor and still catches a negated row (0.24), a zeroed tensor
-(1.4) or a flipped exponent bit (3.7). An argmax may differ only where the reference's top-2
-margin is within twice the tolerance (a near tie). ``cache verify`` checks float32, the serving
-warm-up checks the dtype it serves in.
+**Checks**: :func:`check_model` (serving start, in the dtype the runtime serves; the model is the
+serving model) and :func:`verify_package` (``ttbundle cache verify``, float32 on the bounded
+reader) run the same calls and compare (:func:`compare`); a mismatch raises
+:class:`~ttbundle.errors.WarmupMismatch` naming the program, the row and expected vs got. A
+package recorded with format ``ttbundle.warmup/1`` (an older ttbundle: whole buckets, fp32 and
+bf16) is refused with "rebuild": ``ttbundle build`` re-records only the warm-up (its key covers
+this module), reusing weights and programs.
+
+**Tolerance** (:func:`tolerance`), on ``|got - expected|`` of every recorded statistic and sampled
+logit, relative to the reference row's logit rms:
+
+- float32 against the float32 reference: 1e-4. The same code on the same weights and input is
+  deterministic up to reduction order (thread count, the CPU's vector width, oneDNN-packed vs
+  plain GEMMs at serving), which moves float32 logits by <= ~1e-6 of rms (``tests/test_warmup.py``
+  asserts <= 1e-5); 1e-4 still catches one weight changed by one bf16 ulp (measured 1.2e-4) and
+  anything larger (one element doubled: 7e-3; one output row negated: 0.24).
+- bfloat16 compute against the float32 reference: ``BF16_SLOPE x 2**-8 x sqrt(layers + 2)``
+  (``layers + 2``: the decoder layers, the embedding and the head). Every stage rounds its
+  activations (and its K/V) to bf16, a relative error of up to 2**-8 per element; the errors of
+  independent stages add in quadrature and a stage's rounding passes on to the logits about one
+  to one (RMSNorm re-normalizes, the residual stream carries it), so the logits' error grows as
+  ``2**-8 x sqrt(stages)`` times a factor. Measured (``max |bf16 - fp32| / rms`` over every
+  recorded row of every program, N300): that factor is 3.2-3.3 for Llama, Qwen2, Qwen3, Mistral
+  (2 layers), 3.9 / 4.2 for Gemma 2 / Gemma 3 (3 layers), 3.4 and 4.1 for Llama with 8 and 16
+  layers; :data:`BF16_SLOPE` = 8 is 1.9x the worst. So 0.0625 x rms for 2 layers, 0.18 for 32. It
+  still catches, same runs: one weight row negated 14.6-38 (units of ``2**-8 sqrt(L + 2)``, so
+  1.8-4.8x the tolerance), a zeroed tensor 172-359, one flipped exponent bit 234-247 or
+  non-finite logits (both fail). docs/build.md has the table.
+- An argmax may differ only where the reference's top-2 margin is within twice the tolerance (a
+  near tie).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import time
 from pathlib import Path
 from typing import Callable
@@ -47,16 +72,37 @@ from .plan import Plan
 
 Progress = Callable[[dict], None]
 
-FORMAT = "ttbundle.warmup/1"
+FORMAT = "ttbundle.warmup/2"
+OLD_FORMATS = ("ttbundle.warmup/1",)  # refused: rebuild
 DIR = "warmup"
-DTYPES = ("float32", "bfloat16")  # the emulated runtime's compute dtypes (runtime/model_runner.py)
-RTOL = {"float32": 1e-4, "bfloat16": 5e-2}
+RECORDED = "float32"  # the reference's compute dtype
 SAMPLE = 16  # logits recorded per row, at fixed vocab ids
-PREFILL_ROWS = 16  # positions of a prefill recorded
+PREFILL_TOKENS = 8  # real tokens of a prefill call (at most the bucket)
+DECODE_ROWS = 4  # real rows of a decode call (at most the bucket)
+VISION_ROWS = 16  # soft-token rows of a vision program recorded
+FP32_RTOL = 1e-4
+BF16_SLOPE = 8.0  # see the module docstring and docs/build.md
+PACK_BYTES = 512 << 20  # matmul weights up to this (one device's shard) are held packed
+BAND_BYTES = 64 << 20  # a large tensor is read and decoded this many bytes (of float32) at a time
 
 
 def reference_file(name: str) -> str:
     return f"{DIR}/{name}.json"
+
+
+def tolerance(dtype: str, layers: int) -> float:
+    """The largest difference from the float32 reference, relative to the row's logit rms, that
+    a run computing in ``dtype`` on a model of ``layers`` decoder layers may show."""
+    if dtype == "float32":
+        return FP32_RTOL
+    if dtype == "bfloat16":
+        return BF16_SLOPE * 2.0 ** -8 * math.sqrt(layers + 2)
+    raise ValueError(f"no warm-up tolerance for compute dtype {dtype!r} (float32 or bfloat16)")
+
+
+def real_rows(phase: str, b: int) -> int:
+    """Rows of program (phase, b) that its warm-up call runs (:func:`fixed_input`)."""
+    return {"prefill": min(b, PREFILL_TOKENS), "decode": min(b, DECODE_ROWS)}.get(phase, b)
 
 
 def _torch_dtype(name: str):
@@ -64,54 +110,85 @@ def _torch_dtype(name: str):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
 
 
+# ---- the fixed input ---------------------------------------------------------------------------------
 def fixed_input(bundle, phase: str, b: int) -> dict:
-    """The fixed input of program (phase, b): tensors for ``EmulatedModel.forward``, the KV
-    blocks it needs, and the rows (as ``(n, t)`` index pairs with labels) recorded."""
+    """The fixed input of program (phase, b): tensors for ``EmulatedModel.stages`` (the real
+    rows only), the KV blocks it needs, and the rows recorded (``(n, t)`` pairs, labels)."""
     import torch
 
     vocab = bundle.arch.vocab_size
     bs = bundle.spec.runtime.kv_block_size
     if phase == "prefill":
-        nblk = -(-b // bs)
-        tokens = torch.tensor([[(7 * j + 1) % vocab for j in range(b)]])
-        positions = torch.arange(b)[None, :]
+        r = real_rows(phase, b)
+        nblk = -(-r // bs)
+        tokens = torch.tensor([[(7 * j + 1) % vocab for j in range(r)]])
+        positions = torch.arange(r)[None, :]
         page_table = torch.arange(nblk)[None, :]
-        n = min(PREFILL_ROWS, b)
-        ts = sorted({round(k * (b - 1) / max(1, n - 1)) for k in range(n)})
-        rows = [((0, t), f"position {t}") for t in ts]
+        rows = [((0, t), f"position {t}") for t in range(r)]
     else:
-        k = -(-b // bs)  # blocks per row: positions 0..b-1
-        nblk = b * k
-        tokens = torch.tensor([[(13 * i + 5) % vocab] for i in range(b)])
-        positions = torch.arange(b)[:, None]
-        page_table = torch.arange(nblk).reshape(b, k)
-        rows = [((i, 0), f"row {i}") for i in range(b)]
+        n = real_rows(phase, b)
+        k = -(-n // bs)  # blocks per row: positions 0..n-1
+        nblk = n * k
+        tokens = torch.tensor([[(13 * i + 5) % vocab] for i in range(n)])
+        positions = torch.arange(n)[:, None]
+        page_table = torch.arange(nblk).reshape(n, k)
+        rows = [((i, 0), f"row {i}") for i in range(n)]
     valid = torch.ones(tokens.shape, dtype=torch.bool)
     return {"tokens": tokens, "positions": positions, "valid": valid, "page_table": page_table,
             "num_blocks": nblk, "block_size": bs, "rows": rows}
 
 
-def run(model, bundle, phase: str, b: int):
-    """The recorded rows' logits [rows, vocab] (float32) of ``model`` on the fixed input."""
+def _stage_signature(program) -> tuple:
+    return tuple((lp.kind, lp.count) for lp in program.layers)
+
+
+def run(model, bundle, programs: list, after_stage=None) -> dict:
+    """``{(phase, bucket): (logits [rows, vocab] float32, row labels)}`` of ``model`` on each
+    program's fixed input. Text programs run layer by layer together (one call each, each with
+    its own KV cache; programs with other layer kinds in another pass); vision programs whole.
+    ``after_stage(stage)`` after each stage."""
     import torch
 
-    if phase == "vision":  # the vision encoder on b fixed images: some soft-token rows recorded
-        inputs = bundle.family.vision_part(bundle.arch).warmup_inputs(bundle.arch.vision, bundle.vision, b)
+    out = {}
+    groups: dict = {}
+    for phase, b in programs:
+        if phase == "vision":
+            part = bundle.family.vision_part(bundle.arch)
+            inputs = part.warmup_inputs(bundle.arch.vision, bundle.vision, b)
+            with torch.no_grad():
+                soft = model.encode_images(inputs["pixel_values"], inputs.get("image_grid_thw"))
+            model.release()
+            k = min(VISION_ROWS, soft.shape[0])
+            ts = sorted({round(j * (soft.shape[0] - 1) / max(1, k - 1)) for j in range(k)})
+            out[(phase, b)] = (soft[ts].float().cpu(), [f"soft token {t}" for t in ts])
+            if after_stage is not None:
+                after_stage(("vision", b))
+            continue
+        prog = model.program(phase, b)
+        groups.setdefault(_stage_signature(prog), []).append((phase, b, prog))
+    for members in groups.values():
+        calls, inputs = [], []
+        for phase, b, prog in members:
+            x = fixed_input(bundle, phase, b)
+            kv = model.allocate_kv_cache(x["num_blocks"], x["block_size"])
+            calls.append(model.stages(prog, x["tokens"], x["positions"], x["valid"], x["page_table"], kv))
+            inputs.append(x)
         with torch.no_grad():
-            out = model.encode_images(inputs["pixel_values"], inputs.get("image_grid_thw"))
-        k = min(PREFILL_ROWS, out.shape[0])
-        ts = sorted({round(j * (out.shape[0] - 1) / max(1, k - 1)) for j in range(k)})
-        return out[ts].float(), [f"soft token {t}" for t in ts]
-    x = fixed_input(bundle, phase, b)
-    kv = model.allocate_kv_cache(x["num_blocks"], x["block_size"])
-    with torch.no_grad():
-        out = model.forward(model.program(phase, b), x["tokens"], x["positions"], x["valid"],
-                            x["page_table"], kv)
-    idx_n = torch.tensor([r[0][0] for r in x["rows"]])
-    idx_t = torch.tensor([r[0][1] for r in x["rows"]])
-    return out[idx_n, idx_t].float(), [r[1] for r in x["rows"]]
+            logits = model.run_layer_major(calls, after_stage=after_stage)
+        for (phase, b, _), x, lg in zip(members, inputs, logits):
+            idx_n = torch.tensor([r[0][0] for r in x["rows"]])
+            idx_t = torch.tensor([r[0][1] for r in x["rows"]])
+            out[(phase, b)] = (lg[idx_n, idx_t].float().cpu(), [r[1] for r in x["rows"]])
+    return out
 
 
+def stage_count(model, programs: list) -> int:
+    """How many stages :func:`run` runs for ``programs`` on ``model`` (a progress total)."""
+    text = {_stage_signature(model.program(*k)) for k in programs if k[0] != "vision"}
+    return sum(k[0] == "vision" for k in programs) + sum(sum(c for _, c in sig) for sig in text)
+
+
+# ---- what is recorded ----------------------------------------------------------------------------------
 def sample_ids(vocab: int) -> list[int]:
     """:data:`SAMPLE` fixed vocab ids spread over the vocabulary."""
     n = min(SAMPLE, vocab)
@@ -130,11 +207,10 @@ def summarize(logits, labels: list[str]) -> dict:
             "max": top.values[:, 0].tolist(), "sample_ids": ids, "sample": logits[:, ids].tolist()}
 
 
-def compare(name: str, ref: dict, got: dict, dtype: str) -> float:
+def compare(name: str, ref: dict, got: dict, dtype: str, rtol: float) -> float:
     """Raise WarmupMismatch naming program ``name``, the row and expected vs got where ``got``
-    (a :func:`summarize` of a new run) differs from ``ref`` beyond :data:`RTOL` ``[dtype]``;
-    returns the largest difference seen, relative to the row's rms."""
-    rtol = RTOL[dtype]
+    (a :func:`summarize` of a run computing in ``dtype``) differs from ``ref`` by more than
+    ``rtol`` x the row's rms; returns the largest difference seen, relative to the row's rms."""
     if got["rows"] != ref["rows"] or got["sample_ids"] != ref["sample_ids"]:
         raise WarmupMismatch(f"warm-up of {name}: the recorded rows {ref['rows'][:3]}... are not the rows "
                              f"run {got['rows'][:3]}... (reference format differs)")
@@ -143,17 +219,14 @@ def compare(name: str, ref: dict, got: dict, dtype: str) -> float:
         scale = max(ref["rms"][i], 1e-30)
         tol = rtol * scale
         where = f"warm-up of {name} ({dtype}), {row}"
-        for stat in ("mean", "rms", "max"):
-            e, g = ref[stat][i], got[stat][i]
+        pairs = [(f"logits {stat}", ref[stat][i], got[stat][i]) for stat in ("mean", "rms", "max")]
+        pairs += [(f"logit of token {vid}", e, g) for vid, e, g in zip(ref["sample_ids"], ref["sample"][i],
+                                                                       got["sample"][i])]
+        for what, e, g in pairs:
             worst = max(worst, abs(g - e) / scale)
             if not abs(g - e) <= tol:
-                raise WarmupMismatch(f"{where}: logits {stat} expected {e:.6g}, got {g:.6g} "
-                                     f"(tolerance {tol:.2g} = {rtol:g} x rms)")
-        for vid, e, g in zip(ref["sample_ids"], ref["sample"][i], got["sample"][i]):
-            worst = max(worst, abs(g - e) / scale)
-            if not abs(g - e) <= tol:
-                raise WarmupMismatch(f"{where}: logit of token {vid} expected {e:.6g}, got {g:.6g} "
-                                     f"(tolerance {tol:.2g} = {rtol:g} x rms)")
+                raise WarmupMismatch(f"{where}: {what} expected {e:.6g}, got {g:.6g} "
+                                     f"(tolerance {tol:.2g} = {rtol:.2g} x rms)")
         e, g = ref["argmax"][i], got["argmax"][i]
         if e != g and ref["margin"][i] > 2 * tol:
             raise WarmupMismatch(f"{where}: argmax expected token {e}, got token {g} (the reference's "
@@ -161,16 +234,137 @@ def compare(name: str, ref: dict, got: dict, dtype: str) -> float:
     return worst
 
 
-def _model(loaded, dtype: str):
-    """The emulated model of a package's parts (``package.assemble`` / ``load_package``): its
-    programs and its weight files' shards, computing in ``dtype``, as the runtime builds it."""
+# ---- a model that holds one stage's weights ----------------------------------------------------------
+def _decode_into(handle, key: str, info: dict, out) -> None:
+    """Device shard ``key`` from its file (``handle``: safetensors, memory-mapped) into ``out``
+    (the device tensor, any float dtype), a band at a time, bands decoded on one thread per core:
+    a large tensor never exists whole in another dtype or as a second copy. Decoding is
+    ``package._decode``'s (bf16 as stored, or transposed back; block-float tiles as the device
+    decodes them)."""
+    from .package import _decode
+
+    enc = info.get("encoding", "bf16")
+    shape = [int(s) for s in info["shape"]]
+    if out.numel() * 4 <= BAND_BYTES or len(shape) < 2:
+        out.copy_(_decode(handle.get_tensor(key), info).reshape(out.shape))
+        return
+    sl = handle.get_slice(key)
+    jobs = []  # (destination view, stored-slice bounds, info)
+    if enc == "bf16":  # banded along the stored first dim
+        flip = bool(info.get("transposed")) and len(shape) == 2
+        stored0 = shape[-1] if flip else shape[0]
+        row = (out[:, 0] if flip else out[0]).numel() * 4
+        per = max(1, BAND_BYTES // max(1, row))
+        for r0 in range(0, stored0, per):
+            r1 = min(stored0, r0 + per)
+            jobs.append((out[:, r0:r1] if flip else out[r0:r1], r0, r1, info))
+    else:
+        from . import blockfloat
+
+        h, w = shape[-2], shape[-1]
+        mats = out.reshape(-1, h, w)
+        per = max(blockfloat.TILE, BAND_BYTES // (4 * w) // blockfloat.TILE * blockfloat.TILE)
+        for b in range(mats.shape[0]):
+            for r0 in range(0, h, per):
+                r1 = min(h, r0 + per)
+                a, z = blockfloat.row_band(shape, enc, b, r0, r1)
+                jobs.append((mats[b, r0:r1], a, z, {**info, "shape": [r1 - r0, w]}))
+
+    def one(job):
+        dst, a, z, inf = job
+        dst.copy_(_decode(sl[a:z], inf))
+    _parallel(one, jobs)
+
+
+def _parallel(fn, jobs: list) -> None:
+    """``fn`` over ``jobs`` on one thread per usable core (numpy and torch release the GIL)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = min(len(jobs), len(os.sched_getaffinity(0)), 8)
+    if n <= 1:
+        for j in jobs:
+            fn(j)
+        return
+    with ThreadPoolExecutor(n, thread_name_prefix="ttbundle-warmup") as pool:
+        for _ in pool.map(fn, jobs):
+            pass
+
+
+def read_stack(source, name: str, layer: int | None, dtype, device="cpu"):
+    """Tensor ``name`` (of ``layer``) as the emulated mesh holds it, ``[D, *local]`` in ``dtype``:
+    the same values as ``source.stack`` (``package.PackageWeights``), read band by band into one
+    preallocated tensor."""
+    import torch
+
+    from .package import tensor_key
+
+    handles, metas = source._open()
+    key = tensor_key(name, layer)
+    shape = [int(s) for s in metas[0][key]["shape"]]
+    out = torch.empty([len(handles)] + shape, dtype=dtype)
+    for d, h in enumerate(handles):
+        _decode_into(h, key, metas[d][key], out[d])
+    return out.to(device)
+
+
+class _StageWeights:
+    """``LazyWeights`` (``backends.emulated.model``; subclassed on first use, so importing this
+    module imports no torch) that read with :func:`read_stack` (no second copy of a tensor; see
+    :func:`_held` for packing) and close the package's files on
+    ``release``, so the pages mapped for one stage leave the process with it."""
+
+    _made = None
+
+    @classmethod
+    def make(cls, source):
+        if cls._made is None:
+            from .backends.emulated.model import LazyWeights
+
+            class StageWeights(LazyWeights):
+                __doc__ = cls.__doc__
+
+                def get(self, name: str, layer: int | None):
+                    key = (name, layer)
+                    W = self.held.get(key)
+                    if W is None:
+                        W = self.held[key] = _held(self, name, layer)
+                    return W
+
+                def release(self) -> None:
+                    self.held.clear()
+                    self.source.close()
+            cls._made = StageWeights
+        return cls._made(source)
+
+
+def _held(lazy, name: str, layer: int | None):
+    """One weight as :func:`stage_model`'s model holds it: a matmul weight packed as the serving
+    model packs it (``gemm.hold_one``: the same GEMM, so float32 results equal the serving
+    model's, K/V roundings to their cache dtype included) when one device's shard is at most
+    :data:`PACK_BYTES`; larger ones (a vocabulary head) plain, since packing copies them."""
+    from .backends.emulated import gemm
+
+    W = read_stack(lazy.source, name, layer, lazy._dtype, lazy._device)
+    if lazy._packs and name in lazy._pack and W[0].numel() * W.element_size() <= PACK_BYTES:
+        W = gemm.hold_one(W, lazy._dtype)
+    return W
+
+
+def stage_model(loaded, dtype: str, programs: list):
+    """The emulated model of ``programs`` of a package (``package.assemble`` /
+    ``load_package``), computing in ``dtype``, holding one stage's weights at a time."""
     from .backends.emulated import EmulatedModel
-    return EmulatedModel.from_package(loaded, dtype=_torch_dtype(dtype))
+
+    progs = {k: loaded.program_ir(*k) for k in programs}
+    return EmulatedModel(loaded.bundle, loaded.mesh, progs, _StageWeights.make(loaded.weights),
+                         dtype=_torch_dtype(dtype))
 
 
+# ---- build ---------------------------------------------------------------------------------------------
 def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list[dict]:
-    """Load the package's weights into the emulated backend and run each (phase, bucket) on its
-    fixed input in every runtime dtype; per program a record for the manifest and the reference
+    """Run each (phase, bucket) of ``todo`` on its fixed input, layer by layer, from the package's
+    weights in float32; per program a record for the manifest and the reference
     (``{"record": ..., "reference": ...}``; the reference goes to :func:`reference_file`)."""
     import torch
 
@@ -178,32 +372,33 @@ def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list
 
     parts = assemble(pkg_dir, {}, bundle, plan.mesh,
                      {k: f"programs/{lowermod.program_name(*k)}.json" for k in lowermod.trace_set(bundle)})
-    refs = {(p, b): {} for p, b in todo}
-    seconds = {(p, b): 0.0 for p, b in todo}
-    n = len(todo) * len(DTYPES)
-    i = 0
-    for dt in DTYPES:  # one model alive at a time
-        model = _model(parts, dt)
-        for phase, b in todo:
-            t = time.monotonic()
-            logits, labels = run(model, bundle, phase, b)
-            if not bool(torch.isfinite(logits).all()):
-                raise WarmupMismatch(f"warm-up of {lowermod.program_name(phase, b)} ({dt}): non-finite logits")
-            refs[(phase, b)][dt] = summarize(logits, labels)
-            seconds[(phase, b)] += time.monotonic() - t
-            i += 1
-            emit({"event": "advance", "phase": "warmup", "item": f"{lowermod.program_name(phase, b)} {dt}",
-                  "i": i, "n": n})
-        del model
+    model = stage_model(parts, RECORDED, todo)
+    n = stage_count(model, todo)
+    emit({"event": "phase", "phase": "warmup", "total": n, "unit": "stages"})
+    done = [0]
+    t0 = time.monotonic()
+
+    def advance(stage):
+        done[0] += 1
+        kind, layer = stage
+        emit({"event": "advance", "phase": "warmup", "i": done[0], "n": n,
+              "item": f"{kind}" if layer is None else f"{kind} {layer}"})
+
+    got = run(model, bundle, todo, after_stage=advance)
+    seconds = time.monotonic() - t0
+    parts.weights.close()
     out = []
     for phase, b in todo:
         name = lowermod.program_name(phase, b)
+        logits, labels = got[(phase, b)]
+        if not bool(torch.isfinite(logits).all()):
+            raise WarmupMismatch(f"warm-up of {name} ({RECORDED}): non-finite logits")
         prog = (Path(pkg_dir) / f"programs/{name}.json").read_bytes()
-        out.append({"record": {"backend": "emulated", "ran": True, "seconds": round(seconds[(phase, b)], 3),
-                               "reference": reference_file(name), "dtypes": list(DTYPES)},
+        out.append({"record": {"backend": "emulated", "ran": True, "seconds": round(seconds / len(todo), 3),
+                               "reference": reference_file(name), "dtype": RECORDED},
                     "reference": {"format": FORMAT, "program": name, "phase": phase, "bucket": b,
-                                  "program_sha256": hashlib.sha256(prog).hexdigest(),
-                                  "rtol": RTOL, "by_dtype": refs[(phase, b)]}})
+                                  "program_sha256": hashlib.sha256(prog).hexdigest(), "dtype": RECORDED,
+                                  "rtol_float32": FP32_RTOL, **summarize(logits, labels)}})
     return out
 
 
@@ -213,16 +408,24 @@ def reference_bytes(ref: dict) -> bytes:
 
 # ---- checking a package against its references ------------------------------------------------------
 def references(pkg_dir: Path, manifest: dict) -> dict:
-    """``{(phase, bucket): reference}`` of every program the package has a reference for."""
+    """``{(phase, bucket): reference}`` of every program the package has a reference for; a
+    reference of an older format is refused, saying to rebuild."""
     out = {}
     for art, rec in sorted(manifest.get("artifacts", {}).items()):
         if art.startswith("warmup:") and rec.get("reference"):
             p = Path(pkg_dir) / rec["reference"]
             try:
                 ref = json.loads(p.read_text(encoding="utf-8"))
-                out[(ref["phase"], int(ref["bucket"]))] = ref
+                key = (ref["phase"], int(ref["bucket"]))
+                fmt = ref.get("format")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 raise WarmupMismatch(f"{p}: unreadable warm-up reference ({e})") from None
+            if fmt != FORMAT:
+                why = "recorded by an older ttbundle" if fmt in OLD_FORMATS else "unknown to this ttbundle"
+                raise WarmupMismatch(f"{p}: warm-up reference format {fmt!r} ({why}; this one reads {FORMAT}): "
+                                     f"rebuild the package (`ttbundle build SPEC` re-records the warm-up and "
+                                     f"reuses its weights and programs)")
+            out[key] = ref
     return out
 
 
@@ -233,11 +436,12 @@ def unchecked(manifest: dict) -> list[str]:
 
 
 def check_model(model, bundle, pkg_dir: Path, manifest: dict, dtype: str, log=None) -> dict:
-    """Run every program with a reference on ``model`` (an EmulatedModel computing in ``dtype``)
-    and compare; ``{program: worst relative difference}``. The program file must be the one the
-    reference was recorded with."""
-    out = {}
-    for (phase, b), ref in references(pkg_dir, manifest).items():
+    """Run every program with a reference on ``model`` (an EmulatedModel computing in ``dtype``:
+    the serving model, or :func:`stage_model`'s) layer by layer and compare with the float32
+    reference at :func:`tolerance` ``(dtype)``; ``{program: worst relative difference}``. The
+    program file must be the one the reference was recorded with."""
+    refs = references(pkg_dir, manifest)
+    for (phase, b), ref in refs.items():
         name = lowermod.program_name(phase, b)
         prog = Path(pkg_dir) / f"programs/{name}.json"
         try:
@@ -247,26 +451,36 @@ def check_model(model, bundle, pkg_dir: Path, manifest: dict, dtype: str, log=No
         if sha != ref.get("program_sha256"):
             raise WarmupMismatch(f"warm-up of {name}: programs/{name}.json is not the program the reference "
                                  f"was recorded with (sha256 {sha[:16]}, recorded {str(ref.get('program_sha256'))[:16]})")
-        if dtype not in ref["by_dtype"]:
-            raise WarmupMismatch(f"warm-up of {name}: no {dtype} reference (has {sorted(ref['by_dtype'])})")
-        t = time.monotonic()
-        logits, labels = run(model, bundle, phase, b)
-        out[name] = compare(name, ref["by_dtype"][dtype], summarize(logits, labels), dtype)
-        if log is not None:
-            log(f"warm-up reference {name} ({dtype}): ok, max difference {out[name]:.2g} x rms "
-                f"(tolerance {RTOL[dtype]:g}), {time.monotonic() - t:.2f} s")
+    if not refs:
+        return {}
+    rtol = tolerance(dtype, bundle.arch.num_hidden_layers)
+    t = time.monotonic()
+    got = run(model, bundle, sorted(refs))
+    out = {}
+    for key in sorted(refs):
+        name = lowermod.program_name(*key)
+        out[name] = compare(name, refs[key], summarize(*got[key]), dtype, rtol)
+    if log is not None:
+        log(f"warm-up references ({dtype}, tolerance {rtol:.2g} x rms): {len(out)} programs ok, max difference "
+            f"{max(out.values()):.2g} x rms, {time.monotonic() - t:.2f} s")
     return out
 
 
 def verify_package(pkg: str | Path, dtypes=("float32",), log=None) -> dict:
     """``ttbundle cache verify``'s numeric half: the package's programs run from its weights on
-    the emulated backend, compared with the build's references. ``{dtype: {program: diff}}``."""
+    the emulated backend, layer by layer, compared with the build's references.
+    ``{dtype: {program: diff}}``."""
     from .package import load_package
 
     loaded = load_package(Path(pkg))
+    refs = references(Path(pkg), loaded.manifest)
     out = {}
     for dt in dtypes:  # one model alive at a time
-        model = _model(loaded, dt)
+        if not refs:
+            out[dt] = {}
+            continue
+        model = stage_model(loaded, dt, sorted(refs))
         out[dt] = check_model(model, loaded.bundle, Path(pkg), loaded.manifest, dt, log)
         del model
+        loaded.weights.close()
     return out

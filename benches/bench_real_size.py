@@ -1,0 +1,257 @@
+"""`ttbundle build` and `ttbundle check` of a Llama-3.1-8B-shaped checkpoint: peak memory flat in
+depth, wall time against copying the checkpoint (issue 21).
+
+Writes a random Llama-3.1-8B-shaped checkpoint (bf16, sharded safetensors + index, the dims of
+``bundles/llama-3.1-8b.yaml``) with L decoder layers, streaming (one chunk of one tensor in memory
+at a time), then measures, each in its own subprocess, in the same run:
+
+* the reference: ``cp -r`` of the checkpoint + ``sha256sum`` of its files (page cache warm,
+  dirty pages synced before each timed run);
+* ``ttbundle build SPEC --mesh N150`` (bfp8 weights, warm-up included): wall and peak RSS;
+* ``ttbundle check PACKAGE --steps 4``: wall and peak RSS;
+
+and prints, per L, the build wall over the reference (target <= 3x), the peak RSS (target
+<= 4 GiB) and, with two L, the peak-RSS deltas between the largest and the smallest L (target:
+4 minus 2 layers <= 0.75 GiB).
+
+    python benches/bench_real_size.py                      # L = 2 and 4 (~6 GB on disk at a time)
+    python benches/bench_real_size.py --layers 2           # one L
+    python benches/bench_real_size.py --full               # + L = 32 (writes 16 GB; a quiet host)
+    python benches/bench_real_size.py --no-check --json    # build only, figures as JSON
+
+The checkpoint and packages go to ``--work`` (default: a temp dir under ``$TMPDIR``) and are
+deleted per L unless ``--keep``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# meta-llama/Llama-3.1-8B (bundles/llama-3.1-8b.yaml)
+ARCH = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+            num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1.0e-5,
+            rope_theta=500000.0)
+ROPE = ("{rope_type: llama3, factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, "
+        "original_max_position_embeddings: 8192}")
+SHARD_BYTES = 2 << 30  # checkpoint shard files of at most ~2 GiB (HF writes 5 GB for 8B)
+CHUNK = 1 << 24  # elements generated at a time (64 MiB of fp32)
+
+
+def tensors(layers: int) -> list[tuple[str, tuple[int, ...], float]]:
+    """(HF key, shape, std) of every tensor, in HF's order; norms are 1 + noise."""
+    h, i, v = ARCH["hidden_size"], ARCH["intermediate_size"], ARCH["vocab_size"]
+    kv = h * ARCH["num_key_value_heads"] // ARCH["num_attention_heads"]
+    out = [("model.embed_tokens.weight", (v, h), 0.02)]
+    for layer in range(layers):
+        p = f"model.layers.{layer}."
+        out += [(p + "self_attn.q_proj.weight", (h, h), 0.02), (p + "self_attn.k_proj.weight", (kv, h), 0.02),
+                (p + "self_attn.v_proj.weight", (kv, h), 0.02), (p + "self_attn.o_proj.weight", (h, h), 0.02),
+                (p + "mlp.gate_proj.weight", (i, h), 0.02), (p + "mlp.up_proj.weight", (i, h), 0.02),
+                (p + "mlp.down_proj.weight", (h, i), 0.02), (p + "input_layernorm.weight", (h,), -0.1),
+                (p + "post_attention_layernorm.weight", (h,), -0.1)]
+    return out + [("model.norm.weight", (h,), -0.1), ("lm_head.weight", (v, h), 0.02)]
+
+
+def make_checkpoint(d: Path, layers: int, seed: int = 0) -> int:
+    """Write the checkpoint into ``d`` (safetensors written by hand: header, then each tensor's
+    bytes a chunk at a time); returns its bytes. ``std < 0``: ``1 + |std| * randn`` (a norm)."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    d.mkdir(parents=True, exist_ok=True)
+    shards: list[list] = [[]]
+    size = 0
+    for key, shape, std in tensors(layers):
+        n = 2 * _numel(shape)
+        if shards[-1] and size + n > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append((key, shape, std))
+        size += n
+    weight_map, total = {}, 0
+    for k, shard in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        header, off = {"__metadata__": {"format": "pt"}}, 0
+        for key, shape, _ in shard:
+            header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + 2 * _numel(shape)]}
+            off += 2 * _numel(shape)
+        hb = json.dumps(header, separators=(",", ":")).encode()
+        hb += b" " * (-len(hb) % 8)
+        with open(d / name, "wb") as f:
+            f.write(struct.pack("<Q", len(hb)) + hb)
+            for key, shape, std in shard:
+                left = _numel(shape)
+                while left:
+                    m = min(CHUNK, left)
+                    x = torch.randn(m, generator=g)
+                    x = 1 + (-std) * x if std < 0 else x * std
+                    f.write(x.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
+                    left -= m
+                weight_map[key] = name
+        total += off
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+    (d / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": layers,
+        "hidden_act": "silu", "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192}, **ARCH}, indent=1))
+    return total
+
+
+def _numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def spec_text(src: Path, layers: int) -> str:
+    dims = "\n".join(f"  {k}: {v}" for k, v in ARCH.items())
+    return (f"name: bench-8b\nmodel:\n  family: llama\n  num_hidden_layers: {layers}\n{dims}\n"
+            f"  rope_scaling: {ROPE}\n  tie_word_embeddings: false\n"
+            f"weights:\n  source: {src}\n  dtypes: {{default: bfp8}}\n"
+            # bundles/llama-3.1-8b.yaml's buckets and runtime
+            "targets: [N150]\nbuckets: {prefill: [128, 1024, 2048, 4096], decode: [1, 8, 32], prefill_chunk: 4096}\n"
+            "runtime: {max_model_len: 32768, max_num_seqs: 32, kv_cache_dtype: bfp8}\n")
+
+
+def timed(cmd: list[str], env=None) -> tuple[float, int, str]:
+    """(wall s, peak RSS bytes of the process tree it waited for, stdout) of one subprocess."""
+    t = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    out, err = p.communicate()
+    wall = time.monotonic() - t
+    if p.returncode != 0:
+        raise SystemExit(f"{' '.join(map(str, cmd))} failed ({p.returncode}):\n{(out + err)[-3000:]}")
+    return wall, _child_rss(), out
+
+
+def _child_rss() -> int:
+    """Peak RSS (bytes) of the largest waited-for descendant so far (``RUSAGE_CHILDREN``)."""
+    import resource
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
+
+
+def measure(cmd: list[str], env=None) -> tuple[float, int, str]:
+    """:func:`timed` in a fresh child interpreter, so that RUSAGE_CHILDREN's maximum is this
+    command's own and not an earlier, larger one's."""
+    r = subprocess.run([sys.executable, __file__, "--measure", json.dumps(cmd)], capture_output=True, text=True,
+                       cwd=ROOT, env=env)
+    if r.returncode != 0:
+        raise SystemExit(r.stdout[-3000:] + r.stderr[-3000:])
+    d = json.loads(r.stdout.splitlines()[-1])
+    return d["wall"], d["rss"], d["out"]
+
+
+def one_depth(work: Path, layers: int, check: bool, env: dict) -> dict:
+    src = work / f"ckpt-{layers}"
+    shutil.rmtree(src, ignore_errors=True)
+    t = time.monotonic()
+    total = make_checkpoint(src, layers)
+    gen_s = time.monotonic() - t
+    files = sorted(str(f) for f in src.iterdir())
+    for f in files:  # the page cache warm for every side
+        with open(f, "rb") as fh:
+            while fh.read(1 << 24):
+                pass
+    subprocess.run(["sync"], check=True)
+    dst = work / "cp"
+    shutil.rmtree(dst, ignore_errors=True)
+    cp_s, _, _ = measure(["cp", "-r", str(src), str(dst)])
+    shutil.rmtree(dst)
+    sha_s, _, _ = measure(["sha256sum", *files])
+    ref_s = cp_s + sha_s
+    spec = work / f"bench-{layers}.yaml"
+    spec.write_text(spec_text(src, layers))
+    out = work / f"out-{layers}"
+    shutil.rmtree(out, ignore_errors=True)
+    subprocess.run(["sync"], check=True)
+    tt = [sys.executable, "-m", "ttbundle.cli"]
+    b_wall, b_rss, stdout = measure(tt + ["build", str(spec), "--mesh", "N150", "-o", str(out), "--json"], env)
+    done = [json.loads(x) for x in stdout.splitlines() if '"event": "done"' in x][-1]
+    row = {"layers": layers, "checkpoint_bytes": total, "generate_s": round(gen_s, 1), "cp_s": round(cp_s, 2),
+           "sha256_s": round(sha_s, 2), "reference_s": round(ref_s, 2), "build_s": round(b_wall, 1),
+           "build_rss": b_rss, "build_over_reference": round(b_wall / ref_s, 2), "timings": done["timings"]}
+    if check:
+        c_wall, c_rss, _ = measure(tt + ["check", done["package"], "--steps", "4"], env)
+        row.update(check_s=round(c_wall, 1), check_rss=c_rss, check_over_reference=round(c_wall / ref_s, 2))
+    row["load"] = round(os.getloadavg()[0], 2)
+    return row
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="decoder layer counts (default 2 4)")
+    ap.add_argument("--full", action="store_true", help="also 32 layers (a 16 GB checkpoint)")
+    ap.add_argument("--no-check", action="store_true", help="measure the build only")
+    ap.add_argument("--work", type=Path, help="work directory (default: a temp dir)")
+    ap.add_argument("--keep", action="store_true", help="keep checkpoints and packages")
+    ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--measure", help=argparse.SUPPRESS)
+    ap.add_argument("--make-checkpoint", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.measure:
+        wall, rss, out = timed(json.loads(args.measure))
+        print(json.dumps({"wall": wall, "rss": rss, "out": out}))
+        return
+    if args.make_checkpoint:
+        print(make_checkpoint(args.make_checkpoint, args.layers[0]))
+        return
+    depths = sorted(set(args.layers) | ({32} if args.full else set()))
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench_real_size_", dir=os.environ.get("TMPDIR")))
+    work.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    rows = []
+    try:
+        for L in depths:
+            rows.append(one_depth(work, L, not args.no_check, env))
+            if not args.keep:
+                for p in (work / f"ckpt-{L}", work / f"out-{L}"):
+                    shutil.rmtree(p, ignore_errors=True)
+    finally:
+        if not args.keep and args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    gib = 2 ** 30
+    print(f"Llama-3.1-8B-shaped random checkpoint (bf16), bfp8 weights on N150; {os.cpu_count()} CPUs, "
+          f"Python {sys.version.split()[0]}")
+    print()
+    print("| layers | checkpoint | cp + sha256 (reference) | build wall | build / reference (target <= 3x) "
+          "| build peak RSS (target <= 4 GiB) | check --steps 4 wall | check / reference | check peak RSS "
+          "| load avg |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        chk = (f"{r['check_s']:.1f} s | {r['check_over_reference']:.2f}x | {r['check_rss'] / gib:.2f} GiB"
+               if "check_s" in r else "- | - | -")
+        print(f"| {r['layers']} | {r['checkpoint_bytes'] / 1e9:.2f} GB | {r['cp_s']:.1f} + {r['sha256_s']:.1f} s "
+              f"= {r['reference_s']:.1f} s | {r['build_s']:.1f} s | **{r['build_over_reference']:.2f}x** "
+              f"| **{r['build_rss'] / gib:.2f} GiB** | {chk} | {r['load']} |")
+    if len(rows) > 1:
+        a, b = rows[0], rows[-1]
+        print()
+        d = (b["build_rss"] - a["build_rss"]) / gib
+        line = (f"{b['layers']} minus {a['layers']} layers: build peak RSS {d:+.2f} GiB (target <= 0.75 GiB "
+                f"for 4 - 2), build wall {b['build_s'] - a['build_s']:+.1f} s")
+        if "check_rss" in a and "check_rss" in b:
+            line += f"; check peak RSS {(b['check_rss'] - a['check_rss']) / gib:+.2f} GiB"
+        print(line)
+    for r in rows:
+        print(f"build timings, {r['layers']} layers (s): "
+              + ", ".join(f"{k} {v}" for k, v in r["timings"].items() if isinstance(v, (int, float))))
+
+
+if __name__ == "__main__":
+    main()
