@@ -303,17 +303,36 @@ class BundleModel:
         # every position maps to block 0, vLLM's null block: never handed to a request
         return torch.zeros(rows, -(-seq // kv_cache.block_size), dtype=torch.long)
 
+    #: rows of the short input each program runs at warm-up (the emulated mesh has nothing to
+    #: compile or capture; the programs accept any row count with their features)
+    WARMUP_PREFILL_ROWS = 32
+    WARMUP_DECODE_ROWS = 4
+
+    def _warm(self, phase: str, bucket: int, n: int, kv_cache: KVCache, can_sample_on_device: bool):
+        """Program (phase, bucket) once on the real rows of a short input (``n`` tokens of one
+        sequence, or ``n`` decode rows), all in vLLM's null block, its logits sampled on the host
+        path and, if enabled, the device path."""
+        program = self._program(phase, bucket)
+        if phase == "prefill":
+            tokens, positions = torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None, :]
+            pt, last = self._null_table(1, kv_cache, n), [n - 1]
+        else:
+            tokens, positions = torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1, dtype=torch.long)
+            pt, last = self._null_table(n, kv_cache, 1), None
+        with torch.no_grad():
+            logits = self.model.forward(program, tokens, positions, positions >= 0, pt, kv_cache, last=last)[:, 0]
+        self._finish(logits, None)
+        if can_sample_on_device:
+            self._finish(logits, DeviceSampling.from_params([], [], logits.shape[0]))
+        self.warmed.add((phase, bucket))
+
     def warmup_model_prefill(self, kv_cache: KVCache, enable_trace: bool = True,
                              can_sample_on_device: bool = True):
-        """Run every prefill bucket once (logits and, if enabled, device sampling)."""
+        """Every prefill program once (:meth:`_warm`: the real rows of a short input; logits and,
+        if enabled, device sampling), and every vision bucket's encoder filled with fixed pixels."""
         for i, S in enumerate(self.prefill_buckets):
             t0 = time.perf_counter()
-            tokens = torch.zeros(1, S, dtype=torch.long)
-            pt = self._null_table(1, kv_cache, S)
-            self.prefill_forward(tokens, pt, kv_cache, [S], [0])
-            if can_sample_on_device:
-                self.prefill_forward(tokens, pt, kv_cache, [S], [0], DeviceSampling.from_params([], [], 1))
-            self.warmed.add(("prefill", S))
+            self._warm("prefill", S, min(S, self.WARMUP_PREFILL_ROWS), kv_cache, can_sample_on_device)
             logger.info("[WARMUP] (%d/%d) prefill %d tokens: %.2f s", i + 1, len(self.prefill_buckets),
                         S, time.perf_counter() - t0)
         part = self.model.vision_part
@@ -326,16 +345,10 @@ class BundleModel:
 
     def warmup_model_decode(self, kv_cache: KVCache, enable_trace: bool = True, max_batch_size=None,
                             num_blocks=None, can_sample_on_device: bool = True):
-        """Run every decode bucket once."""
+        """Every decode program once (:meth:`_warm`)."""
         for i, B in enumerate(self.decode_buckets):
             t0 = time.perf_counter()
-            tokens = torch.zeros(B, 1, dtype=torch.long)
-            pos = torch.zeros(B, dtype=torch.long)
-            pt = self._null_table(B, kv_cache, 1)
-            self.decode_forward(tokens, pos, pt, kv_cache)
-            if can_sample_on_device:
-                self.decode_forward(tokens, pos, pt, kv_cache, DeviceSampling.from_params([], [], B))
-            self.warmed.add(("decode", B))
+            self._warm("decode", B, min(B, self.WARMUP_DECODE_ROWS), kv_cache, can_sample_on_device)
             logger.info("[WARMUP] (%d/%d) decode batch %d: %.2f s", i + 1, len(self.decode_buckets),
                         B, time.perf_counter() - t0)
 
