@@ -70,6 +70,7 @@ def make_checkpoint(d: Path, seed: int = 0, shards: str | None = None) -> None:
     model = reference.random_model(b, seed).to(torch.bfloat16)
     kw = {"max_shard_size": shards} if shards else {}
     model.save_pretrained(str(d), safe_serialization=True, **kw)
+    make_tokenizer(d)  # a build needs one (or the spec's `tokenizer: false`)
 
 
 @pytest.fixture(scope="session")

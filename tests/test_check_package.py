@@ -145,7 +145,7 @@ def test_check_cli_takes_a_package_directory(tmp_path):
     b = stored("qwen3", "bfp8")
     ckpt = reference.save_random(b, tmp_path / "ckpt", seed=3)
     w = b.spec.weights.model_copy(update={"source": str(ckpt)})
-    b = dataclasses.replace(b, spec=b.spec.model_copy(update={"weights": w}))
+    b = dataclasses.replace(b, spec=b.spec.model_copy(update={"weights": w, "tokenizer": False}))
     pkg = build(b, "T3K", tmp_path / "out", warmup=False).package
     runner = CliRunner()
     r = runner.invoke(app, ["check", pkg, "--steps", "4", "--json"])

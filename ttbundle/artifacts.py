@@ -171,9 +171,6 @@ class PackageWriter:
         for r in self.inp.tokenizer_records:
             self._write(r["name"], read_user_bytes(Path(r["dir"]) / r["name"], "tokenizer file",
                                                    r["dir"], MAX_TOKENIZER_BYTES))
-        if not self.inp.tokenizer_records:
-            self.res.warnings.append("no tokenizer files found (set `tokenizer:` in the spec); vLLM will "
-                                     "need --tokenizer")
         self._write("README.md", render_readme(self._card()).encode())
 
     def _card(self) -> dict:

@@ -44,7 +44,8 @@ from .package import PackageError, package_path, read_manifest, weight_file
 from .plan import Plan, make_plan
 # re-exported: `from ttbundle.build import ...` keeps working for the CLI and tests
 from .progress import ConsoleProgress, print_results  # noqa: F401
-from .txn import STATE_DIR, _check_replaceable, _fsync_dir, _Lock, _recover, _swap, _tag  # noqa: F401
+from .txn import (STATE_DIR, _check_replaceable, _fsync_dir, _Lock, _recover, _swap, _tag,  # noqa: F401
+                  lock_unless_read_only)
 
 BACKENDS = ("emulated", "ttnn")  # ttnn: + per-device .tensorbin weight caches
 # rough rates for `--dry-run` estimates on a CPU builder
@@ -140,6 +141,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         raise InvalidInput(f"not yet: --backend ttnn for {plan.mesh.describe()} (replicas: in the spec): "
                            "the TT device path does not open submeshes yet; build the emulated package, or "
                            "a target without replicas, for ttnn")
+    cache.check_tokenizer(bundle)
     pkg = package_path(out_dir, bundle.spec.name, plan.mesh.name)
     sfpi = _sfpi(backend)
     res = BuildResult(str(pkg), bundle.spec.name, plan.mesh.name, "dry-run" if dry_run else "built", None)
@@ -157,8 +159,9 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     _check_output_dir(out)
     state = out / STATE_DIR
     lock_path = state / "locks" / f"{_tag(pkg)}.lock"
-    with _Lock(lock_path, emit):
-        _recover(state, pkg)
+    with lock_unless_read_only(lock_path, emit) as read_only:
+        if read_only is None:
+            _recover(state, pkg)
         _check_replaceable(pkg)
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
@@ -172,6 +175,8 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
             res.seconds = time.monotonic() - t0
             emit({"event": "done", **res.to_json()})
             return res
+        if read_only is not None:  # an up-to-date package needs no lock; anything else does
+            raise read_only
         tmp = state / "tmp" / f"{_tag(pkg)}@{os.getpid()}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         try:

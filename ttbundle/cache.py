@@ -218,11 +218,34 @@ def weight_files(directory: Path) -> list[Path]:
 
 def tokenizer_dir(bundle) -> Path | None:
     s = bundle.spec
+    if s.tokenizer is False:  # token ids only
+        return None
     for p in (s.tokenizer, s.from_hf, s.weights.source):
         if p is not None:
             d = bundle.resolve_path(p)
             return d if d.is_dir() else d.parent
     return None
+
+
+def check_tokenizer(bundle) -> None:
+    """A package serves text only with a tokenizer: InvalidInput (at the spec's ``tokenizer:``)
+    when the tokenizer directory has none of ``package.TOKENIZER_MODEL_FILES``, unless the spec
+    says ``tokenizer: false`` (token ids only)."""
+    from .package import TOKENIZER_MODEL_FILES, has_tokenizer
+
+    if bundle.spec.tokenizer is False or bundle.spec.weights.source is None:
+        return  # token ids only; no checkpoint: `compute` says weights.source is missing
+    d = tokenizer_dir(bundle)
+    if d is not None and has_tokenizer({p.name for p in tokenizer_files(bundle)}):
+        return
+    s = bundle.spec
+    which = ("`tokenizer:`" if s.tokenizer is not None else "from_hf's directory" if s.from_hf is not None
+             else "weights.source (no `tokenizer:` given)")
+    raise InvalidInput(f"{bundle.file}: no tokenizer", [bundle.locate(
+        ("tokenizer",) if s.tokenizer is not None else (), f"{which}: {d} has none of "
+        f"{', '.join(TOKENIZER_MODEL_FILES)}, so vLLM could not serve text; set `tokenizer:` to the "
+        "directory (or model id) that has the model's tokenizer, or `tokenizer: false` to build a "
+        "package that serves token ids only (vLLM's --skip-tokenizer-init)")])
 
 
 def tokenizer_files(bundle) -> list[Path]:

@@ -217,7 +217,9 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
                 raise InvalidInput(f"{bundle.file}: weights.source is not set; give it or use --random-weights")
             src = bundle.resolve_path(bundle.spec.weights.source)
         w = bundle.spec.weights.model_copy(update={"source": str(src.absolute())})
-        b = dataclasses.replace(bundle, spec=bundle.spec.model_copy(update={"weights": w}))
+        # random weights come without a tokenizer: the temporary package is token ids only
+        b = dataclasses.replace(bundle, spec=bundle.spec.model_copy(
+            update={"weights": w, **({"tokenizer": False} if random_weights else {})}))
         res = build(b, mesh, tmp / "out", warmup=False)
         if package_hook is not None:
             package_hook(Path(res.package))

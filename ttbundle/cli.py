@@ -495,6 +495,7 @@ def serve(ctx: typer.Context,
                                     output)
             out.print(Text(launch.render(lp)))
             return
+        servemod.check_extra(list(ctx.args))
         if not print_command:
             servemod.check_address(host, port)
         where = servemod.pick_device(device)

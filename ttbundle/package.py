@@ -49,6 +49,13 @@ RUNTIME_CLASS = ("ttbundle.runtime.adapter", "BundleModel")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json",
                    "chat_template.jinja", "chat_template.json", "generation_config.json")
+# A tokenizer vLLM can instantiate has one of these; the other files configure it.
+TOKENIZER_MODEL_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def has_tokenizer(names) -> bool:
+    """Whether files ``names`` (a package's, or a tokenizer directory's) make a tokenizer."""
+    return any(n in names for n in TOKENIZER_MODEL_FILES)
 # names are matched whole (``fullmatch``: ``$`` would let a trailing newline through)
 SAFE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -205,13 +212,21 @@ def render_adapter(bundle_name: str, mesh_name: str, arch: str, class_name: str,
     return src
 
 
-def check_adapter_source(src: str, class_name: str) -> None:
+def check_adapter_source(src: str, class_name: str, where: str | None = None) -> None:
     """Refuse generated adapter code that is anything but: docstring, imports of ``os`` and the
     runtime class, assignments of literals (or ``os.path`` of ``__file__``), and one class whose
-    body assigns literals. A template or escaping bug cannot smuggle code past this."""
+    body assigns literals. A template or escaping bug cannot smuggle code past this. ``where``:
+    the adapter file of a package (its verification: :func:`verify_package`), which names it in
+    a PackageError; else a TTBundleError (``render_adapter``, a template bug)."""
+    if where is not None:
+        try:
+            return check_adapter_source(src, class_name)
+        except TTBundleError as e:
+            raise PackageError(f"{where}: {e.message}; not the adapter `ttbundle build` writes (rebuild "
+                               "the package)") from None
     try:
         tree = ast.parse(src)
-    except SyntaxError as e:
+    except (SyntaxError, ValueError) as e:
         raise TTBundleError(f"generated adapter does not parse: {e}") from None
 
     def literal_or_path(node) -> bool:
@@ -280,7 +295,7 @@ def resolved_spec(bundle, plan) -> dict:
     d = s.model_dump(mode="json", exclude_none=False)
     d["model"] = bundle.arch.model_dump(mode="json")  # nulls kept: some are required keys (q_lora_rank)
     d["from_hf"] = None
-    d["tokenizer"] = None
+    d["tokenizer"] = False if s.tokenizer is False else None  # false: token ids only (serve says so)
     d["targets"] = [plan.mesh.name]
     d["weights"] = {"source": None, "dtypes": {"default": s.weights.dtypes.default,
                                                "tensors": {t.name: t.dtype for t in plan.tensors
@@ -416,17 +431,40 @@ def sha256_file(path: Path) -> str:
 
 
 def read_manifest(pkg: Path) -> dict:
+    """The package's manifest, read strictly (``ttbundle.manifest``): a regular file of at most
+    ``manifest.MAX_BYTES``, JSON without duplicate keys, every key known and of its type, every
+    listed path inside the package. PackageError naming the file and the field."""
+    from . import manifest as schema
+    from .fsutil import strict_json
+
     p = Path(pkg) / MANIFEST
     try:
-        m = json.loads(p.read_text(encoding="utf-8"))
+        fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise PackageError(f"{pkg}: not a ttbundle package (no {MANIFEST})") from None
-    except (OSError, ValueError) as e:
-        raise PackageError(f"{p}: unreadable manifest: {e}") from None
+    except OSError as e:
+        raise PackageError(f"{p}: unreadable manifest: {e.strerror or e}") from None
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise PackageError(f"{p}: not a regular file")
+        if st.st_size > schema.MAX_BYTES:
+            raise PackageError(f"{p}: {st.st_size:,} B, over the {schema.MAX_BYTES:,} B a manifest may have; "
+                               "not a manifest ttbundle wrote: rebuild the package")
+        raw = f.read(schema.MAX_BYTES + 1)
+    try:
+        m = strict_json(raw.decode("utf-8"), str(p))
+    except UnicodeDecodeError as e:
+        raise PackageError(f"{p}: unreadable manifest: not UTF-8 ({e.reason} at byte {e.start})") from None
+    except InvalidInput as e:
+        raise PackageError(e.message.replace(f"{p}: ", f"{p}: unreadable manifest: ", 1)) from None
     if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("files"), dict):
         raise PackageError(f"{p}: not a {FORMAT} manifest")
     for rel in m["files"]:
         check_relpath(rel, p)
+    why = schema.problem(m, str(p))
+    if why is not None:
+        raise PackageError(f"{why}; rebuild the package")
     return m
 
 
@@ -464,8 +502,68 @@ def verify_package(pkg: str | Path, full: bool = True) -> dict:
         if full and sha256_file(p) != rec.get("sha256"):
             raise PackageError(f"{pkg}: {rel}: sha256 mismatch (file changed or corrupt)")
     _check_entries(pkg, m)
-    adapter_of(pkg, m)
+    _check_code(pkg, m, adapter_of(pkg, m))
     return m
+
+
+#: files Python imports or runs: a package holds one, its own generated adapter
+PYTHON_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".pyd", ".pyz", ".pth", ".so")
+
+
+def _check_code(pkg: Path, m: dict, adapter: tuple[str, str]) -> None:
+    """The only code a package carries is its generated adapter, and it passes the adapter
+    whitelist (:func:`check_adapter_source`, what the engine checks again before it runs it);
+    no other Python file, and no ``auto_map`` (Hugging Face's pointer to remote code, run under
+    ``--trust-remote-code``) in any of its top-level JSON files (``config.json``,
+    ``tokenizer_config.json``, ...). ttbundle packages never need remote code."""
+    mod, cls = adapter
+    for rel in sorted(m["files"]):
+        name = rel.rsplit("/", 1)[-1]
+        if rel != f"{mod}.py" and (name.lower().endswith(PYTHON_SUFFIXES) or ".so." in name.lower()):
+            raise PackageError(f"{pkg}: {rel}: Python code that is not the package's adapter ({mod}.py); a "
+                               "ttbundle package holds no other code: remove it from the package and its "
+                               "manifest, or rebuild the package")
+    check_adapter_source(_read_small(pkg, f"{mod}.py"), cls, f"{pkg}: {mod}.py")
+    for rel in sorted(m["files"]):
+        if "/" in rel or not rel.endswith(".json") or rel in (MANIFEST, "tokenizer.json"):
+            continue  # tokenizer.json is the tokenizers library's model: transformers reads no auto_map there
+        try:
+            doc = json.loads(_read_small(pkg, rel))
+        except (ValueError, RecursionError) as e:
+            raise PackageError(f"{pkg}: {rel}: not readable JSON ({e}); rebuild the package") from None
+        path = _auto_map(doc)
+        if path is not None:
+            raise PackageError(f"{pkg}: {rel}: {path}: Hugging Face remote code (it names Python classes "
+                               "to download and run under --trust-remote-code); a ttbundle package never "
+                               "needs remote code: rebuild the package from its spec")
+
+
+def _auto_map(doc, path: str = "") -> str | None:
+    """The path of the first ``auto_map`` key in a JSON document, at any depth; None if none."""
+    todo = [(doc, path)]
+    while todo:
+        d, at = todo.pop()
+        if isinstance(d, dict):
+            for k, v in d.items():
+                if k == "auto_map":
+                    return f"{at}.{k}" if at else k
+                todo.append((v, f"{at}.{k}" if at else k))
+        elif isinstance(d, list):
+            todo.extend((v, f"{at}[{i}]") for i, v in enumerate(d))
+    return None
+
+
+def _read_small(pkg: Path, rel: str) -> str:
+    """A listed small text file of the package (not through a symlink), as text."""
+    try:
+        fd = os.open(pkg / rel, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(64 << 20)
+        return data.decode("utf-8")
+    except OSError as e:
+        raise PackageError(f"{pkg}: {rel}: unreadable ({e.strerror or e})") from None
+    except UnicodeDecodeError:
+        raise PackageError(f"{pkg}: {rel}: not UTF-8 text") from None
 
 
 def _check_entries(pkg: Path, m: dict) -> None:
@@ -545,7 +643,7 @@ def load_adapter(pkg: str | Path, m: dict, metadata: dict | None = None):
         src = data.decode("utf-8")
     except UnicodeDecodeError:
         raise PackageError(f"{pkg}: {rel}: not UTF-8 text") from None
-    check_adapter_source(src, cls)
+    check_adapter_source(src, cls, f"{pkg}: {rel}")
     spec = importlib.machinery.ModuleSpec(mod, None, origin=str(path))
     module = importlib.util.module_from_spec(spec)
     module.__file__ = str(path)

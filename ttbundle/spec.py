@@ -195,10 +195,12 @@ class BundleSpec(BaseModel):
     """Directory holding a Hugging Face `config.json` to import the architecture from (relative
     to the spec), or a model id `ORG/NAME[@REVISION]` (as `weights.source`). Exactly one of
     `model` / `from_hf`."""
-    tokenizer: str | None = None
+    tokenizer: str | Literal[False] | None = None
     """Tokenizer directory (HF `tokenizer.json` etc.), relative to the spec, or a model id
     `ORG/NAME[@REVISION]` (as `weights.source`); defaults to `from_hf`'s directory or the
-    weights directory."""
+    weights directory. `build` needs one of `tokenizer.json`, `tokenizer.model`, `vocab.json`
+    there; `false`: no tokenizer, the package serves token ids only (vLLM's
+    `--skip-tokenizer-init`: prompts as token ids, no text out)."""
     weights: Weights = Field(default_factory=Weights)
     """Checkpoint location and storage dtypes."""
     targets: list[str] = Field(min_length=1)
@@ -648,7 +650,7 @@ def check(b: Bundle) -> list[Diagnostic]:
     # paths
     from .hub import NotCached
     for key, p in (("weights.source", s.weights.source), ("tokenizer", s.tokenizer)):
-        if p is None:
+        if p is None or p is False:
             continue
         at, path = tuple(key.split(".")), b.base_dir / p
         try:

@@ -5,6 +5,7 @@ build left. Nothing here shapes a package's contents: no content key depends on 
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -41,6 +42,26 @@ class _Lock:
     def __exit__(self, *exc):
         fcntl.flock(self.fd, fcntl.LOCK_UN)
         os.close(self.fd)
+
+
+@contextlib.contextmanager
+def lock_unless_read_only(path: Path, emit: Progress):
+    """The build lock (:class:`_Lock`), yielding None; where the output cannot be written at all
+    (a read-only file system or directory: the lock cannot be created), nothing takes it and the
+    OSError is yielded instead: no build can change the package there, so the caller may still
+    report it up to date, and raises the error only if it would have to write."""
+    lock = _Lock(path, emit)
+    try:
+        lock.__enter__()
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        yield e
+        return
+    try:
+        yield None
+    finally:
+        lock.__exit__(None, None, None)
 
 
 def _tag(pkg: Path) -> str:

@@ -105,8 +105,52 @@ def _split_additional_config(extra: list[str]) -> tuple[list[str], dict]:
     return rest, cfg
 
 
-def _check_extra(extra: list[str]) -> None:
-    """Refuse what the mesh replaces before vLLM starts (vLLM would refuse it too, later)."""
+REMOTE_CODE = "--trust-remote-code"
+
+
+def _trusts_remote_code(arg: str) -> bool:
+    """``arg`` turns on vLLM's ``--trust-remote-code`` as vLLM's parser reads it: underscores
+    for dashes (``--trust_remote_code``), ``=VALUE``, or any abbreviation argparse accepts
+    (``--trust-remote``; vLLM's parser allows them)."""
+    if not arg.startswith("--"):
+        return False
+    name = arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-")
+    return len(name) >= len("--tr") and REMOTE_CODE.startswith(name)
+
+
+def _config_file_trusts(extra: list[str]) -> str | None:
+    """The ``--config FILE`` (vLLM's YAML of arguments) among ``extra`` that turns
+    trust-remote-code on, else None (an unreadable file is left to vLLM)."""
+    import yaml
+
+    for i, a in enumerate(extra):
+        path = extra[i + 1] if a == "--config" and i + 1 < len(extra) else \
+            a.split("=", 1)[1] if a.startswith("--config=") else None
+        if path is None:
+            continue
+        try:
+            doc = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError, yaml.YAMLError):
+            continue
+        if isinstance(doc, dict) and any(isinstance(k, str) and v and _trusts_remote_code("--" + k)
+                                         for k, v in doc.items()):
+            return path
+    return None
+
+
+def check_extra(extra: list[str]) -> None:
+    """Refuse what the mesh replaces before vLLM starts (vLLM would refuse it too, later), and
+    remote code: a ttbundle package never needs it (its verification refuses ``auto_map`` and
+    any Python file but its adapter), so ``--trust-remote-code`` could only run code from
+    somewhere else."""
+    for i, a in enumerate(extra):
+        if _trusts_remote_code(a):
+            raise InvalidInput(f"{a}: ttbundle packages never need remote code (the package runs "
+                               "ttbundle's own adapter, nothing from the Hugging Face hub); drop it")
+    cfg = _config_file_trusts(extra)
+    if cfg is not None:
+        raise InvalidInput(f"--config {cfg}: turns trust-remote-code on; ttbundle packages never need "
+                           "remote code (the package runs ttbundle's own adapter); drop it from the file")
     for i, a in enumerate(extra):
         for flag in ("-tp", "--tensor-parallel-size", "-pp", "--pipeline-parallel-size"):
             if a == flag or a.startswith(flag + "="):
@@ -213,7 +257,8 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
                            "with --device emulated")
     rt = pkg.bundle.spec.runtime
     extra = list(extra or [])
-    _check_extra(extra)
+    token_ids_only = _tokenizer_mode(pkg, extra)
+    check_extra(extra)
     extra, user_cfg = _split_additional_config(extra)
     dp_extra = _int_flag(extra, "--data-parallel-size", "-dp")
     if data_parallel_size and dp_extra and data_parallel_size != dp_extra:
@@ -240,7 +285,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         "--block-size", str(rt.kv_block_size),
         "--dtype", "float32" if device == "emulated" else "bfloat16",
         "--additional-config", json.dumps(cfg, separators=(",", ":")),
-    ] + extra
+    ] + (["--skip-tokenizer-init"] if token_ids_only else []) + extra
     env = {ENV_EMULATED: "1" if device == "emulated" else "0", "MESH_DEVICE": pkg.mesh_name, "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     # OpenMP's spin at a barrier stays libgomp's default (a GOMP_SPINCOUNT of the caller's
@@ -248,6 +293,23 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     # regions, and shortening the spin to 10,000 cost ~12% of the 16-stream throughput on a
     # quiet host (5 runs) (docs/benchmarks.md); on a host busy with other jobs a short spin helps
     return ServePlan(pkg.path, pkg.name, pkg.mesh_name, argv, env, host, port)
+
+
+def _tokenizer_mode(pkg, extra: list[str]) -> bool:
+    """True when the package serves token ids only (built with ``tokenizer: false``: vLLM gets
+    ``--skip-tokenizer-init``); a package without a tokenizer that did not opt out is refused
+    here, before vLLM starts (vLLM would fail half a minute later instead), unless the extra
+    arguments give vLLM a ``--tokenizer`` or ``--skip-tokenizer-init`` themselves."""
+    from ..package import has_tokenizer
+
+    if pkg.bundle.spec.tokenizer is False:
+        return "--skip-tokenizer-init" not in extra
+    if has_tokenizer(pkg.manifest["files"]) or _flag_value(extra, "--tokenizer") is not None \
+            or "--skip-tokenizer-init" in extra:
+        return False
+    raise InvalidInput(f"{pkg.path}: no tokenizer in the package (none of tokenizer.json, tokenizer.model, "
+                       "vocab.json); rebuild it with `tokenizer:` naming the directory that has them, or "
+                       "with `tokenizer: false` to serve token ids only")
 
 
 def check_address(host: str, port: int) -> None:

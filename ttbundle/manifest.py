@@ -1,0 +1,116 @@
+"""The schema of a package's ``manifest.json``: one pydantic model, read strictly.
+
+``package.read_manifest`` parses the file with :func:`ttbundle.fsutil.strict_json` (a duplicate
+key, ``NaN``, broken syntax refused) after checking its size (:data:`MAX_BYTES`), then validates
+it here: every key known (an unknown one is refused, naming it), every value of its type in
+pydantic's strict mode (a size written as the string ``"12133"`` or as ``true`` is refused, not
+coerced). Errors are ``PackageError`` naming the file and the field.
+
+A key the build writes is one line here (``artifacts.PackageWriter._manifest`` writes the file);
+records whose fields belong to other modules (an artifact record, a source file record, the key
+fields) are typed as JSON objects of the right shape and checked by their readers.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+#: a manifest larger than this is refused before it is read (a TG package with ttnn caches and
+#: a kernel cache lists tens of thousands of files at ~150 B each: a few MiB)
+MAX_BYTES = 64 << 20
+
+SHA256 = r"^[0-9a-f]{64}$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FileRecord(_Strict):
+    size: int = Field(ge=0)
+    sha256: str = Field(pattern=SHA256)
+
+
+class MeshRecord(_Strict):
+    name: str
+    shape: list[int]
+    arch: Optional[str] = None
+    devices: Optional[int] = Field(default=None, ge=1)
+
+
+class BucketsRecord(_Strict):
+    prefill: list[int]
+    decode: list[int]
+    prefill_chunk: Optional[int] = None
+    vision: Optional[list[int]] = None
+
+
+class ReplicasRecord(_Strict):
+    count: int = Field(ge=1)
+    submesh: list[int]
+    target_shape: list[int]
+    devices_per_replica: int
+    devices: int
+    origins: list[list[int]]
+    max_num_seqs_per_replica: int
+    max_num_seqs_total: int
+
+
+class BuildRecord(_Strict):
+    spec_file: str
+    finished: str
+    changed_fields: list[str] = []
+    rebuilt: list[str] = []
+    reused: list[str] = []
+
+
+class SourcesRecord(_Strict):
+    weights: list[dict[str, Any]] = []
+    tokenizer: list[dict[str, Any]] = []
+
+
+class Manifest(_Strict):
+    """``manifest.json``. Required: what verification and loading read; the rest is optional so
+    that a package built before a key existed still reads (its readers default it)."""
+
+    format: str
+    bundle: str
+    arch: str
+    tt_arch: Optional[str] = None
+    main_class: str
+    mesh: MeshRecord
+    replicas: Optional[ReplicasRecord] = None
+    buckets: BucketsRecord
+    trace_region_bytes: Optional[int] = Field(default=None, ge=0)
+    trace_region_size: Optional[int] = Field(default=None, ge=0)
+    versions: dict[str, Optional[str]]
+    spec_sha256: Optional[str] = Field(default=None, pattern=SHA256)
+    key: Optional[str] = None
+    key_fields: dict[str, Any] = {}
+    artifacts: dict[str, dict[str, Any]] = {}
+    sources: Optional[SourcesRecord] = None
+    build: Optional[BuildRecord] = None
+    files: dict[str, FileRecord]
+
+
+def problem(data, where: str) -> str | None:
+    """None when ``data`` (the parsed JSON) is a valid manifest, else one line naming the field
+    (``files."config.json".size``), what is wrong and the value found."""
+    try:
+        Manifest.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = ".".join(f'"{x}"' if isinstance(x, str) and not x.isidentifier() else str(x)
+                         for x in err["loc"]) or "(top level)"
+        kind = err["type"]
+        if kind == "extra_forbidden":
+            what = "unknown key (this ttbundle does not write it)"
+        elif kind == "missing":
+            what = "missing"
+        else:
+            got = repr(err.get("input"))
+            what = f"{err['msg'].lower()}, got {got[:60]}{'...' if len(got) > 60 else ''}"
+        return f"{where}: field {field}: {what}"
+    return None
