@@ -216,3 +216,63 @@ def test_fuzz_safetensors_headers(st_file, tmp_path_factory, data):
         for k in sorted(ck.keys()):
             ck.get(k)
     run_case("safetensors headers", read_all)
+
+
+# ---- package manifests ------------------------------------------------------------------------------
+from test_build import ckpt  # noqa: E402,F401  (session fixture)
+from test_package import built  # noqa: E402,F401  (the N300 package, built once per module)
+
+MANIFEST_KEYS = ["format", "bundle", "arch", "tt_arch", "main_class", "mesh", "replicas", "buckets",
+                 "trace_region_bytes", "trace_region_size", "versions", "spec_sha256", "key", "key_fields",
+                 "artifacts", "sources", "build", "files", "extra"]
+SUB_KEYS = ["name", "shape", "arch", "devices", "prefill", "decode", "prefill_chunk", "vision", "size",
+            "sha256", "count", "ttbundle", "weights", "tokenizer", "config.json", "README.md", "../x", "a.py"]
+manifest_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(0, 4096),
+              st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
+              st.sampled_from(["N300", "T3K", "ttbundle.package/1", "LlamaForCausalLM", "0" * 64, "12133",
+                               "x:y", "auto_map"])),
+    lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(SUB_KEYS + ["auto_map"]), c, max_size=3),
+    max_leaves=6)
+
+
+@settings(max_examples=examples(200), **SETTINGS)
+@given(ops=st.lists(st.tuples(st.sampled_from(["set", "delete", "set-in", "delete-in"]),
+                              st.sampled_from(MANIFEST_KEYS), st.sampled_from(SUB_KEYS), manifest_values),
+                    min_size=1, max_size=4),
+       raw=st.lists(st.tuples(st.integers(0, 1 << 16), FRAGMENTS | st.sampled_from(['"bundle": "x", ', "NaN", "\udcff"]),
+                              st.integers(0, 3)), max_size=2))
+def test_fuzz_manifest(built, tmp_path_factory, ops, raw):  # noqa: F811
+    """A package whose manifest.json is edited (keys set or deleted at the top or one level down,
+    with any JSON value; raw text inserted) is opened as `serve` and `register` open it: the
+    only error is ttbundle's own (a PackageError naming the manifest and field)."""
+    from ttbundle.runtime.packages import open_package
+
+    m = json.loads((built / "manifest.json").read_text())
+    for op, key, sub, value in ops:
+        if op == "set":
+            m[key] = value
+        elif op == "delete":
+            m.pop(key, None)
+        elif isinstance(m.get(key), dict):
+            target = m[key]
+            if key == "files" and target:  # a file record, one level further down
+                target = target[sorted(target)[len(sub) % len(target)]]
+            if op == "set-in":
+                target[sub] = value
+            else:
+                target.pop(sub, None)
+    text = json.dumps(m, indent=1)
+    for pos, frag, cut in raw:
+        pos = min(pos, len(text))
+        text = text[:pos] + frag + text[pos + cut:]
+    d = Path(tempfile.mkdtemp(dir=tmp_path_factory.getbasetemp())) / "N300" / built.name
+    for src in built.rglob("*"):
+        dst = d / src.relative_to(built)
+        if src.is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+        elif src.name != "manifest.json":
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.link(src, dst)
+    (d / "manifest.json").write_bytes(text.encode("utf-8", "surrogateescape"))
+    run_case("package manifest", lambda: open_package(d, check_hashes=False))

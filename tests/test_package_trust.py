@@ -158,16 +158,17 @@ def test_main_class_must_be_the_packages_own_adapter(pkg, xdg, main_class, runne
 
 def test_tampered_adapter_with_updated_hash_is_refused_at_load(pkg, tmp_path):
     """An adapter rewritten to run code (and re-hashed) passes the hash check but not the adapter
-    whitelist: the engine refuses it before running a line."""
-    from ttbundle.runtime.model_runner import model_class
-
+    whitelist: verification refuses it (every command: tests/test_package_verdicts.py), and the
+    engine, with verification bypassed, refuses it before running a line."""
     mod, cls = _adapter(pkg)
     marker = tmp_path / "marker"
     src = pkg / f"{mod}.py"
     src.write_text(src.read_text() + f"\nopen({str(marker)!r}, 'w').write('ran')\n")
     _rehash(pkg, f"{mod}.py")
-    p = open_package(pkg, check_hashes=False)
+    with pytest.raises(package.PackageError, match="generated adapter rejected"):
+        open_package(pkg, check_hashes=False)
+    m = json.loads((pkg / package.MANIFEST).read_text())
     with pytest.raises(TTBundleError, match="generated adapter rejected"):
-        model_class(p)
+        package.load_adapter(pkg, m)
     assert not marker.exists()
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle import build as buildmod, manifest as manifest_schema, package, spec as specmod
+from ttbundle import build as buildmod, package, spec as specmod
 from ttbundle.errors import InvalidInput
 from ttbundle.runtime import serve as servemod
 
@@ -27,6 +27,7 @@ from test_build import ckpt, spec_text, write_spec  # noqa: F401  (session fixtu
 from test_package import built  # noqa: F401  (the N300 package, built once per module)
 
 ROOT = Path(__file__).resolve().parent.parent
+CODE = Path(package.__file__).resolve().parent.parent  # the ttbundle under test (for subprocesses)
 
 
 @pytest.fixture
@@ -308,6 +309,8 @@ def test_an_oversized_manifest_is_not_read(pkg, runner):
 
 def test_every_manifest_a_build_writes_reads_back(built):
     """The model accepts what `build` writes (one line per key: ttbundle/manifest.py)."""
+    from ttbundle import manifest as manifest_schema
+
     m = json.loads(_manifest_text(built))
     assert manifest_schema.problem(m, "m") is None
     assert set(m) <= set(manifest_schema.Manifest.model_fields)
@@ -320,7 +323,7 @@ def _unshare_ro(out: Path, argv: list[str]) -> subprocess.CompletedProcess:
     script = ('mount --bind "$0" "$0" && mount -o remount,ro,bind "$0" "$0" || exit 97; '
               'touch "$0/.probe" 2>/dev/null && exit 98; exec "$@"')
     return subprocess.run(["unshare", "-m", "sh", "-c", script, str(out), *argv], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(CODE)})
 
 
 def test_read_only_output_with_an_up_to_date_package(ckpt, tmp_path):
