@@ -35,7 +35,7 @@ ARCH = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_atte
 def spec_text(src: Path, layers: int, dtype: str = "bf16") -> str:
     dims = "\n".join(f"  {k}: {v}" for k, v in ARCH.items())
     return (f"name: bench\nmodel:\n  family: llama\n  num_hidden_layers: {layers}\n{dims}\n"
-            f"weights:\n  source: {src}\n  dtypes: {{default: {dtype}}}\n"
+            f"weights:\n  source: {src}\n  dtypes: {{default: {dtype}}}\ntokenizer: false\n"
             "targets: [T3K]\nbuckets: {prefill: [128, 1024], decode: [1, 8, 32], prefill_chunk: 1024}\n"
             "runtime: {max_model_len: 4096, max_num_seqs: 32}\n")
 

@@ -430,11 +430,11 @@ def test_unmapped_and_missing_checkpoint_tensors(tmp_path, ckpt):
     save_file({**sd, "model.layers.0.mlp.surprise.weight": torch.zeros(2, 2, dtype=torch.bfloat16)},
               str(bad / "model.safetensors"))
     with pytest.raises(InvalidInput, match="cannot map checkpoint tensor 'model.layers.0.mlp.surprise.weight'"):
-        buildmod.build(specmod.load(write_spec(tmp_path, bad)), "N150", tmp_path / "out")
+        buildmod.build(specmod.load(write_spec(tmp_path, bad, tokenizer=ckpt)), "N150", tmp_path / "out")
     sd.pop("model.layers.1.self_attn.k_proj.weight")
     save_file(sd, str(bad / "model.safetensors"))
     with pytest.raises(InvalidInput, match=r"no tensor 'model.layers.1.self_attn.k_proj.weight', needed for wk \(layer 1\)"):
-        buildmod.build(specmod.load(write_spec(tmp_path, bad)), "N150", tmp_path / "out")
+        buildmod.build(specmod.load(write_spec(tmp_path, bad, tokenizer=ckpt)), "N150", tmp_path / "out")
     assert registrable(tmp_path / "out" / "N150") == []
 
 
@@ -722,7 +722,7 @@ def test_other_families_convert_exactly(tmp_path, family):
         "targets: [N150, T3K, TG]", "targets: [N300, T3K]")
     b = specmod.loads(text, "x.yaml")
     reference.random_model(b, 0).to(torch.bfloat16).save_pretrained(str(tmp_path / "ckpt"))
-    (tmp_path / "s.yaml").write_text(text + "weights: {source: ckpt}\n")
+    (tmp_path / "s.yaml").write_text(text + "weights: {source: ckpt}\ntokenizer: false\n")
     b = specmod.load(tmp_path / "s.yaml")
     res = buildmod.build(b, "T3K", tmp_path / "out", warmup=False)
     got = package.load_package(res.package, verify=True).weights.canonical(torch.bfloat16)

@@ -152,7 +152,8 @@ def test_main_class_must_be_the_packages_own_adapter(pkg, xdg, main_class, runne
     m = json.loads((pkg / package.MANIFEST).read_text())
     m["main_class"] = mc
     (pkg / package.MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(package.PackageError, match="not this package's adapter"):
+    with pytest.raises(package.PackageError, match="not this package's adapter|field main_class: input should "
+                                                   "be a valid string, got 7"):
         package.verify_package(pkg)
 
 
