@@ -362,3 +362,20 @@ def test_runtime_docs_name_the_prefixes_api_key_guards():
             continue
         assert f'"{route}"' in routes, route
     assert "127.0.0.1" in section
+
+
+def test_init_says_when_there_is_no_tokenizer(tmp_path, runner):
+    from transformers import LlamaConfig
+
+    from ttbundle.cli import app
+
+    hf = tmp_path / "hf"
+    LlamaConfig(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=256, intermediate_size=512,
+                num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                max_position_embeddings=512).save_pretrained(hf)
+    r = runner.invoke(app, ["init", "--from-hf", str(hf), "-o", str(tmp_path / "s.yaml")])
+    assert r.exit_code == 0, r.output
+    assert "note: no tokenizer in" in r.output and "tokenizer: false" in " ".join(r.output.split())
+    (hf / "tokenizer_config.json").write_text("{}")  # configures a tokenizer; is none
+    r = runner.invoke(app, ["init", "--from-hf", str(hf), "-o", str(tmp_path / "s.yaml"), "--force"])
+    assert "note: no tokenizer in" in r.output

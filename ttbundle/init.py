@@ -191,7 +191,9 @@ def has_weights(d: Path) -> bool:
 
 
 def has_tokenizer(d: Path) -> bool:
-    return (d / "tokenizer.json").is_file() or (d / "tokenizer_config.json").is_file()
+    """Whether ``d`` has a tokenizer ``build`` accepts (``package.has_tokenizer``'s rule)."""
+    from .package import TOKENIZER_MODEL_FILES, has_tokenizer as makes_one
+    return makes_one({n for n in TOKENIZER_MODEL_FILES if (d / n).is_file()})
 
 
 def rel_path(target: Path, base_dir: Path) -> str:
@@ -261,7 +263,7 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
         sources.append(Entry("tokenizer", y(rel), field_doc(B, "tokenizer")))
     else:
         sources.append(Entry("tokenizer", y(rel), field_doc(B, "tokenizer")
-                             + [f"(no tokenizer.json / tokenizer_config.json in {one_line(rel)})"],
+                             + [f"(no tokenizer.json / tokenizer.model / vocab.json in {one_line(rel)})"],
                              disabled=True))
     sections["sources"] = sources
 
@@ -514,6 +516,10 @@ def _resolve(meshes, output, cfg, kw):
             plans, diags = plans_for(bundle)
             if not diags:
                 notes = [f"buckets: {n}" for n in kw["bucket_notes"]]
+                if not has_tokenizer(cfg.parent):
+                    notes.append(f"no tokenizer in {cfg.parent} (none of tokenizer.json, tokenizer.model, "
+                                 "vocab.json): `ttbundle build` refuses the spec until `tokenizer:` names the "
+                                 "model's tokenizer, or says `tokenizer: false` (token ids only)")
                 notes += [f"sharding.{k}: {v} because {reason}" for k, v in opts.items()]
                 notes += [f"sharding.targets.{m}: {', '.join(r)} replicated (their split is not whole "
                           "tiles per device there)" for m, r in targets.items()]
