@@ -120,7 +120,7 @@ def spec_text(src: Path, layers: int) -> str:
     dims = "\n".join(f"  {k}: {v}" for k, v in ARCH.items())
     return (f"name: bench-8b\nmodel:\n  family: llama\n  num_hidden_layers: {layers}\n{dims}\n"
             f"  rope_scaling: {ROPE}\n  tie_word_embeddings: false\n"
-            f"weights:\n  source: {src}\n  dtypes: {{default: bfp8}}\n"
+            f"weights:\n  source: {src}\n  dtypes: {{default: bfp8}}\ntokenizer: false\n"
             # bundles/llama-3.1-8b.yaml's buckets and runtime
             "targets: [N150]\nbuckets: {prefill: [128, 1024, 2048, 4096], decode: [1, 8, 32], prefill_chunk: 4096}\n"
             "runtime: {max_model_len: 32768, max_num_seqs: 32, kv_cache_dtype: bfp8}\n")
