@@ -42,6 +42,9 @@ PCC_MIN_FP32 = 0.9999
 QUANT_BOUNDS = {"bfp8": {"layer_pcc": 0.99, "top1": 0.9, "flips": 0.1},
                 "bfp4": {"layer_pcc": 0.85, "top1": 0.35, "flips": 0.35}}
 MAX_FLIP_SHARE = 0.1
+#: a reference top-1/top-2 logit margin within this many typical logit errors is a near-tie the
+#: package's numerics can flip (module docstring)
+MARGIN_SIGMAS = 4.0
 PCC_MIN_PREFILL_FLIPPED = 0.95
 
 
@@ -58,10 +61,15 @@ def pcc(a, b) -> float:
 
 @dataclass
 class LayerStat:
-    step: str  # "prefill" or "decode N"
-    layer: int
+    step: str  # "prefill", "decode N" or "image"
+    layer: int  # decoder layer; the head's is the number of decoder layers (it runs after them)
     max_abs: float
     pcc: float
+    stage: str = "layer"  # "layer", "head" (final norm + LM head: the logits) or "image"
+
+    @property
+    def name(self) -> str:
+        return f"layer {self.layer}" if self.stage == "layer" else self.stage
 
 
 @dataclass
@@ -71,16 +79,25 @@ class CheckReport:
     dtype: str
     prompt_len: int
     steps: int
+    #: the next-token prediction (argmax) of each side at every compared position: every prompt
+    #: position, then each decode step's (the last prompt position's is the first step's)
     ref_tokens: list[int]
     emu_tokens: list[int]
     layers: list[LayerStat] = field(default_factory=list)
     shapes_run: list = field(default_factory=list)
-    #: MoE only: {"moe_layers", "choices", "flipped", "flips": [(step label, layer)]}
+    #: MoE only: {"moe_layers", "choices", "flipped", "flips": [(step label, layer)],
+    #: "flipped_positions": [positions whose token took other experts in some layer]}
     routing: dict | None = None
     #: the package's storage: {"weights": {dtype: tensors}, "kv_cache": dtype}
     storage: dict = field(default_factory=lambda: {"weights": {"bf16": 1}, "kv_cache": "bf16"})
     kv_blocks: int = 0  # KV cache blocks the check allocated
     logits_pcc: list = field(default_factory=list)  # per step: next-token logits vs the reference
+    continuation: list = field(default_factory=list)  # the tokens fed as decode steps (teacher forcing)
+    #: per compared position: the reference's top-1 minus top-2 logit
+    margins: list = field(default_factory=list)
+    #: the typical logit error: median over positions of the std over the vocabulary of
+    #: (emulated - reference) logits
+    logit_error: float = 0.0
 
     @property
     def quantized(self) -> str | None:
@@ -89,26 +106,41 @@ class CheckReport:
         return "bfp4" if "bfp4" in fmts else "bfp8" if "bfp8" in fmts else None
 
     @property
+    def margin_bound(self) -> float:
+        """A top-1/top-2 margin the package's numerics can move: ``MARGIN_SIGMAS`` times the
+        typical logit error (module docstring)."""
+        return MARGIN_SIGMAS * self.logit_error
+
+    def step_of(self, position: int) -> str:
+        """The step label of a compared position."""
+        return "prefill" if position < self.prompt_len else f"decode {position - self.prompt_len + 1}"
+
+    @property
+    def decisive(self) -> list[int]:
+        """The compared positions whose reference margin exceeds :attr:`margin_bound` (MoE: and
+        whose token took the same experts on both sides in every layer)."""
+        flipped = set(self.routing["flipped_positions"]) if self.routing else set()
+        tau = self.margin_bound
+        return [p for p, m in enumerate(self.margins) if m > tau and p not in flipped]
+
+    @property
     def top1_agreement(self) -> float:
-        """Teacher-forced: the share of steps whose greedy token equals the reference's (MoE: of
-        the steps where both sides chose the same experts in every layer; another expert is
-        another function)."""
-        flipped = {f[0] for f in self.routing["flips"]} if self.routing else set()
-        pairs = [(a, b) for i, (a, b) in enumerate(zip(self.ref_tokens, self.emu_tokens))
-                 if ("prefill" if i == 0 else f"decode {i}") not in flipped]
-        return sum(a == b for a, b in pairs) / len(pairs) if pairs else 0.0
+        """Teacher-forced: the share of :attr:`decisive` positions whose next-token prediction
+        equals the reference's (1.0 when none is decisive)."""
+        d = self.decisive
+        return sum(self.ref_tokens[p] == self.emu_tokens[p] for p in d) / len(d) if d else 1.0
 
     @property
     def bounds(self) -> dict:
         """The pass bounds that apply (module docstring)."""
         if self.quantized:
-            return dict(QUANT_BOUNDS[self.quantized])
+            return {**QUANT_BOUNDS[self.quantized], "margin": self.margin_bound}
         if self.dtype == "bf16":
             return {"layer_pcc": PCC_MIN_BF16}
-        return {"tokens": "identical", "layer_pcc": PCC_MIN_FP32}
+        return {"tokens": "identical where decisive", "layer_pcc": PCC_MIN_FP32, "margin": self.margin_bound}
 
     def _explained(self, s: LayerStat) -> bool:
-        """A layer below the bf16 bound that a routing flip accounts for (module docstring)."""
+        """A stage below the bound that a routing flip accounts for (module docstring)."""
         if not self.routing:
             return False
         flips = {tuple(f) for f in self.routing["flips"]}
@@ -124,23 +156,19 @@ class CheckReport:
 
     @property
     def tokens_agree(self) -> bool:
-        return self.ref_tokens == self.emu_tokens
+        """Every decisive position's prediction is the reference's (a near-tie may differ)."""
+        return all(self.ref_tokens[p] == self.emu_tokens[p] for p in self.decisive)
 
     @property
     def first_token_divergence(self) -> int | None:
+        """The first compared position whose predictions differ (near-ties included)."""
         for i, (a, b) in enumerate(zip(self.ref_tokens, self.emu_tokens)):
             if a != b:
                 return i
         return None
 
-    def worst(self, layer: int) -> LayerStat:
-        return min((s for s in self.layers if s.layer == layer), key=lambda s: s.pcc)
-
-    def first_bad_layer(self, threshold: float) -> LayerStat | None:
-        for s in self.layers:  # in execution order: prefill layers, then each decode step
-            if s.pcc < threshold:
-                return s
-        return None
+    def _bound(self) -> float:
+        return self.bounds["layer_pcc"]
 
     @property
     def passed(self) -> bool:
@@ -153,24 +181,35 @@ class CheckReport:
         return self.flips_ok and all(s.pcc >= PCC_MIN_BF16 or self._explained(s) for s in self.layers)
 
     def diverging(self) -> LayerStat | None:
-        """The first (step, layer) that explains a failure."""
-        if self.quantized or self.dtype == "bf16":
-            bound = self.bounds["layer_pcc"]
-            return next((s for s in self.layers if s.pcc < bound and not self._explained(s)), None) \
-                or (min(self.layers, key=lambda s: s.pcc) if self.layers and not self.passed else None)
-        bad = self.first_bad_layer(PCC_MIN_FP32)
-        return bad or (min(self.layers, key=lambda s: s.pcc) if self.layers else None)
+        """The first (step, stage) that explains a failure: the first stage below its bound (in
+        execution order: the image, each step's layers, then its head), else, where the
+        predictions fail, the head at the first decisive position that differs."""
+        if self.passed or not self.layers:
+            return None
+        bound = self._bound()
+        explain = self.dtype == "bf16" or self.quantized
+        bad = next((s for s in self.layers if s.pcc < bound and not (explain and self._explained(s))), None)
+        if bad is not None:
+            return bad
+        wrong = next((p for p in self.decisive if self.ref_tokens[p] != self.emu_tokens[p]), None)
+        if wrong is not None:
+            step = self.step_of(wrong)
+            return next(s for s in self.layers if s.stage == "head" and s.step == step)
+        return min(self.layers, key=lambda s: s.pcc)
 
     def to_json(self) -> dict:
-        d = self.diverging() if not self.passed else None
+        d = self.diverging()
         return {
             "bundle": self.bundle, "mesh": self.mesh, "dtype": self.dtype, "passed": self.passed,
             "prompt_len": self.prompt_len, "steps": self.steps, "tokens_agree": self.tokens_agree,
             "first_token_divergence": self.first_token_divergence,
             "ref_tokens": self.ref_tokens, "emulated_tokens": self.emu_tokens,
-            "first_diverging": None if d is None else {"step": d.step, "layer": d.layer,
+            "continuation": self.continuation, "compared_positions": len(self.ref_tokens),
+            "decisive_positions": len(self.decisive), "margin_bound": self.margin_bound,
+            "logit_error": self.logit_error, "margins": self.margins,
+            "first_diverging": None if d is None else {"step": d.step, "layer": d.layer, "stage": d.stage,
                                                        "pcc": d.pcc, "max_abs": d.max_abs},
-            "layers": [s.__dict__ for s in self.layers],
+            "layers": [dict(s.__dict__) for s in self.layers],
             "shapes_run": [list(s) for s in sorted(self.shapes_run)],
             "storage": self.storage, "quantized": self.quantized, "bounds": self.bounds,
             "top1_agreement": self.top1_agreement, "kv_blocks": self.kv_blocks,
@@ -178,18 +217,6 @@ class CheckReport:
             "routing": None if self.routing is None else {**self.routing,
                                                           "flips": [list(f) for f in self.routing["flips"]]},
         }
-
-
-def _decoder_layers(model):
-    for path in ("model.layers", "model.language_model.layers", "transformer.h"):
-        obj = model
-        try:
-            for p in path.split("."):
-                obj = getattr(obj, p)
-            return list(obj)
-        except AttributeError:
-            continue
-    raise RuntimeError(f"cannot find the decoder layers of {type(model).__name__}")
 
 
 def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_weights: bool = False,
@@ -232,7 +259,8 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     """``ttbundle check PACKAGE_DIR``: the package's own programs on its own weight bytes (bf16
     values, bfp8/bfp4 tiles decoded as ttnn decodes them), its KV cache in its declared dtype,
     against transformers in float32 on the checkpoint in ``reference_dir`` (rounded to bf16, the
-    package's finest storage), its KV cache stored like the package's when that is bf16."""
+    package's finest storage), its KV cache stored like the package's when that is bf16. Both
+    sides hold one decoder layer at a time (module docstring)."""
     import torch
 
     from . import reference
@@ -246,9 +274,6 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     bundle = pkg.bundle
     rt = bundle.spec.runtime
     kv_dtype = rt.kv_cache_dtype
-    hf = reference.load_model(reference_dir)
-    reference.round_to_bf16(hf)
-    hf = hf.to(tdtype).to(device)
 
     b = bundle.buckets
     chunk = b.prefill_chunk or max(b.prefill)
@@ -271,43 +296,29 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
         prompt_len = len(prompt)
     if part is not None and hasattr(part, "rope_positions"):  # M-RoPE: the prompt's 3-row positions
         rope, delta = part.rope_positions(bundle.arch.vision, prompt, inputs)
+    cont = continuation(prompt, steps - 1, () if part is None else
+                        set(part.special_tokens(bundle.arch.vision)) | {part.placeholder(bundle.arch.vision)})
+    seq = prompt + cont
+    labels = ["prefill"] * prompt_len + [f"decode {i}" for i in range(1, steps)]
 
-    # reference: per-layer outputs via forward hooks (independent of hidden_states conventions)
-    cap: list = []
-    decoder = _decoder_layers(hf)
-    hooks = [layer.register_forward_hook(lambda m, i, o: cap.append((o[0] if isinstance(o, tuple) else o)))
-             for layer in decoder]
+    # the reference: transformers' skeleton; one layer materialized at a time
+    ref = reference.LayerwiseModel(reference_dir, tdtype, device, kv_dtype if kv_dtype == "bf16" else None)
+    n_layers = len(ref.layers)
     router = bundle.family.hf_router
-    routes: dict = {"hf": [], "emu": []}  # (layer, [set of experts per token]) in call order
+    routes: dict = {"hf": {}, "emu": {}}  # layer -> [set of experts per token] in sequence order
+    hooks = []
     if router:
-        for li, layer in enumerate(decoder):
+        for li, layer in enumerate(ref.layers):
             for m in layer.modules():
                 if type(m).__name__ == router[0]:
                     hooks.append(m.register_forward_hook(
-                        lambda m, i, o, li=li: routes["hf"].append((li, [set(r) for r in o[2].tolist()]))))
-    ref_layers, ref_tokens, ref_logits = [], [], []
-    try:
-        with torch.no_grad():
-            past = reference.kv_cache(hf, kv_dtype if kv_dtype == "bf16" else None)
-            kw = {} if mm is None else part.reference_kwargs(bundle.arch.vision, prompt, inputs, device)
-            out = hf(torch.tensor([prompt], device=device), past_key_values=past, use_cache=True, **kw)
-            ref_layers.append([c[0] for c in cap])
-            cap.clear()
-            past = out.past_key_values
-            tok = int(out.logits[0, -1].argmax())
-            ref_tokens.append(tok)
-            ref_logits.append(out.logits[0, -1].float().cpu())
-            for _ in range(steps - 1):
-                out = hf(torch.tensor([[tok]], device=device), past_key_values=past, use_cache=True)
-                ref_layers.append([c[0, 0] for c in cap])
-                cap.clear()
-                past = out.past_key_values
-                tok = int(out.logits[0, -1].argmax())
-                ref_tokens.append(tok)
-                ref_logits.append(out.logits[0, -1].float().cpu())
-    finally:
-        for h in hooks:
-            h.remove()
+                        lambda m, i, o, li=li: routes["hf"].setdefault(li, []).extend(set(r) for r in o[2].tolist())))
+    image_ref = []
+    kw = {} if mm is None else part.reference_kwargs(bundle.arch.vision, seq, inputs, device)
+    h_ref, layer_calls = ref.record(
+        seq, images=mm is not None, **kw,
+        on_vision=None if mm is None else
+        lambda: image_ref.append(part.reference_features(ref.model, inputs, device).float().cpu()))
 
     kernels = None
     if router:
@@ -316,54 +327,91 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
 
         def route(ctx, layer, scores):  # device 0's routing weights: nonzero = chosen
             r = base(ctx, layer, scores)
-            routes["emu"].append((layer, [set(torch.nonzero(row).flatten().tolist()) for row in r[0]]))
+            routes["emu"].setdefault(layer, []).append([set(torch.nonzero(row).flatten().tolist()) for row in r[0]])
             return r
         kernels = {router[1]: route}
-    model = EmulatedModel.from_package(pkg, dtype=tdtype, device=device, kernels=kernels)
+    model = EmulatedModel.from_package(pkg, dtype=tdtype, device=device, kernels=kernels, lazy=True)
     # only the KV blocks this prompt and these steps need (block 0 stays unused, as vLLM's null block)
     need = -(-(prompt_len + steps) // rt.kv_block_size)
     runner = Runner(model, num_blocks=need + 1)
     blocks = list(range(1, need + 1))
-    emu_layers: list = []
-    emu_logits = []
+    stats: list = []
     image_stat = None
+
+    def free():
+        model.release()
+        pkg.weights.close()  # the files' mmaps too: what was read does not stay resident
+
     with torch.no_grad():
         if mm is not None:  # the package's vision program against transformers' image features
             mm["embeds"] = model.encode_images(inputs["pixel_values"].to(device), inputs.get("image_grid_thw"))
+            free()
             need = part.bucket_need(bundle.arch.vision, inputs)
             runner.shapes_run.add(("vision", min(b for ph, b in model.programs if ph == "vision" and b >= need)))
-            ref_img = part.reference_features(hf, inputs, device).float().cpu()
             e = mm["embeds"].float().cpu()
-            image_stat = LayerStat("image", 0, float((ref_img - e).abs().max()), pcc(ref_img, e))
-        logits = runner.prefill(prompt, blocks, capture=emu_layers, mm=mm, rope_positions=rope)
-        emu_tokens = [int(logits.argmax())]
-        emu_logits.append(logits.float().cpu())
-        prefill_caps = [torch.cat([c[i] for c in emu_layers], dim=0) for i in range(len(emu_layers[0]))]
-        per_step = [prefill_caps]
-        pos = prompt_len
-        for i in range(steps - 1):
-            c: list = []
-            lg = runner.decode([ref_tokens[i]], [pos], [blocks], capture=c,
-                               rope_deltas=None if rope is None else [delta])
-            pos += 1
-            emu_tokens.append(int(lg[0].argmax()))
-            emu_logits.append(lg[0].float().cpu())
-            per_step.append([x[0] for x in c[0]])
+            image_stat = LayerStat("image", 0, float((image_ref[0] - e).abs().max()), pcc(image_ref[0], e), "image")
+        calls = runner.prefill_calls(prompt, blocks, capture=True, mm=mm, rope_positions=rope, every_row=True)
+        n_pre = len(calls)
+        calls += [runner.decode_call([t], [prompt_len + i], [blocks], capture=True,
+                                     rope_deltas=None if rope is None else [delta]) for i, t in enumerate(cont)]
 
-    report = CheckReport(bundle.spec.name, pkg.mesh.name, dtype, prompt_len, steps, ref_tokens, emu_tokens,
+        def after(stage):
+            nonlocal h_ref
+            _, li = stage
+            free()
+            if li is None:
+                return
+            emu = torch.cat([c.capture.pop()[0, :c.rows] if k < n_pre else c.capture.pop()[:c.rows, 0]
+                             for k, c in enumerate(calls)]).float().cpu()
+            h_ref = ref.run_layer(li, h_ref, layer_calls[li])
+            stats.extend(_stats(h_ref[0].float().cpu(), emu, labels, li, "layer"))
+            if router and li in routes["hf"]:
+                rows = routes["emu"].pop(li, [])
+                routes["emu"][li] = sum((r[:c.rows] for r, c in zip(rows, calls)), [])
+
+        out = model.run_layer_major(calls, after_stage=after)
+        emu_logits = torch.cat([lg[0, :c.rows] if k < n_pre else lg[:c.rows, 0]
+                                for k, (lg, c) in enumerate(zip(out, calls))]).float().cpu()
+        del out
+        ref_logits = ref.head(h_ref)[0].float().cpu()
+    for h in hooks:
+        h.remove()
+    stats.extend(_stats(ref_logits, emu_logits, labels, n_layers, "head"))
+    order = {lab: i for i, lab in enumerate(dict.fromkeys(labels))}
+    stats.sort(key=lambda s: (order[s.step], s.layer))
+    top2 = ref_logits.topk(2, dim=-1).values
+    err = (emu_logits.double() - ref_logits.double()).std(dim=-1, unbiased=False)
+    report = CheckReport(bundle.spec.name, pkg.mesh.name, dtype, prompt_len, steps,
+                         ref_logits.argmax(-1).tolist(), emu_logits.argmax(-1).tolist(), layers=stats,
                          shapes_run=sorted(runner.shapes_run), storage=storage_of(pkg),
-                         kv_blocks=runner.kv.num_blocks)
-    for si, (r_layers, e_layers) in enumerate(zip(ref_layers, per_step)):
-        label = "prefill" if si == 0 else f"decode {si}"
-        for li, (r, e) in enumerate(zip(r_layers, e_layers)):
-            r, e = r.float().cpu(), e.float().cpu().reshape(r.shape)
-            report.layers.append(LayerStat(label, li, float((r - e).abs().max()), pcc(r, e)))
+                         kv_blocks=runner.kv.num_blocks, continuation=cont,
+                         margins=(top2[:, 0] - top2[:, 1]).tolist(), logit_error=float(err.median()))
     if image_stat is not None:
         report.layers.insert(0, image_stat)
-    report.logits_pcc = [pcc(r, e) for r, e in zip(ref_logits, emu_logits)]
+    last = prompt_len - 1
+    report.logits_pcc = [pcc(ref_logits[p], emu_logits[p]) for p in range(last, len(seq))]
     if router:
-        report.routing = _routing(routes, prompt_len, chunk, steps)
+        report.routing = _routing(routes, labels)
     return report
+
+
+def continuation(prompt: list[int], n: int, special=()) -> list[int]:
+    """The ``n`` tokens fed as decode steps: the prompt's own (text) tokens again, from its start.
+    Fixed before anything runs, so every layer can run over every step in turn (the greedy
+    token of a step is known only after the last layer); a repeated text is what a trained model
+    predicts with confidence (decisive margins), where a random one gives near-ties."""
+    text = [t for t in prompt if t not in special] or [0]
+    return [text[i % len(text)] for i in range(n)]
+
+
+def _stats(ref, emu, labels: list, layer: int, stage: str) -> list:
+    """Per step: the prompt's positions together, each decode step's alone."""
+    out = []
+    for lab in dict.fromkeys(labels):
+        idx = [i for i, x in enumerate(labels) if x == lab]
+        r, e = ref[idx[0]:idx[-1] + 1], emu[idx[0]:idx[-1] + 1].reshape(len(idx), -1)
+        out.append(LayerStat(lab, layer, float((r - e).abs().max()), pcc(r, e), stage))
+    return out
 
 
 def recorded_checkpoint(pkg_dir) -> Path:
@@ -400,33 +448,26 @@ def storage_of(pkg) -> dict:
     return {"weights": counts, "kv_cache": pkg.bundle.spec.runtime.kv_cache_dtype}
 
 
-def _routing(routes: dict, prompt_len: int, chunk: int, steps: int) -> dict:
-    """Both sides' expert choices per (step, MoE layer, token) compared: the prefill's chunks
-    joined and bucket padding dropped on the emulated side."""
+def _routing(routes: dict, labels: list) -> dict:
+    """Both sides' expert choices per (token, MoE layer) compared (the emulated calls' rows
+    joined in sequence order, bucket padding dropped)."""
     hf, emu = routes["hf"], routes["emu"]
-    moe = sorted({li for li, _ in hf})
-    n = len(moe)
-    if not n or len(hf) != n * steps:
-        raise RuntimeError(f"router calls: {len(hf)} for {n} MoE layers x {steps} steps")
-    n_chunks = -(-prompt_len // chunk)
-    lens = [min(chunk, prompt_len - c * chunk) for c in range(n_chunks)]
-    if len(emu) != n * (n_chunks + steps - 1):
-        raise RuntimeError(f"emulated router calls: {len(emu)}, expected {n * (n_chunks + steps - 1)}")
-    emu_steps = [{li: sum((emu[c * n + k][1][:lens[c]] for c in range(n_chunks)), [])
-                  for k, li in enumerate(moe)}]
-    for st in range(steps - 1):
-        base = (n_chunks + st) * n
-        emu_steps.append({li: emu[base + k][1][:1] for k, li in enumerate(moe)})
-    flips, flipped, choices = [], 0, 0
-    for si in range(steps):
-        label = "prefill" if si == 0 else f"decode {si}"
-        for k, li in enumerate(moe):
-            h, e = hf[si * n + k][1], emu_steps[si][li]
-            if len(h) != len(e):
-                raise RuntimeError(f"{label} layer {li}: {len(h)} reference tokens, {len(e)} emulated")
-            bad = sum(a != b for a, b in zip(h, e))
-            choices += len(h)
-            flipped += bad
-            if bad:
-                flips.append((label, li))
-    return {"moe_layers": moe, "choices": choices, "flipped": flipped, "flips": flips}
+    moe = sorted(hf)
+    if not moe:
+        raise RuntimeError("no router calls recorded on the reference")
+    flips, flipped, choices, positions = [], 0, 0, set()
+    for li in moe:
+        h, e = hf[li], emu.get(li, [])
+        if len(h) != len(labels) or len(e) != len(labels):
+            raise RuntimeError(f"layer {li}: {len(h)} reference tokens routed, {len(e)} emulated, "
+                               f"{len(labels)} in the sequence")
+        bad = [p for p, (a, b) in enumerate(zip(h, e)) if a != b]
+        choices += len(h)
+        flipped += len(bad)
+        positions.update(bad)
+        for lab in dict.fromkeys(labels[p] for p in bad):
+            flips.append((lab, li))
+    order = {lab: i for i, lab in enumerate(dict.fromkeys(labels))}
+    flips.sort(key=lambda f: (order[f[0]], f[1]))
+    return {"moe_layers": moe, "choices": choices, "flipped": flipped, "flips": flips,
+            "flipped_positions": sorted(positions)}

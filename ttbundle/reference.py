@@ -145,3 +145,310 @@ def kv_cache(model, storage: str | None = None):
             return super().update(k, v, layer_idx, *args, **kwargs)
 
     return RoundingCache(config=model.config)
+
+
+# ---- transformers one layer at a time -------------------------------------------------------------
+class _Recorded(Exception):
+    """Raised by the last layer's recorder: the recording forward has what it needs."""
+
+
+def _params_on_meta():
+    """A context in which every parameter a module registers goes to the ``meta`` device (no
+    memory, no init) while buffers stay real (rotary tables, embedding scales): transformers'
+    skeleton of a model of any size."""
+    import contextlib
+
+    import torch
+
+    @contextlib.contextmanager
+    def ctx():
+        register = torch.nn.Module.register_parameter
+
+        def on_meta(module, name, param):
+            register(module, name, param)
+            if param is not None and param.device.type != "meta":
+                p = module._parameters[name]
+                module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+        torch.nn.Module.register_parameter = on_meta
+        try:
+            yield
+        finally:
+            torch.nn.Module.register_parameter = register
+    return ctx()
+
+
+class LayerwiseModel:
+    """transformers' model of a checkpoint, never whole in memory: a skeleton whose parameters
+    are on the ``meta`` device, and the parts a step needs read from the (memory-mapped)
+    safetensors through transformers' own key renamings and weight conversions (those that
+    fuse MoE experts in memory), rounded to bf16 (:func:`round_to_bf16`) and freed after.
+
+    :meth:`record` runs the model's own forward over a token sequence with every decoder layer
+    replaced by a recorder of its arguments (masks of each attention type, position embeddings,
+    M-RoPE positions ...), holding only the rows of the embedding the sequence uses (and the
+    vision tower, for images); :meth:`run_layer` then runs one decoder layer, materialized, over
+    the whole sequence with a cache of its own (``kv_storage``: :func:`kv_cache`);
+    :meth:`head` the final norm, LM head and final logit soft-capping."""
+
+    def __init__(self, directory: str | Path, dtype=None, device="cpu", kv_storage: str | None = None):
+        import torch
+        import transformers
+
+        _quiet()
+        self.dir = Path(directory)
+        self.dtype = dtype or torch.float32
+        self.device = torch.device(device)
+        self.kv_storage = kv_storage
+        try:
+            cfg = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+            with _params_on_meta():
+                model = auto_class(cfg.model_type).from_config(
+                    cfg, dtype=torch.float32, attn_implementation="eager", experts_implementation=EXPERTS)
+        except (OSError, ValueError) as e:
+            raise InvalidInput(f"{directory}: transformers cannot load it as a causal LM: {e}") from None
+        self.model = model.eval()
+        _apply_real(self.model, self.dtype, self.device)  # the buffers, as model.to(dtype) would
+        self.layers, self.layers_name = _layers(model)
+        names = {id(m): n for n, m in model.named_modules(remove_duplicate=False)}
+        self.embed = model.get_input_embeddings()
+        self.embed_name = names[id(self.embed)]
+        self.lm_head = model.get_output_embeddings()
+        self.norm = model.get_submodule(self.layers_name.rpartition(".")[0]).norm
+        self.norm_name = names[id(self.norm)]
+        self.head_name = names[id(self.lm_head)]
+        self.files = _safetensors_files(self.dir)
+        self._index()
+
+    def _conversions(self):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        return get_model_conversion_mapping(self.model, None, None)
+
+    def _index(self) -> None:
+        """Each checkpoint tensor's file and the model parameter it loads into."""
+        from safetensors import safe_open
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+        conv = self._conversions()
+        ren = [c for c in conv if isinstance(c, WeightRenaming)]
+        cvt = [c for c in conv if isinstance(c, WeightConverter)]
+        meta = self.model.state_dict()
+        self.where: dict = {}
+        for f in self.files:
+            with safe_open(str(f), framework="pt") as h:
+                for k in h.keys():
+                    self.where[k] = (f, rename_source_key(k, ren, cvt, self.model.base_model_prefix, meta)[0])
+
+    def _keys(self, prefix: str) -> list:
+        return [k for k, (_, r) in self.where.items() if r == prefix or r.startswith(prefix + ".")]
+
+    def load(self, prefix: str, keys: list | None = None) -> None:
+        """Materialize the parameters under module ``prefix`` from the checkpoint, rounded to
+        bf16: the tensors that load under it, or ``keys`` (then unchecked: the parts outside the
+        decoder, which a text-only prompt leaves on the meta device)."""
+        from safetensors import safe_open
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        module = self.model.get_submodule(prefix)
+        check = keys is None
+        keys = self._keys(prefix) if keys is None else keys
+        handles = {}
+        try:
+            sd = {}
+            for k in keys:
+                f = self.where[k][0]
+                if f not in handles:
+                    handles[f] = safe_open(str(f), framework="pt")
+                sd[k] = handles[f].get_slice(k)
+            convert_and_load_state_dict_in_model(
+                self.model, sd, LoadStateDictConfig(dtype=None, weight_mapping=self._conversions()))
+        finally:
+            handles.clear()  # their mmaps go with them
+        missing = [n for n, p in module.named_parameters() if p.device.type == "meta"] if check else []
+        if missing:
+            raise InvalidInput(f"{self.dir}: the checkpoint has no tensors for {prefix}."
+                               f"{missing[0]} ({len(missing)} parameters missing)")
+        round_to_bf16(module)
+        _apply_real(module, self.dtype, self.device)
+
+    def free(self, prefix: str) -> None:
+        """Back to the meta device: the memory of the module's parameters is released."""
+        import torch
+        module = self.model.get_submodule(prefix)
+        for m in module.modules():
+            for n, p in list(m._parameters.items()):
+                if p is not None and p.device.type != "meta":
+                    m._parameters[n] = torch.nn.Parameter(p.to("meta"), requires_grad=False)
+
+    def _compact_embedding(self, ids: list[int]):
+        """The embedding with only the rows of ``ids`` (read from the checkpoint), its input ids
+        mapped to them by a pre-hook: the table of a 128k vocabulary is never read whole."""
+        import torch
+        from safetensors import safe_open
+
+        (key,) = self._keys(self.embed_name) or [None]
+        if key is None:
+            raise InvalidInput(f"{self.dir}: the checkpoint has no embedding ({self.embed_name}.weight)")
+        uniq = sorted(set(ids))
+        with safe_open(str(self.where[key][0]), framework="pt") as h:
+            s = h.get_slice(key)
+            rows = torch.cat([s[r:r + 1] for r in uniq]).float()
+        rows = rows.to(torch.bfloat16).to(torch.float32).to(self.dtype).to(self.device)
+        remap = torch.full((self.embed.num_embeddings,), -1, dtype=torch.long, device=self.device)
+        remap[torch.tensor(uniq, device=self.device)] = torch.arange(len(uniq), device=self.device)
+        self.embed.weight = torch.nn.Parameter(rows, requires_grad=False)
+        self.embed.padding_idx = None  # (gradients only)
+
+        def pre(module, args):
+            idx = remap[args[0]]
+            if bool((idx < 0).any()):
+                raise RuntimeError("the embedding was read for other token ids than it is given")
+            return (idx,) + tuple(args[1:])
+        return self.embed.register_forward_pre_hook(pre)
+
+    def record(self, ids: list[int], images: bool = False, on_vision=None, **kwargs):
+        """The model's forward over ``ids`` up to the first decoder layer; returns (the first
+        layer's input [1, T, hidden], per layer the (args, kwargs) it was called with).
+        ``images``: the parts outside the decoder (vision tower, projector) are read for it and
+        ``on_vision()`` runs while they are (the image features); freed after."""
+        import torch
+
+        rest = None
+        if images:
+            head = (self.embed_name, self.norm_name, self.head_name)
+            rest = [k for k, (_, r) in self.where.items()
+                    if not r.startswith(self.layers_name + ".") and not any(r == p or r.startswith(p + ".") for p in head)]
+            self.load("", rest)
+        hook = self._compact_embedding(ids)
+        calls: dict = {}
+        original = list(self.layers)
+        n = len(original)
+        recorder = _make_recorder()
+        for i in range(n):
+            self.layers[i] = recorder(i, i == n - 1, calls)
+        try:
+            if on_vision is not None:
+                on_vision()
+            cache = kv_cache(self.model, self.kv_storage)
+            with torch.no_grad():
+                try:
+                    self.model.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache,
+                                     use_cache=True, **kwargs)
+                except _Recorded:
+                    pass
+        finally:
+            for i, layer in enumerate(original):
+                self.layers[i] = layer
+            hook.remove()
+            self.free(self.embed_name)
+            if rest is not None:
+                self.free("")
+        if len(calls) != n:
+            raise RuntimeError(f"the recording forward reached {len(calls)} of {n} decoder layers")
+        h0 = calls[0][0][0]
+        return h0, [(args[1:], kw) for args, kw in (calls[i] for i in range(n))]
+
+    def run_layer(self, i: int, h, call):
+        """Decoder layer ``i``, read from the checkpoint, over ``h`` [1, T, hidden] with the
+        arguments :meth:`record` gave it and a cache of its own; freed after."""
+        import torch
+
+        prefix = f"{self.layers_name}.{i}"
+        self.load(prefix)
+        try:
+            args, kw = call
+            kw = dict(kw)
+            if "past_key_values" in kw:
+                kw["past_key_values"] = kv_cache(self.model, self.kv_storage)
+            with torch.no_grad():
+                out = self.layers[i](h, *args, **kw)
+            return out[0] if isinstance(out, tuple) else out
+        finally:
+            self.free(prefix)
+
+    def head(self, h):
+        """The final norm, the LM head and the model's final logit soft-capping (where its
+        config has one, as its ``ForCausalLM`` applies it) over ``h`` [1, T, hidden]."""
+        import torch
+
+        self.load(self.norm_name)
+        if self._keys(self.head_name):
+            self.load(self.head_name)
+        else:  # tied to the embedding: the checkpoint stores the table once
+            self._load_tied()
+        try:
+            with torch.no_grad():
+                logits = self.lm_head(self.norm(h))
+                cap = getattr(self.model.config, "final_logit_softcapping", None)
+                if cap:
+                    logits = torch.tanh(logits / cap) * cap
+            return logits
+        finally:
+            self.free(self.norm_name)
+            self.free(self.head_name)
+
+    def _load_tied(self) -> None:
+        import torch
+        from safetensors import safe_open
+
+        (key,) = self._keys(self.embed_name)
+        with safe_open(str(self.where[key][0]), framework="pt") as h:
+            w = h.get_tensor(key)
+        w = w.to(torch.bfloat16).to(torch.float32).to(self.dtype).to(self.device)
+        self.lm_head.weight = torch.nn.Parameter(w, requires_grad=False)
+
+
+def _make_recorder():
+    import torch
+
+    class Recorder(torch.nn.Module):
+        """Stands in for decoder layer ``i`` in a recording forward: keeps its arguments, passes
+        the hidden states through; the last one stops the forward."""
+
+        def __init__(self, i, last, calls):
+            super().__init__()
+            self.i, self.last, self.calls = i, last, calls
+
+        def forward(self, *args, **kwargs):
+            self.calls[self.i] = (args, kwargs)
+            if self.last:
+                raise _Recorded
+            return args[0]
+    return Recorder
+
+
+def _apply_real(module, dtype, device) -> None:
+    """``module.to(dtype, device)`` for the tensors that are not on the meta device."""
+    import torch
+
+    for m in module.modules():
+        for store in (m._parameters, m._buffers):
+            for n, t in list(store.items()):
+                if t is None or t.device.type == "meta":
+                    continue
+                t2 = t.to(device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+                if t2 is not t:
+                    store[n] = torch.nn.Parameter(t2, requires_grad=False) if isinstance(t, torch.nn.Parameter) else t2
+
+
+def _layers(model):
+    """The model's decoder layers (a ModuleList) and its qualified name."""
+    for path in ("model.layers", "model.language_model.layers", "transformer.h"):
+        try:
+            return model.get_submodule(path), path
+        except AttributeError:
+            continue
+    raise RuntimeError(f"cannot find the decoder layers of {type(model).__name__}")
+
+
+def _safetensors_files(d: Path) -> list[Path]:
+    import json
+
+    index = d / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted({d / f for f in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise InvalidInput(f"{d}: no safetensors weights (check reads a checkpoint's *.safetensors)")
+    return files

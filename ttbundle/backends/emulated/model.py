@@ -534,10 +534,11 @@ class Runner:
         return calls[-1].logits[0, 0]
 
     def prefill_calls(self, tokens: list[int], page_table: list[int], start: int = 0, capture: bool = False,
-                      mm: dict | None = None, rope_positions=None) -> list:
+                      mm: dict | None = None, rope_positions=None, every_row: bool = False) -> list:
         """:meth:`prefill` as its program calls, one per chunk, not yet run (:class:`Stages`;
         run them in order, or layer by layer with ``EmulatedModel.run_layer_major``); a call's
-        ``logits`` [1, 1, vocab] are its chunk's last token's."""
+        ``logits`` [1, 1, vocab] are its chunk's last token's, or with ``every_row`` [1, bucket,
+        vocab] every row's (the head run on each row, as it runs on the last)."""
         calls = []
         rank = {} if mm is None else {j: r for r, j in enumerate(mm["positions"])}
         pos = start
@@ -565,7 +566,8 @@ class Runner:
                 rp[:, 0, :len(chunk)] = rope_positions[:, i:i + len(chunk)]
             c = self.model.stages(self.model.program("prefill", bucket), t,
                                   torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv,
-                                  [] if capture else None, mm=mmc, rope_positions=rp, last=[len(chunk) - 1])
+                                  [] if capture else None, mm=mmc, rope_positions=rp,
+                                  last=None if every_row else [len(chunk) - 1])
             c.rows = len(chunk)
             calls.append(c)
             pos += len(chunk)
