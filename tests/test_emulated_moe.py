@@ -103,18 +103,22 @@ def moe_layers(bundle) -> list[int]:
 
 
 def expert_sets(rec, bundle, report) -> tuple[list, list]:
-    """Both sides' choices as [step][moe layer][token] -> set of experts (prefill chunks joined,
-    bucket padding dropped)."""
+    """Both sides' choices as [step][moe layer][token] -> set of experts. The check runs layer
+    by layer: the reference routes each MoE layer once over the whole sequence (prompt, then
+    the decode steps' tokens), the emulated mesh once per call (prefill chunks, then each
+    decode step) of that layer; bucket padding dropped."""
     n = len(moe_layers(bundle))
     chunk = bundle.buckets.prefill_chunk
-    n_chunks = -(-report.prompt_len // chunk)
-    hf = [rec["hf"][i:i + n] for i in range(0, len(rec["hf"]), n)]
-    emu_calls = [rec["emu"][i:i + n] for i in range(0, len(rec["emu"]), n)]
-    lens = [min(chunk, report.prompt_len - c * chunk) for c in range(n_chunks)]
-    prefill = [sum((emu_calls[c][li][:lens[c]] for c in range(n_chunks)), []) for li in range(n)]
-    emu = [prefill] + [[calls[li][:1] for li in range(n)] for calls in emu_calls[n_chunks:]]
-    assert len(hf) == len(emu) == report.steps
-    return hf, emu
+    P = report.prompt_len
+    rows = [min(chunk, P - c) for c in range(0, P, chunk)] + [1] * (report.steps - 1)
+    hf = rec["hf"]
+    per_layer = [rec["emu"][i:i + len(rows)] for i in range(0, len(rec["emu"]), len(rows))]
+    emu = [sum((call[:k] for call, k in zip(calls, rows)), []) for calls in per_layer]
+    assert len(hf) == len(emu) == n and all(len(x) == P + report.steps - 1 for x in hf + emu)
+
+    def by_step(layers):
+        return [[x[:P] for x in layers]] + [[x[P + i - 1:P + i] for x in layers] for i in range(1, report.steps)]
+    return by_step(hf), by_step(emu)
 
 
 # ---- whole models vs transformers ---------------------------------------------------------------

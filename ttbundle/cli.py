@@ -225,23 +225,27 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
         from rich.table import Table
         t = Table(title=f"{report.bundle} on {report.mesh} vs transformers ({report.dtype}, prompt "
                   f"{report.prompt_len} tokens, {report.steps} steps)", title_justify="left", show_edge=False)
-        for c in ("layer", "prefill max|err|", "prefill PCC", "worst decode max|err|", "worst decode PCC"):
+        for c in ("stage", "prefill max|err|", "prefill PCC", "worst decode max|err|", "worst decode PCC"):
             t.add_column(c, justify="right")
         text = [s for s in report.layers if s.step != "image"]
-        layers = sorted({s.layer for s in text})
-        for li in layers:
+        for li in sorted({s.layer for s in text}):
             pre = next(s for s in text if s.layer == li and s.step == "prefill")
             dec = [s for s in text if s.layer == li and s.step != "prefill"]
             w = min(dec, key=lambda s: s.pcc) if dec else None
-            t.add_row(str(li), f"{pre.max_abs:.3g}", f"{pre.pcc:.6f}",
+            t.add_row(str(li) if pre.stage == "layer" else pre.stage, f"{pre.max_abs:.3g}", f"{pre.pcc:.6f}",
                       f"{w.max_abs:.3g}" if w else "-", f"{w.pcc:.6f}" if w else "-")
         out.print(t)
         for s in report.layers:
             if s.step == "image":
                 out.print(f"image soft tokens (vision program vs transformers): max|err| {s.max_abs:.3g}, "
                           f"PCC {s.pcc:.6f}")
-        agree = sum(a == b for a, b in zip(report.ref_tokens, report.emu_tokens))
-        out.print(f"greedy tokens: {agree}/{len(report.ref_tokens)} identical (teacher-forced)")
+        n = len(report.ref_tokens)
+        same = sum(a == b for a, b in zip(report.ref_tokens, report.emu_tokens))
+        dec = report.decisive
+        agree = sum(report.ref_tokens[p] == report.emu_tokens[p] for p in dec)
+        out.print(f"next-token predictions (teacher-forced, every prompt position and step): {same}/{n} "
+                  f"identical; {agree}/{len(dec)} where the reference's top-1/top-2 margin exceeds "
+                  f"{report.margin_bound:.3g} (decisive)")
         st = report.storage
         out.print(f"storage: weights {', '.join(f'{k} x{v}' for k, v in sorted(st['weights'].items()))}; "
                   f"KV cache {st['kv_cache']} ({report.kv_blocks} blocks allocated); bounds: "
@@ -255,12 +259,14 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
             out.print("[green]check passed[/]")
         else:
             d = report.diverging()
-            where = f"; first diverging: layer {d.layer} at {d.step} (PCC {d.pcc:.6f}, max|err| {d.max_abs:.3g})" if d else ""
-            ftd = report.first_token_divergence
-            why = (f"teacher-forced token agreement {report.top1_agreement:.2f} < {report.bounds['top1']}"
-                   if report.quantized and report.top1_agreement < report.bounds["top1"] else
-                   f"tokens diverge at step {ftd}" if ftd is not None and not report.quantized else
-                   f"PCC below {report.bounds.get('layer_pcc', 0.99)}")
+            where = f"; first diverging: {d.name} at {d.step} (PCC {d.pcc:.6f}, max|err| {d.max_abs:.3g})" if d else ""
+            b = report.bounds
+            why = (f"teacher-forced agreement on decisive positions {report.top1_agreement:.2f} < {b['top1']}"
+                   if report.quantized and report.top1_agreement < b["top1"] else
+                   "a decisive next-token prediction differs" if report.dtype == "fp32" and not report.quantized
+                   and not report.tokens_agree else
+                   "expert choices differ too often" if not report.flips_ok else
+                   f"PCC below {b.get('layer_pcc', 0.99)}")
             err.print(Text(f"[error] check failed: {why}{where}"))
     if not report.passed:
         raise typer.Exit(1)

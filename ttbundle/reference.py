@@ -306,11 +306,18 @@ class LayerwiseModel:
             return (idx,) + tuple(args[1:])
         return self.embed.register_forward_pre_hook(pre)
 
-    def record(self, ids: list[int], images: bool = False, on_vision=None, **kwargs):
-        """The model's forward over ``ids`` up to the first decoder layer; returns (the first
-        layer's input [1, T, hidden], per layer the (args, kwargs) it was called with).
-        ``images``: the parts outside the decoder (vision tower, projector) are read for it and
-        ``on_vision()`` runs while they are (the image features); freed after."""
+    def record(self, ids: list[int], segments: list, kwargs: dict | None = None, images: bool = False,
+               on_vision=None):
+        """The model's own forward over ``ids``, one call per ``(start, end)`` of ``segments``
+        in order (a prompt's chunks, then each decode step), with every decoder layer replaced by
+        a recorder of its arguments: the masks of its attention type, position embeddings, M-RoPE
+        positions, as the model computes them for that call. A recorder grows the recording
+        cache by the call's length (zeros), so each call's masks see the context a real cache
+        would hold. ``kwargs`` (images: pixel values, token types over ``ids``) go with the first
+        call, sliced to it; every image must lie in it. ``images``: the parts outside the decoder
+        (vision tower, projector) are read for the recording and ``on_vision()`` runs while they
+        are. Returns (the first layer's input [1, T, hidden], per layer per call its (args,
+        kwargs) after the hidden states and its length)."""
         import torch
 
         rest = None
@@ -320,22 +327,33 @@ class LayerwiseModel:
                     if not r.startswith(self.layers_name + ".") and not any(r == p or r.startswith(p + ".") for p in head)]
             self.load("", rest)
         hook = self._compact_embedding(ids)
-        calls: dict = {}
+        n = len(self.layers)
+        calls: list = [[] for _ in range(n)]
         original = list(self.layers)
-        n = len(original)
         recorder = _make_recorder()
         for i in range(n):
             self.layers[i] = recorder(i, i == n - 1, calls)
+        h0 = []
         try:
             if on_vision is not None:
                 on_vision()
             cache = kv_cache(self.model, self.kv_storage)
-            with torch.no_grad():
-                try:
-                    self.model.model(input_ids=torch.tensor([ids], device=self.device), past_key_values=cache,
-                                     use_cache=True, **kwargs)
-                except _Recorded:
-                    pass
+            T = len(ids)
+            for k, (a, b) in enumerate(segments):
+                kw = {}
+                for name, x in (kwargs or {}).items() if k == 0 else ():
+                    token_aligned = isinstance(x, torch.Tensor) and x.dim() == 2 and tuple(x.shape) == (1, T)
+                    kw[name] = x[:, a:b] if token_aligned else x
+                with torch.no_grad():
+                    try:
+                        self.model.model(input_ids=torch.tensor([ids[a:b]], device=self.device),
+                                         past_key_values=cache, use_cache=True, **kw)
+                    except _Recorded:
+                        pass
+                if any(len(c) != k + 1 for c in calls):
+                    raise RuntimeError(f"the recording forward reached {sum(len(c) > k for c in calls)} of "
+                                       f"{n} decoder layers")
+                h0.append(calls[0][k][0][0])
         finally:
             for i, layer in enumerate(original):
                 self.layers[i] = layer
@@ -343,26 +361,32 @@ class LayerwiseModel:
             self.free(self.embed_name)
             if rest is not None:
                 self.free("")
-        if len(calls) != n:
-            raise RuntimeError(f"the recording forward reached {len(calls)} of {n} decoder layers")
-        h0 = calls[0][0][0]
-        return h0, [(args[1:], kw) for args, kw in (calls[i] for i in range(n))]
+        for c in calls:
+            c[:] = [(args[1:], kw, args[0].shape[1]) for args, kw in c]
+        return torch.cat(h0, dim=1), calls
 
-    def run_layer(self, i: int, h, call):
-        """Decoder layer ``i``, read from the checkpoint, over ``h`` [1, T, hidden] with the
-        arguments :meth:`record` gave it and a cache of its own; freed after."""
+    def run_layer(self, i: int, h, calls: list):
+        """Decoder layer ``i``, read from the checkpoint, over ``h`` [1, T, hidden]: each call
+        :meth:`record` recorded for it in turn (its slice of ``h``), with one cache of its own
+        (``kv_storage``) across them; freed after."""
         import torch
 
         prefix = f"{self.layers_name}.{i}"
         self.load(prefix)
         try:
-            args, kw = call
-            kw = dict(kw)
-            if "past_key_values" in kw:
-                kw["past_key_values"] = kv_cache(self.model, self.kv_storage)
-            with torch.no_grad():
-                out = self.layers[i](h, *args, **kw)
-            return out[0] if isinstance(out, tuple) else out
+            cache = kv_cache(self.model, self.kv_storage)
+            out, a = [], 0
+            for args, kw, n in calls:
+                kw = dict(kw)
+                if "past_key_values" in kw:
+                    kw["past_key_values"] = cache
+                with torch.no_grad():
+                    y = self.layers[i](h[:, a:a + n], *args, **kw)
+                out.append(y[0] if isinstance(y, tuple) else y)
+                a += n
+            if a != h.shape[1]:
+                raise RuntimeError(f"layer {i}: the recorded calls cover {a} of {h.shape[1]} positions")
+            return torch.cat(out, dim=1)
         finally:
             self.free(prefix)
 
@@ -410,10 +434,15 @@ def _make_recorder():
             self.i, self.last, self.calls = i, last, calls
 
         def forward(self, *args, **kwargs):
-            self.calls[self.i] = (args, kwargs)
+            h = args[0]
+            self.calls[self.i].append((args, kwargs))
+            cache = kwargs.get("past_key_values")
+            if cache is not None:  # the length a real layer's update would add
+                z = torch.zeros(h.shape[0], 1, h.shape[1], 1, dtype=h.dtype, device=h.device)
+                cache.update(z, z, self.i)
             if self.last:
                 raise _Recorded
-            return args[0]
+            return h
     return Recorder
 
 
