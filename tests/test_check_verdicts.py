@@ -1,0 +1,75 @@
+"""`ttbundle check`'s verdicts on models whose next-token predictions are near-ties: a correct
+package passes (a near-tie is not a failure), its head is a stage of its own, and a real bug in
+the same package still fails.
+
+The case: a random GPT-OSS whose greedy output loops on one token (a constant feature in every
+embedding that two almost equal LM head rows read, so those two tokens lead at every position
+by a hair), stored bfp4 with a bfp4 LM head. A bfp4 LM head flips such a near-tie at every
+position; checked greedy step by step against the reference's own tokens, that read as total
+failure (agreement 0) blamed on a fine layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from pkg_mutations import drop_first, edit_programs  # noqa: E402
+from test_check_package import stored  # noqa: E402
+
+from ttbundle import reference, spec as specmod  # noqa: E402
+from ttbundle.check import MARGIN_SIGMAS, QUANT_BOUNDS, run_check  # noqa: E402
+
+A, B = 7, 11  # the two tokens that tie
+
+
+def looping(tmp_path):
+    """The bundle (bfp4 MLP and experts, bfp4 LM head, bfp8 rest) and its looping checkpoint."""
+    b = stored("gpt_oss", "bfp4")
+    m = reference.random_model(b, seed=3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        m.get_input_embeddings().weight[:, 0] = 10.0
+        W = m.get_output_embeddings().weight
+        W[A] = W[B] + 0.01 * torch.randn(W.shape[1], generator=g)
+        W[A, 0] = W[B, 0] = 4.0
+    ckpt = tmp_path / "ckpt"
+    m.to(torch.bfloat16).save_pretrained(ckpt)
+    s = b.spec
+    dtypes = s.weights.dtypes.model_copy(update={"lm_head": "bfp4"})
+    w = s.weights.model_copy(update={"source": str(ckpt), "dtypes": dtypes})
+    return dataclasses.replace(b, spec=s.model_copy(update={"weights": w})), ckpt
+
+
+def test_a_model_whose_greedy_output_loops_passes_and_a_bug_in_it_fails(tmp_path):
+    b, ckpt = looping(tmp_path)
+    # transformers itself: greedy decoding repeats one of the two tokens
+    hf = reference.load_model(ckpt)
+    prompt = torch.randint(0, b.arch.vocab_size, (1, 40), generator=torch.Generator().manual_seed(0))
+    out = hf.generate(prompt, max_new_tokens=16, do_sample=False)[0, 40:].tolist()
+    assert max(out.count(A), out.count(B)) >= 12, out
+
+    r = run_check(b, "T3K", steps=16, seed=3)
+    assert r.storage["weights"].get("bfp4") and r.quantized == "bfp4"
+    assert set(r.ref_tokens) <= {A, B}  # every compared position predicts one of the two
+    # the LM head flips near-ties: predictions differ, but only where the reference's own
+    # margin is within MARGIN_SIGMAS typical logit errors
+    wrong = [p for p, (x, y) in enumerate(zip(r.ref_tokens, r.emu_tokens)) if x != y]
+    assert wrong and all(r.margins[p] <= MARGIN_SIGMAS * r.logit_error for p in wrong)
+    head = [s for s in r.layers if s.stage == "head"]
+    assert len(head) == r.steps and all(s.layer == b.arch.num_hidden_layers for s in head)
+    assert min(s.pcc for s in head) >= QUANT_BOUNDS["bfp4"]["layer_pcc"]
+    assert r.passed, (r.top1_agreement, r.diverging())
+
+    # the same package with the attention's all_reduce dropped: fails in the prefill, at a layer
+    # (layer 0's PCC stays high: the constant feature dominates its residual stream)
+    hook = lambda pkg: edit_programs(pkg, "decoder", drop_first(  # noqa: E731
+        lambda s: s.get("collective") == "all_reduce" and s["act"] == "attn_out"))
+    bad = run_check(b, "T3K", steps=4, seed=3, package_hook=hook)
+    assert not bad.passed
+    d = bad.diverging()
+    assert (d.step, d.stage) == ("prefill", "layer") and d.pcc < QUANT_BOUNDS["bfp4"]["layer_pcc"], d
