@@ -135,12 +135,15 @@ def test_round_trip_package_tokens_match_check_and_hf(tmp_path, ckpt, mesh):
     prompt = torch.randint(0, bundle.arch.vocab_size, (prompt_len,),
                            generator=torch.Generator().manual_seed(1)).tolist()  # run_check's prompt
     blocks = list(range(runner.max_blocks))
+    # check feeds the prompt's own tokens again as the decode steps (teacher forcing)
+    assert report.continuation == prompt[:steps - 1]
     with torch.no_grad():
         tokens = [int(runner.prefill(prompt, blocks).argmax())]
-        for i in range(steps - 1):
-            tokens.append(int(runner.decode([tokens[-1]], [prompt_len + i], [blocks])[0].argmax()))
+        for i, t in enumerate(report.continuation):
+            tokens.append(int(runner.decode([t], [prompt_len + i], [blocks])[0].argmax()))
     assert report.passed
-    assert tokens == report.ref_tokens == report.emu_tokens
+    # the last prompt position's and each step's prediction
+    assert tokens == report.ref_tokens[prompt_len - 1:] == report.emu_tokens[prompt_len - 1:]
 
 
 def test_device_shards_are_the_emulated_backends_shards(tmp_path, ckpt):

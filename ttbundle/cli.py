@@ -177,7 +177,8 @@ def init(from_hf: str = typer.Option(..., "--from-hf", help="Hugging Face model 
 @app.command()
 def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a built package directory."),
           mesh: Optional[str] = typer.Option(None, "--mesh", "-m", help="Mesh (spec only; default: first target)."),
-          steps: int = typer.Option(32, "--steps", min=1, help="Greedy decode steps to compare."),
+          steps: int = typer.Option(32, "--steps", min=1, help="Decode steps to compare (fed the "
+                                    "prompt's tokens again: teacher forcing)."),
           dtype: str = typer.Option("fp32", "--dtype", help="Compute dtype of both sides: fp32 or bf16."),
           random_weights: bool = typer.Option(False, "--random-weights", help="Spec only: build from a "
                                               "random instance of the architecture instead of weights.source."),
@@ -193,11 +194,13 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
                                                      "vision.images_per_prompt)."),
           as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")):
     """Run a package's programs on its own weights (emulated mesh) against Hugging Face
-    transformers on the same tokens. A spec is built into a temporary package first.
+    transformers on the same tokens, layer by layer (one decoder layer in memory at a time). A
+    spec is built into a temporary package first.
 
-    Exit 0 when they agree (bf16 storage: identical greedy tokens in fp32, PCC >= 0.99 per layer
-    in bf16; block floats: the per-layer PCC and teacher-forced token bounds of docs/check.md),
-    1 otherwise, naming the first diverging layer."""
+    Exit 0 when they agree (bf16 storage: identical next-token predictions wherever the
+    reference's margin is decisive and PCC >= 0.9999 per stage in fp32, PCC >= 0.99 in bf16;
+    block floats: the per-stage PCC and decisive-agreement bounds of docs/check.md), 1
+    otherwise, naming the first diverging stage (a layer, or the head), 2 for bad input."""
     from . import hub, spec as specmod
     from .check import MAX_FLIP_SHARE, check_package, recorded_checkpoint, run_check
     from .runtime.packages import is_package
