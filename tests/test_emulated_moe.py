@@ -104,14 +104,15 @@ def moe_layers(bundle) -> list[int]:
 
 def expert_sets(rec, bundle, report) -> tuple[list, list]:
     """Both sides' choices as [step][moe layer][token] -> set of experts. The check runs layer
-    by layer: the reference routes each MoE layer once over the whole sequence (prompt, then
-    the decode steps' tokens), the emulated mesh once per call (prefill chunks, then each
-    decode step) of that layer; bucket padding dropped."""
+    by layer: each side routes an MoE layer once per call of its own (the reference: its
+    prompt chunks, the emulated mesh: the package's prefill chunks; then each decode step)
+    before the next layer; bucket padding dropped."""
     n = len(moe_layers(bundle))
     chunk = bundle.buckets.prefill_chunk
     P = report.prompt_len
     rows = [min(chunk, P - c) for c in range(0, P, chunk)] + [1] * (report.steps - 1)
-    hf = rec["hf"]
+    per = len(rec["hf"]) // n  # the reference's calls per layer
+    hf = [sum(rec["hf"][i:i + per], []) for i in range(0, len(rec["hf"]), per)]
     per_layer = [rec["emu"][i:i + len(rows)] for i in range(0, len(rec["emu"]), len(rows))]
     emu = [sum((call[:k] for call, k in zip(calls, rows)), []) for calls in per_layer]
     assert len(hf) == len(emu) == n and all(len(x) == P + report.steps - 1 for x in hf + emu)
