@@ -177,6 +177,10 @@ def _params_on_meta():
     return ctx()
 
 
+#: vocabulary rows of the LM head read at a time (:meth:`LayerwiseModel.head`)
+HEAD_ROWS = 8192
+
+
 class LayerwiseModel:
     """transformers' model of a checkpoint, never whole in memory: a skeleton whose parameters
     are on the ``meta`` device, and the parts a step needs read from the (memory-mapped)
@@ -260,15 +264,18 @@ class LayerwiseModel:
                 if f not in handles:
                     handles[f] = safe_open(str(f), framework="pt")
                 sd[k] = handles[f].get_slice(k)
+            exact = all(x.get_dtype() == "BF16" for x in sd.values())  # bf16 values already
             convert_and_load_state_dict_in_model(
                 self.model, sd, LoadStateDictConfig(dtype=None, weight_mapping=self._conversions()))
         finally:
+            sd = None
             handles.clear()  # their mmaps go with them
         missing = [n for n, p in module.named_parameters() if p.device.type == "meta"] if check else []
         if missing:
             raise InvalidInput(f"{self.dir}: the checkpoint has no tensors for {prefix}."
                                f"{missing[0]} ({len(missing)} parameters missing)")
-        round_to_bf16(module)
+        if not exact:
+            round_to_bf16(module)
         _apply_real(module, self.dtype, self.device)
 
     def free(self, prefix: str) -> None:
@@ -392,34 +399,41 @@ class LayerwiseModel:
 
     def head(self, h):
         """The final norm, the LM head and the model's final logit soft-capping (where its
-        config has one, as its ``ForCausalLM`` applies it) over ``h`` [1, T, hidden]."""
-        import torch
-
-        self.load(self.norm_name)
-        if self._keys(self.head_name):
-            self.load(self.head_name)
-        else:  # tied to the embedding: the checkpoint stores the table once
-            self._load_tied()
-        try:
-            with torch.no_grad():
-                logits = self.lm_head(self.norm(h))
-                cap = getattr(self.model.config, "final_logit_softcapping", None)
-                if cap:
-                    logits = torch.tanh(logits / cap) * cap
-            return logits
-        finally:
-            self.free(self.norm_name)
-            self.free(self.head_name)
-
-    def _load_tied(self) -> None:
+        config has one, as its ``ForCausalLM`` applies it) over ``h`` [1, T, hidden]. A plain
+        LM head (no bias, no weight conversion; tied: the embedding's table) is read from the
+        checkpoint ``HEAD_ROWS`` vocabulary rows at a time, so its table is never whole in
+        memory; another is loaded as a module."""
         import torch
         from safetensors import safe_open
 
-        (key,) = self._keys(self.embed_name)
-        with safe_open(str(self.where[key][0]), framework="pt") as h:
-            w = h.get_tensor(key)
-        w = w.to(torch.bfloat16).to(torch.float32).to(self.dtype).to(self.device)
-        self.lm_head.weight = torch.nn.Parameter(w, requires_grad=False)
+        self.load(self.norm_name)
+        try:
+            with torch.no_grad():
+                x = self.norm(h)
+        finally:
+            self.free(self.norm_name)
+        keys = self._keys(self.head_name) or self._keys(self.embed_name)  # tied: the table once
+        plain = len(keys) == 1 and getattr(self.lm_head, "bias", None) is None and \
+            self.where[keys[0]][1] in (f"{self.head_name}.weight", f"{self.embed_name}.weight")
+        with torch.no_grad():
+            if plain:
+                with safe_open(str(self.where[keys[0]][0]), framework="pt") as f:
+                    s = f.get_slice(keys[0])
+                    V = s.get_shape()[0]
+                    logits = torch.empty(*x.shape[:-1], V, dtype=x.dtype, device=x.device)
+                    for a in range(0, V, HEAD_ROWS):
+                        W = s[a:a + HEAD_ROWS].to(torch.bfloat16).to(torch.float32).to(x.dtype).to(x.device)
+                        logits[..., a:a + W.shape[0]] = torch.nn.functional.linear(x, W)
+            else:
+                self.load(self.head_name)
+                try:
+                    logits = self.lm_head(x)
+                finally:
+                    self.free(self.head_name)
+            cap = getattr(self.model.config, "final_logit_softcapping", None)
+            if cap:
+                logits = torch.tanh(logits / cap) * cap
+        return logits
 
 
 def _make_recorder():
