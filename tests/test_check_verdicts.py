@@ -7,6 +7,8 @@ embedding that two almost equal LM head rows read, so those two tokens lead at e
 by a hair), stored bfp4 with a bfp4 LM head. A bfp4 LM head flips such a near-tie at every
 position; checked greedy step by step against the reference's own tokens, that read as total
 failure (agreement 0) blamed on a fine layer.
+
+And a bf16 package whose layer weights were corrupted (and re-hashed) fails at that layer.
 """
 
 from __future__ import annotations
@@ -73,3 +75,33 @@ def test_a_model_whose_greedy_output_loops_passes_and_a_bug_in_it_fails(tmp_path
     assert not bad.passed
     d = bad.diverging()
     assert (d.step, d.stage) == ("prefill", "layer") and d.pcc < QUANT_BOUNDS["bfp4"]["layer_pcc"], d
+
+
+def test_corrupted_layer_weights_fail_at_their_layer(tmp_path):
+    """Two rows of layer 1's gate projection swapped in a bf16 package (re-hashed, so the
+    manifest verifies): the check fails at layer 1 of the prefill; layer 0 is untouched."""
+    import json
+
+    from pkg_mutations import rehash
+    from safetensors.torch import load_file, save_file
+    from test_emulated import tiny
+
+    from ttbundle import package
+
+    def hook(pkg):
+        rel = package.weight_file(0)
+        f = pkg / rel
+        with open(f, "rb") as fh:
+            meta = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))["__metadata__"]
+        t = load_file(str(f))
+        w = t["w1.1"]
+        t["w1.1"] = torch.cat([w[1:2], w[0:1], w[2:]]).contiguous()
+        save_file(t, str(f), metadata=meta)
+        rehash(pkg, rel)
+        package.verify_package(pkg, full=True)
+
+    r = run_check(tiny("llama"), "N150", steps=4, random_weights=True, seed=3, package_hook=hook)
+    assert not r.passed
+    d = r.diverging()
+    assert (d.step, d.stage, d.layer) == ("prefill", "layer", 1), d
+    assert all(s.pcc > 0.99999 for s in r.layers if s.stage == "layer" and s.layer == 0)
