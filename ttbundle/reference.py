@@ -330,8 +330,9 @@ class LayerwiseModel:
         rest = None
         if images:
             head = (self.embed_name, self.norm_name, self.head_name)
+            under = lambda r, p: r == p or r.startswith(p + ".")  # noqa: E731
             rest = [k for k, (_, r) in self.where.items()
-                    if not r.startswith(self.layers_name + ".") and not any(r == p or r.startswith(p + ".") for p in head)]
+                    if not under(r, self.layers_name) and not any(under(r, p) for p in head)]
             self.load("", rest)
         hook = self._compact_embedding(ids)
         n = len(self.layers)
