@@ -49,7 +49,7 @@ def peak_rss(tmp_path, layers: int) -> tuple[int, dict]:
     b = specmod.loads(SPEC.format(layers=layers), f"mem-{layers}.yaml")
     ckpt = reference.save_random(b, tmp_path / f"ckpt{layers}", seed=1)
     w = b.spec.weights.model_copy(update={"source": str(ckpt)})
-    b = dataclasses.replace(b, spec=b.spec.model_copy(update={"weights": w}))
+    b = dataclasses.replace(b, spec=b.spec.model_copy(update={"weights": w, "tokenizer": False}))
     pkg = build(b, "N150", tmp_path / f"out{layers}", warmup=False).package
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-c", CHECK, str(pkg), str(ckpt)], capture_output=True, text=True,
