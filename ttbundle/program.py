@@ -225,7 +225,7 @@ def verify(program: "Program", where: str | None = None) -> None:
                     d = st.dim if st.dim is not None else len(a.shape) - 1
                     if not 0 <= d < len(a.shape):
                         raise ProgramError(f"{here}: gathers dim {d} of {a.name!r} {list(a.shape)}")
-                    size = st.feature.size if st.feature is not None else a.shape[d] * max(st.devices, 1)
+                    size = st.feature.length if st.feature is not None else a.shape[d] * max(st.devices, 1)
                     spec = list(a.spec) + [()] * (len(a.shape) - 1 - len(a.spec))
                     if d >= 1:
                         spec[d - 1] = tuple(x for x in spec[d - 1] if x not in st.axes)
