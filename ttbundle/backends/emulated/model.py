@@ -138,7 +138,7 @@ class EmulatedModel:
         self.decls = {t.name: t for t in self.family.tensors(self.arch)}
         self.kernels = dict(KERNELS, **(kernels or {}))
         self.traits = self.family.traits(self.arch)
-        packed = _matmul_only(self.programs.values()) - set(self.traits.get("linear_fp32", ()))
+        packed = _packed_names(self.traits, self.programs.values())
         self.lazy: LazyWeights | None = None
         if isinstance(weights, LazyWeights):
             self.lazy = weights.bind(packed, dtype, self.device)
@@ -190,7 +190,13 @@ class EmulatedModel:
         read from the (memory-mapped) files when a step first needs it and dropped by
         :meth:`release`, so a layer-by-layer caller (:meth:`run_layer_major`) holds one layer."""
         programs = {k: pkg.program_ir(*k) for k in (programs or pkg.programs)}
-        w = LazyWeights(pkg.weights) if lazy else pkg.weights.device_stacks(dtype, device)
+        if lazy:
+            w = LazyWeights(pkg.weights)
+        else:  # each weight packed as it is read: never every weight twice
+            lw = LazyWeights(pkg.weights).bind(_packed_names(pkg.bundle.family.traits(pkg.bundle.arch),
+                                                             programs.values()), dtype, device)
+            w = {name: [lw.get(name, layer) for layer in pkg.weights.layers_of(name)]
+                 if t.layers is not None else lw.get(name, None) for name, t in pkg.weights.decls.items()}
         return cls(pkg.bundle, pkg.mesh, programs, w, dtype=dtype, device=device, kernels=kernels)
 
     # -- weights ------------------------------------------------------------------------------
@@ -509,6 +515,12 @@ class EmulatedModel:
             pos = self.ops.shard_positions(t.dims[0], e_axes, self.policy)
             x = self.ops.take(x, 2, pos)
         return torch.einsum("dtek,dekn->dten", x, W)
+
+
+def _packed_names(traits: dict, programs) -> set:
+    """The weights held packed where :func:`gemm.packs` says so: the matmul-only ones, except
+    those a family computes in float32 (``linear_fp32``)."""
+    return _matmul_only(programs) - set(traits.get("linear_fp32", ()))
 
 
 def _matmul_only(programs) -> set:
