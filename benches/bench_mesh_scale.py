@@ -1,7 +1,7 @@
 """What an emulated mesh costs as it grows: the same checkpoint on N150, N300, T3K and TG.
 
 One checkpoint (a published 7B model's dims, Mistral-7B-v0.3 by default, ``--layers 1``, random
-bf16 weights) on every mesh, each figure from its own process, all in one run, with ratios vs
+bf16 weights; ``--arch smollm2-135m --layers 30``: the issue's 135M model) on every mesh, each figure from its own process, all in one run, with ratios vs
 N150 (issue 27's targets: check's peak memory on T3K and TG <= 1.3x N150's, its wall time <= 2x
 N150's; a TG package <= 1.2x the N150 package's bytes):
 
@@ -16,8 +16,9 @@ N150's; a TG package <= 1.2x the N150 package's bytes):
 
 The host is shared: the 1-minute load average is printed before and after every figure.
 
-    python benches/bench_mesh_scale.py [--layers 1] [--steps 8] [--meshes N150,N300,T3K,TG]
-                                       [--only check,package,decode] [--json]
+    python benches/bench_mesh_scale.py [--arch mistral-7b] [--layers 1] [--steps 8]
+                                       [--meshes N150,N300,T3K,TG] [--only check,package,decode]
+                                       [--pythonpath OTHER_CHECKOUT] [--json]
 """
 
 from __future__ import annotations
@@ -34,18 +35,27 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# mistralai/Mistral-7B-v0.3's dims (its config.json), as bundles/mistral-7b-v0.3.yaml
-ARCH = dict(vocab_size=32768, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-            num_key_value_heads=8, max_position_embeddings=32768, rms_norm_eps=1.0e-5,
-            rope_theta=1000000.0, tie_word_embeddings="false", hidden_act="silu")
+ARCHS = {
+    # mistralai/Mistral-7B-v0.3's dims (its config.json), as bundles/mistral-7b-v0.3.yaml
+    "mistral-7b": dict(family="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
+                       num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=32768,
+                       rms_norm_eps=1.0e-5, rope_theta=1000000.0, tie_word_embeddings="false", hidden_act="silu"),
+    # HuggingFaceTB/SmolLM2-135M's dims (30 layers; 9 query / 3 KV heads: padded, as `init` pads)
+    "smollm2-135m": dict(family="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rms_norm_eps=1.0e-5, rope_theta=100000.0, tie_word_embeddings="true", hidden_act="silu"),
+}
+ARCH = ARCHS["mistral-7b"]
 MESHES = ["N150", "N300", "T3K", "TG"]
+TREE = str(ROOT)
 
 
 def spec_text(layers: int, source: Path | None, dtype: str) -> str:
     dims = "\n".join(f"  {k}: {v}" for k, v in ARCH.items())
     src = f"  source: {source}\n" if source else ""
-    return (f"name: mesh-scale\nmodel:\n  family: mistral\n  num_hidden_layers: {layers}\n{dims}\n"
-            f"weights:\n{src}  dtypes: {{default: {dtype}}}\n"
+    pad = "sharding: {attention_heads: pad, kv_heads: pad}\n" if ARCH["num_attention_heads"] % 8 else ""
+    return (f"name: mesh-scale\nmodel:\n  num_hidden_layers: {layers}\n{dims}\n"
+            f"weights:\n{src}  dtypes: {{default: {dtype}}}\n{pad}tokenizer: false\n"
             f"targets: [{', '.join(MESHES)}]\n"
             "buckets: {prefill: [128, 512], decode: [1, 8, 32], prefill_chunk: 512}\n"
             "runtime: {max_model_len: 2048, max_num_seqs: 32, kv_cache_dtype: bf16}\n")
@@ -88,7 +98,7 @@ print("RESULT " + json.dumps({"load_s": load_s, "rss_after_load": load_rss, "row
 def timed(cmd: list[str], env=None) -> tuple[float, int, str]:
     """(wall seconds, peak RSS bytes of that process, stdout)."""
     t = time.monotonic()
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=TREE, env=env)
     out = p.stdout.read()
     err = p.stderr.read()
     _, status, ru = os.wait4(p.pid, 0)
@@ -103,8 +113,7 @@ def load() -> float:
 
 
 def env() -> dict:
-    e = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    return e
+    return dict(os.environ, PYTHONPATH=TREE, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 
 def weights_bytes(pkg: Path) -> tuple[int, int]:
@@ -114,7 +123,9 @@ def weights_bytes(pkg: Path) -> tuple[int, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default="mistral-7b", choices=sorted(ARCHS))
     ap.add_argument("--layers", type=int, default=1)
+    ap.add_argument("--pythonpath", default=str(ROOT), help="the ttbundle checkout to measure (a before/after)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--decode-steps", type=int, default=5)
     ap.add_argument("--dtype", default="bf16", help="weights storage (bf16, bfp8)")
@@ -122,9 +133,11 @@ def main() -> None:
     ap.add_argument("--only", default="check,package,decode")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    global ARCH, TREE
+    ARCH, TREE = ARCHS[args.arch], args.pythonpath
     meshes, only = args.meshes.split(","), set(args.only.split(","))
     ttb = [sys.executable, "-m", "ttbundle.cli"]
-    res: dict = {"arch": ARCH, "layers": args.layers, "dtype": args.dtype, "steps": args.steps,
+    res: dict = {"arch": args.arch, "tree": TREE, "layers": args.layers, "dtype": args.dtype, "steps": args.steps,
                  "cpus": len(os.sched_getaffinity(0)), "meshes": {m: {} for m in meshes}}
     with tempfile.TemporaryDirectory(prefix="bench-mesh-") as tmp:
         tmp = Path(tmp)
@@ -142,7 +155,7 @@ def main() -> None:
             ckpt = tmp / "ckpt"
             subprocess.run([sys.executable, "-c", "import sys; from ttbundle import reference, spec; "
                             "reference.save_random(spec.load(sys.argv[1]), sys.argv[2], 0)", str(spec), str(ckpt)],
-                           check=True, cwd=ROOT, env=env())
+                           check=True, cwd=TREE, env=env())
             spec.write_text(spec_text(args.layers, ckpt, args.dtype))
             for m in meshes:
                 out = tmp / "out"

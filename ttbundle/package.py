@@ -16,7 +16,10 @@ for that mesh, see docs/build.md)::
 Weights files are plain safetensors: bf16 shards as ``BF16``; block floats (bfp8/bfp4) as ``U8``
 bytes in Tenstorrent's tile format (``ttbundle.blockfloat``). Each tensor is ``<name>`` (global)
 or ``<name>.<layer>``; the header's ``__metadata__["ttbundle"]`` says which device the file is,
-and each tensor's global shape, PartitionSpec and encoding.
+and each tensor's global shape, PartitionSpec, encoding and ``stored_in``: per device, the device
+whose file stores its shard. A shard several devices hold is stored once, by the first of them
+(``layout.holders``); format 1 packages (no ``stored_in``: every file holds every shard) still
+read.
 
 This module writes the small files (templates), streams shard files with a header computed up
 front, reads packages back (:func:`load_package`) and verifies them (:func:`verify_package`).
