@@ -32,7 +32,7 @@ def packages(tmp_path_factory):
     b = tiny("llama")
     ckpt = reference.save_random(b, tmp / "ckpt", seed=3)
     w = b.spec.weights.model_copy(update={"source": str(ckpt)})
-    b = dataclasses.replace(b, spec=b.spec.model_copy(update={"weights": w}))
+    b = dataclasses.replace(b, spec=b.spec.model_copy(update={"weights": w, "tokenizer": False}))
     return ckpt, {m: Path(build(b, m, tmp / "out", warmup=False).package) for m in ("N150", "T3K", "TG")}
 
 

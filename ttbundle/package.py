@@ -780,12 +780,20 @@ def stack_shards(shards: list, device="cpu"):
         if g == len(distinct):
             distinct.append(x)
         group.append(g)
-    D = len(shards)
-    if len(distinct) == 1 and D > 1:
-        one = distinct[0].to(device).contiguous()
-        return one.unsqueeze(0).expand(D, *one.shape)
-    stacked = torch.stack(distinct).to(device)
-    return stacked if len(distinct) == D else SharedStack(stacked, group)
+    return held_as(torch.stack(distinct).to(device), group)
+
+
+def held_as(distinct, group):
+    """``distinct`` (``[G, *local]``: each distinct shard once) held for the devices of
+    ``group`` (per device, the index of its shard): itself when every device has its own (in
+    device order), a stride-0 view of the one copy when all share it, else a
+    :class:`SharedStack`. No copy is made."""
+    D = len(group)
+    if tuple(group) == tuple(range(D)) and distinct.shape[0] == D:
+        return distinct
+    if distinct.shape[0] == 1:
+        return distinct.expand(D, *distinct.shape[1:])
+    return SharedStack(distinct, group)
 
 
 class PackageWeights:
