@@ -47,6 +47,7 @@ weights: {source: ckpt, dtypes: {mlp: bfp8, attention: bfp4}}
 targets: [T3K, N150]
 buckets: {prefill: [32, 64], decode: [1, 8], prefill_chunk: 64}
 runtime: {max_model_len: 256, max_num_seqs: 8}
+tokenizer: false
 '''
 arch = spec.loads(text.replace("source: ckpt, ", ""), "arch.yaml")
 reference.random_model(arch, 0).to(torch.bfloat16).save_pretrained(str(ck), safe_serialization=True)
