@@ -46,6 +46,16 @@ def drop_first(predicate):
     return edit
 
 
+def storing_file(pkg: Path, dev: int, tensor_key: str) -> str:
+    """The weights file that stores device ``dev``'s shard of ``tensor_key``: its own, or the
+    one its header's ``stored_in`` names (a shard several devices hold is stored once)."""
+    from ttbundle import package
+    raw = (pkg / package.weight_file(dev)).read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    info = json.loads(json.loads(raw[8:8 + n])["__metadata__"]["ttbundle"])["tensors"][tensor_key]
+    return package.weight_file(info.get("stored_in", [dev] * (dev + 1))[dev])
+
+
 def flip_byte(pkg: Path, rel: str, tensor_key: str, offset: int = 0) -> None:
     """Flip the bits of one byte inside tensor ``tensor_key`` of safetensors file ``rel``."""
     path = pkg / rel

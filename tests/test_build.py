@@ -402,6 +402,8 @@ def test_block_float_shards_are_device_tiles(tmp_path, ckpt):
         wq = f.get_tensor("wq.1")
         assert w1.dtype == torch.uint8 and w1.numel() == (256 // 32) * (64 // 32) * 1088
         assert wq.numel() == (256 // 32) * (32 // 32) * 576
+        assert "attn_norm.0" not in f.keys()  # replicated: stored once, in device 0's file
+    with safe_open(str(Path(res.package) / package.weight_file(0)), framework="pt") as f:
         assert f.get_tensor("attn_norm.0").dtype == torch.bfloat16
     dev = pkg.weights.device(3)
     for name, fmt in (("w1", "bfp8"), ("w2", "bfp8"), ("wq", "bfp4"), ("wo", "bfp4")):

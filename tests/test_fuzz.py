@@ -230,7 +230,7 @@ SUB_KEYS = ["name", "shape", "arch", "devices", "prefill", "decode", "prefill_ch
 manifest_values = st.recursive(
     st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.integers(0, 4096),
               st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=8),
-              st.sampled_from(["N300", "T3K", "ttbundle.package/1", "LlamaForCausalLM", "0" * 64, "12133",
+              st.sampled_from(["N300", "T3K", "ttbundle.package/1", "ttbundle.package/2", "LlamaForCausalLM", "0" * 64, "12133",
                                "x:y", "auto_map"])),
     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(SUB_KEYS + ["auto_map"]), c, max_size=3),
     max_leaves=6)

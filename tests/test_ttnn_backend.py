@@ -18,7 +18,7 @@ import yaml
 from typer.testing import CliRunner
 
 from test_build import ckpt, spec_text  # noqa: F401  (ckpt: the shared checkpoint fixture)
-from ttbundle import build as buildmod, mockcluster, package, plan as planmod, spec as specmod, tensorbin
+from ttbundle import build as buildmod, layout, mockcluster, package, plan as planmod, spec as specmod, tensorbin
 from ttbundle.backends.ttnn import cache, mappers
 from ttbundle.cli import app
 from ttbundle.errors import InvalidInput
@@ -57,10 +57,18 @@ def test_build_writes_a_tensorbin_per_device_and_tensor(tmp_path, ckpt, mesh):
     keys = set(cache._RawSafetensors(pkg / package.weight_file(0)).meta["tensors"])
     assert set(idx["tensors"]) == keys
     listed = set(m["artifacts"]["tensorbin"]["files"])
-    assert listed == {cache.cache_file(d, k) for d in range(D) for k in keys} | {cache.INDEX}
+    # one file per distinct shard: a replicated tensor's in device 0's folder only (layout's rule)
+    holders = {k: layout.holders(layout.tensor_units(next(t for t in bundle.family.tensors(bundle.arch)
+                                                          if t.name == info["tensor"]).dims,
+                                                     tp[info["tensor"]].spec, p.mesh, bundle.spec.sharding), D)
+               for k, info in idx["tensors"].items()}
+    assert listed == {cache.cache_file(d, k) for k in keys for d in set(holders[k])} | {cache.INDEX}
+    if D > 1:
+        assert holders["attn_norm.0"] == [0] * D and holders["wq.0"] == list(range(D))
     for key, info in idx["tensors"].items():
         t = tp[info["tensor"]]
-        for d in range(D):
+        assert info["stored_in"] == holders[key]
+        for d in sorted(set(holders[key])):
             h, data = tensorbin.read_shard(pkg / cache.cache_file(d, key))
             assert (h.dtype, h.layout, h.shape) == (t.dtype, t.layout, info["shape"]), key
             assert h.mesh_shape == [1, 1] and len(h.shards) == 1

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from pkg_mutations import storing_file
 from test_build import ckpt, write_spec  # noqa: F401  (fixture)
 from test_package import pkg  # noqa: F401  (a copy of this module's `built`)
 from ttbundle import build as buildmod, package, spec as specmod, warmup
@@ -35,8 +36,9 @@ def rehash(pkg: Path, rel: str) -> None:
 
 
 def mutate_tensor(pkg: Path, dev: int, key: str, fn) -> None:
-    """Change tensor ``key``'s bf16 values in device ``dev``'s file in place, then re-hash."""
-    rel = package.weight_file(dev)
+    """Change device ``dev``'s shard of tensor ``key`` (bf16 values) in place in the file that
+    stores it (every device sharing that copy sees the change), then re-hash."""
+    rel = storing_file(pkg, dev, key)
     data = bytearray((pkg / rel).read_bytes())
     n = struct.unpack("<Q", data[:8])[0]
     a, b = json.loads(data[8:8 + n])[key]["data_offsets"]

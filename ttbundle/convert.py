@@ -44,19 +44,23 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
     decls = {t.name: t for t in fam.tensors(a)}
     units = {n: [layoutmod.units(d, axes_of(e), mesh, bundle.spec.sharding)
                  for d, e in zip(decls[n].dims, plan.specs[n])] for n in decls}
-    # one header per device, computed before any tensor is read
+    # one header per device, computed before any tensor is read; a shard several devices hold
+    # is stored once, in the file of the first of them (``stored_in``: layout.holders)
     transform = {n.tensor: n.transform for n in fam.hf_names(a)}
-    entries, layout = [], {}
+    entries, layout = [[] for _ in range(D)], {}
     for name, layer, sources in jobs:
         t = tp[name]
         key = tensor_key(name, layer)
         nbytes = encoded_nbytes(t.device_shape, t.dtype)
         flip = _stored_transposed(transform[name], decls[name], sources, t.dtype)
         shape = stored_shape(t.device_shape, flip) if t.dtype == "bf16" else [nbytes]
-        entries.append((key, ST_DTYPE[t.dtype], shape, nbytes))
+        owner = layoutmod.holders(units[name], D)
+        for d in range(D):
+            if owner[d] == d:
+                entries[d].append((key, ST_DTYPE[t.dtype], shape, nbytes))
         layout[key] = {"tensor": name, "layer": layer, "encoding": t.dtype, "shape": t.device_shape,
                        "global_shape": list(decls[name].shape),
-                       "spec": [list(axes_of(e)) or None for e in plan.specs[name]]}
+                       "spec": [list(axes_of(e)) or None for e in plan.specs[name]], "stored_in": owner}
         if flip:
             layout[key]["transposed"] = True
     (tmp / "weights").mkdir(exist_ok=True)
@@ -70,9 +74,9 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
         for d in range(D):
             meta = {"format": WEIGHTS_FORMAT, "device": d, "coord": [d // mesh.cols, d % mesh.cols],
                     "mesh": mesh.name, "tensors": layout}
-            writers.append(ShardFile(tmp / weight_file(d), entries,
+            writers.append(ShardFile(tmp / weight_file(d), entries[d],
                                      {"ttbundle": json.dumps(meta, sort_keys=True)}))
-        total = sum(e[3] for e in entries) * D
+        total = sum(e[3] for es in entries for e in es)
         emit({"event": "phase", "phase": "weights", "total": len(jobs), "total_bytes": total,
                    "unit": "tensors"})
         # one tensor's distinct shards may wait for the writers while the next one is read
@@ -91,13 +95,14 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
             for buf, devices, handle in _device_shards(c, units[name], decls[name].dims, D, t.dtype, pool,
                                                        keep_source_order=keep):
                 n = memoryview(buf).nbytes
-                by = {}
-                for d in devices:
-                    by.setdefault(d % nbg, []).append((writers[d], key))
+                d = layout[key]["stored_in"][devices[0]]  # the one file that stores it
+                if d != devices[0]:
+                    raise RuntimeError(f"{key}: devices {devices} hold one shard, stored_in says {d}")
+                by = {d % nbg: [(writers[d], key)]}
                 done = None if handle is None else _Countdown(len(by), lambda h=handle: pool.give(h))
                 for j, targets in by.items():
                     bg[j].put(targets, buf, n, done)
-                written += n * len(devices)
+                written += n
                 del buf, handle
             del c
             res.bytes_written += written
@@ -239,11 +244,12 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
     source's element order: a contiguous cut is yielded as a view of the source, zero copies."""
     import torch
 
-    sigs: dict[tuple, list[int]] = {}
-    for d in range(D):
-        sigs.setdefault(tuple(tuple(u[d]) for u in units_per_dim), []).append(d)
+    held: dict[int, list[int]] = {}
+    for d, first in enumerate(layoutmod.holders(units_per_dim, D)):
+        held.setdefault(first, []).append(d)
     host = torch.bfloat16 if dtype == "bf16" else torch.float32
-    for sig, devices in sigs.items():
+    for first, devices in held.items():
+        sig = tuple(tuple(u[first]) for u in units_per_dim)
         v, pads = c.base, []
         for k, (units, dim) in enumerate(zip(sig, dims)):
             if len(units) == dim.size and units == tuple(range(dim.size)):

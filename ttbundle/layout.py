@@ -370,6 +370,19 @@ def tensor_units(dims, spec, mesh: Mesh, policy) -> list[list[list[int]]]:
     return [units(d, axes_of(e), mesh, policy) for d, e in zip(dims, spec)]
 
 
+def holders(unit_lists, devices: int) -> list[int]:
+    """For each device, the first device (in mesh order) whose shard holds the same units of
+    every dim in the same order, itself when none before it does (``unit_lists``: per dim, per
+    device, as :func:`tensor_units` gives them). Devices with one holder hold identical shards
+    (padding included): a package stores such a shard once, in its holder's file, and the
+    emulated mesh holds one copy of it."""
+    first: dict[tuple, int] = {}
+    out = []
+    for d in range(devices):
+        out.append(first.setdefault(tuple(tuple(u[d]) for u in unit_lists), d))
+    return out
+
+
 def gather_index(d: Dim, axes, mesh: Mesh, policy) -> list[int] | None:
     """For each global element of ``d``, its position in the concatenation an all_gather over
     ``axes`` produces (group order, padding and replicas included); None when the concatenation
@@ -389,5 +402,5 @@ def gather_index(d: Dim, axes, mesh: Mesh, policy) -> list[int] | None:
 
 
 __all__ = ["AXES", "Partial", "Replicate", "Shard", "Split", "axes_of", "elements", "gather_index",
-           "gather_sequence", "group_index", "partition_sequence", "group_of", "group_size", "groups", "local_len",
+           "gather_sequence", "group_index", "holders", "partition_sequence", "group_of", "group_size", "groups", "local_len",
            "placements", "positions", "split", "tensor_units", "unit_runs", "units"]

@@ -16,7 +16,10 @@ for that mesh, see docs/build.md)::
 Weights files are plain safetensors: bf16 shards as ``BF16``; block floats (bfp8/bfp4) as ``U8``
 bytes in Tenstorrent's tile format (``ttbundle.blockfloat``). Each tensor is ``<name>`` (global)
 or ``<name>.<layer>``; the header's ``__metadata__["ttbundle"]`` says which device the file is,
-and each tensor's global shape, PartitionSpec and encoding.
+and each tensor's global shape, PartitionSpec, encoding and ``stored_in``: per device, the device
+whose file stores its shard. A shard several devices hold is stored once, by the first of them
+(``layout.holders``); format 1 packages (no ``stored_in``: every file holds every shard) still
+read.
 
 This module writes the small files (templates), streams shard files with a header computed up
 front, reads packages back (:func:`load_package`) and verifies them (:func:`verify_package`).
@@ -40,8 +43,11 @@ from pathlib import Path
 from .errors import InvalidInput, TTBundleError
 from .fsutil import TEMPLATE_DIR, hash_file
 
-FORMAT = "ttbundle.package/1"
-WEIGHTS_FORMAT = "ttbundle.weights/1"
+# /2: a shard several devices hold is stored once (weights ``stored_in``); /1 packages still read
+FORMAT = "ttbundle.package/2"
+FORMATS = ("ttbundle.package/1", FORMAT)
+WEIGHTS_FORMAT = "ttbundle.weights/2"
+WEIGHTS_FORMATS = ("ttbundle.weights/1", WEIGHTS_FORMAT)
 MANIFEST = "manifest.json"
 METADATA = "vllm_metadata.json"
 RUNTIME_CLASS = ("ttbundle.runtime.adapter", "BundleModel")
@@ -458,8 +464,8 @@ def read_manifest(pkg: Path) -> dict:
         raise PackageError(f"{p}: unreadable manifest: not UTF-8 ({e.reason} at byte {e.start})") from None
     except InvalidInput as e:
         raise PackageError(e.message.replace(f"{p}: ", f"{p}: unreadable manifest: ", 1)) from None
-    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("files"), dict):
-        raise PackageError(f"{p}: not a {FORMAT} manifest")
+    if not isinstance(m, dict) or m.get("format") not in FORMATS or not isinstance(m.get("files"), dict):
+        raise PackageError(f"{p}: not a {' or '.join(FORMATS)} manifest")
     for rel in m["files"]:
         check_relpath(rel, p)
     why = schema.problem(m, str(p))
@@ -730,10 +736,72 @@ class LoadedPackage:
         return int(m.get("trace_region_size", m.get("trace_region_bytes")) or 0)
 
 
+class SharedStack:
+    """A tensor's ``[D, *local]`` held as its distinct shards: ``distinct`` ``[G, *local]`` and
+    ``group`` (per device, the index of its shard in ``distinct``). What :func:`stack_shards`
+    gives where some but not all devices hold the same shard (split over one mesh axis and
+    replicated over the other, replicated KV heads), which no strided ``[D, *local]`` view can
+    express. Read-only: :meth:`dense` is a copy; the emulated mesh's GEMM works per distinct
+    shard (``backends/emulated/gemm``)."""
+
+    def __init__(self, distinct, group):
+        self.distinct, self.group = distinct, tuple(int(g) for g in group)
+        self.shape = (len(self.group), *distinct.shape[1:])
+        self.dtype, self.device = distinct.dtype, distinct.device
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def members(self) -> list:
+        """Per distinct shard, the devices holding it (mesh order)."""
+        out: list = [[] for _ in range(self.distinct.shape[0])]
+        for d, g in enumerate(self.group):
+            out[g].append(d)
+        return out
+
+    def dense(self):
+        """The plain ``[D, *local]`` tensor (a copy: one per device)."""
+        import torch
+        return self.distinct.index_select(0, torch.tensor(self.group, device=self.distinct.device))
+
+
+def stack_shards(shards: list, device="cpu"):
+    """Per-device shards as the emulated mesh holds them, one copy per distinct shard: devices
+    whose entries are the same tensor object (``is``) share it. All one object: a ``[D, *local]``
+    view of that one copy (``expand``: stride 0 over the devices); all distinct: ``torch.stack``;
+    otherwise a :class:`SharedStack`. Nothing here compares values: sharing is what the caller
+    says (the package's ``stored_in``, or ``layout.holders``)."""
+    import torch
+    ids: dict[int, int] = {}
+    distinct: list = []
+    group = []
+    for x in shards:
+        g = ids.setdefault(id(x), len(distinct))
+        if g == len(distinct):
+            distinct.append(x)
+        group.append(g)
+    return held_as(torch.stack(distinct).to(device), group)
+
+
+def held_as(distinct, group):
+    """``distinct`` (``[G, *local]``: each distinct shard once) held for the devices of
+    ``group`` (per device, the index of its shard): itself when every device has its own (in
+    device order), a stride-0 view of the one copy when all share it, else a
+    :class:`SharedStack`. No copy is made."""
+    D = len(group)
+    if tuple(group) == tuple(range(D)) and distinct.shape[0] == D:
+        return distinct
+    if distinct.shape[0] == 1:
+        return distinct.expand(D, *distinct.shape[1:])
+    return SharedStack(distinct, group)
+
+
 class PackageWeights:
     """Per-device shards of a package: ``device(d)`` as stored, ``device_stacks()`` as the
-    emulated mesh holds them (``[D, *local]`` per tensor), ``canonical()`` the global tensors
-    they make up (padding dropped, per ``layout``)."""
+    emulated mesh holds them (``[D, *local]`` per tensor, one copy per distinct shard:
+    :func:`stack_shards`), ``canonical()`` the global tensors they make up (padding dropped,
+    per ``layout``). A shard several devices hold is stored once, in the file of the first of
+    them (the header's ``stored_in``), read and decoded once, and shared."""
 
     def __init__(self, pkg: Path, bundle, mesh, refs: dict):
         from . import layout
@@ -742,23 +810,32 @@ class PackageWeights:
         self.dtypes = {n: r.dtype for n, r in refs.items()}
         self.units = {n: layout.tensor_units(t.dims, refs[n].spec, mesh, bundle.spec.sharding)
                       for n, t in self.decls.items()}
+        self._handles = None
+        #: per tensor key, per device: the device whose file stores its shard (set by the load's
+        #: header check, ``_check_headers``, from the files' ``stored_in``)
+        self.stored_in: dict = {}
 
     def files(self) -> list[Path]:
         return [self.pkg / weight_file(d) for d in range(self.mesh.num_devices)]
 
     def device(self, d: int, names: list[str] | None = None) -> dict:
-        """Device ``d``'s shards ``{key: tensor}`` (bf16; block floats decoded to float32)."""
-        from safetensors import safe_open
-        out = {}
-        with safe_open(str(self.pkg / weight_file(d)), framework="pt") as f:
-            meta = json.loads(f.metadata()["ttbundle"])
-            for key in (names or f.keys()):
-                out[key] = _decode(f.get_tensor(key), meta["tensors"][key])
-        return out
+        """Device ``d``'s shards ``{key: tensor}`` (bf16; block floats decoded to float32), each
+        read from the file that stores it (``stored_in``)."""
+        handles, metas = self._open()
+        return {key: self._read(self.source(d, key), key) for key in (names or metas[d])}
+
+    def source(self, d: int, key: str) -> int:
+        """The device whose file stores device ``d``'s shard of ``key`` (itself, or the first
+        device holding the same shard: ``stored_in``, checked at load)."""
+        return int(self.stored_in[key][d])
+
+    def _read(self, s: int, key: str):
+        handles, metas = self._open()
+        return _decode(handles[s].get_tensor(key), metas[s][key])
 
     def _open(self):
         """The device files' safetensors handles (memory-mapped) and headers, opened once."""
-        if getattr(self, "_handles", None) is None:
+        if self._handles is None:
             from safetensors import safe_open
             try:
                 handles = [safe_open(str(p), framework="pt") for p in self.files()]
@@ -774,18 +851,19 @@ class PackageWeights:
 
     def shards(self, name: str, layer: int | None = None, dtype=None) -> list:
         """Every device's shard of tensor ``name`` (of ``layer``), decoded from its file to
-        ``dtype`` (bf16 values; bfp8/bfp4 tiles decoded as ttnn does)."""
+        ``dtype`` (bf16 values; bfp8/bfp4 tiles decoded as ttnn does). A shard stored once for
+        several devices is read and decoded once: those devices' entries are one tensor."""
         import torch
-        handles, metas = self._open()
         key = tensor_key(name, layer)
-        return [_decode(h.get_tensor(key), metas[d][key]).to(dtype or torch.float32)
-                for d, h in enumerate(handles)]
+        src = [self.source(d, key) for d in range(self.mesh.num_devices)]
+        one = {s: self._read(s, key).to(dtype or torch.float32) for s in dict.fromkeys(src)}
+        return [one[s] for s in src]
 
     def stack(self, name: str, layer: int | None = None, dtype=None, device="cpu"):
         """One tensor (of ``layer``) as the emulated mesh holds it: ``[D, *local]``, each
-        device's shard exactly as its file holds it. What a layer-by-layer reader loads."""
-        import torch
-        return torch.stack(self.shards(name, layer, dtype)).to(device).contiguous()
+        device's shard exactly as its file holds it, one copy per distinct stored shard
+        (:func:`stack_shards`). What a layer-by-layer reader loads."""
+        return stack_shards(self.shards(name, layer, dtype), device)
 
     def layers_of(self, name: str) -> list:
         """``[None]`` for a global tensor, else the layer indices it has."""
@@ -802,8 +880,8 @@ class PackageWeights:
         return out
 
     def device_stacks(self, dtype=None, device="cpu") -> dict:
-        """Every tensor as ``[D, *local]`` (a list per layer for layered tensors): each device's
-        shard exactly as its file holds it (bf16 values; bfp8/bfp4 tiles decoded as ttnn does)."""
+        """Every tensor as ``[D, *local]`` (a list per layer for layered tensors): :meth:`stack`
+        of each (bf16 values; bfp8/bfp4 tiles decoded as ttnn does)."""
         import torch
         dtype = dtype or torch.float32
         return {name: [self.stack(name, layer, dtype, device) for layer in self.layers_of(name)]
@@ -899,7 +977,7 @@ def assemble(pkg: Path, manifest: dict, bundle, mesh, programs: dict) -> LoadedP
     _check_arch(Path(pkg), bundle, mesh, refs)
     _check_spec(loaded, refs)
     loaded.weights = PackageWeights(Path(pkg), bundle, mesh, refs)
-    _check_headers(Path(pkg), refs, mesh)
+    _check_headers(loaded.weights)
     return loaded
 
 
@@ -984,10 +1062,18 @@ def _weight_refs(loaded: LoadedPackage) -> dict:
     return refs
 
 
-def _check_headers(pkg: Path, refs: dict, mesh) -> None:
-    """Each device file's header agrees with the programs (names, per-device shapes, encodings)."""
+def _check_headers(w: PackageWeights) -> None:
+    """Each device file's header agrees with the programs (names, per-device shapes, encodings),
+    and says where each shard is stored: a ``stored_in`` entry names, per device, a device
+    holding the same units (``layout.holders``) whose own entry names itself, and a file holds
+    exactly the tensors stored in it. Format 1 files (no ``stored_in``) hold every shard."""
+    from .layout import holders
+    pkg, refs, mesh = w.pkg, w.refs, w.mesh
+    D = mesh.num_devices
     want = {n: (list(r.device_shape), r.dtype) for n, r in refs.items()}
-    for d in range(mesh.num_devices):
+    owners = {n: holders(u, D) for n, u in w.units.items()}
+    tables = []
+    for d in range(D):
         rel = weight_file(d)
         p = pkg / rel
         try:
@@ -995,12 +1081,41 @@ def _check_headers(pkg: Path, refs: dict, mesh) -> None:
                 n = struct.unpack("<Q", f.read(8))[0]
                 header = json.loads(f.read(n))
             meta = json.loads(header["__metadata__"]["ttbundle"])
+            tensors = meta["tensors"]
         except (OSError, ValueError, KeyError, struct.error) as e:
             raise PackageError(f"{pkg}: {rel}: unreadable weights header: {e}") from None
-        if meta.get("device") != d or meta.get("format") != WEIGHTS_FORMAT:
+        if meta.get("format") not in WEIGHTS_FORMATS:
+            raise PackageError(f"{pkg}: {rel}: weights format {meta.get('format')!r}, this ttbundle reads "
+                               f"{', '.join(WEIGHTS_FORMATS)}; rebuild the package")
+        if meta.get("device") != d:
             raise PackageError(f"{pkg}: {rel}: header says device {meta.get('device')}, expected {d}")
-        for key, info in meta["tensors"].items():
-            shape, dtype = want.get(info.get("tensor"), (None, None))
+        stored = set(header) - {"__metadata__"}
+        for key, info in tensors.items():
+            name = info.get("tensor")
+            shape, dtype = want.get(name, (None, None))
             if shape is None or info.get("shape") != shape or info.get("encoding") != dtype:
                 raise PackageError(f"{pkg}: {rel}: {key} is {info.get('encoding')}{info.get('shape')}, "
                                    f"the programs say {dtype}{shape}")
+            src = info.get("stored_in")
+            if src is not None and meta["format"] == WEIGHTS_FORMATS[0]:
+                raise PackageError(f"{pkg}: {rel}: {key}: stored_in in a {WEIGHTS_FORMATS[0]} header")
+            if src is not None and (not isinstance(src, list) or len(src) != D or any(
+                    not isinstance(e, int) or not 0 <= e < D or owners[name][e] != owners[name][i]
+                    or src[e] != e for i, e in enumerate(src))):
+                raise PackageError(f"{pkg}: {rel}: {key}: stored_in {src} does not name, for every device, "
+                                   f"a device holding the same shard that stores it itself")
+            here = src is None or src[d] == d
+            if here != (key in stored):
+                raise PackageError(f"{pkg}: {rel}: {key} is " + (
+                    "missing (the header says this file stores it)" if here else
+                    f"in the file, but the header says device {src[d]}'s file stores it"))
+        if stored - set(tensors):
+            raise PackageError(f"{pkg}: {rel}: holds tensors its header does not describe: "
+                               f"{sorted(stored - set(tensors))[:5]}")
+        tables.append(tensors)
+    w.stored_in = {k: v.get("stored_in") or list(range(D)) for k, v in tables[0].items()}
+    for d in range(1, D):  # one table: where every device's shard is stored
+        if {k: v.get("stored_in") for k, v in tables[d].items()} != \
+                {k: v.get("stored_in") for k, v in tables[0].items()}:
+            raise PackageError(f"{pkg}: {weight_file(d)}: its header and {weight_file(0)}'s disagree on "
+                               "which tensors the files hold or where they are stored")

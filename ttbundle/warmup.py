@@ -297,15 +297,18 @@ def read_stack(source, name: str, layer: int | None, dtype, device="cpu"):
     preallocated tensor."""
     import torch
 
-    from .package import tensor_key
+    from .package import held_as, tensor_key
 
     handles, metas = source._open()
     key = tensor_key(name, layer)
     shape = [int(s) for s in metas[0][key]["shape"]]
-    out = torch.empty([len(handles)] + shape, dtype=dtype)
-    for d, h in enumerate(handles):
-        _decode_into(h, key, metas[d][key], out[d])
-    return out.to(device)
+    # a shard several devices hold is stored once (``stored_in``): read once, held once
+    src = [source.source(d, key) for d in range(len(handles))]
+    firsts = list(dict.fromkeys(src))
+    out = torch.empty([len(firsts)] + shape, dtype=dtype)
+    for i, s in enumerate(firsts):
+        _decode_into(handles[s], key, metas[s][key], out[i])
+    return held_as(out.to(device), [firsts.index(s) for s in src])
 
 
 class _StageWeights:
@@ -346,7 +349,7 @@ def _held(lazy, name: str, layer: int | None):
     from .backends.emulated import gemm
 
     W = read_stack(lazy.source, name, layer, lazy._dtype, lazy._device)
-    if lazy._packs and name in lazy._pack and W[0].numel() * W.element_size() <= PACK_BYTES:
+    if lazy._packs and name in lazy._pack and math.prod(W.shape[1:]) * W.dtype.itemsize <= PACK_BYTES:
         W = gemm.hold_one(W, lazy._dtype)
     return W
 

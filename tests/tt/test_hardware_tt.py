@@ -155,7 +155,7 @@ bad = []
 for key, t in cache.load_mesh_weights(ttnn, dev, pkg).items():
     back = ttnn.get_device_tensors(ttnn.from_device(t))
     for d, b in enumerate(back):
-        want = ttnn.load_tensor(f"{pkg}/{cache.cache_file(d, key)}")
+        want = ttnn.load_tensor(f"{pkg}/{cache.cache_file(idx['tensors'][key]['stored_in'][d], key)}")
         if b.dtype == ttnn.bfloat16:
             b, want = ttnn.to_dtype(b, ttnn.float32), ttnn.to_dtype(want, ttnn.float32)
         if not np.array_equal(b.to_numpy(), want.to_numpy()):

@@ -47,6 +47,7 @@ weights: {source: ckpt, dtypes: {mlp: bfp8, attention: bfp4}}
 targets: [T3K, N150]
 buckets: {prefill: [32, 64], decode: [1, 8], prefill_chunk: 64}
 runtime: {max_model_len: 256, max_num_seqs: 8}
+tokenizer: false
 '''
 arch = spec.loads(text.replace("source: ckpt, ", ""), "arch.yaml")
 reference.random_model(arch, 0).to(torch.bfloat16).save_pretrained(str(ck), safe_serialization=True)
@@ -80,9 +81,14 @@ def packages(tmp_path_factory) -> dict[str, Path]:
 
 
 def shard_values(pkg: Path, d: int, key: str) -> np.ndarray:
-    """Device d's shard of ``key`` from the package's safetensors, as float32 (no torch)."""
+    """Device d's shard of ``key`` from the package's safetensors, as float32 (no torch): from
+    the file its header's ``stored_in`` names (a shard several devices hold is stored once)."""
     path = pkg / "weights" / f"device-{d:03d}.safetensors"
     with open(path, "rb") as f:
+        n = struct.unpack("<Q", f.read(8))[0]
+        head = json.loads(f.read(n))
+    src = json.loads(head["__metadata__"]["ttbundle"])["tensors"][key].get("stored_in", [d] * (d + 1))[d]
+    with open(pkg / "weights" / f"device-{src:03d}.safetensors", "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         head = json.loads(f.read(n))
         a, b = head[key]["data_offsets"]
@@ -114,7 +120,7 @@ def test_every_cache_file_loads_with_the_planned_shape_dtype_layout_and_values(t
     seen = set()
     for key, info in idx["tensors"].items():
         for d in range(idx["devices"]):
-            t = ttnn.load_tensor(str(pkg / cache.cache_file(d, key)))
+            t = ttnn.load_tensor(str(pkg / cache.cache_file(info["stored_in"][d], key)))
             assert list(t.shape) == info["shape"], key
             assert t.dtype == dtypes[info["dtype"]] and t.layout == layouts[info["layout"]], key
             want = shard_values(pkg, d, key)
@@ -125,6 +131,11 @@ def test_every_cache_file_loads_with_the_planned_shape_dtype_layout_and_values(t
                 got = got[: want.size]
             np.testing.assert_array_equal(got, want, err_msg=f"{key} on device {d}")
             seen.add((info["dtype"], info["layout"], want.ndim))
+    # a replicated tensor is one file, in device 0's folder, that every device loads
+    if idx["devices"] > 1:
+        norm = next(k for k, i in idx["tensors"].items() if i["tensor"] == "attn_norm")
+        assert idx["tensors"][norm]["stored_in"] == [0] * idx["devices"]
+        assert not (pkg / cache.cache_file(1, norm)).exists()
     # every kind of file was in the package: bfp8/bfp4/bf16 tiles, bf16 vectors, the embedding
     assert {("bfp8", "TILE", 2), ("bfp4", "TILE", 2), ("bf16", "TILE", 2), ("bf16", "ROW_MAJOR", 1),
             ("bf16", "ROW_MAJOR", 2)} <= seen
@@ -158,7 +169,7 @@ for key, info in idx["tensors"].items():
     if m is None:
         out["own"] += 1
         continue
-    shards = cache.load_host_shards(ttnn, pkg, key, D)
+    shards = cache.load_host_shards(ttnn, pkg, key, D, info["stored_in"])
     vals = [s.to_numpy() if s.dtype != ttnn.bfloat16 else ttnn.to_dtype(s, ttnn.float32).to_numpy() for s in shards]
     rows, cols = idx["mesh"]["shape"]
     if m["type"] == "ReplicateTensorToMesh":
@@ -175,7 +186,7 @@ for key, info in idx["tensors"].items():
     parts = ttnn.get_device_tensors(ttnn.distribute_tensor(host, mapper, None))
     for d, p in enumerate(parts):
         ref = np.from_dlpack(p.host_buffer().get_shard(ttnn.MeshCoordinate(0, 0))).tobytes()
-        mine = open(f"{pkg}/{cache.cache_file(d, key)}", "rb").read()
+        mine = open(f"{pkg}/{cache.cache_file(info['stored_in'][d], key)}", "rb").read()
         assert mine.endswith(ref) and len(mine) - len(ref) == 8 + int.from_bytes(mine[:8], "little"), (key, d)
     out["mapped"] += 1
 ttnn.close_mesh_device(dev)

@@ -4,9 +4,12 @@ A decode step is mostly weight GEMMs of a few rows. On x86 CPUs torch's ``matmul
 sgemm, which on some CPUs (seen here: AMD EPYC) runs several times below what the cores and memory
 allow; oneDNN's inner-product kernel with the weight reordered once into its blocked layout (what
 ``torch.compile``'s CPU weight prepacking does) reaches the memory bound for 16 rows. So a dense
-``[D, K, N]`` weight is kept as D oneDNN-packed matrices, one per emulated device: the same values,
-fp32 products accumulated in fp32 (a different summation order than MKL's, as any two GEMMs), and
-each row's result independent of the other rows in the call.
+``[D, K, N]`` weight is kept as oneDNN-packed matrices, one per distinct shard (devices that
+hold the same shard share one copy, ``package.stack_shards``): the same values, fp32 products
+accumulated in fp32 (a different summation order than MKL's, as any two GEMMs), and each row's
+result independent of the other rows in the call. A shard several devices hold is multiplied
+once per call (:func:`grouped`): with all their rows at once, or once where their rows are the
+same bits.
 
 ``TTBUNDLE_EMULATED_GEMM`` (documented in docs/runtime.md): ``auto`` (default: oneDNN where torch
 has it, on the CPU, in float32) or ``torch`` (torch's ``bmm`` on the plain tensor)."""
@@ -18,6 +21,7 @@ import os
 import torch
 
 from ...errors import InvalidInput
+from ...package import SharedStack
 
 ENV = "TTBUNDLE_EMULATED_GEMM"
 #: the row count oneDNN's reorder is told to expect (a decode bucket); any row count works
@@ -35,28 +39,86 @@ def packs(dtype: torch.dtype, device: torch.device) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-class Packed:
-    """A dense weight ``[D, K, N]`` held as one oneDNN-packed ``[N, K]`` matrix per device."""
+def shards_of(W) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """A held weight ``[D, ...]`` as (its distinct shards ``[G, ...]``, per device the index of
+    its shard): a :class:`~ttbundle.package.SharedStack` as held, a view with stride 0 over the
+    devices (one copy, ``package.stack_shards``) as one shard, anything else one per device."""
+    if isinstance(W, SharedStack):
+        return W.distinct, W.group
+    if W.shape[0] > 1 and W.stride(0) == 0:
+        return W[:1], (0,) * W.shape[0]
+    return W, tuple(range(W.shape[0]))
 
-    def __init__(self, W: torch.Tensor):
-        self.shape, self.dtype, self.device = W.shape, W.dtype, W.device
-        self.per_device = [torch.ops.mkldnn._reorder_linear_weight(W[d].t().contiguous(), ROWS_HINT)
-                           for d in range(W.shape[0])]
+
+def dense(W):
+    """A held weight as a plain ``[D, ...]`` tensor (a copy for packed and shared ones)."""
+    return W.dense() if isinstance(W, (Packed, SharedStack)) else W
+
+
+def same_rows(x: torch.Tensor) -> bool:
+    """Whether every slice ``x[i]`` equals ``x[0]``, bit for bit: proven by a stride of 0 (one
+    copy viewed several times), else checked (one read of ``x``)."""
+    if x.shape[0] < 2 or x.stride(0) == 0:
+        return True
+    return torch.equal(x[1:], x[:1].expand_as(x[1:]))
+
+
+def grouped(x: torch.Tensor, group: tuple, n_out: int, mm) -> torch.Tensor:
+    """``x [D, ..., K]`` times per-device weights -> ``[D, ..., n_out]``, where device ``d``
+    uses distinct shard ``group[d]`` and ``mm(g, rows [M, K]) -> [M, n_out]`` multiplies by
+    shard ``g``. Each distinct shard is read once per call: the rows of every device holding it
+    go through one product, or, where those devices' rows are bit-identical (:func:`same_rows`:
+    a replicated step whose inputs really are replicated), one device's rows do and the others
+    take that result. Rows that differ (a dropped collective leaves them so) are each computed,
+    so a wrong program still computes wrong numbers."""
+    D, K = x.shape[0], x.shape[-1]
+    lead = x.shape[1:-1]
+    x3 = x.reshape(D, -1, K)
+    M = x3.shape[1]
+    if group == tuple(range(D)):
+        return torch.stack([mm(d, x3[d]) for d in range(D)]).view(D, *lead, n_out)
+    members: dict[int, list[int]] = {}
+    for d, g in enumerate(group):
+        members.setdefault(g, []).append(d)
+    if len(members) == 1 and same_rows(x3):
+        return mm(0, x3[0]).unsqueeze(0).expand(D, M, n_out).view(D, *lead, n_out)
+    out = x3.new_empty(D, M, n_out)
+    for g, devs in members.items():
+        idx = torch.tensor(devs, device=x.device)
+        xg = x3.index_select(0, idx)
+        if same_rows(xg):
+            y = mm(g, xg[0]).unsqueeze(0).expand(len(devs), M, n_out)
+        else:
+            y = mm(g, xg.reshape(-1, K)).view(len(devs), M, n_out)
+        out.index_copy_(0, idx, y)
+    return out.view(D, *lead, n_out)
+
+
+class Packed:
+    """A dense weight ``[D, K, N]`` held as one oneDNN-packed ``[N, K]`` matrix per distinct
+    shard (devices sharing one copy, :func:`shards_of`, share its packed matrix)."""
+
+    def __init__(self, W):
+        self.shape, self.dtype, self.device = tuple(W.shape), W.dtype, W.device
+        distinct, self.group = shards_of(W)
+        self.per_shard = [torch.ops.mkldnn._reorder_linear_weight(distinct[g].t().contiguous(), ROWS_HINT)
+                          for g in range(distinct.shape[0])]
 
     def dim(self) -> int:
         return len(self.shape)
 
     def dense(self) -> torch.Tensor:
         """The plain ``[D, K, N]`` tensor (for a reader other than the GEMM; a copy)."""
-        return torch.stack([p.to_dense().t() for p in self.per_device])
+        distinct = torch.stack([p.to_dense().t() for p in self.per_shard])
+        if len(self.per_shard) == 1:
+            return distinct.expand(self.shape[0], *distinct.shape[1:])
+        return distinct.index_select(0, torch.tensor(self.group, device=distinct.device))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [D, ..., K] @ W -> [D, ..., N]``, each device's rows with its own shard."""
-        def one(x, p):
-            return torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
-        if len(self.per_device) == 1:
-            return one(x, self.per_device[0])
-        return torch.stack([one(x[d], p) for d, p in enumerate(self.per_device)])
+        def one(g, rows):
+            return torch.ops.mkldnn._linear_pointwise(rows, self.per_shard[g], None, "none", [], "")
+        return grouped(x, self.group, self.shape[-1], one)
 
 
 def hold(weights: dict, matmul_only: set, dtype: torch.dtype, device) -> dict:
@@ -74,11 +136,17 @@ def hold(weights: dict, matmul_only: set, dtype: torch.dtype, device) -> dict:
 def hold_one(W, dtype: torch.dtype):
     """One matmul-only weight as held where :func:`packs` holds: a dense ``[D, K, N]`` of the
     compute dtype packed, anything else (expert stacks ``[D, E, K, N]``) as given."""
-    return Packed(W) if isinstance(W, torch.Tensor) and W.dim() == 3 and W.dtype == dtype else W
+    dense3 = isinstance(W, (torch.Tensor, SharedStack)) and W.dim() == 3 and W.dtype == dtype
+    return Packed(W) if dense3 else W
 
 
 def matmul(x: torch.Tensor, W) -> torch.Tensor:
-    """``x [D, T, K]`` or ``[D, T, E, K]`` times a dense weight ``[D, K, N]`` (plain or packed)."""
+    """``x [D, T, K]`` or ``[D, T, E, K]`` times a dense weight ``[D, K, N]`` (plain, shared or
+    packed): one product per distinct shard (:func:`grouped`), or one batched product where
+    every device holds its own."""
     if isinstance(W, Packed):
         return W.matmul(x)
+    distinct, group = shards_of(W)
+    if distinct.shape[0] != x.shape[0]:
+        return grouped(x, group, distinct.shape[-1], lambda g, rows: rows @ distinct[g])
     return torch.bmm(x, W) if x.dim() == 3 else torch.einsum("dtek,dkn->dten", x, W)

@@ -35,25 +35,30 @@ class MeshOps:
         return self._index_cache[key]
 
     def take(self, x: torch.Tensor, dim: int, pos: torch.Tensor) -> torch.Tensor:
-        """Per-device slice of dim ``dim`` of ``x`` ([D, ...]) at positions ``pos`` [D, L]."""
+        """Per-device slice of dim ``dim`` of ``x`` ([n, ...]) at positions ``pos`` [n, L] (n: the
+        devices, or some of them)."""
         if (pos < 0).any():
             pad_shape = list(x.shape)
             pad_shape[dim] = 1
             x = torch.cat([x, x.new_zeros(pad_shape)], dim=dim)
             pos = torch.where(pos < 0, torch.full_like(pos, x.shape[dim] - 1), pos)
         shape = [1] * x.dim()
-        shape[0], shape[dim] = self.D, pos.shape[1]
+        shape[0], shape[dim] = pos.shape[0], pos.shape[1]
         index = pos.view(shape).expand(*[x.shape[i] if i not in (0, dim) else shape[i]
                                          for i in range(x.dim())])
         return torch.gather(x, dim, index)
 
-    def shard(self, t: torch.Tensor, dims: tuple[Dim, ...], spec, policy) -> torch.Tensor:
-        """Global tensor -> [D, *local] per the PartitionSpec ``spec``."""
-        x = t.to(self.device).unsqueeze(0).expand(self.D, *t.shape)
+    def shard(self, t: torch.Tensor, dims: tuple[Dim, ...], spec, policy, devices=None) -> torch.Tensor:
+        """Global tensor -> [D, *local] per the PartitionSpec ``spec`` ([len(devices), *local]:
+        the shards of ``devices`` only)."""
+        sel = None if devices is None else torch.tensor(list(devices), dtype=torch.long, device=self.device)
+        n = self.D if sel is None else len(sel)
+        x = t.to(self.device).unsqueeze(0).expand(n, *t.shape)
         for i, (d, e) in enumerate(zip(dims, spec)):
             axes = axes_of(e)
             if axes:
-                x = self.take(x, i + 1, self.shard_positions(d, axes, policy))
+                pos = self.shard_positions(d, axes, policy)
+                x = self.take(x, i + 1, pos if sel is None else pos.index_select(0, sel))
         return x.contiguous()
 
     # -- collectives ---------------------------------------------------------------------------

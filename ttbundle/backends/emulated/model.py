@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from ... import layout
+from ...package import stack_shards
 from ...program import Op, Program
 from . import gemm
 from .kernels import KERNELS, Ctx, rms_norm, softcap
@@ -137,7 +138,7 @@ class EmulatedModel:
         self.decls = {t.name: t for t in self.family.tensors(self.arch)}
         self.kernels = dict(KERNELS, **(kernels or {}))
         self.traits = self.family.traits(self.arch)
-        packed = _matmul_only(self.programs.values()) - set(self.traits.get("linear_fp32", ()))
+        packed = _packed_names(self.traits, self.programs.values())
         self.lazy: LazyWeights | None = None
         if isinstance(weights, LazyWeights):
             self.lazy = weights.bind(packed, dtype, self.device)
@@ -165,11 +166,18 @@ class EmulatedModel:
 
         programs = programs or {k: lower(bundle, plan, *k) for k in trace_set(bundle)}
         ops = MeshOps(plan.mesh, device)
+        policy, D = bundle.spec.sharding, plan.mesh.num_devices
         w = {}
         for t in bundle.family.tensors(bundle.arch):
             spec = plan.specs[t.name]
             src = canonical[t.name]
-            shard = lambda x: ops.shard(x.to(dtype), t.dims, spec, bundle.spec.sharding)  # noqa: E731
+            # one copy per distinct shard, shared by the devices holding it (as a package loads)
+            owner = layout.holders(layout.tensor_units(t.dims, spec, plan.mesh, policy), D)
+            firsts = sorted(set(owner))
+
+            def shard(x, t=t, spec=spec, owner=owner, firsts=firsts):
+                parts = dict(zip(firsts, ops.shard(x.to(dtype), t.dims, spec, policy, firsts).unbind(0)))
+                return stack_shards([parts[owner[d]] for d in range(D)], device)
             w[t.name] = shard(src) if t.layers is None else [shard(x) for x in src]
         return cls(bundle, plan.mesh, programs, w, dtype=dtype, device=device, kernels=kernels)
 
@@ -182,17 +190,24 @@ class EmulatedModel:
         read from the (memory-mapped) files when a step first needs it and dropped by
         :meth:`release`, so a layer-by-layer caller (:meth:`run_layer_major`) holds one layer."""
         programs = {k: pkg.program_ir(*k) for k in (programs or pkg.programs)}
-        w = LazyWeights(pkg.weights) if lazy else pkg.weights.device_stacks(dtype, device)
+        if lazy:
+            w = LazyWeights(pkg.weights)
+        else:  # each weight packed as it is read: never every weight twice
+            lw = LazyWeights(pkg.weights).bind(_packed_names(pkg.bundle.family.traits(pkg.bundle.arch),
+                                                             programs.values()), dtype, device)
+            w = {name: [lw.get(name, layer) for layer in pkg.weights.layers_of(name)]
+                 if t.layers is not None else lw.get(name, None) for name, t in pkg.weights.decls.items()}
         return cls(pkg.bundle, pkg.mesh, programs, w, dtype=dtype, device=device, kernels=kernels)
 
     # -- weights ------------------------------------------------------------------------------
     def weight(self, name: str, layer: int | None = None):
         """Weight ``name`` (of ``layer``) as ``[D, *local]``, or None where the layer has none."""
         W = self._held(name, layer)
-        return W.dense() if isinstance(W, gemm.Packed) else W
+        return None if W is None else gemm.dense(W)
 
     def _held(self, name: str, layer: int | None = None):
-        """The weight as held: a dense matmul weight may be :class:`gemm.Packed`."""
+        """The weight as held: a dense matmul weight may be :class:`gemm.Packed`, a weight some
+        devices share a :class:`package.SharedStack` (see :meth:`weight` for a plain tensor)."""
         t = self.decls.get(name)
         if t is None:
             return None
@@ -418,7 +433,23 @@ class EmulatedModel:
         return result
 
     def _embed(self, tokens, name: str):
-        W = self.weight(name)  # [D, V_local, H_local]
+        """Each device's rows of its embedding shard, looked up once per distinct shard (devices
+        holding one shard take the same rows of it)."""
+        W, group = gemm.shards_of(self._held(name))  # [G, V_local, H_local]
+        D = self.ops.D
+        if W.shape[0] == D:
+            return self._embed_rows_of(W, tokens, name, torch.arange(D, device=self.device))
+        first = {}
+        for d, g in enumerate(group):
+            first.setdefault(g, d)
+        reps = torch.tensor([first[g] for g in range(W.shape[0])], device=self.device)
+        out = self._embed_rows_of(W, tokens, name, reps)  # [G, T, H_local]
+        if W.shape[0] == 1:
+            return out.expand(D, *out.shape[1:])
+        return out.index_select(0, torch.tensor(group, device=self.device))
+
+    def _embed_rows_of(self, W, tokens, name: str, devices):
+        """``W [n, V_local, H_local]`` (the shards of ``devices``): the rows of ``tokens``."""
         t = self.decls[name]
         ax = self.refs[name].spec[0]
         if not ax:
@@ -430,7 +461,7 @@ class EmulatedModel:
             rows = torch.arange(pos.shape[1], device=self.device).expand_as(pos)
             inv[torch.arange(self.ops.D, device=self.device)[:, None].expand_as(pos)[valid], pos[valid]] = rows[valid]
             self._embed_rows = inv
-        rows = self._embed_rows[:, tokens]  # [D, T]
+        rows = self._embed_rows.index_select(0, devices)[:, tokens]  # [n, T]
         out = torch.gather(W, 1, rows.clamp(min=0)[:, :, None].expand(-1, -1, W.shape[2]))
         return out * (rows >= 0)[:, :, None].to(out.dtype)
 
@@ -465,7 +496,7 @@ class EmulatedModel:
         name = st.w
         W = self._held(name, layer)
         if name in self.traits.get("linear_fp32", ()):  # HF computes these in float32 (a router)
-            x, W = x.float(), W.float()
+            x, W = x.float(), gemm.dense(W).float()
         t = self.decls[name]
         x_spec = st.ins[0].spec
         # a replicated contraction dim meets a split weight: each device takes its slice
@@ -476,6 +507,7 @@ class EmulatedModel:
         if W.dim() == 3:  # [D, K, N]
             return gemm.matmul(x, W)
         # experts [D, E, K, N]
+        W = gemm.dense(W)
         if x.dim() == 3:
             return torch.einsum("dtk,dekn->dten", x, W)
         e_axes = self._split(name, 0)
@@ -483,6 +515,12 @@ class EmulatedModel:
             pos = self.ops.shard_positions(t.dims[0], e_axes, self.policy)
             x = self.ops.take(x, 2, pos)
         return torch.einsum("dtek,dekn->dten", x, W)
+
+
+def _packed_names(traits: dict, programs) -> set:
+    """The weights held packed where :func:`gemm.packs` says so: the matmul-only ones, except
+    those a family computes in float32 (``linear_fp32``)."""
+    return _matmul_only(programs) - set(traits.get("linear_fp32", ()))
 
 
 def _matmul_only(programs) -> set:

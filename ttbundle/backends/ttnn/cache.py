@@ -6,15 +6,21 @@ result to the mesh (``load_mesh_weights``). Layout (ttbundle's own; ``ttnn.as_te
 mesh mapper writes one multi-device file per tensor instead, which needs an open mesh)::
 
     tensorbin/index.json                     format, mesh, devices, per tensor key: shape, dtype,
-                                             layout, the mesh mapper ttnn would use (or null)
-    tensorbin/device-NNN/<key>.tensorbin     device NNN's shard of tensor <key> (``wq.3``)
+                                             layout, the mesh mapper ttnn would use (or null),
+                                             ``stored_in``: per device, whose file holds its shard
+    tensorbin/device-NNN/<key>.tensorbin     device NNN's shard of tensor <key> (``wq.3``), written
+                                             for the first device holding that shard only
 
 Each file is a single-device host tensor exactly as ``ttnn.dump_tensor`` writes one
 (:mod:`ttbundle.tensorbin`), holding the shape, dtype and layout ttnn keeps the tensor in on
 device (:mod:`.layout`): block floats as the package's own tiles (byte for byte what ttnn
 packs), bf16 matrices tilized here (32x32 tiles of four 16x16 faces), bf16 vectors as rows of
 32, embeddings row-major. The files are cut from the package's ``weights/device-NNN.safetensors``
-(read raw: no torch, so this also runs in the Python 3.12 ttnn environment).
+(read raw: no torch, so this also runs in the Python 3.12 ttnn environment). A shard several
+devices hold (a replicated tensor, or one split over one axis and replicated over the other) is
+stored once, as the weights files store it (their ``stored_in``), and loaded once: every device
+holding it gets that one host tensor in ``ttnn.from_host_shards`` (each chip's DRAM holds its own
+copy on the device, as it must).
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from ...cache import code_digest, digest, module_sources
 from ...package import stored_shape, weight_file
 from .layout import TILE, device_shape
 
-FORMAT = "ttbundle.tensorbin/1"
+FORMAT = "ttbundle.tensorbin/2"  # /2: one file per distinct shard (``stored_in``)
 DIR = "tensorbin"
 INDEX = f"{DIR}/index.json"
 
@@ -58,6 +64,11 @@ class _RawSafetensors:
         self.header = json.loads(self.f.read(n))
         self.start = 8 + n
         self.meta = json.loads(self.header["__metadata__"]["ttbundle"])
+
+    def source(self, key: str, d: int) -> int:
+        """The device whose weights file stores device ``d``'s shard of ``key``."""
+        src = self.meta["tensors"][key].get("stored_in")
+        return d if src is None else int(src[d])
 
     def get(self, key: str) -> bytes:
         a, b = self.header[key]["data_offsets"]
@@ -158,10 +169,12 @@ def write_caches(pkg: str | Path, plan, policy=None,
             info = readers[0].meta["tensors"][key]
             t = tp[info["tensor"]]
             shp = device_shape(t.device_shape, t.layout)
+            stored_in = [readers[0].source(key, d) for d in range(D)]
             index[key] = {"tensor": t.name, "layer": info.get("layer"), "shape": list(shp),
                           "dtype": t.dtype, "layout": t.layout,
-                          "mesh_mapper": mapper_dims(plan, t.name, policy)}
-            for d, r in enumerate(readers):
+                          "mesh_mapper": mapper_dims(plan, t.name, policy), "stored_in": stored_in}
+            for d in sorted(set(stored_in)):  # each stored shard once, in its holder's file
+                r = readers[d]
                 rinfo = r.meta["tensors"][key]
                 if rinfo["shape"] != t.device_shape or rinfo["encoding"] != t.dtype:
                     raise ValueError(f"{weight_file(d)}: {key} is {rinfo['encoding']}{rinfo['shape']}, "
@@ -186,16 +199,30 @@ def read_index(pkg: str | Path) -> dict:
 
 
 # ---- loading on a mesh (hardware path; also runs on a mock mesh) --------------------------------
-def load_host_shards(ttnn, pkg: str | Path, key: str, devices: int) -> list:
-    """Device ``d``'s host tensor of ``key`` for every device, as ``ttnn.load_tensor`` reads it."""
-    return [ttnn.load_tensor(str(Path(pkg) / cache_file(d, key))) for d in range(devices)]
+def load_host_shards(ttnn, pkg: str | Path, key: str, devices: int, stored_in: list | None = None) -> list:
+    """Device ``d``'s host tensor of ``key`` for every device, as ``ttnn.load_tensor`` reads it;
+    a file ``stored_in`` names for several devices is loaded once and given to each of them."""
+    src = list(range(devices)) if stored_in is None else [int(s) for s in stored_in]
+    loaded = {s: ttnn.load_tensor(str(Path(pkg) / cache_file(s, key))) for s in dict.fromkeys(src)}
+    return [loaded[s] for s in src]
 
 
-def check_index(pkg: str | Path, idx: dict, refs: dict, mesh_shape) -> None:
+def check_index(pkg: str | Path, idx: dict, refs: dict, mesh_shape, stored_in: dict | None = None) -> None:
     """The caches hold what the package's programs read (``LoadedPackage.weight_refs``): the
     mesh shape, and per key a weight of the programs in its dtype and per-device shape (as ttnn
-    holds it, :func:`.layout.device_shape`). Raises PackageError naming the key and both."""
+    holds it, :func:`.layout.device_shape`), each shard in the file the weights store it in
+    (``stored_in``: ``PackageWeights.stored_in``, checked against the layout at load). Raises
+    PackageError naming the key and both."""
     from ...package import PackageError
+
+    if idx.get("format") != FORMAT:
+        raise PackageError(f"{pkg}: {INDEX}: format {idx.get('format')!r}, this ttbundle reads {FORMAT}; "
+                           "rebuild the package")
+    if stored_in is not None:
+        for key, e in idx["tensors"].items():
+            if e.get("stored_in") != stored_in.get(key):
+                raise PackageError(f"{pkg}: {INDEX}: {key} is stored in device files {e.get('stored_in')}, "
+                                   f"the weights in {stored_in.get(key)}; rebuild the package")
 
     if list(idx["mesh"]["shape"]) != list(mesh_shape):
         raise PackageError(f"{pkg}: {INDEX}: caches for a {idx['mesh']['shape']} mesh, the programs run on "
@@ -217,7 +244,7 @@ def load_mesh_weights(ttnn, mesh_device, pkg: str | Path, keys: list[str] | None
     shape = ttnn.MeshShape(*idx["mesh"]["shape"])
     out = {}
     for key in keys or list(idx["tensors"]):
-        shards = load_host_shards(ttnn, pkg, key, idx["devices"])
+        shards = load_host_shards(ttnn, pkg, key, idx["devices"], idx["tensors"][key].get("stored_in"))
         host = ttnn.from_host_shards(shards, shape)
         out[key] = ttnn.to_device(host, mesh_device, memory_config=ttnn.DRAM_MEMORY_CONFIG)
     return out

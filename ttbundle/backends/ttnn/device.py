@@ -201,7 +201,8 @@ def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=No
     if mesh_device is None:
         mesh_device = ttnn.open_mesh_device(ttnn.MeshShape(*pkg.mesh.shape), trace_region_size=pkg.trace_region_size)
     ex = Executor(ttnn, mesh_device)
-    ttcache.check_index(pkg.dir, ttcache.read_index(pkg.dir), pkg.weight_refs, pkg.mesh.shape)
+    ttcache.check_index(pkg.dir, ttcache.read_index(pkg.dir), pkg.weight_refs, pkg.mesh.shape,
+                        pkg.weights.stored_in)
     ex.env["weights"].update(ttcache.load_mesh_weights(ttnn, mesh_device, pkg.dir))
     ex.env["kv"] = allocate_kv(ttnn, mesh_device, pkg.kv_cache)
     keys, trace_keys = forward_keys(bundle, sample_on_device_mode, host_fallback, trace_mode)
