@@ -271,20 +271,20 @@ def test_families_pass_in_both_dtypes_and_corruptions_fail_in_both(family_pkgs, 
 
 
 def test_reading_in_bands_gives_the_stored_values(family_pkgs, monkeypatch):
-    """``read_stack`` with bands of a few rows: bf16 stored transposed, bf16 as is and block
-    floats (bands of whole tile rows) equal ``PackageWeights.stack``."""
+    """``PackageWeights.stack`` with bands of a few rows: bf16 stored transposed, bf16 as is and
+    block floats (bands of whole tile rows) equal each shard decoded whole (``shards``)."""
     loaded = package.load_package(family_pkgs["llama"])
-    monkeypatch.setattr(warmup, "BAND_BYTES", 4096)
+    monkeypatch.setattr(package, "BAND_BYTES", 4096)
     w = loaded.weights
     _, metas = w._open()
     assert metas[0]["wq.0"].get("transposed") and not metas[0]["attn_norm.0"].get("transposed")
     for name, layer in [("wq", 0), ("w2", 1), ("embed", None), ("attn_norm", 0)]:
-        assert torch.equal(warmup.read_stack(w, name, layer, torch.float32), w.stack(name, layer, torch.float32))
+        assert torch.equal(w.stack(name, layer, torch.float32), torch.stack(w.shards(name, layer, torch.float32)))
 
 
 def test_block_float_weights_read_and_written_in_bands_are_the_whole_tensors(tmp_path, ckpt, monkeypatch):  # noqa: F811
     """bfp8: conversion encoding bands of tile rows writes the bytes of one whole-tensor encode,
-    and the warm-up's banded reader decodes them as ``PackageWeights.stack`` does."""
+    and the banded reader (``PackageWeights.stack``) decodes them as a whole-shard decode does."""
     from ttbundle import blockfloat, convert
     spec = write_spec(tmp_path, ckpt)
     spec.write_text(spec.read_text().replace(f"  source: {ckpt}\n", f"  source: {ckpt}\n  dtypes: {{default: bfp8}}\n"))
@@ -299,6 +299,6 @@ def test_block_float_weights_read_and_written_in_bands_are_the_whole_tensors(tmp
     shard = w.shards("w1", 0)[1]
     assert w.device(1)["w1.0"].shape == shard.shape
     assert bytes(blockfloat.encode(shard, "bfp8")) == w._open()[0][1].get_tensor("w1.0").numpy().tobytes()
-    monkeypatch.setattr(warmup, "BAND_BYTES", 4096)
+    monkeypatch.setattr(package, "BAND_BYTES", 4096)
     for name, layer in [("w1", 0), ("w2", 1), ("lm_head", None)]:
-        assert torch.equal(warmup.read_stack(w, name, layer, torch.float32), w.stack(name, layer, torch.float32))
+        assert torch.equal(w.stack(name, layer, torch.float32), torch.stack(w.shards(name, layer, torch.float32)))

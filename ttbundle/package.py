@@ -861,9 +861,21 @@ class PackageWeights:
 
     def stack(self, name: str, layer: int | None = None, dtype=None, device="cpu"):
         """One tensor (of ``layer``) as the emulated mesh holds it: ``[D, *local]``, each
-        device's shard exactly as its file holds it, one copy per distinct stored shard
-        (:func:`stack_shards`). What a layer-by-layer reader loads."""
-        return stack_shards(self.shards(name, layer, dtype), device)
+        device's shard exactly as its file holds it (the values of :meth:`shards`), one copy per
+        distinct stored shard (``stored_in``, :func:`held_as`), each read band by band straight
+        into one preallocated tensor (:data:`BAND_BYTES`): a large tensor never exists whole in
+        another dtype or as a second copy. What a layer-by-layer reader loads."""
+        import torch
+
+        handles, metas = self._open()
+        key = tensor_key(name, layer)
+        shape = [int(s) for s in metas[0][key]["shape"]]
+        src = [self.source(d, key) for d in range(len(handles))]
+        firsts = list(dict.fromkeys(src))
+        out = torch.empty([len(firsts)] + shape, dtype=dtype or torch.float32)
+        for i, s in enumerate(firsts):
+            _decode_into(handles[s], key, metas[s][key], out[i])
+        return held_as(out.to(device), [firsts.index(s) for s in src])
 
     def layers_of(self, name: str) -> list:
         """``[None]`` for a global tensor, else the layer indices it has."""
@@ -916,6 +928,64 @@ def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
         shape[k] = -1
         idx.append(pos[keep].view(shape))
     g[tuple(idx)] = shard
+
+
+#: a large tensor is read and decoded this many bytes (of float32) at a time (PackageWeights.stack)
+BAND_BYTES = 64 << 20
+
+
+def _decode_into(handle, key: str, info: dict, out) -> None:
+    """Device shard ``key`` from its file (``handle``: safetensors, memory-mapped) into ``out``
+    (the device tensor, any float dtype), a band at a time, bands decoded on one thread per core:
+    a large tensor never exists whole in another dtype or as a second copy. Decoding is
+    ``package._decode``'s (bf16 as stored, or transposed back; block-float tiles as the device
+    decodes them)."""
+    enc = info.get("encoding", "bf16")
+    shape = [int(s) for s in info["shape"]]
+    if out.numel() * 4 <= BAND_BYTES or len(shape) < 2:
+        out.copy_(_decode(handle.get_tensor(key), info).reshape(out.shape))
+        return
+    sl = handle.get_slice(key)
+    jobs = []  # (destination view, stored-slice bounds, info)
+    if enc == "bf16":  # banded along the stored first dim
+        flip = bool(info.get("transposed")) and len(shape) == 2
+        stored0 = shape[-1] if flip else shape[0]
+        row = (out[:, 0] if flip else out[0]).numel() * 4
+        per = max(1, BAND_BYTES // max(1, row))
+        for r0 in range(0, stored0, per):
+            r1 = min(stored0, r0 + per)
+            jobs.append((out[:, r0:r1] if flip else out[r0:r1], r0, r1, info))
+    else:
+        from . import blockfloat
+
+        h, w = shape[-2], shape[-1]
+        mats = out.reshape(-1, h, w)
+        per = max(blockfloat.TILE, BAND_BYTES // (4 * w) // blockfloat.TILE * blockfloat.TILE)
+        for b in range(mats.shape[0]):
+            for r0 in range(0, h, per):
+                r1 = min(h, r0 + per)
+                a, z = blockfloat.row_band(shape, enc, b, r0, r1)
+                jobs.append((mats[b, r0:r1], a, z, {**info, "shape": [r1 - r0, w]}))
+
+    def one(job):
+        dst, a, z, inf = job
+        dst.copy_(_decode(sl[a:z], inf))
+    _parallel(one, jobs)
+
+
+def _parallel(fn, jobs: list) -> None:
+    """``fn`` over ``jobs`` on one thread per usable core (numpy and torch release the GIL)."""
+    import os
+    from concurrent.futures import ThreadPoolExecutor
+
+    n = min(len(jobs), len(os.sched_getaffinity(0)), 8)
+    if n <= 1:
+        for j in jobs:
+            fn(j)
+        return
+    with ThreadPoolExecutor(n, thread_name_prefix="ttbundle-read") as pool:
+        for _ in pool.map(fn, jobs):
+            pass
 
 
 def stored_shape(shape, transposed: bool) -> list:

@@ -82,8 +82,6 @@ DECODE_ROWS = 4  # real rows of a decode call (at most the bucket)
 VISION_ROWS = 16  # soft-token rows of a vision program recorded
 FP32_RTOL = 1e-4
 BF16_SLOPE = 8.0  # see the module docstring and docs/build.md
-PACK_BYTES = 512 << 20  # matmul weights up to this (one device's shard) are held packed
-BAND_BYTES = 64 << 20  # a large tensor is read and decoded this many bytes (of float32) at a time
 
 
 def reference_file(name: str) -> str:
@@ -235,133 +233,12 @@ def compare(name: str, ref: dict, got: dict, dtype: str, rtol: float) -> float:
 
 
 # ---- a model that holds one stage's weights ----------------------------------------------------------
-def _decode_into(handle, key: str, info: dict, out) -> None:
-    """Device shard ``key`` from its file (``handle``: safetensors, memory-mapped) into ``out``
-    (the device tensor, any float dtype), a band at a time, bands decoded on one thread per core:
-    a large tensor never exists whole in another dtype or as a second copy. Decoding is
-    ``package._decode``'s (bf16 as stored, or transposed back; block-float tiles as the device
-    decodes them)."""
-    from .package import _decode
-
-    enc = info.get("encoding", "bf16")
-    shape = [int(s) for s in info["shape"]]
-    if out.numel() * 4 <= BAND_BYTES or len(shape) < 2:
-        out.copy_(_decode(handle.get_tensor(key), info).reshape(out.shape))
-        return
-    sl = handle.get_slice(key)
-    jobs = []  # (destination view, stored-slice bounds, info)
-    if enc == "bf16":  # banded along the stored first dim
-        flip = bool(info.get("transposed")) and len(shape) == 2
-        stored0 = shape[-1] if flip else shape[0]
-        row = (out[:, 0] if flip else out[0]).numel() * 4
-        per = max(1, BAND_BYTES // max(1, row))
-        for r0 in range(0, stored0, per):
-            r1 = min(stored0, r0 + per)
-            jobs.append((out[:, r0:r1] if flip else out[r0:r1], r0, r1, info))
-    else:
-        from . import blockfloat
-
-        h, w = shape[-2], shape[-1]
-        mats = out.reshape(-1, h, w)
-        per = max(blockfloat.TILE, BAND_BYTES // (4 * w) // blockfloat.TILE * blockfloat.TILE)
-        for b in range(mats.shape[0]):
-            for r0 in range(0, h, per):
-                r1 = min(h, r0 + per)
-                a, z = blockfloat.row_band(shape, enc, b, r0, r1)
-                jobs.append((mats[b, r0:r1], a, z, {**info, "shape": [r1 - r0, w]}))
-
-    def one(job):
-        dst, a, z, inf = job
-        dst.copy_(_decode(sl[a:z], inf))
-    _parallel(one, jobs)
-
-
-def _parallel(fn, jobs: list) -> None:
-    """``fn`` over ``jobs`` on one thread per usable core (numpy and torch release the GIL)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
-    n = min(len(jobs), len(os.sched_getaffinity(0)), 8)
-    if n <= 1:
-        for j in jobs:
-            fn(j)
-        return
-    with ThreadPoolExecutor(n, thread_name_prefix="ttbundle-warmup") as pool:
-        for _ in pool.map(fn, jobs):
-            pass
-
-
-def read_stack(source, name: str, layer: int | None, dtype, device="cpu"):
-    """Tensor ``name`` (of ``layer``) as the emulated mesh holds it, ``[D, *local]`` in ``dtype``:
-    the same values as ``source.stack`` (``package.PackageWeights``), read band by band into one
-    preallocated tensor."""
-    import torch
-
-    from .package import held_as, tensor_key
-
-    handles, metas = source._open()
-    key = tensor_key(name, layer)
-    shape = [int(s) for s in metas[0][key]["shape"]]
-    # a shard several devices hold is stored once (``stored_in``): read once, held once
-    src = [source.source(d, key) for d in range(len(handles))]
-    firsts = list(dict.fromkeys(src))
-    out = torch.empty([len(firsts)] + shape, dtype=dtype)
-    for i, s in enumerate(firsts):
-        _decode_into(handles[s], key, metas[s][key], out[i])
-    return held_as(out.to(device), [firsts.index(s) for s in src])
-
-
-class _StageWeights:
-    """``LazyWeights`` (``backends.emulated.model``; subclassed on first use, so importing this
-    module imports no torch) that read with :func:`read_stack` (no second copy of a tensor; see
-    :func:`_held` for packing) and close the package's files on
-    ``release``, so the pages mapped for one stage leave the process with it."""
-
-    _made = None
-
-    @classmethod
-    def make(cls, source):
-        if cls._made is None:
-            from .backends.emulated.model import LazyWeights
-
-            class StageWeights(LazyWeights):
-                __doc__ = cls.__doc__
-
-                def get(self, name: str, layer: int | None):
-                    key = (name, layer)
-                    W = self.held.get(key)
-                    if W is None:
-                        W = self.held[key] = _held(self, name, layer)
-                    return W
-
-                def release(self) -> None:
-                    self.held.clear()
-                    self.source.close()
-            cls._made = StageWeights
-        return cls._made(source)
-
-
-def _held(lazy, name: str, layer: int | None):
-    """One weight as :func:`stage_model`'s model holds it: a matmul weight packed as the serving
-    model packs it (``gemm.hold_one``: the same GEMM, so float32 results equal the serving
-    model's, K/V roundings to their cache dtype included) when one device's shard is at most
-    :data:`PACK_BYTES`; larger ones (a vocabulary head) plain, since packing copies them."""
-    from .backends.emulated import gemm
-
-    W = read_stack(lazy.source, name, layer, lazy._dtype, lazy._device)
-    if lazy._packs and name in lazy._pack and math.prod(W.shape[1:]) * W.dtype.itemsize <= PACK_BYTES:
-        W = gemm.hold_one(W, lazy._dtype)
-    return W
-
-
 def stage_model(loaded, dtype: str, programs: list):
     """The emulated model of ``programs`` of a package (``package.assemble`` /
     ``load_package``), computing in ``dtype``, holding one stage's weights at a time."""
     from .backends.emulated import EmulatedModel
 
-    progs = {k: loaded.program_ir(*k) for k in programs}
-    return EmulatedModel(loaded.bundle, loaded.mesh, progs, _StageWeights.make(loaded.weights),
-                         dtype=_torch_dtype(dtype))
+    return EmulatedModel.from_package(loaded, dtype=_torch_dtype(dtype), lazy=True, programs=programs)
 
 
 # ---- build ---------------------------------------------------------------------------------------------

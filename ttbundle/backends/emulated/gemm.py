@@ -26,6 +26,9 @@ from ...package import SharedStack
 ENV = "TTBUNDLE_EMULATED_GEMM"
 #: the row count oneDNN's reorder is told to expect (a decode bucket); any row count works
 ROWS_HINT = 16
+#: a model reading one stage at a time (``LazyWeights``) packs matmul weights up to this many
+#: bytes per device shard; larger ones (a vocabulary head) stay plain (packing copies them)
+PACK_BYTES = 512 << 20
 
 
 def packs(dtype: torch.dtype, device: torch.device) -> bool:

@@ -83,9 +83,10 @@ class Stages:
 
 
 class LazyWeights:
-    """A package's weights read on demand (``package.PackageWeights.stack``), one tensor of one
-    layer at a time, and held until :meth:`release`: what :meth:`EmulatedModel.run_layer_major`
-    needs to hold one layer of a model of any depth."""
+    """A package's weights read on demand (``package.PackageWeights.stack``: band by band into
+    one tensor, a shared shard once), one tensor of one layer at a time, and held until
+    :meth:`release`: what :meth:`EmulatedModel.run_layer_major` needs to hold one stage of a
+    model of any depth (``check``, the warm-up, ``cache verify``)."""
 
     def __init__(self, source):
         self.source = source
@@ -101,17 +102,24 @@ class LazyWeights:
         return self
 
     def get(self, name: str, layer: int | None):
+        """Weight ``name`` (of ``layer``), read on first use: a matmul weight packed as the
+        whole model packs it (the same GEMM, so float32 results equal the serving model's) when
+        one device's shard is at most ``gemm.PACK_BYTES``; a larger one (a vocabulary head)
+        stays plain, since packing holds a second copy while it runs."""
         key = (name, layer)
         W = self.held.get(key)
         if W is None:
             W = self.source.stack(name, layer, self._dtype, self._device)
-            if self._packs and name in self._pack:
+            if self._packs and name in self._pack and math.prod(W.shape[1:]) * W.dtype.itemsize <= gemm.PACK_BYTES:
                 W = gemm.hold_one(W, self._dtype)
             self.held[key] = W
         return W
 
     def release(self) -> None:
+        """Drop what was read, and close the package's files, so the pages mapped for one stage
+        leave the process with it."""
         self.held.clear()
+        self.source.close()
 
 
 class EmulatedModel:
