@@ -18,10 +18,12 @@ depth (``tests/test_check_memory.py``).
 
 Teacher forcing with a fixed continuation. A layer-major run must know every step's input token
 before layer 0 runs, so the decode steps are fed the prompt's own tokens again from its start
-(:func:`continuation`), not a greedy token. Every position's next-token prediction is compared:
-each prompt position's (the prefill runs its head on every row) and each step's. Per stage (each
-decoder layer; the head: the logits) and step: max-abs error and PCC of the prompt's positions
-together (``prefill``) and of each step's (``decode N``).
+(:func:`continuation`), not a greedy token. Next-token predictions are compared at up to
+:data:`MAX_PROMPT_POSITIONS` prompt positions (all of a short prompt; evenly spaced in a long one,
+the first and last included: the prefill runs its head on those rows) and at each step. Per stage
+(each decoder layer, over every position; the head: the logits of the compared positions) and
+step: max-abs error and PCC of the prompt's positions together (``prefill``) and of each step's
+(``decode N``).
 
 Near-ties. Where the reference's top-1/top-2 logit margin is within what the package's numerics
 move the logits, a differing prediction is rounding, not a bug. The bound is measured: the
@@ -74,6 +76,11 @@ MARGIN_SIGMAS = 5.0
 #: the reference runs the prompt in calls of this many tokens (attention scores: heads x this x
 #: context), and each decode step as a call of its own
 REFERENCE_CHUNK = 128
+#: prompt positions whose next-token predictions are compared, at most (evenly spaced, the first
+#: and last included; every decode step is compared too): the logits of a position are a
+#: vocabulary of floats per side (128,256 x 4 B for Llama 3), so comparing every position of a
+#: 5,000-token prompt held ~5 GB; the stages' PCCs still cover every position
+MAX_PROMPT_POSITIONS = 256
 PCC_MIN_PREFILL_FLIPPED = 0.95
 
 
@@ -127,6 +134,9 @@ class CheckReport:
     #: the typical logit error: median over positions of the std over the vocabulary of
     #: (emulated - reference) logits
     logit_error: float = 0.0
+    #: the sequence position of each compared index (:func:`compared_prompt_positions`, then
+    #: every decode step); empty: every position, in order
+    positions: list = field(default_factory=list)
 
     @property
     def quantized(self) -> str | None:
@@ -140,8 +150,13 @@ class CheckReport:
         typical logit error (module docstring)."""
         return MARGIN_SIGMAS * self.logit_error
 
-    def step_of(self, position: int) -> str:
-        """The step label of a compared position."""
+    def position(self, p: int) -> int:
+        """The sequence position of compared index ``p``."""
+        return self.positions[p] if self.positions else p
+
+    def step_of(self, p: int) -> str:
+        """The step label of compared index ``p``."""
+        position = self.position(p)
         return "prefill" if position < self.prompt_len else f"decode {position - self.prompt_len + 1}"
 
     @property
@@ -150,7 +165,7 @@ class CheckReport:
         whose token took the same experts on both sides in every layer)."""
         flipped = set(self.routing["flipped_positions"]) if self.routing else set()
         tau = self.margin_bound
-        return [p for p, m in enumerate(self.margins) if m > tau and p not in flipped]
+        return [p for p, m in enumerate(self.margins) if m > tau and self.position(p) not in flipped]
 
     @property
     def top1_agreement(self) -> float:
@@ -237,6 +252,7 @@ class CheckReport:
             "first_token_divergence": self.first_token_divergence,
             "ref_tokens": self.ref_tokens, "emulated_tokens": self.emu_tokens,
             "continuation": self.continuation, "compared_positions": len(self.ref_tokens),
+            "positions": [self.position(p) for p in range(len(self.ref_tokens))],
             "decisive_positions": len(self.decisive), "margin_bound": self.margin_bound,
             "logit_error": self.logit_error, "margins": self.margins,
             "first_diverging": None if d is None else {"step": d.step, "layer": d.layer, "stage": d.stage,
@@ -383,7 +399,9 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
             runner.shapes_run.add(("vision", min(b for ph, b in model.programs if ph == "vision" and b >= need)))
             e = mm["embeds"].float().cpu()
             image_stat = LayerStat("image", 0, float((image_ref[0] - e).abs().max()), pcc(image_ref[0], e), "image")
-        calls = runner.prefill_calls(prompt, blocks, capture=True, mm=mm, rope_positions=rope, every_row=True)
+        sel = compared_prompt_positions(prompt_len)
+        idx = sel + list(range(prompt_len, len(seq)))
+        calls = runner.prefill_calls(prompt, blocks, capture=True, mm=mm, rope_positions=rope, head_rows=sel)
         n_pre = len(calls)
         calls += [runner.decode_call([t], [prompt_len + i], [blocks], capture=True,
                                      rope_deltas=None if rope is None else [delta]) for i, t in enumerate(cont)]
@@ -404,13 +422,15 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
                 routes["emu"][li] = sum((r[:c.rows] for r, c in zip(rows, calls)), [])
 
         out = model.run_layer_major(calls, after_stage=after)
-        emu_logits = torch.cat([lg[0, :c.rows] if k < n_pre else lg[:c.rows, 0]
-                                for k, (lg, c) in enumerate(zip(out, calls))]).float().cpu()
+        wanted = set(sel)
+        emu_logits = torch.cat([lg[0, [r for r, j in enumerate(c.head_rows) if j in wanted]] if k < n_pre
+                                else lg[:c.rows, 0] for k, (lg, c) in enumerate(zip(out, calls))]).float().cpu()
         del out
-        ref_logits = ref.head(h_ref)[0].float().cpu()
+        ref_logits = ref.head(h_ref[:, idx])[0].float().cpu()
     for h in hooks:
         h.remove()
-    stats.extend(_stats(ref_logits, emu_logits, labels, n_layers, "head"))
+    head_labels = [labels[j] for j in idx]
+    stats.extend(_stats(ref_logits, emu_logits, head_labels, n_layers, "head"))
     order = {lab: i for i, lab in enumerate(dict.fromkeys(labels))}
     stats.sort(key=lambda s: (order[s.step], s.layer))
     top2 = ref_logits.topk(2, dim=-1).values
@@ -419,14 +439,24 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
                          ref_logits.argmax(-1).tolist(), emu_logits.argmax(-1).tolist(), layers=stats,
                          shapes_run=sorted(runner.shapes_run), storage=storage_of(pkg),
                          kv_blocks=runner.kv.num_blocks, continuation=cont,
-                         margins=(top2[:, 0] - top2[:, 1]).tolist(), logit_error=float(err.median()))
+                         margins=(top2[:, 0] - top2[:, 1]).tolist(), logit_error=float(err.median()),
+                         positions=idx)
     if image_stat is not None:
         report.layers.insert(0, image_stat)
-    last = prompt_len - 1
-    report.logits_pcc = [pcc(ref_logits[p], emu_logits[p]) for p in range(last, len(seq))]
+    last = idx.index(prompt_len - 1)  # the next-token logits of the prompt, then of each step
+    report.logits_pcc = [pcc(ref_logits[p], emu_logits[p]) for p in range(last, len(idx))]
     if router:
         report.routing = _routing(routes, labels)
     return report
+
+
+def compared_prompt_positions(prompt_len: int) -> list[int]:
+    """The prompt positions whose next-token predictions are compared: every one up to
+    :data:`MAX_PROMPT_POSITIONS`, else that many evenly spaced, the first and last included."""
+    n = min(prompt_len, MAX_PROMPT_POSITIONS)
+    if n == prompt_len:
+        return list(range(prompt_len))
+    return sorted({round(k * (prompt_len - 1) / (n - 1)) for k in range(n)})
 
 
 def reference_segments(prompt_len: int, total: int, image_positions=()) -> list:

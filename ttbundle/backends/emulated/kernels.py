@@ -215,6 +215,10 @@ def _context(ctx: Ctx, cache, N: int, S: int):
     return cache.index_select(2, ctx.context_slots.reshape(-1)).view(D, kvh, N, S, hd)
 
 
+#: attention scores computed at a time (elements, float32): 32 Mi = 128 MiB per block
+ATTN_BLOCK = 1 << 25
+
+
 def attention(ctx: Ctx, layer: int, q, k, v):
     """GQA attention over the paged cache, with the optional pieces families use: q/k/v bias,
     per-head q/k RMSNorm, rope variants, sliding window, logit soft-capping, attention sinks."""
@@ -250,18 +254,33 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     K, V = _context(ctx, cache["k"], N, S), _context(ctx, cache["v"], N, S)
     K, V = K.to(q.dtype), V.to(q.dtype)
     g = q.shape[2] // kvh  # query heads grouped under their KV head
-    Q = q.view(D, N, Tq, kvh, g, hd).permute(0, 3, 1, 4, 2, 5).reshape(D, kvh, N, g * Tq, hd)
-    scores = (Q @ K.transpose(-1, -2)).view(D, kvh, N, g, Tq, S) * lt.get("attn_scale", hd ** -0.5)
-    scores = softcap(scores, lt.get("attn_softcap"))
-    scores = scores.masked_fill(~_mask(ctx, lt.get("window"))[None, None, :, None], float("-inf"))
+    scale, cap, mask = lt.get("attn_scale", hd ** -0.5), lt.get("attn_softcap"), _mask(ctx, lt.get("window"))
     sinks = W("sinks", layer)
-    if sinks is not None:  # an extra logit per head that takes probability mass, then dropped
-        sink = sinks.view(D, kvh, 1, g, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
-        p = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(q.dtype)
-    else:
-        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-    o = (p.reshape(D, kvh, N, g * Tq, S) @ V).view(D, kvh, N, g, Tq, hd)
-    return o.permute(0, 2, 4, 1, 3, 5).reshape(D, T, -1)
+    Qv = q.view(D, N, Tq, kvh, g, hd)
+    # query rows in blocks whose scores stay within ATTN_BLOCK elements (a long prefill's whole
+    # [heads, Tq, S] scores, its softmax and mask copies were several GB); each row's result is
+    # its own, so a call that fits one block (decode, short prefill) computes exactly as before
+    rows = max(1, ATTN_BLOCK // max(1, D * kvh * N * g * S))
+    out = None
+    for t0 in range(0, Tq, rows):
+        tb = min(Tq, t0 + rows) - t0
+        Q = Qv[:, :, t0:t0 + tb].permute(0, 3, 1, 4, 2, 5).reshape(D, kvh, N, g * tb, hd)
+        scores = (Q @ K.transpose(-1, -2)).view(D, kvh, N, g, tb, S) * scale
+        scores = softcap(scores, cap)
+        scores = scores.masked_fill(~mask[:, t0:t0 + tb][None, None, :, None], float("-inf"))
+        if sinks is not None:  # an extra logit per head that takes probability mass, then dropped
+            sink = sinks.view(D, kvh, 1, g, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
+            p = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(q.dtype)
+        else:
+            p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        del scores
+        o = (p.reshape(D, kvh, N, g * tb, S) @ V).view(D, kvh, N, g, tb, hd).permute(0, 2, 4, 1, 3, 5)
+        if tb == Tq:
+            return o.reshape(D, T, -1)
+        if out is None:
+            out = torch.empty(D, N, Tq, kvh, g, hd, dtype=o.dtype, device=o.device)
+        out[:, :, t0:t0 + tb] = o
+    return out.reshape(D, T, -1)
 
 
 def swiglu(ctx: Ctx, layer: int, g, u):

@@ -279,6 +279,8 @@ class EmulatedModel:
         ``last`` [N] (prefill): the one row of each sequence whose logits are wanted (the token
         sampled next); the head then runs on those N rows only, as a prefill program's head
         runs on one tile row (``lower``: at most ``TILE`` rows), and logits are [N, 1, vocab].
+        One sequence (N = 1) may name several rows: logits [1, k, vocab] (``check``'s compared
+        positions).
         ``mm``: image soft tokens merged after the embedding: ``mask`` [N*Tq] (the placeholder
         tokens), ``embeds`` [mask.sum(), hidden] (the vision program's output), ``blocks``
         [N, S] the image block of every context position (-1: text). ``rope_positions``
@@ -350,7 +352,7 @@ class EmulatedModel:
                         capture.append(h[0].reshape(N, Tq, -1))
                     layer += 1
         vocab = self.arch.vocab_size
-        return logits[0, :, :vocab].reshape(N, 1 if last is not None else Tq, vocab)
+        return logits[0, :, :vocab].reshape(N, -1, vocab)
 
     def _merge_images(self, program: Program, h, mm: dict):
         """Image soft tokens in place of their placeholders; the embedding leaves ``h``
@@ -580,11 +582,13 @@ class Runner:
         return calls[-1].logits[0, 0]
 
     def prefill_calls(self, tokens: list[int], page_table: list[int], start: int = 0, capture: bool = False,
-                      mm: dict | None = None, rope_positions=None, every_row: bool = False) -> list:
+                      mm: dict | None = None, rope_positions=None, head_rows: list[int] | None = None) -> list:
         """:meth:`prefill` as its program calls, one per chunk, not yet run (:class:`Stages`;
         run them in order, or layer by layer with ``EmulatedModel.run_layer_major``); a call's
-        ``logits`` [1, 1, vocab] are its chunk's last token's, or with ``every_row`` [1, bucket,
-        vocab] every row's (the head run on each row, as it runs on the last)."""
+        ``logits`` [1, 1, vocab] are its chunk's last token's. ``head_rows`` (indices into
+        ``tokens``): the head also runs on these rows (as it runs on the last), and a call's
+        logits are [1, k, vocab] for its ``head_rows`` (the chunk's rows among them, then its
+        last row if not among them), in that order."""
         calls = []
         rank = {} if mm is None else {j: r for r, j in enumerate(mm["positions"])}
         pos = start
@@ -610,11 +614,13 @@ class Runner:
             if rope_positions is not None:
                 rp = torch.zeros(3, 1, bucket, dtype=torch.long)
                 rp[:, 0, :len(chunk)] = rope_positions[:, i:i + len(chunk)]
+            want = sorted(j - i for j in (head_rows or ()) if i <= j < i + len(chunk))
+            last = want + ([len(chunk) - 1] if len(chunk) - 1 not in want else [])
             c = self.model.stages(self.model.program("prefill", bucket), t,
                                   torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv,
-                                  [] if capture else None, mm=mmc, rope_positions=rp,
-                                  last=None if every_row else [len(chunk) - 1])
+                                  [] if capture else None, mm=mmc, rope_positions=rp, last=last)
             c.rows = len(chunk)
+            c.head_rows = [i + r for r in last]
             calls.append(c)
             pos += len(chunk)
         return calls
