@@ -87,9 +87,10 @@ def test_any_change_re_verifies_that_package_in_full(many, xdg, verifications, c
         os.unlink(pkg / "bundle.yaml")
         (pkg / "bundle.yaml").write_bytes(data[:-2] + b"x\n")
     else:
+        # the same manifest written anew (other bytes, same content: an unknown key would now be
+        # refused, the manifest is read strictly)
         m = json.loads((pkg / "manifest.json").read_text())
-        m["description_note"] = "x"
-        (pkg / "manifest.json").write_text(json.dumps(m))
+        (pkg / "manifest.json").write_text(json.dumps(m, indent=3))
     good, bad = registry.scan(check_hashes=False)  # what `ls` does
     assert verifications == [("reg-0007", True)]  # only the changed one, hashes included
     if change == "new-manifest":  # a harmless manifest change: re-verified, still good
