@@ -313,7 +313,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
 
     from . import reference
     from .backends.emulated import EmulatedModel, Runner
-    from .package import load_package
+    from .package import load_package, trim_heap
 
     if dtype not in ("fp32", "bf16"):
         raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
@@ -387,9 +387,8 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     image_stat = None
 
     def free():
-        model.release()
-        pkg.weights.close()  # the files' mmaps too: what was read does not stay resident
-        _trim()
+        model.release()  # closes the package's files too: what was read does not stay resident
+        trim_heap()
 
     with torch.no_grad():
         if mm is not None:  # the package's vision program against transformers' image features
@@ -415,7 +414,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
             emu = torch.cat([c.capture.pop()[0, :c.rows] if k < n_pre else c.capture.pop()[:c.rows, 0]
                              for k, c in enumerate(calls)]).float().cpu()
             h_ref = ref.run_layer(li, h_ref, layer_calls[li])
-            _trim()
+            trim_heap()
             stats.extend(_stats(h_ref[0].float().cpu(), emu, labels, li, "layer"))
             if router and li in routes["hf"]:
                 rows = routes["emu"].pop(li, [])
@@ -466,27 +465,6 @@ def reference_segments(prompt_len: int, total: int, image_positions=()) -> list:
     first = min(prompt_len, max(REFERENCE_CHUNK, max(image_positions, default=-1) + 2))
     cuts = [0] + list(range(first, prompt_len, REFERENCE_CHUNK)) + list(range(prompt_len, total + 1))
     return [(a, b) for a, b in zip(cuts, cuts[1:]) if b > a]
-
-
-def _trim() -> None:
-    """Hand the heap's freed pages back to the system (glibc's ``malloc_trim``): a layer's
-    tensors, once freed, would otherwise stay resident as fragments of the heap, and the peak
-    would grow with the layer count. A no-op where the C library has none."""
-    import ctypes
-    import ctypes.util
-
-    global _LIBC
-    if _LIBC is None:
-        try:
-            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
-        except (OSError, AttributeError):
-            _LIBC = False
-    if _LIBC:
-        _LIBC.malloc_trim(0)
-
-
-_LIBC = None
 
 
 def continuation(prompt: list[int], n: int, special=()) -> list[int]:

@@ -8,7 +8,6 @@ whatever it (transitively) imports is what a package's weights depend on."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import math
 import os
@@ -20,7 +19,7 @@ from pathlib import Path
 from . import layout as layoutmod
 from .errors import InvalidInput
 from .fsutil import fault as _fault
-from .package import (ST_DTYPE, WEIGHTS_FORMAT, ShardFile, encoded_nbytes, stored_shape, tensor_key,
+from .package import (ST_DTYPE, trim_heap, WEIGHTS_FORMAT, ShardFile, encoded_nbytes, stored_shape, tensor_key,
                       weight_file)
 from .plan import axes_of
 
@@ -127,7 +126,7 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
         raise
     finally:
         torch.set_num_threads(threads)
-        _trim_heap()
+        trim_heap()
 
 
 # ---- conversion helpers -------------------------------------------------------------------------------
@@ -436,13 +435,3 @@ class _WriteBehind:
             self.closed = True
             self.cv.notify_all()
         self.t.join()
-
-
-def _trim_heap() -> None:
-    """Hand freed conversion buffers back to the OS (glibc keeps them in its arenas otherwise,
-    and they would count against every later phase's peak RSS)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-

@@ -1189,3 +1189,24 @@ def _check_headers(w: PackageWeights) -> None:
                 {k: v.get("stored_in") for k, v in tables[0].items()}:
             raise PackageError(f"{pkg}: {weight_file(d)}: its header and {weight_file(0)}'s disagree on "
                                "which tensors the files hold or where they are stored")
+
+
+def trim_heap() -> None:
+    """Hand the heap's freed pages back to the system (glibc's ``malloc_trim``): a layer's
+    tensors, once freed, would otherwise stay resident as fragments of the heap, and the peak
+    would grow with the layer count. A no-op where the C library has none."""
+    import ctypes
+    import ctypes.util
+
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
