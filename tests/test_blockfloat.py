@@ -316,6 +316,25 @@ def test_bf16_and_fp16_inputs_widen_exactly():
 
 
 @pytest.mark.parametrize("fmt", FMTS)
+def test_bf16_fast_path_equals_the_float32_path_for_every_bf16_value(fmt):
+    """bf16 sources take a table-driven path (``_encode_rows_bf16``); every one of the 65,536 bf16
+    bit patterns (zeros, denormals, Inf, NaN included), each in face rows whose other values set
+    shared exponents from 0 to 255 above or below it, gives the bytes of the float32 path (the one
+    tests/tt pins to ttnn's packer)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    allbits = np.arange(1 << 16, dtype=np.uint16)
+    for k in range(3):  # the same values in three different neighbourhoods
+        bits = rng.permutation(allbits).reshape(-1, 512)
+        if k == 2:  # a face row of one huge value with 15 of the others
+            bits[:, ::16] = rng.integers(0x7F00, 0x7F80, bits[:, ::16].shape, dtype=np.uint16)
+        x = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+        assert bf.encode(x, fmt) == bf.encode(x.float(), fmt)
+        assert np.array_equal(bf.quantize_array(x, fmt).view(np.uint32),
+                              bf.quantize_array(x.float(), fmt).view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", FMTS)
 def test_chunking_does_not_change_results(fmt, monkeypatch):
     x = np.random.default_rng(2).standard_normal((3, 100, 130)).astype(np.float32)
     whole = bf.encode(x, fmt)

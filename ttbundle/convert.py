@@ -297,14 +297,15 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
         del x
 
 
-BAND_BYTES = 64 << 20  # float32 bytes of one band of a block-float shard being encoded
+BAND_BYTES = 64 << 20  # bytes of one band of a block-float shard being encoded
 
 
 def _encode_bands(v, pads, dtype: str):
     """The block-float tiles of shard ``v`` (device order, any strides; ``pads``: (dim, indices)
-    zeroed), encoded a band of whole tile rows at a time (float32 copies of ``BAND_BYTES``), the
-    bands on one thread per usable core, so a shard never exists whole in float32: tiles are
-    row-local, so the bands' tiles are the shard's (``blockfloat.row_band``)."""
+    zeroed), encoded a band of whole tile rows at a time (copies of at most ``BAND_BYTES``, in bf16
+    for a bf16 source, which blockfloat encodes from its bits, else float32), the bands on one
+    thread per usable core, so a shard never exists whole in float32: tiles are row-local, so the
+    bands' tiles are the shard's (``blockfloat.row_band``)."""
     import itertools
     from concurrent.futures import ThreadPoolExecutor
 
@@ -317,7 +318,8 @@ def _encode_bands(v, pads, dtype: str):
     h, w = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
     nd = len(shape)
     out = np.empty(encoded_nbytes(shape, dtype), np.uint8)
-    per = max(blockfloat.TILE, BAND_BYTES // (4 * w) // blockfloat.TILE * blockfloat.TILE)
+    band_dtype = torch.bfloat16 if v.dtype == torch.bfloat16 else torch.float32
+    per = max(blockfloat.TILE, BAND_BYTES // (band_dtype.itemsize * w) // blockfloat.TILE * blockfloat.TILE)
     lead_pads = [(k, set(where.tolist())) for k, where in pads if k < nd - 2]
     jobs = []
     for b, idx in enumerate(itertools.product(*(range(n) for n in shape[:-2]))):
@@ -329,7 +331,7 @@ def _encode_bands(v, pads, dtype: str):
     def one(job):
         b, m, zero, r0, r1 = job
         if getattr(local, "buf", None) is None:
-            local.buf = torch.empty(min(per, h) * w, dtype=torch.float32)
+            local.buf = torch.empty(min(per, h) * w, dtype=band_dtype)
         xb = local.buf[:(r1 - r0) * w].view(r1 - r0, w)
         if zero:
             xb.zero_()
