@@ -418,13 +418,17 @@ class LayerwiseModel:
             self.where[keys[0]][1] in (f"{self.head_name}.weight", f"{self.embed_name}.weight")
         with torch.no_grad():
             if plain:
-                with safe_open(str(self.where[keys[0]][0]), framework="pt") as f:
-                    s = f.get_slice(keys[0])
-                    V = s.get_shape()[0]
-                    logits = torch.empty(*x.shape[:-1], V, dtype=x.dtype, device=x.device)
-                    for a in range(0, V, HEAD_ROWS):
-                        W = s[a:a + HEAD_ROWS].to(torch.bfloat16).to(torch.float32).to(x.dtype).to(x.device)
-                        logits[..., a:a + W.shape[0]] = torch.nn.functional.linear(x, W)
+                path = str(self.where[keys[0]][0])
+                with safe_open(path, framework="pt") as f:
+                    V = f.get_slice(keys[0]).get_shape()[0]
+                logits = torch.empty(*x.shape[:-1], V, dtype=x.dtype, device=x.device)
+                for a in range(0, V, HEAD_ROWS):
+                    # the file opened per band: its mapped pages leave with the band (an open
+                    # mmap keeps every page read so far resident, the whole table by the end)
+                    with safe_open(path, framework="pt") as f:
+                        W = f.get_slice(keys[0])[a:a + HEAD_ROWS]
+                    W = W.to(torch.bfloat16).to(torch.float32).to(x.dtype).to(x.device)
+                    logits[..., a:a + W.shape[0]] = torch.nn.functional.linear(x, W)
             else:
                 self.load(self.head_name)
                 try:

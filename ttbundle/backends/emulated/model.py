@@ -110,6 +110,9 @@ class LazyWeights:
         W = self.held.get(key)
         if W is None:
             W = self.source.stack(name, layer, self._dtype, self._device)
+            # unmap the files: the pages a tensor was read from would otherwise stay resident
+            # (counted in the process's RSS) until the stage ends, a vocabulary table's ~1 GB
+            self.source.close()
             if self._packs and name in self._pack and math.prod(W.shape[1:]) * W.dtype.itemsize <= gemm.PACK_BYTES:
                 W = gemm.hold_one(W, self._dtype)
             self.held[key] = W
