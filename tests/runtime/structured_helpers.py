@@ -7,6 +7,7 @@ vLLM's grammar backend (xgrammar) builds a bitmask over it like over a real mode
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import yaml
@@ -88,3 +89,16 @@ def build(out_dir: Path, mesh: str = "N150") -> tuple[Path, Path]:
     spec_file.write_text(spec_with_source(text, src), encoding="utf-8")
     res = build_package(specmod.load(spec_file), mesh, out)
     return Path(res.package), src
+
+
+@contextlib.contextmanager
+def served(out: Path, extra: list[str]):
+    """The package built into ``out/packages`` and served (``runtime_helpers.serving``, vLLM's
+    arguments ``extra``) from ``out/serve``: yields (serve plan, serve directory, checkpoint)."""
+    from runtime_helpers import serving
+
+    pkg, src = build(out / "packages")
+    d = out / "serve"
+    d.mkdir()
+    with serving(pkg, d, extra=extra) as plan:
+        yield plan, d, src

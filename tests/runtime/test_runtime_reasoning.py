@@ -10,7 +10,7 @@ import re
 
 import pytest
 
-from runtime_helpers import serving
+from structured_helpers import served
 
 openai = pytest.importorskip("openai")
 
@@ -19,14 +19,8 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from structured_helpers import build
-
-    out = tmp_path_factory.mktemp("reasoning")
-    pkg, _ = build(out / "packages")
-    d = out / "serve"
-    d.mkdir()
     extra = ["--reasoning-parser", "deepseek_r1", "--structured-outputs-config", '{"enable_in_reasoning": true}']
-    with serving(pkg, d, extra=extra) as plan:
+    with served(tmp_path_factory.mktemp("reasoning"), extra) as (plan, _, _):
         yield plan
 
 

@@ -17,7 +17,8 @@ import re
 
 import pytest
 
-from runtime_helpers import serving, step_lines
+from runtime_helpers import step_lines
+from structured_helpers import served
 
 openai = pytest.importorskip("openai")
 
@@ -82,13 +83,8 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from structured_helpers import build
-
-    out = tmp_path_factory.mktemp("structured")
-    pkg, src = build(out / "packages")
-    d = out / "serve"
-    d.mkdir()
-    with serving(pkg, d, extra=["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as plan:
+    with served(tmp_path_factory.mktemp("structured"),
+                ["--enable-auto-tool-choice", "--tool-call-parser", "hermes"]) as (plan, d, src):
         yield _Server(plan, d, src)
 
 
