@@ -155,13 +155,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def serving(pkg, d: Path, timeout: float = 600):
-    """vLLM's OpenAI server on package ``pkg`` as ``ttbundle serve`` starts it, with the step log
+def serving(pkg, d: Path, timeout: float = 600, extra: list[str] | None = None):
+    """vLLM's OpenAI server on package ``pkg`` as ``ttbundle serve`` starts it (``extra``: vLLM
+    arguments after ``--``), with the step log
     at ``d/steps.jsonl`` and its output in ``d/vllm.log``; yields the serve plan once /health
     answers, prints the log's tail when start-up or the body fails, stops the server at exit."""
     from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
 
-    plan = plan_serve(pkg, "127.0.0.1", free_port())
+    plan = plan_serve(pkg, "127.0.0.1", free_port(), extra=extra)
     plan.env["TTBUNDLE_STEP_LOG"] = str(d / "steps.jsonl")
     log = d / "vllm.log"
     with open(log, "wb") as f:

@@ -22,8 +22,9 @@ from runtime_helpers import DECODE, PREFILL, pick, run_engine_script, spec_text
 HERE = Path(__file__).resolve().parent
 MAX_TOKENS = 4
 PROMPTS = [5, 40, 100, 3]
+CHOICES = ["ba", "be", "bi"]  # words of the demo tokenizer
 CASES = {
-    "all": {"tt": {}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": [3]},
+    "all": {"tt": {}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": [3], "choice": CHOICES},
     "decode_only": {"tt": {"sample_on_device_mode": "decode_only"}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
     "trace_decode_only": {"tt": {"trace_mode": "decode_only"}, "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
 }
@@ -130,6 +131,16 @@ def test_sample_on_device_mode_moves_sampling(results):
     assert not any(k[0] == "prefill" and k[2] == "device" for k in d["forwards"])
     assert {s["sampling"] for s in d["steps"] if s["phase"] == "prefill"} <= {"host", "none"}
     assert "host" in {s["sampling"] for s in a["steps"]}  # the logprobs request's batches
+
+
+def test_structured_output_samples_on_the_host_with_the_grammar(results):
+    """A request with structured output (vLLM's choice) on the device path: its batches run the
+    host-logits programs and vLLM's sampler applies the grammar bitmask (the same prompt
+    unconstrained says something else, so the constraint did it)."""
+    c = results["all"]["choice"]
+    assert c["chosen"].strip() in CHOICES and c["finish"] == "stop", c  # (word-level: " ba")
+    assert c["plain"].split()[0] not in CHOICES, c
+    assert "host" in c["sampling"] and "device" in c["sampling"], c  # the plain row decodes on the device
 
 
 def test_the_checks_catch_a_broken_order(results):

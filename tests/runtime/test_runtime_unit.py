@@ -188,6 +188,44 @@ def test_serve_refuses_parallelism_flags(make_package, extra):
         plan_serve(pkg, extra=extra)
 
 
+@pytest.mark.parametrize("extra, needle, listed", [
+    (["--enable-auto-tool-choice"], "--enable-auto-tool-choice needs --tool-call-parser NAME", False),
+    (["--enable-auto-tool-choice", "--tool-call-parser", "herms"],
+     "--tool-call-parser herms: vLLM has no such parser; did you mean hermes?", True),
+    (["--reasoning_parser=qwen"], "--reasoning-parser qwen: vLLM has no such parser; did you mean qwen3", True),
+])
+def test_serve_refuses_unknown_parsers(make_package, extra, needle, listed):
+    """Refused before vLLM starts (vLLM's API server would refuse them after its start-up)."""
+    from ttbundle.runtime.serve import plan_serve
+
+    pkg, _ = make_package("llama", "N150")
+    with pytest.raises(InvalidInput) as e:
+        plan_serve(pkg, extra=extra)
+    assert str(e.value).startswith(needle)
+    assert ("(vLLM's: " in str(e.value)) == listed  # an unknown name: every valid one listed
+
+
+def test_serve_passes_tool_and_reasoning_parsers_through(make_package):
+    from ttbundle.runtime.serve import plan_serve
+
+    pkg, _ = make_package("llama", "N150")
+    for extra in (["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"],
+                  ["--tool-call-parser=mine", "--tool-parser-plugin", "my_parsers.py"],  # the plugin may register it
+                  ["--reasoning-parser", "none"]):
+        assert plan_serve(pkg, extra=extra).argv[-len(extra):] == extra
+
+
+def test_parser_names_are_what_vllm_registers():
+    """serve reads the names from vLLM's source (no import): the same lists vLLM's managers give."""
+    from vllm.reasoning import ReasoningParserManager
+    from vllm.tool_parsers import ToolParserManager
+
+    from ttbundle.runtime.serve import vllm_parser_names
+
+    assert vllm_parser_names("--tool-call-parser") == sorted(ToolParserManager.list_registered())
+    assert vllm_parser_names("--reasoning-parser") == sorted(ReasoningParserManager.list_registered())
+
+
 def test_serve_builds_the_target_a_mesh_shape_names(tmp_path, monkeypatch):
     """`MESH_DEVICE="(1,8)" ttbundle serve SPEC` builds the spec's T3K target, not a "(1,8)" one;
     a shape no target has is refused, naming the targets."""

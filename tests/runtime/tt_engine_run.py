@@ -55,6 +55,17 @@ def run_case(pkg: str, case: dict) -> dict:
         "event_index_serving": sum(1 for e in rec.events[:n_setup] if e.fn in ("begin_trace_capture", "end_trace_capture",
                                                                              "execute_trace") or rec.is_op(e)),
     }
+    if case.get("choice"):  # then one prompt unconstrained and with structured output (vLLM's choice)
+        from vllm.sampling_params import StructuredOutputsParams
+        n = len(runner.step_log)
+        prompt = {"prompt_token_ids": prompts[0]["prompt_token_ids"]}
+        constrained = StructuredOutputsParams(choice=case["choice"])
+        plain, chosen = llm.generate([prompt, prompt], [
+            SamplingParams(max_tokens=3, temperature=0),
+            SamplingParams(max_tokens=3, temperature=0, structured_outputs=constrained)], use_tqdm=False)
+        res["choice"] = {"plain": plain.outputs[0].text, "chosen": chosen.outputs[0].text,
+                         "finish": chosen.outputs[0].finish_reason,
+                         "sampling": [s.sampling for s in list(runner.step_log)[n:]]}
     llm.llm_engine.engine_core.shutdown()
     return res
 

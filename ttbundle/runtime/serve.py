@@ -161,6 +161,60 @@ def check_extra(extra: list[str]) -> None:
                                        "built for a bigger mesh instead")
 
 
+#: vLLM's registries of parser names (module, dict of name -> (file, class)), read from its source
+PARSER_REGISTRIES = {"--tool-call-parser": ("tool_parsers", "_TOOL_PARSERS_TO_REGISTER", "--tool-parser-plugin"),
+                     "--reasoning-parser": ("reasoning", "_REASONING_PARSERS_TO_REGISTER",
+                                            "--reasoning-parser-plugin")}
+
+
+def vllm_parser_names(flag: str) -> list[str] | None:
+    """The names vLLM 0.33 accepts for ``--tool-call-parser`` / ``--reasoning-parser`` (what its
+    ``ToolParserManager`` / ``ReasoningParserManager.list_registered()`` give), read from the
+    registering dict in vLLM's source: importing vLLM takes seconds, this well under one. None
+    when that dict is not found (another vLLM layout): vLLM then checks the name itself."""
+    import ast
+    import importlib.util
+
+    module, name, _ = PARSER_REGISTRIES[flag]
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / module / "__init__.py"
+    try:
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == name for t in node.targets) \
+                and isinstance(node.value, ast.Dict):
+            return sorted(k.value for k in node.value.keys if isinstance(k, ast.Constant))
+    return None
+
+
+def check_parsers(extra: list[str]) -> None:
+    """``--enable-auto-tool-choice`` needs ``--tool-call-parser``; a ``--tool-call-parser`` or
+    ``--reasoning-parser`` must be one vLLM has (unless a ``--*-parser-plugin`` may register it):
+    refused here, naming the closest names, rather than by vLLM's API server after its start-up."""
+    import difflib
+
+    args = [a.split("=", 1)[0].replace("_", "-") + a[len(a.split("=", 1)[0]):] if a.startswith("--") else a
+            for a in extra]  # vLLM reads --tool_call_parser as --tool-call-parser
+    tool = _flag_value(args, "--tool-call-parser")
+    if "--enable-auto-tool-choice" in args and not tool:
+        raise InvalidInput("--enable-auto-tool-choice needs --tool-call-parser NAME (the parser that reads "
+                           "the model's tool calls, e.g. hermes for Qwen-style <tool_call> JSON)")
+    for flag, (_, _, plugin) in PARSER_REGISTRIES.items():
+        value = _flag_value(args, flag)
+        if not value or value.lower() == "none" or _flag_value(args, plugin) is not None:
+            continue
+        names = vllm_parser_names(flag)
+        if names is not None and value not in names:
+            close = difflib.get_close_matches(value, names, n=3)
+            raise InvalidInput(f"{flag} {value}: vLLM has no such parser"
+                               + (f"; did you mean {', '.join(close)}?" if close else "")
+                               + f" (vLLM's: {', '.join(names)})")
+
+
 def _flag_value(extra: list[str], *flags: str) -> str | None:
     """The value of the last of ``flags`` among the extra vLLM args (``--f V`` or ``--f=V``)."""
     found = None
@@ -259,6 +313,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     extra = list(extra or [])
     token_ids_only = _tokenizer_mode(pkg, extra)
     check_extra(extra)
+    check_parsers(extra)
     extra, user_cfg = _split_additional_config(extra)
     dp_extra = _int_flag(extra, "--data-parallel-size", "-dp")
     if data_parallel_size and dp_extra and data_parallel_size != dp_extra:
