@@ -354,6 +354,9 @@ class EmulatedModel:
                     if capture is not None:
                         capture.append(h[0].reshape(N, Tq, -1))
                     layer += 1
+                # the stage's activations go now, not when the next stage replaces them: a
+                # layer-by-layer caller runs other work (the reference's layer) in between
+                del acts, out
         vocab = self.arch.vocab_size
         return logits[0, :, :vocab].reshape(N, -1, vocab)
 
