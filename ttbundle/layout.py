@@ -76,6 +76,12 @@ def axes_of(entry) -> tuple[str, ...]:
     return tuple(entry)
 
 
+def tensor_layout(t) -> str:
+    """How a declared tensor (``families.base.TensorDecl``) is held on device: matrices ``TILE``,
+    vectors and embeddings ``ROW_MAJOR`` (``backends/ttnn/layout.py`` gives the buffer shapes)."""
+    return "TILE" if t.kind == "matrix" else "ROW_MAJOR"
+
+
 def placements(spec, partial=()) -> tuple:
     """DTensor placements (one per mesh axis, ``rows`` first) of a tensor with PartitionSpec
     ``spec`` and pending sums over the axes ``partial``. Raises ValueError where DTensor's plain

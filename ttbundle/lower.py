@@ -38,6 +38,11 @@ def trace_set(bundle) -> list[tuple[str, int]]:
     return [("prefill", n) for n in b.prefill] + [("decode", n) for n in b.decode] + vision
 
 
+def lower_all(bundle, plan: Plan) -> dict:
+    """Every program of the package (:func:`trace_set`), keyed (phase, bucket)."""
+    return {k: lower(bundle, plan, *k) for k in trace_set(bundle)}
+
+
 def traced(bundle, phase: str) -> bool:
     mode = bundle.spec.runtime.trace_mode
     return mode == "all" or (mode == "decode_only" and phase == "decode")
@@ -179,4 +184,4 @@ def summary(program: Program) -> dict:
             "collective_traffic_bytes": t["collective_traffic_bytes"]}
 
 
-__all__ = ["AXES", "FORMAT", "PHASES", "lower", "program_name", "summary", "trace_set", "traced"]
+__all__ = ["AXES", "FORMAT", "PHASES", "lower", "lower_all", "program_name", "summary", "trace_set", "traced"]

@@ -18,7 +18,7 @@ from .errors import Diagnostic, InvalidInput
 from .families.base import (Combine, Dim, Embed, Linear, Local, Logits, Norm, Residual,
                             TensorDecl)
 from . import layout as layoutmod
-from .layout import axes_of
+from .layout import axes_of, tensor_layout
 from .mesh import AXES, Mesh
 
 TILE = 32
@@ -237,12 +237,6 @@ def _target_key(names, mesh_name: str) -> str:
         if m is not None and m.name == mesh_name:
             return k
     return mesh_name
-
-
-def tensor_layout(t: TensorDecl) -> str:
-    """How a declared tensor is held on device: matrices ``TILE``, vectors and embeddings
-    ``ROW_MAJOR`` (``backends/ttnn/layout.py`` gives the buffer shapes)."""
-    return "TILE" if t.kind == "matrix" else "ROW_MAJOR"
 
 
 def tensor_dtype(spec, t: TensorDecl) -> str:
