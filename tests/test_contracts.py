@@ -76,3 +76,29 @@ def test_the_cycle_finder_finds_a_cycle():
     g.add_import(importer="p.b", imported="p.a")
     g.add_import(importer="p.c", imported="p.a")
     assert cycles(g) == [["p.a", "p.b"]]
+
+
+# each rule that was written more than once has one definition (docs/architecture.md, "Who owns
+# which rule"): the pattern, and the one module allowed to hold it
+ONE_OWNER = {
+    r"^TILE = ": "ttbundle/tiles.py",
+    r"^def _?(cdiv|round_up|ceil_div)\(": "ttbundle/tiles.py",
+    r"^def blocks_per_seq\(": "ttbundle/tiles.py",
+    r"^class DoesNotFit\b": "ttbundle/errors.py",
+    r"^MANIFEST = ": "ttbundle/manifest.py",
+    r"^METADATA = ": "ttbundle/manifest.py",
+    r"^def (rope_cos_sin|mrope_rows|rotate_half_matrix|pool_matrix)\(": "ttbundle/tables.py",
+    r"^def tensor_layout\(": "ttbundle/layout.py",
+    r"^def axes_of\(": "ttbundle/layout.py",
+}
+
+
+def test_each_rule_has_one_definition():
+    import re
+    where: dict[str, set[str]] = {p: set() for p in ONE_OWNER}
+    for f in sorted((ROOT / "ttbundle").rglob("*.py")):
+        text = f.read_text(encoding="utf-8")
+        for pattern in ONE_OWNER:
+            if re.search(pattern, text, re.M):
+                where[pattern].add(f.relative_to(ROOT).as_posix())
+    assert where == {p: {owner} for p, owner in ONE_OWNER.items()}

@@ -38,7 +38,7 @@ from typing import Callable
 from . import cache, lower as lowermod, spec as specmod, warmup
 from .artifacts import PackageWriter
 from .convert import convert
-from .errors import EXIT_DOES_NOT_FIT, InvalidInput, TTBundleError
+from .errors import DoesNotFit, InvalidInput, TTBundleError
 from .fsutil import fault as _fault
 from .package import PackageError, package_path, read_manifest, weight_file
 from .plan import Plan, make_plan
@@ -51,12 +51,6 @@ EST_CONVERT_BYTES_PER_S = 400e6
 EST_EMULATED_FLOPS = 1e10
 
 Progress = Callable[[dict], None]
-
-
-class DoesNotFit(TTBundleError):
-    """The plan does not fit the mesh's DRAM; exit 3."""
-
-    exit_code = EXIT_DOES_NOT_FIT
 
 
 @dataclass

@@ -40,8 +40,7 @@ from dataclasses import dataclass
 
 from .families.base import Dim
 from .mesh import AXES, Mesh
-
-TILE = 32
+from .tiles import TILE, cdiv as _cdiv, round_up as _round_up
 
 
 # ---- DTensor's placements ----------------------------------------------------------------------
@@ -174,14 +173,6 @@ class Split:
     note: str | None = None
     error: str | None = None
     padded_size: int | None = None  # global units incl. padding (None: not padded)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _cdiv(a, b) * b
 
 
 def _divisors_hint(size: int, n: int) -> str:

@@ -23,11 +23,8 @@ from .layout import Policy, axes_of, local_len
 from .mesh import AXES
 from .plan import ACT_BYTES, TILE, TRACE_BYTES_PER_OP, Plan
 from .program import FORMAT, Activation, LayerProgram, Op, Program, Step, WeightRef
+from .tiles import round_up as _round_up
 PHASES = ("prefill", "decode", "vision")
-
-
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
 
 
 # ---- the trace set -----------------------------------------------------------------------------

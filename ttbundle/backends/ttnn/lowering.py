@@ -34,7 +34,7 @@ import math
 import struct
 from typing import Callable
 
-from ... import layout
+from ... import layout, tiles
 from ...families.base import Dim
 from ...layout import axes_of, tensor_layout
 from ...mesh import AXES, Mesh
@@ -964,7 +964,7 @@ def inputs_of(program: dict, bundle) -> dict:
         return {"patches": ((1, 1, rows, bundle.arch.vision.patch_pixels), "bf16", "TILE")}
     B = rows
     block_size = int(program["kv_cache"]["block_size"])
-    blocks_per_seq = -(-bundle.spec.runtime.max_model_len // block_size)
+    blocks_per_seq = tiles.blocks_per_seq(bundle.spec.runtime.max_model_len, block_size)
     ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
            "positions": ((1, rows), "uint32", "ROW_MAJOR")}
     if program["phase"] == "decode":
