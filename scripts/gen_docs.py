@@ -347,7 +347,7 @@ def _example_arch(fam):
 
 
 def families_md() -> str:
-    from ttbundle.backends.emulated.kernels import KERNELS
+    from ttbundle.backends.emulated.kernel_table import KERNELS
     from ttbundle.families.base import Local
 
     lines = [GENERATED_NOTE, "", "# Model families", "",

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle import build as buildmod, convert, fsutil, package, spec as specmod, txn
+from ttbundle import build as buildmod, convert, fsutil, lower as lowermod, package, spec as specmod, txn
 from ttbundle.errors import InvalidInput, TTBundleError
 from ttbundle.plan import make_plan
 
@@ -159,7 +159,7 @@ def test_device_shards_are_the_emulated_backends_shards(tmp_path, ckpt):
     pkg = package.load_package(res.package)
     plan = make_plan(pkg.bundle, pkg.mesh)  # build time: the plan the package was built from
     emu = EmulatedModel.from_canonical(bundle, plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
-                                       dtype=torch.bfloat16)
+                                       lowermod.lower_all(bundle, plan), dtype=torch.bfloat16)
     for d in (0, 5):
         dev = pkg.weights.device(d)
         for name in ("wq", "w2", "embed", "attn_norm", "wk"):
@@ -395,7 +395,7 @@ def test_block_float_shards_are_device_tiles(tmp_path, ckpt):
     pkg = package.load_package(res.package, verify=True)
     plan = make_plan(pkg.bundle, pkg.mesh)  # build time: the plan the package was built from
     emu = EmulatedModel.from_canonical(bundle, plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
-                                       dtype=torch.bfloat16)
+                                       lowermod.lower_all(bundle, plan), dtype=torch.bfloat16)
     from safetensors import safe_open
     with safe_open(str(Path(res.package) / package.weight_file(3)), framework="pt") as f:
         w1 = f.get_tensor("w1.0")

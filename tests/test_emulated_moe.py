@@ -19,7 +19,8 @@ from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss  # noqa: E402
 
 from ttbundle import plan as planmod, reference, spec  # noqa: E402
 from ttbundle.backends.emulated import moe_kernels  # noqa: E402
-from ttbundle.backends.emulated.kernels import KERNELS, Ctx  # noqa: E402
+from ttbundle.backends.emulated.kernel_table import KERNELS  # noqa: E402
+from ttbundle.backends.emulated.kernels import Ctx  # noqa: E402
 from ttbundle.check import PCC_MIN_BF16, run_check  # noqa: E402
 from ttbundle.families import moe  # noqa: E402
 

@@ -257,7 +257,7 @@ def test_the_ttnn_rotate_half_matrix_is_rotate_half():
     ``rotate_half`` (Qwen2.5-VL's modeling file) is the reference."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import rotate_half
 
-    from ttbundle.backends.emulated.vision_kernels import rotate_half_matrix
+    from ttbundle.tables import rotate_half_matrix
     x = torch.randn(3, 5, 80)
     assert torch.equal(x @ rotate_half_matrix(80), rotate_half(x))
 

@@ -303,7 +303,7 @@ def test_every_program_op_kind_has_a_lowering():
 
 
 def test_constants_shared_by_name_have_one_shape():
-    """A model's forwards share host-made constants by name (``device.open_model`` makes each
+    """A model's forwards share host-made constants by name (``model.open_model`` makes each
     once), so a name must mean one shape in every bucket (the MoE routing zeros did not)."""
     for path in sorted(BUNDLES.glob("*.yaml")):
         bundle = specmod.load(path)
@@ -343,7 +343,6 @@ def test_generate_drives_prefill_then_decode_replays():
 
 
 # ---- cache explain on ttnn builds; tt-metal kernel cache pre-fill ---------------------------------
-from ttbundle import cache as cachemod  # noqa: E402
 from ttbundle.backends.ttnn import kernelcache  # noqa: E402
 
 STUB = """#!/bin/sh
@@ -398,11 +397,11 @@ def test_ttnn_build_without_sfpi_records_an_unfilled_kernel_cache(tmp_path, ckpt
 def test_cache_explain_on_a_ttnn_build_reports_nothing_changed(tmp_path, ckpt):
     spec = write_spec(tmp_path, ckpt)
     res = buildmod.build(specmod.load(spec), "N300", tmp_path / "out", backend="ttnn", warmup=False)
-    e = cachemod.explain(res.package)
+    e = buildmod.explain(res.package)
     assert [f["field"] for f in e["fields"] if f["changed"]] == []
     assert e["up_to_date"] and e["would_rebuild"] == [] and e["current_key"] == res.key
     spec.write_text(spec.read_text().replace("decode: [1, 8]", "decode: [1, 4, 8]"))
-    e = cachemod.explain(res.package)
+    e = buildmod.explain(res.package)
     assert [f["field"] for f in e["fields"] if f["changed"]] == ["spec", "spec.buckets"]
 
 
@@ -439,7 +438,7 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
     assert (d / "kernels" / "rms_norm" / "123" / "trisc0.elf").read_bytes()[:4] == b"\x7fELF"
     # a host without SFPI sees the kernel_cache key field change: a build there would redo it
     monkeypatch.setattr(kernelcache, "status", lambda env=None: (kernelcache.Sfpi(False, reason="none here"), None))
-    e = cachemod.explain(res.package)
+    e = buildmod.explain(res.package)
     assert [f["field"] for f in e["fields"] if f["changed"]] == ["kernel_cache"]
 
 

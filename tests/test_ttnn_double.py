@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from test_layout import MESH_SHAPES, _mesh, dt_placements, dtensor_mesh, local_shards
 from ttbundle import layout, lower as lowermod, plan as planmod, spec as specmod
 from ttbundle.backends.ttnn import device, lowering, numerics, recording
+from ttbundle.backends.ttnn import model as ttmodel
 from ttbundle.backends.ttnn.calls import Call, Forward, Layer, T
 from ttbundle.families.base import Dim
 from ttbundle.mesh import AXES
@@ -205,6 +206,7 @@ def _tt(rec, *arrays):
 
 def test_ops_follow_torch():
     """Each op the lowering emits against its torch definition (one device)."""
+    from ttbundle import tables
     from ttbundle.backends.emulated import kernels
     rec, tt, _ = double((1, 1))
     g = torch.Generator().manual_seed(0)
@@ -236,7 +238,7 @@ def test_ops_follow_torch():
     (tw,) = _tt(rec, held)
     same(tt.rms_norm(tx, epsilon=1e-5, weight=tw), kernels.rms_norm(x, w, 1e-5), 1e-4)
     pos = torch.arange(8)
-    cos, sin = kernels.rope_cos_sin(pos, 64, 10000.0, None, torch.float32)
+    cos, sin = tables.rope_cos_sin(pos, 64, 10000.0, None, torch.float32)
     tc, ts = _tt(rec, cos.reshape(1, 1, 8, 64), sin.reshape(1, 1, 8, 64))
     same(tt.experimental.rotary_embedding_hf(tx, tc, ts, is_decode_mode=False),
          kernels.apply_rope(x.transpose(1, 2), cos, sin).transpose(1, 2), 1e-5)  # its x is [D, T, heads, dim]
@@ -479,7 +481,7 @@ def forward_differences(pkg: Path, prompt: list[int], steps: int, rel: float = 0
     from ttbundle import package
     from ttbundle.backends.emulated.model import EmulatedModel, Runner
     rec = recording.Recorder()
-    r = device.open_model(rec.module(), pkg, "all", host_fallback=True)
+    r = ttmodel.open_model(rec.module(), pkg, "all", host_fallback=True)
     r.warmup()
     r.capture()
     pk = package.load_package(pkg)
@@ -619,7 +621,7 @@ def test_a_package_whose_spec_and_programs_disagree_is_refused(t3k_package, tmp_
     else:
         assert edit_program_json(pkg, edit) == len(list((pkg / "programs").glob("*.json")))
     with pytest.raises(PackageError) as e:
-        device.open_model(recording.Recorder().module(), pkg, "all")
+        ttmodel.open_model(recording.Recorder().module(), pkg, "all")
     msg = str(e.value)
     assert needle in msg, msg
     assert re.search(r"programs/(prefill|decode)-\d+\.json \(and its \d+ other program", msg), msg
@@ -658,7 +660,7 @@ def test_tensorbin_caches_that_disagree_with_the_programs_are_refused(t3k_packag
     edit_json(pkg, "tensorbin/index.json", bfp8)
     with pytest.raises(PackageError, match=r"tensorbin/index.json: wq.0 is cached as bfp8\[.*\], the programs "
                                            r"read wq as bf16\["):
-        device.open_model(recording.Recorder().module(), pkg, "all")
+        ttmodel.open_model(recording.Recorder().module(), pkg, "all")
 
 
 def test_the_lowering_follows_the_programs_kv_record_not_the_spec():

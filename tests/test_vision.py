@@ -159,7 +159,7 @@ def test_plan_cli_lists_the_vision_programs(tmp_path):
 def test_the_ttnn_pooling_matrix_is_the_average_pool():
     """The ttnn lowering pools by a matmul (``pool_matrix``); torch's avg_pool2d on the patch grid
     (as transformers' Gemma 3 projector pools) is the reference."""
-    from ttbundle.backends.emulated.vision_kernels import pool_matrix
+    from ttbundle.tables import pool_matrix
     n, side, k, H = 2, 8, 2, 5
     x = torch.randn(n, side * side, H)
     ref = torch.nn.functional.avg_pool2d(x.transpose(1, 2).reshape(n, H, side, side), k, k)

@@ -31,8 +31,8 @@ from functools import lru_cache
 import numpy as np
 
 from .errors import InvalidInput
+from .tiles import TILE
 
-TILE = 32
 FACE = 16
 FACE_ROWS = (TILE // FACE) ** 2 * FACE  # 64 shared exponents per tile
 CHUNK_TILES = 256  # tiles per vectorized step (1 MB of float32): temporaries stay in cache

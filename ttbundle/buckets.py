@@ -25,14 +25,14 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from .errors import InvalidInput
+from .tiles import TILE, round_up
 
-TILE = 32
 LENGTH_KEYS = ("length", "prompt_len", "prompt_length", "prompt_tokens", "input_tokens", "tokens", "len")
 COUNT_KEYS = ("count", "n", "requests", "freq", "frequency", "weight")
 
 
 def _ceil(n: int, q: int = TILE) -> int:
-    return -(-n // q) * q
+    return round_up(n, q)
 
 
 # ---- reading the histogram ---------------------------------------------------------------------------

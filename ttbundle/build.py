@@ -35,15 +35,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import cache, lower as lowermod, warmup
+from . import cache, lower as lowermod, spec as specmod, warmup
 from .artifacts import PackageWriter
 from .convert import convert
-from .errors import EXIT_DOES_NOT_FIT, InvalidInput, TTBundleError
+from .errors import DoesNotFit, InvalidInput, TTBundleError
 from .fsutil import fault as _fault
 from .package import PackageError, package_path, read_manifest, weight_file
 from .plan import Plan, make_plan
-# re-exported: `from ttbundle.build import ...` keeps working for the CLI and tests
-from .progress import ConsoleProgress, print_results  # noqa: F401
 from .txn import (STATE_DIR, _check_replaceable, _fsync_dir, _Lock, _recover, _swap, _tag,  # noqa: F401
                   lock_unless_read_only)
 
@@ -53,12 +51,6 @@ EST_CONVERT_BYTES_PER_S = 400e6
 EST_EMULATED_FLOPS = 1e10
 
 Progress = Callable[[dict], None]
-
-
-class DoesNotFit(TTBundleError):
-    """The plan does not fit the mesh's DRAM; exit 3."""
-
-    exit_code = EXIT_DOES_NOT_FIT
 
 
 @dataclass
@@ -202,6 +194,43 @@ def _sfpi(backend: str):
         return None
     from .backends.ttnn import kernelcache
     return kernelcache.status()
+
+
+def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
+    """Which key fields changed since ``pkg`` was built (current spec, files, code and versions
+    against the manifest), which artifacts a build would redo, and why the last build ran. Here,
+    not in ``cache``, because a ttnn package's key names the kernel cache's SFPI compiler, which
+    only the ttnn backend finds (``backends.ttnn.kernelcache``): the content keys stay below the
+    backends."""
+    pkg = Path(pkg)
+    m = read_manifest(pkg)
+    b = m.get("build", {})
+    spec_file = Path(spec_path) if spec_path else Path(b.get("spec_file", ""))
+    if not spec_path and not spec_file.is_file():
+        raise InvalidInput(f"{pkg}: was built from {b.get('spec_file')!r}, which is not there now; "
+                           "pass --spec SPEC")
+    bundle = specmod.load(spec_file)
+    plan = make_plan(bundle, m["mesh"]["name"])
+    inp = cache.compute(bundle, plan, m)
+    rec = m.get("key_fields", {})
+    backend = rec.get("backend", "emulated")  # what it was built with: not a change by itself
+    sfpi = None
+    if "kernel_cache" in rec:
+        sfpi = _sfpi("ttnn")[0].key()
+    cache.backend_fields(inp, backend, sfpi)
+    cache.fill_digests(inp.weight_records + inp.tokenizer_records)
+    inp.finish()
+    rows = [{"field": k, "what": cache.FIELDS.get(k, ""), "recorded": rec.get(k),
+             "current": inp.fields.get(k), "changed": rec.get(k) != inp.fields.get(k)} for k in sorted(set(rec) | set(inp.fields))]
+    now = cache.artifact_keys(inp.fields, inp.traces)
+    before = m.get("artifacts", {})
+    redo = [a for a, k in now.items() if before.get(a, {}).get("key") != k]
+    return {"package": str(pkg), "spec_file": str(spec_file), "key": m.get("key"),
+            "current_key": cache.content_key(inp.fields),
+            "up_to_date": m.get("key") == cache.content_key(inp.fields),
+            "fields": rows, "would_rebuild": redo,
+            "last_build": {"changed_fields": b.get("changed_fields", []), "rebuilt": b.get("rebuilt", []),
+                           "reused": b.get("reused", []), "finished": b.get("finished")}}
 
 
 def _check_dtypes(plan: Plan) -> None:

@@ -370,7 +370,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
 
     kernels = None
     if router:
-        from .backends.emulated.kernels import KERNELS
+        from .backends.emulated.kernel_table import KERNELS
         base = KERNELS[router[1]]
 
         def route(ctx, layer, scores):  # device 0's routing weights: nonzero = chosen

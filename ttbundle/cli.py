@@ -294,7 +294,8 @@ def build(spec: Path = typer.Argument(..., help="Bundle spec (YAML) with weights
     Unchanged packages are left alone (content key); a changed bucket rebuilds only its program.
     Exit 0 built or up to date, 1 failed, 2 invalid input, 3 does not fit."""
     from . import spec as specmod
-    from .build import ConsoleProgress, build as run_build, print_results
+    from .build import build as run_build
+    from .progress import ConsoleProgress, print_results
     results = []
     try:
         bundle = specmod.load(spec)
@@ -355,7 +356,7 @@ def cache_explain(package: Path = typer.Argument(..., help="A package directory 
 
     Exit 0 up to date, 1 a rebuild is due."""
     from rich.table import Table
-    from .cache import explain
+    from .build import explain
     try:
         r = explain(package, spec)
     except TTBundleError as e:
@@ -495,7 +496,7 @@ def serve(ctx: typer.Context,
     try:
         progress = None
         if Path(target).suffix in (".yaml", ".yml"):
-            from .build import ConsoleProgress
+            from .progress import ConsoleProgress
             progress = ConsoleProgress(err, prefix="build: ")
         if print_launch:
             from .runtime import launch

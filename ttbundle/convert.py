@@ -21,7 +21,7 @@ from .errors import InvalidInput
 from .fsutil import fault as _fault
 from .package import (ST_DTYPE, trim_heap, WEIGHTS_FORMAT, ShardFile, encoded_nbytes, stored_shape, tensor_key,
                       weight_file)
-from .plan import axes_of
+from .layout import axes_of
 
 TRANSPOSE_BLOCK = 64  # source rows per step when cutting a transposed shard
 WRITER_THREADS = None  # threads that write + sha256 device files (None: one per usable core)

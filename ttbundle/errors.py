@@ -94,6 +94,7 @@ class WarmupMismatch(TTBundleError):
 
 
 class DoesNotFit(TTBundleError):
-    """A valid request whose model does not fit the mesh's memory (``init --mesh``); exit code 3."""
+    """A valid request whose model does not fit the mesh's memory (``init --mesh``, ``build``, a
+    plan that does not fit); exit code 3. The one class: catching it catches every stage's."""
 
     exit_code = EXIT_DOES_NOT_FIT

@@ -40,8 +40,7 @@ from dataclasses import dataclass
 
 from .families.base import Dim
 from .mesh import AXES, Mesh
-
-TILE = 32
+from .tiles import TILE, cdiv as _cdiv, round_up as _round_up
 
 
 # ---- DTensor's placements ----------------------------------------------------------------------
@@ -74,6 +73,12 @@ def axes_of(entry) -> tuple[str, ...]:
     if isinstance(entry, str):
         return (entry,)
     return tuple(entry)
+
+
+def tensor_layout(t) -> str:
+    """How a declared tensor (``families.base.TensorDecl``) is held on device: matrices ``TILE``,
+    vectors and embeddings ``ROW_MAJOR`` (``backends/ttnn/layout.py`` gives the buffer shapes)."""
+    return "TILE" if t.kind == "matrix" else "ROW_MAJOR"
 
 
 def placements(spec, partial=()) -> tuple:
@@ -168,14 +173,6 @@ class Split:
     note: str | None = None
     error: str | None = None
     padded_size: int | None = None  # global units incl. padding (None: not padded)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _cdiv(a, b) * b
 
 
 def _divisors_hint(size: int, n: int) -> str:

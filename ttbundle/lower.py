@@ -23,11 +23,8 @@ from .layout import Policy, axes_of, local_len
 from .mesh import AXES
 from .plan import ACT_BYTES, TILE, TRACE_BYTES_PER_OP, Plan
 from .program import FORMAT, Activation, LayerProgram, Op, Program, Step, WeightRef
+from .tiles import round_up as _round_up
 PHASES = ("prefill", "decode", "vision")
-
-
-def _round_up(a: int, b: int) -> int:
-    return -(-a // b) * b
 
 
 # ---- the trace set -----------------------------------------------------------------------------
@@ -36,6 +33,11 @@ def trace_set(bundle) -> list[tuple[str, int]]:
     b = bundle.buckets
     vision = [("vision", n) for n in bundle.vision.buckets] if bundle.vision is not None else []
     return [("prefill", n) for n in b.prefill] + [("decode", n) for n in b.decode] + vision
+
+
+def lower_all(bundle, plan: Plan) -> dict:
+    """Every program of the package (:func:`trace_set`), keyed (phase, bucket)."""
+    return {k: lower(bundle, plan, *k) for k in trace_set(bundle)}
 
 
 def traced(bundle, phase: str) -> bool:
@@ -179,4 +181,4 @@ def summary(program: Program) -> dict:
             "collective_traffic_bytes": t["collective_traffic_bytes"]}
 
 
-__all__ = ["AXES", "FORMAT", "PHASES", "lower", "program_name", "summary", "trace_set", "traced"]
+__all__ = ["AXES", "FORMAT", "PHASES", "lower", "lower_all", "program_name", "summary", "trace_set", "traced"]

@@ -19,6 +19,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 #: a manifest larger than this is refused before it is read (a TG package with ttnn caches and
 #: a kernel cache lists tens of thousands of files at ~150 B each: a few MiB)
+MANIFEST = "manifest.json"  # the package file this schema describes
+METADATA = "vllm_metadata.json"  # the TT plugin's entry: arch and main_class
 MAX_BYTES = 64 << 20
 
 SHA256 = r"^[0-9a-f]{64}$"

@@ -42,14 +42,13 @@ from pathlib import Path
 
 from .errors import InvalidInput, TTBundleError
 from .fsutil import TEMPLATE_DIR, hash_file
+from .manifest import MANIFEST, METADATA
 
 # /2: a shard several devices hold is stored once (weights ``stored_in``); /1 packages still read
 FORMAT = "ttbundle.package/2"
 FORMATS = ("ttbundle.package/1", FORMAT)
 WEIGHTS_FORMAT = "ttbundle.weights/2"
 WEIGHTS_FORMATS = ("ttbundle.weights/1", WEIGHTS_FORMAT)
-MANIFEST = "manifest.json"
-METADATA = "vllm_metadata.json"
 RUNTIME_CLASS = ("ttbundle.runtime.adapter", "BundleModel")
 # Tokenizer and generation files copied into a package when the tokenizer directory has them.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",

@@ -18,10 +18,10 @@ from .errors import Diagnostic, InvalidInput
 from .families.base import (Combine, Dim, Embed, Linear, Local, Logits, Norm, Residual,
                             TensorDecl)
 from . import layout as layoutmod
-from .layout import axes_of
+from .layout import axes_of, tensor_layout
 from .mesh import AXES, Mesh
+from .tiles import TILE, cdiv as _cdiv, round_up as _round_up
 
-TILE = 32
 TILE_BYTES = {"bf16": 2048, "bfp8": 1088, "bfp4": 576, "f32": 4096}
 ELEM_BYTES = {"bf16": 2, "f32": 4}
 ACT_BYTES = 2  # activations are bf16 on device
@@ -30,14 +30,6 @@ TRACE_BYTES_PER_OP = 8 * 1024  # dispatch commands + runtime args per captured o
 # gives ceil(trace_region_size / banks) rounded up to 8 KiB (measured on the ttnn 0.81.1 mock
 # allocator, Wormhole and Blackhole alike; tests/tt/test_allocator_ttnn.py)
 TRACE_BANK_ALIGN = 8 * 1024
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _round_up(a: int, b: int) -> int:
-    return _cdiv(a, b) * b
 
 
 def fmt_entry(entry) -> str:
@@ -237,12 +229,6 @@ def _target_key(names, mesh_name: str) -> str:
         if m is not None and m.name == mesh_name:
             return k
     return mesh_name
-
-
-def tensor_layout(t: TensorDecl) -> str:
-    """How a declared tensor is held on device: matrices ``TILE``, vectors and embeddings
-    ``ROW_MAJOR`` (``backends/ttnn/layout.py`` gives the buffer shapes)."""
-    return "TILE" if t.kind == "matrix" else "ROW_MAJOR"
 
 
 def tensor_dtype(spec, t: TensorDecl) -> str:

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from . import families, mesh as meshmod
 from .errors import Diagnostic, InvalidInput
+from .tiles import TILE, round_up
 from .yamlpos import load_yaml
 
 DType = Literal["bf16", "bfp8", "bfp4"]
@@ -28,7 +29,6 @@ PartitionSpec = list[PartitionEntry]
 NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")  # used with fullmatch: `$` passes a final "\n"
 # tt_transformers traces decode for these batch sizes (rows are padded to 32 on device)
 DECODE_TRACE_SIZES = (1, 2, 4, 8, 16, 32)
-TILE = 32
 
 
 def _model_config(**kw):
@@ -600,7 +600,7 @@ def check(b: Bundle) -> list[Diagnostic]:
                 d.append(b.locate(bpath + (key, i), f"{v} must be positive"))
             elif key == "prefill" and v % TILE:
                 d.append(b.locate(bpath + (key, i), f"prefill bucket {v} is not a multiple of {TILE} "
-                                  f"(tile height); use {((v + TILE - 1) // TILE) * TILE}"))
+                                  f"(tile height); use {round_up(v, TILE)}"))
             elif key == "decode" and v not in DECODE_TRACE_SIZES:
                 d.append(b.locate(bpath + (key, i), f"decode batch {v} is not a traceable size; "
                                   f"use one of {', '.join(map(str, DECODE_TRACE_SIZES))}"))

@@ -175,11 +175,11 @@ import json, sys
 import torch
 import ttnn
 from ttbundle.backends.emulated import EmulatedModel, Runner
-from ttbundle.backends.ttnn import device
+from ttbundle.backends.ttnn import device, model as ttmodel
 from ttbundle.package import load_package
 pkg = load_package(sys.argv[1])
 prompt = [(7 * j + 3) % 500 for j in range(40)]
-runner = device.open_model(ttnn, sys.argv[1])
+runner = ttmodel.open_model(ttnn, sys.argv[1])
 runner.warmup()
 runner.capture()
 bs = pkg.bundle.spec.runtime.kv_block_size

@@ -22,6 +22,7 @@ import torch
 
 from ..backends.emulated import EmulatedModel
 from ..backends.emulated.model import KVCache
+from ..tiles import blocks_per_seq
 from .capabilities import model_capabilities
 from .sampling import DeviceSampling, sample_on_device
 
@@ -301,7 +302,7 @@ class BundleModel:
     # -- warm-up --------------------------------------------------------------------------------
     def _null_table(self, rows: int, kv_cache: KVCache, seq: int) -> torch.Tensor:
         # every position maps to block 0, vLLM's null block: never handed to a request
-        return torch.zeros(rows, -(-seq // kv_cache.block_size), dtype=torch.long)
+        return torch.zeros(rows, blocks_per_seq(seq, kv_cache.block_size), dtype=torch.long)
 
     #: rows of the short input each program runs at warm-up (the emulated mesh has nothing to
     #: compile or capture; the programs accept any row count with their features)

@@ -12,6 +12,7 @@ cached), so prefix caching stays correct: vLLM's block hashes include the images
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -24,6 +25,9 @@ class RequestImages:
     blocks: torch.Tensor  # [prompt length] image block per position, -1: text
     embeds: dict = field(default_factory=dict)  # image index -> soft tokens [mm, hidden]
     counts: list[int] | None = None  # soft tokens per image (Qwen2.5-VL: by its grid); None: uniform
+    # how the vision part encodes features (``(encode, features) -> soft tokens``); None: the
+    # features' pixel_values stacked, one ``encode`` call (Qwen2.5-VL sets ``qwen_vl.encode_features``)
+    encode_features: Callable | None = None
 
     def first(self, i: int) -> int:
         """Index into ``positions`` of image ``i``'s first soft token."""
@@ -72,11 +76,10 @@ def chunk_inputs(ri: RequestImages | None, encode, start: int, n: int, bucket: i
         missing = [i for i in todo if ri.features[i].data is None or "pixel_values" not in ri.features[i].data]
         if missing:
             raise RuntimeError(f"image(s) {missing} are in the chunk but vLLM sent no pixel data")
-        if ri.counts is None:
+        if ri.encode_features is None:
             out = encode(torch.cat([pixel_values(ri.features[i]) for i in todo]))
-        else:  # Qwen2.5-VL: patches and grids (runtime.qwen_vl)
-            from .qwen_vl import encode_features
-            out = encode_features(encode, [ri.features[i] for i in todo])
+        else:  # the vision part's own encoding (Qwen2.5-VL: patches and grids, runtime.qwen_vl)
+            out = ri.encode_features(encode, [ri.features[i] for i in todo])
         at = 0
         for i in todo:
             ri.embeds[i] = out[at:at + ri.count(i)]

@@ -40,6 +40,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput
 from .phases import is_decode, pick
 from .capabilities import device_top_k
 from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons
+from ..tiles import blocks_per_seq
 
 logger = logging.getLogger("vllm.ttbundle.model_runner")
 
@@ -142,7 +143,7 @@ class TTModelRunner:
         self.dtype = mc.dtype if mc.dtype in (torch.float32, torch.bfloat16) else torch.float32
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = mc.max_model_len
-        self.max_blocks = -(-self.max_model_len // self.block_size)
+        self.max_blocks = blocks_per_seq(self.max_model_len, self.block_size)
         self.vocab_size = self.bundle.arch.vocab_size
         b = self.bundle.buckets
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)

@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InvalidInput, TTBundleError
+from ..manifest import MANIFEST, METADATA
 
-MANIFEST = "manifest.json"
-METADATA = "vllm_metadata.json"
 
 
 @dataclass

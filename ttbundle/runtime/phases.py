@@ -7,6 +7,8 @@ prompt, or a preempted request recomputing prompt + outputs).
 
 from __future__ import annotations
 
+from ..tiles import TILE, round_up  # rows of one sequence in a packed prefill are whole tiles
+
 
 def is_decode(num_computed: int, num_prompt: int, num_tokens: int) -> bool:
     return num_computed >= num_prompt and num_tokens - num_computed == 1
@@ -18,10 +20,6 @@ def pick(buckets: list[int], n: int) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-
-
-#: rows of one sequence in a packed prefill are a whole number of tiles (a device's tile height)
-TILE = 32
 
 
 def pack_prefill(lengths: list[int], buckets: list[int], packed: bool = True) -> list[tuple[int, int, list[int]]]:
@@ -41,7 +39,7 @@ def pack_prefill(lengths: list[int], buckets: list[int], packed: bool = True) ->
         return solo
     best, best_key = solo, (sum(c[0] for c in solo), len(solo), 1)
     top = max(lengths)
-    for R in range(-(-top // TILE) * TILE, buckets[-1] + 1, TILE):
+    for R in range(round_up(top, TILE), buckets[-1] + 1, TILE):
         caps = {S: min(S // R, TILE) for S in buckets if S % R == 0}
         caps = {S: c for S, c in caps.items() if c >= 2}
         if not caps:

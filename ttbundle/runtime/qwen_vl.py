@@ -26,6 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from ..families.qwen2_5_vl_vision import mrope_positions, soft_tokens
+from .images import RequestImages, chunk_inputs
+
 _CLASSES: dict = {}
 
 
@@ -85,9 +88,6 @@ def request_state(features, prompt: list[int], vision):
     an image whose data vLLM did not send (its blocks came from the prefix cache) still has its
     grid, so the positions of every chunk are right. ``features`` of a request without images
     give ``(None, positions, 0)``: the text positions on all three axes."""
-    from ..families.qwen2_5_vl_vision import mrope_positions, soft_tokens
-    from .images import RequestImages
-
     feats = sorted((f for f in features or [] if f.modality == "image"), key=lambda f: f.mm_position.offset)
     grids = [_grid_of(f) for f in feats]
     thw = torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
@@ -106,7 +106,8 @@ def request_state(features, prompt: list[int], vision):
         image_of += [i] * len(mine)
         counts.append(len(mine))
     blocks = torch.full((len(prompt),), -1, dtype=torch.long)  # causal: no image blocks
-    return RequestImages(feats, positions, image_of, blocks, counts=counts), rope, int(delta)
+    return (RequestImages(feats, positions, image_of, blocks, counts=counts, encode_features=encode_features),
+            rope, int(delta))
 
 
 def _grid_of(feature) -> torch.Tensor:
@@ -150,8 +151,6 @@ def prompt_inputs(prompt: list[int], pixel_values, image_grid_thw, vision, encod
     ``prefill_forward``: its ``pixel_values`` ([patches, C*T*P*P], or a list of them) and
     ``image_grid_thw`` ([images, 3], or a list), in prompt order. ``mm`` is None without
     images (the positions are then the text's)."""
-    from ..families.qwen2_5_vl_vision import mrope_positions, soft_tokens
-    from .images import RequestImages, chunk_inputs
 
     def cat(x, width):
         parts = [p for p in (x if isinstance(x, (list, tuple)) else [x]) if p is not None and p.numel()]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..tiles import blocks_per_seq
+
 _EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
 
 
@@ -160,7 +162,7 @@ class HostSampler:
         self.batch = InputBatch(
             max_num_reqs=max_num_reqs, max_model_len=max_model_len,
             max_num_batched_tokens=max_model_len, device=device, vocab_size=vocab_size,
-            block_sizes=[block_size], max_num_blocks_per_req=[-(-max_model_len // block_size)],
+            block_sizes=[block_size], max_num_blocks_per_req=[blocks_per_seq(max_model_len, block_size)],
             logitsprocs=build_logitsprocs(vllm_config, device, False, False, custom),
             logitsprocs_need_output_token_ids=bool(custom), is_pooling_model=False,
             reasoning_config=vllm_config.reasoning_config)

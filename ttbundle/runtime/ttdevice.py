@@ -2,7 +2,7 @@
 :class:`~.adapter.BundleModel` (``allocate_kv_cache``, ``prefill_forward``, ``decode_forward``,
 ``warmup_model_*``, ``seal``), so the model runner drives either one the same way.
 
-It runs ``backends/ttnn/device.open_model``: the mesh opened for the package's mesh (or
+It runs ``backends/ttnn/model.open_model``: the mesh opened for the package's mesh (or
 ``MESH_DEVICE``, which must name it) with the trace region and L1 / fabric / dispatch options of
 ``--additional-config '{"tt": {...}}'``, the ``.tensorbin`` weights loaded, the paged KV cache
 allocated, then warm-up compiles every forward (each bucket, device- and host-sampling
@@ -159,7 +159,7 @@ class TTDeviceModel:
     @classmethod
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel=1,
                               optimizations=None, *, package, options, sample_mode: str, ttnn=None):
-        from ..backends.ttnn.device import open_model
+        from ..backends.ttnn.model import open_model
         from ..errors import InvalidInput
 
         if tt_data_parallel != 1:

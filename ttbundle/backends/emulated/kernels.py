@@ -8,90 +8,16 @@ between devices: that is the collectives' job (meshops).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-
-# ---- rope ---------------------------------------------------------------------------------------
-def rope_inv_freq(dim: int, theta: float, scaling) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (float64) and the attention scaling factor for a rope variant."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    kind = getattr(scaling, "rope_type", "default") if scaling is not None else "default"
-    if kind == "default":
-        return inv, 1.0
-    if kind == "linear":
-        return inv / scaling.factor, 1.0
-    if kind == "llama3":
-        factor, lo, hi = scaling.factor, scaling.low_freq_factor, scaling.high_freq_factor
-        old = scaling.original_max_position_embeddings
-        lo_wl, hi_wl = old / lo, old / hi
-        wl = 2 * math.pi / inv
-        scaled = torch.where(wl > lo_wl, inv / factor, inv)
-        smooth = (old / wl - lo) / (hi - lo)
-        mid = (1 - smooth) * scaled / factor + smooth * scaled
-        is_mid = (wl >= hi_wl) & (wl <= lo_wl)
-        return torch.where(is_mid, mid, scaled), 1.0
-    if kind == "yarn":
-        factor = scaling.factor
-        old = scaling.original_max_position_embeddings
-        beta_fast, beta_slow = scaling.beta_fast or 32.0, scaling.beta_slow or 1.0
-
-        def mscale(scale, m=1.0):
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        if scaling.mscale is not None and scaling.mscale_all_dim is not None:
-            att = mscale(factor, scaling.mscale) / mscale(factor, scaling.mscale_all_dim)
-        else:
-            att = mscale(factor)
-
-        def corr(rot):
-            return (dim * math.log(old / (rot * 2 * math.pi))) / (2 * math.log(theta))
-
-        low, high = corr(beta_fast), corr(beta_slow)
-        if scaling.truncate is not False:
-            low, high = math.floor(low), math.ceil(high)
-        low, high = max(low, 0), min(high, dim - 1)
-        if low == high:
-            high += 0.001
-        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
-        extrapolation = 1 - ramp
-        inv = (inv / factor) * (1 - extrapolation) + inv * extrapolation
-        return inv, att
-    raise ValueError(f"unsupported rope_type {kind!r}")
+from ...tables import mrope_cos_sin, rope_cos_sin
 
 
-def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, scaling, dtype):
-    inv, att = rope_inv_freq(dim, theta, scaling)
-    freqs = positions.to(torch.float64)[:, None] * inv.to(positions.device)[None, :]
-    emb = torch.cat([freqs, freqs], dim=-1)
-    return (emb.cos() * att).to(dtype), (emb.sin() * att).to(dtype)
-
-
-def mrope_rows(section, dim: int) -> torch.Tensor:
-    """[dim]: which position row (0 temporal, 1 height, 2 width) rotates each column of the
-    rotate-half layout: the frequencies split by ``section``, in turn, repeated for both halves."""
-    which = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(list(section)))
-    if len(which) != dim // 2:
-        raise ValueError(f"mrope_section {list(section)} sums to {len(which)}, not head_dim / 2 = {dim // 2}")
-    return torch.cat([which, which])
-
-
-def mrope_cos_sin(positions: torch.Tensor, dim: int, theta: float, scaling, section, dtype):
-    """M-RoPE (Qwen2-VL / Qwen2.5-VL): ``positions`` [3, T] (temporal, height, width); the
-    rotary frequencies split by ``section`` (summing to dim / 2) rotate by the temporal, height
-    and width position in turn, as HF's multimodal rotary embedding does. Equal rows (text) give
-    ``rope_cos_sin`` of that row."""
-    inv, att = rope_inv_freq(dim, theta, scaling)
-    freqs = positions.to(torch.float64)[:, :, None] * inv.to(positions.device)[None, None, :]  # [3, T, dim/2]
-    which = mrope_rows(section, dim)[: dim // 2]
-    f = freqs.gather(0, which.to(positions.device)[None, None, :].expand(1, freqs.shape[1], -1))[0]
-    emb = torch.cat([f, f], dim=-1)
-    return (emb.cos() * att).to(dtype), (emb.sin() * att).to(dtype)
-
-
+# ---- rope -------------------------------------------------------------------------------------
+# the tables (both backends use them) live in ``ttbundle.tables``
 def rotate_half(x):
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
@@ -287,6 +213,4 @@ def swiglu(ctx: Ctx, layer: int, g, u):
     return activation(ctx.traits.get("act", ctx.arch.hidden_act), g) * u
 
 
-KERNELS = {"attention": attention, "swiglu": swiglu}
-from . import moe_kernels  # noqa: E402,F401  (registers the MLA, routing and expert kernels here)
-from . import vision_kernels  # noqa: E402,F401  (registers the vision encoder kernels here)
+KERNELS = {"attention": attention, "swiglu": swiglu}  # the whole table: kernel_table.KERNELS

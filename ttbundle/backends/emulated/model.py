@@ -23,7 +23,8 @@ from ... import layout
 from ...package import stack_shards
 from ...program import Op, Program
 from . import gemm
-from .kernels import KERNELS, Ctx, rms_norm, softcap
+from .kernel_table import KERNELS
+from .kernels import Ctx, rms_norm, softcap
 from .meshops import MeshOps
 
 
@@ -169,13 +170,11 @@ class EmulatedModel:
         self._image_blocks = bool(getattr(self.vision_part, "BIDIRECTIONAL_IMAGES", False))
 
     @classmethod
-    def from_canonical(cls, bundle, plan, canonical: dict, programs: dict | None = None, dtype=torch.float32,
+    def from_canonical(cls, bundle, plan, canonical: dict, programs: dict, dtype=torch.float32,
                        device="cpu", kernels: dict | None = None):
         """Global tensors cut into per-device shards by ``layout`` (as ``build`` cuts them);
-        ``programs`` default to every (phase, bucket) of the bundle lowered on ``plan``."""
-        from ...lower import lower, trace_set
-
-        programs = programs or {k: lower(bundle, plan, *k) for k in trace_set(bundle)}
+        ``programs``: (phase, bucket) -> ``Program``, lowered by the caller (``lower.lower_all``:
+        no backend lowers)."""
         ops = MeshOps(plan.mesh, device)
         policy, D = bundle.spec.sharding, plan.mesh.num_devices
         w = {}

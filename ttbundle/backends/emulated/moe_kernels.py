@@ -2,7 +2,7 @@
 expert routing, GPT-OSS's clamped SwiGLU, the expert Combine.
 
 Same contract as ``kernels.py`` (device-batched ``[D, T, features]`` locals, a :class:`Ctx`, no
-data crossing devices); registered into its ``KERNELS`` table when ``kernels`` is imported. What
+data crossing devices); collected with it in ``kernel_table.KERNELS``. What
 differs between families is data from the family's ``traits``: ``traits["mla"]`` (latent rank,
 head dims, interleaved rope) and ``traits["moe"]`` (top-k, groups, scaling, SwiGLU clamp).
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .kernels import KERNELS, Ctx, _mask, _rope_tables, _writes, apply_rope
+from .kernels import Ctx, _mask, _rope_tables, _writes, apply_rope
 
 ROUTE = "route"  # the router kernel's output activation (families.moe.moe_ops)
 EXPERTS_OUT = "experts_w2"  # its expert dim says which experts a device holds
@@ -159,7 +159,3 @@ def out_bias(ctx: Ctx, layer: int, x):
 
 MOE_KERNELS = {"mla_attention": mla_attention, "group_topk": group_topk, "topk_softmax": topk_softmax,
                "clamped_swiglu": clamped_swiglu, "combine": combine, "out_bias": out_bias}
-for _name, _fn in MOE_KERNELS.items():
-    if KERNELS.get(_name, _fn) is not _fn:
-        raise ValueError(f"kernel {_name!r} registered twice")
-    KERNELS[_name] = _fn

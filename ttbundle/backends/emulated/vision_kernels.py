@@ -3,8 +3,9 @@
 Kernels see device-batched local tensors ``[D, T, features]``; a vision program's rows are the
 patches of its images, image after image (``T = images * num_patches``). Heads and the MLP's
 intermediate dim arrive split as the program declares; biases are read as the device's shard of
-the bias tensor (``ctx.weights``), so a bias follows its weight's split. Registered into
-``kernels.KERNELS`` on import.
+the bias tensor (``ctx.weights``), so a bias follows its weight's split. Collected by name in
+``kernel_table.KERNELS``; the pooling and rotate-half matrices the ttnn lowering multiplies by
+are in ``ttbundle.tables``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .kernels import KERNELS, Ctx, activation, rotate_half
+from .kernels import Ctx, activation, rotate_half
 
 
 def _vision(ctx: Ctx):
@@ -65,20 +66,8 @@ def vision_pool(ctx: Ctx, layer, x):
     return pooled.flatten(2).transpose(1, 2).reshape(D, n * vis.mm_tokens_per_image, H)
 
 
-def pool_matrix(images: int, side: int, window: int) -> torch.Tensor:
-    """The average pool as a matrix ``[images * (side / window)^2, images * side^2]`` (row-major
-    patches and soft tokens, image after image): what the ttnn lowering multiplies by."""
-    out = side // window
-    m = torch.zeros(images * out * out, images * side * side)
-    for i in range(images):
-        for r in range(side):
-            for c in range(side):
-                m[i * out * out + (r // window) * out + c // window, i * side * side + r * side + c] = 1.0 / window ** 2
-    return m
-
-
-KERNELS.update(vision_embed=vision_embed, vision_attention=vision_attention, vision_bias_o=vision_bias_o,
-               vision_bias_2=vision_bias_2, vision_gelu=vision_gelu, vision_pool=vision_pool)
+GEMMA_VISION_KERNELS = dict(vision_embed=vision_embed, vision_attention=vision_attention, vision_bias_o=vision_bias_o,
+                            vision_bias_2=vision_bias_2, vision_gelu=vision_gelu, vision_pool=vision_pool)
 
 
 # ---- Qwen2.5-VL's vision transformer and merger ---------------------------------------------------
@@ -130,16 +119,6 @@ def qwen_vision_merge_bias(ctx: Ctx, layer, x):
     return x + ctx.weights("v_merge2_b")[:, None, :]
 
 
-def rotate_half_matrix(dim: int) -> torch.Tensor:
-    """``m`` [dim, dim] with ``x @ m == rotate_half(x)``: what the ttnn lowering multiplies by
-    where its rotary kernel does not take the head dim (Qwen2.5-VL-7B's vision heads are 80)."""
-    m = torch.zeros(dim, dim)
-    h = dim // 2
-    m[torch.arange(h, dim), torch.arange(h)] = -1.0
-    m[torch.arange(h), torch.arange(h, dim)] = 1.0
-    return m
-
-
-KERNELS.update(qwen_vision_attention=qwen_vision_attention, qwen_vision_swiglu=qwen_vision_swiglu,
-               qwen_vision_merge=qwen_vision_merge, qwen_vision_merge_gelu=qwen_vision_merge_gelu,
-               qwen_vision_merge_bias=qwen_vision_merge_bias)
+QWEN_VISION_KERNELS = dict(qwen_vision_attention=qwen_vision_attention, qwen_vision_swiglu=qwen_vision_swiglu,
+                           qwen_vision_merge=qwen_vision_merge, qwen_vision_merge_gelu=qwen_vision_merge_gelu,
+                           qwen_vision_merge_bias=qwen_vision_merge_bias)

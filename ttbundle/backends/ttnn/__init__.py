@@ -12,7 +12,7 @@ Host side (runs anywhere; what can be checked without a device):
 * :mod:`.mockcheck` — those calls through ttnn's own op validation on a mock chip or mesh (collectives that need a fabric: by signature and output spec);
 * :mod:`.recording` — a recording stand-in for the ttnn module (program cache, trace API).
 
-Device side: :mod:`.device` (executor, KV cache, constants, ``open_model``, ``generate``) and
+Device side: :mod:`.device` (executor, KV cache, constants, ``generate``), :mod:`.model` (``open_model``) and
 :mod:`.trace` (warm-up, capture, replay, in that order). Not yet run on hardware.
 
 Nothing here imports ttnn at module import; functions that need it take the module as an

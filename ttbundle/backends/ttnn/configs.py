@@ -17,15 +17,15 @@ Every constructor here is checked against the installed wheel by the coverage te
 
 from __future__ import annotations
 
+from ...tiles import TILE, cdiv
 from .calls import Attr, New
 
-TILE = 32
 MAX_PER_CORE_N = 16  # output tiles per core beyond which the blocks overflow a core's buffers
 FIDELITY = {"bf16": "HiFi4", "bfp8": "HiFi2", "bfp4": "LoFi", "f32": "HiFi4"}
 
 
 def _tiles(n: int) -> int:
-    return -(-n // TILE)
+    return cdiv(n, TILE)
 
 
 def largest_divisor(n: int, limit: int) -> int:

@@ -6,11 +6,8 @@ their results by name, and frees each intermediate after its last reader (:func:
 binding: a name rebound by a later call is a new tensor). Inputs, constants, weights, KV caches
 and outputs are never dropped by a forward.
 
-:func:`open_model` is the hardware path end to end: open the package's mesh with its trace region,
-load the tensorbin weight caches, allocate the KV cache and every bucket's inputs, make the
-constants, run the setup calls, and hand back a :class:`~.trace.TraceRunner` ready for warm-up.
-Real-device tests (``tt_hardware``) drive it; nothing here has run on hardware yet
-(docs/hardware.md).
+:func:`.model.open_model` puts these together for a package (it imports this module and
+:mod:`.trace`, which imports this one too: so neither of them imports it).
 """
 
 from __future__ import annotations
@@ -120,12 +117,12 @@ def make_const(ttnn, device, c, arch=None):
         m[np.arange(1, 32, 2), np.arange(0, 32, 2)] = -1
         host = m.reshape(c.shape)
     elif c.kind == "rotate_half":  # x @ m = rotate_half(x) = [-x2, x1] (HF's rope layout)
-        from ..emulated.vision_kernels import rotate_half_matrix
+        from ...tables import rotate_half_matrix  # torch: only where a constant is made
         host = rotate_half_matrix(dict(c.params)["dim"]).numpy().reshape(c.shape)
     elif c.kind in ("rope_cos", "rope_sin"):
         host = _rope_table(c, arch)
     elif c.kind == "avg_pool":  # [soft tokens, patches]: each soft token the mean of its window
-        from ..emulated.vision_kernels import pool_matrix
+        from ...tables import pool_matrix  # torch: only where a constant is made
         p = dict(c.params)
         host = pool_matrix(p["images"], p["side"], p["window"]).numpy().reshape(c.shape)
     else:  # pragma: no cover - a lowering bug
@@ -137,83 +134,21 @@ def make_const(ttnn, device, c, arch=None):
 
 
 def _rope_table(c, arch):
-    """cos or sin of every position (``[max_model_len, head_dim]``), computed like the emulated
-    backend's rope (torch, on the serving host)."""
-    import torch
+    """cos or sin of every position (``[max_model_len, head_dim]``), computed by the rope rule
+    both backends share (``ttbundle.tables``; torch, on the serving host)."""
+    import torch  # the ttnn wheel brings torch; loaded only where a rope constant is made
 
-    from ..emulated.kernels import rope_cos_sin
+    from ...tables import mrope_rows, rope_cos_sin
     p = dict(c.params)
     scaling = getattr(arch, "rope_scaling", None)
     cos, sin = rope_cos_sin(torch.arange(c.shape[0]), p["head_dim"], p["theta"], scaling, torch.float32)
     t = cos if c.kind == "rope_cos" else sin
     if p.get("mrope_section"):  # M-RoPE: this position row's frequencies only (the others zero)
-        from ..emulated.kernels import mrope_rows
         keep = mrope_rows(p["mrope_section"], p["head_dim"]) == p["mrope_row"]
         t = t * keep[None, :].to(t.dtype)
     if p.get("interleaved"):  # rotary_embedding_llama rotates pairs (x0, x1), (x2, x3)...: f0 f0 f1 f1 ...
         t = t[:, : p["head_dim"] // 2].repeat_interleave(2, dim=-1)
     return t.reshape(c.shape).numpy()
-
-
-def forward_keys(bundle, sample_on_device_mode: str = "all", host_fallback: bool = False,
-                 trace_mode: str | None = None) -> tuple[list[tuple], set]:
-    """Every forward a model needs, keyed ``(phase, bucket, sampling, start)``, and the traced ones.
-    ``sampling`` is "device" where ``sample_on_device_mode`` allows it, "host" otherwise, and also
-    "host" everywhere with ``host_fallback`` (batches whose requests need logits); ``start`` is
-    the static chunk start of an MLA prefill (``lowering.chunk_starts``), else 0. ``trace_mode``:
-    the serving option (default: the bundle's runtime.trace_mode)."""
-    from ...lower import trace_set
-    from .lowering import chunk_starts
-
-    mode = trace_mode or bundle.spec.runtime.trace_mode
-    keys, traced = [], set()
-    for phase, b in trace_set(bundle):
-        if phase == "vision":  # one forward per vision bucket (its soft tokens come back); traced
-            keys.append((phase, b, "host", 0))  # with the prefills (fixed shapes, as lower.traced)
-            if mode == "all":
-                traced.add(keys[-1])
-            continue
-        on_device = sample_on_device_mode == "all" or (sample_on_device_mode == "decode_only" and phase == "decode")
-        modes = (["device"] if on_device else []) + (["host"] if host_fallback or not on_device else [])
-        for sampling in modes:
-            for start in chunk_starts(bundle, phase, b):
-                keys.append((phase, b, sampling, start))
-                if mode == "all" or (mode == "decode_only" and phase == "decode"):
-                    traced.add(keys[-1])
-    return keys, traced
-
-
-def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=None, *,
-               host_fallback: bool = False, trace_mode: str | None = None):
-    """The package's model on a mesh, ready for ``warmup()`` (hardware; see module docstring).
-    ``package``: its directory, or a ``package.LoadedPackage``. Everything comes from the
-    package as built, nothing is re-planned: its mesh and trace region (manifest), its
-    ``tensorbin/`` weights, its KV cache record and its programs, each lowered as it is (the
-    weights' PartitionSpecs and shapes it records). Forwards are keyed as :func:`forward_keys`
-    says."""
-    from ...package import LoadedPackage, load_package
-    from . import cache as ttcache
-    from .lowering import lower_forward
-    from .trace import TraceRunner
-
-    pkg = package if isinstance(package, LoadedPackage) else load_package(package)
-    bundle = pkg.bundle
-    if mesh_device is None:
-        mesh_device = ttnn.open_mesh_device(ttnn.MeshShape(*pkg.mesh.shape), trace_region_size=pkg.trace_region_size)
-    ex = Executor(ttnn, mesh_device)
-    ttcache.check_index(pkg.dir, ttcache.read_index(pkg.dir), pkg.weight_refs, pkg.mesh.shape,
-                        pkg.weights.stored_in)
-    ex.env["weights"].update(ttcache.load_mesh_weights(ttnn, mesh_device, pkg.dir))
-    ex.env["kv"] = allocate_kv(ttnn, mesh_device, pkg.kv_cache)
-    keys, trace_keys = forward_keys(bundle, sample_on_device_mode, host_fallback, trace_mode)
-    forwards = {}
-    for key in keys:
-        phase, b, sampling, start = key
-        forwards[key] = lower_forward(bundle, pkg.mesh, pkg.program(phase, b), sampling, chunk_start=start)
-    consts = {c.name: c for fw in forwards.values() for c in fw.consts}
-    for c in consts.values():
-        ex.env[c.name] = make_const(ttnn, mesh_device, c, bundle.arch)
-    return TraceRunner(ex, forwards, trace_keys)
 
 
 # ---- host inputs of one run -------------------------------------------------------------------------

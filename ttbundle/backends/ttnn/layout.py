@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TILE = 32
+from ...tiles import TILE
+
 DTYPES = {"bf16": "bfloat16", "bfp8": "bfloat8_b", "bfp4": "bfloat4_b", "f32": "float32",
           "uint32": "uint32", "int32": "int32"}  # ttbundle name -> ttnn attribute
 LAYOUTS = {"TILE": "TILE_LAYOUT", "ROW_MAJOR": "ROW_MAJOR_LAYOUT"}

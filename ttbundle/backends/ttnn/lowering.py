@@ -34,10 +34,10 @@ import math
 import struct
 from typing import Callable
 
-from ... import layout
+from ... import layout, tiles
 from ...families.base import Dim
+from ...layout import axes_of, tensor_layout
 from ...mesh import AXES, Mesh
-from ...plan import axes_of, tensor_layout
 from . import configs
 from .calls import KV, Attr, Call, Const, Forward, Layer, New, T, W
 from .layout import TILE, device_shape
@@ -110,7 +110,7 @@ class _Emitter:
 
 class _Weight:
     """A weight as the program records it (``program.WeightRef``'s JSON: PartitionSpec,
-    per-device shape, dtype, layers) and how ttnn holds it (``plan.tensor_layout`` of its kind)."""
+    per-device shape, dtype, layers) and how ttnn holds it (``layout.tensor_layout`` of its kind)."""
 
     def __init__(self, ref: dict, layout_: str):
         self.spec = [axes_of(e) for e in ref["spec"]]
@@ -611,7 +611,7 @@ def _clamped_swiglu(lw: _Lowerer, st: dict) -> None:
 
 def _filled(lw: _Lowerer, kind: str, shape: tuple) -> str:
     """A host-made bf16 TILE constant of zeros or ones, named by its shape: a model's forwards
-    share constants by name (``device.open_model``), and buckets differ in rows."""
+    share constants by name (``model.open_model``), and buckets differ in rows."""
     name = f"{kind}.{'x'.join(map(str, shape))}"
     lw.consts[name] = Const(name, tuple(shape), "bf16", "TILE", kind)
     return name
@@ -964,7 +964,7 @@ def inputs_of(program: dict, bundle) -> dict:
         return {"patches": ((1, 1, rows, bundle.arch.vision.patch_pixels), "bf16", "TILE")}
     B = rows
     block_size = int(program["kv_cache"]["block_size"])
-    blocks_per_seq = -(-bundle.spec.runtime.max_model_len // block_size)
+    blocks_per_seq = tiles.blocks_per_seq(bundle.spec.runtime.max_model_len, block_size)
     ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
            "positions": ((1, rows), "uint32", "ROW_MAJOR")}
     if program["phase"] == "decode":

@@ -11,7 +11,7 @@ per-device ``.tensorbin`` files carry the split instead).
 
 from __future__ import annotations
 
-from ...plan import axes_of
+from ...layout import axes_of
 from .layout import TILE, device_shape
 
 AXIS_INDEX = {"rows": 0, "cols": 1}

@@ -1,0 +1,23 @@
+"""Tile and block arithmetic every stage shares, one definition each: the tile edge (32: a ttnn
+tile is 32x32; prefill buckets, KV blocks and TILE-layout tensors pad to it), ceil-division,
+rounding up, and the KV blocks that hold a sequence. No imports: any module may use it."""
+
+from __future__ import annotations
+
+TILE = 32
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers."""
+    return -(-a // b)
+
+
+def round_up(a: int, b: int) -> int:
+    """``a`` rounded up to a multiple of ``b``."""
+    return cdiv(a, b) * b
+
+
+def blocks_per_seq(tokens: int, block_size: int) -> int:
+    """KV-cache blocks that hold ``tokens`` positions of one sequence (``max_model_len``: a
+    sequence's page-table width)."""
+    return cdiv(tokens, block_size)
