@@ -78,3 +78,25 @@ def pooling_config_json(embedding) -> str:
     """vLLM's ``--pooler-config`` for an ``Embedding`` (sequence pooling type and activation)."""
     kind = {"last": "LAST", "mean": "MEAN", "cls": "CLS"}[embedding.pooling]
     return json.dumps({"seq_pooling_type": kind, "use_activation": embedding.normalize}, separators=(",", ":"))
+
+
+def init_task(hf_dir: Path, family: str, task: str | None) -> tuple[dict | None, str]:
+    """What ``ttbundle init`` writes for ``task`` (``--task``; None: detected): the
+    ``embedding:`` values of an embedding bundle and why, or (None, "") for a generative one."""
+    if task not in (None, "generate", "embed"):
+        raise InvalidInput(f"--task {task!r}: one of generate, embed")
+    if task == "generate":
+        return None, ""
+    found = sentence_transformers_pooling(hf_dir)
+    if task is None and found is None:
+        return None, ""
+    if family not in POOLING_FAMILIES:
+        why = "--task embed" if task == "embed" else f"{hf_dir}/modules.json (a sentence-transformers model)"
+        raise InvalidInput(f"{why}: family {family} has no pooling support in ttbundle (embedding bundles: "
+                           f"{', '.join(sorted(POOLING_FAMILIES))}); pass --task generate to import it as a "
+                           "language model")
+    if found is not None:
+        return found, (f"from {hf_dir}/modules.json: sentence-transformers pooling {found['pooling']}"
+                       f"{', normalized' if found['normalize'] else ''}")
+    return {"pooling": POOLING_FAMILIES[family], "normalize": True}, (
+        f"--task embed: {family}'s embedding models' pooling ({POOLING_FAMILIES[family]}, normalized)")
