@@ -98,20 +98,6 @@ class EmbedRunner(TTModelRunner):
         self._rows: dict[str, list[torch.Tensor]] = {}  # req_id -> final hidden rows kept so far
         self._pooling: dict[str, object] = {}  # req_id -> vLLM PoolingParams
 
-    def warm_up(self):
-        """The build's references, then every prefill program once (no decode programs)."""
-        if not self.options.enable_model_warmup:
-            logger.warning("ttbundle: enable_model_warmup=false: the first request of each shape "
-                           "compiles during serving")
-            return
-        t0 = time.perf_counter()
-        if self.tt is None:
-            self._check_references()
-        self.mesh_model.warmup_model_prefill(self.kv, self.options.trace_mode == "all", False)
-        self.mesh_model.seal()
-        logger.info("ttbundle: warmed up %d prefill buckets in %.1f s (embedding: no decode)",
-                    len(self.prefill_buckets), time.perf_counter() - t0)
-
     def _update_states(self, so) -> None:
         from vllm import SamplingParams
 
