@@ -19,14 +19,11 @@ do not read back hidden states (refused at start-up, :func:`configure`).
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 
 import torch
 
 from .model_runner import Step, TTModelRunner
-
-logger = logging.getLogger("vllm.ttbundle.pooling")
 
 
 def is_embed(bundle) -> bool:
