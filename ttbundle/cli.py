@@ -153,7 +153,11 @@ def init(from_hf: str = typer.Option(..., "--from-hf", help="Hugging Face model 
          force: bool = typer.Option(False, "--force", help="Overwrite the spec file if it exists."),
          hf_model: Optional[str] = typer.Option(None, "--hf-model", help="The model's Hugging Face id "
                                                 "(ORG/NAME) for the spec's hf_model (default: from a "
-                                                "hub-cache path or config.json's _name_or_path).")):
+                                                "hub-cache path or config.json's _name_or_path)."),
+         task: Optional[str] = typer.Option(None, "--task", help="generate | embed: an embedding bundle "
+                                            "(task: embed, served at /v1/embeddings); default: embed for a "
+                                            "sentence-transformers checkpoint (modules.json with a Pooling "
+                                            "module), else generate.")):
     """Write a commented, valid spec from a Hugging Face config.json.
 
     Nothing is written unless the spec validates and fits every mesh (the weight dtype and the
@@ -162,7 +166,8 @@ def init(from_hf: str = typer.Option(..., "--from-hf", help="Hugging Face model 
     Exit 0 written, 2 invalid input, 3 does not fit a mesh (the arithmetic and fixes listed)."""
     from .init import init_spec
     try:
-        r = init_spec(from_hf, output, mesh, weights_dtype, max_model_len, max_num_seqs, name, force, hf_model)
+        r = init_spec(from_hf, output, mesh, weights_dtype, max_model_len, max_num_seqs, name, force, hf_model,
+                      task)
     except TTBundleError as e:
         fail(e)
     for w in r.bundle.warnings:

@@ -243,7 +243,7 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
              sharding_notes: dict[str, str], sharding_targets: dict | None = None, group_dtypes: dict[str, str] | None = None,
              dtype_note: str = "", pool_notes: list[str] | None = None,
              kv_dtype: str = "bf16", hf_model: str | None = None, hf_note: str = "",
-             ref: str | None = None) -> _Ctx:
+             ref: str | None = None, embedding: dict | None = None, task_note: str = "") -> _Ctx:
     B, W, D, S, K, R = (specmod.BundleSpec, specmod.Weights, specmod.DtypePolicy, specmod.Sharding,
                         specmod.Buckets, specmod.Runtime)
     tensors = family.tensors(arch)
@@ -286,6 +286,10 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
     sections["weights"] = weights
 
     sections["targets"] = [Entry("targets", y(meshes), field_doc(B, "targets"))]
+    sections["task"] = [] if embedding is None else [  # task: embed (ttbundle/embed.py)
+        Entry("task", y("embed"), field_doc(B, "task") + doc_lines(f"init: {task_note}")),
+        Entry("embedding", doc=field_doc(B, "embedding"), children=[
+            Entry(k, y(v), field_doc(specmod.Embedding, k)) for k, v in embedding.items()])]
 
     default_plan = family.default_plan(arch)
     plan = []
@@ -369,7 +373,8 @@ DTYPE_CHOICES: tuple[tuple[str, dict[str, str], str, str], ...] = (
 
 def render_spec(hf_dir: str | Path, output: Path, meshes: list[str] | None = None,
                 weights_dtype: str | None = None, max_model_len: int | None = None,
-                max_num_seqs: int | None = None, name: str | None = None, hf_model: str | None = None):
+                max_num_seqs: int | None = None, name: str | None = None, hf_model: str | None = None,
+                task: str | None = None):
     """The spec text for ``hf_dir`` as it would be written to ``output``, validated and fitting
     every mesh: returns ``(text, bundle, plans, notes)``. Without ``weights_dtype`` the first of
     :data:`DTYPE_CHOICES` that fits every mesh is taken (said in the file and in ``notes``); the
@@ -413,6 +418,10 @@ def render_spec(hf_dir: str | Path, output: Path, meshes: list[str] | None = Non
         raise InvalidInput(f"--max-num-seqs {max_num_seqs}: must be between 1 and {top} (the "
                            "largest decode batch a trace is captured for)")
     buckets, bucket_notes = adjust_buckets(buckets0, max_model_len, max_num_seqs)
+    from .embed import init_task
+    embedding, task_note = init_task(hf_dir, family.name, task)
+    if embedding is not None:  # prefill only
+        buckets, bucket_notes = dict(buckets, decode=[]), [n for n in bucket_notes if "decode" not in n]
     name = name or derive_name(hf_dir, family.name)
     archs = config.get("architectures") or ["?"]
     if hf_model is not None:
@@ -428,7 +437,8 @@ def render_spec(hf_dir: str | Path, output: Path, meshes: list[str] | None = Non
     kw = dict(arch=arch, family=family, hf_arch=str(archs[0]), cfg=cfg, out_dir=output.parent,
               hf_dir=hf_dir, name=name, meshes=meshes,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, buckets=buckets,
-              bucket_notes=bucket_notes, hf_model=hf_model, hf_note=hf_note, ref=ref)
+              bucket_notes=bucket_notes, hf_model=hf_model, hf_note=hf_note, ref=ref,
+              embedding=embedding, task_note=task_note)
     choices = DTYPE_CHOICES if weights_dtype is None else (
         (weights_dtype, {}, "bf16", f"{weights_dtype} weights"),)
     tried = []
@@ -535,7 +545,7 @@ def _resolve(meshes, output, cfg, kw):
 def init_spec(hf_dir: str | Path, output: str | Path, meshes: list[str] | None = None,
               weights_dtype: str | None = None, max_model_len: int | None = None,
               max_num_seqs: int | None = None, name: str | None = None,
-              force: bool = False, hf_model: str | None = None) -> InitResult:
+              force: bool = False, hf_model: str | None = None, task: str | None = None) -> InitResult:
     """Render, validate and atomically write the spec; refuses to overwrite without ``force``."""
     output = Path(output)
     if output.is_dir():
@@ -545,7 +555,7 @@ def init_spec(hf_dir: str | Path, output: str | Path, meshes: list[str] | None =
     created = _make_parents(output.parent)  # relative paths in the spec are checked from there
     try:
         text, bundle, plans, notes = render_spec(hf_dir, output, meshes, weights_dtype,
-                                                 max_model_len, max_num_seqs, name, hf_model)
+                                                 max_model_len, max_num_seqs, name, hf_model, task)
         write_text_atomic(output, text)
     except BaseException:
         for d in created:  # innermost first; only folders this call made, and only if empty

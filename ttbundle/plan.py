@@ -400,15 +400,20 @@ class _Pool:
     why: str
 
 
-def choose_pool(rt, kv_bytes, free: int) -> _Pool:
+def choose_pool(rt, kv_bytes, free: int, one_prefill: bool = False) -> _Pool:
     """The KV pool: the spec's ``max_tokens_all_users``, or (``auto`` / absent) the largest whole
     number of blocks whose KV bytes per chip (``kv_bytes(blocks)``, allocator-rounded, monotone)
     fit in ``free`` (DRAM left after weights, activations and trace region), between one
-    ``max_model_len`` sequence and every sequence at full length."""
+    ``max_model_len`` sequence and every sequence at full length. ``one_prefill`` (``task:
+    embed``: nothing is decoded, a request leaves after its prefill): one ``max_model_len``
+    sequence unless the spec says otherwise."""
     want = rt.max_tokens_all_users
     full = rt.max_num_seqs * rt.max_model_len
     if isinstance(want, int):
         return _Pool(want, pool_blocks(rt, want), "spec", "runtime.max_tokens_all_users")
+    if one_prefill:
+        return _Pool(rt.max_model_len, pool_blocks(rt, rt.max_model_len), "embed",
+                     f"task: embed: prefill only, one max_model_len={rt.max_model_len} sequence")
     lo, hi = pool_blocks(rt, rt.max_model_len), pool_blocks(rt, full)
     if kv_bytes(hi) <= free:
         return _Pool(full, hi, "auto", f"auto: every sequence at full length fits (max_num_seqs="
@@ -546,7 +551,7 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
             if nbytes > act_layer_bytes:
                 act_layer, act_layer_bytes = bufs, nbytes
 
-    act_bufs = act_layer + [("logits", [_round_up(max(bk.decode), TILE), vocab_gathered])]
+    act_bufs = act_layer + [("logits", [_round_up(max(bk.decode, default=1), TILE), vocab_gathered])]
     act_bytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in act_bufs)
     vision, vision_bufs = vision_steps(bundle, mesh, specs, decls)
     vision_bytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in vision_bufs)
@@ -593,7 +598,7 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
         by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.bytes
     weights = sum(by_dtype.values())
     free = mesh.chip.dram_bytes - weights - act_bytes - trace
-    pool = choose_pool(rt, lambda n: kv_layout(n)[0], free)
+    pool = choose_pool(rt, lambda n: kv_layout(n)[0], free, one_prefill=s.task == "embed")
     blocks = pool.blocks
     kv_total, kv_entries = kv_layout(blocks)
     kv = {"dtype": rt.kv_cache_dtype, "num_blocks": blocks, "block_size": rt.kv_block_size,

@@ -180,6 +180,19 @@ class Vision(BaseModel):
     default: 256 soft tokens' worth (200704 = 256 x 28 x 28 pixels at 14-pixel patches)."""
 
 
+class Embedding(BaseModel):
+    """How an embedding bundle (`task: embed`) makes one vector of a prompt's final hidden states
+    (after the model's final norm), as sentence-transformers' `Pooling` and `Normalize` modules do."""
+
+    model_config = _model_config()
+
+    pooling: Literal["last", "mean", "cls"] = "last"
+    """`last`: the last prompt token's hidden state (decoder embedding models, e.g.
+    Qwen3-Embedding); `mean`: the mean over the prompt's tokens; `cls`: the first token's."""
+    normalize: bool = True
+    """L2-normalize the pooled vector (a request's `use_activation`, as vLLM names it, overrides)."""
+
+
 class BundleSpec(BaseModel):
     """A model deployment on Tenstorrent meshes: architecture, weights, sharding, buckets."""
 
@@ -220,6 +233,13 @@ class BundleSpec(BaseModel):
     vision: Vision | None = None
     """Image inputs (multimodal models only); default for a model with a vision part: one image
     per prompt, one vision bucket."""
+    task: Literal["generate", "embed"] = "generate"
+    """`generate`: a language model (completions, chat); `embed`: an embedding model, served by
+    vLLM's pooling runner at `/v1/embeddings` (prefill programs only: no decode buckets; see
+    `embedding`). `ttbundle init` sets `embed` for a sentence-transformers checkpoint."""
+    embedding: Embedding | None = None
+    """Pooling and normalization of a `task: embed` bundle; default: last-token pooling,
+    normalized (Qwen3-Embedding's)."""
 
     @field_validator("name")
     @classmethod
@@ -251,7 +271,15 @@ class Bundle:
 
     @property
     def buckets(self) -> Buckets:
-        return self.spec.buckets or Buckets(**self.family.default_buckets(self.arch))
+        bk = self.spec.buckets or Buckets(**self.family.default_buckets(self.arch))
+        if self.spec.task == "embed":  # prefill programs only (``embed.check`` refuses decode buckets)
+            bk = bk.model_copy(update={"decode": []})
+        return bk
+
+    @property
+    def embedding(self) -> Embedding | None:
+        """The pooling of a ``task: embed`` bundle (the spec's or the default), else None."""
+        return (self.spec.embedding or Embedding()) if self.spec.task == "embed" else None
 
     @property
     def vision(self) -> Vision | None:
@@ -587,7 +615,7 @@ def check(b: Bundle) -> list[Diagnostic]:
     # buckets
     bk = b.buckets
     bpath = ("buckets",)
-    for key in ("prefill", "decode"):
+    for key in ("prefill", "decode") if s.task != "embed" else ("prefill",):
         vals = getattr(bk, key)
         if not vals:
             d.append(b.locate(bpath + (key,), "needs at least one bucket"))
@@ -670,6 +698,8 @@ def check(b: Bundle) -> list[Diagnostic]:
                               "model id ORG/NAME[@REVISION] in the Hugging Face cache)"))
     d += b.family.check(a, b)
     d += _check_vision(b)
+    from . import embed
+    d += embed.check(b)
     return d
 
 

@@ -129,7 +129,8 @@ class BundleModel:
             raise ValueError(f"{pkg.name}: built for {pkg.loaded.mesh.describe()}, handed a "
                              f"{mesh_device.describe()} mesh")
         rt = pkg.bundle.spec.runtime
-        if max_batch_size > max(pkg.bundle.buckets.decode) or max_seq_len > rt.max_model_len:
+        decode = pkg.bundle.buckets.decode  # none for task: embed (prefill only)
+        if (decode and max_batch_size > max(decode)) or max_seq_len > rt.max_model_len:
             raise ValueError(f"{pkg.name}: max_batch_size={max_batch_size} / max_seq_len={max_seq_len} "
                              f"exceed the package's decode buckets {pkg.bundle.buckets.decode} / "
                              f"max_model_len={rt.max_model_len}")

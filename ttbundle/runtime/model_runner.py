@@ -238,7 +238,7 @@ class TTModelRunner:
         self.mesh_model.warmup_model_prefill(self.kv, self.options.trace_mode == "all",
                                              dev and self.sample_mode == "all")
         self.mesh_model.warmup_model_decode(self.kv, self.options.trace_mode != "none",
-                                            max(self.decode_buckets), self.kv.num_blocks, dev)
+                                            max(self.decode_buckets, default=0), self.kv.num_blocks, dev)
         self.mesh_model.seal()
         logger.info("ttbundle: warmed up %d prefill and %d decode buckets in %.1f s",
                     len(self.prefill_buckets), len(self.decode_buckets), time.perf_counter() - t0)

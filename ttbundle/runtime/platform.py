@@ -198,6 +198,8 @@ def configure(vllm_config, emulated: bool) -> None:
         logger.warning("ttbundle: replacing scheduler %s: every step must be one phase", sc.scheduler_cls)
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SCHEDULER
     _configure_images(pkg, mc, sc, emulated)
+    from .pooling import configure as configure_task
+    configure_task(pkg, vllm_config, emulated, _fail)  # task: embed needs vLLM's pooling runner
     pc.worker_cls = WORKER
     pc.distributed_executor_backend = "uni"
 

@@ -303,6 +303,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     from .activation import ENV_EMULATED
     from .lanes import LaneError, plan_lanes
     from .packages import open_package
+    from .pooling import serve_args
 
     pkg = open_package(package)
     if device == "tt" and not pkg.built_for_device:
@@ -340,7 +341,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         "--block-size", str(rt.kv_block_size),
         "--dtype", "float32" if device == "emulated" else "bfloat16",
         "--additional-config", json.dumps(cfg, separators=(",", ":")),
-    ] + (["--skip-tokenizer-init"] if token_ids_only else []) + extra
+    ] + (["--skip-tokenizer-init"] if token_ids_only else []) + serve_args(pkg.bundle, extra) + extra
     env = {ENV_EMULATED: "1" if device == "emulated" else "0", "MESH_DEVICE": pkg.mesh_name, "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     # OpenMP's spin at a barrier stays libgomp's default (a GOMP_SPINCOUNT of the caller's

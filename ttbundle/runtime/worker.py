@@ -49,7 +49,9 @@ class TTWorker(WorkerBase):
             self.tt = self._open_mesh()
         else:
             torch.set_num_threads(emulated_threads())
-        self.model_runner = TTModelRunner(self.vllm_config, self.package, self.options, self.device, tt=self.tt)
+        from .pooling import runner_class  # task: embed -> the pooling runner
+        self.model_runner = runner_class(self.package)(self.vllm_config, self.package, self.options, self.device,
+                                                       tt=self.tt)
 
     def _open_mesh(self):
         """The TT platform: the kernel cache the build filled (a writable copy) as TT_METAL_CACHE
@@ -99,7 +101,8 @@ class TTWorker(WorkerBase):
         return CompilationTimes(language_model=time.perf_counter() - t0, encoder=0.0)
 
     def get_supported_tasks(self):
-        return ("generate",)
+        from .pooling import supported_tasks
+        return supported_tasks(self.package)
 
     def execute_model(self, scheduler_output):
         return self.model_runner.execute_model(scheduler_output)
