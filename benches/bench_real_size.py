@@ -154,7 +154,7 @@ def measure(cmd: list[str], env=None) -> tuple[float, int, str]:
     return d["wall"], d["rss"], d["out"]
 
 
-def one_depth(work: Path, layers: int, check: bool, env: dict) -> dict:
+def one_depth(work: Path, layers: int, check: bool, env: dict, prompt_len: int | None = None) -> dict:
     src = work / f"ckpt-{layers}"
     shutil.rmtree(src, ignore_errors=True)
     t = time.monotonic()
@@ -184,8 +184,9 @@ def one_depth(work: Path, layers: int, check: bool, env: dict) -> dict:
            "sha256_s": round(sha_s, 2), "reference_s": round(ref_s, 2), "build_s": round(b_wall, 1),
            "build_rss": b_rss, "build_over_reference": round(b_wall / ref_s, 2), "timings": done["timings"]}
     if check:
-        c_wall, c_rss, _ = measure(tt + ["check", done["package"], "--steps", "4"], env)
-        row.update(check_s=round(c_wall, 1), check_rss=c_rss, check_over_reference=round(c_wall / ref_s, 2))
+        extra = [] if prompt_len is None else ["--prompt-len", str(prompt_len)]
+        c_wall, c_rss, _ = measure(tt + ["check", done["package"], "--steps", "4"] + extra, env)
+        row.update(check_prompt=prompt_len, check_s=round(c_wall, 1), check_rss=c_rss, check_over_reference=round(c_wall / ref_s, 2))
     row["load"] = round(os.getloadavg()[0], 2)
     return row
 
@@ -198,6 +199,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and packages")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--check-prompt-len", type=int, help="check's --prompt-len (default: check's own, "
+                    "the prefill chunk + a third: 5,462 tokens here)")
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--make-checkpoint", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -215,7 +218,7 @@ def main() -> None:
     rows = []
     try:
         for L in depths:
-            rows.append(one_depth(work, L, not args.no_check, env))
+            rows.append(one_depth(work, L, not args.no_check, env, args.check_prompt_len))
             if not args.keep:
                 for p in (work / f"ckpt-{L}", work / f"out-{L}"):
                     shutil.rmtree(p, ignore_errors=True)

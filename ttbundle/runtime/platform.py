@@ -199,7 +199,7 @@ def configure(vllm_config, emulated: bool) -> None:
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SCHEDULER
     _configure_images(pkg, mc, sc, emulated)
     from .pooling import configure as configure_task
-    configure_task(pkg, vllm_config, emulated, _fail)  # task: embed needs vLLM's pooling runner
+    configure_task(pkg, vllm_config, emulated, _fail, SCHEDULER)  # task: embed needs vLLM's pooling runner
     pc.worker_cls = WORKER
     pc.distributed_executor_backend = "uni"
 

@@ -52,8 +52,9 @@ def serve_args(bundle, extra: list[str]) -> list[str]:
     return out
 
 
-def configure(pkg, vllm_config, emulated: bool, fail) -> None:
-    """The platform's checks for a package's task against vLLM's runner (``platform.configure``)."""
+def configure(pkg, vllm_config, emulated: bool, fail, scheduler: str) -> None:
+    """The platform's checks for a package's task against vLLM's runner (``platform.configure``;
+    ``scheduler``: its synchronous scheduler class, given so this module does not import it)."""
     mc, sc, cc = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
     runner = getattr(mc, "runner_type", "generate")
     if not is_embed(pkg.bundle):
@@ -69,9 +70,8 @@ def configure(pkg, vllm_config, emulated: bool, fail) -> None:
              "prefill programs do not read back hidden states); serve it with --device emulated")
     # one prefill per request, no decode: the synchronous scheduler; no prefix caching (a cached
     # prefix would leave its rows out of a mean or cls pooling)
-    from .platform import SCHEDULER
     sc.async_scheduling = False
-    sc.scheduler_cls = SCHEDULER
+    sc.scheduler_cls = scheduler
     cc.enable_prefix_caching = False
 
 
