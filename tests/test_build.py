@@ -759,7 +759,7 @@ def test_ui_edit_rebuilds_nothing_and_an_encoder_edit_rebuilds_weights(tmp_path,
     with open(src / "ttbundle" / "progress.py", "a") as f:
         f.write("\nConsoleProgress.LABELS['weights'] = 'converting the weights'\n")
     ui = build_from_copy()
-    assert ui["status"] == "up-to-date" and ui["key"] == first.key
+    assert ui["status"] == "up-to-date" and ui["key"] == first.key, ui
     with open(src / "ttbundle" / "blockfloat.py", "a") as f:
         f.write("\n# an encoder edit\n")
     enc = build_from_copy()
