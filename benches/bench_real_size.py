@@ -8,6 +8,7 @@ at a time), then measures, each in its own subprocess, in the same run:
 * the reference: ``cp -r`` of the checkpoint + ``sha256sum`` of its files (page cache warm,
   dirty pages synced before each timed run);
 * ``ttbundle build SPEC --mesh N150`` (bfp8 weights, warm-up included): wall and peak RSS;
+* the floor of that build: encoding its bfp8 tensors alone (no I/O, no hashing, every core);
 * ``ttbundle check PACKAGE --steps 4``: wall and peak RSS;
 
 and prints, per L, the build wall over the reference (target <= 3x), the peak RSS (target
@@ -109,6 +110,34 @@ def make_checkpoint(d: Path, layers: int, seed: int = 0) -> int:
     return total
 
 
+def encode_floor(src: Path) -> float:
+    """Seconds to encode every tensor the package stores in bfp8 (all 2-D weights but the
+    embedding, which stays bf16) from the checkpoint's bf16 values, in 64 MiB row bands on one
+    thread per core, with no read of the package, no write and no hash: the compute floor of a
+    bfp8 build on this machine (``blockfloat``'s encoder, as ``convert`` runs it)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from safetensors import safe_open
+
+    from ttbundle import blockfloat
+
+    t0 = time.monotonic()
+    jobs = []
+    for f in sorted(src.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for key in h.keys():
+                if key.endswith("embed_tokens.weight") or len(h.get_slice(key).get_shape()) != 2:
+                    continue
+                x = h.get_tensor(key)
+                rows = max(32, (64 << 20) // (2 * x.shape[1]) // 32 * 32)
+                jobs += [x[r:r + rows] for r in range(0, x.shape[0], rows)]
+                with ThreadPoolExecutor(len(os.sched_getaffinity(0))) as pool:
+                    for _ in pool.map(lambda b: blockfloat.encode_array(b, "bfp8"), jobs):
+                        pass
+                jobs = []
+    return time.monotonic() - t0
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -172,6 +201,9 @@ def one_depth(work: Path, layers: int, check: bool, env: dict, prompt_len: int |
     shutil.rmtree(dst)
     sha_s, _, _ = measure(["sha256sum", *files])
     ref_s = cp_s + sha_s
+    r = subprocess.run([sys.executable, __file__, "--encode-floor", str(src)], capture_output=True, text=True,
+                       cwd=ROOT, check=True)
+    floor_s = float(r.stdout.split()[-1])
     spec = work / f"bench-{layers}.yaml"
     spec.write_text(spec_text(src, layers))
     out = work / f"out-{layers}"
@@ -182,6 +214,7 @@ def one_depth(work: Path, layers: int, check: bool, env: dict, prompt_len: int |
     done = [json.loads(x) for x in stdout.splitlines() if '"event": "done"' in x][-1]
     row = {"layers": layers, "checkpoint_bytes": total, "generate_s": round(gen_s, 1), "cp_s": round(cp_s, 2),
            "sha256_s": round(sha_s, 2), "reference_s": round(ref_s, 2), "build_s": round(b_wall, 1),
+           "encode_floor_s": round(floor_s, 1), "floor_over_reference": round(floor_s / ref_s, 2),
            "build_rss": b_rss, "build_over_reference": round(b_wall / ref_s, 2), "timings": done["timings"]}
     if check:
         extra = [] if prompt_len is None else ["--prompt-len", str(prompt_len)]
@@ -203,10 +236,14 @@ def main() -> None:
                     "the prefill chunk + a third: 5,462 tokens here)")
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--make-checkpoint", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--encode-floor", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
         wall, rss, out = timed(json.loads(args.measure))
         print(json.dumps({"wall": wall, "rss": rss, "out": out}))
+        return
+    if args.encode_floor:
+        print(encode_floor(args.encode_floor))
         return
     if args.make_checkpoint:
         print(make_checkpoint(args.make_checkpoint, args.layers[0]))
@@ -251,6 +288,9 @@ def main() -> None:
         if "check_rss" in a and "check_rss" in b:
             line += f"; check peak RSS {(b['check_rss'] - a['check_rss']) / gib:+.2f} GiB"
         print(line)
+    for r in rows:
+        print(f"floor, {r['layers']} layers: encoding the bfp8 tensors alone (no I/O, no hash, every core) "
+              f"{r['encode_floor_s']:.1f} s = {r['floor_over_reference']:.2f}x the reference")
     for r in rows:
         print(f"build timings, {r['layers']} layers (s): "
               + ", ".join(f"{k} {v}" for k, v in r["timings"].items() if isinstance(v, (int, float))))
