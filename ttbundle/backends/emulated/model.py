@@ -24,8 +24,9 @@ from ...package import stack_shards
 from ...program import Op, Program
 from . import gemm
 from .kernel_table import KERNELS
-from .kernels import Ctx, rms_norm, softcap
+from .kernels import Ctx, _writes, rms_norm, softcap
 from .meshops import MeshOps
+from .replication import Replication, Varies, drops
 
 
 @dataclass
@@ -142,6 +143,10 @@ class EmulatedModel:
         self.dtype = dtype
         self.ops = MeshOps(mesh, device)
         self.device = self.ops.device
+        self.rep = Replication(self.ops.R, self.ops.C)
+        self._drops: dict = {}
+        #: called as ``observe(kind, step index, acts)`` after every step (tests: what is live)
+        self.observe = None
         self.programs: dict[tuple[str, int], Program] = dict(programs)
         first = next(iter(self.programs.values()))
         self.refs = first.weights
@@ -329,7 +334,7 @@ class EmulatedModel:
                   rope_positions=None if rope_positions is None else rope_positions.to(dev),
                   context_blocks=ctx_blocks, block_size=bs)
         flat = tokens.reshape(-1)
-        h = None
+        h = hv = None
         layer = 0
         logits = None
         for lp in program.layers:
@@ -339,10 +344,11 @@ class EmulatedModel:
                 yield kind, li  # the stage about to run (a layer-by-layer caller loads its weights)
                 if kind == "head" and last is not None:
                     rows = torch.arange(N, device=dev) * Tq + torch.as_tensor(last, device=dev)
-                    h = h.index_select(1, rows)
-                acts = {"h": h, "tokens": flat}
-                out = self._run(program, kind, steps, acts, li, ctx)
-                h = acts["h"]
+                    h = self.rep.share(h.index_select(1, rows), self.rep.all if hv is None else hv)
+                acts, var = {"h": h, "tokens": flat}, ({} if hv is None else {"h": hv})
+                h = None  # the layer's acts hold it (and drop what it no longer needs)
+                out = self._run(program, kind, steps, acts, li, ctx, var)
+                h, hv = acts["h"], var.get("h")
                 if kind == "embedding":
                     h = acts["h"]
                     if mm is not None:
@@ -350,8 +356,8 @@ class EmulatedModel:
                 elif kind == "head":
                     logits = out
                 else:
-                    if capture is not None:
-                        capture.append(h[0].reshape(N, Tq, -1))
+                    if capture is not None:  # device 0's copy alone (a view of h[0] would hold all D)
+                        capture.append((h[0] if h.stride(0) == 0 else h[0].clone()).reshape(N, Tq, -1))
                     layer += 1
                 # the stage's activations go now, not when the next stage replaces them: a
                 # layer-by-layer caller runs other work (the reference's layer) in between
@@ -366,9 +372,10 @@ class EmulatedModel:
             raise ProgramMismatch(f"{program.name}: embedding leaves h split ({list(h.shape[2:])} of "
                                   f"{self.arch.hidden_size} features per device); image tokens need it whole")
         mask = mm["mask"].to(self.device)
-        h = h.clone()
+        one = h.shape[0] > 1 and h.stride(0) == 0  # one copy viewed D times: edit that copy
+        h = (h[:1] if one else h).clone()
         h[:, mask] = mm["embeds"].to(device=self.device, dtype=h.dtype)[None]
-        return h
+        return h.expand(self.ops.D, *h.shape[1:]) if one else h
 
     def encode_images(self, pixel_values, image_grid_thw=None):
         """The vision program of the smallest vision bucket holding the images (padding fills
@@ -391,12 +398,14 @@ class EmulatedModel:
         zeros = torch.zeros(1, T, dtype=torch.long, device=self.device)
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, zeros, zeros >= 0, zeros[0],
                   zeros, [], self.dtype, units=self.units, vision=meta)
-        h, layer, out = None, 0, None
+        h, layer, out, var = None, 0, None, {}
         for lp in prog.layers:
             layered = lp.kind.endswith("_layer")  # encoder layers (the others: embedding, projector)
             for _ in range(lp.count):
                 acts = {"h": h, "patches": patches}
-                self._run(prog, lp.kind, lp.steps, acts, layer if layered else None, ctx)
+                var["patches"] = frozenset()  # the same pixels on every device
+                self._run(prog, lp.kind, lp.steps, acts, layer if layered else None, ctx, var,
+                          keep=("h", "image"))
                 h = acts["h"]
                 if layered:
                     layer += 1
@@ -404,48 +413,154 @@ class EmulatedModel:
                     out = acts
         return finish(out["image"][0])
 
-    def _run(self, program: Program, kind: str, steps, acts: dict, layer, ctx: Ctx):
-        ops = self.ops
+    def _run(self, program: Program, kind: str, steps, acts: dict, layer, ctx: Ctx, var: dict | None = None,
+             keep=("h",)):
+        """Run one layer program's ``steps`` on ``acts`` (name -> ``[D, ...]``), in place.
+
+        ``var``: per activation, the mesh axes it varies over (:mod:`.replication`), updated as
+        the steps run (a name missing from it varies over every axis): a norm, a kernel or a
+        residual add whose inputs and weights are alike on several devices runs on one device of
+        each class and shares the result; collectives run as written. Each activation is dropped
+        right after its last read (``replication.drops``), except ``keep``."""
+        ops, rep = self.ops, self.rep
+        var = {} if var is None else var
+
+        def v(name):
+            return var.get(name, rep.all)
+
+        dead = self._dead(steps, keep)
         result = None
         for i, st in enumerate(steps):
             op = st.op
-            if op is Op.ALL_REDUCE:
-                acts[st.act] = ops.all_reduce(acts[st.act], st.axes)
-                continue
-            if op is Op.ALL_GATHER:
-                acts[st.act] = ops.all_gather(acts[st.act], st.axes, st.dim + 1, st.feature, self.policy)
-                continue
-            if op is Op.EMBEDDING:
-                y = self._embed(acts["tokens"], st.w)
+            out = st.out.name if st.out is not None else None
+            if op is Op.ALL_REDUCE or op is Op.ALL_GATHER:
+                x = acts[st.act]
+                y = (ops.all_reduce(x, st.axes) if op is Op.ALL_REDUCE
+                     else ops.all_gather(x, st.axes, st.dim + 1, st.feature, self.policy))
+                out, y_v = st.act, rep.after_collective(v(st.act), st.axes)
+            elif op is Op.EMBEDDING:
+                y, y_v = self._embed(acts["tokens"], st.w), self._varies(st.w, None)
                 if st.out.name == "h" and self.traits.get("embed_scale"):
                     # HF casts the normalizer to the compute dtype first
-                    y = y * torch.tensor(self.traits["embed_scale"], dtype=self.dtype)
+                    scale = torch.tensor(self.traits["embed_scale"], dtype=self.dtype)
+                    y, y_v = self._once(lambda w, c, e: e * scale, [y], y_v, ctx, layer)
             elif op is Op.RMS_NORM:
-                y = self._norm(acts[st.ins[0].name], st.w, layer)
+                y, y_v = self._once(lambda w, c, x: self._norm(x, st.w, layer, w), [acts[st.ins[0].name]],
+                                    v(st.ins[0].name), ctx, layer)
             elif op is Op.MATMUL:
                 y = self._linear(acts[st.ins[0].name], st, layer)
+                y_v = v(st.ins[0].name) | self._varies(st.w, layer)
             elif op is Op.LOCAL:
                 fn = self.kernels.get(st.kernel)
                 if fn is None:
                     raise ProgramMismatch(f"{program.name}: {kind} step {i}: no emulated kernel {st.kernel!r}")
-                y = fn(ctx, layer, *(acts[a.name] for a in st.ins))
+                names = [a.name for a in st.ins]
+                y, y_v = self._once(lambda w, c, *xs: fn(c, layer, *xs), [acts[n] for n in names],
+                                    frozenset().union(*(v(n) for n in names)), ctx, layer)
             elif op is Op.RESIDUAL_ADD:
-                acts["h"] = acts["h"] + acts[st.ins[0].name]
-                continue
+                n = st.ins[0].name
+                out = "h"
+                y, y_v = self._once(lambda w, c, h, r: h + r, [acts["h"], acts[n]], v("h") | v(n), ctx, layer)
             elif op is Op.LOGITS:
-                result = softcap(acts[st.ins[0].name].float(), self.traits.get("final_softcap")).to(self.dtype)
-                continue
+                # what forward returns is device 0's: the others' copies are never read
+                x = acts[st.ins[0].name][:1]
+                result = softcap(x.float(), self.traits.get("final_softcap")).to(self.dtype)
+                out = None
             elif op is Op.COMBINE:
-                y = self.kernels["combine"](ctx, layer, acts[st.ins[0].name], acts)
+                y, y_v = self.kernels["combine"](ctx, layer, acts[st.ins[0].name], acts), rep.all
             else:  # pragma: no cover
                 raise ProgramMismatch(f"{program.name}: {kind} step {i}: unknown op {op}")
-            want = tuple(st.out.shape[1:])
-            if tuple(y.shape[2:]) != want:
-                raise ProgramMismatch(f"{program.name}: {kind} step {i} ({st.kernel or op.value} -> "
-                                      f"{st.out.name}): computed per-device features {list(y.shape[2:])}, "
-                                      f"the program declares {list(want)}")
-            acts[st.out.name] = y
+            if out is not None:
+                if st.out is not None and not op.collective:
+                    want = tuple(st.out.shape[1:])
+                    if tuple(y.shape[2:]) != want:
+                        raise ProgramMismatch(f"{program.name}: {kind} step {i} ({st.kernel or op.value} -> "
+                                              f"{st.out.name}): computed per-device features {list(y.shape[2:])}, "
+                                              f"the program declares {list(want)}")
+                acts[out], var[out] = rep.share(y, y_v), y_v
+                y = None
+            for name in dead[i]:
+                acts.pop(name, None)
+                var.pop(name, None)
+            if self.observe is not None:
+                self.observe(kind, i, acts)
         return result
+
+    def _dead(self, steps, keep) -> list:
+        """``replication.drops`` of a layer program, worked out once per program."""
+        key = (id(steps), tuple(keep))
+        hit = self._drops.get(key)
+        if hit is None or hit[0] is not steps:
+            hit = self._drops[key] = (steps, drops(steps, keep))
+        return hit[1]
+
+    def _varies(self, name: str, layer) -> frozenset:
+        """The mesh axes weight ``name`` varies over: where its held shards differ, or its spec
+        splits it (a matmul's device takes its slice of the input along those)."""
+        W = self._held(name, layer)
+        group = W.group if isinstance(W, gemm.Packed) else gemm.shards_of(W)[1]
+        split = frozenset(a for dim in range(len(self.refs[name].spec)) for a in self._split(name, dim))
+        return self.rep.of_group(group) | split
+
+    def _once(self, fn, xs: list, varies: frozenset, ctx: Ctx, layer):
+        """``fn(weight, ctx, *xs)`` (a per-device computation on ``[n, ...]`` inputs, reading
+        weights through ``weight(name, layer)`` and ``ctx``) -> (its ``[D, ...]`` result, the
+        axes that result varies over). Where the inputs vary over fewer axes than the mesh has,
+        it runs on one device per class (``Replication.reps``) and the result is shared, unless
+        a weight (or index table) it reads differs within a class (:class:`Varies`): then, as
+        for inputs that differ everywhere, on every device. KV cache rows such a step writes go
+        to the representatives' caches (views) and are then copied to their classes' devices,
+        so every device's cache holds what it would have computed."""
+        rep = self.rep
+        sl = rep.reps(varies)
+        if sl is not None:
+            sub, held = self._on(sl, varies, ctx, layer)
+            before = {k: c._version for k, c in held.items()}
+            try:
+                y = fn(sub.weights, sub, *(x[sl] for x in xs))
+            except Varies:
+                pass
+            else:
+                written = [k for k, c in held.items() if c._version != before[k]]
+                if written:
+                    _, wslots = _writes(ctx)
+                    for k in written:
+                        c = held[k]
+                        c[:, :, wslots] = rep.spread(c[sl][:, :, wslots], varies)
+                return rep.spread(y, varies), varies
+        return fn(self.weight, ctx, *xs), rep.all
+
+    def _on(self, sl: slice, varies: frozenset, ctx: Ctx, layer):
+        """``ctx`` restricted to the devices ``sl`` (each standing for its class of a value
+        varying over ``varies``): weights, per-device index tables and this layer's KV cache
+        (views: writes reach those devices' caches); a weight or table that differs within a
+        class raises :class:`Varies`. Returns (that context, this layer's full caches)."""
+        rep = self.rep
+
+        def weight(name, lyr=None):
+            W = self._held(name, lyr)
+            if W is None:
+                return None
+            distinct, group = gemm.shards_of(gemm.dense(W) if isinstance(W, gemm.Packed) else W)
+            if not rep.of_group(group) <= varies:
+                raise Varies(name)
+            idx = group[sl]
+            if len(set(idx)) == 1:
+                return distinct[idx[0]:idx[0] + 1].expand(len(idx), *distinct.shape[1:])
+            return distinct.index_select(0, torch.tensor(idx, device=distinct.device))
+
+        def units(name, dim):
+            u = self.units(name, dim)
+            if not rep.of_rows(u) <= varies:
+                raise Varies(name)
+            return u[sl]
+
+        held, kv = {}, ctx.kv
+        if layer is not None and layer < len(ctx.kv or ()):
+            held = ctx.kv[layer]
+            kv = list(ctx.kv)
+            kv[layer] = {k: c[sl] for k, c in held.items()}
+        return replace(ctx, weights=weight, units=units, kv=kv), held
 
     def _embed(self, tokens, name: str):
         """Each device's rows of its embedding shard, looked up once per distinct shard (devices
@@ -494,15 +609,18 @@ class EmulatedModel:
         d = self.decls[name].dims[dim]
         return self.ops.shard_positions(replace(d, unit=1), self.refs[name].spec[dim], self.policy)
 
-    def _norm(self, x, name: str, layer):
-        """RMSNorm with weight ``name``. The family's ``traits["norms"][name]`` may give its ``eps``
-        and ``features``: normalize only the first ``features``, the rest pass (MLA's rope key)."""
-        w = self.weight(name, layer)[:, None, :]
+    def _norm(self, x, name: str, layer, weight=None):
+        """RMSNorm with weight ``name`` (read through ``weight(name, layer)``: the devices of ``x``;
+        default :meth:`weight`, every device). The family's ``traits["norms"][name]`` may give its
+        ``eps`` and ``features``: normalize only the first ``features``, the rest pass (MLA's rope
+        key)."""
+        weight = weight or self.weight
+        w = weight(name, layer)[:, None, :]
         how = self.traits.get("norms", {}).get(name, {})
         eps, n = how.get("eps", self.arch.rms_norm_eps), how.get("features")
         if how.get("layer_norm"):  # LayerNorm with a bias (vision towers)
             y = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
-            return y * w + self.weight(how["bias"], layer)[:, None, :]
+            return y * w + weight(how["bias"], layer)[:, None, :]
         y = rms_norm(x if n is None else x[..., :n], w, eps, self.traits.get("norm_offset", 0.0),
                      self.traits.get("norm_weight_fp32", False))
         return y if n is None else torch.cat([y, x[..., n:]], dim=-1)
