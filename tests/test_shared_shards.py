@@ -229,3 +229,126 @@ def test_a_format_1_package_still_loads_with_the_same_numbers(packages, tmp_path
         r = Runner(EmulatedModel.from_package(p))
         outs.append(r.prefill(tokens[0].tolist(), [1]))
     assert torch.equal(outs[0], outs[1])
+
+
+# ---- compute once where replicas are alike; activations dropped after their last read ----------
+@pytest.fixture(scope="module")
+def qwen3():
+    """A tiny Qwen3 (per-head q/k norms: weights the attention kernel reads) as transformers
+    builds it, and its weights cut for N150 and TG as ``build`` cuts them."""
+    from ttbundle import plan as planmod, weights as wmod
+    b = tiny("qwen3")
+    canon = wmod.from_state_dict(b.family, b.arch, dict(reference.random_model(b, seed=5).state_dict()))
+    return b, {m: (planmod.make_plan(b, m), canon) for m in ("N150", "TG")}
+
+
+def _model(qwen3, mesh, **kw):
+    b, plans = qwen3
+    plan, canon = plans[mesh]
+    return EmulatedModel.from_canonical(b, plan, canon, **kw)
+
+
+def _run(model, tokens=(5, 9, 17, 3, 44, 2, 71, 8, 100, 7), runner=None):
+    """A prefill, then two decode steps (the second reads the cache the first wrote): logits
+    ``[3, vocab]``. ``runner``: a list that gets the Runner (its KV cache)."""
+    from ttbundle.backends.emulated import Runner
+    r = Runner(model)
+    if runner is not None:
+        runner.append(r)
+    with torch.no_grad():
+        out = [r.prefill(list(tokens), [1, 2])]
+        for s in range(2):
+            out.append(r.decode([int(out[-1].argmax())], [len(tokens) + s], [[1, 2]])[0])
+    return torch.stack(out)
+
+
+def test_replicated_steps_run_once_per_class_with_the_n150_numbers(qwen3):
+    """TG splits Qwen3's heads over its 4 columns and replicates them over its 8 rows: attention
+    (q/k norms, rope, the paged cache) runs on 4 devices, the norms and residual adds on one,
+    and the logits are N150's; the same TG with every step on all 32 devices gives the same
+    numbers (so sharing the result is not what makes them agree)."""
+    from ttbundle.backends.emulated.kernels import KERNELS
+    seen = []
+
+    def attention(ctx, layer, q, k, v):
+        seen.append(q.shape[0])
+        return KERNELS["attention"](ctx, layer, q, k, v)
+    runner: list = []
+    got = _run(_model(qwen3, "TG", kernels={"attention": attention}), runner=runner)
+    assert seen and set(seen) == {4}, seen
+    # every device's cache holds the rows its class's representative (row 0) wrote
+    k = runner[0].kv.layers[0]["k"]  # [32, kv heads, slots, hd]
+    assert torch.equal(k[8], k[0]) and torch.equal(k[31], k[3]) and not torch.equal(k[1], k[0])
+    assert k[31].abs().sum() > 0
+    ref = _run(_model(qwen3, "N150"))
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    seen.clear()
+    every = _model(qwen3, "TG", kernels={"attention": attention})
+    every.rep.reps = lambda varies: None  # no class: every step on every device
+    full = _run(every)
+    assert set(seen) == {32}
+    torch.testing.assert_close(got, full, rtol=1e-5, atol=1e-5)
+
+
+def test_a_weight_one_device_holds_apart_is_not_hidden_by_computing_once(qwen3):
+    """Device 5 (row 1, column 1) holds its own, wrong copy of layer 0's q norm: the attention
+    its column computes is no longer alike over the rows, so it runs on every device and
+    device 5's wrong numbers reach the logits (through the all_reduce over the columns)."""
+    good = _run(_model(qwen3, "TG"))
+    bad = _model(qwen3, "TG")
+    W = bad.w["q_norm"][0].contiguous().clone()  # one copy per device: none shared
+    W[5] += 0.5
+    bad.w["q_norm"][0] = W
+    got = _run(bad)
+    assert (got - good).abs().max() > 1e-2
+
+
+def test_a_dropped_collective_still_gives_wrong_numbers_on_tg(qwen3):
+    """q's all_reduce over the rows deleted from the decoder: each row's devices hold a partial
+    q, so attention is not alike over the rows and runs on every device, wrongly."""
+    import dataclasses as dc
+    from ttbundle.program import Op
+    good = _run(_model(qwen3, "TG"))
+    b, plans = qwen3
+    from ttbundle.lower import lower, trace_set
+    progs = {}
+    for key in trace_set(b):
+        p = lower(b, plans["TG"][0], *key)
+        layers = []
+        for lp in p.layers:
+            steps = list(lp.steps)
+            if lp.kind == "decoder":
+                i = next(i for i, s in enumerate(steps) if s.op is Op.ALL_REDUCE and s.act == "q")
+                del steps[i]
+            layers.append(dc.replace(lp, steps=tuple(steps)))
+        progs[key] = dc.replace(p, layers=tuple(layers))
+    got = _run(_model(qwen3, "TG", programs=progs))
+    assert (got - good).abs().max() > 1e-2
+
+
+def test_activations_are_dropped_after_their_last_read(qwen3):
+    """After every step only the activations a later step reads are held (at most h, q, k, v
+    in a decoder layer: never the whole layer's), the hidden state between layers is one copy
+    viewed 32 times on TG, and a captured layer output holds device 0's copy alone."""
+    from ttbundle.backends.emulated import Runner
+    tg = _model(qwen3, "TG")
+    most, between = {}, []
+
+    def observe(kind, i, acts):
+        live = [n for n, x in acts.items() if isinstance(x, torch.Tensor) and n != "tokens"]
+        most[kind] = max(most.get(kind, 0), len(live))
+        if kind == "decoder" and i == len(tg.programs[("prefill", 64)].layers[1].steps) - 1:
+            between.append(sorted(live))
+            h = acts["h"]
+            assert h.shape[0] == 32 and h.stride(0) == 0
+            assert h.untyped_storage().nbytes() == h[0].numel() * h.element_size()
+    tg.observe = observe
+    cap: list = []
+    with torch.no_grad():
+        Runner(tg).prefill(list(range(3, 40)), [1], capture=cap)
+    assert most["decoder"] <= 4, most
+    assert between and all(b == ["h"] for b in between), between
+    assert len(cap[0]) == 2  # one per layer: the bucket's 64 rows of one device, not 32 devices'
+    for x in cap[0]:
+        assert x.untyped_storage().nbytes() == 64 * x.shape[-1] * x.element_size()
