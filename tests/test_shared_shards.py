@@ -244,7 +244,9 @@ def qwen3():
 
 def _model(qwen3, mesh, **kw):
     b, plans = qwen3
+    from ttbundle.lower import lower_all
     plan, canon = plans[mesh]
+    kw.setdefault("programs", lower_all(b, plan))
     return EmulatedModel.from_canonical(b, plan, canon, **kw)
 
 
@@ -311,10 +313,9 @@ def test_a_dropped_collective_still_gives_wrong_numbers_on_tg(qwen3):
     from ttbundle.program import Op
     good = _run(_model(qwen3, "TG"))
     b, plans = qwen3
-    from ttbundle.lower import lower, trace_set
+    from ttbundle.lower import lower_all
     progs = {}
-    for key in trace_set(b):
-        p = lower(b, plans["TG"][0], *key)
+    for key, p in lower_all(b, plans["TG"][0]).items():
         layers = []
         for lp in p.layers:
             steps = list(lp.steps)
