@@ -274,7 +274,7 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
                    "a decisive next-token prediction differs" if report.dtype == "fp32" and not report.quantized
                    and not report.tokens_agree else
                    "expert choices differ too often" if not report.flips_ok else
-                   f"PCC below {report.bound(d) if d else b['layer_pcc']}")
+                   report.stage_failure(d) if d else f"PCC below {b['layer_pcc']}")
             err.print(Text(f"[error] check failed: {why}{where}"))
     if not report.passed:
         raise typer.Exit(1)
