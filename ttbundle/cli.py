@@ -85,8 +85,8 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
             p = plans[t]
             each = f" (each of its {p.mesh.replicas} replicas on {p.mesh.rows}x{p.mesh.cols})" \
                 if p.mesh.target_shape else ""
-            err.print(Text(f"{spec}: {t}{each}: does not fit: needs {p.memory.total:,} B per chip, "
-                           f"chip has {p.memory.dram:,} B; run `ttbundle plan {spec} --mesh {t}`"))
+            err.print(Text(f"{spec}: {t}{each}: does not fit: {planmod.shortfall(p.memory)}; "
+                           f"run `ttbundle plan {spec} --mesh {t}`"))
             pool = planmod.pool_diagnostic(bundle, p)
             if pool is not None:
                 err.print(Text(f"  {pool}"))
