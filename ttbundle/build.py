@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import cache, lower as lowermod, spec as specmod, warmup
+from . import cache, lower as lowermod, spec as specmod, warmref, warmup
 from .artifacts import PackageWriter
 from .convert import convert
 from .errors import DoesNotFit, InvalidInput, TTBundleError
@@ -283,7 +283,7 @@ def _describe(bundle, plan: Plan, inp, prev: dict | None, res: BuildResult) -> N
     for phase, b in inp.traces:
         s = lowermod.summary(lowermod.lower(bundle, plan, phase, b))
         # the warm-up runs the real rows of its fixed input, not the whole bucket
-        flops = s["flops_per_device"] * plan.mesh.num_devices * warmup.real_rows(phase, b) / max(1, s["rows"])
+        flops = s["flops_per_device"] * plan.mesh.num_devices * warmref.real_rows(phase, b) / max(1, s["rows"])
         s["warmup_seconds_est"] = round(flops / EST_EMULATED_FLOPS, 3)
         total_flops += flops
         s["rebuild"] = f"program:{lowermod.program_name(phase, b)}" in res.rebuilt

@@ -395,7 +395,7 @@ def cache_verify(package: Path = typer.Argument(..., help="A package directory."
     """Check every file of a package against the sha256 in its manifest, then run each program on
     its fixed warm-up input (emulated, float32) and compare with the reference the build recorded.
     Exit 1 names the first bad file, or the program, row and expected vs got values."""
-    from . import warmup
+    from . import warmref, warmup
     from .package import verify_package
     try:
         m = verify_package(package)
@@ -405,7 +405,7 @@ def cache_verify(package: Path = typer.Argument(..., help="A package directory."
         res = warmup.verify_package(package, log=out.print)["float32"]
     except TTBundleError as e:
         fail(e)
-    missing = warmup.unchecked(m)
+    missing = warmref.unchecked(m)
     if missing:
         out.print(f"not checked (built with --no-warmup, no reference): {', '.join(missing)}")
     out.print(f"{package}: {len(res)} programs match their warm-up references")
