@@ -90,6 +90,22 @@ ONE_OWNER = {
     r"^def (rope_cos_sin|mrope_rows|rotate_half_matrix|pool_matrix)\(": "ttbundle/tables.py",
     r"^def tensor_layout\(": "ttbundle/layout.py",
     r"^def axes_of\(": "ttbundle/layout.py",
+    # the bucket a size pads to; the vision bucket images run in
+    r"^def _?pick\(": "ttbundle/tiles.py",
+    r"\.bucket_need\(": "ttbundle/vision.py",
+    # a spec target named by a mesh, and the error when none is
+    r"is not one of its targets": "ttbundle/mesh.py",
+    # the wording of a plan that does not fit
+    r"per chip, chip has": "ttbundle/plan.py",
+    # an even split (ttnn's mesh_partition / ShardTensor2dMesh): the part a device holds
+    r"^def even_(part|slice)\(|np\.split\(|\]\s*//=\s*self\.mesh\.axis_size|size % n or": "ttbundle/layout.py",
+}
+
+# rules with one owner that a module still writes again, not yet moved (docs/architecture.md,
+# "Not yet one owner"): pattern -> those modules. check.py counts the vision bucket itself
+# (another engineer's file while this was moved).
+NOT_YET = {
+    r"\.bucket_need\(": {"ttbundle/check.py"},
 }
 
 
@@ -101,4 +117,4 @@ def test_each_rule_has_one_definition():
         for pattern in ONE_OWNER:
             if re.search(pattern, text, re.M):
                 where[pattern].add(f.relative_to(ROOT).as_posix())
-    assert where == {p: {owner} for p, owner in ONE_OWNER.items()}
+    assert where == {p: {owner} | NOT_YET.get(p, set()) for p, owner in ONE_OWNER.items()}

@@ -58,7 +58,7 @@ def test_producers_dependencies_are_what_they_import():
     # weights: the conversion, the block-float encoder it calls lazily, the package format
     assert {"convert.py", "blockfloat.py", "package.py", "weights.py", "lower.py", "plan.py"} <= deps["code.convert"]
     # warm-up: moe_kernels.py is imported only at the bottom of kernels.py (the hand list missed it)
-    assert {"warmup.py", "backends/emulated/kernels.py", "backends/emulated/moe_kernels.py",
+    assert {"warmup.py", "warmref.py", "backends/emulated/kernels.py", "backends/emulated/moe_kernels.py",
             "backends/emulated/model.py", "backends/emulated/meshops.py"} <= deps["code.backend"]
     # layout.py and program.py (the layout rule, the program IR) came after the hand list; nobody
     # had to add them

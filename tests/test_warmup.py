@@ -15,7 +15,7 @@ import torch
 from pkg_mutations import storing_file
 from test_build import ckpt, write_spec  # noqa: F401  (fixture)
 from test_package import pkg  # noqa: F401  (a copy of this module's `built`)
-from ttbundle import build as buildmod, package, spec as specmod, warmup
+from ttbundle import build as buildmod, package, spec as specmod, warmref, warmup
 from ttbundle.errors import WarmupMismatch
 
 PROGRAMS = {"prefill-32", "prefill-64", "decode-1", "decode-8"}
@@ -51,12 +51,12 @@ def mutate_tensor(pkg: Path, dev: int, key: str, fn) -> None:
 
 def test_build_records_a_reference_per_program(built):
     m = package.verify_package(built)
-    refs = warmup.references(built, m)
+    refs = warmref.references(built, m)
     assert {f"{p}-{b}" for p, b in refs} == PROGRAMS
     for (phase, b), r in refs.items():
         name = f"{phase}-{b}"
         assert f"warmup/{name}.json" in m["files"]  # hashed like every file
-        assert r["format"] == warmup.FORMAT and r["dtype"] == "float32"
+        assert r["format"] == warmref.FORMAT and r["dtype"] == "float32"
         assert r["program_sha256"] == hashlib.sha256((built / f"programs/{name}.json").read_bytes()).hexdigest()
         # the real rows of the fixed input: prefill min(B, 8) positions, decode min(B, 4) rows
         want = [f"position {t}" for t in range(min(8, b))] if phase == "prefill" else \
@@ -73,7 +73,7 @@ def test_reference_is_what_transformers_computes(built, ckpt):  # noqa: F811
     """Independent of the emulated backend: the recorded prefill argmax and logits are
     transformers' (float32) for the same tokens from the checkpoint."""
     from ttbundle import reference
-    ref = warmup.references(built, package.read_manifest(built))[("prefill", 64)]
+    ref = warmref.references(built, package.read_manifest(built))[("prefill", 64)]
     hf = reference.load_model(ckpt)
     with torch.no_grad():
         logits = hf(torch.tensor([[(7 * j + 1) % 500 for j in range(8)]])).logits[0].float()
@@ -92,9 +92,9 @@ def test_intact_package_passes_and_a_rerun_agrees_far_inside_the_tolerance(pkg):
         again = warmup.verify_package(pkg, dtypes=("float32", "bfloat16"))
     finally:
         torch.set_num_threads(threads)
-    assert max(again["float32"].values()) <= 1e-5 < warmup.tolerance("float32", 2)
+    assert max(again["float32"].values()) <= 1e-5 < warmref.tolerance("float32", 2)
     # bf16 compute against the fp32 reference: well inside its tolerance, and not exact
-    assert 1e-4 < max(again["bfloat16"].values()) <= warmup.tolerance("bfloat16", 2) / 1.5
+    assert 1e-4 < max(again["bfloat16"].values()) <= warmref.tolerance("bfloat16", 2) / 1.5
 
 
 def test_one_weight_changed_by_one_ulp_and_rehashed_fails_in_float32(pkg):
@@ -175,7 +175,7 @@ def test_cli_cache_verify_runs_the_programs(pkg, runner):
 def test_no_warmup_packages_say_what_is_unchecked(tmp_path, ckpt):  # noqa: F811
     res = buildmod.build(specmod.load(write_spec(tmp_path, ckpt)), "N150", tmp_path / "out", warmup=False)
     m = package.read_manifest(Path(res.package))
-    assert warmup.unchecked(m) == sorted(PROGRAMS) and warmup.verify_package(res.package) == {"float32": {}}
+    assert warmref.unchecked(m) == sorted(PROGRAMS) and warmup.verify_package(res.package) == {"float32": {}}
 
 
 def test_one_flipped_byte_of_a_bfp8_tile_fails(tmp_path, ckpt):  # noqa: F811
@@ -235,18 +235,18 @@ def test_layer_by_layer_warm_up_equals_whole_forward_on_the_recorded_rows(family
     from ttbundle.backends.emulated import EmulatedModel
     loaded = package.load_package(family_pkgs[family])
     progs = sorted(loaded.programs)
-    got = warmup.run(warmup.stage_model(loaded, "float32", progs), loaded.bundle, progs)
+    got = warmref.run(warmup.stage_model(loaded, "float32", progs), loaded.bundle, progs)
     whole = EmulatedModel.from_package(loaded)
-    refs = warmup.references(loaded.dir, loaded.manifest)
+    refs = warmref.references(loaded.dir, loaded.manifest)
     for phase, b in progs:
-        x = warmup.fixed_input(loaded.bundle, phase, b)
+        x = warmref.fixed_input(loaded.bundle, phase, b)
         kv = whole.allocate_kv_cache(x["num_blocks"], x["block_size"])
         with torch.no_grad():
             out = whole.forward(whole.program(phase, b), x["tokens"], x["positions"], x["valid"],
                                 x["page_table"], kv)
         rows = torch.stack([out[n, t] for (n, t), _ in x["rows"]])
         assert torch.equal(got[(phase, b)][0], rows), (phase, b)
-        assert warmup.summarize(rows, [lab for _, lab in x["rows"]]) == {
+        assert warmref.summarize(rows, [lab for _, lab in x["rows"]]) == {
             k: v for k, v in refs[(phase, b)].items() if k in ("rows", "argmax", "margin", "mean", "rms", "max",
                                                                  "sample_ids", "sample")}
 
@@ -257,7 +257,7 @@ def test_families_pass_in_both_dtypes_and_corruptions_fail_in_both(family_pkgs, 
     src = family_pkgs[family]
     got = warmup.verify_package(src, dtypes=("float32", "bfloat16"))
     assert max(got["float32"].values()) <= 1e-5
-    assert max(got["bfloat16"].values()) <= warmup.tolerance("bfloat16", 3) / 1.5
+    assert max(got["bfloat16"].values()) <= warmref.tolerance("bfloat16", 3) / 1.5
     corruptions = {"negated row": ("w2.1", lambda t: t.__setitem__(slice(0, 256), -t[0:256])),
                    "zeroed tensor": ("wo.0", lambda t: t.zero_()),
                    "exponent bit": ("attn_norm.1", lambda t: t.view(torch.int16)[:1].__ixor__(0x4000))}

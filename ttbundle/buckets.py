@@ -25,7 +25,7 @@ from pathlib import Path
 from xml.sax.saxutils import escape
 
 from .errors import InvalidInput
-from .tiles import TILE, round_up
+from .tiles import TILE, pick, round_up
 
 LENGTH_KEYS = ("length", "prompt_len", "prompt_length", "prompt_tokens", "input_tokens", "tokens", "len")
 COUNT_KEYS = ("count", "n", "requests", "freq", "frequency", "weight")
@@ -139,10 +139,8 @@ def pieces(hist: dict[int, float], chunk: int | None) -> dict[int, float]:
 
 
 def assign(ladder: list[int], n: int) -> int | None:
-    for b in ladder:
-        if b >= n:
-            return b
-    return None
+    """The bucket of ``ladder`` piece ``n`` pads to (``tiles.pick``), None when it exceeds the top."""
+    return pick(ladder, n) if ladder and n <= max(ladder) else None
 
 
 def cost(piece_hist: dict[int, float], ladder: list[int]) -> float:

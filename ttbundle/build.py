@@ -35,13 +35,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import cache, lower as lowermod, spec as specmod, warmup
+from . import cache, lower as lowermod, spec as specmod, warmref, warmup
 from .artifacts import PackageWriter
 from .convert import convert
 from .errors import DoesNotFit, InvalidInput, TTBundleError
 from .fsutil import fault as _fault
 from .package import PackageError, package_path, read_manifest, weight_file
-from .plan import Plan, make_plan
+from .plan import Plan, make_plan, shortfall
 from .txn import (STATE_DIR, _check_replaceable, _fsync_dir, _Lock, _recover, _swap, _tag,  # noqa: F401
                   lock_unless_read_only)
 
@@ -125,9 +125,8 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     emit = progress or (lambda e: None)
     plan = make_plan(bundle, mesh)
     if not plan.fits:
-        raise DoesNotFit(f"{bundle.spec.name} does not fit {plan.mesh.describe()}: needs "
-                         f"{plan.memory.total:,} B per chip, has {plan.memory.dram:,} B "
-                         f"(see `ttbundle plan --mesh {mesh}`)")
+        raise DoesNotFit(f"{bundle.spec.name} does not fit {plan.mesh.describe()}: "
+                         f"{shortfall(plan.memory)} (see `ttbundle plan --mesh {mesh}`)")
     _check_dtypes(plan)
     if backend == "ttnn" and plan.mesh.target_shape is not None:
         raise InvalidInput(f"not yet: --backend ttnn for {plan.mesh.describe()} (replicas: in the spec): "
@@ -284,7 +283,7 @@ def _describe(bundle, plan: Plan, inp, prev: dict | None, res: BuildResult) -> N
     for phase, b in inp.traces:
         s = lowermod.summary(lowermod.lower(bundle, plan, phase, b))
         # the warm-up runs the real rows of its fixed input, not the whole bucket
-        flops = s["flops_per_device"] * plan.mesh.num_devices * warmup.real_rows(phase, b) / max(1, s["rows"])
+        flops = s["flops_per_device"] * plan.mesh.num_devices * warmref.real_rows(phase, b) / max(1, s["rows"])
         s["warmup_seconds_est"] = round(flops / EST_EMULATED_FLOPS, 3)
         total_flops += flops
         s["rebuild"] = f"program:{lowermod.program_name(phase, b)}" in res.rebuilt

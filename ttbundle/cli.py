@@ -85,8 +85,8 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
             p = plans[t]
             each = f" (each of its {p.mesh.replicas} replicas on {p.mesh.rows}x{p.mesh.cols})" \
                 if p.mesh.target_shape else ""
-            err.print(Text(f"{spec}: {t}{each}: does not fit: needs {p.memory.total:,} B per chip, "
-                           f"chip has {p.memory.dram:,} B; run `ttbundle plan {spec} --mesh {t}`"))
+            err.print(Text(f"{spec}: {t}{each}: does not fit: {planmod.shortfall(p.memory)}; "
+                           f"run `ttbundle plan {spec} --mesh {t}`"))
             pool = planmod.pool_diagnostic(bundle, p)
             if pool is not None:
                 err.print(Text(f"  {pool}"))
@@ -395,7 +395,7 @@ def cache_verify(package: Path = typer.Argument(..., help="A package directory."
     """Check every file of a package against the sha256 in its manifest, then run each program on
     its fixed warm-up input (emulated, float32) and compare with the reference the build recorded.
     Exit 1 names the first bad file, or the program, row and expected vs got values."""
-    from . import warmup
+    from . import warmref, warmup
     from .package import verify_package
     try:
         m = verify_package(package)
@@ -405,7 +405,7 @@ def cache_verify(package: Path = typer.Argument(..., help="A package directory."
         res = warmup.verify_package(package, log=out.print)["float32"]
     except TTBundleError as e:
         fail(e)
-    missing = warmup.unchecked(m)
+    missing = warmref.unchecked(m)
     if missing:
         out.print(f"not checked (built with --no-warmup, no reference): {', '.join(missing)}")
     out.print(f"{package}: {len(res)} programs match their warm-up references")

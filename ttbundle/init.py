@@ -70,7 +70,7 @@ class InitResult:
                 lines.append(f"{t}: fits ({human(m.total)} of {human(m.dram)} per chip; KV pool "
                              f"{p.kv['max_tokens_all_users']:,} tokens, {human(p.kv['bytes'])})")
             else:
-                lines.append(f"{t}: does not fit ({human(m.total)} per chip, chip has {human(m.dram)});"
+                lines.append(f"{t}: does not fit ({planmod.shortfall(m, human)});"
                              f" see `ttbundle plan {shlex.quote(str(self.path))} --mesh {shlex.quote(t)}`")
         return lines
 

@@ -102,6 +102,21 @@ def placements(spec, partial=()) -> tuple:
     return tuple(out.get(a, Replicate()) for a in AXES)
 
 
+# ---- even splits -------------------------------------------------------------------------------
+def even_part(size: int, n: int) -> int | None:
+    """What each of ``n`` devices holds of a dim of ``size`` split evenly, nothing padded or
+    replicated (ttnn's ``mesh_partition`` and ``ShardTensor2dMesh``, and so a ttnn mapper), or
+    None when ``n`` does not divide ``size``; :func:`even_slice` says which part."""
+    return size // n if size % n == 0 else None
+
+
+def even_slice(size: int, n: int, i: int) -> slice | None:
+    """The elements the ``i``-th of ``n`` devices holds of an even split of ``size`` (the i-th
+    part, in order: what ``np.split(x, n)[i]`` cuts), or None when ``n`` does not divide it."""
+    part = even_part(size, n)
+    return None if part is None else slice(i * part, (i + 1) * part)
+
+
 # ---- device groups -----------------------------------------------------------------------------
 def group_size(mesh: Mesh, axes) -> int:
     return math.prod(mesh.axis_size(a) for a in axes_of(axes)) if axes else 1

@@ -198,6 +198,15 @@ def same_mesh(a: str, b: str) -> bool:
         and ma.chip.arch == mb.chip.arch
 
 
+def spec_target(where, targets, mesh: str) -> str:
+    """The one of a spec's ``targets`` that ``mesh`` names (:func:`same_mesh`: ``"(1,8)"`` is
+    the T3K target); InvalidInput naming the spec file ``where`` and its targets if none."""
+    named = [t for t in targets if same_mesh(mesh, t)]
+    if not named:
+        raise InvalidInput(f"{where}: mesh {mesh} is not one of its targets ({', '.join(targets)})")
+    return named[0]
+
+
 def try_resolve(name: str) -> Mesh | None:
     try:
         return resolve(name)

@@ -90,6 +90,13 @@ class Memory:
         return self.dram - self.total
 
 
+def shortfall(m: Memory, fmt=None) -> str:
+    """The one wording of a plan that does not fit (``validate``, ``init``, ``build``): ``needs
+    X per chip, chip has Y``; ``fmt`` writes bytes (default ``1,234 B``; ``report.human``: GiB)."""
+    fmt = fmt or (lambda b: f"{b:,} B")
+    return f"needs {fmt(m.total)} per chip, chip has {fmt(m.dram)}"
+
+
 @dataclass
 class Plan:
     bundle_name: str

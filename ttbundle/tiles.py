@@ -1,6 +1,7 @@
 """Tile and block arithmetic every stage shares, one definition each: the tile edge (32: a ttnn
 tile is 32x32; prefill buckets, KV blocks and TILE-layout tensors pad to it), ceil-division,
-rounding up, and the KV blocks that hold a sequence. No imports: any module may use it."""
+rounding up, the KV blocks that hold a sequence, and the bucket a size pads to. No imports: any
+module may use it."""
 
 from __future__ import annotations
 
@@ -21,3 +22,13 @@ def blocks_per_seq(tokens: int, block_size: int) -> int:
     """KV-cache blocks that hold ``tokens`` positions of one sequence (``max_model_len``: a
     sequence's page-table width)."""
     return cdiv(tokens, block_size)
+
+
+def pick(buckets: list[int], n: int) -> int:
+    """The bucket ``n`` pads to: the smallest of ``buckets`` (sorted) >= n; ValueError if none.
+    Prefill and decode buckets (the runner, the emulated ``Runner``, pooling), vision buckets
+    (``vision.vision_bucket``) and a ladder's cost (``buckets.assign``)."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

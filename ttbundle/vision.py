@@ -11,6 +11,19 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import InvalidInput
+from .tiles import pick
+
+
+def vision_bucket(part, vision, buckets: list[int], pixel_values, image_grid_thw=None) -> tuple[int, dict]:
+    """The vision bucket images run in: the smallest of ``buckets`` (sorted) holding what the
+    family's vision ``part`` counts (``bucket_need``: Gemma 3 images, Qwen2.5-VL patches) of
+    arch ``vision``; and the inputs it counted (``pixel_values``, ``image_grid_thw`` if given),
+    which ``part.program_inputs`` takes. The emulated model, the runtime adapter and the device
+    model pick with it."""
+    inputs = {"pixel_values": pixel_values}
+    if image_grid_thw is not None:
+        inputs["image_grid_thw"] = image_grid_thw
+    return pick(buckets, part.bucket_need(vision, inputs)), inputs
 
 
 def _vision(bundle):

@@ -23,6 +23,7 @@ import torch
 from ..backends.emulated import EmulatedModel
 from ..backends.emulated.model import KVCache
 from ..tiles import blocks_per_seq
+from ..vision import vision_bucket
 from .capabilities import model_capabilities
 from .sampling import DeviceSampling, sample_on_device
 
@@ -260,10 +261,9 @@ class BundleModel:
         ``pixel_values`` [images, C, H, W]; Qwen2.5-VL: [patches, C x T x P x P] with
         ``image_grid_thw`` [images, 3]): the vision program of the smallest bucket holding them
         (what a bucket counts is the family's vision part's ``bucket_need``)."""
-        from ..backends.emulated.model import pick
-        inputs = {"pixel_values": pixel_values, **({} if image_grid_thw is None else {"image_grid_thw": image_grid_thw})}
-        need = self.model.vision_part.bucket_need(self.bundle.arch.vision, inputs)
-        self._program("vision", pick(self.vision_buckets, need))
+        bucket, _ = vision_bucket(self.model.vision_part, self.bundle.arch.vision, self.vision_buckets,
+                                  pixel_values, image_grid_thw)
+        self._program("vision", bucket)
         return self.model.encode_images(pixel_values, image_grid_thw)
 
     @torch.no_grad()

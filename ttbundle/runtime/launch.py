@@ -112,10 +112,7 @@ def _open(target: str, mesh: str | None, output: Path = Path("packages")):
         from ..package import package_path
         bundle = specmod.load(p)
         m = mesh or bundle.spec.targets[0]
-        named = [t for t in bundle.spec.targets if meshmod.same_mesh(m, t)]
-        if not named:
-            raise InvalidInput(f"{p}: mesh {m} is not one of its targets ({', '.join(bundle.spec.targets)})")
-        rep = target_mesh(bundle, named[0])
+        rep = target_mesh(bundle, meshmod.spec_target(p, bundle.spec.targets, m))
         pkg = package_path(output, bundle.spec.name, rep.name)  # where `build -o OUTPUT` puts it
         return bundle, rep.whole(), rep, str(pkg)
     from .serve import resolve

@@ -245,15 +245,15 @@ class TTModelRunner:
 
     def _check_references(self):
         """Each program on its fixed input against the reference the build recorded
-        (``ttbundle.warmup``): a package whose weights or programs are not what was built fails
+        (``ttbundle.warmref``): a package whose weights or programs are not what was built fails
         here, naming the program and row, before the server reports healthy."""
-        from .. import warmup
+        from .. import warmref
 
         pkg = self.package
         dt = str(self.dtype).removeprefix("torch.")
-        done = warmup.check_model(self.mesh_model.model, pkg.bundle, pkg.path, pkg.manifest, dt,
+        done = warmref.check_model(self.mesh_model.model, pkg.bundle, pkg.path, pkg.manifest, dt,
                                   log=logger.info)
-        missing = warmup.unchecked(pkg.manifest)
+        missing = warmref.unchecked(pkg.manifest)
         if missing:
             logger.warning("ttbundle: no warm-up reference for %s (built with --no-warmup): not checked",
                            ", ".join(missing))

@@ -7,19 +7,11 @@ prompt, or a preempted request recomputing prompt + outputs).
 
 from __future__ import annotations
 
-from ..tiles import TILE, round_up  # rows of one sequence in a packed prefill are whole tiles
+from ..tiles import TILE, pick, round_up  # rows of one sequence in a packed prefill are whole tiles
 
 
 def is_decode(num_computed: int, num_prompt: int, num_tokens: int) -> bool:
     return num_computed >= num_prompt and num_tokens - num_computed == 1
-
-
-def pick(buckets: list[int], n: int) -> int:
-    """Smallest bucket >= n (buckets sorted); ValueError if none."""
-    for b in buckets:
-        if b >= n:
-            return b
-    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
 def pack_prefill(lengths: list[int], buckets: list[int], packed: bool = True) -> list[tuple[int, int, list[int]]]:

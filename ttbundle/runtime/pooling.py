@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..tiles import pick
 from .model_runner import Step, TTModelRunner
 
 
@@ -144,7 +145,6 @@ class EmbedRunner(TTModelRunner):
         program run as for generation (KV written), the last decoder layer's output captured
         (device 0's copy: the residual stream is whole on every device) and normalized with the
         weight the program's head reads first (its final norm)."""
-        from ..backends.emulated.model import pick
         from ..program import Op
 
         mm = self.mesh_model  # runtime.adapter.BundleModel

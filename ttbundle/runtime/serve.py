@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InvalidInput, TTBundleError
-from ..mesh import same_mesh
+from ..mesh import spec_target
 
 GRACE_S = 30
 HEALTH_EVERY_S = 5.0  # while serving: how often /health is asked
@@ -260,10 +260,7 @@ def resolve(target: str, mesh: str | None = None, output: Path = Path("packages"
 
         bundle = specmod.load(p)
         m = mesh or os.environ.get("MESH_DEVICE") or bundle.spec.targets[0]
-        named = [t for t in bundle.spec.targets if same_mesh(m, t)]  # "(1,8)" is the T3K target
-        if not named:
-            raise InvalidInput(f"{p}: mesh {m} is not one of its targets ({', '.join(bundle.spec.targets)})")
-        m = named[0]
+        m = spec_target(p, bundle.spec.targets, m)
         res = build(bundle, m, output, progress=progress, backend=backend)
         return Path(res.package)
     if os.path.isdir(p):

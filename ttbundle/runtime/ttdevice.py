@@ -279,14 +279,11 @@ class TTDeviceModel:
         mesh (its trace replayed where ``trace_mode`` is ``all``), read back to the host for the
         prefill that merges them (as Tenstorrent's models pass vision embeddings into prefill)."""
         import numpy as np
-        from ..backends.emulated.model import pick
+        from ..vision import vision_bucket
 
         v = self.bundle.arch.vision
         part = self.bundle.family.vision_part(self.bundle.arch)
-        inputs = {"pixel_values": pixel_values}
-        if image_grid_thw is not None:
-            inputs["image_grid_thw"] = image_grid_thw
-        bucket = pick(self.vision_buckets, part.bucket_need(v, inputs))
+        bucket, inputs = vision_bucket(part, v, self.vision_buckets, pixel_values, image_grid_thw)
         key = self._key("vision", bucket, None)
         fw = self.runner.forwards[key]
         patches, _, finish = part.program_inputs(v, inputs, bucket, torch.float32)

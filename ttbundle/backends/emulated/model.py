@@ -13,7 +13,6 @@ positions to cache slots, as on the device) and holds values in its declared dty
 
 from __future__ import annotations
 
-import bisect
 import math
 from dataclasses import dataclass, replace
 
@@ -22,6 +21,8 @@ import torch
 from ... import layout
 from ...package import stack_shards
 from ...program import Op, Program
+from ...tiles import pick
+from ...vision import vision_bucket
 from . import gemm
 from .kernel_table import KERNELS
 from .kernels import Ctx, _writes, rms_norm, softcap
@@ -387,10 +388,7 @@ class EmulatedModel:
         buckets = sorted(b for (ph, b) in self.programs if ph == "vision")
         if part is None or not buckets:
             raise ValueError("the package has no vision program (a text-only model)")
-        inputs = {"pixel_values": pixel_values}
-        if image_grid_thw is not None:
-            inputs["image_grid_thw"] = image_grid_thw
-        bucket = pick(buckets, part.bucket_need(self.arch.vision, inputs))
+        bucket, inputs = vision_bucket(part, self.arch.vision, buckets, pixel_values, image_grid_thw)
         prog = self.program("vision", bucket)
         patches, meta, finish = part.program_inputs(self.arch.vision, inputs, bucket, self.dtype)
         T = patches.shape[0]
@@ -668,14 +666,6 @@ def _matmul_only(programs) -> set:
 
 
 # ---- static-shape entry points --------------------------------------------------------------------
-def pick(buckets: list[int], n: int) -> int:
-    """Smallest bucket >= n."""
-    i = bisect.bisect_left(buckets, n)
-    if i == len(buckets):
-        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
-    return buckets[i]
-
-
 class Runner:
     """Prefill / decode with padding to the bundle's buckets, on one KV cache."""
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ...tiles import TILE
+from ...tiles import TILE, cdiv
 
 DTYPES = {"bf16": "bfloat16", "bfp8": "bfloat8_b", "bfp4": "bfloat4_b", "f32": "float32",
           "uint32": "uint32", "int32": "int32"}  # ttbundle name -> ttnn attribute
@@ -39,7 +39,7 @@ def device_shape(shape, layout: str) -> tuple[int, ...]:
     """The shape ttnn is given for a planned per-device shape (vectors as rows of 32)."""
     shape = tuple(int(s) for s in shape)
     if layout == "ROW_MAJOR" and len(shape) == 1:
-        return (1, 1, -(-shape[0] // TILE), TILE)
+        return (1, 1, cdiv(shape[0], TILE), TILE)
     return shape
 
 

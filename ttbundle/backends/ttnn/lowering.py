@@ -101,7 +101,10 @@ class _Emitter:
         split = [ax for ax in layout.partition_sequence(axes) if self.mesh.axis_size(ax) > 1]
         for i, ax in enumerate(split):
             shp = list(self.shapes[cur])
-            shp[dim] //= self.mesh.axis_size(ax)
+            part = layout.even_part(shp[dim], self.mesh.axis_size(ax))
+            if part is None:
+                raise ValueError(f"{out}: dim {dim} of {tuple(shp)} does not divide over mesh {ax}")
+            shp[dim] = part
             nxt = out if i == len(split) - 1 else f"{out}.p{i}"
             cur = self.call("mesh_partition", T(cur), dim, AXES.index(ax), out=nxt, shape=shp,
                             memory_config=DRAM)

@@ -11,7 +11,7 @@ per-device ``.tensorbin`` files carry the split instead).
 
 from __future__ import annotations
 
-from ...layout import axes_of
+from ...layout import axes_of, even_part
 from .layout import TILE, device_shape
 
 AXIS_INDEX = {"rows": 0, "cols": 1}
@@ -34,7 +34,7 @@ def mapper_dims(plan, name: str, policy=None) -> dict | None:
             return None
         a = AXIS_INDEX[axes[0]]
         n = mesh.axis_size(axes[0])
-        if dims[a] is not None or size % n or t.device_shape[k] * n != size:
+        if dims[a] is not None or even_part(size, n) != t.device_shape[k]:
             return None
         dims[a] = k
     if dims == [None, None]:

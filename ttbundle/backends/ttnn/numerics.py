@@ -27,6 +27,8 @@ import math
 
 import numpy as np
 
+from ... import layout
+
 
 class Unknown(Exception):
     """The double cannot say what a value is (the reason is the message)."""
@@ -101,9 +103,10 @@ def mesh_partition(shape, xs, dim: int, cluster_axis=None, **_):
     for d, x in enumerate(xs):
         members = line(shape, d, cluster_axis)
         k, n = _dim(x, dim), len(members)
-        if x.shape[k] % n:
+        part = layout.even_slice(x.shape[k], n, members.index(d))
+        if part is None:
             raise ValueError(f"mesh_partition: dim {dim} of {x.shape} does not divide over {n} devices")
-        out.append(np.split(x, n, axis=k)[members.index(d)])
+        out.append(x[(slice(None),) * k + (part,)])
     return out
 
 
@@ -116,9 +119,10 @@ def shard_2d(shape, a: np.ndarray, dims) -> list[np.ndarray]:
         x = a
         for dim, i, n in ((dims[0], r, R), (dims[1], c, C)):
             if dim is not None:
-                if x.shape[dim] % n:
+                part = layout.even_slice(x.shape[dim], n, i)
+                if part is None:
                     raise ValueError(f"ShardTensor2dMesh: dim {dim} of {x.shape} does not divide over {n}")
-                x = np.split(x, n, axis=dim)[i]
+                x = x[(slice(None),) * (dim % x.ndim) + (part,)]
         out.append(np.ascontiguousarray(x))
     return out
 
