@@ -424,8 +424,10 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
         if mm is not None:  # the package's vision program against transformers' image features
             mm["embeds"] = model.encode_images(inputs["pixel_values"].to(device), inputs.get("image_grid_thw"))
             free()
-            need = part.bucket_need(bundle.arch.vision, inputs)
-            runner.shapes_run.add(("vision", min(b for ph, b in model.programs if ph == "vision" and b >= need)))
+            from .vision import vision_bucket
+            vb, _ = vision_bucket(part, bundle.arch.vision, sorted(b for ph, b in model.programs if ph == "vision"),
+                                  inputs["pixel_values"], inputs.get("image_grid_thw"))
+            runner.shapes_run.add(("vision", vb))
             e = mm["embeds"].float().cpu()
             image_stat = LayerStat("image", 0, float((image_ref[0] - e).abs().max()), pcc(image_ref[0], e), "image")
         sel = compared_prompt_positions(prompt_len)
