@@ -218,7 +218,11 @@ def one_depth(work: Path, layers: int, check: bool, env: dict, prompt_len: int |
            "build_rss": b_rss, "build_over_reference": round(b_wall / ref_s, 2), "timings": done["timings"]}
     if check:
         extra = [] if prompt_len is None else ["--prompt-len", str(prompt_len)]
-        c_wall, c_rss, _ = measure(tt + ["check", done["package"], "--steps", "4"] + extra, env)
+        try:
+            c_wall, c_rss, _ = measure(tt + ["check", done["package"], "--steps", "4"] + extra, env)
+        except SystemExit as e:  # a failed check keeps the build's figures and says why
+            row.update(check_failed=str(e)[-2000:])
+            return row
         row.update(check_prompt=prompt_len, check_s=round(c_wall, 1), check_rss=c_rss, check_over_reference=round(c_wall / ref_s, 2))
     row["load"] = round(os.getloadavg()[0], 2)
     return row
@@ -256,6 +260,7 @@ def main() -> None:
     try:
         for L in depths:
             rows.append(one_depth(work, L, not args.no_check, env, args.check_prompt_len))
+            print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # as measured, before the table
             if not args.keep:
                 for p in (work / f"ckpt-{L}", work / f"out-{L}"):
                     shutil.rmtree(p, ignore_errors=True)
@@ -275,7 +280,7 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         chk = (f"{r['check_s']:.1f} s | {r['check_over_reference']:.2f}x | {r['check_rss'] / gib:.2f} GiB"
-               if "check_s" in r else "- | - | -")
+               if "check_s" in r else "FAILED (below) | - | -" if "check_failed" in r else "- | - | -")
         print(f"| {r['layers']} | {r['checkpoint_bytes'] / 1e9:.2f} GB | {r['cp_s']:.1f} + {r['sha256_s']:.1f} s "
               f"= {r['reference_s']:.1f} s | {r['build_s']:.1f} s | **{r['build_over_reference']:.2f}x** "
               f"| **{r['build_rss'] / gib:.2f} GiB** | {chk} | {r['load']} |")
@@ -288,6 +293,9 @@ def main() -> None:
         if "check_rss" in a and "check_rss" in b:
             line += f"; check peak RSS {(b['check_rss'] - a['check_rss']) / gib:+.2f} GiB"
         print(line)
+    for r in rows:
+        if "check_failed" in r:
+            print(f"check of {r['layers']} layers failed:\n{r['check_failed']}")
     for r in rows:
         print(f"floor, {r['layers']} layers: encoding the bfp8 tensors alone (no I/O, no hash, every core) "
               f"{r['encode_floor_s']:.1f} s = {r['floor_over_reference']:.2f}x the reference")
