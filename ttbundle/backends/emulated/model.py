@@ -351,7 +351,6 @@ class EmulatedModel:
                 out = self._run(program, kind, steps, acts, li, ctx, var)
                 h, hv = acts["h"], var.get("h")
                 if kind == "embedding":
-                    h = acts["h"]
                     if mm is not None:
                         h = self._merge_images(program, h, mm)
                 elif kind == "head":
