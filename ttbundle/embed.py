@@ -17,8 +17,10 @@ from pathlib import Path
 from .errors import Diagnostic, InvalidInput
 
 #: families whose packages ttbundle can serve as embedding models, with the pooling their published
-#: embedding checkpoints use (Qwen3-Embedding: last token, normalized)
-POOLING_FAMILIES = {"qwen3": "last"}
+#: embedding checkpoints use: Qwen3-Embedding, and e5-mistral-7b-instruct / SFR-Embedding-Mistral
+#: (causal attention, last token, normalized). Embedders of other families that attend both ways
+#: (gte-Qwen2, LLM2Vec, NV-Embed) would need a non-causal prefill program and are not listed.
+POOLING_FAMILIES = {"qwen3": "last", "mistral": "last"}
 
 #: sentence-transformers' pooling_mode_* flags -> ``Embedding.pooling``
 ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
