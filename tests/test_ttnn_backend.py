@@ -409,8 +409,8 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
     found = kernelcache.Sfpi(True, "/opt/tenstorrent/sfpi", "riscv-tt-elf-g++ (fake) 15.1.0")
     calls = []
 
-    def fake_fill(python, spec_file, mesh, dest, emit=None):
-        calls.append((python, Path(spec_file), mesh))
+    def fake_fill(python, bundle_yaml, programs, mesh, trace_region_size, dest, emit=None):
+        calls.append((python, mesh, bundle_yaml, programs, trace_region_size))
         (dest / "kernels" / "rms_norm" / "123").mkdir(parents=True)
         (dest / "kernels" / "rms_norm" / "123" / "trisc0.elf").write_bytes(b"\x7fELF" + bytes(60))
         (dest / "firmware.hex").write_text("00")
@@ -420,7 +420,13 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
     monkeypatch.setattr(kernelcache, "fill", fake_fill)
     spec = write_spec(tmp_path, ckpt)
     res = buildmod.build(specmod.load(spec), "N300", tmp_path / "out", backend="ttnn", warmup=False)
-    assert calls == [("/py-with-ttnn", spec.absolute(), "N300")] and "kernel_cache" in res.rebuilt
+    assert [c[:2] for c in calls] == [("/py-with-ttnn", "N300")] and "kernel_cache" in res.rebuilt
+    # handed the package's own programs and bundle.yaml (nothing for the fill to re-plan or lower)
+    pk = package.load_package(res.package)
+    _, _, yml, progs, trs = calls[0]
+    assert yml == (Path(res.package) / "bundle.yaml").read_text()
+    assert set(progs) == set(pk.programs) and all(progs[k] == pk.program_ir(*k) for k in pk.programs)
+    assert trs == pk.trace_region_size
     m = package.verify_package(res.package)  # every cache file hashed in the manifest
     kc = m["artifacts"]["kernel_cache"]
     want = {f"{kernelcache.CACHE_DIR}/kernels/rms_norm/123/trisc0.elf", f"{kernelcache.CACHE_DIR}/firmware.hex"}
@@ -440,6 +446,34 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
     monkeypatch.setattr(kernelcache, "status", lambda env=None: (kernelcache.Sfpi(False, reason="none here"), None))
     e = buildmod.explain(res.package)
     assert [f["field"] for f in e["fields"] if f["changed"]] == ["kernel_cache"]
+
+
+def test_programs_handed_over_to_a_ttnn_process_read_back_as_lowered(tmp_path):
+    """What the build (kernel cache) and the tests (mockcheck) hand a ttnn process: the programs
+    ``lower`` made and the package's bundle.yaml; read back, the same typed programs on the same
+    mesh, lowered to the same calls. A program that does not type-check is refused, naming it."""
+    from ttbundle import __version__
+    from ttbundle.backends.ttnn import handover
+    from ttbundle.program import ProgramError
+    bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
+    p = planmod.make_plan(bundle, "N300")
+    progs = lowermod.lower_all(bundle, p)
+    yml = package.render_bundle_yaml(package.resolved_spec(bundle, p), __version__)
+    d = handover.write(tmp_path / "h", yml, progs)
+    got_bundle, mesh, got = handover.read(d)
+    assert got == progs and list(got) == list(progs)
+    assert (mesh.name, mesh.shape, mesh.chip) == (p.mesh.name, p.mesh.shape, p.mesh.chip)
+    assert got_bundle.arch == bundle.arch and got_bundle.spec.runtime == bundle.spec.runtime
+    key = ("decode", 1)
+    assert lowering.lower_forward(got_bundle, mesh, got[key].to_json()) == \
+        lowering.lower_forward(bundle, p.mesh, progs[key].to_json())
+    f = d / handover.PROGRAMS / "decode-1.json"
+    prog = json.loads(f.read_text())
+    for lp in prog["layers"]:  # every all_gather dropped
+        lp["steps"] = [st for st in lp["steps"] if st.get("collective") != "all_gather"]
+    f.write_text(json.dumps(prog))
+    with pytest.raises(ProgramError, match=r"decode-1\.json: .*(no earlier step|collective missing)"):
+        handover.read(d)
 
 
 # ---- collectives as ttnn CCL calls (recording double) ---------------------------------------------

@@ -33,13 +33,15 @@ import ttnn, yaml
 from ttbundle import lower as lowermod, plan as planmod, spec as specmod, mesh as meshmod
 from ttbundle.backends.ttnn import mockcheck
 from ttbundle.backends.ttnn.calls import Attr
-from ttbundle.backends.ttnn.lowering import lower_forward, one_layer_per_kind
+from ttbundle.backends.ttnn.lowering import lower_forward
 
 d = yaml.safe_load(open(sys.argv[1])); d["targets"] = ["T3K"]; d.get("weights", {}).pop("source", None)
 bundle = specmod.loads(yaml.safe_dump(d), sys.argv[1])
 plan = planmod.make_plan(bundle, "T3K")
 ts = lowermod.trace_set(bundle)
-prog = one_layer_per_kind(lowermod.lower(bundle, plan, *min(k for k in ts if k[0] == "decode")).to_json())
+ir = lowermod.lower(bundle, plan, *min(k for k in ts if k[0] == "decode"))
+ir = dataclasses.replace(ir, layers=tuple(dataclasses.replace(lp, count=1) for lp in ir.layers))  # each kind once
+prog = ir.to_json()
 device = mockcheck.open_mesh(ttnn, meshmod.resolve("T3K"))
 grid = mockcheck.worker_grid(device)
 
@@ -62,7 +64,7 @@ cases = {
 }
 try:
     for name, make in cases.items():
-        r = mockcheck.validate(ttnn, device, plan, make())
+        r = mockcheck.validate(ttnn, device, ir, make())
         print("RESULT " + json.dumps({"case": name, "grid": list(grid), "calls": r.calls,
                                       "accepted": sum(r.accepted.values()), "by_signature": dict(r.by_signature),
                                       "refused_calls": sum(r.refusals.values()),

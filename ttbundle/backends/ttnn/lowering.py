@@ -1024,12 +1024,6 @@ def unlowered_ops(program: dict) -> list[str]:
     return list(dict.fromkeys(k for k in kinds if k not in OPS))
 
 
-def one_layer_per_kind(program: dict) -> dict:
-    """``program`` with each decoder layer kind repeated once (its layers run the same calls on
-    the same shapes; only weights and caches differ): enough to validate every call."""
-    return {**program, "layers": [{**k, "count": 1} for k in program["layers"]]}
-
-
 def static_prefill_start(bundle) -> bool:
     """Does this family's prefill attention take its chunk start as a static int (MLA)?"""
     return bool(bundle.family.traits(bundle.arch).get("mla"))
@@ -1110,8 +1104,9 @@ def lower_forward(bundle, mesh, program: dict, sampling: str = "device", grid: t
     elif sampling == "host":
         for k in ("top_k", "top_p", "temperature"):
             lw.inputs.pop(k)
+    weights = {n: (tuple(device_shape(t.device_shape, t.layout)), t.dtype, t.layout) for n, t in lw.tensors.items()}
     return Forward(program["phase"], program["bucket"], program["rows"], lw.inputs, layers, outputs,
-                   list(lw.setup.values()), list(lw.consts.values()), lw.gaps)
+                   list(lw.setup.values()), list(lw.consts.values()), lw.gaps, weights)
 
 
 __all__ = ["OPS", "SAMPLING", "chunk_starts", "collective_calls", "image_mask", "image_prefill",
