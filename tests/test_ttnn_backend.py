@@ -190,7 +190,7 @@ BUNDLES = Path(__file__).resolve().parent.parent / "bundles"
 def forwards_of(bundle, plan, sampling="device", keys=None):
     fws, traced = {}, set()
     for phase, b in keys or lowermod.trace_set(bundle):
-        fws[(phase, b)] = lowering.lower_forward(bundle, plan, lowermod.lower(bundle, plan, phase, b).to_json(), sampling)
+        fws[(phase, b)] = lowering.lower_forward(bundle, plan.mesh, lowermod.lower(bundle, plan, phase, b), sampling)
         if lowermod.traced(bundle, phase):
             traced.add((phase, b))
     return fws, traced
@@ -296,8 +296,8 @@ def test_every_program_op_kind_has_a_lowering():
         for mesh in bundle.spec.targets:
             p = planmod.make_plan(bundle, mesh)
             for phase, b in lowermod.trace_set(bundle):
-                prog = lowermod.lower(bundle, p, phase, b).to_json()
-                kinds |= {lowering.step_kind(st) for layer in prog["layers"] for st in layer["steps"]}
+                prog = lowermod.lower(bundle, p, phase, b)
+                kinds |= {lowering.step_kind(st) for _, _, st in prog.steps()}
     assert len(fams) == 9
     assert kinds <= set(lowering.OPS), sorted(kinds - set(lowering.OPS))
 
@@ -465,8 +465,8 @@ def test_programs_handed_over_to_a_ttnn_process_read_back_as_lowered(tmp_path):
     assert (mesh.name, mesh.shape, mesh.chip) == (p.mesh.name, p.mesh.shape, p.mesh.chip)
     assert got_bundle.arch == bundle.arch and got_bundle.spec.runtime == bundle.spec.runtime
     key = ("decode", 1)
-    assert lowering.lower_forward(got_bundle, mesh, got[key].to_json()) == \
-        lowering.lower_forward(bundle, p.mesh, progs[key].to_json())
+    assert lowering.lower_forward(got_bundle, mesh, got[key]) == \
+        lowering.lower_forward(bundle, p.mesh, progs[key])
     f = d / handover.PROGRAMS / "decode-1.json"
     prog = json.loads(f.read_text())
     for lp in prog["layers"]:  # every all_gather dropped
@@ -527,7 +527,7 @@ def test_gemma2_attention_is_softcapped_with_the_emulated_mask():
     cap = bundle.arch.attn_logit_softcapping
     for phase in ("prefill", "decode"):
         b = min(k[1] for k in lowermod.trace_set(bundle) if k[0] == phase)
-        fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, phase, b).to_json())
+        fw = lowering.lower_forward(bundle, p.mesh, lowermod.lower(bundle, p, phase, b))
         assert fw.gaps == []
         calls = [c for _, c in fw.calls()]
         fns = [c.fn for c in calls]
@@ -539,7 +539,7 @@ def test_gemma2_attention_is_softcapped_with_the_emulated_mask():
         i = fns.index("softcap")
         assert fns[i - 1] == "multiply" and fns[i + 1] == "add" and fns[i + 2] == "softmax"
     # the host-made masks equal the emulated backend's (causal, window) at the same positions
-    fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, "decode", 1).to_json())
+    fw = lowering.lower_forward(bundle, p.mesh, lowermod.lower(bundle, p, "decode", 1))
     R, L = fw.inputs["attn_mask"][0][0], fw.inputs["attn_mask"][0][3]
     qpos = np.full((R, 1), -1)
     qpos[0, 0] = 37
@@ -562,9 +562,9 @@ def test_mla_prefill_is_lowered_per_chunk_start():
     starts = lowering.chunk_starts(bundle, "prefill", b)
     assert starts == list(range(0, bundle.spec.runtime.max_model_len, chunk)) and len(starts) > 1
     assert lowering.chunk_starts(bundle, "decode", 1) == [0]
-    prog = lowermod.lower(bundle, p, "prefill", b).to_json()
+    prog = lowermod.lower(bundle, p, "prefill", b)
     for start in (0, starts[-1]):
-        fw = lowering.lower_forward(bundle, p, prog, chunk_start=start)
+        fw = lowering.lower_forward(bundle, p.mesh, prog, chunk_start=start)
         mla = [c for _, c in fw.calls() if c.fn == "transformer.chunked_flash_mla_prefill"]
         assert mla and {c.args[4] for c in mla} == {start} and fw.gaps == []
     assert lowering.static_start(bundle, "prefill", b, starts[1]) == starts[1]
@@ -577,7 +577,7 @@ def test_mla_prefill_is_lowered_per_chunk_start():
 def test_a_later_prefill_chunk_writes_its_own_blocks():
     bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
     p = planmod.make_plan(bundle, "N300")
-    fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, "prefill", 128).to_json())
+    fw = lowering.lower_forward(bundle, p.mesh, lowermod.lower(bundle, p, "prefill", 128))
     fills = [c for _, c in fw.calls() if c.fn == "experimental.paged_fill_cache"]
     assert fills and all(c.args[2].name == "fill_page_table" for c in fills)
     bs = p.kv["block_size"]

@@ -32,9 +32,9 @@ def all_forwards():
         for mesh in bundle.spec.targets:
             p = planmod.make_plan(bundle, mesh)
             for phase, b in lowermod.trace_set(bundle):
-                prog = lowermod.lower(bundle, p, phase, b).to_json()
+                prog = lowermod.lower(bundle, p, phase, b)
                 for sampling in lowering.SAMPLING:
-                    yield bundle, p, prog, lowering.lower_forward(bundle, p, prog, sampling)
+                    yield bundle, p, prog, lowering.lower_forward(bundle, p.mesh, prog, sampling)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def lowered():
     for bundle, p, prog, fw in all_forwards():
         n += 1
         families.add(bundle.family.name)
-        kinds |= {lowering.step_kind(st) for layer in prog["layers"] for st in layer["steps"]}
+        kinds |= {lowering.step_kind(st) for _, _, st in prog.steps()}
         for _, c in list(fw.calls()) + list(fw.setup):
             calls.setdefault((c.fn, repr(c.args), repr(c.kwargs)),
                              (c, f"{bundle.spec.name} on {p.mesh.name} {fw.phase}-{fw.bucket} ({c.op})"))
@@ -94,7 +94,7 @@ def test_the_runtimes_own_ttnn_calls_bind(ttnn, tmp_path):
     p = planmod.make_plan(bundle, "T3K")
     ts = lowermod.trace_set(bundle)
     keys = [min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")]
-    fws = {k: lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, *k).to_json(), "device") for k in keys}
+    fws = {k: lowering.lower_forward(bundle, p.mesh, lowermod.lower(bundle, p, *k), "device") for k in keys}
     rec = recording.Recorder(unknown_reads="zeros")  # fake weights: the token read back is unknown
     tt = rec.module()
     dev = tt.open_mesh_device(tt.MeshShape(*p.mesh.shape), trace_region_size=p.trace_region_size)

@@ -41,7 +41,6 @@ plan = planmod.make_plan(bundle, "T3K")
 ts = lowermod.trace_set(bundle)
 ir = lowermod.lower(bundle, plan, *min(k for k in ts if k[0] == "decode"))
 ir = dataclasses.replace(ir, layers=tuple(dataclasses.replace(lp, count=1) for lp in ir.layers))  # each kind once
-prog = ir.to_json()
 device = mockcheck.open_mesh(ttnn, meshmod.resolve("T3K"))
 grid = mockcheck.worker_grid(device)
 
@@ -54,12 +53,12 @@ def edit(fw, fn, **kw):
     raise SystemExit(f"no {fn} call")
 
 cases = {
-    "ok": lambda: lower_forward(bundle, plan, prog, "device", grid=grid),
-    "grid88": lambda: lower_forward(bundle, plan, prog, "device", grid=(8, 8)),
-    "axis2": lambda: edit(lower_forward(bundle, plan, prog, "device", grid=grid), "all_gather", cluster_axis=2),
-    "axis0": lambda: edit(lower_forward(bundle, plan, prog, "device", grid=grid), "all_gather", cluster_axis=0),
-    "kwarg": lambda: edit(lower_forward(bundle, plan, prog, "device", grid=grid), "all_reduce", scatter_dim=3),
-    "mem": lambda: edit(lower_forward(bundle, plan, prog, "device", grid=grid), "linear",
+    "ok": lambda: lower_forward(bundle, plan.mesh, ir, "device", grid=grid),
+    "grid88": lambda: lower_forward(bundle, plan.mesh, ir, "device", grid=(8, 8)),
+    "axis2": lambda: edit(lower_forward(bundle, plan.mesh, ir, "device", grid=grid), "all_gather", cluster_axis=2),
+    "axis0": lambda: edit(lower_forward(bundle, plan.mesh, ir, "device", grid=grid), "all_gather", cluster_axis=0),
+    "kwarg": lambda: edit(lower_forward(bundle, plan.mesh, ir, "device", grid=grid), "all_reduce", scatter_dim=3),
+    "mem": lambda: edit(lower_forward(bundle, plan.mesh, ir, "device", grid=grid), "linear",
                         memory_config=Attr("L1_HEIGHT_SHARDED_MEMORY_CONFIG")),
 }
 try:

@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for (phase, b), prog in programs.items():
             for sampling in SAMPLING:
-                fw = lower_forward(bundle, pmesh, prog.to_json(), sampling)
+                fw = lower_forward(bundle, pmesh, prog, sampling)
                 r = validate(ttnn, device, prog, fw)
                 print(f"{phase}-{b} {sampling}: {r.calls} calls, refused {sorted(r.refused)}", flush=True)
     finally:

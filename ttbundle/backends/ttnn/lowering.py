@@ -35,9 +35,9 @@ import struct
 from typing import Callable
 
 from ... import layout, tiles
-from ...families.base import Dim
-from ...layout import axes_of, tensor_layout
+from ...layout import tensor_layout
 from ...mesh import AXES, Mesh
+from ...program import Op, Program, Step, WeightRef
 from . import configs
 from .calls import KV, Attr, Call, Const, Forward, Layer, New, T, W
 from .layout import TILE, device_shape
@@ -112,14 +112,14 @@ class _Emitter:
 
 
 class _Weight:
-    """A weight as the program records it (``program.WeightRef``'s JSON: PartitionSpec,
-    per-device shape, dtype, layers) and how ttnn holds it (``layout.tensor_layout`` of its kind)."""
+    """A weight as the program records it (``program.WeightRef``: PartitionSpec, per-device
+    shape, dtype, layers) and how ttnn holds it (``layout.tensor_layout`` of its kind)."""
 
-    def __init__(self, ref: dict, layout_: str):
-        self.spec = [axes_of(e) for e in ref["spec"]]
-        self.device_shape = list(ref["device_shape"])
-        self.dtype = ref["dtype"]
-        self.layers = None if ref.get("layers") is None else tuple(ref["layers"])
+    def __init__(self, ref: WeightRef, layout_: str):
+        self.spec = [tuple(e) for e in ref.spec]
+        self.device_shape = list(ref.device_shape)
+        self.dtype = ref.dtype
+        self.layers = ref.layers
         self.layout = layout_
 
 
@@ -128,19 +128,19 @@ class _Lowerer(_Emitter):
     (dtype, block size) and its mesh; ``bundle`` gives the arch (family traits, dims) and the
     runtime limits. Nothing here reads a plan."""
 
-    def __init__(self, bundle, mesh: Mesh, program: dict, sampling: str, grid: tuple[int, int] | None = None):
+    def __init__(self, bundle, mesh: Mesh, program: Program, sampling: str, grid: tuple[int, int] | None = None):
         super().__init__(mesh, program_policy(program, bundle))
         self.bundle, self.prog = bundle, program
         self.fam, self.a = bundle.family, bundle.arch
-        self.phase, self.rows = program["phase"], program["rows"]
+        self.phase, self.rows = program.phase, program.rows
         self.decode = self.phase == "decode"
         self.sampling = sampling
         self.grid = grid or self.mesh.chip.compute_grid
         decls = {t.name: t for t in self.fam.tensors(self.a)}
-        self.tensors = {n: _Weight(r, tensor_layout(decls[n])) for n, r in program["weights"].items()}
+        self.tensors = {n: _Weight(r, tensor_layout(decls[n])) for n, r in program.weights.items()}
         self.traits = self.fam.traits(self.a)
-        self.kv_dtype = program["kv_cache"]["dtype"]
-        self.block_size = int(program["kv_cache"]["block_size"])
+        self.kv_dtype = program.kv_cache["dtype"]
+        self.block_size = int(program.kv_cache["block_size"])
         self.layer: int | None = None
         self.setup: dict[str, Call] = {}
         self.consts: dict[str, Const] = {}
@@ -167,33 +167,33 @@ class _Lowerer(_Emitter):
 
 
 # ---- op kinds ----------------------------------------------------------------------------------
-def _embedding(lw: _Lowerer, st: dict) -> None:
-    rows, hid = st["out_shape"]
-    e = lw.call("embedding", T("tokens"), W("embed", per_layer=False), out=f"{st['out']}.e",
+def _embedding(lw: _Lowerer, st: Step) -> None:
+    rows, hid = st.out.shape
+    e = lw.call("embedding", T("tokens"), W("embed", per_layer=False), out=f"{st.out.name}.e",
                 shape=(1, rows, hid), layout=TILE_L, dtype=BF16, memory_config=DRAM)
-    out = lw.call("reshape", T(e), [1, 1, rows, hid], out=st["out"], shape=(1, 1, rows, hid))
+    out = lw.call("reshape", T(e), [1, 1, rows, hid], out=st.out.name, shape=(1, 1, rows, hid))
     scale = lw.traits.get("embed_scale")
     if scale:
         lw.call("multiply", T(out), float(scale), out=out, shape=lw.shapes[out], memory_config=DRAM)
 
 
-def _rms_norm(lw: _Lowerer, st: dict) -> None:
-    x, out = st["x"], st["out"]
-    shp = tt_shape(st["in_shape"])
+def _rms_norm(lw: _Lowerer, st: Step) -> None:
+    x, out = st.ins[0].name, st.out.name
+    shp = tt_shape(st.ins[0].shape)
     lw.shapes.setdefault(x, shp)
-    norm = lw.traits.get("norms", {}).get(st["w"], {})
+    norm = lw.traits.get("norms", {}).get(st.w, {})
     eps = f32(norm.get("eps", getattr(lw.a, "rms_norm_eps", 1e-6)))
-    w = W(st["w"], per_layer=lw.layer is not None)
+    w = W(st.w, per_layer=lw.layer is not None)
     if norm.get("layer_norm"):  # LayerNorm with a bias (vision towers)
         lw.call("layer_norm", T(x), out=out, shape=shp, epsilon=eps, weight=w,
                 bias=W(norm["bias"], per_layer=lw.layer is not None),
                 compute_kernel_config=configs.compute_config(), memory_config=DRAM)
         return
     if lw.traits.get("norm_offset"):  # Gemma: x * (1 + w); the 1 is added once at setup
-        w = W(st["w"], per_layer=lw.layer is not None, variant="plus1")
+        w = W(st.w, per_layer=lw.layer is not None, variant="plus1")
         for layer in ([None] if lw.layer is None else [lw.layer]):
-            t = lw.tensors[st["w"]]
-            lw.setup_call(w.key(layer), "add", W(st["w"], per_layer=lw.layer is not None), float(lw.traits["norm_offset"]),
+            t = lw.tensors[st.w]
+            lw.setup_call(w.key(layer), "add", W(st.w, per_layer=lw.layer is not None), float(lw.traits["norm_offset"]),
                           memory_config=DRAM, shape=device_shape(t.device_shape, t.layout))
     features = norm.get("features")
     if features and features < shp[-1]:  # normalize the leading features, pass the rest through
@@ -209,12 +209,12 @@ def _rms_norm(lw: _Lowerer, st: dict) -> None:
             compute_kernel_config=configs.compute_config(), memory_config=DRAM)
 
 
-def _matmul(lw: _Lowerer, st: dict) -> None:
-    x, w, out = st["x"], st["w"], st["out"]
+def _matmul(lw: _Lowerer, st: Step) -> None:
+    x, w, out = st.ins[0].name, st.w, st.out.name
     spec = lw.tensors[w].spec
     held = lw.shapes[x]
-    inp = st["in_shape"]
-    k = st["w_shape"][-2]
+    inp = st.ins[0].shape
+    k = lw.tensors[st.w].device_shape[-2]
     src = x
     if held[-1] != k:  # a replicated input meeting a split contraction: each device takes its part
         src = lw.partition(x, 3, spec[-2], f"{out}.in")
@@ -224,23 +224,23 @@ def _matmul(lw: _Lowerer, st: dict) -> None:
     dtype = F32 if fp32 else BF16
     if fp32:
         src = lw.call("typecast", T(src), F32, out=f"{out}.f32", shape=lw.shapes[src])
-    if len(st["w_shape"]) == 3:  # experts: every local expert on every token, one batched matmul
-        E = st["w_shape"][0]
+    if len(lw.tensors[st.w].device_shape) == 3:  # experts: every local expert on every token, one batched matmul
+        E = lw.tensors[st.w].device_shape[0]
         if len(inp) == 2 or lw.shapes[src][1] != E:
             rep = lw.call("repeat", T(src), [1, E, 1, 1], out=f"{out}.rep",
                           shape=(1, E, lw.shapes[src][2], lw.shapes[src][3]), memory_config=DRAM)
         else:
             rep = src
         wb = W(w, variant="batched")
-        lw.setup_call(wb.key(lw.layer), "reshape", W(w), [1, *st["w_shape"]], shape=(1, *st["w_shape"]))
-        lw.call("matmul", T(rep), wb, out=out, shape=tt_shape(st["out_shape"]), dtype=dtype,
-                memory_config=DRAM, compute_kernel_config=configs.compute_config(st["w_dtype"]))
+        lw.setup_call(wb.key(lw.layer), "reshape", W(w), [1, *lw.tensors[st.w].device_shape], shape=(1, *lw.tensors[st.w].device_shape))
+        lw.call("matmul", T(rep), wb, out=out, shape=tt_shape(st.out.shape), dtype=dtype,
+                memory_config=DRAM, compute_kernel_config=configs.compute_config(lw.tensors[st.w].dtype))
         return
     rows = lw.shapes[src][2]
-    pc = configs.matmul_config(rows, k, st["w_shape"][-1], lw.grid)
-    lw.call("linear", T(src), W(w, per_layer=lw.layer is not None), out=out, shape=tt_shape(st["out_shape"]),
+    pc = configs.matmul_config(rows, k, lw.tensors[st.w].device_shape[-1], lw.grid)
+    lw.call("linear", T(src), W(w, per_layer=lw.layer is not None), out=out, shape=tt_shape(st.out.shape),
             dtype=dtype, memory_config=DRAM, program_config=pc,
-            compute_kernel_config=configs.compute_config(st["w_dtype"]))
+            compute_kernel_config=configs.compute_config(lw.tensors[st.w].dtype))
 
 
 def _vector_view(lw: _Lowerer, w: str, shape: tuple, variant: str) -> W:
@@ -388,9 +388,9 @@ def _cache_write(lw: _Lowerer, kv: str, x: str) -> None:
         lw.call("experimental.paged_fill_cache", KV(kv), T(src), T("fill_page_table"), batch_idx_tensor=T("seq_slot"))
 
 
-def _attention(lw: _Lowerer, st: dict) -> None:
-    q, k, v = st["ins"]
-    for name, shp in zip(st["ins"], st["in_shapes"]):
+def _attention(lw: _Lowerer, st: Step) -> None:
+    q, k, v = (a.name for a in st.ins)
+    for name, shp in ((a.name, a.shape) for a in st.ins):
         lw.shapes.setdefault(name, tt_shape(shp))
     lt = lw.lt()
     hd = lt.get("head_dim", lw.a.hd)
@@ -421,7 +421,7 @@ def _attention(lw: _Lowerer, st: dict) -> None:
         # the fused SDPA kernels are causal only
         cap = float(lt["attn_softcap"]) if lt.get("attn_softcap") else None
         o = _softcap_attention(lw, nq, nkv, hd, scale, cap, lt.get("window"))
-        _merge_heads(lw, o, st["out"])
+        _merge_heads(lw, o, st.out.name)
         return
     extra = {}
     if lt.get("window"):
@@ -440,7 +440,7 @@ def _attention(lw: _Lowerer, st: dict) -> None:
                     T("page_table"), out="oh", shape=lw.shapes["qr"], chunk_start_idx_tensor=T("chunk_start"),
                     scale=scale, program_config=configs.sdpa_config(lw.grid, lw.rows),
                     compute_kernel_config=kernel, memory_config=DRAM, **extra)
-    _merge_heads(lw, o, st["out"])
+    _merge_heads(lw, o, st.out.name)
 
 
 def mask_input(window) -> str:
@@ -499,14 +499,14 @@ def _softcap_attention(lw: _Lowerer, nq: int, nkv: int, hd: int, scale: float, c
     return lw.call("reshape", T(o), list(lw.shapes["qr"]), out="oh", shape=lw.shapes["qr"])
 
 
-def _mla_attention(lw: _Lowerer, st: dict) -> None:
+def _mla_attention(lw: _Lowerer, st: Step) -> None:
     """DeepSeek MLA with the absorbed projections (as the device does it): the cache holds
     ``latent | rope key`` per token; queries are moved into latent space with W_UK and the
     latent context out of it with W_UV (both cut from ``wkv_b`` once at setup)."""
-    q, kvn = st["ins"]
+    q, kvn = (a.name for a in st.ins)
     m = lw.traits["mla"]
     r, nope, rope, vd = m["kv_lora_rank"], m["qk_nope_head_dim"], m["qk_rope_head_dim"], m["v_head_dim"]
-    for name, shp in zip(st["ins"], st["in_shapes"]):
+    for name, shp in ((a.name, a.shape) for a in st.ins):
         lw.shapes.setdefault(name, tt_shape(shp))
     H = lw.shapes[q][3] // (nope + rope)
     rows = lw.rows
@@ -572,7 +572,7 @@ def _mla_attention(lw: _Lowerer, st: dict) -> None:
                 compute_kernel_config=kernel)
     if lw.decode:
         o = lw.call("transpose", T(o), 1, 2, out="oh.t", shape=(1, rows, H, vd), memory_config=DRAM)
-    _merge_heads(lw, o, st["out"])
+    _merge_heads(lw, o, st.out.name)
 
 
 def _activation(lw: _Lowerer, x: str, out: str) -> str:
@@ -583,20 +583,20 @@ def _activation(lw: _Lowerer, x: str, out: str) -> str:
     return lw.call("gelu", T(x), out=out, shape=lw.shapes[x], fast_and_approximate_mode=approx, memory_config=DRAM)
 
 
-def _swiglu(lw: _Lowerer, st: dict) -> None:
-    g, u = st["ins"]
-    for name, shp in zip(st["ins"], st["in_shapes"]):
+def _swiglu(lw: _Lowerer, st: Step) -> None:
+    g, u = (a.name for a in st.ins)
+    for name, shp in ((a.name, a.shape) for a in st.ins):
         lw.shapes.setdefault(name, tt_shape(shp))
     ga = _activation(lw, g, f"{g}.act")
-    lw.call("multiply", T(ga), T(u), out=st["out"], shape=lw.shapes[u], memory_config=DRAM)
+    lw.call("multiply", T(ga), T(u), out=st.out.name, shape=lw.shapes[u], memory_config=DRAM)
 
 
-def _clamped_swiglu(lw: _Lowerer, st: dict) -> None:
+def _clamped_swiglu(lw: _Lowerer, st: Step) -> None:
     """GPT-OSS: [gate | up] halves; gate clamped above, up on both sides; (up + 1) * gate *
     sigmoid(alpha * gate). Output [E, I] (the program keeps [E, 2I]: an over-estimate)."""
-    (x,) = st["ins"]
+    (x,) = (a.name for a in st.ins)
     moe = lw.traits["moe"]
-    lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
+    lw.shapes.setdefault(x, tt_shape(st.ins[0].shape))
     src = _bias(lw, x, "experts_b13", f"{x}.b") if lw.has("experts_b13") else x
     s = lw.shapes[src]
     half = s[3] // 2
@@ -609,7 +609,7 @@ def _clamped_swiglu(lw: _Lowerer, st: dict) -> None:
     lw.call("sigmoid", T("eg.a"), out="eg.s", shape=lw.shapes[g], memory_config=DRAM)
     lw.call("multiply", T("eg.c"), T("eg.s"), out="eg.g", shape=lw.shapes[g], memory_config=DRAM)
     lw.call("add", T("eu.c"), 1.0, out="eu.1", shape=lw.shapes[u], memory_config=DRAM)
-    lw.call("multiply", T("eu.1"), T("eg.g"), out=st["out"], shape=lw.shapes[u], memory_config=DRAM)
+    lw.call("multiply", T("eu.1"), T("eg.g"), out=st.out.name, shape=lw.shapes[u], memory_config=DRAM)
 
 
 def _filled(lw: _Lowerer, kind: str, shape: tuple) -> str:
@@ -628,24 +628,24 @@ def _dense_route(lw: _Lowerer, weights: str, idx: str, E: int, out: str) -> str:
                    memory_config=DRAM)
 
 
-def _topk_softmax(lw: _Lowerer, st: dict) -> None:
-    (x,) = st["ins"]
-    lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
+def _topk_softmax(lw: _Lowerer, st: Step) -> None:
+    (x,) = (a.name for a in st.ins)
+    lw.shapes.setdefault(x, tt_shape(st.ins[0].shape))
     src = _bias(lw, x, "router_bias", f"{x}.b") if lw.has("router_bias") else x
     s = lw.shapes[src]
     k = int(lw.traits["moe"]["top_k"])
     lw.call("topk", T(src), k, 3, True, True, out=("route.v", "route.i"), shape=(*s[:3], k))
     lw.shapes["route.v"] = lw.shapes["route.i"] = (*s[:3], k)
     lw.call("softmax", T("route.v"), 3, out="route.p", shape=(*s[:3], k), memory_config=DRAM)
-    _dense_route(lw, "route.p", "route.i", s[3], st["out"])
+    _dense_route(lw, "route.p", "route.i", s[3], st.out.name)
 
 
-def _group_topk(lw: _Lowerer, st: dict) -> None:
+def _group_topk(lw: _Lowerer, st: Step) -> None:
     """DeepSeek-V3 noaux_tc: sigmoid scores; choose on scores + bias within the top groups (by
     the sum of each group's two best); weights the raw scores, renormalized, scaled."""
-    (x,) = st["ins"]
+    (x,) = (a.name for a in st.ins)
     moe = lw.traits["moe"]
-    lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
+    lw.shapes.setdefault(x, tt_shape(st.ins[0].shape))
     _, _, rows, E = lw.shapes[x]
     G, kg, k = int(moe["n_group"]), int(moe["topk_group"]), int(moe["top_k"])
     # routing in bf16 on device (the router matmul accumulates in fp32; where/scatter take no
@@ -673,14 +673,14 @@ def _group_topk(lw: _Lowerer, st: dict) -> None:
         w = lw.call("divide", T(w), T(tot), out="rt.wn", shape=(1, 1, rows, k), memory_config=DRAM)
     w = lw.call("multiply", T(w), float(moe.get("routed_scaling_factor", 1.0)), out="rt.ws", shape=(1, 1, rows, k),
                 memory_config=DRAM)
-    _dense_route(lw, w, "rt.ti", E, st["out"])
+    _dense_route(lw, w, "rt.ti", E, st.out.name)
 
 
-def _combine(lw: _Lowerer, st: dict) -> None:
+def _combine(lw: _Lowerer, st: Step) -> None:
     """Σ over this device's experts of eo * route[local experts]: route's expert dim partitioned
     over the expert-parallel axes like the experts themselves."""
-    x = st["x"]
-    lw.shapes.setdefault(x, tt_shape(st["in_shape"]))
+    x = st.ins[0].name
+    lw.shapes.setdefault(x, tt_shape(st.ins[0].shape))
     src = x
     if lw.has("experts_b2"):
         s = lw.shapes[x]
@@ -694,45 +694,45 @@ def _combine(lw: _Lowerer, st: dict) -> None:
     wt = lw.call("transpose", T(local), 1, 3, out="route.t", shape=(1, El, rows, 1), memory_config=DRAM)
     wt = lw.call("typecast", T(wt), BF16, out="route.tb", shape=(1, El, rows, 1))
     prod = lw.call("multiply", T(src), T(wt), out=f"{x}.w", shape=lw.shapes[src], memory_config=DRAM)
-    s = lw.call("sum", T(prod), 1, True, out=f"{st['out']}.s", shape=(1, 1, rows, lw.shapes[src][3]),
+    s = lw.call("sum", T(prod), 1, True, out=f"{st.out.name}.s", shape=(1, 1, rows, lw.shapes[src][3]),
                 memory_config=DRAM)
-    lw.call("reshape", T(s), [1, 1, rows, lw.shapes[src][3]], out=st["out"], shape=(1, 1, rows, lw.shapes[src][3]))
+    lw.call("reshape", T(s), [1, 1, rows, lw.shapes[src][3]], out=st.out.name, shape=(1, 1, rows, lw.shapes[src][3]))
 
 
-def _out_bias(lw: _Lowerer, st: dict) -> None:
-    (x,) = st["ins"]
-    lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
-    _bias(lw, x, "bo", st["out"])
+def _out_bias(lw: _Lowerer, st: Step) -> None:
+    (x,) = (a.name for a in st.ins)
+    lw.shapes.setdefault(x, tt_shape(st.ins[0].shape))
+    _bias(lw, x, "bo", st.out.name)
 
 
 # ---- vision encoder (rows: the patches of the program's images, image after image) ---------------
-def _one_input(lw: _Lowerer, st: dict) -> str:
-    (x,) = st["ins"]
-    lw.shapes.setdefault(x, tt_shape(st["in_shapes"][0]))
+def _one_input(lw: _Lowerer, st: Step) -> str:
+    (x,) = (a.name for a in st.ins)
+    lw.shapes.setdefault(x, tt_shape(st.ins[0].shape))
     return x
 
 
-def _vision_embed(lw: _Lowerer, st: dict) -> None:
+def _vision_embed(lw: _Lowerer, st: Step) -> None:
     """Patch matmul output + the conv bias + each patch's position embedding (the table, made a
     TILE ``[1, 1, patches, hidden]`` once at setup, repeated for each image)."""
-    x = _bias(lw, _one_input(lw, st), "v_patch_b", f"{st['out']}.b")
+    x = _bias(lw, _one_input(lw, st), "v_patch_b", f"{st.out.name}.b")
     v = lw.a.vision
     rows, hid = lw.shapes[x][2], lw.shapes[x][3]
     pos = W("v_pos", variant="tile")
     lw.setup_call(pos.key(None), "to_layout", W("v_pos", per_layer=False), TILE_L, shape=(v.num_patches, hid))
     posr = W("v_pos", variant="tile4")
     lw.setup_call(posr.key(None), "reshape", pos, [1, 1, v.num_patches, hid], shape=(1, 1, v.num_patches, hid))
-    rep = lw.call("repeat", posr, [1, 1, rows // v.num_patches, 1], out=f"{st['out']}.pos", shape=(1, 1, rows, hid),
+    rep = lw.call("repeat", posr, [1, 1, rows // v.num_patches, 1], out=f"{st.out.name}.pos", shape=(1, 1, rows, hid),
                   memory_config=DRAM)
-    lw.call("add", T(x), T(rep), out=st["out"], shape=(1, 1, rows, hid), memory_config=DRAM)
+    lw.call("add", T(x), T(rep), out=st.out.name, shape=(1, 1, rows, hid), memory_config=DRAM)
 
 
-def _vision_attention(lw: _Lowerer, st: dict) -> None:
+def _vision_attention(lw: _Lowerer, st: Step) -> None:
     """q/k/v biases, then attention among the patches of each image (images as the batch, no
     mask), this device's heads, as matmuls and a softmax: ttnn's fused SDPA does not pad the
     head dim (SigLIP's is 72)."""
-    q, k, v = st["ins"]
-    for name, shp in zip(st["ins"], st["in_shapes"]):
+    q, k, v = (a.name for a in st.ins)
+    for name, shp in ((a.name, a.shape) for a in st.ins):
         lw.shapes.setdefault(name, tt_shape(shp))
     vis = lw.a.vision
     hd, P = vis.head_dim, vis.num_patches
@@ -752,21 +752,21 @@ def _vision_attention(lw: _Lowerer, st: dict) -> None:
     o = lw.call("matmul", T(p), T(vh), out="vo.h", shape=(n, h, P, hd), memory_config=DRAM,
                 compute_kernel_config=kernel)
     t = lw.call("transpose", T(o), 1, 2, out="vo.t", shape=(n, P, h, hd), memory_config=DRAM)
-    lw.call("reshape", T(t), [1, 1, rows, width], out=st["out"], shape=(1, 1, rows, width))
+    lw.call("reshape", T(t), [1, 1, rows, width], out=st.out.name, shape=(1, 1, rows, width))
 
 
 def _vision_bias(w: str):
-    def fn(lw: _Lowerer, st: dict) -> None:
-        _bias(lw, _one_input(lw, st), w, st["out"])
+    def fn(lw: _Lowerer, st: Step) -> None:
+        _bias(lw, _one_input(lw, st), w, st.out.name)
     return fn
 
 
-def _vision_gelu(lw: _Lowerer, st: dict) -> None:
-    x = _bias(lw, _one_input(lw, st), "v_b1", f"{st['out']}.b")
-    lw.call("gelu", T(x), out=st["out"], shape=lw.shapes[x], fast_and_approximate_mode=True, memory_config=DRAM)
+def _vision_gelu(lw: _Lowerer, st: Step) -> None:
+    x = _bias(lw, _one_input(lw, st), "v_b1", f"{st.out.name}.b")
+    lw.call("gelu", T(x), out=st.out.name, shape=lw.shapes[x], fast_and_approximate_mode=True, memory_config=DRAM)
 
 
-def _vision_pool(lw: _Lowerer, st: dict) -> None:
+def _vision_pool(lw: _Lowerer, st: Step) -> None:
     """The average pool to soft tokens as one matmul by a host-made pooling matrix."""
     x = _one_input(lw, st)
     v = lw.a.vision
@@ -776,7 +776,7 @@ def _vision_pool(lw: _Lowerer, st: dict) -> None:
     name = f"vision.pool.{n}"
     lw.consts[name] = Const(name, (1, 1, soft, rows), "bf16", "TILE", "avg_pool",
                             (("images", n), ("side", v.patches_per_side), ("window", v.pool)))
-    lw.call("matmul", T(name), T(x), out=st["out"], shape=(1, 1, soft, hid), memory_config=DRAM,
+    lw.call("matmul", T(name), T(x), out=st.out.name, shape=(1, 1, soft, hid), memory_config=DRAM,
             compute_kernel_config=configs.compute_config())
 
 
@@ -787,12 +787,12 @@ def vision_mask_input(full: bool) -> str:
     return "vision_mask.image" if full else "vision_mask.window"
 
 
-def _qwen_vision_attention(lw: _Lowerer, st: dict) -> None:
+def _qwen_vision_attention(lw: _Lowerer, st: Step) -> None:
     """q/k/v biases, the 2-D rope (per-row cos / sin inputs; rotate-half by a matmul), then attention over
     all rows with the window (or image) mask input, as matmuls and a softmax: this device's
     heads ``[1, h, rows, hd]``."""
-    q, k, v = st["ins"]
-    for name, shp in zip(st["ins"], st["in_shapes"]):
+    q, k, v = (a.name for a in st.ins)
+    for name, shp in ((a.name, a.shape) for a in st.ins):
         lw.shapes.setdefault(name, tt_shape(shp))
     vis = lw.a.vision
     hd = vis.head_dim
@@ -826,41 +826,41 @@ def _qwen_vision_attention(lw: _Lowerer, st: dict) -> None:
     p = lw.call("softmax", T(s), -1, out="vo.p", shape=(1, h, rows, rows), memory_config=DRAM)
     o = lw.call("matmul", T(p), T(vh), out="vo.h", shape=(1, h, rows, hd), memory_config=DRAM,
                 compute_kernel_config=kernel)
-    _merge_heads(lw, o, st["out"])
+    _merge_heads(lw, o, st.out.name)
 
 
-def _qwen_vision_swiglu(lw: _Lowerer, st: dict) -> None:
-    g, u = st["ins"]
-    for name, shp in zip(st["ins"], st["in_shapes"]):
+def _qwen_vision_swiglu(lw: _Lowerer, st: Step) -> None:
+    g, u = (a.name for a in st.ins)
+    for name, shp in ((a.name, a.shape) for a in st.ins):
         lw.shapes.setdefault(name, tt_shape(shp))
     gb, ub = _bias(lw, g, "v_b1", f"{g}.b"), _bias(lw, u, "v_b3", f"{u}.b")
     a = lw.call("silu", T(gb), out=f"{g}.a", shape=lw.shapes[gb], memory_config=DRAM)
-    lw.call("multiply", T(a), T(ub), out=st["out"], shape=lw.shapes[gb], memory_config=DRAM)
+    lw.call("multiply", T(a), T(ub), out=st.out.name, shape=lw.shapes[gb], memory_config=DRAM)
 
 
-def _qwen_vision_merge(lw: _Lowerer, st: dict) -> None:
+def _qwen_vision_merge(lw: _Lowerer, st: Step) -> None:
     """Each merge block's patches (consecutive rows) as one row: a reshape."""
     x = _one_input(lw, st)
     rows, hid = lw.shapes[x][2], lw.shapes[x][3]
     unit = lw.a.vision.merge_unit
-    lw.call("reshape", T(x), [1, 1, rows // unit, unit * hid], out=st["out"], shape=(1, 1, rows // unit, unit * hid))
+    lw.call("reshape", T(x), [1, 1, rows // unit, unit * hid], out=st.out.name, shape=(1, 1, rows // unit, unit * hid))
 
 
-def _qwen_vision_merge_gelu(lw: _Lowerer, st: dict) -> None:
-    x = _bias(lw, _one_input(lw, st), "v_merge1_b", f"{st['out']}.b")
-    lw.call("gelu", T(x), out=st["out"], shape=lw.shapes[x], fast_and_approximate_mode=False, memory_config=DRAM)
+def _qwen_vision_merge_gelu(lw: _Lowerer, st: Step) -> None:
+    x = _bias(lw, _one_input(lw, st), "v_merge1_b", f"{st.out.name}.b")
+    lw.call("gelu", T(x), out=st.out.name, shape=lw.shapes[x], fast_and_approximate_mode=False, memory_config=DRAM)
 
 
-def _residual_add(lw: _Lowerer, st: dict) -> None:
-    x = st["x"]
+def _residual_add(lw: _Lowerer, st: Step) -> None:
+    x = st.ins[0].name
     lw.call("add", T("h"), T(x), out="h", shape=lw.shapes["h"], memory_config=DRAM)
 
 
-def _logits(lw: _Lowerer, st: dict) -> None:
+def _logits(lw: _Lowerer, st: Step) -> None:
     """Sampling on device over the gathered logits (top-k candidates drawn by ``ttnn.sampling``
     with per-row k / p / temperature inputs), or the logits themselves for host sampling; padded
     vocabulary columns are sliced off first."""
-    x = st["x"]
+    x = st.ins[0].name
     s = lw.shapes[x]
     V = lw.a.vocab_size
     if s[3] != V:
@@ -883,38 +883,37 @@ def _logits(lw: _Lowerer, st: dict) -> None:
             shape=(1, 1, 1, s[2]), seed=0)
 
 
-def program_policy(program: dict, bundle=None):
+def program_policy(program: Program, bundle=None):
     """The sharding policy a program was lowered with (its ``policy``; else the bundle's)."""
-    return layout.Policy.from_json(program.get("policy"), None if bundle is None else bundle.spec.sharding)
+    return layout.Policy.from_json(program.policy or None, None if bundle is None else bundle.spec.sharding)
 
 
-def _collective(lw: _Emitter, st: dict) -> None:
-    """One collective step: an all_reduce or all_gather of ``st["act"]`` over ``st["axes"]``,
+def _collective(lw: _Emitter, st: Step) -> None:
+    """One collective step: an all_reduce or all_gather of ``st.act`` over ``st.axes``,
     one ttnn call per mesh axis. A gather over several axes runs in ``layout.gather_sequence``
     order (innermost axis first), so every device ends with its group in group order; where the
-    gathered dim (``st["feature"]``) is padded, ``layout.gather_index`` says where its elements
+    gathered dim (``st.feature``) is padded, ``layout.gather_index`` says where its elements
     are, and the padding (at the end) is sliced off."""
-    x = st["act"]
-    shp = tt_shape(st["shape"])
+    x = st.act
+    shp = tt_shape(st.ins[0].shape)
     lw.shapes.setdefault(x, shp)
-    axes = tuple(st["axes"])
-    if st["collective"] == "all_reduce":
+    axes = tuple(st.axes)
+    if st.op is Op.ALL_REDUCE:
         for ax in axes:  # a sum: any axis order gives it
             lw.call("all_reduce", T(x), out=x, shape=shp, cluster_axis=AXES.index(ax),
                     topology=lw.topology((ax,)), num_links=1, memory_config=DRAM)
         return
-    dim = tt_dim(st["shape"], st["dim"])
+    dim = tt_dim(st.ins[0].shape, st.dim)
     for ax in layout.gather_sequence(axes):
         nxt = list(lw.shapes[x])
         nxt[dim] *= lw.mesh.axis_size(ax)
         lw.call("all_gather", T(x), dim, out=x, shape=nxt, cluster_axis=AXES.index(ax),
                 topology=lw.topology((ax,)), num_links=1, memory_config=DRAM)
-    f = st.get("feature")
-    inv = f and layout.gather_index(Dim(f["name"], int(f["size"]), int(f["unit"]), int(f.get("groups", 0))),
-                                    axes, lw.mesh, lw.policy)
+    f = st.feature
+    inv = f and layout.gather_index(f, axes, lw.mesh, lw.policy)
     if inv:
         if inv != list(range(len(inv))):  # padding inside the group, or replicas: no plan gathers one yet
-            raise NotImplementedError(f"all_gather of {x} over {axes}: {f['name']} comes back out of order "
+            raise NotImplementedError(f"all_gather of {x} over {axes}: {f.name} comes back out of order "
                                       f"(padding or replicas inside the group); the ttnn lowering only drops "
                                       f"padding at the end")
         end = list(lw.shapes[x])
@@ -922,11 +921,11 @@ def _collective(lw: _Emitter, st: dict) -> None:
         lw.call("slice", T(x), [0, 0, 0, 0], end, [1, 1, 1, 1], out=x, shape=end)
 
 
-def collective_calls(mesh: Mesh, st: dict, policy=None) -> list[Call]:
+def collective_calls(mesh: Mesh, st: Step, policy=None) -> list[Call]:
     """The ttnn calls ``lower_forward`` emits for collective program step ``st`` on ``mesh``
     (``policy``: the program's, :func:`program_policy`)."""
     em = _Emitter(mesh, policy or layout.Policy())
-    em.op = st["collective"]
+    em.op = st.op.value
     _collective(em, st)
     return em.calls
 
@@ -940,7 +939,7 @@ def partition_calls(mesh: Mesh, x: str, shape, dim: int, axes, out: str) -> list
     return em.calls
 
 
-OPS: dict[str, Callable[[_Lowerer, dict], None]] = {
+OPS: dict[str, Callable[[_Lowerer, Step], None]] = {
     "embedding": _embedding, "rms_norm": _rms_norm, "matmul": _matmul, "attention": _attention,
     "mla_attention": _mla_attention, "swiglu": _swiglu, "clamped_swiglu": _clamped_swiglu,
     "topk_softmax": _topk_softmax, "group_topk": _group_topk, "combine": _combine, "out_bias": _out_bias,
@@ -955,22 +954,23 @@ OPS: dict[str, Callable[[_Lowerer, dict], None]] = {
 }
 
 
-def step_kind(st: dict) -> str:
-    return st.get("op") or st["collective"]
+def step_kind(st: Step) -> str:
+    """The name a step's op is lowered by (:data:`OPS`): a local op's kernel, else the op."""
+    return st.kernel if st.op is Op.LOCAL else st.op.value
 
 
-def inputs_of(program: dict, bundle) -> dict:
+def inputs_of(program: Program, bundle) -> dict:
     """The device tensors a run writes before it starts (shape, dtype, layout); page tables in
     the program's KV blocks."""
-    rows = program["rows"]
-    if program["phase"] == "vision":  # the images' patches, flattened like the conv weight
+    rows = program.rows
+    if program.phase == "vision":  # the images' patches, flattened like the conv weight
         return {"patches": ((1, 1, rows, bundle.arch.vision.patch_pixels), "bf16", "TILE")}
     B = rows
-    block_size = int(program["kv_cache"]["block_size"])
+    block_size = int(program.kv_cache["block_size"])
     blocks_per_seq = tiles.blocks_per_seq(bundle.spec.runtime.max_model_len, block_size)
     ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
            "positions": ((1, rows), "uint32", "ROW_MAJOR")}
-    if program["phase"] == "decode":
+    if program.phase == "decode":
         ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
         ins["page_table"] = ((B, blocks_per_seq), "int32", "ROW_MAJOR")
     else:
@@ -983,24 +983,24 @@ def inputs_of(program: dict, bundle) -> dict:
             hid = bundle.arch.hidden_size
             ins["mm_keep"] = ((1, 1, rows, hid), "bf16", "TILE")
             ins["mm_embeds"] = ((1, 1, rows, hid), "bf16", "TILE")
-    head_rows = rows if program["phase"] == "decode" else min(rows, TILE)  # rows the head samples
+    head_rows = rows if program.phase == "decode" else min(rows, TILE)  # rows the head samples
     ins["top_k"] = ((head_rows,), "uint32", "ROW_MAJOR")
     ins["top_p"] = ((head_rows,), "bf16", "ROW_MAJOR")
     ins["temperature"] = ((head_rows,), "bf16", "ROW_MAJOR")
     return ins
 
 
-def image_prefill(bundle, program: dict) -> bool:
+def image_prefill(bundle, program: Program) -> bool:
     """Does this forward take images: a prefill of a model with a vision part. Its prefill takes
     the chunk's soft tokens as inputs (``mm_keep``, ``mm_embeds``: :func:`_merge_images`)."""
-    return program["phase"] == "prefill" and bundle.family.vision_part(bundle.arch) is not None
+    return program.phase == "prefill" and bundle.family.vision_part(bundle.arch) is not None
 
 
-def image_mask(bundle, program: dict) -> bool:
+def image_mask(bundle, program: Program) -> bool:
     """Does this image prefill attend with an explicit mask input: its family's image soft tokens
     see their whole image (the vision part's ``BIDIRECTIONAL_IMAGES``: Gemma 3), which the
     causal fused SDPA cannot say."""
-    part = bundle.family.vision_part(bundle.arch) if program["phase"] == "prefill" else None
+    part = bundle.family.vision_part(bundle.arch) if program.phase == "prefill" else None
     return bool(getattr(part, "BIDIRECTIONAL_IMAGES", False))
 
 
@@ -1018,9 +1018,9 @@ def _merge_images(lw: _Lowerer) -> None:
     lw.call("add", T("h"), T("mm_embeds"), out="h", shape=h, memory_config=DRAM)
 
 
-def unlowered_ops(program: dict) -> list[str]:
+def unlowered_ops(program: Program) -> list[str]:
     """The op kinds of ``program`` that have no ttnn lowering (in :data:`OPS`), in order."""
-    kinds = [step_kind(st) for kind in program["layers"] for st in kind["steps"]]
+    kinds = [step_kind(st) for lp in program.layers for st in lp.steps]
     return list(dict.fromkeys(k for k in kinds if k not in OPS))
 
 
@@ -1053,59 +1053,62 @@ def static_start(bundle, phase: str, bucket: int, start: int) -> int:
     return start
 
 
-def lower_forward(bundle, mesh, program: dict, sampling: str = "device", grid: tuple[int, int] | None = None,
-                  chunk_start: int = 0) -> Forward:
-    """The ttnn calls of ``program`` (``lower.lower``'s JSON for one phase and bucket, as a
-    package holds it) on ``mesh`` (the package's ``Mesh``; a build-time ``Plan`` gives its
-    ``mesh``). Every weight's PartitionSpec, per-device shape and dtype, the KV cache's dtype and
-    block size come from the program, nothing from a plan; a program for another mesh shape is
-    refused. ``grid``: the compute grid to configure ops for (default: the mesh chip's);
-    ``chunk_start``: the static chunk start of an MLA prefill (:func:`chunk_starts`)."""
+def lower_forward(bundle, mesh: Mesh, program: Program, sampling: str = "device",
+                  grid: tuple[int, int] | None = None, chunk_start: int = 0) -> Forward:
+    """The ttnn calls of ``program`` (the typed ``program.Program`` of one phase and bucket, as
+    ``lower.lower`` made it and a package holds it: ``LoadedPackage.program_ir``) on ``mesh``
+    (the ``Mesh`` it runs on). Every weight's PartitionSpec, per-device shape and dtype, the KV
+    cache's dtype and block size come from the program, nothing from a plan; a program for another
+    mesh shape is refused. ``grid``: the compute grid to configure ops for (default: the mesh
+    chip's); ``chunk_start``: the static chunk start of an MLA prefill (:func:`chunk_starts`)."""
     if sampling not in SAMPLING:
         raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
-    mesh = getattr(mesh, "mesh", mesh)  # a Plan: its mesh
-    name = f"{program['phase']}-{program['bucket']}"
-    shape = list((program.get("mesh") or {}).get("shape", ()))
+    if not isinstance(program, Program):
+        raise TypeError(f"lower_forward takes a program.Program, got {type(program).__name__}")
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"lower_forward takes the mesh.Mesh the program runs on, got {type(mesh).__name__}")
+    name = program.name
+    shape = list(program.mesh.get("shape", ()))
     if shape != list(mesh.shape):
         raise ValueError(f"program {name} is for a {shape} mesh, lowering for {mesh.describe()}")
     lw = _Lowerer(bundle, mesh, program, sampling, grid)
     lw.chunk_start = int(chunk_start)
     lw.inputs = inputs_of(program, bundle)
-    if program["phase"] == "vision":
+    if program.phase == "vision":
         lw.shapes["patches"] = lw.inputs["patches"][0]
     layers: list[Layer] = []
     index = 0
-    for kind in program["layers"]:
-        decoder = kind["kind"] not in ("embedding", "head", "vision_embedding", "vision_projector")
-        for i in range(kind["count"] if decoder else 1):
+    for lp in program.layers:
+        decoder = lp.kind not in ("embedding", "head", "vision_embedding", "vision_projector")
+        for i in range(lp.count if decoder else 1):
             lw.layer = index if decoder else None
             lw.calls = []
-            if kind["kind"] == "head" and program["phase"] == "prefill":
+            if lp.kind == "head" and program.phase == "prefill":
                 # the head runs on the tile row holding the last prompt token: a [32, rows]
                 # selector (an input, one-hot rows) picks it, so the trace needs no dynamic slice
                 h = lw.shapes["h"]
                 lw.op = "logits"
                 lw.call("matmul", T("last_rows"), T("h"), out="h", shape=(1, 1, min(TILE, h[2]), h[3]),
                         memory_config=DRAM, compute_kernel_config=configs.compute_config())
-            for st in kind["steps"]:
+            for st in lp.steps:
                 k = step_kind(st)
                 fn = OPS.get(k)
                 if fn is None:
                     raise NotImplementedError(f"no ttnn lowering for program op {k!r}")
                 lw.op = k
                 fn(lw, st)
-            if kind["kind"] == "embedding" and "mm_keep" in lw.inputs:
+            if lp.kind == "embedding" and "mm_keep" in lw.inputs:
                 _merge_images(lw)
-            layers.append(Layer(kind["kind"], lw.layer, lw.calls))
+            layers.append(Layer(lp.kind, lw.layer, lw.calls))
             index += 1 if decoder else 0
     outputs = ["next_tokens"] if sampling == "device" else ["logits.out"]
-    if program["phase"] == "vision":  # the soft tokens, replicated
-        outputs = [program["layers"][-1]["steps"][-1]["out"]]
+    if program.phase == "vision":  # the soft tokens, replicated
+        outputs = [program.layers[-1].steps[-1].out.name]
     elif sampling == "host":
         for k in ("top_k", "top_p", "temperature"):
             lw.inputs.pop(k)
     weights = {n: (tuple(device_shape(t.device_shape, t.layout)), t.dtype, t.layout) for n, t in lw.tensors.items()}
-    return Forward(program["phase"], program["bucket"], program["rows"], lw.inputs, layers, outputs,
+    return Forward(program.phase, program.bucket, program.rows, lw.inputs, layers, outputs,
                    list(lw.setup.values()), list(lw.consts.values()), lw.gaps, weights)
 
 

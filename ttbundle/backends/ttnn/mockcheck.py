@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in dirs:
             bundle, pmesh, programs = handover.read(path)
             for (phase, bucket), prog in programs.items():
-                fw = lower_forward(bundle, pmesh, prog.to_json(), "device", grid=grid)
+                fw = lower_forward(bundle, pmesh, prog, "device", grid=grid)
                 r = validate(ttnn, device, prog, fw)
                 print("RESULT " + json.dumps({"dir": path, "mesh": mesh_name, "phase": phase, "bucket": bucket,
                                               "calls": r.calls, "grid": list(grid),
