@@ -237,7 +237,7 @@ class TTDeviceModel:
         ``pixel_values``: the request's images as Tenstorrent's plugin passes them (the whole
         prompt in this call), encoded here by the vision forwards (``images.prompt_inputs``).
         Either way the soft tokens are merged by the prefill forward itself
-        (``lowering._merge_images``) and its attention mask holds their image blocks. Other
+        (``inputs.merge_images``) and its attention mask holds their image blocks. Other
         keywords of that plugin (``image_grid_thw``) are accepted and unused."""
         import numpy as np
         from ..backends.ttnn.device import prefill_host_inputs
