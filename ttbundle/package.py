@@ -697,7 +697,7 @@ class LoadedPackage:
         return dict(self._ir["_kv"])
 
     def program(self, phase: str, bucket: int) -> dict:
-        """The JSON form of the (phase, bucket) program (what the ttnn lowering reads)."""
+        """The JSON form of the (phase, bucket) program (both backends run ``program_ir``)."""
         return self.program_ir(phase, bucket).to_json()
 
     def program_ir(self, phase: str, bucket: int):
