@@ -476,6 +476,20 @@ def test_programs_handed_over_to_a_ttnn_process_read_back_as_lowered(tmp_path):
         handover.read(d)
 
 
+def test_a_handed_over_program_runs_on_the_mesh_it_records():
+    """The mesh a handed-over program is lowered for is the one it records: the preset, or one
+    replica's submesh of it (as ``plan.target_mesh`` splits a target), the target's name kept."""
+    from ttbundle import mesh as meshmod
+    from ttbundle.backends.ttnn import handover
+    prog = lowermod.lower(specmod.load(BUNDLES / "llama-3.1-8b.yaml"),
+                          planmod.make_plan(specmod.load(BUNDLES / "llama-3.1-8b.yaml"), "N300"), "decode", 1)
+    assert handover.mesh_of(prog) == meshmod.resolve("N300")
+    import dataclasses
+    quarter = handover.mesh_of(dataclasses.replace(prog, mesh={"name": "TG", "shape": [2, 4], "arch": "wormhole_b0"}))
+    assert quarter == meshmod.split(meshmod.resolve("TG"), (2, 4))
+    assert (quarter.name, quarter.shape, quarter.target_shape) == ("TG", (2, 4), (8, 4))
+
+
 # ---- collectives as ttnn CCL calls (recording double) ---------------------------------------------
 def _expected_ccl(bundle, p, prog) -> list[tuple]:
     """From the program's steps (independently of the lowering): per collective step, one call per
