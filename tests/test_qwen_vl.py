@@ -292,8 +292,8 @@ def test_ttnn_mrope_tables_give_transformers_rotary_embedding():
     from ttbundle.backends.ttnn import device, lowering
     b = tiny()
     p = planmod.make_plan(b, "N150")
-    prog = __import__("ttbundle.lower", fromlist=["lower"]).lower(b, p, "prefill", 64).to_json()
-    fw = lowering.lower_forward(b, p, prog, "host")
+    prog = __import__("ttbundle.lower", fromlist=["lower"]).lower(b, p, "prefill", 64)
+    fw = lowering.lower_forward(b, p.mesh, prog, "host")
     assert {lowering.mrope_position_input(r) for r in range(3)} <= set(fw.inputs)
     g = torch.Generator().manual_seed(0)
     pos = torch.randint(0, 200, (3, 64), generator=g)

@@ -190,7 +190,7 @@ BUNDLES = Path(__file__).resolve().parent.parent / "bundles"
 def forwards_of(bundle, plan, sampling="device", keys=None):
     fws, traced = {}, set()
     for phase, b in keys or lowermod.trace_set(bundle):
-        fws[(phase, b)] = lowering.lower_forward(bundle, plan, lowermod.lower(bundle, plan, phase, b).to_json(), sampling)
+        fws[(phase, b)] = lowering.lower_forward(bundle, plan.mesh, lowermod.lower(bundle, plan, phase, b), sampling)
         if lowermod.traced(bundle, phase):
             traced.add((phase, b))
     return fws, traced
@@ -296,8 +296,8 @@ def test_every_program_op_kind_has_a_lowering():
         for mesh in bundle.spec.targets:
             p = planmod.make_plan(bundle, mesh)
             for phase, b in lowermod.trace_set(bundle):
-                prog = lowermod.lower(bundle, p, phase, b).to_json()
-                kinds |= {lowering.step_kind(st) for layer in prog["layers"] for st in layer["steps"]}
+                prog = lowermod.lower(bundle, p, phase, b)
+                kinds |= {lowering.step_kind(st) for _, _, st in prog.steps()}
     assert len(fams) == 9
     assert kinds <= set(lowering.OPS), sorted(kinds - set(lowering.OPS))
 
@@ -409,8 +409,8 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
     found = kernelcache.Sfpi(True, "/opt/tenstorrent/sfpi", "riscv-tt-elf-g++ (fake) 15.1.0")
     calls = []
 
-    def fake_fill(python, spec_file, mesh, dest, emit=None):
-        calls.append((python, Path(spec_file), mesh))
+    def fake_fill(python, bundle_yaml, programs, mesh, trace_region_size, dest, emit=None):
+        calls.append((python, mesh, bundle_yaml, programs, trace_region_size))
         (dest / "kernels" / "rms_norm" / "123").mkdir(parents=True)
         (dest / "kernels" / "rms_norm" / "123" / "trisc0.elf").write_bytes(b"\x7fELF" + bytes(60))
         (dest / "firmware.hex").write_text("00")
@@ -420,7 +420,13 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
     monkeypatch.setattr(kernelcache, "fill", fake_fill)
     spec = write_spec(tmp_path, ckpt)
     res = buildmod.build(specmod.load(spec), "N300", tmp_path / "out", backend="ttnn", warmup=False)
-    assert calls == [("/py-with-ttnn", spec.absolute(), "N300")] and "kernel_cache" in res.rebuilt
+    assert [c[:2] for c in calls] == [("/py-with-ttnn", "N300")] and "kernel_cache" in res.rebuilt
+    # handed the package's own programs and bundle.yaml (nothing for the fill to re-plan or lower)
+    pk = package.load_package(res.package)
+    _, _, yml, progs, trs = calls[0]
+    assert yml == (Path(res.package) / "bundle.yaml").read_text()
+    assert set(progs) == set(pk.programs) and all(progs[k] == pk.program_ir(*k) for k in pk.programs)
+    assert trs == pk.trace_region_size
     m = package.verify_package(res.package)  # every cache file hashed in the manifest
     kc = m["artifacts"]["kernel_cache"]
     want = {f"{kernelcache.CACHE_DIR}/kernels/rms_norm/123/trisc0.elf", f"{kernelcache.CACHE_DIR}/firmware.hex"}
@@ -440,6 +446,48 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
     monkeypatch.setattr(kernelcache, "status", lambda env=None: (kernelcache.Sfpi(False, reason="none here"), None))
     e = buildmod.explain(res.package)
     assert [f["field"] for f in e["fields"] if f["changed"]] == ["kernel_cache"]
+
+
+def test_programs_handed_over_to_a_ttnn_process_read_back_as_lowered(tmp_path):
+    """What the build (kernel cache) and the tests (mockcheck) hand a ttnn process: the programs
+    ``lower`` made and the package's bundle.yaml; read back, the same typed programs on the same
+    mesh, lowered to the same calls. A program that does not type-check is refused, naming it."""
+    from ttbundle import __version__
+    from ttbundle.backends.ttnn import handover
+    from ttbundle.program import ProgramError
+    bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
+    p = planmod.make_plan(bundle, "N300")
+    progs = lowermod.lower_all(bundle, p)
+    yml = package.render_bundle_yaml(package.resolved_spec(bundle, p), __version__)
+    d = handover.write(tmp_path / "h", yml, progs)
+    got_bundle, mesh, got = handover.read(d)
+    assert got == progs and list(got) == list(progs)
+    assert (mesh.name, mesh.shape, mesh.chip) == (p.mesh.name, p.mesh.shape, p.mesh.chip)
+    assert got_bundle.arch == bundle.arch and got_bundle.spec.runtime == bundle.spec.runtime
+    key = ("decode", 1)
+    assert lowering.lower_forward(got_bundle, mesh, got[key]) == \
+        lowering.lower_forward(bundle, p.mesh, progs[key])
+    f = d / handover.PROGRAMS / "decode-1.json"
+    prog = json.loads(f.read_text())
+    for lp in prog["layers"]:  # every all_gather dropped
+        lp["steps"] = [st for st in lp["steps"] if st.get("collective") != "all_gather"]
+    f.write_text(json.dumps(prog))
+    with pytest.raises(ProgramError, match=r"decode-1\.json: .*(no earlier step|collective missing)"):
+        handover.read(d)
+
+
+def test_a_handed_over_program_runs_on_the_mesh_it_records():
+    """The mesh a handed-over program is lowered for is the one it records: the preset, or one
+    replica's submesh of it (as ``plan.target_mesh`` splits a target), the target's name kept."""
+    from ttbundle import mesh as meshmod
+    from ttbundle.backends.ttnn import handover
+    prog = lowermod.lower(specmod.load(BUNDLES / "llama-3.1-8b.yaml"),
+                          planmod.make_plan(specmod.load(BUNDLES / "llama-3.1-8b.yaml"), "N300"), "decode", 1)
+    assert handover.mesh_of(prog) == meshmod.resolve("N300")
+    import dataclasses
+    quarter = handover.mesh_of(dataclasses.replace(prog, mesh={"name": "TG", "shape": [2, 4], "arch": "wormhole_b0"}))
+    assert quarter == meshmod.split(meshmod.resolve("TG"), (2, 4))
+    assert (quarter.name, quarter.shape, quarter.target_shape) == ("TG", (2, 4), (8, 4))
 
 
 # ---- collectives as ttnn CCL calls (recording double) ---------------------------------------------
@@ -493,7 +541,7 @@ def test_gemma2_attention_is_softcapped_with_the_emulated_mask():
     cap = bundle.arch.attn_logit_softcapping
     for phase in ("prefill", "decode"):
         b = min(k[1] for k in lowermod.trace_set(bundle) if k[0] == phase)
-        fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, phase, b).to_json())
+        fw = lowering.lower_forward(bundle, p.mesh, lowermod.lower(bundle, p, phase, b))
         assert fw.gaps == []
         calls = [c for _, c in fw.calls()]
         fns = [c.fn for c in calls]
@@ -505,7 +553,7 @@ def test_gemma2_attention_is_softcapped_with_the_emulated_mask():
         i = fns.index("softcap")
         assert fns[i - 1] == "multiply" and fns[i + 1] == "add" and fns[i + 2] == "softmax"
     # the host-made masks equal the emulated backend's (causal, window) at the same positions
-    fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, "decode", 1).to_json())
+    fw = lowering.lower_forward(bundle, p.mesh, lowermod.lower(bundle, p, "decode", 1))
     R, L = fw.inputs["attn_mask"][0][0], fw.inputs["attn_mask"][0][3]
     qpos = np.full((R, 1), -1)
     qpos[0, 0] = 37
@@ -528,9 +576,9 @@ def test_mla_prefill_is_lowered_per_chunk_start():
     starts = lowering.chunk_starts(bundle, "prefill", b)
     assert starts == list(range(0, bundle.spec.runtime.max_model_len, chunk)) and len(starts) > 1
     assert lowering.chunk_starts(bundle, "decode", 1) == [0]
-    prog = lowermod.lower(bundle, p, "prefill", b).to_json()
+    prog = lowermod.lower(bundle, p, "prefill", b)
     for start in (0, starts[-1]):
-        fw = lowering.lower_forward(bundle, p, prog, chunk_start=start)
+        fw = lowering.lower_forward(bundle, p.mesh, prog, chunk_start=start)
         mla = [c for _, c in fw.calls() if c.fn == "transformer.chunked_flash_mla_prefill"]
         assert mla and {c.args[4] for c in mla} == {start} and fw.gaps == []
     assert lowering.static_start(bundle, "prefill", b, starts[1]) == starts[1]
@@ -543,7 +591,7 @@ def test_mla_prefill_is_lowered_per_chunk_start():
 def test_a_later_prefill_chunk_writes_its_own_blocks():
     bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
     p = planmod.make_plan(bundle, "N300")
-    fw = lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, "prefill", 128).to_json())
+    fw = lowering.lower_forward(bundle, p.mesh, lowermod.lower(bundle, p, "prefill", 128))
     fills = [c for _, c in fw.calls() if c.fn == "experimental.paged_fill_cache"]
     assert fills and all(c.args[2].name == "fill_page_table" for c in fills)
     bs = p.kv["block_size"]

@@ -30,6 +30,7 @@ from ttbundle.backends.ttnn import model as ttmodel
 from ttbundle.backends.ttnn.calls import Call, Forward, Layer, T
 from ttbundle.families.base import Dim
 from ttbundle.mesh import AXES
+from ttbundle.program import Activation, Op, Step
 
 BUNDLES = Path(__file__).resolve().parent.parent / "bundles"
 POLICY = specmod.Sharding()
@@ -76,13 +77,22 @@ def differences(what: str, got: list[np.ndarray], want: dict[int, torch.Tensor],
     return out
 
 
+def typed(st: dict) -> Step:
+    """A collective step as the program JSON writes it (what these tests describe), as the typed
+    IR step the lowering takes."""
+    f = st.get("feature")
+    return Step(Op(st["collective"]), (Activation(st["act"], tuple(st["shape"])),), axes=tuple(st["axes"]),
+                dim=st["dim"], devices=int(st.get("devices", 1)),
+                feature=None if f is None else Dim(f["name"], int(f["size"]), int(f["unit"]), int(f.get("groups", 0))))
+
+
 def check_step(mesh, st: dict, calls: list[Call] | None = None, seed: int = 0, where: str = "",
                policy=POLICY) -> list[str]:
     """Run collective step ``st``'s lowered calls (default: ``lowering.collective_calls``) on the
     double and compare every device's result with DTensor's ``redistribute`` of the same global
     activation (a padded gathered dim, which DTensor cannot say: with the global activation
     itself). Returns the differences, each naming the activation, the step and the device."""
-    calls = lowering.collective_calls(mesh, st, policy) if calls is None else calls
+    calls = lowering.collective_calls(mesh, typed(st), policy) if calls is None else calls
     g = torch.Generator().manual_seed(seed)
     shape, axes, rank = list(st["shape"]), tuple(st["axes"]), len(st["shape"])
     D = mesh.num_devices
@@ -388,16 +398,17 @@ def test_partitions_in_the_wrong_order_give_wrong_shards(monkeypatch):
 def program_steps(bundle, p, key):
     """(layer index, kind, step, the calls lower_forward emitted for it) for every collective
     step of the forward ``key``; the calls are checked to be ``collective_calls`` of the step."""
-    prog = lowermod.lower(bundle, p, *key).to_json()
-    fw = lowering.lower_forward(bundle, p, prog)
+    ir = lowermod.lower(bundle, p, *key)
+    prog = ir.to_json()
+    fw = lowering.lower_forward(bundle, p.mesh, ir)
     kinds = {k["kind"]: [s for s in k["steps"] if "collective" in s] for k in prog["layers"]}
-    policy = lowering.program_policy(prog, bundle)
+    policy = lowering.program_policy(ir, bundle)
     out = []
     for layer in fw.layers:
         calls = [c for c in layer.calls if c.op in ("all_reduce", "all_gather")]
         i = 0
         for step in kinds[layer.kind]:
-            want = lowering.collective_calls(p.mesh, step, policy)
+            want = lowering.collective_calls(p.mesh, typed(step), policy)
             assert calls[i:i + len(want)] == want, (layer.kind, step)
             out.append((layer.index, layer.kind, step, calls[i:i + len(want)], policy))
             i += len(want)
@@ -537,24 +548,26 @@ def test_a_lowered_forward_on_tg_equals_the_emulated_backend(ckpt, tmp_path_fact
 
 
 def test_a_deleted_all_reduce_step_breaks_the_forward(t3k_package, monkeypatch):
-    """Mutation: the decode program the ttnn lowering reads (``LoadedPackage.program``, the JSON
-    form) without its first decoder all_reduce (the attention output's row-parallel sum over the 8
+    """Mutation: the decode program the ttnn lowering reads (``lower_forward``'s typed program)
+    without its first decoder all_reduce (the attention output's row-parallel sum over the 8
     chips); the emulated reference runs the package's intact program. Every decode's numbers are
     wrong, and the report says which forward."""
-    from ttbundle import package
-    program, dropped = package.LoadedPackage.program, []
+    import dataclasses
+    lower_forward, dropped = ttmodel.lower_forward, []
 
-    def without_all_reduce(self, phase, bucket):
-        prog = program(self, phase, bucket)
-        if phase == "decode":
-            for kind in prog["layers"]:
-                steps = kind["steps"]
-                i = next((i for i, s in enumerate(steps) if s.get("collective") == "all_reduce"), None)
+    def without_all_reduce(bundle, mesh, prog, *a, **k):
+        if prog.phase == "decode":
+            layers = list(prog.layers)
+            for j, lp in enumerate(layers):
+                steps = list(lp.steps)
+                i = next((i for i, s in enumerate(steps) if s.op is Op.ALL_REDUCE), None)
                 if i is not None:
-                    dropped.append(steps.pop(i)["act"])
+                    dropped.append(steps.pop(i).act)
+                    layers[j] = dataclasses.replace(lp, steps=tuple(steps))
                     break
-        return prog
-    monkeypatch.setattr(package.LoadedPackage, "program", without_all_reduce)
+            prog = dataclasses.replace(prog, layers=tuple(layers))
+        return lower_forward(bundle, mesh, prog, *a, **k)
+    monkeypatch.setattr(ttmodel, "lower_forward", without_all_reduce)
     bad = forward_differences(t3k_package, [5, 17, 99, 3, 250, 42, 7], 2)
     assert dropped and set(dropped) == {"attn_out"}
     assert [b.split(":")[0] for b in bad if "logits differ" in b] == \
@@ -668,7 +681,7 @@ def test_the_lowering_follows_the_programs_kv_record_not_the_spec():
     plan say bf16 blocks of 32): the lowered forward writes the cache through a typecast to
     bfloat8_b and its page tables hold ceil(max_model_len / 64) blocks; the program as lowered
     has neither."""
-    import copy
+    import dataclasses
 
     bundle = _bundle("tiny-llama")
     p = planmod.make_plan(bundle, "T3K")  # build time: the program a package would hold
@@ -676,9 +689,8 @@ def test_the_lowering_follows_the_programs_kv_record_not_the_spec():
     assert (rt.kv_cache_dtype, rt.kv_block_size, rt.max_model_len) == ("bf16", 32, 256)
     for phase, bucket, write in (("decode", 1, "experimental.paged_update_cache"),
                                  ("prefill", 32, "experimental.paged_fill_cache")):
-        prog = lowermod.lower(bundle, p, phase, bucket).to_json()
-        edited = copy.deepcopy(prog)
-        edited["kv_cache"].update(dtype="bfp8", block_size=64)
+        prog = lowermod.lower(bundle, p, phase, bucket)
+        edited = dataclasses.replace(prog, kv_cache={**prog.kv_cache, "dtype": "bfp8", "block_size": 64})
         for fw, cast, blocks in ((lowering.lower_forward(bundle, p.mesh, prog), False, 256 // 32),
                                  (lowering.lower_forward(bundle, p.mesh, edited), True, 256 // 64)):
             calls = [c for _, c in fw.calls()]
@@ -696,7 +708,7 @@ def test_a_program_for_another_mesh_is_not_lowered(t3k_package):
     from ttbundle import package
     pk = package.load_package(t3k_package)
     with pytest.raises(ValueError, match=r"program decode-1 is for a \[1, 8\] mesh, lowering for N300"):
-        lowering.lower_forward(pk.bundle, planmod.target_mesh(pk.bundle, "N300"), pk.program("decode", 1))
+        lowering.lower_forward(pk.bundle, planmod.target_mesh(pk.bundle, "N300"), pk.program_ir("decode", 1))
 
 
 def test_a_cache_write_of_an_unknown_value_leaves_the_cache_unknown():

@@ -100,7 +100,8 @@ class PackageWriter:
             self.res.reused.append("kernel_cache")
             files = {r: self.files[r] for r in old["files"]}
         elif sfpi.found:
-            files = kc.fill(python, self.bundle.file, self.plan.mesh.name, self.tmp / kc.CACHE_DIR, self.emit)
+            files = kc.fill(python, self.inp.bundle_yaml, self._written_programs(), self.plan.mesh.name,
+                            self.plan.trace_region_size, self.tmp / kc.CACHE_DIR, self.emit)
             self.files.update(files)
             self.res.bytes_written += sum(r["size"] for r in files.values())
             self.res.rebuilt.append("kernel_cache")
@@ -108,6 +109,15 @@ class PackageWriter:
         if not self.artifacts["kernel_cache"]["filled"]:
             self.res.warnings.append("kernel cache not pre-filled (the first warm-up on a Tenstorrent host "
                                      f"compiles every kernel): {self.artifacts['kernel_cache']['reason']}")
+
+    def _written_programs(self) -> dict:
+        """The typed programs this package holds, read back from what ``_programs`` wrote (or
+        linked): what the kernel-cache fill runs, nothing re-lowered."""
+        out = {}
+        for phase, b in self.inp.traces:
+            rel = f"programs/{lowermod.program_name(phase, b)}.json"
+            out[(phase, b)] = Program.from_json(json.loads((self.tmp / rel).read_text(encoding="utf-8")), rel)
+        return out
 
     # -- programs ------------------------------------------------------------------------------
     def _programs(self, keys: dict) -> None:

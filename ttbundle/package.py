@@ -697,7 +697,7 @@ class LoadedPackage:
         return dict(self._ir["_kv"])
 
     def program(self, phase: str, bucket: int) -> dict:
-        """The JSON form of the (phase, bucket) program (what the ttnn lowering reads)."""
+        """The JSON form of the (phase, bucket) program (both backends run ``program_ir``)."""
         return self.program_ir(phase, bucket).to_json()
 
     def program_ir(self, phase: str, bucket: int):
@@ -1007,17 +1007,23 @@ def _decode(t, info: dict):
     return blockfloat.decode(t.numpy().tobytes(), info["shape"], enc)
 
 
+def read_bundle(pkg: str | Path):
+    """The resolved spec a package directory holds (``bundle.yaml``), loaded."""
+    from . import spec as specmod
+    pkg = Path(pkg)
+    text = (pkg / "bundle.yaml").read_text(encoding="utf-8")
+    return specmod.loads(text, str(pkg / "bundle.yaml"), base_dir=pkg)
+
+
 def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
     """Read a package: manifest (and every file's sha256 when ``verify``), the resolved spec, its
     programs (the weights each reads, checked against the weight files' headers)."""
-    from . import spec as specmod
     from .lower import program_name
     from .plan import target_mesh
 
     pkg = Path(pkg)
     m = verify_package(pkg, full=verify)
-    text = (pkg / "bundle.yaml").read_text(encoding="utf-8")
-    bundle = specmod.loads(text, str(pkg / "bundle.yaml"), base_dir=pkg)
+    bundle = read_bundle(pkg)
     mesh = target_mesh(bundle, m["mesh"]["name"])  # one replica's submesh when split
     if list(mesh.shape) != list(m["mesh"].get("shape", mesh.shape)) or \
             mesh.replicas != (m.get("replicas") or {}).get("count", 1):

@@ -235,7 +235,7 @@ def verify(program: "Program", where: str | None = None) -> None:
             at_start = False
 
 
-# The JSON form keeps the keys the ttnn lowering reads: ops under "op" (a LOCAL op under its
+# The JSON form (the package's files; executors read the typed program back): ops under "op" (a LOCAL op under its
 # kernel's name), collectives under "collective"; "x"/"in_shape" for one input, "ins"/"in_shapes"
 # for several, "out"/"out_shape"/"out_spec", "w"/"w_shape"/"w_dtype".
 _ONE_INPUT = (Op.EMBEDDING, Op.RMS_NORM, Op.MATMUL, Op.COMBINE, Op.RESIDUAL_ADD, Op.LOGITS)

@@ -32,9 +32,9 @@ def all_forwards():
         for mesh in bundle.spec.targets:
             p = planmod.make_plan(bundle, mesh)
             for phase, b in lowermod.trace_set(bundle):
-                prog = lowermod.lower(bundle, p, phase, b).to_json()
+                prog = lowermod.lower(bundle, p, phase, b)
                 for sampling in lowering.SAMPLING:
-                    yield bundle, p, prog, lowering.lower_forward(bundle, p, prog, sampling)
+                    yield bundle, p, prog, lowering.lower_forward(bundle, p.mesh, prog, sampling)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def lowered():
     for bundle, p, prog, fw in all_forwards():
         n += 1
         families.add(bundle.family.name)
-        kinds |= {lowering.step_kind(st) for layer in prog["layers"] for st in layer["steps"]}
+        kinds |= {lowering.step_kind(st) for _, _, st in prog.steps()}
         for _, c in list(fw.calls()) + list(fw.setup):
             calls.setdefault((c.fn, repr(c.args), repr(c.kwargs)),
                              (c, f"{bundle.spec.name} on {p.mesh.name} {fw.phase}-{fw.bucket} ({c.op})"))
@@ -94,7 +94,7 @@ def test_the_runtimes_own_ttnn_calls_bind(ttnn, tmp_path):
     p = planmod.make_plan(bundle, "T3K")
     ts = lowermod.trace_set(bundle)
     keys = [min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")]
-    fws = {k: lowering.lower_forward(bundle, p, lowermod.lower(bundle, p, *k).to_json(), "device") for k in keys}
+    fws = {k: lowering.lower_forward(bundle, p.mesh, lowermod.lower(bundle, p, *k), "device") for k in keys}
     rec = recording.Recorder(unknown_reads="zeros")  # fake weights: the token read back is unknown
     tt = rec.module()
     dev = tt.open_mesh_device(tt.MeshShape(*p.mesh.shape), trace_region_size=p.trace_region_size)
@@ -165,11 +165,13 @@ def test_every_family_passes_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
         pytest.skip("no SFPI stub: mock meshes do not open (scripts/setup_tt.sh)")
     env = mockcluster.mock_env(mesh, tmp_path)
     specs = [str(BUNDLES / f"{b}.yaml") for b in VALIDATE[mesh]]
-    r = subprocess.run([sys.executable, "-m", "ttbundle.backends.ttnn.mockcheck", mesh, *specs], cwd=tmp_path,
+    from handover_helpers import hand_over
+    dirs = hand_over(specs, mesh, tmp_path / "programs")  # planned and lowered here, not in the backend
+    r = subprocess.run([sys.executable, "-m", "ttbundle.backends.ttnn.mockcheck", mesh, *dirs], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=900)
     results = [json.loads(ln[7:]) for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and len(results) == 2 * len(specs), r.stdout[-3000:] + r.stderr[-3000:]
-    bad = [f"{Path(x['spec']).stem} {x['phase']}-{x['bucket']}: {fn} ({op}): {msg[:300]}"
+    bad = [f"{Path(x['dir']).name} {x['phase']}-{x['bucket']}: {fn} ({op}): {msg[:300]}"
            for x in results for fn, (op, msg) in x["refused"].items()]
     assert not bad, "\n".join(bad)
     assert all(x["accepted"] + sum(x["by_signature"].values()) == x["calls"] > 0 for x in results)

@@ -33,13 +33,14 @@ import ttnn, yaml
 from ttbundle import lower as lowermod, plan as planmod, spec as specmod, mesh as meshmod
 from ttbundle.backends.ttnn import mockcheck
 from ttbundle.backends.ttnn.calls import Attr
-from ttbundle.backends.ttnn.lowering import lower_forward, one_layer_per_kind
+from ttbundle.backends.ttnn.lowering import lower_forward
 
 d = yaml.safe_load(open(sys.argv[1])); d["targets"] = ["T3K"]; d.get("weights", {}).pop("source", None)
 bundle = specmod.loads(yaml.safe_dump(d), sys.argv[1])
 plan = planmod.make_plan(bundle, "T3K")
 ts = lowermod.trace_set(bundle)
-prog = one_layer_per_kind(lowermod.lower(bundle, plan, *min(k for k in ts if k[0] == "decode")).to_json())
+ir = lowermod.lower(bundle, plan, *min(k for k in ts if k[0] == "decode"))
+ir = dataclasses.replace(ir, layers=tuple(dataclasses.replace(lp, count=1) for lp in ir.layers))  # each kind once
 device = mockcheck.open_mesh(ttnn, meshmod.resolve("T3K"))
 grid = mockcheck.worker_grid(device)
 
@@ -52,17 +53,17 @@ def edit(fw, fn, **kw):
     raise SystemExit(f"no {fn} call")
 
 cases = {
-    "ok": lambda: lower_forward(bundle, plan, prog, "device", grid=grid),
-    "grid88": lambda: lower_forward(bundle, plan, prog, "device", grid=(8, 8)),
-    "axis2": lambda: edit(lower_forward(bundle, plan, prog, "device", grid=grid), "all_gather", cluster_axis=2),
-    "axis0": lambda: edit(lower_forward(bundle, plan, prog, "device", grid=grid), "all_gather", cluster_axis=0),
-    "kwarg": lambda: edit(lower_forward(bundle, plan, prog, "device", grid=grid), "all_reduce", scatter_dim=3),
-    "mem": lambda: edit(lower_forward(bundle, plan, prog, "device", grid=grid), "linear",
+    "ok": lambda: lower_forward(bundle, plan.mesh, ir, "device", grid=grid),
+    "grid88": lambda: lower_forward(bundle, plan.mesh, ir, "device", grid=(8, 8)),
+    "axis2": lambda: edit(lower_forward(bundle, plan.mesh, ir, "device", grid=grid), "all_gather", cluster_axis=2),
+    "axis0": lambda: edit(lower_forward(bundle, plan.mesh, ir, "device", grid=grid), "all_gather", cluster_axis=0),
+    "kwarg": lambda: edit(lower_forward(bundle, plan.mesh, ir, "device", grid=grid), "all_reduce", scatter_dim=3),
+    "mem": lambda: edit(lower_forward(bundle, plan.mesh, ir, "device", grid=grid), "linear",
                         memory_config=Attr("L1_HEIGHT_SHARDED_MEMORY_CONFIG")),
 }
 try:
     for name, make in cases.items():
-        r = mockcheck.validate(ttnn, device, plan, make())
+        r = mockcheck.validate(ttnn, device, ir, make())
         print("RESULT " + json.dumps({"case": name, "grid": list(grid), "calls": r.calls,
                                       "accepted": sum(r.accepted.values()), "by_signature": dict(r.by_signature),
                                       "refused_calls": sum(r.refusals.values()),

@@ -42,12 +42,14 @@ def test_vision_programs_pass_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
     specs = [str(tiny), str(BUNDLES / "gemma-3-4b-it.yaml"), str(tiny_q),
              str(BUNDLES / "qwen2.5-vl-7b-instruct.yaml")]
     env = mockcluster.mock_env(mesh, tmp_path)
-    r = subprocess.run([sys.executable, "-m", "ttbundle.backends.ttnn.mockcheck", mesh, *specs], cwd=tmp_path,
+    from handover_helpers import hand_over
+    dirs = hand_over(specs, mesh, tmp_path / "programs")  # planned and lowered here, not in the backend
+    r = subprocess.run([sys.executable, "-m", "ttbundle.backends.ttnn.mockcheck", mesh, *dirs], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=900)
     results = [json.loads(ln[7:]) for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and len(results) == 3 * len(specs), r.stdout[-3000:] + r.stderr[-3000:]
     assert sorted({x["phase"] for x in results}) == ["decode", "prefill", "vision"]
-    bad = [f"{Path(x['spec']).stem} {x['phase']}-{x['bucket']}: {fn} ({op}): {msg[:300]}"
+    bad = [f"{Path(x['dir']).name} {x['phase']}-{x['bucket']}: {fn} ({op}): {msg[:300]}"
            for x in results for fn, (op, msg) in x["refused"].items()]
     assert not bad, "\n".join(bad)
     assert all(x["accepted"] + sum(x["by_signature"].values()) == x["calls"] > 0 for x in results)

@@ -121,11 +121,11 @@ def refuse_unlowered_vision(loaded) -> None:
         return
     way_out = "images run on the emulated mesh only for this model (serve it with TTBUNDLE_EMULATED=1)"
     for b in vision:
-        missing = unlowered_ops(loaded.program("vision", b))
+        missing = unlowered_ops(loaded.program_ir("vision", b))
         if missing:
             raise InvalidInput(f"{loaded.dir}: programs/vision-{b}.json uses {', '.join(missing)}, which the ttnn "
                                f"lowering does not translate yet: {way_out}")
-    fw = lower_forward(bundle, loaded.mesh, loaded.program("vision", vision[0]), "host")
+    fw = lower_forward(bundle, loaded.mesh, loaded.program_ir("vision", vision[0]), "host")
     extra = sorted(set(fw.inputs) - {"patches"})
     if extra:
         raise InvalidInput(f"{loaded.dir}: programs/vision-{vision[0]}.json lowered reads the host-made inputs "
@@ -237,7 +237,7 @@ class TTDeviceModel:
         ``pixel_values``: the request's images as Tenstorrent's plugin passes them (the whole
         prompt in this call), encoded here by the vision forwards (``images.prompt_inputs``).
         Either way the soft tokens are merged by the prefill forward itself
-        (``lowering._merge_images``) and its attention mask holds their image blocks. Other
+        (``inputs.merge_images``) and its attention mask holds their image blocks. Other
         keywords of that plugin (``image_grid_thw``) are accepted and unused."""
         import numpy as np
         from ..backends.ttnn.device import prefill_host_inputs

@@ -149,6 +149,8 @@ class Forward:
     setup: list = field(default_factory=list)  # [(layer, Call)]: weight views made once per model
     consts: list[Const] = field(default_factory=list)
     gaps: list[str] = field(default_factory=list)  # what this lowering knowingly leaves out
+    # the weights the calls read, as ttnn holds them: name -> (held shape, dtype, layout)
+    weights: dict = field(default_factory=dict)
 
     def calls(self):
         """(layer index, call) in execution order."""

@@ -154,7 +154,7 @@ def _rope_table(c, arch):
 # ---- host inputs of one run -------------------------------------------------------------------------
 def mask_inputs(fw: Forward, qpos, blocks=None) -> dict:
     """The additive attention masks an explicit-mask attention forward reads
-    (``lowering.mask_input``: softcapped attention, an image prefill): ``[R, 1, Sq, L]``, 0 where
+    (``inputs.mask_input``: softcapped attention, an image prefill): ``[R, 1, Sq, L]``, 0 where
     key position l may be attended by the query at ``qpos[r, q]`` (l <= it, or l in the query's
     own image, ``blocks[r, l]`` the image block of position l, -1 for text; then within the
     window, as the emulated backend's mask composes them), -1e30 elsewhere; a query at -1 (a
@@ -186,7 +186,7 @@ def mask_inputs(fw: Forward, qpos, blocks=None) -> dict:
 
 
 def rope_position_inputs(fw: Forward, qpos, rope_positions=None) -> dict:
-    """The M-RoPE position inputs a forward reads (``lowering.mrope_position_input``; families
+    """The M-RoPE position inputs a forward reads (``inputs.mrope_position_input``; families
     with ``mrope_section``): ``rope_positions`` [3, rows] when given, else each row's position
     ``qpos`` in all three (a text token's M-RoPE positions); padding rows (-1) take 0."""
     import numpy as np
@@ -202,7 +202,7 @@ def rope_position_inputs(fw: Forward, qpos, rope_positions=None) -> dict:
 
 
 def image_inputs(fw: Forward, mm: dict | None) -> dict:
-    """An image prefill's merge inputs (``lowering._merge_images``): ``mm_keep`` 0 at the rows of
+    """An image prefill's merge inputs (``inputs.merge_images``): ``mm_keep`` 0 at the rows of
     ``mm["mask"]`` (the chunk's image tokens, ``runtime.images.chunk_inputs``) and 1 elsewhere,
     ``mm_embeds`` the soft tokens ``mm["embeds"]`` at those rows, 0 elsewhere; no ``mm``: text."""
     import numpy as np

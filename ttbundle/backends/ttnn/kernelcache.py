@@ -15,8 +15,9 @@ stub (it answers ``--version`` so a mock mesh opens, and compiles nothing) does 
 
 Filling runs every traced (phase, bucket) once through ttnn's own calls on the package's mesh
 (real chips if present, else a mock cluster), in a Python that has ttnn (this one, or
-``TTBUNDLE_TTNN_PYTHON``): ``python -m ttbundle.backends.ttnn.kernelcache SPEC MESH``. Nothing of
-this has run here: no machine of this project has SFPI (docs/hardware.md).
+``TTBUNDLE_TTNN_PYTHON``): ``python -m ttbundle.backends.ttnn.kernelcache DIR MESH SIZE``, ``DIR``
+holding the package's programs and ``bundle.yaml`` as the build hands them over (``handover``):
+nothing re-plans or re-lowers. Nothing of this has run here: no machine of this project has SFPI (docs/hardware.md).
 """
 
 from __future__ import annotations
@@ -139,19 +140,25 @@ def digest_files(root: Path, prefix: str = CACHE_DIR) -> dict[str, dict]:
     return out
 
 
-def fill(python: str, spec_file: str | Path, mesh_name: str, dest: Path, emit=lambda e: None) -> dict:
-    """Run every traced program of ``spec_file`` on ``mesh_name`` with ``TT_METAL_CACHE=dest/``
-    (a mock cluster of the mesh unless chips are present); the files written, as manifest records."""
+def fill(python: str, bundle_yaml: str, programs: dict, mesh_name: str, trace_region_size: int, dest: Path,
+         emit=lambda e: None) -> dict:
+    """Run every program of ``programs`` ((phase, bucket) -> ``program.Program``, the package's)
+    on ``mesh_name`` with ``TT_METAL_CACHE=dest/`` (a mock cluster of the mesh unless chips are
+    present), the mesh opened with ``trace_region_size``; the files written, as manifest records.
+    The programs and the package's ``bundle.yaml`` are handed over in a directory
+    (``handover.write``): the filling process lowers nothing."""
     from ... import mockcluster
+    from . import handover
 
     dest = Path(dest).absolute()
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ttbundle-kc-") as work:
         env = dict(os.environ) if Path("/dev/tenstorrent").exists() else mockcluster.mock_env(mesh_name, work)
         env["TT_METAL_CACHE"] = f"{dest}/"
+        handed = handover.write(Path(work) / "programs-in", bundle_yaml, programs)
         emit({"event": "phase", "phase": "kernel_cache", "total": 1, "unit": "runs"})
-        r = subprocess.run([python, "-m", "ttbundle.backends.ttnn.kernelcache", str(spec_file), mesh_name],
-                           cwd=work, env=env, capture_output=True, text=True)
+        r = subprocess.run([python, "-m", "ttbundle.backends.ttnn.kernelcache", str(handed), mesh_name,
+                            str(int(trace_region_size or 0))], cwd=work, env=env, capture_output=True, text=True)
         if r.returncode != 0:
             from ...errors import TTBundleError
             raise TTBundleError(f"filling the kernel cache failed: {(r.stderr or r.stdout)[-2000:]}")
@@ -182,23 +189,27 @@ def runtime_cache_dir(package_dir: str | Path, manifest: dict, base: str | Path 
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``SPEC MESH``: every traced program (both sampling variants) once through ttnn's calls."""
+    """``DIR MESH [TRACE_REGION_SIZE]``: every program handed over in ``DIR`` (``handover``: the
+    package's ``bundle.yaml`` and ``programs/``; a built package is one), both sampling variants,
+    once through ttnn's calls on preset ``MESH``."""
     import ttnn
 
-    from ... import lower as lowermod, mesh as meshmod, plan as planmod, spec as specmod
+    from ... import mesh as meshmod
+    from . import handover
     from .lowering import SAMPLING, lower_forward
     from .mockcheck import validate
 
-    spec_file, mesh_name = (sys.argv[1:] if argv is None else argv)[:2]
-    bundle = specmod.load(spec_file)
-    plan = planmod.make_plan(bundle, mesh_name)
-    device = ttnn.open_mesh_device(ttnn.MeshShape(*meshmod.resolve(mesh_name).shape),
-                                   trace_region_size=plan.trace_region_size or 0)
+    args = sys.argv[1:] if argv is None else argv
+    src, mesh_name = args[:2]
+    trace_region_size = int(args[2]) if len(args) > 2 else 0
+    bundle, pmesh, programs = handover.read(src)
+    mesh = meshmod.resolve(mesh_name)
+    device = ttnn.open_mesh_device(ttnn.MeshShape(*mesh.shape), trace_region_size=trace_region_size)
     try:
-        for phase, b in lowermod.trace_set(bundle):
+        for (phase, b), prog in programs.items():
             for sampling in SAMPLING:
-                fw = lower_forward(bundle, plan, lowermod.lower(bundle, plan, phase, b).to_json(), sampling)
-                r = validate(ttnn, device, plan, fw)
+                fw = lower_forward(bundle, pmesh, prog, sampling)
+                r = validate(ttnn, device, prog, fw)
                 print(f"{phase}-{b} {sampling}: {r.calls} calls, refused {sorted(r.refused)}", flush=True)
     finally:
         ttnn.close_mesh_device(device)

@@ -167,21 +167,22 @@ def _stand_in(ttnn, ex: Executor, c: Call, layer):
                                           layout.ttnn_layout(ttnn, lay), ex.device, mem)
 
 
-def validate(ttnn, device, plan, fw) -> Validation:
-    """Every call (and setup call) of forward ``fw`` through ttnn's validation on ``device``."""
+def validate(ttnn, device, program, fw) -> Validation:
+    """Every call (and setup call) of forward ``fw``, lowered from ``program`` (a
+    ``program.Program``: its KV cache record), through ttnn's validation on ``device``; weights
+    are allocated as the forward holds them (``Forward.weights``)."""
     ex = Executor(ttnn, device)
-    tp = {t.name: t for t in plan.tensors}
     made = {c.out for _, c in fw.setup}
     for lyr, c in list(fw.calls()) + list(fw.setup):
         for v in c.values():
             if isinstance(v, W) and v.key(lyr) not in made and v.key(lyr) not in ex.env["weights"]:
-                t = tp[v.name]
-                ex.env["weights"][v.key(lyr)] = allocate(ttnn, device, layout.device_shape(t.device_shape, t.layout),
-                                                         t.dtype, t.layout)
+                shape, dtype, lay = fw.weights[v.name]
+                ex.env["weights"][v.key(lyr)] = allocate(ttnn, device, shape, dtype, lay)
     used = {lyr for lyr, _ in fw.calls() if lyr is not None}
-    for e in plan.kv["entries"]:  # the KV cache of the layers this forward runs
+    kv = program.kv_cache
+    for e in kv["entries"]:  # the KV cache of the layers this forward runs
         for lyr in sorted(used):
-            ex.env["kv"].setdefault(lyr, {})[e["name"]] = allocate(ttnn, device, e["device_shape"], plan.kv["dtype"], "TILE")
+            ex.env["kv"].setdefault(lyr, {})[e["name"]] = allocate(ttnn, device, e["device_shape"], kv["dtype"], "TILE")
     for cst in fw.consts:
         ex.env[cst.name] = allocate(ttnn, device, cst.shape, cst.dtype, cst.layout)
     for n, (shape, dtype, lay) in fw.inputs.items():
@@ -233,41 +234,33 @@ def validate(ttnn, device, plan, fw) -> Validation:
 __all__ = ["Validation", "check_by_signature", "open_mesh", "validate", "worker_grid"]
 
 
-# ---- a process per mock cluster: python -m ttbundle.backends.ttnn.mockcheck MESH SPEC... --------
+# ---- a process per mock cluster: python -m ttbundle.backends.ttnn.mockcheck MESH DIR... ----------
 def main(argv: list[str] | None = None) -> int:
-    """Validate the smallest prefill and decode bucket of each spec on preset ``MESH`` (each decoder
-    layer kind once); one ``RESULT {json}`` line per forward."""
+    """Validate the programs handed over in each ``DIR`` (a package, or what ``handover.write``
+    wrote: ``bundle.yaml`` + ``programs/``) on preset ``MESH``, each program as it is (the tests
+    hand over programs with each decoder layer kind once: ``tests/handover_helpers.py``); one ``RESULT {json}``
+    line per program."""
     import json
     import sys
 
     import ttnn
-    import yaml
 
-    from ... import lower as lowermod, mesh as meshmod, plan as planmod, spec as specmod
-    from .lowering import lower_forward, one_layer_per_kind
+    from ... import mesh as meshmod
+    from . import handover
+    from .lowering import lower_forward
 
     args = sys.argv[1:] if argv is None else argv
-    mesh_name, specs = args[0], args[1:]
-    device = open_mesh(ttnn, meshmod.resolve(mesh_name))
+    mesh_name, dirs = args[0], args[1:]
+    mesh = meshmod.resolve(mesh_name)
+    device = open_mesh(ttnn, mesh)
     grid = worker_grid(device)
     try:
-        for path in specs:
-            d = yaml.safe_load(open(path))
-            d["targets"] = [mesh_name]
-            sh = d.get("sharding") or {}
-            if sh.get("targets"):  # per-target overrides of the other targets do not apply here
-                sh["targets"] = {k: x for k, x in sh["targets"].items() if k == mesh_name}
-            d.get("weights", {}).pop("source", None)
-            bundle = specmod.loads(yaml.safe_dump(d), path)
-            plan = planmod.make_plan(bundle, mesh_name)
-            ts = lowermod.trace_set(bundle)
-            keys = [min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")]
-            keys += [min(k for k in ts if k[0] == "vision")] if any(k[0] == "vision" for k in ts) else []
-            for key in keys:
-                prog = one_layer_per_kind(lowermod.lower(bundle, plan, *key).to_json())
-                fw = lower_forward(bundle, plan, prog, "device", grid=grid)
-                r = validate(ttnn, device, plan, fw)
-                print("RESULT " + json.dumps({"spec": path, "mesh": mesh_name, "phase": key[0], "bucket": key[1],
+        for path in dirs:
+            bundle, pmesh, programs = handover.read(path)
+            for (phase, bucket), prog in programs.items():
+                fw = lower_forward(bundle, pmesh, prog, "device", grid=grid)
+                r = validate(ttnn, device, prog, fw)
+                print("RESULT " + json.dumps({"dir": path, "mesh": mesh_name, "phase": phase, "bucket": bucket,
                                               "calls": r.calls, "grid": list(grid),
                                               "accepted": sum(r.accepted.values()),
                                               "by_signature": dict(r.by_signature),

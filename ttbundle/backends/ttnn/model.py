@@ -23,7 +23,7 @@ def forward_keys(bundle, traces, sample_on_device_mode: str = "all", host_fallba
     for the package's ``traces`` ((phase, bucket) of each program: ``LoadedPackage.programs``).
     ``sampling`` is "device" where ``sample_on_device_mode`` allows it, "host" otherwise, and also
     "host" everywhere with ``host_fallback`` (batches whose requests need logits); ``start`` is
-    the static chunk start of an MLA prefill (``lowering.chunk_starts``), else 0. ``trace_mode``:
+    the static chunk start of an MLA prefill (``inputs.chunk_starts``), else 0. ``trace_mode``:
     the serving option (default: the bundle's runtime.trace_mode)."""
     mode = trace_mode or bundle.spec.runtime.trace_mode
     keys, traced = [], set()
@@ -65,7 +65,7 @@ def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=No
     forwards = {}
     for key in keys:
         phase, b, sampling, start = key
-        forwards[key] = lower_forward(bundle, pkg.mesh, pkg.program(phase, b), sampling, chunk_start=start)
+        forwards[key] = lower_forward(bundle, pkg.mesh, pkg.program_ir(phase, b), sampling, chunk_start=start)
     consts = {c.name: c for fw in forwards.values() for c in fw.consts}
     for c in consts.values():
         ex.env[c.name] = make_const(ttnn, mesh_device, c, bundle.arch)

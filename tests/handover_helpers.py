@@ -1,0 +1,53 @@
+"""Programs lowered from a spec and handed to a ttnn process (``backends/ttnn/handover``): the
+tests' side of the mock validation. The backend lowers nothing from a spec; the tests plan and
+lower here, the way ``build`` does, and hand the programs over."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import yaml
+
+from ttbundle import __version__, lower as lowermod, plan as planmod, spec as specmod
+from ttbundle.backends.ttnn import handover
+from ttbundle.package import render_bundle_yaml, resolved_spec
+
+
+def one_layer_per_kind(program):
+    """``program`` with each decoder layer kind repeated once (its layers run the same calls on
+    the same shapes; only weights and caches differ): enough to validate every call."""
+    return dataclasses.replace(program, layers=tuple(dataclasses.replace(lp, count=1) for lp in program.layers))
+
+
+def for_mesh(spec_path, mesh_name: str):
+    """The spec at ``spec_path`` with ``mesh_name`` its only target (per-target sharding of other
+    targets dropped, no weights source), loaded, and its plan on that mesh."""
+    d = yaml.safe_load(open(spec_path))
+    d["targets"] = [mesh_name]
+    sh = d.get("sharding") or {}
+    if sh.get("targets"):  # per-target overrides of the other targets do not apply here
+        sh["targets"] = {k: x for k, x in sh["targets"].items() if k == mesh_name}
+    d.get("weights", {}).pop("source", None)
+    bundle = specmod.loads(yaml.safe_dump(d), str(spec_path))
+    return bundle, planmod.make_plan(bundle, mesh_name)
+
+
+def smallest_programs(bundle, plan) -> dict:
+    """The smallest prefill and decode bucket's program (and vision's, where the model has one),
+    each decoder layer kind once."""
+    ts = lowermod.trace_set(bundle)
+    keys = [min(k for k in ts if k[0] == phase) for phase in ("prefill", "decode", "vision")
+            if any(k[0] == phase for k in ts)]
+    return {k: one_layer_per_kind(lowermod.lower(bundle, plan, *k)) for k in keys}
+
+
+def hand_over(spec_paths, mesh_name: str, out: Path) -> list[str]:
+    """For each spec: its smallest programs on ``mesh_name`` handed over in ``out/<spec stem>``
+    (what ``python -m ttbundle.backends.ttnn.mockcheck MESH DIR...`` reads)."""
+    dirs = []
+    for path in spec_paths:
+        bundle, plan = for_mesh(path, mesh_name)
+        yml = render_bundle_yaml(resolved_spec(bundle, plan), __version__)
+        dirs.append(str(handover.write(Path(out) / Path(path).stem, yml, smallest_programs(bundle, plan))))
+    return dirs

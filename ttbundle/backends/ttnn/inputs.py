@@ -1,0 +1,123 @@
+"""A forward's input declarations: the device tensors a run writes before it starts (tokens,
+positions, page tables, sampling parameters, an image prefill's soft-token inputs, masks and
+rope positions named here), and the static chunk starts of an MLA prefill.
+
+* an image prefill (a model with a vision encoder): its soft tokens are merged after the
+  embedding from two inputs (:func:`merge_images`); where its image soft tokens attend to their
+  whole image (:func:`image_mask`) its attention takes an explicit mask input (:func:`mask_input`).
+* DeepSeek's MLA prefill: ``chunked_flash_mla_prefill`` takes its chunk's start position as a
+  static int, so a forward is lowered per chunk start (:func:`chunk_starts`; the runtime keys
+  them ``(phase, bucket, sampling, start)``).
+"""
+
+from __future__ import annotations
+
+from ... import tiles
+from ...program import Program
+from .calls import T
+from .layout import TILE
+from .emitter import DRAM, Lowerer
+
+
+def mrope_position_input(row: int) -> str:
+    """The input holding each token's M-RoPE position of ``row`` (0 temporal, 1 height, 2 width)."""
+    return f"rope_positions.{row}"
+
+
+def mask_input(window) -> str:
+    """The name of the additive attention-mask input (softcapped attention) for a window."""
+    return f"attn_mask.w{int(window)}" if window else "attn_mask"
+
+
+def vision_mask_input(full: bool) -> str:
+    """The additive mask input of a Qwen2.5-VL vision layer (0 within a row's window, or its
+    image at full-attention layers; -inf elsewhere), made on the host from ``image_grid_thw``."""
+    return "vision_mask.image" if full else "vision_mask.window"
+
+
+def inputs_of(program: Program, bundle) -> dict:
+    """The device tensors a run writes before it starts (shape, dtype, layout); page tables in
+    the program's KV blocks."""
+    rows = program.rows
+    if program.phase == "vision":  # the images' patches, flattened like the conv weight
+        return {"patches": ((1, 1, rows, bundle.arch.vision.patch_pixels), "bf16", "TILE")}
+    B = rows
+    block_size = int(program.kv_cache["block_size"])
+    blocks_per_seq = tiles.blocks_per_seq(bundle.spec.runtime.max_model_len, block_size)
+    ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
+           "positions": ((1, rows), "uint32", "ROW_MAJOR")}
+    if program.phase == "decode":
+        ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
+        ins["page_table"] = ((B, blocks_per_seq), "int32", "ROW_MAJOR")
+    else:
+        ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
+        ins["chunk_start"] = ((1,), "int32", "ROW_MAJOR")
+        ins["fill_page_table"] = ((1, -(-rows // block_size)), "int32", "ROW_MAJOR")  # the chunk's blocks
+        ins["seq_slot"] = ((1,), "int32", "ROW_MAJOR")
+        ins["last_rows"] = ((1, 1, min(rows, TILE), rows), "bf16", "TILE")  # one-hot: the last prompt tile row
+        if image_prefill(bundle, program):  # the chunk's image soft tokens (merge_images)
+            hid = bundle.arch.hidden_size
+            ins["mm_keep"] = ((1, 1, rows, hid), "bf16", "TILE")
+            ins["mm_embeds"] = ((1, 1, rows, hid), "bf16", "TILE")
+    head_rows = rows if program.phase == "decode" else min(rows, TILE)  # rows the head samples
+    ins["top_k"] = ((head_rows,), "uint32", "ROW_MAJOR")
+    ins["top_p"] = ((head_rows,), "bf16", "ROW_MAJOR")
+    ins["temperature"] = ((head_rows,), "bf16", "ROW_MAJOR")
+    return ins
+
+
+def image_prefill(bundle, program: Program) -> bool:
+    """Does this forward take images: a prefill of a model with a vision part. Its prefill takes
+    the chunk's soft tokens as inputs (``mm_keep``, ``mm_embeds``: :func:`merge_images`)."""
+    return program.phase == "prefill" and bundle.family.vision_part(bundle.arch) is not None
+
+
+def image_mask(bundle, program: Program) -> bool:
+    """Does this image prefill attend with an explicit mask input: its family's image soft tokens
+    see their whole image (the vision part's ``BIDIRECTIONAL_IMAGES``: Gemma 3), which the
+    causal fused SDPA cannot say."""
+    part = bundle.family.vision_part(bundle.arch) if program.phase == "prefill" else None
+    return bool(getattr(part, "BIDIRECTIONAL_IMAGES", False))
+
+
+def merge_images(lw: Lowerer) -> None:
+    """The image soft tokens in place of their placeholder tokens, after the embedding (its scale
+    included, as HF merges them) leaves ``h`` whole on every device: ``h * mm_keep + mm_embeds``,
+    both host-made per step (``device.image_inputs``: 0 / the soft token at an image token's row,
+    1 / 0 at a text token's), so every bucket keeps one forward and one trace."""
+    h = lw.shapes["h"]
+    if h[3] != lw.a.hidden_size:
+        raise NotImplementedError(f"the embedding leaves h split ({h[3]} of {lw.a.hidden_size} features per "
+                                  "device); merging image soft tokens needs it whole")
+    lw.op = "merge_images"
+    lw.call("multiply", T("h"), T("mm_keep"), out="h", shape=h, memory_config=DRAM)
+    lw.call("add", T("h"), T("mm_embeds"), out="h", shape=h, memory_config=DRAM)
+
+
+def static_prefill_start(bundle) -> bool:
+    """Does this family's prefill attention take its chunk start as a static int (MLA)?"""
+    return bool(bundle.family.traits(bundle.arch).get("mla"))
+
+
+def chunk_starts(bundle, phase: str, bucket: int) -> list[int]:
+    """The chunk starts a forward must be lowered for: ``[0]`` unless the start is static (MLA
+    prefill), then every multiple of the prefill chunk below max_model_len for a bucket that can
+    hold a chunk (the scheduler starts chunks only there)."""
+    if phase != "prefill" or not static_prefill_start(bundle):
+        return [0]
+    b = bundle.buckets
+    chunk = b.prefill_chunk or max(b.prefill)
+    if bucket > chunk:
+        return [0]
+    return list(range(0, bundle.spec.runtime.max_model_len, chunk))
+
+
+def static_start(bundle, phase: str, bucket: int, start: int) -> int:
+    """The start part of a forward key for a chunk at ``start``."""
+    starts = chunk_starts(bundle, phase, bucket)
+    if starts == [0]:
+        return 0
+    if start not in starts:
+        raise ValueError(f"prefill chunk at position {start}: chunks start at multiples of "
+                         f"{starts[1] if len(starts) > 1 else 'the prefill chunk'}")
+    return start
