@@ -102,6 +102,11 @@ def test_a_packages_model_packed_and_plain_give_the_same_logits(tmp_path, monkey
         dec = m.forward(m.program("decode", 1), pre[:, -1:].argmax(-1), torch.tensor([[64]]),
                         torch.tensor([[True]]), table, kv)
         outs.append((pre, dec))
+    if mesh == "T3K":  # 8 distinct shards: the column-split query projection (its input gathered,
+        # alike on every device) stays one merged matrix; the row-split output projection (each
+        # device's own heads) went per shard on its first call
+        assert packed._held("wq", 0).merged is not None and packed._held("wq", 0).per_shard is None
+        assert packed._held("wo", 0).merged is None and len(packed._held("wo", 0).per_shard) == 8
     for a, b in zip(outs[0], outs[1]):
         # fp32 summation order, which can flip a bf16 rounding of a cached key (2^-8 of it): a
         # wrong shard or layout would be off by the logits' own size (std ~1)
