@@ -9,7 +9,7 @@ import torch
 from ttbundle.backends.emulated import gemm
 from ttbundle.backends.emulated.model import EmulatedModel
 from ttbundle.errors import InvalidInput
-from ttbundle.package import load_package
+from ttbundle.package import SharedStack, load_package
 from ttbundle.runtime.demo import build_package
 
 from test_emulated import COMMON, TINY
@@ -102,8 +102,42 @@ def test_a_packages_model_packed_and_plain_give_the_same_logits(tmp_path, monkey
         dec = m.forward(m.program("decode", 1), pre[:, -1:].argmax(-1), torch.tensor([[64]]),
                         torch.tensor([[True]]), table, kv)
         outs.append((pre, dec))
+    if mesh == "T3K":  # 8 distinct shards: the column-split query projection (its input gathered,
+        # alike on every device) stays one merged matrix; the row-split output projection (each
+        # device's own heads) went per shard on its first call
+        assert packed._held("wq", 0).merged is not None and packed._held("wq", 0).per_shard is None
+        assert packed._held("wo", 0).merged is None and len(packed._held("wo", 0).per_shard) == 8
     for a, b in zip(outs[0], outs[1]):
         # fp32 summation order, which can flip a bf16 rounding of a cached key (2^-8 of it): a
         # wrong shard or layout would be off by the logits' own size (std ~1)
         assert (a - b).abs().mean() < 1e-4 and (a - b).abs().max() < 5e-3
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_onednn
+@pytest.mark.parametrize("group", [(0, 1, 2, 3), (0, 1, 1, 0)])
+def test_a_several_shard_weight_is_one_call_for_same_rows_and_per_shard_for_differing_rows(group):
+    # a column-split weight meets the same rows on every device (its input was gathered): one
+    # oneDNN call on the shards side by side; a row-split one meets each device's own slice
+    g = torch.Generator().manual_seed(7)
+    G = max(group) + 1
+    distinct = torch.randn(G, 96, 40, generator=g).bfloat16().float()
+    W = distinct.index_select(0, torch.tensor(group))
+    P = gemm.Packed(SharedStack(distinct, group) if G < 4 else W)
+    assert P.merged is not None and P.per_shard is None
+    assert torch.equal(P.dense(), W)  # a reader other than the GEMM gets the exact shards
+    x = torch.randn(1, 5, 96, generator=g).expand(4, -1, -1)
+    got = gemm.matmul(x, P)
+    want = torch.bmm(x.double(), W.double())
+    torch.testing.assert_close(got.double(), want, rtol=0, atol=2e-4)
+    assert P.merged is not None  # still one matrix
+    # bit for bit what one call per shard computes (a token must not depend on the layout)
+    for d in range(4):
+        alone = gemm.Packed(W[d:d + 1])
+        assert torch.equal(got[d], gemm.matmul(x[d:d + 1], alone)[0])
+    xd = torch.randn(4, 3, 96, generator=g)  # rows that differ per device
+    got = gemm.matmul(xd, P)
+    torch.testing.assert_close(got.double(), torch.bmm(xd.double(), W.double()), rtol=0, atol=2e-4)
+    assert P.merged is None and len(P.per_shard) == G and torch.equal(P.dense(), W)
+    # and the same rows again, now per shard: the same results as the merged call gave
+    torch.testing.assert_close(gemm.matmul(x, P), torch.bmm(x, W), rtol=0, atol=2e-4)

@@ -78,6 +78,8 @@ def grouped(x: torch.Tensor, group: tuple, n_out: int, mm) -> torch.Tensor:
     lead = x.shape[1:-1]
     x3 = x.reshape(D, -1, K)
     M = x3.shape[1]
+    if D == 1:  # one device (N150): its product is the result, no stacking copy
+        return mm(0, x3[0]).view(1, *lead, n_out)
     if group == tuple(range(D)):
         return torch.stack([mm(d, x3[d]) for d in range(D)]).view(D, *lead, n_out)
     members: dict[int, list[int]] = {}
@@ -98,30 +100,75 @@ def grouped(x: torch.Tensor, group: tuple, n_out: int, mm) -> torch.Tensor:
 
 
 class Packed:
-    """A dense weight ``[D, K, N]`` held as one oneDNN-packed ``[N, K]`` matrix per distinct
-    shard (devices sharing one copy, :func:`shards_of`, share its packed matrix)."""
+    """A dense weight ``[D, K, N]`` held oneDNN-packed, one copy per distinct shard (devices
+    sharing one copy, :func:`shards_of`, share it), in one of two layouts:
+
+    * **merged** (where there are several distinct shards): the shards side by side along N, one
+      packed ``[G * N, K]`` matrix. Where every device's rows are the same (a column-split
+      weight after its input was gathered or reduced: the usual tensor-parallel case), one call
+      multiplies those rows by every shard at once; one oneDNN call instead of ``G``, which is
+      what a one-row step on many emulated devices is made of. Each output element is the same
+      dot product over the same ``K`` as in a per-shard call (bit for bit, tested).
+    * **per shard**: one packed ``[N, K]`` matrix per distinct shard, for rows that differ per
+      device (a row-split weight: each device multiplies its own slice of the input).
+
+    A weight starts merged; the first call whose rows differ re-packs it per shard, which it
+    then stays (a weight fed differing rows once is a row-split one): one layout held at a
+    time, never the weight twice."""
 
     def __init__(self, W):
         self.shape, self.dtype, self.device = tuple(W.shape), W.dtype, W.device
         distinct, self.group = shards_of(W)
-        self.per_shard = [torch.ops.mkldnn._reorder_linear_weight(distinct[g].t().contiguous(), ROWS_HINT)
-                          for g in range(distinct.shape[0])]
+        self.per_shard: list | None = None
+        self.merged = None
+        if distinct.shape[0] > 1:
+            self.merged = _pack(distinct.transpose(1, 2).reshape(-1, distinct.shape[1]))
+        else:
+            self.per_shard = [_pack(distinct[0].t())]
 
     def dim(self) -> int:
         return len(self.shape)
 
+    def _distinct(self) -> torch.Tensor:
+        """The distinct shards ``[G, K, N]``, plain (a copy)."""
+        if self.per_shard is not None:
+            return torch.stack([p.to_dense().t() for p in self.per_shard])
+        G, K, N = max(self.group) + 1, self.shape[1], self.shape[2]
+        return self.merged.to_dense().view(G, N, K).transpose(1, 2)
+
     def dense(self) -> torch.Tensor:
         """The plain ``[D, K, N]`` tensor (for a reader other than the GEMM; a copy)."""
-        distinct = torch.stack([p.to_dense().t() for p in self.per_shard])
-        if len(self.per_shard) == 1:
+        distinct = self._distinct()
+        if distinct.shape[0] == 1:
             return distinct.expand(self.shape[0], *distinct.shape[1:])
         return distinct.index_select(0, torch.tensor(self.group, device=distinct.device))
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [D, ..., K] @ W -> [D, ..., N]``, each device's rows with its own shard."""
+        D, K, N = x.shape[0], x.shape[-1], self.shape[-1]
+        if self.merged is not None:
+            x3 = x.reshape(D, -1, K)
+            if same_rows(x3):
+                M, G = x3.shape[1], max(self.group) + 1
+                y = _linear(x3[0], self.merged).view(M, G, N)
+                if self.group != tuple(range(G)):
+                    y = y.index_select(1, torch.tensor(self.group, device=y.device))
+                return y.transpose(0, 1).contiguous().view(*x.shape[:-1], N)
+            self.per_shard = [_pack(s.t()) for s in self._distinct()]
+            self.merged = None
+
         def one(g, rows):
-            return torch.ops.mkldnn._linear_pointwise(rows, self.per_shard[g], None, "none", [], "")
-        return grouped(x, self.group, self.shape[-1], one)
+            return _linear(rows, self.per_shard[g])
+        return grouped(x, self.group, N, one)
+
+
+def _pack(w_nk: torch.Tensor):
+    """``[N, K]`` reordered into oneDNN's blocked layout for its inner-product kernel."""
+    return torch.ops.mkldnn._reorder_linear_weight(w_nk.contiguous(), ROWS_HINT)
+
+
+def _linear(rows: torch.Tensor, packed) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
 
 
 def hold(weights: dict, matmul_only: set, dtype: torch.dtype, device) -> dict:

@@ -130,15 +130,50 @@ def _mask(ctx: Ctx, window):
     return ctx.cache[key]
 
 
-def _context(ctx: Ctx, cache, N: int, S: int):
+#: at most this many runs of consecutive cache blocks are copied run by run (below)
+CONTEXT_RUNS = 4
+
+
+def _runs(ctx: Ctx):
+    """The context's blocks as runs of consecutive cache blocks ``[(row, first block, count,
+    first block of the row's context it fills)]``, or None where there are more than
+    ``CONTEXT_RUNS`` (interleaved tables): worked out once per forward, on the host."""
+    if "runs" not in ctx.cache:
+        blocks = ctx.context_blocks.cpu()
+        runs: list | None = []
+        for n, row in enumerate(blocks.tolist()):
+            start = 0
+            for j in range(1, len(row) + 1):
+                if j == len(row) or row[j] != row[j - 1] + 1:
+                    runs.append((n, row[start], j - start, start))
+                    start = j
+            if len(runs) > CONTEXT_RUNS:
+                runs = None
+                break
+        ctx.cache["runs"] = runs
+    return ctx.cache["runs"]
+
+
+def _context(ctx: Ctx, cache, N: int, S: int, dtype: torch.dtype | None = None):
     """[D, kvh, N, S, hd]: each sequence's context gathered from ``cache`` [D, kvh, slots, hd]
-    (whole blocks of ``block_size`` contiguous slots when the context is given in blocks: one
-    copy of block_size rows per block instead of a row per slot)."""
+    as ``dtype`` (default the cache's). Given in blocks (``context_blocks``), a context whose
+    blocks lie in a few runs of consecutive cache blocks (a sequence's table as it is usually
+    handed out) is copied run by run, converting as it copies (one pass over the stored values);
+    otherwise whole blocks of ``block_size`` contiguous slots are gathered (one copy of
+    block_size rows per block instead of a row per slot), then converted."""
     D, kvh, _, hd = cache.shape
+    dtype = dtype or cache.dtype
     if getattr(ctx, "context_blocks", None) is not None:
         bs = ctx.block_size
-        return cache.view(D, kvh, -1, bs, hd).index_select(2, ctx.context_blocks.reshape(-1)).view(D, kvh, N, S, hd)
-    return cache.index_select(2, ctx.context_slots.reshape(-1)).view(D, kvh, N, S, hd)
+        runs = _runs(ctx)
+        if runs is not None:
+            out = torch.empty(D, kvh, N, S, hd, dtype=dtype, device=cache.device)
+            for n, b0, count, j0 in runs:
+                out[:, :, n, j0 * bs:(j0 + count) * bs].copy_(cache[:, :, b0 * bs:(b0 + count) * bs])
+            return out
+        got = cache.view(D, kvh, -1, bs, hd).index_select(2, ctx.context_blocks.reshape(-1)).view(D, kvh, N, S, hd)
+        return got.to(dtype)
+    return cache.index_select(2, ctx.context_slots.reshape(-1)).view(D, kvh, N, S, hd).to(dtype)
 
 
 #: attention scores computed at a time (elements, float32): 32 Mi = 128 MiB per block
@@ -177,8 +212,7 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     N, Tq = ctx.positions.shape
     S = ctx.context_slots.shape[1]
     kvh = cache["k"].shape[1]
-    K, V = _context(ctx, cache["k"], N, S), _context(ctx, cache["v"], N, S)
-    K, V = K.to(q.dtype), V.to(q.dtype)
+    K, V = _context(ctx, cache["k"], N, S, q.dtype), _context(ctx, cache["v"], N, S, q.dtype)
     g = q.shape[2] // kvh  # query heads grouped under their KV head
     scale, cap, mask = lt.get("attn_scale", hd ** -0.5), lt.get("attn_softcap"), _mask(ctx, lt.get("window"))
     sinks = W("sinks", layer)
