@@ -182,6 +182,7 @@ class TTModelRunner:
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.step_log: deque[Step] = deque(maxlen=10_000)
         self._log_path = os.environ.get("TTBUNDLE_STEP_LOG")
+        self._log_file = None  # opened once (line-buffered: each step's line is written whole)
         from .lanes import plan_lanes_for
         self.lane_plan = plan_lanes_for(vllm_config, package, options)  # replicas / DP / lanes
         self.lanes = None  # runtime.lanes.Lanes when this engine drives more than one replica
@@ -652,5 +653,6 @@ class TTModelRunner:
             step.lanes = [self.lane_plan.first_replica] * len(step.rows)
         self.step_log.append(step)
         if self._log_path:
-            with open(self._log_path, "a") as f:
-                f.write(json.dumps(step.__dict__) + "\n")
+            if self._log_file is None:
+                self._log_file = open(self._log_path, "a", buffering=1)
+            self._log_file.write(json.dumps(step.__dict__) + "\n")
