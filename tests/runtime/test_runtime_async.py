@@ -26,6 +26,9 @@ CASES = {
     "on": {"async": True, "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
     "off": {"async": False, "prompts": PROMPTS, "max_tokens": MAX_TOKENS},
     "host": {"async": True, "prompts": PROMPTS, "max_tokens": MAX_TOKENS, "logprobs": [2]},
+    # rows joining and leaving the decode batch at different steps, past KV block boundaries: the
+    # runner's persistent batch state rebuilt and reused (prompts within one prefill chunk)
+    "long": {"async": True, "prompts": [5, 40, 3, 60, 20, 33], "max_tokens": 40},
 }
 
 
@@ -112,10 +115,13 @@ def test_readback_waits_for_the_modeled_step(timed):
 
 @pytest.mark.slow  # one engine process, three engines: about a minute
 def test_timing_device_tokens_are_its_rule_with_async_on_and_off(timed):
-    for name in ("on", "off"):
+    for name in ("on", "off", "long"):
         res = timed[name]
+        n = CASES[name]["max_tokens"]
         for prompt, toks in zip(res["prompts"], res["tokens"]):
-            assert toks == expected_tokens(prompt, MAX_TOKENS, res["vocab"]), name
+            assert toks == expected_tokens(prompt, n, res["vocab"]), name
+    decodes = [s for s in timed["long"]["steps"] if s["phase"] == "decode"]
+    assert {s["mode"] for s in decodes} == {"async"} and len({len(s["rows"]) for s in decodes}) > 2
 
 
 def test_timing_switch_parses_and_refuses():

@@ -65,6 +65,7 @@ class ReqState:
     images: object = None  # runtime.images.RequestImages of a request with images
     rope: object = None  # M-RoPE positions [3, prompt length] (Qwen2.5-VL with images; runtime.qwen_vl)
     rope_delta: int = 0  # decode at cache position p: rope position p + rope_delta
+    host_sampling: bool = False  # its sampling needs the host (host_reasons; seeded without device seeds)
 
     @property
     def num_tokens(self) -> int:
@@ -103,6 +104,24 @@ class InFlight:
     t0: float
     prev: "InFlight | None" = None  # the step whose output this one's inputs take on the device
     output: object = None  # the ModelRunnerOutput, once collected
+    batch: "DecodeBatch | None" = None  # the persistent batch it ran
+
+
+@dataclass
+class DecodeBatch:
+    """The persistent state of an async decode batch (the same rows step after step): what the
+    host builds once per batch instead of once per step. It is rebuilt when the rows change; its
+    page table is rebuilt when any row's block list changed (``TTModelRunner._block_epoch``); a
+    step whose rows all take their input token from the previous step of the same batch feeds
+    row i from row i."""
+
+    rids: tuple  # the rows' request ids, in row order
+    epoch: int  # ``TTModelRunner._block_epoch`` when built
+    bucket: int
+    page_table: torch.Tensor  # [bucket, max blocks]
+    sampling: DeviceSampling
+    chained_src: torch.Tensor  # [bucket]: row i takes the previous step's row i (padding: -1)
+    zero_tokens: torch.Tensor  # [bucket, 1] zeros (every row fed on the device)
 
 
 class AsyncDecodeOutput(AsyncModelRunnerOutput):
@@ -158,10 +177,12 @@ class TTModelRunner:
         self._prompt_lp_out: dict = {}  # req_id -> LogprobsTensors, emitted with this step's output
         self._pending = None
         self._inflight: InFlight | None = None  # the last submitted decode, until collected
-        self._decode_cache = None  # (rows key, page table, DeviceSampling) of the last async decode
+        self._batch: DecodeBatch | None = None  # the last async decode's persistent batch
+        self._block_epoch = 0  # bumped whenever a request's block list changes or a request starts
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.step_log: deque[Step] = deque(maxlen=10_000)
         self._log_path = os.environ.get("TTBUNDLE_STEP_LOG")
+        self._log_file = None  # opened once (line-buffered: each step's line is written whole)
         from .lanes import plan_lanes_for
         self.lane_plan = plan_lanes_for(vllm_config, package, options)  # replicas / DP / lanes
         self.lanes = None  # runtime.lanes.Lanes when this engine drives more than one replica
@@ -273,8 +294,10 @@ class TTModelRunner:
             if sp.seed is not None:
                 gen = torch.Generator(device="cpu")
                 gen.manual_seed(sp.seed)
-            self.requests[nr.req_id] = ReqState(nr.req_id, list(nr.prompt_token_ids), sp, gen,
-                                                list(nr.block_ids[0]), nr.num_computed_tokens)
+            st = self.requests[nr.req_id] = ReqState(nr.req_id, list(nr.prompt_token_ids), sp, gen,
+                                                     list(nr.block_ids[0]), nr.num_computed_tokens)
+            st.host_sampling = self._needs_host(sp)
+            self._block_epoch += 1
             if getattr(nr, "mm_features", None):
                 self._request_images(self.requests[nr.req_id], nr.mm_features)
         c = so.scheduled_cached_reqs
@@ -285,12 +308,21 @@ class TTModelRunner:
                 if self.lanes is not None:
                     self.lanes.free_blocks(self.lanes.of[rid], st.block_ids)
                 st.block_ids = list(new[0]) if new is not None else []
-            elif new is not None:
+                self._block_epoch += 1
+            elif new is not None and new[0]:
                 st.block_ids += new[0]
+                self._block_epoch += 1
             st.num_computed = c.num_computed_tokens[i]
             full = c.all_token_ids.get(rid)
             if full is not None and len(full) > st.num_tokens:  # tokens we never saw
                 st.output += full[st.num_tokens:]
+
+    def _needs_host(self, params) -> bool:
+        """Whether a request's rows sample on the host (``sampling.host_reasons``, or a seed the
+        device cannot honour): decided once per request (its parameters never change)."""
+        seeds = getattr(self.mesh_model, "seeded_on_device", True)  # one seed per device batch: host
+        return bool(host_reasons(params, getattr(self, "max_device_top_k", None))
+                    or (params.seed is not None and not seeds))
 
     def _request_images(self, st: ReqState, features) -> None:
         """A new request's images (Gemma 3: soft tokens per image; Qwen2.5-VL: patches and grids,
@@ -327,9 +359,7 @@ class TTModelRunner:
         decode = phases.pop()
         sampled_rows = [st for st, n in rows if st.num_computed + n >= st.num_tokens]
         allowed = self.sample_mode == "all" or (self.sample_mode == "decode_only" and decode)
-        seeds = getattr(self.mesh_model, "seeded_on_device", True)  # one seed per device batch: host
-        on_device = allowed and not any(host_reasons(st.params, self.max_device_top_k) or (st.params.seed is not None and not seeds)
-                                        for st in sampled_rows)
+        on_device = allowed and not any(st.host_sampling for st in sampled_rows)
         if self.async_scheduling and decode and on_device and self.lanes is None:  # (lanes: synchronous)
             self._pending = ("async", self._submit_decode([st for st, _ in rows]))
             return None  # vLLM asks sample_tokens for the output
@@ -373,17 +403,49 @@ class TTModelRunner:
     # -- async decode: submit now, collect when vLLM asks for the tokens --------------------------
     def _submit_decode(self, states: list[ReqState]) -> InFlight:
         """Enqueue a device-sampled decode of ``states`` without reading it back. A row whose
-        input token is the in-flight step's unread output takes it on the device."""
+        input token is the in-flight step's unread output takes it on the device. The batch's
+        page table and sampling parameters persist while its rows and their blocks stay
+        (:class:`DecodeBatch`); per step only the positions (and any host-known tokens) are new."""
         t0 = time.perf_counter()
         prev = self._inflight
         if prev is not None and prev.output is not None:
             prev = None
         B = len(states)
-        bucket = pick(self.decode_buckets, B)
-        tok, pos, src = [0] * bucket, [-1] * bucket, [-1] * bucket
+        rids = tuple([st.req_id for st in states])
+        batch = self._batch
+        if batch is None or batch.rids != rids:
+            bucket = pick(self.decode_buckets, B)
+            src = torch.full((bucket,), -1, dtype=torch.long)
+            src[:B] = torch.arange(B)
+            batch = self._batch = DecodeBatch(rids, self._block_epoch, bucket, self._page_table(states, bucket),
+                                              self._device_sampling(states, bucket), src,
+                                              torch.zeros(bucket, 1, dtype=torch.long))
+        elif batch.epoch != self._block_epoch:  # a row got a block: a new table (never changed in place)
+            batch.page_table, batch.epoch = self._page_table(states, batch.bucket), self._block_epoch
+        bucket = batch.bucket
+        positions = [st.num_computed for st in states]
+        pos = torch.tensor(positions + [-1] * (bucket - B), dtype=torch.long)
+        if prev is not None and prev.batch is batch and \
+                all(len(st.prompt) + len(st.output) == c for st, c in zip(states, positions)):
+            tokens, src, chained = batch.zero_tokens, batch.chained_src, True  # the steady state
+        else:
+            tokens, src, chained = self._decode_inputs(states, bucket, prev)
+        handle = self.mesh_model.decode_forward(
+            tokens, pos, batch.page_table, self.kv, batch.sampling, read_from_device=False,
+            **({"prev_output": prev.handle, "prev_rows": src} if chained else {}), **self._decode_rope(states, pos))
+        step = Step("decode", [(rid, c, 1) for rid, c in zip(rids, positions)], [bucket], "device",
+                    mode="async", inputs=time.perf_counter() - t0, at=t0)
+        self._inflight = InFlight(list(states), handle, step, t0, prev if chained else None, batch=batch)
+        return self._inflight
+
+    @staticmethod
+    def _decode_inputs(states: list[ReqState], bucket: int, prev: InFlight | None):
+        """(tokens [bucket, 1], prev_rows [bucket], chained) of a decode whose rows are not all
+        the previous step's rows in the same order: a token the host knows is written; one that
+        is the in-flight step's unread output is taken from its row on the device."""
+        tok, src = [0] * bucket, [-1] * bucket
         prev_row = {id(st): i for i, st in enumerate(prev.states)} if prev is not None else {}
         for i, st in enumerate(states):
-            pos[i] = st.num_computed
             c, n_prompt = st.num_computed, len(st.prompt)
             if c < st.num_tokens:
                 tok[i] = st.prompt[c] if c < n_prompt else st.output[c - n_prompt]
@@ -391,22 +453,8 @@ class TTModelRunner:
                 src[i] = prev_row[id(st)]
             else:  # pragma: no cover - a pending token only ever comes from the step in flight
                 raise RuntimeError(f"request {st.req_id}: input token at {st.num_computed} is not known")
-        tokens = torch.tensor(tok, dtype=torch.long)[:, None]
-        pos, src = torch.tensor(pos, dtype=torch.long), torch.tensor(src, dtype=torch.long)
-        chained = bool((src >= 0).any())
-        # a steady decode batch is the same rows step after step: their page table changes when a
-        # row gets a block, their sampling parameters never (both cached for the last batch)
-        key = (bucket, tuple(st.req_id for st in states), tuple(tuple(st.block_ids) for st in states))
-        if self._decode_cache is None or self._decode_cache[0] != key:
-            self._decode_cache = (key, self._page_table(states, bucket), self._device_sampling(states, bucket))
-        _, table, sampling = self._decode_cache
-        handle = self.mesh_model.decode_forward(
-            tokens, pos, table, self.kv, sampling, read_from_device=False,
-            **({"prev_output": prev.handle, "prev_rows": src} if chained else {}), **self._decode_rope(states, pos))
-        step = Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [bucket], "device",
-                    mode="async", inputs=time.perf_counter() - t0, at=t0)
-        self._inflight = InFlight(list(states), handle, step, t0, prev if chained else None)
-        return self._inflight
+        src_t = torch.tensor(src, dtype=torch.long)
+        return torch.tensor(tok, dtype=torch.long)[:, None], src_t, any(r >= 0 for r in src)
 
     def _collect(self, flight: InFlight):
         """Read ``flight``'s tokens back (after the step it took tokens from), once."""
@@ -421,12 +469,12 @@ class TTModelRunner:
         ids = mm.process_decode_output_host(mm.read_decode_output(flight.handle), is_tokens=True)
         flight.step.wait = time.perf_counter() - t
         flight.step.seconds = time.perf_counter() - flight.t0
-        order, tokens = [], []
-        for i, st in enumerate(flight.states):
-            tok = int(ids[i])
+        states = flight.states
+        ids = ids[:len(states)].tolist()  # plain ints, one conversion for the batch
+        for st, tok in zip(states, ids):
             st.output.append(tok)
-            order.append(st.req_id)
-            tokens.append([tok])
+        order = [st.req_id for st in states]
+        tokens = [[tok] for tok in ids]
         flight.output = ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
                                           sampled_token_ids=tokens, logprobs=None)
         flight.prev = None
@@ -605,5 +653,6 @@ class TTModelRunner:
             step.lanes = [self.lane_plan.first_replica] * len(step.rows)
         self.step_log.append(step)
         if self._log_path:
-            with open(self._log_path, "a") as f:
-                f.write(json.dumps(step.__dict__) + "\n")
+            if self._log_file is None:
+                self._log_file = open(self._log_path, "a", buffering=1)
+            self._log_file.write(json.dumps(step.__dict__) + "\n")

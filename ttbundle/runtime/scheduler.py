@@ -116,8 +116,10 @@ class PhaseScheduler(Scheduler):
         yield from self.kv_holding_waiting
         yield from self.waiting
 
-    def _plan_prefill(self) -> tuple[list, list, dict]:
-        """(running partial prefills to schedule, waiting requests to admit, tokens per req)."""
+    def _plan_prefill(self, candidates: list | None = None) -> tuple[list, list, dict]:
+        """(running partial prefills to schedule, waiting requests to admit, tokens per req).
+        ``candidates``: the running requests that do not decode (``schedule`` sorted them out
+        already), in ``running`` order; None: every running request."""
         planned_running, planned_waiting, tokens = [], [], {}
         free_slots = self.max_num_running_reqs - len(self.running)
 
@@ -132,7 +134,7 @@ class PhaseScheduler(Scheduler):
             tokens[r.request_id] = n
             return True
 
-        for r in self.running:
+        for r in (self.running if candidates is None else candidates):
             if self._decodes(r) or r.num_tokens_with_spec + r.num_output_placeholders <= r.num_computed_tokens:
                 continue
             if not take(r):
@@ -178,8 +180,14 @@ class PhaseScheduler(Scheduler):
     # -- the step -------------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False):
         t0 = time.perf_counter()
-        decodes = [r for r in self.running if self._decodes(r) and not self._last_in_flight(r)]
-        planned_running, planned_waiting, tokens = self._plan_prefill()
+        decodes, others = [], []  # one pass over running: ready to decode, or maybe prefilling
+        for r in self.running:
+            if self._decodes(r):
+                if not self._last_in_flight(r):
+                    decodes.append(r)
+            else:
+                others.append(r)
+        planned_running, planned_waiting, tokens = self._plan_prefill(others)
         want_prefill = bool(tokens)
         prefill_first = want_prefill and (not decodes or self.prefill_run < self.max_prefill_run)
         out = None
@@ -197,7 +205,11 @@ class PhaseScheduler(Scheduler):
             out = self._run_restricted(decodes, 0, len(decodes))
         else:
             out = self._run_restricted([], 0, 0)
-        phase = self._phase_of(out)
+        if not prefill_first and out.total_num_scheduled_tokens and not out.scheduled_new_reqs and \
+                out.total_num_scheduled_tokens == len(out.num_scheduled_tokens):
+            phase = "decode"  # only decode-ready requests were visible, nothing admitted, one token each
+        else:
+            phase = self._phase_of(out)
         if phase == "prefill" and decodes:
             self.prefill_run += 1
         elif phase == "decode":
