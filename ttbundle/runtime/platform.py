@@ -179,7 +179,9 @@ def configure(vllm_config, emulated: bool) -> None:
         and lanes.lanes == 1
     chunk = bk.prefill_chunk or max(bk.prefill)
     sc.enable_chunked_prefill = True
-    sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs, chunk)
+    spec_rows = 1 + (vllm_config.speculative_config.num_speculative_tokens
+                     if vllm_config.speculative_config is not None else 0)  # a decode's rows with proposals
+    sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs * spec_rows, chunk)
     sc.max_num_scheduled_tokens = None
     sc.long_prefill_token_threshold = chunk
     # async scheduling (vLLM's default; off with --no-async-scheduling) needs async decode: a
