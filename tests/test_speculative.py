@@ -196,3 +196,14 @@ def test_stochastic_acceptance_keeps_the_target_distribution(temperature, top_k,
     assert len(after) > 500
     assert _pvalue(np.bincount(after, minlength=V), p[1]) > 1e-3
     assert (out[:, 0] == d0).mean() == pytest.approx(p[0][d0], abs=0.03)  # accepted with p(d0)
+
+
+def test_capabilities_declare_speculation_on_the_emulated_mesh_only(load):
+    from ttbundle.runtime.capabilities import model_capabilities
+
+    b, plain = load(spec_text(NGRAM)), load(spec_text())
+    emu, dev = model_capabilities(b, device=False), model_capabilities(b, device=True)
+    assert emu["supports_spec_decode"] is True and emu["spec_requirements"]["num_speculative_tokens"] == 3
+    assert emu["spec_requirements"]["methods"] == ["ngram"]
+    assert dev["supports_spec_decode"] is False and dev["spec_requirements"] == {}
+    assert model_capabilities(plain, device=False)["supports_spec_decode"] is False

@@ -94,12 +94,18 @@ def test_greedy_ngram_is_identical_without_speculation_and_to_transformers(ngram
 
     pkg, src = ngram_package(mesh)
     prompts = [REPETITIVE] + OTHERS
-    batches = [(prompts, _greedy(48))]
-    (spec_out,), metrics, steps, runner = _run(pkg, True, batches)
-    (plain_out,), plain_metrics, plain_steps, _ = _run(pkg, False, batches)
-    assert spec_out == plain_out
+    # then a request that samples on the host (logprobs) beside one that proposes: their batch
+    # runs the plain decode program (host fallback), the proposals all rejected
+    batches = [(prompts, _greedy(48)), ([REPETITIVE, OTHERS[0]], [dict(_greedy(24), logprobs=1), _greedy(24)])]
+    (spec_out, spec_host), metrics, steps, runner = _run(pkg, True, batches)
+    (plain_out, plain_host), plain_metrics, plain_steps, _ = _run(pkg, False, batches)
+    assert spec_out == plain_out and spec_host == plain_host
     for p, toks in zip(prompts, spec_out):
         assert toks == hf_greedy(src, p["prompt_token_ids"], 48)
+    assert spec_host[0] == hf_greedy(src, REPETITIVE["prompt_token_ids"], 24)
+    assert spec_host[1] == hf_greedy(src, OTHERS[0]["prompt_token_ids"], 24)
+    host = [s for s in steps if s.sampling == "host"]
+    assert host and all(s.phase == "decode" for s in host)  # host fallback: no verify
     # vLLM's own spec-decode metrics: proposals made and some accepted on the repetitive prompt
     assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
@@ -128,12 +134,15 @@ def _contingency_pvalue(a: np.ndarray, b: np.ndarray) -> float:
 
 
 def test_stochastic_ngram_keeps_the_distribution_of_sampling_without_speculation(ngram_package):
-    """400 seeded requests on the repetitive prompt, each 4 tokens (the 2nd to 4th can come from
-    verify steps): per position, the tokens' distribution with speculation against without it."""
-    pkg, _ = ngram_package("N150")
+    """400 seeded requests, each 4 tokens (the 2nd to 4th can come from verify steps): per
+    position, the tokens' distribution with speculation against without it. The prompt is the
+    repetitive one followed by its greedy continuation (transformers'), which ends in a token
+    repeated (the tiny random model's own loop): the proposals are likely, not certain, tokens."""
+    pkg, src = ngram_package("N150")
     n = 400
-    params = [dict(max_tokens=4, temperature=1.0, top_k=3, seed=s, ignore_eos=True) for s in range(n)]
-    batches = [([REPETITIVE] * n, params)]
+    prompt = {"prompt_token_ids": REPETITIVE["prompt_token_ids"] + hf_greedy(src, REPETITIVE["prompt_token_ids"], 64)}
+    params = [dict(max_tokens=4, temperature=0.7, top_k=3, seed=s, ignore_eos=True) for s in range(n)]
+    batches = [([prompt] * n, params)]
     (spec_out,), metrics, steps, _ = _run(pkg, True, batches)
     (plain_out,), _, _, _ = _run(pkg, False, batches)
     assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
@@ -144,7 +153,7 @@ def test_stochastic_ngram_keeps_the_distribution_of_sampling_without_speculation
         b = np.bincount([t[pos] for t in plain_out], minlength=512)
         assert _contingency_pvalue(a, b) > 1e-3, pos
     # and each seed reproduces its own tokens with speculation
-    (again,), _, _, _ = _run(pkg, True, [([REPETITIVE] * 8, params[:8])])
+    (again,), _, _, _ = _run(pkg, True, [([prompt] * 8, params[:8])])
     assert again == spec_out[:8]
 
 

@@ -6,6 +6,10 @@ Per step (the scheduler guarantees one phase per step):
   padded to the smallest prefill bucket that holds it; a sequence whose chunk ends its prompt
   samples its first token, a partial chunk returns ``[]``.
 * decode: the batch runs padded to the smallest decode bucket that holds it.
+* verify (speculative decoding, vLLM's ``--speculative-config``): a decode whose rows carry
+  vLLM's scheduled proposals runs the package's verify program of that bucket (each row its last
+  token and its proposals) and returns each row's accepted tokens (``sampling.accept``); after
+  every step the runner proposes the next ones (``speculation.py``, ``take_draft_token_ids``).
 
 Sampling is decided per batch: on the device (the program returns token ids) unless a row
 needs the host (``sampling.host_reasons``) or ``sample_on_device_mode`` excludes the phase;
@@ -79,7 +83,7 @@ class Step:
     """What one step ran (kept in ``TTModelRunner.step_log``; JSON lines to the file named by
     ``TTBUNDLE_STEP_LOG`` when set)."""
 
-    phase: str  # "prefill" | "decode"
+    phase: str  # "prefill" | "decode" | "verify" (a decode with proposals: rows of 1 + proposals tokens)
     rows: list  # [(req_id, start position, tokens)]
     buckets: list  # prefill: bucket per row; decode: [batch bucket] (with lanes: one per lane run)
     sampling: str  # "device" | "host" | "none" (partial chunks only)
@@ -490,8 +494,8 @@ class TTModelRunner:
         """A decode step with proposals: the verify program of the batch's decode bucket (each
         row its last token and its proposals), acceptance on the device path
         (``sampling.accept``). Host sampling (a row needs the logits, or the phase samples on
-        the host) runs the plain decode program instead: every proposal is rejected and vLLM's
-        sampler draws one token per row, as without speculation."""
+        the host) never comes here: :meth:`_decode` runs the plain decode program, every
+        proposal is rejected and vLLM's sampler draws one token per row, as without speculation."""
         from ..speculative import rows_per_seq
 
         B = len(states)
@@ -544,15 +548,16 @@ class TTModelRunner:
         by_lane: dict = {}
         for st in states:
             by_lane.setdefault(self.lanes.of[st.req_id].index, []).append(st)
-        out, buckets, secs = {}, [], []
+        out, buckets, secs, rows, phase = {}, [], [], {}, "decode"
         for idx in sorted(by_lane):
             t0 = time.perf_counter()
             res, step = self._decode(by_lane[idx], on_device)
             secs.append(time.perf_counter() - t0)
             out.update(res)
             buckets += step.buckets
-        return out, Step("decode", [(st.req_id, st.num_computed, 1) for st in states], buckets, "",
-                         lane_seconds=secs)
+            rows.update((r[0], r) for r in step.rows)
+            phase = "verify" if step.phase == "verify" else phase  # (speculative decoding)
+        return out, Step(phase, [rows[st.req_id] for st in states], buckets, "", lane_seconds=secs)
 
     def _device_sampling(self, states: list[ReqState], rows: int) -> DeviceSampling:
         return DeviceSampling.from_params([s.params for s in states], [s.generator for s in states], rows)
