@@ -105,7 +105,7 @@ def test_greedy_ngram_is_identical_without_speculation_and_to_transformers(ngram
     assert spec_host[0] == hf_greedy(src, REPETITIVE["prompt_token_ids"], 24)
     assert spec_host[1] == hf_greedy(src, OTHERS[0]["prompt_token_ids"], 24)
     host = [s for s in steps if s.sampling == "host"]
-    assert host and all(s.phase == "decode" for s in host)  # host fallback: no verify
+    assert any(s.phase == "decode" for s in host) and not any(s.phase == "verify" for s in host)  # no verify
     # vLLM's own spec-decode metrics: proposals made and some accepted on the repetitive prompt
     assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
     assert metrics["vllm:spec_decode_num_accepted_tokens"] > 0
