@@ -16,6 +16,7 @@ from .fsutil import MAX_TOKENIZER_BYTES, fault as _fault, read_user_bytes
 from .package import (MANIFEST, METADATA, FORMAT, hf_config_json, metadata_json, module_name,
                       render_adapter, render_readme, tt_arch)
 from .plan import replica_json
+from .speculative import verify_buckets
 from .program import Program
 
 
@@ -227,7 +228,8 @@ class PackageWriter:
             **({"replicas": replica_json(m, b.spec.runtime.max_num_seqs)} if m.target_shape else {}),
             "buckets": {"prefill": list(bk.prefill), "decode": list(bk.decode),
                         "prefill_chunk": bk.prefill_chunk,
-                        **({"vision": list(b.vision.buckets)} if b.vision is not None else {})},
+                        **({"vision": list(b.vision.buckets)} if b.vision is not None else {}),
+                        **({"verify": verify_buckets(b)} if verify_buckets(b) else {})},
             "trace_region_bytes": p.memory.trace_region,  # the DRAM it costs (per-bank rounding)
             "trace_region_size": p.trace_region_size,  # what the mesh is opened with
             "versions": cache.versions(),

@@ -11,7 +11,9 @@ so adding a bucket leaves every other program byte-identical (``cache`` keys rel
 Which elements each device holds is ``layout``'s rule; shapes here come from it.
 
 Shapes: activations are ``[rows, *features]`` per device, ``rows`` = prefill bucket tokens (one
-sequence) or the decode batch padded to a tile row of 32 (tt_transformers pads decode rows to 32).
+sequence) or the decode batch padded to a tile row of 32 (tt_transformers pads decode rows to 32);
+a verify program (speculative decoding) has ``bucket x (k + 1)`` rows padded to a tile
+(``speculative.verify_rows``), its head on every row.
 """
 
 from __future__ import annotations
@@ -23,16 +25,19 @@ from .layout import Policy, axes_of, local_len
 from .mesh import AXES
 from .plan import ACT_BYTES, TILE, TRACE_BYTES_PER_OP, Plan
 from .program import FORMAT, Activation, LayerProgram, Op, Program, Step, WeightRef
+from .speculative import rows_per_seq, verify_buckets, verify_rows
 from .tiles import round_up as _round_up
-PHASES = ("prefill", "decode", "vision")
+PHASES = ("prefill", "decode", "verify", "vision")
 
 
 # ---- the trace set -----------------------------------------------------------------------------
 def trace_set(bundle) -> list[tuple[str, int]]:
-    """Every (phase, bucket) the package holds a program for: prefill buckets, then decode."""
+    """Every (phase, bucket) the package holds a program for: prefill buckets, then decode, then
+    verify (speculative decoding: one per decode bucket), then vision."""
     b = bundle.buckets
     vision = [("vision", n) for n in bundle.vision.buckets] if bundle.vision is not None else []
-    return [("prefill", n) for n in b.prefill] + [("decode", n) for n in b.decode] + vision
+    verify = [("verify", n) for n in verify_buckets(bundle)]
+    return [("prefill", n) for n in b.prefill] + [("decode", n) for n in b.decode] + verify + vision
 
 
 def lower_all(bundle, plan: Plan) -> dict:
@@ -42,7 +47,7 @@ def lower_all(bundle, plan: Plan) -> dict:
 
 def traced(bundle, phase: str) -> bool:
     mode = bundle.spec.runtime.trace_mode
-    return mode == "all" or (mode == "decode_only" and phase == "decode")
+    return mode == "all" or (mode == "decode_only" and phase in ("decode", "verify"))
 
 
 def program_name(phase: str, bucket: int) -> str:
@@ -59,6 +64,8 @@ def lower(bundle, plan: Plan, phase: str, bucket: int) -> Program:
     decls = {t.name: t for t in fam.tensors(a)}
     tplan = {t.name: t for t in plan.tensors}
     rows = bucket if phase == "prefill" else _round_up(bucket, TILE)
+    if phase == "verify":  # each sequence's last token and its k proposals: every row's logits
+        rows = verify_rows(bucket, rows_per_seq(bundle) - 1)
     # tokens each attention row sees: the bucket (prefill from position 0), or the longest context
     context = bucket if phase == "prefill" else rt.max_model_len
 

@@ -47,6 +47,7 @@ class BucketsRecord(_Strict):
     decode: list[int]
     prefill_chunk: Optional[int] = None
     vision: Optional[list[int]] = None
+    verify: Optional[list[int]] = None  # speculative decoding: a verify program per decode bucket
 
 
 class ReplicasRecord(_Strict):

@@ -1032,7 +1032,7 @@ def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
                            f"{mesh.describe()}: the package is inconsistent; rebuild it")
     programs = {}
     for phase, buckets in (("prefill", m["buckets"]["prefill"]), ("decode", m["buckets"]["decode"]),
-                           ("vision", m["buckets"].get("vision", []))):
+                           ("verify", m["buckets"].get("verify") or []), ("vision", m["buckets"].get("vision", []))):
         for b in buckets:
             rel = f"programs/{program_name(phase, b)}.json"
             if rel not in m["files"]:

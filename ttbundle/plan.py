@@ -21,6 +21,7 @@ from . import layout as layoutmod
 from .layout import axes_of, tensor_layout
 from .mesh import AXES, Mesh
 from .tiles import TILE, cdiv as _cdiv, round_up as _round_up
+from .speculative import rows_per_seq, verify_buckets, verify_rows
 
 TILE_BYTES = {"bf16": 2048, "bfp8": 1088, "bfp4": 576, "f32": 4096}
 ELEM_BYTES = {"bf16": 2, "f32": 4}
@@ -558,7 +559,10 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
             if nbytes > act_layer_bytes:
                 act_layer, act_layer_bytes = bufs, nbytes
 
-    act_bufs = act_layer + [("logits", [_round_up(max(bk.decode, default=1), TILE), vocab_gathered])]
+    # speculative decoding: a verify program's logits cover every row (k + 1 per sequence)
+    logit_rows = max([_round_up(max(bk.decode, default=1), TILE)]
+                     + [verify_rows(n, rows_per_seq(bundle) - 1) for n in verify_buckets(bundle)])
+    act_bufs = act_layer + [("logits", [logit_rows, vocab_gathered])]
     act_bytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in act_bufs)
     vision, vision_bufs = vision_steps(bundle, mesh, specs, decls)
     vision_bytes = sum(tensor_bytes(shape, "bf16", "TILE", mesh) for _, shape in vision_bufs)
@@ -568,7 +572,7 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     rt = s.runtime
     traced_prefill = len(bk.prefill) if rt.trace_mode == "all" else 0
     traced_decode = len(bk.decode) if rt.trace_mode in ("all", "decode_only") else 0
-    num_traces = traced_prefill + traced_decode
+    num_traces = traced_prefill + traced_decode * (2 if verify_buckets(bundle) else 1)  # + verify
     # the vision forwards are traced with the prefills (one per vision bucket, its own op count)
     vision_trace_ops = sum(len(steps) * count for _, count, steps in vision) * len(bundle.vision.buckets) \
         if vision and rt.trace_mode == "all" else 0

@@ -193,6 +193,28 @@ class Embedding(BaseModel):
     """L2-normalize the pooled vector (a request's `use_activation`, as vLLM names it, overrides)."""
 
 
+class Speculative(BaseModel):
+    """Speculative decoding (vLLM's `--speculative-config`): each decode step verifies up to
+    `num_speculative_tokens` proposed tokens per sequence in one program call (a *verify*
+    program per decode bucket: k + 1 rows per sequence) and keeps the longest prefix the model
+    agrees with, plus one token of its own (rejection sampling as vLLM defines it)."""
+
+    model_config = _model_config()
+
+    method: Literal["ngram", "draft"] = "ngram"
+    """`ngram`: prompt lookup (the proposals are the tokens that followed the longest earlier
+    match of the sequence's last n-gram, vLLM's `ngram`); `draft`: another bundle proposes
+    (not implemented yet)."""
+    num_speculative_tokens: int = Field(default=3, gt=0)
+    """k: tokens proposed and verified per sequence and step."""
+    prompt_lookup_min: int = Field(default=1, gt=0)
+    """`ngram`: the shortest n-gram matched."""
+    prompt_lookup_max: int = Field(default=3, gt=0)
+    """`ngram`: the longest n-gram matched (at least `prompt_lookup_min`)."""
+    model: str | None = None
+    """`draft`: the drafting bundle (a spec path or package of the same tokenizer)."""
+
+
 class BundleSpec(BaseModel):
     """A model deployment on Tenstorrent meshes: architecture, weights, sharding, buckets."""
 
@@ -240,6 +262,9 @@ class BundleSpec(BaseModel):
     embedding: Embedding | None = None
     """Pooling and normalization of a `task: embed` bundle; default: last-token pooling,
     normalized (Qwen3-Embedding's)."""
+    speculative: Speculative | None = None
+    """Speculative decoding (`method: ngram`): the package gets a verify program per decode
+    bucket and `serve` passes vLLM's `--speculative-config`; absent: none."""
 
     @field_validator("name")
     @classmethod
@@ -698,8 +723,9 @@ def check(b: Bundle) -> list[Diagnostic]:
                               "model id ORG/NAME[@REVISION] in the Hugging Face cache)"))
     d += b.family.check(a, b)
     d += _check_vision(b)
-    from . import embed
+    from . import embed, speculative
     d += embed.check(b)
+    d += speculative.check(b)
     return d
 
 

@@ -36,7 +36,7 @@ def tolerance(dtype: str, layers: int) -> float:
 
 def real_rows(phase: str, b: int) -> int:
     """Rows of program (phase, b) that its warm-up call runs (:func:`fixed_input`)."""
-    return {"prefill": min(b, PREFILL_TOKENS), "decode": min(b, DECODE_ROWS)}.get(phase, b)
+    return {"prefill": min(b, PREFILL_TOKENS), "decode": min(b, DECODE_ROWS), "verify": min(b, DECODE_ROWS)}.get(phase, b)
 
 
 # ---- the fixed input ---------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ class BundleModel:
     # -- programs -------------------------------------------------------------------------------
     def _program(self, phase: str, bucket: int):
         key = (phase, bucket)
-        traced = self.trace_mode == "all" or (self.trace_mode == "decode_only" and phase == "decode")
+        traced = self.trace_mode == "all" or (self.trace_mode == "decode_only" and phase in ("decode", "verify"))
         if self.sealed and traced and key not in self.warmed:
             raise RuntimeError(f"{phase} bucket {bucket} was not captured at warm-up; refusing to "
                                "capture a trace while serving")
@@ -300,6 +300,35 @@ class BundleModel:
                                     rope_positions=rope_positions)
         return self._finish(logits[:, 0], sampling_params)
 
+    @torch.no_grad()
+    def verify_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, num_tokens: torch.Tensor,
+                       page_table: torch.Tensor, kv_cache: KVCache, sampling_params: DeviceSampling | None = None):
+        """Speculative decoding's verify step (the package's ``verify`` program of a decode
+        bucket). ``tokens`` [B, k + 1], B a decode bucket: row ``i`` holds its sequence's last
+        token, then its proposals (a negative id: a proposal vLLM voided, never accepted);
+        ``start_pos`` [B] the last token's position (-1: a padding row), ``num_tokens`` [B] the
+        real rows (1 + proposals). Every row writes its KV slot; a rejected row's slot is
+        rewritten by the next step (later positions are masked until then). Returns logits
+        [B, k + 1, V] (host sampling) or, with ``sampling_params``, the accepted tokens
+        [B, k + 1], -1 past each sequence's last (``sampling.accept``)."""
+        from ..speculative import rows_per_seq
+        from .sampling import accept
+
+        B, K1 = tokens.shape
+        if B not in self.decode_buckets or K1 != rows_per_seq(self.bundle):
+            raise ValueError(f"verify runs a batch padded to a decode bucket {self.decode_buckets} of "
+                             f"{rows_per_seq(self.bundle)} rows per sequence (speculative.num_speculative_tokens"
+                             f" + 1), got tokens {list(tokens.shape)}")
+        program = self._program("verify", B)
+        ar = torch.arange(K1)[None, :]
+        n = torch.as_tensor(num_tokens, dtype=torch.long).reshape(-1)
+        valid = (ar < n[:, None]) & (start_pos >= 0)[:, None]
+        positions = torch.where(valid, start_pos.clamp(min=0)[:, None] + ar, torch.zeros(B, K1, dtype=torch.long))
+        logits = self.model.forward(program, tokens.clamp(min=0), positions, valid, page_table, kv_cache)
+        if sampling_params is None:
+            return logits.float()
+        return accept(logits, tokens[:, 1:], (n - 1).clamp(min=0), sampling_params)
+
     # -- warm-up --------------------------------------------------------------------------------
     def _null_table(self, rows: int, kv_cache: KVCache, seq: int) -> torch.Tensor:
         # every position maps to block 0, vLLM's null block: never handed to a request
@@ -318,13 +347,24 @@ class BundleModel:
         if phase == "prefill":
             tokens, positions = torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None, :]
             pt, last = self._null_table(1, kv_cache, n), [n - 1]
+        elif phase == "verify":  # n sequences of k + 1 rows
+            from ..speculative import rows_per_seq
+            K1 = rows_per_seq(self.bundle)
+            tokens, positions = torch.zeros(n, K1, dtype=torch.long), torch.arange(K1).repeat(n, 1)
+            pt, last = self._null_table(n, kv_cache, K1), None
         else:
             tokens, positions = torch.zeros(n, 1, dtype=torch.long), torch.zeros(n, 1, dtype=torch.long)
             pt, last = self._null_table(n, kv_cache, 1), None
         with torch.no_grad():
             logits = self.model.forward(program, tokens, positions, positions >= 0, pt, kv_cache, last=last)[:, 0]
         self._finish(logits, None)
-        if can_sample_on_device:
+        if can_sample_on_device and phase == "verify":
+            from .sampling import accept
+            with torch.no_grad():
+                full = self.model.forward(program, tokens, positions, positions >= 0, pt, kv_cache)
+            accept(full, tokens[:, 1:], torch.full((n,), tokens.shape[1] - 1),
+                   DeviceSampling.from_params([], [], n))
+        elif can_sample_on_device:
             self._finish(logits, DeviceSampling.from_params([], [], logits.shape[0]))
         self.warmed.add((phase, bucket))
 
@@ -347,12 +387,17 @@ class BundleModel:
 
     def warmup_model_decode(self, kv_cache: KVCache, enable_trace: bool = True, max_batch_size=None,
                             num_blocks=None, can_sample_on_device: bool = True):
-        """Every decode program once (:meth:`_warm`)."""
+        """Every decode program once (:meth:`_warm`), and every verify program (speculative
+        decoding) the package has."""
         for i, B in enumerate(self.decode_buckets):
             t0 = time.perf_counter()
             self._warm("decode", B, min(B, self.WARMUP_DECODE_ROWS), kv_cache, can_sample_on_device)
             logger.info("[WARMUP] (%d/%d) decode batch %d: %.2f s", i + 1, len(self.decode_buckets),
                         B, time.perf_counter() - t0)
+        for B in sorted(b for ph, b in self.model.programs if ph == "verify"):
+            t0 = time.perf_counter()
+            self._warm("verify", B, min(B, self.WARMUP_DECODE_ROWS), kv_cache, can_sample_on_device)
+            logger.info("[WARMUP] verify batch %d: %.2f s", B, time.perf_counter() - t0)
 
     def seal(self):
         """From now on only warmed-up shapes run (no capture while serving)."""

@@ -6,6 +6,10 @@ Per step (the scheduler guarantees one phase per step):
   padded to the smallest prefill bucket that holds it; a sequence whose chunk ends its prompt
   samples its first token, a partial chunk returns ``[]``.
 * decode: the batch runs padded to the smallest decode bucket that holds it.
+* verify (speculative decoding, vLLM's ``--speculative-config``): a decode whose rows carry
+  vLLM's scheduled proposals runs the package's verify program of that bucket (each row its last
+  token and its proposals) and returns each row's accepted tokens (``sampling.accept``); after
+  every step the runner proposes the next ones (``speculation.py``, ``take_draft_token_ids``).
 
 Sampling is decided per batch: on the device (the program returns token ids) unless a row
 needs the host (``sampling.host_reasons``) or ``sample_on_device_mode`` excludes the phase;
@@ -80,7 +84,7 @@ class Step:
     """What one step ran (kept in ``TTModelRunner.step_log``; JSON lines to the file named by
     ``TTBUNDLE_STEP_LOG`` when set)."""
 
-    phase: str  # "prefill" | "decode"
+    phase: str  # "prefill" | "decode" | "verify" (a decode with proposals: rows of 1 + proposals tokens)
     rows: list  # [(req_id, start position, tokens)]
     buckets: list  # prefill: bucket per row; decode: [batch bucket] (with lanes: one per lane run)
     sampling: str  # "device" | "host" | "none" (partial chunks only)
@@ -188,6 +192,10 @@ class TTModelRunner:
         self.lanes = None  # runtime.lanes.Lanes when this engine drives more than one replica
         from .capabilities import packed_prefill
         self.packed_prefill = packed_prefill(device=tt is not None)  # several prompts per prefill call
+        from .speculation import proposer_for
+        self.proposer = proposer_for(vllm_config)  # speculative decoding (ngram), or None
+        self._spec: dict = {}  # this step's scheduled proposals, req_id -> [token ids]
+        self._drafts = None  # DraftTokenIds for the next step (take_draft_token_ids)
 
     # -- set-up ---------------------------------------------------------------------------------
     def load_model(self):
@@ -351,7 +359,9 @@ class TTModelRunner:
         if not so.total_num_scheduled_tokens:
             return EMPTY_MODEL_RUNNER_OUTPUT
         rows = [(self.requests[rid], n) for rid, n in so.num_scheduled_tokens.items()]
-        phases = {is_decode(st.num_computed, len(st.prompt), max(st.num_tokens, st.num_computed + 1)) and n == 1
+        self._spec = dict(getattr(so, "scheduled_spec_decode_tokens", None) or {})  # speculative decoding
+        phases = {is_decode(st.num_computed, len(st.prompt), max(st.num_tokens, st.num_computed + 1))
+                  and n == 1 + len(self._spec.get(st.req_id, ()))
                   for st, n in rows}  # (async: a decode's input token may still be on the device)
         if len(phases) != 1:
             raise RuntimeError("a step mixes prefill and decode; the ttbundle scheduler must be "
@@ -495,13 +505,63 @@ class TTModelRunner:
             tok = sampled.get(rid)
             if tok is None:
                 tokens.append([])
-            else:
-                st.output.append(int(tok))
-                tokens.append([int(tok)])
+            else:  # one token, or a verify step's accepted proposals and the model's own token
+                toks = [int(t) for t in tok] if isinstance(tok, list) else [int(tok)]
+                st.output += toks
+                tokens.append(toks)
+        if self.proposer is not None:
+            self._propose(order, tokens)
         prompt_lp, self._prompt_lp_out = self._prompt_lp_out, {}
         return ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
                                  sampled_token_ids=tokens, logprobs=host[1] if host else None,
                                  prompt_logprobs_dict=prompt_lp)
+
+    # -- speculative decoding (vLLM's --speculative-config; ngram) ---------------------------------
+    def _propose(self, order: list, tokens: list) -> None:
+        """Proposals for the next step of every request that got tokens this step (vLLM's
+        scheduler takes them with ``take_draft_token_ids`` and schedules them with the request's
+        next decode). A request that samples on the host proposes nothing: its steps run the
+        plain decode program (host fallback)."""
+        from vllm.v1.outputs import DraftTokenIds
+
+        ids, drafts = [], []
+        for rid, toks in zip(order, tokens):
+            st = self.requests.get(rid)
+            if not toks or st is None:
+                continue
+            ids.append(rid)
+            host = host_reasons(st.params, self.max_device_top_k) or self.sample_mode == "off"
+            drafts.append([] if host else self.proposer.propose(st.prompt + st.output))
+        self._drafts = DraftTokenIds(ids, drafts) if ids else None
+
+    def take_draft_token_ids(self):
+        drafts, self._drafts = self._drafts, None
+        return drafts
+
+    def _verify(self, states: list[ReqState], on_device: bool):
+        """A decode step with proposals: the verify program of the batch's decode bucket (each
+        row its last token and its proposals), acceptance on the device path
+        (``sampling.accept``). Host sampling (a row needs the logits, or the phase samples on
+        the host) never comes here: :meth:`_decode` runs the plain decode program, every
+        proposal is rejected and vLLM's sampler draws one token per row, as without speculation."""
+        from ..speculative import rows_per_seq
+
+        B = len(states)
+        bucket = pick(self.decode_buckets, B)
+        K1 = rows_per_seq(self.bundle)
+        tokens = torch.zeros(bucket, K1, dtype=torch.long)
+        pos = torch.full((bucket,), -1, dtype=torch.long)
+        n = torch.zeros(bucket, dtype=torch.long)
+        for i, st in enumerate(states):
+            d = list(self._spec.get(st.req_id, ()))[:K1 - 1]
+            tokens[i, 0] = st.tokens(st.num_computed, 1)[0]
+            tokens[i, 1:1 + len(d)] = torch.tensor(d, dtype=torch.long)
+            pos[i], n[i] = st.num_computed, 1 + len(d)
+        res = self.mesh_model.verify_forward(tokens, pos, n, self._page_table(states, bucket), self._kv_of(states[0]),
+                                             self._device_sampling(states, bucket))
+        out = {st.req_id: [int(t) for t in res[i] if int(t) >= 0] for i, st in enumerate(states)}
+        return out, Step("verify", [(st.req_id, st.num_computed, int(n[i])) for i, st in enumerate(states)],
+                         [bucket], "")
 
     def _page_table(self, states: list[ReqState], rows: int) -> torch.Tensor:
         import numpy as np
@@ -536,15 +596,16 @@ class TTModelRunner:
         by_lane: dict = {}
         for st in states:
             by_lane.setdefault(self.lanes.of[st.req_id].index, []).append(st)
-        out, buckets, secs = {}, [], []
+        out, buckets, secs, rows, phase = {}, [], [], {}, "decode"
         for idx in sorted(by_lane):
             t0 = time.perf_counter()
             res, step = self._decode(by_lane[idx], on_device)
             secs.append(time.perf_counter() - t0)
             out.update(res)
             buckets += step.buckets
-        return out, Step("decode", [(st.req_id, st.num_computed, 1) for st in states], buckets, "",
-                         lane_seconds=secs)
+            rows.update((r[0], r) for r in step.rows)
+            phase = "verify" if step.phase == "verify" else phase  # (speculative decoding)
+        return out, Step(phase, [rows[st.req_id] for st in states], buckets, "", lane_seconds=secs)
 
     def _device_sampling(self, states: list[ReqState], rows: int) -> DeviceSampling:
         return DeviceSampling.from_params([s.params for s in states], [s.generator for s in states], rows)
@@ -633,6 +694,8 @@ class TTModelRunner:
                          calls=[[b, b, 1] for b in buckets])
 
     def _decode(self, states, on_device):
+        if on_device and any(self._spec.get(st.req_id) for st in states):
+            return self._verify(states, on_device)
         B = len(states)
         bucket = pick(self.decode_buckets, B)
         tokens = torch.zeros(bucket, 1, dtype=torch.long)

@@ -148,8 +148,7 @@ def configure(vllm_config, emulated: bool) -> None:
         _fail(f"MESH_DEVICE={mesh_env} but package {pkg.path.name} was built for {pkg.mesh_name}; "
               f"serve the {mesh_env} package (`ttbundle build --mesh {mesh_env}`) or unset MESH_DEVICE "
               "(a shape such as \"(1,8)\" matches the preset of that shape and chip)")
-    if vllm_config.speculative_config is not None:
-        _fail("speculative decoding is not supported on Tenstorrent meshes")
+    _configure_speculative(vllm_config, pkg, emulated)
     if vllm_config.lora_config is not None:
         _fail("LoRA is not supported on Tenstorrent meshes")
     if mc.dtype not in (torch.float32, torch.bfloat16):
@@ -180,7 +179,9 @@ def configure(vllm_config, emulated: bool) -> None:
         and lanes.lanes == 1
     chunk = bk.prefill_chunk or max(bk.prefill)
     sc.enable_chunked_prefill = True
-    sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs, chunk)
+    spec_rows = 1 + (vllm_config.speculative_config.num_speculative_tokens
+                     if vllm_config.speculative_config is not None else 0)  # a decode's rows with proposals
+    sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs * spec_rows, chunk)
     sc.max_num_scheduled_tokens = None
     sc.long_prefill_token_threshold = chunk
     # async scheduling (vLLM's default; off with --no-async-scheduling) needs async decode: a
@@ -193,7 +194,10 @@ def configure(vllm_config, emulated: bool) -> None:
                     "into the next decode (capabilities.async_decode)")
     elif sc.async_scheduling and lanes.lanes > 1:
         logger.info("ttbundle: async scheduling off: %d lanes run synchronous steps", lanes.lanes)
-    sc.async_scheduling = bool(sc.async_scheduling) and async_decode_supported(emulated) and lanes.lanes == 1
+    if sc.async_scheduling and vllm_config.speculative_config is not None:
+        logger.info("ttbundle: async scheduling off: speculative decoding runs synchronous steps")
+    sc.async_scheduling = bool(sc.async_scheduling) and async_decode_supported(emulated) and lanes.lanes == 1 \
+        and vllm_config.speculative_config is None
     if sc.scheduler_cls not in (None, SCHEDULER, ASYNC_SCHEDULER) and "ttbundle" not in str(sc.scheduler_cls):
         logger.warning("ttbundle: replacing scheduler %s: every step must be one phase", sc.scheduler_cls)
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SCHEDULER
@@ -268,6 +272,32 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
         _fail(f"{lp.describe()}: replicas on a Tenstorrent device (opening submeshes) are not "
               "implemented yet; they run on the emulated mesh")
     return lp
+
+
+def _configure_speculative(vllm_config, pkg, emulated: bool) -> None:
+    """vLLM's ``--speculative-config`` against the package's ``speculative:`` (its verify
+    programs are built for one method and k): a config that disagrees is refused naming both;
+    only ``ngram`` on the emulated mesh runs (a device has no verify program lowered yet)."""
+    from ..speculative import disagreements, vllm_config as package_config
+
+    sc = vllm_config.speculative_config
+    if sc is None:
+        return
+    given = {"method": sc.method, "num_speculative_tokens": sc.num_speculative_tokens,
+             "prompt_lookup_min": getattr(sc, "prompt_lookup_min", None),
+             "prompt_lookup_max": getattr(sc, "prompt_lookup_max", None)}
+    if sc.method != "ngram":
+        _fail(f"--speculative-config method {sc.method!r} is not supported: ttbundle serves `ngram` "
+              "(prompt lookup) speculative decoding")
+    if not emulated:
+        _fail("speculative decoding on a Tenstorrent device is not implemented yet (the verify programs "
+              "are not lowered to ttnn); serve on the emulated mesh or leave --speculative-config out")
+    pc = package_config(pkg.bundle)
+    bad = disagreements(pc, given)
+    if bad:
+        _fail(f"--speculative-config {given} disagrees with package {pkg.name}-{pkg.mesh_name}'s "
+              f"speculative: {pc}: " + "; ".join(bad) + "; drop the flag (`ttbundle serve` passes the "
+              "package's) or rebuild with the spec's `speculative:` changed")
 
 
 def _configure_images(pkg, mc, sc, emulated: bool) -> None:

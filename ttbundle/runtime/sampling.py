@@ -81,8 +81,17 @@ def sample_on_device(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:
     out = logits.argmax(-1)
     if bool(greedy.all()):
         return out
-    B, V = logits.shape
-    x = logits / torch.where(greedy, torch.ones_like(s.temperature), s.temperature)[:, None]
+    probs = target_probs(logits, s)
+    sampled = (probs / _exponential(probs, s.generators)).argmax(-1)
+    return torch.where(greedy, out, sampled)
+
+
+def target_probs(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:
+    """The distribution a row samples from [B, V]: softmax(logits / T) restricted to the top-k
+    and the top-p mass (greedy rows: T = 1, unrestricted)."""
+    greedy = s.temperature < _EPS
+    V = logits.shape[-1]
+    x = logits.float() / torch.where(greedy, torch.ones_like(s.temperature), s.temperature)[:, None]
     k = torch.where((s.top_k <= 0) | (s.top_k >= V), torch.full_like(s.top_k, V), s.top_k)
     if bool((k < V).any()):
         kth = x.sort(-1, descending=True).values.gather(1, (k - 1)[:, None])
@@ -93,13 +102,70 @@ def sample_on_device(logits: torch.Tensor, s: DeviceSampling) -> torch.Tensor:
         # drop a token when the mass before it already reaches top_p (keeps at least one)
         drop = (probs.cumsum(-1) - probs) >= s.top_p[:, None]
         x = x.scatter(1, idx, sx.masked_fill(drop, float("-inf")))
-    probs = x.softmax(-1)
-    q = torch.empty_like(probs)
-    for i in range(B):
-        g = s.generators[i]
+    return x.softmax(-1)
+
+
+def _exponential(like: torch.Tensor, generators: list) -> torch.Tensor:
+    """Exp(1) noise shaped like ``like`` [B, V], row ``i`` from ``generators[i]`` (None: the
+    default stream): the exponential race (argmax of p / q) draws from p."""
+    q = torch.empty_like(like)
+    for i in range(like.shape[0]):
+        g = generators[i]
         q[i].exponential_(generator=g) if g is not None else q[i].exponential_()
-    sampled = (probs / q).argmax(-1)
-    return torch.where(greedy, out, sampled)
+    return q
+
+
+def accept(logits: torch.Tensor, drafts: torch.Tensor, num_drafts: torch.Tensor, s: DeviceSampling) -> torch.Tensor:
+    """Speculative decoding's acceptance, as vLLM's rejection sampler defines it for a drafter
+    without probabilities (``ngram``: the draft distribution is one-hot on the proposal).
+
+    ``logits`` [B, k + 1, V]: row ``j`` of a sequence is the model's next-token logits after its
+    last token and proposals ``0 .. j - 1``; ``drafts`` [B, k] the proposals (a negative id is
+    never accepted), ``num_drafts`` [B] how many are real. Per sequence, proposal ``j`` is
+    accepted while ``p_j(d_j) >= u_j`` (u uniform; greedy rows: while it is the argmax); the
+    first rejected one is replaced by a draw from ``p_j`` with ``d_j`` removed (renormalized:
+    vLLM's recovered token; greedy: the argmax); when all are accepted a bonus token is drawn
+    from ``p_n``. The marginal of every emitted token is the target distribution ``p`` (the
+    speculative sampling theorem), so speculation changes speed, never the distribution.
+    Returns [B, k + 1] token ids, -1 past each sequence's last (vLLM's
+    ``PLACEHOLDER_TOKEN_ID``)."""
+    from vllm.v1.sample.rejection_sampler import PLACEHOLDER_TOKEN_ID, generate_uniform_probs
+
+    B, K1, V = logits.shape
+    logits = logits.float()
+    ar = torch.arange(K1 - 1)
+    real = (ar[None, :] < num_drafts[:, None]) & (drafts >= 0)
+    greedy = s.temperature < _EPS
+    argmax = logits.argmax(-1)  # [B, K1]
+    # ok[b, j]: proposal j accepted (given the ones before it)
+    ok = real & (drafts == argmax[:, :-1])
+    if not bool(greedy.all()):
+        flat = DeviceSampling(s.temperature.repeat_interleave(K1), s.top_k.repeat_interleave(K1),
+                              s.top_p.repeat_interleave(K1), [None] * (B * K1))
+        probs = target_probs(logits.reshape(B * K1, V), flat).reshape(B, K1, V)
+        nd = [int(n) for n in num_drafts]
+        gens = {i: g for i, g in enumerate(s.generators[:B]) if g is not None}
+        u = torch.zeros(B, K1 - 1, dtype=torch.float64)
+        if sum(nd):
+            flat_u = generate_uniform_probs(sum(nd), nd, gens, torch.device("cpu"))
+            u[ar[None, :] < num_drafts[:, None]] = flat_u
+        p_d = probs[:, :-1].gather(2, drafts.clamp(min=0)[:, :, None])[:, :, 0].double()
+        ok = torch.where(greedy[:, None], ok, real & (p_d >= u))
+    n_acc = torch.cumprod(ok.long(), dim=1).sum(1)  # accepted proposals per sequence
+    out = torch.full((B, K1), PLACEHOLDER_TOKEN_ID, dtype=torch.long)
+    for b in range(B):
+        a = int(n_acc[b])
+        out[b, :a] = drafts[b, :a]
+        if bool(greedy[b]):
+            out[b, a] = argmax[b, a]
+            continue
+        p = probs[b, a].clone()
+        if a < int(num_drafts[b]) and int(drafts[b, a]) >= 0:  # rejected: p without the proposal
+            p[int(drafts[b, a])] = 0
+            if float(p.sum()) <= 0:  # pragma: no cover - p was one-hot on the proposal
+                p = probs[b, a].clone()
+        out[b, a] = int((p[None, :] / _exponential(p[None, :], [s.generators[b]])).argmax(-1))
+    return out
 
 
 class PromptLogprobs:

@@ -16,7 +16,8 @@ per step, and prefill and decode are different programs. Per step:
    one call of a bucket, each padded to a tile-aligned slice of it; on a device one call per
    chunk, padded to its bucket) stay within the largest prefill bucket (the first always
    joins), and never past ``max_num_seqs`` running requests.
-3. *Decode step.* Every running request whose prompt is computed decodes one token; nothing
+3. *Decode step.* Every running request whose prompt is computed decodes one token (with
+   speculative decoding: its last token and its proposals, verified in one call); nothing
    is admitted. The runner pads the batch to the smallest decode bucket that holds it
    (``max_num_seqs`` <= the largest decode bucket, checked by the spec).
 
@@ -101,9 +102,10 @@ class PhaseScheduler(Scheduler):
     # -- helpers --------------------------------------------------------------------------------
     @staticmethod
     def _decodes(r) -> bool:
-        # placeholders (async scheduling): sampled tokens still on the device count as tokens
+        # placeholders (async scheduling): sampled tokens still on the device count as tokens;
+        # proposals (speculative decoding) ride along with a decode, they are not prompt
         return is_decode(r.num_computed_tokens, r.num_prompt_tokens,
-                         r.num_tokens_with_spec + r.num_output_placeholders)
+                         r.num_tokens + r.num_output_placeholders)
 
     @staticmethod
     def _last_in_flight(r) -> bool:
@@ -198,11 +200,11 @@ class PhaseScheduler(Scheduler):
                 logger.warning("ttbundle scheduler: prefill chunks %s differ from the plan %s", bad, tokens)
             if out.total_num_scheduled_tokens == 0 and decodes:
                 first = out  # no progress (e.g. no free KV blocks): decode instead
-                out = self._run_restricted(decodes, 0, len(decodes))
+                out = self._run_restricted(decodes, 0, sum(1 + len(r.spec_token_ids) for r in decodes))
                 out.finished_req_ids = set(first.finished_req_ids) | set(out.finished_req_ids)
                 out.preempted_req_ids = set(first.preempted_req_ids or ()) | set(out.preempted_req_ids or ())
-        elif decodes:
-            out = self._run_restricted(decodes, 0, len(decodes))
+        elif decodes:  # each decode its last token and its proposals (speculative decoding)
+            out = self._run_restricted(decodes, 0, sum(1 + len(r.spec_token_ids) for r in decodes))
         else:
             out = self._run_restricted([], 0, 0)
         if not prefill_first and out.total_num_scheduled_tokens and not out.scheduled_new_reqs and \
@@ -234,7 +236,8 @@ class PhaseScheduler(Scheduler):
             # async scheduling: the placeholder this step added (a step that samples) is not a token yet
             added = 1 if isinstance(self, AsyncScheduler) and not r.is_prefill_chunk else 0
             total = r.num_tokens_with_spec + r.num_output_placeholders - added
-            kinds.add(n == 1 and is_decode(start, r.num_prompt_tokens, total))
+            spec = len(out.scheduled_spec_decode_tokens.get(rid, ()))  # proposals verified with it
+            kinds.add(n == 1 + spec and is_decode(start, r.num_prompt_tokens, total))
         if len(kinds) > 1:
             raise RuntimeError(f"ttbundle scheduler: a step mixes prefill and decode: "
                                f"{out.num_scheduled_tokens}")

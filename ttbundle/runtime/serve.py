@@ -9,6 +9,8 @@ elsewhere: ``TTBUNDLE_EMULATED=1``), with ``MESH_DEVICE`` set to the package's m
 * ``--dtype float32`` on the emulated mesh (it then matches transformers token for token),
   ``bfloat16`` on a device (the host side of a bf16 device model);
 * ``--served-model-name`` the bundle name;
+* ``--speculative-config`` from the spec's ``speculative:`` (a disagreeing one among the extra
+  arguments is refused, naming both);
 * ``--additional-config '{"tt": {...}}'`` with ``trace_region_size`` from the package and the
   spec's ``trace_mode`` / ``sample_on_device_mode``; a ``--additional-config`` among the extra
   arguments is merged over it.
@@ -237,6 +239,32 @@ def _int_flag(extra, *flags) -> int | None:
         raise InvalidInput(f"{flags[0]} {v}: expected a whole number") from None
 
 
+def speculative_args(pkg, extra: list[str]) -> list[str]:
+    """vLLM's ``--speculative-config`` from the package's ``speculative:`` (none without one). A
+    ``--speculative-config`` / ``-sc`` among the extra arguments must agree with the package (its
+    verify programs are built for one method and k): one that disagrees is refused naming both;
+    one that agrees is passed as given."""
+    from ..speculative import disagreements, vllm_config as package_config
+
+    pc = package_config(pkg.bundle)
+    given = _flag_value(extra, "--speculative-config", "-sc")
+    if given is None:
+        return [] if pc is None else ["--speculative-config", json.dumps(pc, separators=(",", ":"))]
+    try:
+        g = json.loads(given)
+    except json.JSONDecodeError as e:
+        raise InvalidInput(f"--speculative-config is not JSON: {e}") from None
+    if not isinstance(g, dict):
+        raise InvalidInput("--speculative-config must be a JSON object")
+    bad = disagreements(pc, g)
+    if bad:
+        raise InvalidInput(f"--speculative-config {given} disagrees with package {pkg.name}-{pkg.mesh_name}'s "
+                           f"speculative: {json.dumps(pc) if pc else 'none'}: " + "; ".join(bad)
+                           + "; leave the flag out (serve passes the package's) or rebuild with the spec's "
+                           "`speculative:` changed")
+    return []
+
+
 def vllm_command() -> list[str]:
     exe = Path(sys.executable).with_name("vllm")
     if exe.exists():
@@ -338,7 +366,8 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         "--block-size", str(rt.kv_block_size),
         "--dtype", "float32" if device == "emulated" else "bfloat16",
         "--additional-config", json.dumps(cfg, separators=(",", ":")),
-    ] + (["--skip-tokenizer-init"] if token_ids_only else []) + serve_args(pkg.bundle, extra) + extra
+    ] + (["--skip-tokenizer-init"] if token_ids_only else []) + speculative_args(pkg, extra) \
+        + serve_args(pkg.bundle, extra) + extra
     env = {ENV_EMULATED: "1" if device == "emulated" else "0", "MESH_DEVICE": pkg.mesh_name, "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
     # OpenMP's spin at a barrier stays libgomp's default (a GOMP_SPINCOUNT of the caller's

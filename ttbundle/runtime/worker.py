@@ -110,6 +110,11 @@ class TTWorker(WorkerBase):
     def sample_tokens(self, grammar_output):
         return self.model_runner.sample_tokens(grammar_output)
 
+    def take_draft_token_ids(self):
+        """Speculative decoding: the proposals for the next step (vLLM's engine asks after each)."""
+        take = getattr(self.model_runner, "take_draft_token_ids", None)  # (the pooling runner has none)
+        return take() if take is not None else None
+
     def check_health(self) -> None:
         return
 

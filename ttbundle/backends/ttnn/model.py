@@ -28,6 +28,8 @@ def forward_keys(bundle, traces, sample_on_device_mode: str = "all", host_fallba
     mode = trace_mode or bundle.spec.runtime.trace_mode
     keys, traced = [], set()
     for phase, b in traces:
+        if phase == "verify":  # speculative decoding: the emulated mesh only (not lowered to ttnn yet)
+            continue
         if phase == "vision":  # one forward per vision bucket (its soft tokens come back); traced
             keys.append((phase, b, "host", 0))  # with the prefills (fixed shapes, as lower.traced)
             if mode == "all":

@@ -1,0 +1,60 @@
+"""Speculative decoding's proposer on the host: n-gram prompt lookup (vLLM's ``ngram`` method).
+
+vLLM 0.33's own ``NgramProposer`` (``vllm/v1/spec_decode/ngram_proposer.py``) is compiled with
+numba, which CPU vLLM does not install (and its rejection sampler's kernels are Triton), so the
+same definition is written here in numpy; ``tests/runtime/test_runtime_speculative.py`` checks it
+against vLLM's function itself (its Python body, run without numba). The acceptance side is
+``sampling.accept``; the verify program's shape is ``ttbundle.speculative``'s.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def propose_ngram(tokens, min_n: int, max_n: int, k: int, max_model_len: int) -> list[int]:
+    """Up to ``k`` proposed tokens after ``tokens`` (a sequence's prompt and outputs): find the
+    longest n-gram, ``min_n <= n <= max_n``, ending the sequence that also occurs earlier in it
+    (the earliest such occurrence), and propose the tokens that followed it there (fewer when the
+    sequence ends first; none past ``max_model_len``)."""
+    t = np.asarray(tokens, dtype=np.int64)
+    total = t.shape[0]
+    if total < min_n:
+        return []
+    k = min(k, max_model_len - total)
+    if k <= 0:
+        return []
+    for n in range(min(max_n, total - 1), min_n - 1, -1):
+        if n <= 0:
+            break
+        # every window that starts and ends before the last token (the suffix itself excluded)
+        windows = sliding_window_view(t[:total - 1], n)
+        hits = np.flatnonzero((windows == t[total - n:]).all(axis=1))
+        if hits.size:
+            start = int(hits[0]) + n
+            return t[start:start + min(k, total - start)].tolist()
+    return []
+
+
+class NgramProposer:
+    """Per request, the proposals for its next step (``vllm_config.speculative_config``'s
+    ``num_speculative_tokens``, ``prompt_lookup_min`` / ``max``)."""
+
+    def __init__(self, speculative_config, max_model_len: int):
+        sc = speculative_config
+        self.k = int(sc.num_speculative_tokens)
+        self.min_n, self.max_n = int(sc.prompt_lookup_min), int(sc.prompt_lookup_max)
+        self.max_model_len = max_model_len
+
+    def propose(self, tokens) -> list[int]:
+        return propose_ngram(tokens, self.min_n, self.max_n, self.k, self.max_model_len)
+
+
+def proposer_for(vllm_config):
+    """The proposer of a vLLM config's ``--speculative-config`` (None: no speculation); the
+    platform has refused every method but ``ngram``."""
+    sc = vllm_config.speculative_config
+    if sc is None:
+        return None
+    return NgramProposer(sc, vllm_config.model_config.max_model_len)
