@@ -47,5 +47,14 @@ def by_hf_architecture(arch: str) -> Family:
                        f"supported: {', '.join(supported)}")
 
 
+def vision_class_of(hf_arch: str):
+    """The vision part class of the family whose multimodal HF class is ``hf_arch`` (None: a
+    text-only class)."""
+    for f in _FAMILIES.values():
+        if f.vision_hf_architecture == hf_arch:
+            return f.vision_class
+    return None
+
+
 def arch_models() -> tuple:
     return tuple(f.arch_model for f in _FAMILIES.values())

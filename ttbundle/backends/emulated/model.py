@@ -173,7 +173,7 @@ class EmulatedModel:
         self.vision_part = self.family.vision_part(self.arch)
         # whether one image's soft tokens attend to each other bidirectionally (Gemma 3) or
         # causally like text (Qwen2.5-VL): the family's vision part says
-        self._image_blocks = bool(getattr(self.vision_part, "BIDIRECTIONAL_IMAGES", False))
+        self._image_blocks = self.vision_part is not None and self.vision_part.BIDIRECTIONAL_IMAGES
 
     @classmethod
     def from_canonical(cls, bundle, plan, canonical: dict, programs: dict, dtype=torch.float32,
@@ -387,9 +387,9 @@ class EmulatedModel:
         buckets = sorted(b for (ph, b) in self.programs if ph == "vision")
         if part is None or not buckets:
             raise ValueError("the package has no vision program (a text-only model)")
-        bucket, inputs = vision_bucket(part, self.arch.vision, buckets, pixel_values, image_grid_thw)
+        bucket, inputs = vision_bucket(part, buckets, pixel_values, image_grid_thw)
         prog = self.program("vision", bucket)
-        patches, meta, finish = part.program_inputs(self.arch.vision, inputs, bucket, self.dtype)
+        patches, meta, finish = part.program_inputs(inputs, bucket, self.dtype)
         T = patches.shape[0]
         patches = patches[None].to(self.device).expand(self.ops.D, -1, -1)
         zeros = torch.zeros(1, T, dtype=torch.long, device=self.device)
