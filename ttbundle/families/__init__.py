@@ -13,6 +13,7 @@ from .mistral import Mistral
 from .qwen2 import Qwen2
 from .qwen2_5_vl import Qwen25VL
 from .qwen3 import Qwen3
+from .qwen3_vl import Qwen3VL
 
 _FAMILIES: dict[str, Family] = {}
 
@@ -23,7 +24,8 @@ def register(family: Family) -> None:
     _FAMILIES[family.name] = family
 
 
-for _f in (Llama(), Qwen2(), Qwen3(), Mistral(), Gemma2(), Gemma3(), DeepseekV3(), GptOss(), Qwen25VL()):
+for _f in (Llama(), Qwen2(), Qwen3(), Mistral(), Gemma2(), Gemma3(), DeepseekV3(), GptOss(), Qwen25VL(),
+           Qwen3VL()):
     register(_f)
 
 
