@@ -321,6 +321,9 @@ class Family:
         return self.hf_ignored
 
     # -- vision (multimodal families) -----------------------------------------------------------
+    #: what of the family's programs the ttnn backend does not lower yet (a ttnn build is refused
+    #: naming it; the ttnn tests leave the family out); "": all of them
+    ttnn_unlowered: str = ""
     #: the class of the family's vision part (a ``vision_part.VisionPart``), None: text only
     vision_class = None
     #: the HF class (of ``hf_architectures``) whose checkpoints carry the vision part

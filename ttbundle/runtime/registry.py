@@ -459,6 +459,12 @@ def _image_only_info(base, processor: str):
         def get_mm_max_tokens_per_item(self, seq_len, mm_counts):
             return {"image": self.get_max_image_tokens()}
 
+        def get_supported_mm_processor_kwargs(self):
+            # vLLM's own rule over the modalities declared (images): a model's override may
+            # assume a video processor (Qwen3-VL adds video pixel kwargs)
+            from vllm.multimodal.processing.context import BaseProcessingInfo
+            return BaseProcessingInfo.get_supported_mm_processor_kwargs(self)
+
     ImageOnlyInfo.__name__ = ImageOnlyInfo.__qualname__ = "TT" + base.__name__
     _IMAGE_ONLY[key] = ImageOnlyInfo
     return ImageOnlyInfo
