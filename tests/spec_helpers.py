@@ -207,3 +207,42 @@ buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}
 runtime: {max_model_len: 512, max_num_seqs: 8}
 vision: {images_per_prompt: 2, min_pixels: 256, max_pixels: 4096, buckets: [256, 512]}
 """
+
+# a tiny Qwen3-VL: text 3 layers of 8 heads of 32 (interleaved M-RoPE sections 6/5/5 of its 16
+# frequencies); vision 3 layers of 8 heads of 8 (split over T3K's 8 columns), 4-pixel patches merged
+# 2x2, a learned 4x4 position embedding resampled to each grid, DeepStack after vision layers 0 and 2
+# (added after text layers 0 and 1); images up to 64x64 pixels = 256 patches, two per prompt in a
+# bucket of 512 patches
+TINY_Q3VL = """\
+name: tiny-qwen3-vl
+model:
+  family: qwen3_vl
+  vocab_size: 512
+  hidden_size: 256
+  intermediate_size: 512
+  num_hidden_layers: 3
+  num_attention_heads: 8
+  num_key_value_heads: 2
+  max_position_embeddings: 1024
+  rope_theta: 10000.0
+  mrope_section: [6, 5, 5]
+  vision:
+    depth: 3
+    hidden_size: 64
+    intermediate_size: 96
+    num_heads: 8
+    patch_size: 4
+    temporal_patch_size: 2
+    spatial_merge_size: 2
+    num_position_embeddings: 16
+    deepstack_visual_indexes: [0, 2]
+    out_hidden_size: 256
+    image_token_id: 500
+    video_token_id: 501
+    vision_start_token_id: 502
+    vision_end_token_id: 503
+targets: [N150, N300, T3K]
+buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}
+runtime: {max_model_len: 512, max_num_seqs: 8}
+vision: {images_per_prompt: 2, min_pixels: 256, max_pixels: 4096, buckets: [256, 512]}
+"""

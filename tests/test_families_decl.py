@@ -55,6 +55,12 @@ CASES = {
         vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                            fullatt_block_indexes=[1]),
         image_token_id=127, video_token_id=126, vision_start_token_id=124, vision_end_token_id=125)),
+    "qwen3_vl": ("Qwen3VLForConditionalGeneration", lambda: transformers.Qwen3VLConfig(
+        text_config=dict(TINY, head_dim=16, rope_parameters={"rope_type": "default", "rope_theta": 1e6,
+                                                           "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
+                           patch_size=8, num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
+        image_token_id=127, video_token_id=126, vision_start_token_id=124, vision_end_token_id=125)),
 }
 
 
@@ -261,6 +267,20 @@ PUBLISHED["qwen2.5-vl-7b-instruct.yaml"] = {  # flat: the text dims beside visio
                       "num_heads": 16, "in_chans": 3, "out_hidden_size": 3584, "patch_size": 14,
                       "spatial_merge_size": 2, "spatial_patch_size": 14, "window_size": 112,
                       "fullatt_block_indexes": [7, 15, 23, 31], "tokens_per_second": 2, "temporal_patch_size": 2}}
+PUBLISHED["qwen3-vl-8b-instruct.yaml"] = {  # text_config and vision_config (transformers 4.57)
+    "architectures": ["Qwen3VLForConditionalGeneration"], "model_type": "qwen3_vl", "image_token_id": 151655,
+    "video_token_id": 151656, "vision_start_token_id": 151652, "vision_end_token_id": 151653,
+    "tie_word_embeddings": False,
+    "text_config": {"attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 151643,
+                    "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+                    "intermediate_size": 12288, "max_position_embeddings": 262144, "model_type": "qwen3_vl_text",
+                    "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+                    "rms_norm_eps": 1e-06, "rope_theta": 5000000, "vocab_size": 151936,
+                    "rope_scaling": {"mrope_interleaved": True, "mrope_section": [24, 20, 20], "rope_type": "default"}},
+    "vision_config": {"deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_act": "gelu_pytorch_tanh",
+                      "hidden_size": 1152, "in_channels": 3, "intermediate_size": 4304, "model_type": "qwen3_vl",
+                      "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
+                      "spatial_merge_size": 2, "temporal_patch_size": 2}}
 # the vision dims transformers reads, per family: (name in the HF vision config, name in ours)
 VISION_KEYS = {
     "gemma3": [(k, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -269,12 +289,18 @@ VISION_KEYS = {
                                     "patch_size", "temporal_patch_size", "spatial_merge_size", "window_size",
                                     "out_hidden_size", "hidden_act")]
     + [("fullatt_block_indexes", "fullatt_block_indexes")],
+    "qwen3_vl": [(k, k) for k in ("depth", "hidden_size", "intermediate_size", "num_heads", "in_channels",
+                                  "patch_size", "temporal_patch_size", "spatial_merge_size", "num_position_embeddings",
+                                  "out_hidden_size", "hidden_act")]
+    + [("deepstack_visual_indexes", "deepstack_visual_indexes")],
 }
 WRAPPER_KEYS = {
     "gemma3": [("mm_tokens_per_image", "mm_tokens_per_image"), ("image_token_id", "image_token_index"),
                ("boi_token_index", "boi_token_index"), ("eoi_token_index", "eoi_token_index")],
     "qwen2_5_vl": [(k, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                     "vision_end_token_id")],
+    "qwen3_vl": [(k, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
+                                  "vision_end_token_id")],
 }
 
 

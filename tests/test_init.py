@@ -68,6 +68,14 @@ def save_tiny(arch: str, d: Path, **over) -> Path:
                                          out_hidden_size=dims["hidden_size"], fullatt_block_indexes=[1]),
                       image_token_id=v - 1, video_token_id=v - 2, vision_start_token_id=v - 4,
                       vision_end_token_id=v - 3)
+        elif arch.startswith("Qwen3VL"):  # a learned 4x4 position table, DeepStack from vision layer 0
+            kw["text_config"]["rope_parameters"] = {"rope_type": "default", "rope_theta": 5e6,
+                                                    "mrope_section": [24, 20, 20], "mrope_interleaved": True}
+            kw.update(vision_config=dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=8,
+                                         num_position_embeddings=16, deepstack_visual_indexes=[0],
+                                         out_hidden_size=dims["hidden_size"]),
+                      image_token_id=v - 1, video_token_id=v - 2, vision_start_token_id=v - 4,
+                      vision_end_token_id=v - 3)
         else:
             kw.update(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, image_size=28, patch_size=14),

@@ -128,6 +128,9 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         raise DoesNotFit(f"{bundle.spec.name} does not fit {plan.mesh.describe()}: "
                          f"{shortfall(plan.memory)} (see `ttbundle plan --mesh {mesh}`)")
     _check_dtypes(plan)
+    if backend == "ttnn" and bundle.family.ttnn_unlowered:
+        raise InvalidInput(f"not yet: --backend ttnn for {bundle.family.name}: the ttnn backend has no lowering "
+                           f"for its {bundle.family.ttnn_unlowered}; build the emulated package")
     if backend == "ttnn" and plan.mesh.target_shape is not None:
         raise InvalidInput(f"not yet: --backend ttnn for {plan.mesh.describe()} (replicas: in the spec): "
                            "the TT device path does not open submeshes yet; build the emulated package, or "

@@ -372,10 +372,10 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
             raise InvalidInput(f"a prompt of {len(prompt)} tokens with its images + {steps} steps must fit "
                                f"max_model_len={rt.max_model_len}; give fewer --steps or images")
         prompt_len = len(prompt)
-    if part is not None and hasattr(part, "rope_positions"):  # M-RoPE: the prompt's 3-row positions
-        rope, delta = part.rope_positions(bundle.arch.vision, prompt, inputs)
-    cont = continuation(prompt, steps - 1, () if part is None else
-                        set(part.special_tokens(bundle.arch.vision)) | {part.placeholder(bundle.arch.vision)})
+    if part is not None:  # the prompt's positions (M-RoPE: its 3-row positions; None: plain)
+        pos = part.positions(prompt, inputs)
+        rope, delta = pos.rope, pos.delta
+    cont = continuation(prompt, steps - 1, () if part is None else set(part.special_tokens()) | {part.placeholder()})
     seq = prompt + cont
     labels = ["prefill"] * prompt_len + [f"decode {i}" for i in range(1, steps)]
 
@@ -392,7 +392,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
                     hooks.append(m.register_forward_hook(
                         lambda m, i, o, li=li: routes["hf"].setdefault(li, []).extend(set(r) for r in o[2].tolist())))
     image_ref = []
-    kw = {} if mm is None else part.reference_kwargs(bundle.arch.vision, seq, inputs, device)
+    kw = {} if mm is None else part.reference_kwargs(seq, inputs, device)
     h_ref, layer_calls = ref.record(
         seq, reference_segments(prompt_len, len(seq), [] if mm is None else mm["positions"]), kw,
         images=mm is not None, on_vision=None if mm is None else
@@ -425,7 +425,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
             mm["embeds"] = model.encode_images(inputs["pixel_values"].to(device), inputs.get("image_grid_thw"))
             free()
             from .vision import vision_bucket
-            vb, _ = vision_bucket(part, bundle.arch.vision, sorted(b for ph, b in model.programs if ph == "vision"),
+            vb, _ = vision_bucket(part, sorted(b for ph, b in model.programs if ph == "vision"),
                                   inputs["pixel_values"], inputs.get("image_grid_thw"))
             runner.shapes_run.add(("vision", vb))
             e = mm["embeds"].float().cpu()

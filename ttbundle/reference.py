@@ -341,6 +341,7 @@ class LayerwiseModel:
         recorder = _make_recorder()
         for i in range(n):
             self.layers[i] = recorder(i, i == n - 1, calls)
+        undo = _record_deepstack(self.model, calls)
         h0 = []
         try:
             if on_vision is not None:
@@ -365,6 +366,7 @@ class LayerwiseModel:
         finally:
             for i, layer in enumerate(original):
                 self.layers[i] = layer
+            undo()
             hook.remove()
             self.free(self.embed_name)
             if rest is not None:
@@ -386,11 +388,15 @@ class LayerwiseModel:
             out, a = [], 0
             for args, kw, n in calls:
                 kw = dict(kw)
+                deep = kw.pop(DEEPSTACK, None)
                 if "past_key_values" in kw:
                     kw["past_key_values"] = cache
                 with torch.no_grad():
                     y = self.layers[i](h[:, a:a + n], *args, **kw)
-                out.append(y[0] if isinstance(y, tuple) else y)
+                y = y[0] if isinstance(y, tuple) else y
+                if deep is not None:  # what the model adds after this layer (DeepStack)
+                    y = deep[0](y, *deep[1:])
+                out.append(y)
                 a += n
             if a != h.shape[1]:
                 raise RuntimeError(f"layer {i}: the recorded calls cover {a} of {h.shape[1]} positions")
@@ -439,6 +445,31 @@ class LayerwiseModel:
             if cap:
                 logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+#: the key of a recorded call's DeepStack addition (``_record_deepstack``)
+DEEPSTACK = "__deepstack__"
+
+
+def _record_deepstack(model, calls: list):
+    """Where the text model adds features to the hidden states between its decoder layers
+    (Qwen3-VL's DeepStack, its ``_deepstack_process(h, mask, embeds)``), record each addition
+    with the call of the layer just run (``run_layer`` applies it after that layer) and pass
+    the hidden states on. Returns the function that undoes it (a no-op for other models)."""
+    owners = [m for m in model.modules() if "_deepstack_process" in type(m).__dict__]
+    if not owners:
+        return lambda: None
+    m = owners[0]
+    real = m._deepstack_process
+
+    def record(h, mask, embeds):
+        i = sum(len(c) == len(calls[0]) for c in calls) - 1  # the layer whose recorder ran last
+        args, kw = calls[i][-1]
+        calls[i][-1] = (args, {**kw, DEEPSTACK: (real, mask, embeds)})
+        return h
+
+    m._deepstack_process = record
+    return lambda: m.__dict__.pop("_deepstack_process", None)
 
 
 def _make_recorder():

@@ -311,7 +311,7 @@ class Bundle:
         """The image settings of a model with a vision part (the spec's or the default), else None."""
         if getattr(self.arch, "vision", None) is None:
             return None
-        return self.family.vision_part(self.arch).settings(self.arch.vision, self.spec.vision or Vision())
+        return self.family.vision_part(self.arch).settings(self.spec.vision or Vision())
 
     def locate(self, path: tuple, message: str, severity: str = "error") -> Diagnostic:
         return locate(self.file, self.positions, path, message, severity)

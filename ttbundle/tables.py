@@ -66,23 +66,33 @@ def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float, scaling, dtype
     return (emb.cos() * att).to(dtype), (emb.sin() * att).to(dtype)
 
 
-def mrope_rows(section, dim: int) -> torch.Tensor:
+def mrope_rows(section, dim: int, interleaved: bool = False) -> torch.Tensor:
     """[dim]: which position row (0 temporal, 1 height, 2 width) rotates each column of the
-    rotate-half layout: the frequencies split by ``section``, in turn, repeated for both halves."""
-    which = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(list(section)))
-    if len(which) != dim // 2:
-        raise ValueError(f"mrope_section {list(section)} sums to {len(which)}, not head_dim / 2 = {dim // 2}")
+    rotate-half layout: the frequencies split by ``section``, in turn (Qwen2-VL, Qwen2.5-VL), or
+    ``interleaved`` (Qwen3-VL: frequency j takes the height where j % 3 == 1 and j < 3 x
+    section[1], the width where j % 3 == 2 and j < 3 x section[2], else the temporal position),
+    repeated for both halves."""
+    if sum(section) != dim // 2:
+        raise ValueError(f"mrope_section {list(section)} sums to {sum(section)}, not head_dim / 2 = {dim // 2}")
+    if interleaved:
+        j = torch.arange(dim // 2)
+        which = torch.zeros(dim // 2, dtype=torch.long)
+        for row in (1, 2):
+            which[(j % 3 == row) & (j < 3 * section[row])] = row
+    else:
+        which = torch.repeat_interleave(torch.arange(len(section)) % 3, torch.tensor(list(section)))
     return torch.cat([which, which])
 
 
-def mrope_cos_sin(positions: torch.Tensor, dim: int, theta: float, scaling, section, dtype):
-    """M-RoPE (Qwen2-VL / Qwen2.5-VL): ``positions`` [3, T] (temporal, height, width); the
-    rotary frequencies split by ``section`` (summing to dim / 2) rotate by the temporal, height
-    and width position in turn, as HF's multimodal rotary embedding does. Equal rows (text) give
-    ``rope_cos_sin`` of that row."""
+def mrope_cos_sin(positions: torch.Tensor, dim: int, theta: float, scaling, section, dtype,
+                  interleaved: bool = False):
+    """M-RoPE (Qwen2-VL / Qwen2.5-VL; ``interleaved``: Qwen3-VL): ``positions`` [3, T]
+    (temporal, height, width); the rotary frequencies split by ``section`` (summing to dim / 2)
+    rotate by the temporal, height and width position (:func:`mrope_rows`), as HF's multimodal
+    rotary embedding does. Equal rows (text) give ``rope_cos_sin`` of that row."""
     inv, att = rope_inv_freq(dim, theta, scaling)
     freqs = positions.to(torch.float64)[:, :, None] * inv.to(positions.device)[None, None, :]  # [3, T, dim/2]
-    which = mrope_rows(section, dim)[: dim // 2]
+    which = mrope_rows(section, dim, interleaved)[: dim // 2]
     f = freqs.gather(0, which.to(positions.device)[None, None, :].expand(1, freqs.shape[1], -1))[0]
     emb = torch.cat([f, f], dim=-1)
     return (emb.cos() * att).to(dtype), (emb.sin() * att).to(dtype)

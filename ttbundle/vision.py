@@ -14,51 +14,46 @@ from .errors import InvalidInput
 from .tiles import pick
 
 
-def vision_bucket(part, vision, buckets: list[int], pixel_values, image_grid_thw=None) -> tuple[int, dict]:
+def vision_bucket(part, buckets: list[int], pixel_values, image_grid_thw=None) -> tuple[int, dict]:
     """The vision bucket images run in: the smallest of ``buckets`` (sorted) holding what the
-    family's vision ``part`` counts (``bucket_need``: Gemma 3 images, Qwen2.5-VL patches) of
-    arch ``vision``; and the inputs it counted (``pixel_values``, ``image_grid_thw`` if given),
+    family's vision ``part`` (a ``VisionPart``) counts (``bucket_need``: Gemma 3 images,
+    Qwen2.5-VL patches); and the inputs it counted (``pixel_values``, ``image_grid_thw`` if given),
     which ``part.program_inputs`` takes. The emulated model, the runtime adapter and the device
     model pick with it."""
     inputs = {"pixel_values": pixel_values}
     if image_grid_thw is not None:
         inputs["image_grid_thw"] = image_grid_thw
-    return pick(buckets, part.bucket_need(vision, inputs)), inputs
-
-
-def _vision(bundle):
-    v = getattr(bundle.arch, "vision", None)
-    if v is None:
-        raise InvalidInput(f"{bundle.file}: the model has no vision part ({bundle.arch.family}, text only); "
-                           "--image needs a multimodal model (model.vision)")
-    return v
+    return pick(buckets, part.bucket_need(inputs)), inputs
 
 
 def _part(bundle):
-    """The module of the bundle's vision part (``Family.vision_part``): it owns what differs
-    between families (processor settings, the prompt layout of an image, program inputs)."""
-    _vision(bundle)
-    return bundle.family.vision_part(bundle.arch)
+    """The bundle's vision part (``Family.vision_part``): it owns what differs between families
+    (processor settings, the prompt layout of an image, program inputs)."""
+    part = bundle.family.vision_part(bundle.arch)
+    if part is None:
+        raise InvalidInput(f"{bundle.file}: the model has no vision part ({bundle.arch.family}, text only); "
+                           "--image needs a multimodal model (model.vision)")
+    return part
 
 
 def preprocessor_config(bundle) -> dict:
     """HF ``preprocessor_config.json`` of the bundle's image processor (Gemma 3: resize to
     image_size, scale to [0, 1], normalize with mean = std = 0.5, no pan-and-scan; Qwen2.5-VL:
     resize within the spec's pixel budget to multiples of patch x merge pixels, CLIP's mean/std)."""
-    return _part(bundle).preprocessor_config(bundle.arch.vision, bundle.vision)
+    return _part(bundle).preprocessor_config(bundle.vision)
 
 
 def processor_config(bundle) -> dict:
     """HF ``processor_config.json``: the processor class vLLM's multimodal processor loads (with
     the package's tokenizer, whose special tokens name the image tokens) and its settings."""
-    return _part(bundle).processor_config(bundle.arch.vision, bundle.vision)
+    return _part(bundle).processor_config(bundle.vision)
 
 
 def package_files(bundle) -> dict[str, bytes]:
     """The files a multimodal package carries for vLLM's processor ({} for a text model)."""
     import json
 
-    if getattr(bundle.arch, "vision", None) is None:
+    if bundle.family.vision_part(bundle.arch) is None:
         return {}
     dump = lambda d: (json.dumps(d, indent=2, sort_keys=True) + "\n").encode()  # noqa: E731
     return {"preprocessor_config.json": dump(preprocessor_config(bundle)),
@@ -88,7 +83,7 @@ def image_inputs(bundle, images) -> dict:
     """What the HF image processor makes of ``images`` with the package's settings, float32:
     ``pixel_values`` (Gemma 3: [n, channels, image_size, image_size]; Qwen2.5-VL: [patches,
     channels x temporal x patch^2]) and, where the family has it, ``image_grid_thw`` [n, 3]."""
-    return _part(bundle).image_inputs(bundle.arch.vision, bundle.vision, load_images(images))
+    return _part(bundle).image_inputs(bundle.vision, load_images(images))
 
 
 def pixel_values(bundle, images):
@@ -106,16 +101,16 @@ def prompt_with_images(bundle, prompt: list[int], n: int, chunk: int, inputs: di
     vs = bundle.vision
     if n > vs.images_per_prompt:
         raise InvalidInput(f"{n} images exceed vision.images_per_prompt={vs.images_per_prompt} of {bundle.file}")
-    special = set(part.special_tokens(v))
+    special = set(part.special_tokens())
     text = [t if t not in special else (t + 3) % bundle.arch.vocab_size for t in prompt]
     text = [t if t not in special else 0 for t in text]
-    per = [part.image_tokens(v, inputs, k) for k in range(n)]
+    per = [part.image_tokens(inputs, k) for k in range(n)]
     if 1 + sum(map(len, per)) > chunk:
         raise InvalidInput(f"{n} images of {', '.join(str(len(p)) for p in per)} tokens after the first token need "
                            f"{1 + sum(map(len, per))} tokens in the first prefill chunk, which holds {chunk}; "
                            "give fewer or smaller images")
     out = text[:1] + sum(per, []) + text[1:]
-    pad = part.placeholder(v)
+    pad = part.placeholder()
     blocks, positions, b, prev = [], [], -1, False
     for i, t in enumerate(out):
         img = t == pad

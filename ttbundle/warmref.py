@@ -83,7 +83,7 @@ def run(model, bundle, programs: list, after_stage=None) -> dict:
     for phase, b in programs:
         if phase == "vision":
             part = bundle.family.vision_part(bundle.arch)
-            inputs = part.warmup_inputs(bundle.arch.vision, bundle.vision, b)
+            inputs = part.warmup_inputs(bundle.vision, b)
             with torch.no_grad():
                 soft = model.encode_images(inputs["pixel_values"], inputs.get("image_grid_thw"))
             model.release()

@@ -26,6 +26,16 @@ def _bundle():
     return spec.loads(TINY_QVL, "tiny-qwen25-vl.yaml")
 
 
+def request_state(features, prompt, vision_cfg):
+    """(images, M-RoPE positions [3, L], rope delta) of a new request: the runner's per-request
+    state from the family's vision part."""
+    from ttbundle.families.qwen2_5_vl_vision import Qwen25VisionPart
+    from ttbundle.runtime import images
+
+    ri, pos = images.request_state(Qwen25VisionPart(vision_cfg), features, prompt)
+    return ri, pos.rope, pos.delta
+
+
 @pytest.fixture(scope="module")
 def vision_cfg():
     return _bundle().arch.vision
@@ -115,13 +125,13 @@ def test_vllms_processor_runs_without_torchvision_and_matches_hfs_image_processo
 
 
 def test_request_state_positions_equal_transformers_and_chunks_get_their_soft_tokens(processor, model_dir, vision_cfg):
-    from ttbundle.runtime import qwen_vl
+    from ttbundle.families import vision_part
     from ttbundle.runtime.images import chunk_inputs
 
     ims = [image(40, 56, 1), image(64, 32, 2)]
     out = apply(processor, f"<|user|> ba {IMG} be bi {IMG} bo <|end|> <|assistant|>", ims)
     ids, feats = out["prompt_token_ids"], features(out)
-    ri, rope, delta = qwen_vl.request_state(feats, ids, vision_cfg)
+    ri, rope, delta = request_state(feats, ids, vision_cfg)
     thw = torch.stack([f.data["image_grid_thw"].data for f in feats])
     ref, ref_delta = hf_rope_index(model_dir, ids, thw)
     assert torch.equal(rope, ref[:, 0]) and delta == int(ref_delta) and delta < 0
@@ -144,14 +154,14 @@ def test_request_state_positions_equal_transformers_and_chunks_get_their_soft_to
     assert b["embeds"][:, 0].tolist() == [2000 + k for k in range(n1)]
     assert (a["blocks"] == -1).all()  # causal image tokens (no bidirectional blocks)
     # the chunk's rope positions, then decode at cache position p: p + delta on all axes
-    r = qwen_vl.chunk_rope(rope, delta, split, len(ids) - split, 64)
+    r = vision_part.chunk_rope(rope, delta, split, len(ids) - split, 64)
     assert torch.equal(r[:, 0, :len(ids) - split], ref[:, 0, split:]) and (r[:, 0, len(ids) - split:] == 0).all()
-    d = qwen_vl.decode_rope(torch.tensor([len(ids), len(ids) + 3, -1]), torch.tensor([delta, delta, 0]))
+    d = vision_part.decode_rope(torch.tensor([len(ids), len(ids) + 3, -1]), torch.tensor([delta, delta, 0]))
     assert d.shape == (3, 3, 1) and d[:, :, 0].tolist() == [[len(ids) + delta, len(ids) + 3 + delta, 0]] * 3
     assert len(ids) + delta == int(ref[:, 0].max()) + 1  # the next position after the prompt's last
     # a resumed request re-prefills its prompt's end and its output tokens: those at p + delta
     L = len(ids)
-    r = qwen_vl.chunk_rope(rope, delta, L - 2, 4, 8)
+    r = vision_part.chunk_rope(rope, delta, L - 2, 4, 8)
     assert torch.equal(r[:, 0, :2], ref[:, 0, L - 2:])
     assert r[:, 0, 2:4].tolist() == [[L + delta, L + 1 + delta]] * 3
 
@@ -162,7 +172,7 @@ def test_an_image_covered_by_the_prefix_cache_is_not_encoded_yet_positions_stay_
     second image's soft tokens and the prompt's true positions."""
     from vllm.multimodal.utils import strip_covered_mm_data
 
-    from ttbundle.runtime import qwen_vl
+    from ttbundle.families import vision_part
     from ttbundle.runtime.images import chunk_inputs
 
     ims = [image(40, 56, 1), image(64, 32, 2)]
@@ -171,7 +181,7 @@ def test_an_image_covered_by_the_prefix_cache_is_not_encoded_yet_positions_stay_
     cached = feats[1].mm_position.offset - 1
     stripped = strip_covered_mm_data(feats, cached, uses_mrope=True)
     assert "pixel_values" not in stripped[0].data.keys()
-    ri, rope, delta = qwen_vl.request_state(stripped, ids, vision_cfg)
+    ri, rope, delta = request_state(stripped, ids, vision_cfg)
     thw = torch.stack([f.data["image_grid_thw"].data for f in feats])
     ref, ref_delta = hf_rope_index(model_dir, ids, thw)
     assert torch.equal(rope, ref[:, 0]) and delta == int(ref_delta)
@@ -185,11 +195,10 @@ def test_an_image_covered_by_the_prefix_cache_is_not_encoded_yet_positions_stay_
 
 
 def test_request_state_refuses_a_placeholder_that_does_not_match_the_grid(processor, vision_cfg):
-    from ttbundle.runtime import qwen_vl
 
     out = apply(processor, f"<|user|> {IMG} ba <|end|>", [image(40, 56, 1)])
     ids, feats = list(out["prompt_token_ids"]), features(out)
     pos = feats[0].mm_position
     ids[pos.offset + 3] = 7  # one placeholder token is text now
     with pytest.raises(ValueError, match="image 0"):
-        qwen_vl.request_state(feats, ids, vision_cfg)
+        request_state(feats, ids, vision_cfg)

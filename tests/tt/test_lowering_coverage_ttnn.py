@@ -29,6 +29,8 @@ BUNDLES = Path(__file__).resolve().parents[2] / "bundles"
 def all_forwards():
     for path in sorted(BUNDLES.glob("*.yaml")):
         bundle = specmod.load(path)
+        if bundle.family.ttnn_unlowered:  # not lowered yet (Qwen3-VL), its ttnn build refused
+            continue
         for mesh in bundle.spec.targets:
             p = planmod.make_plan(bundle, mesh)
             for phase, b in lowermod.trace_set(bundle):

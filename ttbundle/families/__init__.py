@@ -13,6 +13,7 @@ from .mistral import Mistral
 from .qwen2 import Qwen2
 from .qwen2_5_vl import Qwen25VL
 from .qwen3 import Qwen3
+from .qwen3_vl import Qwen3VL
 
 _FAMILIES: dict[str, Family] = {}
 
@@ -23,7 +24,8 @@ def register(family: Family) -> None:
     _FAMILIES[family.name] = family
 
 
-for _f in (Llama(), Qwen2(), Qwen3(), Mistral(), Gemma2(), Gemma3(), DeepseekV3(), GptOss(), Qwen25VL()):
+for _f in (Llama(), Qwen2(), Qwen3(), Mistral(), Gemma2(), Gemma3(), DeepseekV3(), GptOss(), Qwen25VL(),
+           Qwen3VL()):
     register(_f)
 
 
@@ -45,6 +47,15 @@ def by_hf_architecture(arch: str) -> Family:
     supported = sorted(a for f in _FAMILIES.values() for a in f.hf_architectures)
     raise InvalidInput(f"config.json: architecture {arch!r} is not supported; "
                        f"supported: {', '.join(supported)}")
+
+
+def vision_class_of(hf_arch: str):
+    """The vision part class of the family whose multimodal HF class is ``hf_arch`` (None: a
+    text-only class)."""
+    for f in _FAMILIES.values():
+        if f.vision_hf_architecture == hf_arch:
+            return f.vision_class
+    return None
 
 
 def arch_models() -> tuple:

@@ -321,11 +321,21 @@ class Family:
         return self.hf_ignored
 
     # -- vision (multimodal families) -----------------------------------------------------------
+    #: what of the family's programs the ttnn backend does not lower yet (a ttnn build is refused
+    #: naming it; the ttnn tests leave the family out); "": all of them
+    ttnn_unlowered: str = ""
+    #: the class of the family's vision part (a ``vision_part.VisionPart``), None: text only
+    vision_class = None
+    #: the HF class (of ``hf_architectures``) whose checkpoints carry the vision part
+    vision_hf_architecture: str | None = None
+
     def vision_part(self, a):
-        """The module of arch ``a``'s vision part (``gemma3_vision``, ``qwen2_5_vl_vision``), or
-        None (text only). Each such module has the same functions (image settings, preprocessing,
-        prompt layout, program inputs, reference): shared code calls them, never a family name."""
-        return None
+        """Arch ``a``'s vision part (a ``vision_class`` bound to ``a.vision``), or None (text
+        only). It owns what differs between families (image settings, preprocessing, prompt
+        layout and positions, program inputs, the reference, served requests' images): shared
+        code calls it, never a family name."""
+        v = getattr(a, "vision", None)
+        return None if self.vision_class is None or v is None else self.vision_class(v)
 
     def vision_programs(self, a) -> list | None:
         """(layer kind, count, ops) of the vision encoder's program, or None (text only). Its

@@ -35,6 +35,8 @@ class Gemma3Arch(GemmaArch):
 
 class Gemma3(Gemma2):
     name = "gemma3"
+    vision_class = gv.Gemma3VisionPart
+    vision_hf_architecture = "Gemma3ForConditionalGeneration"
     hf_architectures = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
     arch_model = Gemma3Arch
     summary = "Gemma 3 text; q/k norm, 5 local : 1 global layers, local/global rope"
@@ -80,9 +82,6 @@ class Gemma3(Gemma2):
         return t if a.vision is None else {**t, "norms": {**t.get("norms", {}), **gv.norms(a.vision)}}
 
     # -- vision ---------------------------------------------------------------------------------
-    def vision_part(self, a):
-        return None if a.vision is None else gv
-
     def vision_programs(self, a):
         return None if a.vision is None else gv.programs(a.vision)
 

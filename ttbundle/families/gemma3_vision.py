@@ -26,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
 from . import transforms
+from .vision_part import PLAIN, ImageLayout, VisionPart, blocks_of
 
 #: what a vision bucket counts
 BUCKET_UNIT = "images"
@@ -252,7 +253,7 @@ def norms(v: Gemma3Vision) -> dict:
             "v_post_ln": {**ln, "bias": "v_post_ln_b"}, "mm_norm": {"eps": v.layer_norm_eps}}
 
 
-# ---- the vision part's interface (shared code calls these; qwen2_5_vl_vision has the same) -----
+# ---- the vision part's functions (Gemma3VisionPart below calls them) ------------------------
 def settings(v: Gemma3Vision, vs):
     """The spec's ``vision:`` settings as they apply (Gemma 3: as written; buckets count images)."""
     return vs
@@ -353,3 +354,87 @@ def reference_features(hf, inputs: dict, device):
     """transformers' soft tokens of the images [soft tokens, text hidden]."""
     out = hf.model.get_image_features(inputs["pixel_values"].to(device)).pooler_output
     return out.reshape(-1, out.shape[-1])
+
+
+# ---- the vision part (shared code calls this class, never the functions above by name) --------
+class Gemma3VisionPart(VisionPart):
+    """Gemma 3's vision part: whole images of ``image_size``, a fixed count of soft tokens each,
+    bidirectional within an image, plain positions."""
+
+    BUCKET_UNIT = BUCKET_UNIT
+    BIDIRECTIONAL_IMAGES = BIDIRECTIONAL_IMAGES
+    TOKENIZER_TOKENS = TOKENIZER_TOKENS
+    NEWLINE_TOKENS = NEWLINE_TOKENS
+    VLLM_PROCESSOR = ("vllm.model_executor.models.gemma3_mm", "Gemma3MultiModalProcessor",
+                      "Gemma3ProcessingInfo", "Gemma3DummyInputsBuilder")
+    PLACEHOLDER_STR = "<start_of_image>"
+    PIL_PROCESSORS = {"transformers.models.gemma3.image_processing_gemma3": (
+        "transformers.models.gemma3.image_processing_pil_gemma3",
+        {"Gemma3ImageProcessor": "Gemma3ImageProcessorPil"})}
+
+    def settings(self, vs):
+        return settings(self.v, vs)
+
+    def check_settings(self, b, vs):
+        return check_settings(b, vs)
+
+    def preprocessor_config(self, vs):
+        return preprocessor_config(self.v, vs)
+
+    def processor_config(self, vs):
+        return processor_config(self.v, vs)
+
+    def image_inputs(self, vs, images):
+        return image_inputs(self.v, vs, images)
+
+    def special_tokens(self):
+        return special_tokens(self.v)
+
+    def placeholder(self):
+        return placeholder(self.v)
+
+    def image_tokens(self, inputs, k):
+        return image_tokens(self.v, inputs, k)
+
+    def soft_token_counts(self, inputs):
+        return [self.v.mm_tokens_per_image] * int(inputs["pixel_values"].shape[0])
+
+    def bucket_need(self, inputs):
+        return bucket_need(self.v, inputs)
+
+    def program_inputs(self, inputs, bucket, dtype):
+        return program_inputs(self.v, inputs, bucket, dtype)
+
+    def warmup_inputs(self, vs, bucket):
+        return warmup_inputs(self.v, vs, bucket)
+
+    def reference_kwargs(self, prompt, inputs, device):
+        return reference_kwargs(self.v, prompt, inputs, device)
+
+    def reference_features(self, hf, inputs, device):
+        return reference_features(hf, inputs, device)
+
+    # -- served requests: vLLM's Gemma 3 processor's fields -------------------------------------
+    def feature_inputs(self, features):
+        """``pixel_values`` [images, C, H, W] (vLLM's field is flat over an image's crops: one)."""
+        import torch
+
+        px = [f.data["pixel_values"].data for f in features]
+        return {"pixel_values": torch.cat([t[None] if t.dim() == 3 else t for t in px])}
+
+    def _layout(self, prompt, n: int, what: str):
+        v = self.v
+        positions = [i for i, t in enumerate(prompt) if t == v.image_token_index]
+        per = v.mm_tokens_per_image
+        if len(positions) != per * n:
+            raise ValueError(f"{n} image(s){what} need {per * n} image tokens ({v.image_token_index}) in the "
+                             f"prompt, found {len(positions)}")
+        image_of = [k // per for k in range(len(positions))]
+        return ImageLayout(positions, image_of, blocks_of(len(prompt), positions, image_of, True), [per] * n)
+
+    def request_layout(self, features, prompt):
+        """The prompt holds ``mm_tokens_per_image`` placeholders per image, one block each."""
+        return (self._layout(prompt, len(features), "") if features else None), PLAIN
+
+    def prompt_layout(self, prompt, inputs):
+        return self._layout(prompt, int(inputs["pixel_values"].shape[0]), " in pixel_values"), PLAIN

@@ -53,6 +53,8 @@ def _mrope(config: dict) -> tuple[dict, list | None]:
 
 class Qwen25VL(Qwen2):
     name = "qwen2_5_vl"
+    vision_class = qv.Qwen25VisionPart
+    vision_hf_architecture = "Qwen2_5_VLForConditionalGeneration"
     hf_architectures = ("Qwen2_5_VLForConditionalGeneration",)
     arch_model = Qwen25VLArch
     summary = "Qwen2.5-VL: Qwen2 text with M-RoPE; vision transformer with window attention, patch merger"
@@ -60,6 +62,11 @@ class Qwen25VL(Qwen2):
     # transformers>=5 may nest the text model in memory; checkpoints keep model.layers / visual.
     hf_key_renames = ((r"^model\.language_model\.", "model."), (r"^model\.visual\.", "visual."))
     hf_ignored = (r"^visual\.",)
+    #: the vision part's module (declarations, dataflow, HF config) and HF's text config type
+    vision_module = qv
+    hf_text_model_type = "qwen2_5_vl_text"
+    #: the text rope's M-RoPE layout beyond ``mrope_section`` (traits and HF's rope_parameters)
+    mrope_extra: dict = {}
 
     def ignored(self, a):
         return () if a is not None and a.vision is not None else self.hf_ignored
@@ -73,32 +80,29 @@ class Qwen25VL(Qwen2):
 
     def tensors(self, a):
         t = super().tensors(a)
-        return t if a.vision is None else t + qv.tensors(a.vision, a.hidden_size)
+        return t if a.vision is None else t + self.vision_module.tensors(a.vision, a.hidden_size)
 
     def default_plan(self, a):
         p = super().default_plan(a)
-        return p if a.vision is None else {**p, **qv.PLAN}
+        return p if a.vision is None else {**p, **self.vision_module.PLAN}
 
     def hf_names(self, a):
         n = super().hf_names(a)
-        return n if a.vision is None else n + qv.hf_names(a.vision)
+        return n if a.vision is None else n + self.vision_module.hf_names(a.vision)
 
     def traits(self, a):
-        t = {**super().traits(a), "mrope_section": list(a.mrope_section)}
-        return t if a.vision is None else {**t, "norms": {**t.get("norms", {}), **qv.norms(a.vision)}}
+        t = {**super().traits(a), "mrope_section": list(a.mrope_section), **self.mrope_extra}
+        return t if a.vision is None else {**t, "norms": {**t.get("norms", {}), **self.vision_module.norms(a.vision)}}
 
     # -- vision ---------------------------------------------------------------------------------
-    def vision_part(self, a):
-        return None if a.vision is None else qv
-
     def vision_programs(self, a):
-        return None if a.vision is None else qv.programs(a.vision)
+        return None if a.vision is None else self.vision_module.programs(a.vision)
 
     def vision_inputs(self, a):
-        return qv.inputs(a.vision)
+        return self.vision_module.inputs(a.vision)
 
     def vision_rows(self, a, bucket: int):
-        return qv.rows(a.vision, bucket)
+        return self.vision_module.rows(a.vision, bucket)
 
     def check(self, a, bundle):
         d = super().check(a, bundle)
@@ -108,7 +112,7 @@ class Qwen25VL(Qwen2):
                                    "frequencies; give sections that sum to it"))
         if a.vision is not None:
             d += [bundle.locate(("model", "vision", f), m) for f, m in a.vision.problems()]
-            for k in qv.HF_WRAPPER_KEYS:
+            for k in self.vision_module.HF_WRAPPER_KEYS:
                 if getattr(a.vision, k) >= a.vocab_size:
                     d.append(bundle.locate(("model", "vision", k), f"{k}={getattr(a.vision, k)} is not a "
                                            f"token of the vocabulary (vocab_size={a.vocab_size})"))
@@ -130,25 +134,29 @@ class Qwen25VL(Qwen2):
         return out
 
     def from_hf_wrapper(self, config, out):
-        v = qv.from_hf(config)
+        v = self.vision_module.from_hf(config)
         if "mrope_section" not in out:
             _, section = _mrope(config)
             if section is not None:
                 out = {**out, "mrope_section": list(section)}
         return out if v is None else {**out, "vision": v}
 
+    def tiny_vision(self, a):
+        """The smallest vision tower (for HF's class, which needs one, of a text-only arch)."""
+        return qv.Qwen25Vision(depth=1, hidden_size=16, intermediate_size=16, num_heads=1,
+                               out_hidden_size=a.hidden_size, fullatt_block_indexes=(0,),
+                               **{k: min(a.vocab_size - 1 - i, qv.Qwen25Vision.model_fields[k].default)
+                                  for i, k in enumerate(qv.HF_WRAPPER_KEYS)})
+
     def to_hf_config(self, a):
         d = a.model_dump(exclude={"family", "vision", "mrope_section", "rope_theta", "rope_scaling"},
                          exclude_none=True)
-        d["model_type"] = "qwen2_5_vl_text"
+        d["model_type"] = self.hf_text_model_type
         d.update(bos_token_id=None, eos_token_id=None)  # HF's defaults are Qwen's ids, outside a small vocabulary
         d["rope_parameters"] = {"rope_type": "default", "rope_theta": a.rope_theta,
-                                "mrope_section": list(a.mrope_section)}
+                                "mrope_section": list(a.mrope_section), **self.mrope_extra}
         # a text-only arch still needs a vision tower in HF's class: the smallest one (unused)
-        v = a.vision or qv.Qwen25Vision(depth=1, hidden_size=16, intermediate_size=16, num_heads=1,
-                                        out_hidden_size=a.hidden_size, fullatt_block_indexes=(0,),
-                                        **{k: min(a.vocab_size - 1 - i, qv.Qwen25Vision.model_fields[k].default)
-                                           for i, k in enumerate(qv.HF_WRAPPER_KEYS)})
-        vc, wrapper = qv.to_hf(v)
-        return {"model_type": "qwen2_5_vl", "architectures": list(self.hf_architectures), "text_config": d,
+        v = a.vision or self.tiny_vision(a)
+        vc, wrapper = self.vision_module.to_hf(v)
+        return {"model_type": self.hf_model_type, "architectures": list(self.hf_architectures), "text_config": d,
                 "vision_config": vc, "tie_word_embeddings": a.tie_word_embeddings, **wrapper}

@@ -35,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
 from . import transforms
+from .vision_part import ImageLayout, PromptPositions, VisionPart, blocks_of
 
 #: what a vision bucket counts
 BUCKET_UNIT = "patches"
@@ -345,7 +346,7 @@ def mrope_positions(prompt_ids: list[int], image_grid_thw, vision: Qwen25Vision)
     return pos, delta
 
 
-def patch_layout(v: Qwen25Vision, image_grid_thw, bucket: int) -> dict:
+def patch_layout(v: Qwen25Vision, image_grid_thw, bucket: int, windows: bool = True) -> dict:
     """Where each patch of the images goes in a vision program of ``bucket`` rows, and what the
     program reads per row. Merge blocks are put in window order (each window contiguous: windows
     of ``window_blocks`` blocks per side, row-major, each row-major inside; one image after the
@@ -358,7 +359,9 @@ def patch_layout(v: Qwen25Vision, image_grid_thw, bucket: int) -> dict:
     output row of each soft token in prompt order."""
     import torch
 
-    m, ws, unit = v.spatial_merge_size, v.window_blocks, v.merge_unit
+    m, unit = v.spatial_merge_size, v.merge_unit
+    # no windows (Qwen3-VL): one window per frame, the blocks in the processor's order
+    ws = v.window_blocks if windows else max([max(int(g[1]), int(g[2])) for g in image_grid_thw] + [1])
     order, window, image, hw, block_rows = [], [], [], [], []
     base, seg, frame = 0, 0, 0
     for t, h, w in (tuple(int(x) for x in g) for g in image_grid_thw):
@@ -403,7 +406,7 @@ def rope_tables(v: Qwen25Vision, hw, dtype):
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-# ---- the vision part's interface (shared code calls these; gemma3_vision has the same) ---------
+# ---- the vision part's functions (Qwen25VisionPart below calls them) -------------------------
 def settings(v: Qwen25Vision, vs):
     """The spec's ``vision:`` settings with Qwen2.5-VL's defaults filled in: the pixel budget
     and, unless given, one bucket of ``images_per_prompt`` images of ``max_pixels``."""
@@ -451,23 +454,21 @@ CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def preprocessor_config(v: Qwen25Vision, vs) -> dict:
+def preprocessor_config(v: Qwen25Vision, vs, processor: str = "Qwen2_5_VLProcessor", mean=CLIP_MEAN,
+                        std=CLIP_STD) -> dict:
     """HF ``preprocessor_config.json`` of ``Qwen2VLImageProcessor``: sides resized to multiples
-    of patch x merge pixels with the area in [min_pixels, max_pixels], CLIP's mean and std."""
-    return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2_5_VLProcessor",
+    of patch x merge pixels with the area in [min_pixels, max_pixels], normalized with ``mean``
+    and ``std`` (Qwen2.5-VL: CLIP's); ``processor``: the processor class that carries it."""
+    return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
             "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True,
-            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": CLIP_MEAN, "image_std": CLIP_STD,
+            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(mean), "image_std": list(std),
             "min_pixels": vs.min_pixels, "max_pixels": vs.max_pixels,
             "size": {"shortest_edge": vs.min_pixels, "longest_edge": vs.max_pixels},
             "patch_size": v.patch_size, "temporal_patch_size": v.temporal_patch_size,
             "merge_size": v.spatial_merge_size}
 
 
-def processor_config(v: Qwen25Vision, vs) -> dict:
-    return {"processor_class": "Qwen2_5_VLProcessor"}
-
-
-def image_inputs(v: Qwen25Vision, vs, images: list) -> dict:
+def image_inputs(v: Qwen25Vision, vs, images: list, cfg: dict | None = None) -> dict:
     """``pixel_values`` [patches, channels x temporal x patch^2] and ``image_grid_thw`` [n, 3]
     as transformers' Qwen2-VL image processor makes them (its PIL backend where torchvision is
     not installed, as transformers itself falls back)."""
@@ -477,7 +478,7 @@ def image_inputs(v: Qwen25Vision, vs, images: list) -> dict:
         cls = transformers.Qwen2VLImageProcessorPil
     except AttributeError:  # pragma: no cover - transformers without the PIL backend's own name
         cls = transformers.Qwen2VLImageProcessor
-    cfg = preprocessor_config(v, vs)
+    cfg = cfg or preprocessor_config(v, vs)
     keep = ("do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize",
             "image_mean", "image_std", "size", "patch_size", "temporal_patch_size", "merge_size")
     out = cls(**{k: cfg[k] for k in keep})(images=images, return_tensors="pt")
@@ -557,3 +558,129 @@ def reference_features(hf, inputs: dict, device):
 
     out = hf.model.get_image_features(inputs["pixel_values"].to(device), inputs["image_grid_thw"].to(device))
     return torch.cat(list(out.pooler_output), dim=0)
+
+
+# ---- the vision part (shared code calls this class, never the functions above by name) --------
+def _grids(grid) -> list[tuple[int, int, int]]:
+    return [tuple(int(x) for x in g) for g in (grid.tolist() if hasattr(grid, "tolist") else grid)]
+
+
+class Qwen25VisionPart(VisionPart):
+    """Qwen2.5-VL's vision part: patches and grids, causal image tokens, M-RoPE positions."""
+
+    BUCKET_UNIT = BUCKET_UNIT
+    BIDIRECTIONAL_IMAGES = BIDIRECTIONAL_IMAGES
+    TOKENIZER_TOKENS = TOKENIZER_TOKENS
+    CHAT_TEMPLATE = CHAT_TEMPLATE
+    VLLM_PROCESSOR = ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VLMultiModalProcessor",
+                      "Qwen2_5_VLProcessingInfo", "Qwen2_5_VLDummyInputsBuilder")
+    PLACEHOLDER_STR = "<|vision_start|><|image_pad|><|vision_end|>"
+    IMAGE_ONLY_PROCESSOR = "Qwen2_5_VLProcessor"
+    #: the transformers processor class the package names, and its image processor's mean and std
+    PROCESSOR = "Qwen2_5_VLProcessor"
+    IMAGE_MEAN, IMAGE_STD = CLIP_MEAN, CLIP_STD
+    PIL_PROCESSORS = {"transformers.models.qwen2_vl.image_processing_qwen2_vl": (
+        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
+        {"Qwen2VLImageProcessor": "Qwen2VLImageProcessorPil", "smart_resize": "smart_resize"})}
+
+    def settings(self, vs):
+        return settings(self.v, vs)
+
+    def check_settings(self, b, vs):
+        return check_settings(b, vs)
+
+    def preprocessor_config(self, vs):
+        return preprocessor_config(self.v, vs, self.PROCESSOR, self.IMAGE_MEAN, self.IMAGE_STD)
+
+    def processor_config(self, vs):
+        return {"processor_class": self.PROCESSOR}
+
+    def image_inputs(self, vs, images):
+        return image_inputs(self.v, vs, images, self.preprocessor_config(vs))
+
+    def special_tokens(self):
+        return special_tokens(self.v)
+
+    def placeholder(self):
+        return placeholder(self.v)
+
+    def image_tokens(self, inputs, k):
+        return image_tokens(self.v, inputs, k)
+
+    def soft_token_counts(self, inputs):
+        return [soft_tokens(self.v, g) for g in _grids(inputs["image_grid_thw"])]
+
+    def positions(self, prompt, inputs):
+        rope, delta = rope_positions(self.v, prompt, inputs)
+        return PromptPositions(rope, int(delta))
+
+    def bucket_need(self, inputs):
+        return bucket_need(self.v, inputs)
+
+    def program_inputs(self, inputs, bucket, dtype):
+        return program_inputs(self.v, inputs, bucket, dtype)
+
+    def warmup_inputs(self, vs, bucket):
+        return warmup_inputs(self.v, vs, bucket)
+
+    def reference_kwargs(self, prompt, inputs, device):
+        return reference_kwargs(self.v, prompt, inputs, device)
+
+    def reference_features(self, hf, inputs, device):
+        return reference_features(hf, inputs, device)
+
+    # -- served requests: vLLM's Qwen2.5-VL processor's fields ----------------------------------
+    @staticmethod
+    def feature_grid(feature):
+        """[3] (t, h, w) of one image feature, in patches. vLLM keeps a prefix-cached image's
+        grid for M-RoPE models (``strip_covered_mm_data``), so every image has one."""
+        if feature.data is None or "image_grid_thw" not in feature.data:
+            raise RuntimeError("an image feature without image_grid_thw: vLLM sent no grid for it, so the "
+                               "prompt's M-RoPE positions are unknown")
+        return feature.data["image_grid_thw"].data.reshape(3).long()
+
+    def feature_inputs(self, features):
+        """``pixel_values`` [patches, C*T*P*P] (vLLM's field is flat over each image's patches)
+        and ``image_grid_thw`` [images, 3]."""
+        import torch
+
+        return {"pixel_values": torch.cat([f.data["pixel_values"].data for f in features]),
+                "image_grid_thw": torch.stack([self.feature_grid(f) for f in features])}
+
+    def request_layout(self, features, prompt):
+        """The image tokens are ``image_token_id`` inside each feature's placeholder range
+        (causal: no blocks); the positions are M-RoPE from every image's grid (an image whose
+        data vLLM did not send, covered by the prefix cache, still has its grid)."""
+        import torch
+
+        grids = [self.feature_grid(f) for f in features]
+        thw = torch.stack(grids) if grids else torch.zeros(0, 3, dtype=torch.long)
+        pos = self.positions(list(prompt), {"image_grid_thw": thw})
+        if not features:
+            return None, pos
+        positions, image_of, counts = [], [], []
+        for i, f in enumerate(features):
+            lo, n = f.mm_position.offset, f.mm_position.length
+            mine = [p for p in range(lo, lo + n) if prompt[p] == self.v.image_token_id]
+            want = soft_tokens(self.v, grids[i])
+            if len(mine) != want:
+                raise ValueError(f"image {i}: grid {grids[i].tolist()} needs {want} image tokens, its placeholder "
+                                 f"holds {len(mine)}")
+            positions += mine
+            image_of += [i] * len(mine)
+            counts.append(len(mine))
+        return ImageLayout(positions, image_of, blocks_of(len(prompt), positions, image_of, False), counts), pos
+
+    def prompt_layout(self, prompt, inputs):
+        if inputs.get("image_grid_thw") is None:
+            raise ValueError("Qwen2.5-VL images need image_grid_thw (the processor's patch grid of each image)")
+        pos = self.positions(list(prompt), inputs)  # refuses grids that do not match the tokens
+        thw = inputs["image_grid_thw"]
+        px = inputs["pixel_values"]
+        need = int(thw.prod(dim=1).sum())
+        if px.shape[0] != need:
+            raise ValueError(f"pixel_values hold {px.shape[0]} patches, image_grid_thw {thw.tolist()} needs {need}")
+        counts = self.soft_token_counts(inputs)
+        positions = [i for i, t in enumerate(prompt) if t == self.v.image_token_id]
+        image_of = sum(([i] * c for i, c in enumerate(counts)), [])
+        return ImageLayout(positions, image_of, blocks_of(len(prompt), positions, image_of, False), counts), pos

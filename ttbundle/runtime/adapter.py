@@ -23,6 +23,7 @@ import torch
 from ..backends.emulated import EmulatedModel
 from ..backends.emulated.model import KVCache
 from ..tiles import blocks_per_seq
+from ..families.vision_part import decode_rope
 from ..vision import vision_bucket
 from .capabilities import model_capabilities
 from .sampling import DeviceSampling, sample_on_device
@@ -178,13 +179,13 @@ class BundleModel:
         images as Tenstorrent's plugin passes them (a list per request, or a tensor), encoded
         here by the package's vision program (``runtime.images.prompt_inputs``): the prompt is
         prefilled whole in this call. ``image_grid_thw`` (Qwen2.5-VL, a list per request like
-        ``pixel_values``: [images, 3]): the images' patch grids; the prompt's M-RoPE positions come
-        from them (``qwen2_5_vl_vision.mrope_positions``) and the call returns ``(output,
-        rope_deltas)`` (rope_deltas [1]: decode this request with ``rope_deltas=``, the convention
-        of Tenstorrent's M-RoPE models); for other models it is accepted and unused.
-        ``rope_positions`` [3, 1, S]: M-RoPE positions (temporal, height, width) of the chunk's
-        tokens for a family with M-RoPE (ttbundle's runner, ``runtime.qwen_vl.chunk_rope``);
-        None: the cache positions. KV slots always come from the cache positions."""
+        ``pixel_values``: [images, 3]): the images' patch grids. Where the family's vision part
+        gives the prompt M-RoPE positions (``VisionPart.positions``) the call returns
+        ``(output, rope_deltas)`` (rope_deltas [1]: decode this request with ``rope_deltas=``,
+        the convention of Tenstorrent's M-RoPE models); for other models ``image_grid_thw`` is
+        accepted and unused. ``rope_positions`` [3, 1, S]: M-RoPE positions (temporal, height,
+        width) of the chunk's tokens (ttbundle's runner, ``PromptPositions.chunk``); None: the
+        cache positions. KV slots always come from the cache positions."""
         N, S = tokens.shape
         if N != 1:
             if (mm is not None or pixel_values is not None or return_prompt_logits or rope_positions is not None
@@ -203,13 +204,13 @@ class BundleModel:
             from .images import request_pixels
             px = request_pixels(pixel_values, N, p0)
             thw = image_grid_thw[0] if isinstance(image_grid_thw, (list, tuple)) else image_grid_thw
-            if thw is not None and rope_positions is None:  # Qwen2.5-VL
-                from .qwen_vl import prompt_inputs as qwen_prompt_inputs
-                mm, rope_positions, deltas = qwen_prompt_inputs(tokens[0, :n].tolist(), px, thw,
-                                                                self.bundle.arch.vision, self.encode_images, S)
-            else:
-                from .images import prompt_inputs
-                mm = prompt_inputs(tokens[0, :n].tolist(), px, self.bundle.arch.vision, self.encode_images, S)
+            from .images import prompt_inputs
+            if self.model.vision_part is None:
+                raise ValueError(f"pixel_values for {self.bundle.spec.name}, a text-only model (no vision part)")
+            mm, pos = prompt_inputs(self.model.vision_part, tokens[0, :n].tolist(), px, thw, self.encode_images, S)
+            if not pos.plain and rope_positions is None:  # M-RoPE: the positions the images give
+                rope_positions = pos.chunk(0, n, S)["rope_positions"]
+                deltas = torch.tensor([pos.delta], dtype=torch.long)
         valid = torch.arange(S)[None, :] < n
         positions = torch.where(valid, torch.arange(p0, p0 + S)[None, :], torch.zeros(1, S, dtype=torch.long))
         if return_prompt_logits:
@@ -261,8 +262,7 @@ class BundleModel:
         ``pixel_values`` [images, C, H, W]; Qwen2.5-VL: [patches, C x T x P x P] with
         ``image_grid_thw`` [images, 3]): the vision program of the smallest bucket holding them
         (what a bucket counts is the family's vision part's ``bucket_need``)."""
-        bucket, _ = vision_bucket(self.model.vision_part, self.bundle.arch.vision, self.vision_buckets,
-                                  pixel_values, image_grid_thw)
+        bucket, _ = vision_bucket(self.model.vision_part, self.vision_buckets, pixel_values, image_grid_thw)
         self._program("vision", bucket)
         return self.model.encode_images(pixel_values, image_grid_thw)
 
@@ -293,7 +293,6 @@ class BundleModel:
         valid = (start_pos >= 0)[:, None]
         positions = start_pos.clamp(min=0)[:, None]
         if rope_positions is None and rope_deltas is not None:
-            from .qwen_vl import decode_rope
             d = torch.as_tensor(rope_deltas, dtype=torch.long).reshape(-1)
             rope_positions = decode_rope(start_pos, torch.nn.functional.pad(d, (0, B - d.numel())))
         logits = self.model.forward(program, tokens, positions, valid, page_table, kv_cache,
@@ -380,7 +379,7 @@ class BundleModel:
         part = self.model.vision_part
         for n in self.vision_buckets:  # the vision encoder on fixed pixels filling each bucket
             t0 = time.perf_counter()
-            x = part.warmup_inputs(self.bundle.arch.vision, self.bundle.vision, n)
+            x = part.warmup_inputs(self.bundle.vision, n)
             self.encode_images(x["pixel_values"], x.get("image_grid_thw"))
             self.warmed.add(("vision", n))
             logger.info("[WARMUP] vision %d %s: %.2f s", n, part.BUCKET_UNIT, time.perf_counter() - t0)

@@ -9,7 +9,6 @@ and the server (on the package) run the same numbers.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import yaml
@@ -34,16 +33,12 @@ def words(n: int) -> list[str]:
     return out[:n]
 
 
-#: Gemma 3's image tokens as its tokenizer spells them (the processor finds them by these roles);
-#: each family's vision part names its own (``TOKENIZER_TOKENS``)
-from ..families.gemma3_vision import TOKENIZER_TOKENS as IMAGE_TOKENS  # noqa: E402
-
-
-def make_tokenizer(directory: str | Path, vocab_size: int, vision=None):
+def make_tokenizer(directory: str | Path, vocab_size: int, part=None):
     """A word-level tokenizer of exactly ``vocab_size`` ids (special tokens first, then demo
-    words), with a chat template; saved into ``directory``. With ``vision`` (a multimodal arch's
-    vision part) the image tokens take their ids (its module's ``TOKENIZER_TOKENS``: role ->
-    (text, id field)). Returns the HF tokenizer."""
+    words), with a chat template; saved into ``directory``. With ``part`` (a multimodal arch's
+    vision part, ``Family.vision_part``) the image tokens take their ids (its
+    ``TOKENIZER_TOKENS``: role -> (text, id field)) and its chat template, if it has one, is the
+    tokenizer's. Returns the HF tokenizer."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -51,12 +46,12 @@ def make_tokenizer(directory: str | Path, vocab_size: int, vision=None):
         raise ValueError(f"vocab_size must exceed {len(SPECIALS)}")
     names = SPECIALS + words(vocab_size - len(SPECIALS))
     extra, newlines = {}, []
-    part = None if vision is None else sys.modules[type(vision).__module__]
+    vision = None if part is None else part.v
     if vision is not None:
         for role, (text, field) in part.TOKENIZER_TOKENS.items():
             names[getattr(vision, field)] = text
             extra[role] = text
-    if vision is not None and getattr(part, "NEWLINE_TOKENS", False):
+    if vision is not None and part.NEWLINE_TOKENS:
         # vLLM's Gemma 3 processor puts "\n\n" around each image and merges newline runs by
         # their tokens (Gemma's vocabulary has 1-4 newlines as tokens): the top free ids. A
         # single "\n" stays whitespace in text (the chat's separator between two images'
@@ -76,7 +71,7 @@ def make_tokenizer(directory: str | Path, vocab_size: int, vision=None):
     if newlines:
         from tokenizers import AddedToken
         hf.add_tokens([AddedToken(t, normalized=False, special=False) for t in newlines[1:]])
-    hf.chat_template = getattr(part, "CHAT_TEMPLATE", CHAT_TEMPLATE)
+    hf.chat_template = (part is not None and part.CHAT_TEMPLATE) or CHAT_TEMPLATE
     hf.save_pretrained(str(directory))
     return hf
 
@@ -88,7 +83,7 @@ def make_source(bundle, directory: str | Path, seed: int = 0) -> Path:
     from .. import reference
 
     out = reference.save_random(bundle, directory, seed, eos=False)
-    make_tokenizer(out, bundle.arch.vocab_size, getattr(bundle.arch, "vision", None))
+    make_tokenizer(out, bundle.arch.vocab_size, bundle.family.vision_part(bundle.arch))
     return out
 
 

@@ -16,50 +16,38 @@ from typing import Callable
 
 import torch
 
+from ..families.vision_part import image_features
+
 
 @dataclass
 class RequestImages:
     features: list  # vLLM MultiModalFeatureSpec, in prompt order
     positions: list[int]  # prompt positions of the soft tokens, image after image
     image_of: list[int]  # per soft token: which image
-    blocks: torch.Tensor  # [prompt length] image block per position, -1: text
-    embeds: dict = field(default_factory=dict)  # image index -> soft tokens [mm, hidden]
-    counts: list[int] | None = None  # soft tokens per image (Qwen2.5-VL: by its grid); None: uniform
-    # how the vision part encodes features (``(encode, features) -> soft tokens``); None: the
-    # features' pixel_values stacked, one ``encode`` call (Qwen2.5-VL sets ``qwen_vl.encode_features``)
+    blocks: torch.Tensor  # [prompt length] image block per position, -1: text (or causal image tokens)
+    counts: list[int]  # soft tokens per image
+    # how the family's vision part encodes features: ``(encode, features) -> soft tokens``
+    # (``VisionPart.encode_features``)
     encode_features: Callable | None = None
+    embeds: dict = field(default_factory=dict)  # image index -> soft tokens [mm, hidden]
 
     def first(self, i: int) -> int:
         """Index into ``positions`` of image ``i``'s first soft token."""
-        if self.counts is None:
-            return i * (len(self.positions) // len(self.features))
         return sum(self.counts[:i])
 
     def count(self, i: int) -> int:
-        return len(self.positions) // len(self.features) if self.counts is None else self.counts[i]
+        return self.counts[i]
 
 
-def request_images(features, prompt: list[int], vision) -> RequestImages | None:
-    """The images of a new request (None without images); the prompt must hold
-    ``mm_tokens_per_image`` placeholders per image."""
-    feats = sorted((f for f in features or [] if f.modality == "image"), key=lambda f: f.mm_position.offset)
-    if not feats:
-        return None
-    positions = [i for i, t in enumerate(prompt) if t == vision.image_token_index]
-    per = vision.mm_tokens_per_image
-    if len(positions) != per * len(feats):
-        raise ValueError(f"{len(feats)} image(s) need {per * len(feats)} image tokens in the prompt, found "
-                         f"{len(positions)}")
-    blocks = torch.full((len(prompt),), -1, dtype=torch.long)
-    image_of = [k // per for k in range(len(positions))]
-    blocks[positions] = torch.tensor(image_of, dtype=torch.long)
-    return RequestImages(feats, positions, image_of, blocks)
-
-
-def pixel_values(feature) -> torch.Tensor:
-    """[1, C, H, W] of one image feature (vLLM's field is flat over the image's crops: one here)."""
-    t = feature.data["pixel_values"].data
-    return t[None] if t.dim() == 3 else t
+def request_state(part, features, prompt: list[int]):
+    """``(RequestImages | None, PromptPositions)`` of a new request: where the family's vision
+    ``part`` puts its images (vLLM ``mm_features``) and the positions its prompt takes."""
+    feats = image_features(features)
+    layout, positions = part.request_layout(feats, list(prompt))
+    if layout is None:
+        return None, positions
+    return RequestImages(feats, layout.positions, layout.image_of, layout.blocks, layout.counts,
+                         part.encode_features), positions
 
 
 def chunk_inputs(ri: RequestImages | None, encode, start: int, n: int, bucket: int) -> dict | None:
@@ -76,10 +64,7 @@ def chunk_inputs(ri: RequestImages | None, encode, start: int, n: int, bucket: i
         missing = [i for i in todo if ri.features[i].data is None or "pixel_values" not in ri.features[i].data]
         if missing:
             raise RuntimeError(f"image(s) {missing} are in the chunk but vLLM sent no pixel data")
-        if ri.encode_features is None:
-            out = encode(torch.cat([pixel_values(ri.features[i]) for i in todo]))
-        else:  # the vision part's own encoding (Qwen2.5-VL: patches and grids, runtime.qwen_vl)
-            out = ri.encode_features(encode, [ri.features[i] for i in todo])
+        out = ri.encode_features(encode, [ri.features[i] for i in todo])
         at = 0
         for i in todo:
             ri.embeds[i] = out[at:at + ri.count(i)]
@@ -95,28 +80,30 @@ def chunk_inputs(ri: RequestImages | None, encode, start: int, n: int, bucket: i
     return {"mask": mask, "embeds": embeds, "blocks": blocks}
 
 
-def prompt_inputs(prompt: list[int], pixel_values, vision, encode, bucket: int) -> dict | None:
-    """``mm`` for a whole prompt prefilled in one call, the way Tenstorrent's plugin hands images
-    to ``prefill_forward``: the request's ``pixel_values`` ([images, C, H, W], or a list of
-    them) in prompt order, the prompt holding ``mm_tokens_per_image`` image tokens per image.
-    None without images."""
-    parts = [p for p in (pixel_values if isinstance(pixel_values, (list, tuple)) else [pixel_values])
-             if p is not None and p.numel()]
-    if not parts:
-        return None
-    px = torch.cat([p if p.dim() == 4 else p[None] for p in parts])  # [C, H, W] is one image
-    positions = [i for i, t in enumerate(prompt) if t == vision.image_token_index]
-    per, k = vision.mm_tokens_per_image, px.shape[0]
-    if len(positions) != per * k:
-        raise ValueError(f"{k} image(s) in pixel_values need {per * k} image tokens "
-                         f"({vision.image_token_index}) in the prompt, found {len(positions)}")
-    blocks = torch.full((len(prompt),), -1, dtype=torch.long)
-    image_of = [j // per for j in range(len(positions))]
-    blocks[positions] = torch.tensor(image_of, dtype=torch.long)
-    out = encode(px)
-    ri = RequestImages([None] * k, positions, image_of, blocks,
-                       {i: out[i * per:(i + 1) * per] for i in range(k)})
-    return chunk_inputs(ri, encode, 0, len(prompt), bucket)
+def prompt_inputs(part, prompt: list[int], pixel_values, image_grid_thw, encode, bucket: int):
+    """``(mm, PromptPositions)`` of a whole prompt prefilled in one call, the way Tenstorrent's
+    plugin hands a request's images to ``prefill_forward``: its ``pixel_values`` (a tensor or a
+    list of them, in prompt order; Gemma 3 [images, C, H, W], Qwen2.5-VL [patches, C*T*P*P]) and
+    ``image_grid_thw`` where the family has it ([images, 3], or a list). ``mm`` is None without
+    images (the positions are then the text's); the family's vision ``part`` lays the images
+    out and refuses a prompt whose image tokens do not match them."""
+    def parts(x):
+        return [p for p in (x if isinstance(x, (list, tuple)) else [x]) if p is not None and p.numel()]
+
+    px = parts(pixel_values)
+    if not px:
+        return None, part.positions(list(prompt), None)
+    inputs = {"pixel_values": torch.cat([p if p.dim() != 3 else p[None] for p in px])}
+    if image_grid_thw is not None:
+        inputs["image_grid_thw"] = torch.cat([g.reshape(-1, 3) for g in parts(image_grid_thw)]).long()
+    layout, positions = part.prompt_layout(list(prompt), inputs)
+    out = encode(inputs["pixel_values"], inputs.get("image_grid_thw"))
+    embeds, at = {}, 0
+    for i, c in enumerate(layout.counts):
+        embeds[i], at = out[at:at + c], at + c
+    ri = RequestImages([None] * len(layout.counts), layout.positions, layout.image_of, layout.blocks,
+                       layout.counts, embeds=embeds)
+    return chunk_inputs(ri, encode, 0, len(prompt), bucket), positions
 
 
 def request_pixels(pixel_values, rows: int, start: int):

@@ -44,6 +44,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput
 from .phases import is_decode, pick
 from .capabilities import device_top_k
 from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons
+from ..families.vision_part import PLAIN, PromptPositions, decode_rope
 from ..tiles import blocks_per_seq
 
 logger = logging.getLogger("vllm.ttbundle.model_runner")
@@ -67,8 +68,7 @@ class ReqState:
     num_computed: int
     output: list[int] = field(default_factory=list)
     images: object = None  # runtime.images.RequestImages of a request with images
-    rope: object = None  # M-RoPE positions [3, prompt length] (Qwen2.5-VL with images; runtime.qwen_vl)
-    rope_delta: int = 0  # decode at cache position p: rope position p + rope_delta
+    positions: PromptPositions = PLAIN  # the prompt's rope positions (the family's vision part's)
     host_sampling: bool = False  # its sampling needs the host (host_reasons; seeded without device seeds)
 
     @property
@@ -333,23 +333,19 @@ class TTModelRunner:
                     or (params.seed is not None and not seeds))
 
     def _request_images(self, st: ReqState, features) -> None:
-        """A new request's images (Gemma 3: soft tokens per image; Qwen2.5-VL: patches and grids,
-        plus its M-RoPE positions and rope delta)."""
-        part = self.bundle.family.vision_part(self.bundle.arch)
-        if hasattr(part, "mrope_positions"):  # M-RoPE (Qwen2.5-VL; runtime.qwen_vl)
-            from .qwen_vl import request_state
-            st.images, st.rope, st.rope_delta = request_state(features, st.prompt, self.bundle.arch.vision)
-            return
-        from .images import request_images
-        st.images = request_images(features, st.prompt, self.bundle.arch.vision)
+        """A new request's images and its prompt's positions, as the family's vision part lays
+        them out (``runtime.images.request_state``)."""
+        from .images import request_state
+        st.images, st.positions = request_state(self.bundle.family.vision_part(self.bundle.arch), features,
+                                                st.prompt)
 
     def _decode_rope(self, states: list[ReqState], pos: torch.Tensor) -> dict:
-        """``rope_positions`` for a decode batch holding an M-RoPE request ({} otherwise)."""
-        if all(st.rope is None for st in states):
+        """``rope_positions`` for a decode batch holding a request with M-RoPE positions ({}
+        otherwise): each row at its cache position plus its prompt's delta."""
+        if all(st.positions.plain for st in states):
             return {}
-        from .qwen_vl import decode_rope
         deltas = torch.zeros_like(pos)
-        deltas[:len(states)] = torch.tensor([st.rope_delta for st in states], dtype=torch.long)
+        deltas[:len(states)] = torch.tensor([st.positions.delta for st in states], dtype=torch.long)
         return {"rope_positions": decode_rope(pos, deltas)}
 
     def execute_model(self, so):
@@ -613,10 +609,10 @@ class TTModelRunner:
     def _packable(self, st, n) -> bool:
         """Whether a prefill chunk may share a program call with others (``_prefill_packs``):
         text only (a request with images prefills alone: its chunk merges soft tokens and takes
-        its own M-RoPE positions, ``st.rope``) and no prompt logprobs (those need every row's
+        its own M-RoPE positions, ``st.positions``) and no prompt logprobs (those need every row's
         logits). A text-only request of an M-RoPE model packs: its rope positions are its cache
         positions in all three rows, the forward's default."""
-        return (self.packed_prefill and st.images is None and st.rope is None
+        return (self.packed_prefill and st.images is None and st.positions.plain
                 and self.prompt_lp.wanted(st.req_id, st.params, self.vocab_size) is None)
 
     def _prefill_packs(self, rows, on_device):
@@ -677,9 +673,7 @@ class TTModelRunner:
                 mm = chunk_inputs(st.images, self.mesh_model.encode_images, st.num_computed, n, bucket)
                 if mm is not None:
                     kw["mm"] = mm
-            if st.rope is not None:
-                from .qwen_vl import chunk_rope
-                kw["rope_positions"] = chunk_rope(st.rope, st.rope_delta, st.num_computed, n, bucket)
+            kw.update(st.positions.chunk(st.num_computed, n, bucket))
             res = self.mesh_model.prefill_forward(
                 tokens, self._page_table([st], 1), self._kv_of(st), [n], [st.num_computed],
                 self._device_sampling([st], 1) if (samples and on_device) else None, **kw)

@@ -397,38 +397,16 @@ def hook_name_resolution() -> None:
 
 _STUBS: dict[str, type] = {}
 
-#: multimodal architectures: vLLM's own processor for the HF class (module, processor, processing
-#: info, dummy inputs builder) and the placeholder a chat message's image becomes in the prompt
-#: (vLLM's own class's ``get_placeholder_str``)
-MULTIMODAL = {
-    "Gemma3ForConditionalGeneration": ("vllm.model_executor.models.gemma3_mm", "Gemma3MultiModalProcessor",
-                                       "Gemma3ProcessingInfo", "Gemma3DummyInputsBuilder", "<start_of_image>"),
-    "Qwen2_5_VLForConditionalGeneration": ("vllm.model_executor.models.qwen2_5_vl", "Qwen2_5_VLMultiModalProcessor",
-                                           "Qwen2_5_VLProcessingInfo", "Qwen2_5_VLDummyInputsBuilder",
-                                           "<|vision_start|><|image_pad|><|vision_end|>"),
-}
-
-#: transformers' torchvision image-processor modules vLLM's model modules import from, and the
-#: PIL module of the same processor: {torchvision module: (PIL module, {name there: name in PIL})}
-PIL_PROCESSORS = {
-    "transformers.models.gemma3.image_processing_gemma3": (
-        "transformers.models.gemma3.image_processing_pil_gemma3",
-        {"Gemma3ImageProcessor": "Gemma3ImageProcessorPil"}),
-    "transformers.models.qwen2_vl.image_processing_qwen2_vl": (
-        "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
-        {"Qwen2VLImageProcessor": "Qwen2VLImageProcessorPil", "smart_resize": "smart_resize"}),
-}
-
-
-def _pil_image_processors() -> None:
+def _pil_image_processors(part) -> None:
     """Without torchvision transformers' torchvision image processors do not import, and vLLM's
-    Gemma 3 and Qwen2-VL modules import from them (a type, Qwen's ``smart_resize``); transformers
-    itself then loads the PIL processor of the same settings (``Gemma3ImageProcessorPil``,
-    ``Qwen2VLImageProcessorPil``). Make each import name those."""
+    model modules import from them (a type, Qwen's ``smart_resize``); transformers itself then
+    loads the PIL processor of the same settings (``Gemma3ImageProcessorPil``,
+    ``Qwen2VLImageProcessorPil``). Make each import the vision ``part`` names
+    (``PIL_PROCESSORS``) give those."""
     import sys
     import types
 
-    for name, (pil_name, names) in PIL_PROCESSORS.items():
+    for name, (pil_name, names) in part.PIL_PROCESSORS.items():
         try:
             importlib_import(name)
         except ImportError:
@@ -449,14 +427,59 @@ def importlib_import(name: str):
     return importlib.import_module(name)
 
 
-def _multimodal(name: str, arch: str, attrs: dict):
-    """``attrs`` plus what vLLM needs to preprocess images for ``arch`` with its own processor:
+_IMAGE_ONLY: dict = {}
+
+
+def _image_only_info(base, processor: str):
+    """vLLM's processing info ``base`` for images only: its HF processor is transformers'
+    ``processor`` class without a video processor (which needs torchvision; ``from_pretrained``
+    loads the image processor and the tokenizer only), and it declares image inputs alone, so
+    vLLM neither profiles nor accepts video (a video part is vLLM's 400)."""
+    key = (base, processor)
+    if key in _IMAGE_ONLY:
+        return _IMAGE_ONLY[key]
+    import transformers
+
+    hf_cls = getattr(transformers, processor)
+
+    class ImageOnlyProcessor(hf_cls):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+            self.video_processor = None
+
+    ImageOnlyProcessor.__name__ = ImageOnlyProcessor.__qualname__ = "ImageOnly" + processor
+
+    class ImageOnlyInfo(base):
+        def get_hf_processor(self, **kwargs):
+            return self.ctx.get_hf_processor(ImageOnlyProcessor, **kwargs)
+
+        def get_supported_mm_limits(self):
+            return {"image": None}
+
+        def get_mm_max_tokens_per_item(self, seq_len, mm_counts):
+            return {"image": self.get_max_image_tokens()}
+
+        def get_supported_mm_processor_kwargs(self):
+            # vLLM's own rule over the modalities declared (images): a model's override may
+            # assume a video processor (Qwen3-VL adds video pixel kwargs)
+            from vllm.multimodal.processing.context import BaseProcessingInfo
+            return BaseProcessingInfo.get_supported_mm_processor_kwargs(self)
+
+    ImageOnlyInfo.__name__ = ImageOnlyInfo.__qualname__ = "TT" + base.__name__
+    _IMAGE_ONLY[key] = ImageOnlyInfo
+    return ImageOnlyInfo
+
+
+def _multimodal(name: str, part, attrs: dict):
+    """``attrs`` plus what vLLM needs to preprocess images with its own processor for the HF
+    class the vision ``part`` (a ``VisionPart`` class) names (``VLLM_PROCESSOR``):
     SupportsMultiModal's class attributes and the placeholder string (the registration of the
     processor factories happens on the class, :func:`stub_class`)."""
     import importlib
 
-    mod, proc, info, dummy, placeholder = MULTIMODAL[arch]
-    _pil_image_processors()
+    mod, proc, info, dummy = part.VLLM_PROCESSOR
+    placeholder = part.PLACEHOLDER_STR
+    _pil_image_processors(part)
     m = importlib.import_module(mod)
 
     def get_placeholder_str(cls, modality: str, i: int):
@@ -467,9 +490,8 @@ def _multimodal(name: str, arch: str, attrs: dict):
     attrs.update(get_placeholder_str=classmethod(get_placeholder_str),
                  embed_multimodal=lambda self, **kw: None)
     info_cls = getattr(m, info)
-    if arch == "Qwen2_5_VLForConditionalGeneration":  # images only (no video processor, no video)
-        from .qwen_vl import processing_info
-        info_cls = processing_info(info_cls)
+    if part.IMAGE_ONLY_PROCESSOR is not None:  # images only (no video processor, no video)
+        info_cls = _image_only_info(info_cls, part.IMAGE_ONLY_PROCESSOR)
     return (getattr(m, proc), info_cls, getattr(m, dummy))
 
 
@@ -489,12 +511,14 @@ def stub_class(arch: str):
         "embed_input_ids": _no, "forward": lambda self, input_ids, positions, **kw: _no(self),
         "compute_logits": _no, "__module__": __name__,
     }
-    base = arch.removeprefix("TT")
-    if base in MULTIMODAL:  # images preprocessed by vLLM's own processor for the HF class
+    from ..families import vision_class_of
+
+    part = vision_class_of(arch.removeprefix("TT"))
+    if part is not None:  # images preprocessed by vLLM's own processor for the HF class
         from vllm.model_executor.models.interfaces import SupportsMultiModal
         from vllm.multimodal import MULTIMODAL_REGISTRY
 
-        proc, info, dummy = _multimodal(name, base, attrs)
+        proc, info, dummy = _multimodal(name, part, attrs)
         cls = type(name, (nn.Module, SupportsMultiModal), attrs)
         cls = MULTIMODAL_REGISTRY.register_processor(proc, info=info, dummy_inputs=dummy)(cls)
     else:

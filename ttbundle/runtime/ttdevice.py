@@ -262,7 +262,9 @@ class TTDeviceModel:
         if mm is None and pixel_values is not None:
             from .images import prompt_inputs, request_pixels
             px = request_pixels(pixel_values, N, p0)
-            mm = prompt_inputs(tokens[0, :n].tolist(), px, self.bundle.arch.vision, self.encode_images, S)
+            thw = kwargs.get("image_grid_thw")
+            mm, _ = prompt_inputs(self.bundle.family.vision_part(self.bundle.arch), tokens[0, :n].tolist(), px,
+                                  thw[0] if isinstance(thw, (list, tuple)) else thw, self.encode_images, S)
         key = self._key("prefill", S, sampling_params, p0)
         fw = self.runner.forwards[key]
         host = prefill_host_inputs(fw, tokens[0].numpy(), n, p0, page_table[0].numpy(), self.block_size,
@@ -291,12 +293,11 @@ class TTDeviceModel:
         import numpy as np
         from ..vision import vision_bucket
 
-        v = self.bundle.arch.vision
         part = self.bundle.family.vision_part(self.bundle.arch)
-        bucket, inputs = vision_bucket(part, v, self.vision_buckets, pixel_values, image_grid_thw)
+        bucket, inputs = vision_bucket(part, self.vision_buckets, pixel_values, image_grid_thw)
         key = self._key("vision", bucket, None)
         fw = self.runner.forwards[key]
-        patches, _, finish = part.program_inputs(v, inputs, bucket, torch.float32)
+        patches, _, finish = part.program_inputs(inputs, bucket, torch.float32)
         out = self._run(key, {"patches": patches.numpy().reshape(fw.inputs["patches"][0])})
         (name,) = fw.outputs
         soft = np.asarray(self.runner.read(out[name]), dtype=np.float32).reshape(-1, self.bundle.arch.hidden_size)

@@ -97,7 +97,8 @@ def _rope_tables(ctx: Ctx, dim: int, theta: float, scaling):
     if key not in ctx.cache and section:
         rp = getattr(ctx, "rope_positions", None)
         rp = ctx.positions[None].expand(3, -1, -1) if rp is None else rp
-        ctx.cache[key] = mrope_cos_sin(rp.reshape(3, -1), dim, theta, scaling, section, ctx.dtype)
+        ctx.cache[key] = mrope_cos_sin(rp.reshape(3, -1), dim, theta, scaling, section, ctx.dtype,
+                                       ctx.traits.get("mrope_interleaved", False))
     if key not in ctx.cache:
         ctx.cache[key] = rope_cos_sin(ctx.positions.reshape(-1), dim, theta, scaling, ctx.dtype)
     return ctx.cache[key]
@@ -247,4 +248,19 @@ def swiglu(ctx: Ctx, layer: int, g, u):
     return activation(ctx.traits.get("act", ctx.arch.hidden_act), g) * u
 
 
-KERNELS = {"attention": attention, "swiglu": swiglu}  # the whole table: kernel_table.KERNELS
+def deepstack(ctx: Ctx, layer: int, h):
+    """DeepStack (Qwen3-VL): zeros but at the image tokens' rows of a prefill carrying images,
+    where text layer ``layer`` < the DeepStack count adds that set of the images' features
+    (``ctx.vision["deepstack"]`` [image rows, sets x hidden], beside the soft tokens)."""
+    out = torch.zeros_like(h)
+    ds = ctx.vision
+    if ds is None or "deepstack" not in ds:
+        return out
+    H = h.shape[-1]
+    if (layer + 1) * H > ds["deepstack"].shape[-1]:
+        return out
+    out[:, ds["mask"]] = ds["deepstack"][:, layer * H:(layer + 1) * H].to(h.dtype)[None]
+    return out
+
+
+KERNELS = {"attention": attention, "swiglu": swiglu, "deepstack": deepstack}  # the whole table: kernel_table.KERNELS

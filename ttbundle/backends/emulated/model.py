@@ -173,7 +173,7 @@ class EmulatedModel:
         self.vision_part = self.family.vision_part(self.arch)
         # whether one image's soft tokens attend to each other bidirectionally (Gemma 3) or
         # causally like text (Qwen2.5-VL): the family's vision part says
-        self._image_blocks = bool(getattr(self.vision_part, "BIDIRECTIONAL_IMAGES", False))
+        self._image_blocks = self.vision_part is not None and self.vision_part.BIDIRECTIONAL_IMAGES
 
     @classmethod
     def from_canonical(cls, bundle, plan, canonical: dict, programs: dict, dtype=torch.float32,
@@ -330,10 +330,14 @@ class EmulatedModel:
             blocks = mm["blocks"].to(dev)
             if blocks.shape[1] < nblk * bs:
                 blocks = torch.nn.functional.pad(blocks, (0, nblk * bs - blocks.shape[1]), value=-1)
+        H = self.arch.hidden_size
+        deep = None  # DeepStack (Qwen3-VL): the images' feature sets beside their soft tokens
+        if mm is not None and mm["embeds"].shape[-1] > H:
+            deep = {"mask": mm["mask"].to(dev), "deepstack": mm["embeds"][:, H:].to(dev)}
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, positions, valid, slots,
                   ctx_slots, kv.layers, self.dtype, units=self.units, store=self._store, blocks=blocks,
                   rope_positions=None if rope_positions is None else rope_positions.to(dev),
-                  context_blocks=ctx_blocks, block_size=bs)
+                  context_blocks=ctx_blocks, block_size=bs, vision=deep)
         flat = tokens.reshape(-1)
         h = hv = None
         layer = 0
@@ -374,7 +378,7 @@ class EmulatedModel:
         mask = mm["mask"].to(self.device)
         one = h.shape[0] > 1 and h.stride(0) == 0  # one copy viewed D times: edit that copy
         h = (h[:1] if one else h).clone()
-        h[:, mask] = mm["embeds"].to(device=self.device, dtype=h.dtype)[None]
+        h[:, mask] = mm["embeds"][:, :self.arch.hidden_size].to(device=self.device, dtype=h.dtype)[None]
         return h.expand(self.ops.D, *h.shape[1:]) if one else h
 
     def encode_images(self, pixel_values, image_grid_thw=None):
@@ -387,28 +391,30 @@ class EmulatedModel:
         buckets = sorted(b for (ph, b) in self.programs if ph == "vision")
         if part is None or not buckets:
             raise ValueError("the package has no vision program (a text-only model)")
-        bucket, inputs = vision_bucket(part, self.arch.vision, buckets, pixel_values, image_grid_thw)
+        bucket, inputs = vision_bucket(part, buckets, pixel_values, image_grid_thw)
         prog = self.program("vision", bucket)
-        patches, meta, finish = part.program_inputs(self.arch.vision, inputs, bucket, self.dtype)
+        patches, meta, finish = part.program_inputs(inputs, bucket, self.dtype)
         T = patches.shape[0]
         patches = patches[None].to(self.device).expand(self.ops.D, -1, -1)
         zeros = torch.zeros(1, T, dtype=torch.long, device=self.device)
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, zeros, zeros >= 0, zeros[0],
                   zeros, [], self.dtype, units=self.units, vision=meta)
-        h, layer, out, var = None, 0, None, {}
+        h, layer, out, var, deep = None, 0, None, {}, []
         for lp in prog.layers:
             layered = lp.kind.endswith("_layer")  # encoder layers (the others: embedding, projector)
             for _ in range(lp.count):
                 acts = {"h": h, "patches": patches}
                 var["patches"] = frozenset()  # the same pixels on every device
                 self._run(prog, lp.kind, lp.steps, acts, layer if layered else None, ctx, var,
-                          keep=("h", "image"))
+                          keep=("h", "image", "deep"))
                 h = acts["h"]
                 if layered:
                     layer += 1
                 else:
                     out = acts
-        return finish(out["image"][0])
+                    if "deep" in acts:  # a DeepStack merger's features (Qwen3-VL): beside the soft tokens
+                        deep.append(acts["deep"][0])
+        return finish(torch.cat([out["image"][0], *deep], dim=-1))
 
     def _run(self, program: Program, kind: str, steps, acts: dict, layer, ctx: Ctx, var: dict | None = None,
              keep=("h",)):

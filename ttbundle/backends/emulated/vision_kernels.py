@@ -77,6 +77,12 @@ GEMMA_VISION_KERNELS = dict(vision_embed=vision_embed, vision_attention=vision_a
 def qwen_vision_attention(ctx: Ctx, layer, q, k, v):
     """q/k/v biases, the 2-D rope, then attention among the rows of one window (one image at the
     layers of ``fullatt_block_indexes``), this device's heads."""
+    return _qwen_attention(ctx, layer, q, k, v, "image" if layer in _vision(ctx).fullatt_block_indexes else "window")
+
+
+def _qwen_attention(ctx: Ctx, layer, q, k, v, which: str):
+    """q/k/v biases, the 2-D rope, then attention among the rows of one segment of ``which``
+    (the host's per-row segments: ``window`` or ``image``), this device's heads."""
     vis, W, meta = _vision(ctx), ctx.weights, ctx.vision
     D, T, _ = q.shape
     hd = vis.head_dim
@@ -86,7 +92,6 @@ def qwen_vision_attention(ctx: Ctx, layer, q, k, v):
     cos, sin = meta["cos"].to(q.device), meta["sin"].to(q.device)
     q = (q.float() * cos[None, :, None] + rotate_half(q.float()) * sin[None, :, None]).to(q.dtype)
     k = (k.float() * cos[None, :, None] + rotate_half(k.float()) * sin[None, :, None]).to(k.dtype)
-    which = "image" if layer in vis.fullatt_block_indexes else "window"
     key = ("vision_mask", which)
     if key not in ctx.cache:
         seg = meta[which].to(q.device)
@@ -122,3 +127,36 @@ def qwen_vision_merge_bias(ctx: Ctx, layer, x):
 QWEN_VISION_KERNELS = dict(qwen_vision_attention=qwen_vision_attention, qwen_vision_swiglu=qwen_vision_swiglu,
                            qwen_vision_merge=qwen_vision_merge, qwen_vision_merge_gelu=qwen_vision_merge_gelu,
                            qwen_vision_merge_bias=qwen_vision_merge_bias)
+
+
+# ---- Qwen3-VL's vision transformer, mergers and DeepStack ---------------------------------------
+# rows are the patches in the processor's order (no windows); ``ctx.vision`` holds the rope
+# cos/sin and image segment per row and the position embedding's taps (``qwen3_vl_vision``)
+def qwen3_vision_embed(ctx: Ctx, layer, pe):
+    """Patch matmul output + conv bias + each row's learned position embedding: the 4 table rows
+    of its bilinear resampling, weighted."""
+    W, meta = ctx.weights, ctx.vision
+    table = W("v_pos")  # [D, num_position_embeddings, H]
+    idx, w = meta["pos_idx"].to(pe.device), meta["pos_w"].to(pe.device)
+    pos = (table[:, idx.reshape(-1)].view(table.shape[0], *idx.shape, -1).float() * w[None, :, :, None]).sum(2)
+    return pe + W("v_patch_b")[:, None, :] + pos.to(pe.dtype)
+
+
+def qwen3_vision_attention(ctx: Ctx, layer, q, k, v):
+    """q/k/v biases, the 2-D rope, then attention among the rows of one image, this device's heads."""
+    return _qwen_attention(ctx, layer, q, k, v, "image")
+
+
+def _deepstack(k: int):
+    def gelu(ctx: Ctx, layer, x):
+        return F.gelu(x + ctx.weights(f"v_ds{k}_fc1_b")[:, None, :])
+
+    def bias(ctx: Ctx, layer, x):
+        return x + ctx.weights(f"v_ds{k}_fc2_b")[:, None, :]
+    return {f"qwen3_deepstack{k}_gelu": gelu, f"qwen3_deepstack{k}_bias": bias}
+
+
+#: DeepStack merger k's kernels for every k a vision config may have (``qwen3_vl_vision.MAX_DEEPSTACK``)
+QWEN3_VISION_KERNELS = dict(qwen3_vision_embed=qwen3_vision_embed, qwen3_vision_attention=qwen3_vision_attention)
+for _k in range(8):
+    QWEN3_VISION_KERNELS.update(_deepstack(_k))

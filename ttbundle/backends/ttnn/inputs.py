@@ -77,7 +77,7 @@ def image_mask(bundle, program: Program) -> bool:
     see their whole image (the vision part's ``BIDIRECTIONAL_IMAGES``: Gemma 3), which the
     causal fused SDPA cannot say."""
     part = bundle.family.vision_part(bundle.arch) if program.phase == "prefill" else None
-    return bool(getattr(part, "BIDIRECTIONAL_IMAGES", False))
+    return part is not None and part.BIDIRECTIONAL_IMAGES
 
 
 def merge_images(lw: Lowerer) -> None:

@@ -1,0 +1,211 @@
+"""The vision part of a multimodal family: one interface every family's vision part implements
+(:class:`VisionPart`), so that shared code (spec, check, the runtime's model runner, adapter
+and device model) calls it without naming a family or probing for what it has.
+
+An instance is bound to an arch's ``vision`` dims (``Family.vision_part(arch)``). What differs
+between families lives in the subclass: the spec's ``vision:`` settings and their checks, the
+HF image processor's files and pixels, a prompt's image tokens, what a vision bucket counts and
+the vision program's per-call inputs, the transformers reference's inputs, the positions a
+prompt's tokens take (:class:`PromptPositions`: plain for Gemma 3, M-RoPE for Qwen2.5-VL) and
+how a served request's images (vLLM ``mm_features``) become soft tokens (:class:`ImageLayout`
+and :meth:`VisionPart.encode_features`). The runtime keeps the per-request state
+(``runtime.images.RequestImages``) and its chunking; the part says what goes into it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+
+# ---- positions ---------------------------------------------------------------------------------
+def chunk_rope(rope, delta: int, start: int, n: int, bucket: int):
+    """``rope_positions`` [3, 1, bucket] of the prefill chunk ``[start, start + n)``: the prompt's
+    M-RoPE columns, then (a resumed request recomputing its output tokens) cache position + delta;
+    padding columns take position 0 (they are not valid tokens)."""
+    import torch
+
+    out = torch.zeros(3, 1, bucket, dtype=torch.long)
+    cols = torch.arange(start, start + n)
+    L = rope.shape[1]
+    inside = cols < L
+    out[:, 0, :n] = torch.where(inside[None], rope[:, cols.clamp(max=L - 1)], (cols + delta)[None].expand(3, -1))
+    return out
+
+
+def decode_rope(positions, deltas):
+    """``rope_positions`` [3, B, 1] of a decode batch: each row's cache position plus its rope
+    delta on all three axes (padding rows, position -1, take 0)."""
+    import torch
+
+    p = torch.where(positions >= 0, positions + deltas, torch.zeros_like(positions))
+    return p[None, :, None].expand(3, -1, 1).clone()
+
+
+@dataclass(frozen=True)
+class PromptPositions:
+    """The rope positions a prompt's tokens take. ``rope`` None: plain (each token at its cache
+    position). Otherwise M-RoPE ``[3, L]`` (temporal, height, width) and ``delta``: a token at
+    cache position ``p >= L`` (decoded, or an output token re-prefilled) is at ``p + delta`` on
+    all three axes."""
+
+    rope: object = None
+    delta: int = 0
+
+    @property
+    def plain(self) -> bool:
+        return self.rope is None
+
+    def chunk(self, start: int, n: int, bucket: int) -> dict:
+        """The prefill forward's keywords for the chunk ``[start, start + n)`` padded to
+        ``bucket``: ``{}`` for plain positions, else its ``rope_positions`` [3, 1, bucket]."""
+        return {} if self.rope is None else {"rope_positions": chunk_rope(self.rope, self.delta, start, n, bucket)}
+
+
+PLAIN = PromptPositions()
+
+
+# ---- a request's images ------------------------------------------------------------------------
+@dataclass
+class ImageLayout:
+    """Where a prompt's images go: ``positions`` the prompt positions of the soft tokens (image
+    after image), ``image_of`` per soft token its image, ``blocks`` [prompt length] the image
+    block of each position (-1: text, or an image attending causally), ``counts`` soft tokens per
+    image."""
+
+    positions: list[int]
+    image_of: list[int]
+    blocks: object
+    counts: list[int] = field(default_factory=list)
+
+
+def image_features(features) -> list:
+    """A request's image features (vLLM ``MultiModalFeatureSpec``) in prompt order."""
+    return sorted((f for f in features or [] if f.modality == "image"), key=lambda f: f.mm_position.offset)
+
+
+class VisionPart:
+    """A family's vision part bound to its arch's ``vision`` dims (``self.v``). Subclasses
+    implement every method that raises here; the class attributes have the common defaults."""
+
+    #: what a vision bucket counts ("images", "patches")
+    BUCKET_UNIT: ClassVar[str] = "images"
+    #: one image's soft tokens attend to each other bidirectionally in the text model
+    BIDIRECTIONAL_IMAGES: ClassVar[bool] = False
+    #: the image tokens as the family's tokenizer spells them: role -> (text, id field of ``v``)
+    TOKENIZER_TOKENS: ClassVar[dict] = {}
+    #: the demo tokenizer's chat template for this family (None: the demo's own)
+    CHAT_TEMPLATE: ClassVar[str | None] = None
+    #: vLLM's processor merges newline runs around images by their tokens (Gemma 3)
+    NEWLINE_TOKENS: ClassVar[bool] = False
+    #: vLLM's own processor for the HF class: (module, processor, processing info, dummy inputs
+    #: builder) and the placeholder a chat message's image becomes (its ``get_placeholder_str``)
+    VLLM_PROCESSOR: ClassVar[tuple[str, str, str, str]] = ("", "", "", "")
+    PLACEHOLDER_STR: ClassVar[str] = ""
+    #: transformers' processor class (by name) vLLM loads, made image-only (no video processor,
+    #: which needs torchvision) by the runtime's registry; None: as vLLM loads it
+    IMAGE_ONLY_PROCESSOR: ClassVar[str | None] = None
+    #: transformers' torchvision image-processor modules vLLM's model module imports from, and
+    #: the PIL module of the same processor: {torchvision module: (PIL module, {name: PIL name})}
+    PIL_PROCESSORS: ClassVar[dict] = {}
+
+    def __init__(self, v):
+        self.v = v
+
+    def _todo(self, what: str):
+        return NotImplementedError(f"{type(self).__name__} has no {what}")
+
+    # -- the spec's vision settings -------------------------------------------------------------
+    def settings(self, vs):
+        """The spec's ``vision:`` settings with the family's defaults filled in."""
+        return vs
+
+    def check_settings(self, b, vs) -> list:
+        """Diagnostics for the settings ``vs`` of bundle ``b``."""
+        raise self._todo("check_settings")
+
+    # -- the package's processor files and the HF image processor -------------------------------
+    def preprocessor_config(self, vs) -> dict:
+        raise self._todo("preprocessor_config")
+
+    def processor_config(self, vs) -> dict:
+        raise self._todo("processor_config")
+
+    def image_inputs(self, vs, images: list) -> dict:
+        """What transformers' image processor makes of PIL ``images`` (``pixel_values``, and
+        what else the family's vision program needs), float32."""
+        raise self._todo("image_inputs")
+
+    # -- the prompt -----------------------------------------------------------------------------
+    def special_tokens(self) -> tuple[int, ...]:
+        raise self._todo("special_tokens")
+
+    def placeholder(self) -> int:
+        """The prompt token each soft token replaces."""
+        raise self._todo("placeholder")
+
+    def image_tokens(self, inputs, k: int) -> list[int]:
+        """Image ``k`` of ``inputs`` in a prompt, its begin and end tokens included."""
+        raise self._todo("image_tokens")
+
+    def soft_token_counts(self, inputs: dict) -> list[int]:
+        """Soft tokens of each image of ``inputs``."""
+        raise self._todo("soft_token_counts")
+
+    def positions(self, prompt: list[int], inputs: dict | None) -> PromptPositions:
+        """The rope positions of ``prompt`` carrying the images of ``inputs`` (plain by default)."""
+        return PLAIN
+
+    # -- the vision program ---------------------------------------------------------------------
+    def bucket_need(self, inputs: dict) -> int:
+        """What a vision bucket must hold for ``inputs`` (in ``BUCKET_UNIT``)."""
+        raise self._todo("bucket_need")
+
+    def program_inputs(self, inputs: dict, bucket: int, dtype):
+        """(patches [rows, patch_pixels], per-call metadata the program's kernels read or None, a
+        function from the program's ``image`` rows to the soft tokens in prompt order)."""
+        raise self._todo("program_inputs")
+
+    def warmup_inputs(self, vs, bucket: int) -> dict:
+        """Fixed pixels filling a vision bucket."""
+        raise self._todo("warmup_inputs")
+
+    # -- the transformers reference -------------------------------------------------------------
+    def reference_kwargs(self, prompt: list[int], inputs: dict, device) -> dict:
+        raise self._todo("reference_kwargs")
+
+    def reference_features(self, hf, inputs: dict, device):
+        raise self._todo("reference_features")
+
+    # -- served requests ------------------------------------------------------------------------
+    def feature_inputs(self, features: list) -> dict:
+        """``inputs`` (as :meth:`image_inputs` makes them) of vLLM image ``features`` (each with
+        its data)."""
+        raise self._todo("feature_inputs")
+
+    def request_layout(self, features: list, prompt: list[int]) -> tuple[ImageLayout | None, PromptPositions]:
+        """Where a new request's images go in its ``prompt`` (None without images) and its
+        positions. ``features``: :func:`image_features` of the request."""
+        raise self._todo("request_layout")
+
+    def prompt_layout(self, prompt: list[int], inputs: dict) -> tuple[ImageLayout, PromptPositions]:
+        """Where the images of ``inputs`` go in a whole ``prompt`` (prefilled in one call), and
+        its positions; a prompt whose image tokens do not match the images is a ValueError."""
+        raise self._todo("prompt_layout")
+
+    def encode_features(self, encode, features: list):
+        """Soft tokens of vLLM image ``features`` (in order) from ``encode`` (the package's vision
+        program: ``encode(pixel_values, image_grid_thw=None)``), one call."""
+        inputs = self.feature_inputs(features)
+        return encode(inputs["pixel_values"], inputs.get("image_grid_thw"))
+
+
+def blocks_of(prompt_len: int, positions: list[int], image_of: list[int], bidirectional: bool):
+    """[prompt_len] image block per position: each image's soft tokens one block where they attend
+    to each other (``bidirectional``), else all -1 (causal)."""
+    import torch
+
+    blocks = torch.full((prompt_len,), -1, dtype=torch.long)
+    if bidirectional and positions:
+        blocks[positions] = torch.tensor(image_of, dtype=torch.long)
+    return blocks
