@@ -141,3 +141,13 @@ def test_a_several_shard_weight_is_one_call_for_same_rows_and_per_shard_for_diff
     assert P.merged is None and len(P.per_shard) == G and torch.equal(P.dense(), W)
     # and the same rows again, now per shard: the same results as the merged call gave
     torch.testing.assert_close(gemm.matmul(x, P), torch.bmm(x, W), rtol=0, atol=2e-4)
+
+
+@needs_onednn
+def test_a_weight_over_the_merge_limit_is_packed_per_shard(monkeypatch):
+    monkeypatch.setattr(gemm, "MERGE_BYTES", 0)
+    W = torch.randn(3, 64, 24)
+    P = gemm.Packed(W)
+    assert P.merged is None and len(P.per_shard) == 3
+    x = torch.randn(1, 2, 64).expand(3, -1, -1)
+    torch.testing.assert_close(gemm.matmul(x, P), torch.bmm(x, W), rtol=1e-5, atol=1e-4)

@@ -29,6 +29,9 @@ ROWS_HINT = 16
 #: a model reading one stage at a time (``LazyWeights``) packs matmul weights up to this many
 #: bytes per device shard; larger ones (a vocabulary head) stay plain (packing copies them)
 PACK_BYTES = 512 << 20
+#: a weight of several distinct shards is held merged (:class:`Packed`) up to this many bytes in
+#: all: merging copies every shard at once while it packs; a larger one is packed shard by shard
+MERGE_BYTES = 512 << 20
 
 
 def packs(dtype: torch.dtype, device: torch.device) -> bool:
@@ -112,19 +115,19 @@ class Packed:
     * **per shard**: one packed ``[N, K]`` matrix per distinct shard, for rows that differ per
       device (a row-split weight: each device multiplies its own slice of the input).
 
-    A weight starts merged; the first call whose rows differ re-packs it per shard, which it
-    then stays (a weight fed differing rows once is a row-split one): one layout held at a
-    time, never the weight twice."""
+    A weight starts merged (up to ``MERGE_BYTES`` in all, else per shard); the first call whose
+    rows differ re-packs it per shard, which it then stays (a weight fed differing rows once is a
+    row-split one): one layout held at a time, never the weight twice."""
 
     def __init__(self, W):
         self.shape, self.dtype, self.device = tuple(W.shape), W.dtype, W.device
         distinct, self.group = shards_of(W)
         self.per_shard: list | None = None
         self.merged = None
-        if distinct.shape[0] > 1:
+        if distinct.shape[0] > 1 and distinct.numel() * distinct.element_size() <= MERGE_BYTES:
             self.merged = _pack(distinct.transpose(1, 2).reshape(-1, distinct.shape[1]))
         else:
-            self.per_shard = [_pack(distinct[0].t())]
+            self.per_shard = [_pack(s.t()) for s in distinct]
 
     def dim(self) -> int:
         return len(self.shape)
