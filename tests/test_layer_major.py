@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ttbundle.backends.emulated import EmulatedModel, Runner
-from ttbundle.package import load_package
+from ttbundle.package.load import load_package
 from ttbundle.runtime.demo import build_package
 
 from test_emulated import COMMON, TINY

@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from spec_helpers import SPEC_FILE, TINY, deep_update, line_of, spec_text
-from ttbundle import mesh as meshmod, plan as planmod, spec as specmod
+from ttbundle import mesh as meshmod, spec as specmod
+from ttbundle.plan.make import make_plan
 from ttbundle.cli import app
 from ttbundle.errors import InvalidInput
 
@@ -71,7 +72,7 @@ def test_max_num_seqs_is_per_replica_and_the_decode_cap_says_so():
 def test_replica_plan_equals_the_standalone_submesh_plan(target, sub, standalone):
     _, split = _bundle({"replicas": {target: {"submesh": list(sub)}}}, targets=(target,))
     _, alone = _bundle({}, targets=(standalone,))
-    p, q = planmod.make_plan(split, target), planmod.make_plan(alone, standalone)
+    p, q = make_plan(split, target), make_plan(alone, standalone)
     assert p.mesh.shape == q.mesh.shape == sub
     assert [(t.name, t.device_shape, t.bytes) for t in p.tensors] == \
         [(t.name, t.device_shape, t.bytes) for t in q.tensors]
@@ -134,7 +135,7 @@ def test_package_holds_one_replica_and_records_the_split(built):
         pa, pb = json.loads((split / prog).read_text()), json.loads((alone / prog).read_text())
         assert pa["mesh"]["shape"] == pb["mesh"]["shape"] == [1, 2]
         assert pa["layers"] == pb["layers"] and pa["weights"] == pb["weights"]
-    from ttbundle.package import load_package
+    from ttbundle.package.load import load_package
     loaded = load_package(split, verify=True)
     assert loaded.mesh.replicas == 4 and loaded.mesh.shape == (1, 2)
 
@@ -220,7 +221,7 @@ def test_validate_says_a_replica_does_not_fit_its_chips(tmp_path):
     N150's numbers), which does not fit; validate exits 3 naming the split."""
     from spec_helpers import LLAMA_70B
     text = spec_text(deep_update({"targets": ["T3K"]}, {"replicas": {"T3K": {"submesh": [1, 1]}}}), base=LLAMA_70B)
-    alone = planmod.make_plan(specmod.loads(spec_text({"targets": ["N150"]}, base=LLAMA_70B), SPEC_FILE), "N150")
+    alone = make_plan(specmod.loads(spec_text({"targets": ["N150"]}, base=LLAMA_70B), SPEC_FILE), "N150")
     assert not alone.fits
     f = tmp_path / "s.yaml"
     f.write_text(text)

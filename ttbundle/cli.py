@@ -50,20 +50,24 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
 
     Exit 0 valid, 2 invalid (every problem listed as file:line:col: key.path: message),
     3 valid but does not fit a target's memory (see `ttbundle plan`)."""
-    from . import mesh as meshmod, plan as planmod, spec as specmod
+    from . import mesh as meshmod, spec as specmod
+    from .plan.advice import pool_diagnostic
+    from .plan.make import make_plan
+    from .plan.memory import shortfall
+    from .plan.sharding import sharding_diagnostics
     try:
         try:
             bundle = specmod.load(spec)
         except specmod.InvalidSpec as e:  # schema-valid: add each mesh's errors, all at once
             for t in [mesh] if mesh else e.bundle.spec.targets:
                 if meshmod.try_resolve(t) is not None:
-                    e.diagnostics += planmod.sharding_diagnostics(e.bundle, t)
+                    e.diagnostics += sharding_diagnostics(e.bundle, t)
             raise
         targets = _targets(bundle, mesh)
         diags, plans = [], {}
         for t in targets:
             try:
-                plans[t] = planmod.make_plan(bundle, t)
+                plans[t] = make_plan(bundle, t)
             except TTBundleError as e:
                 diags += e.diagnostics or []
         if diags:
@@ -85,9 +89,9 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
             p = plans[t]
             each = f" (each of its {p.mesh.replicas} replicas on {p.mesh.rows}x{p.mesh.cols})" \
                 if p.mesh.target_shape else ""
-            err.print(Text(f"{spec}: {t}{each}: does not fit: {planmod.shortfall(p.memory)}; "
+            err.print(Text(f"{spec}: {t}{each}: does not fit: {shortfall(p.memory)}; "
                            f"run `ttbundle plan {spec} --mesh {t}`"))
-            pool = planmod.pool_diagnostic(bundle, p)
+            pool = pool_diagnostic(bundle, p)
             if pool is not None:
                 err.print(Text(f"  {pool}"))
         ok = [t for t in plans if t not in no_fit]
@@ -103,12 +107,14 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
          as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
          svg: Optional[Path] = typer.Option(None, "--svg", help="Also draw the plan to this SVG file.")):
     """Per-device shards, per-chip memory and collectives. Exit 0 fits, 3 does not fit."""
-    from . import plan as planmod, report, spec as specmod
+    from . import report, spec as specmod
+    from .plan.advice import fixes
+    from .plan.make import make_plan
     try:
         bundle = specmod.load(spec)
         target = _targets(bundle, mesh)[0]
-        p = planmod.make_plan(bundle, target)
-        fx = [] if p.fits else planmod.fixes(bundle, p)
+        p = make_plan(bundle, target)
+        fx = [] if p.fits else fixes(bundle, p)
         from . import lower as lowermod
         vision = [lowermod.summary(lowermod.lower(bundle, p, ph, n))
                   for ph, n in lowermod.trace_set(bundle) if ph == "vision"]
@@ -396,7 +402,7 @@ def cache_verify(package: Path = typer.Argument(..., help="A package directory."
     its fixed warm-up input (emulated, float32) and compare with the reference the build recorded.
     Exit 1 names the first bad file, or the program, row and expected vs got values."""
     from . import warmref, warmup
-    from .package import verify_package
+    from .package.verify import verify_package
     try:
         m = verify_package(package)
         out.print(f"{package}: {len(m['files'])} files verified")

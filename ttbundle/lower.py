@@ -21,9 +21,10 @@ import math
 from .families.base import Combine, Dim, Embed, Linear, Local, Logits, Norm, Residual
 from .layout import Policy, axes_of, local_len
 from .mesh import AXES
-from .plan import ACT_BYTES, TILE, TRACE_BYTES_PER_OP, Plan
+from .plan.make import Plan
+from .plan.memory import ACT_BYTES, TRACE_BYTES_PER_OP
 from .program import FORMAT, Activation, LayerProgram, Op, Program, Step, WeightRef
-from .tiles import round_up as _round_up
+from .tiles import TILE, round_up as _round_up
 PHASES = ("prefill", "decode", "vision")
 
 

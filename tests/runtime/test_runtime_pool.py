@@ -59,7 +59,7 @@ def test_worker_asks_vllm_for_the_pools_blocks_unless_overridden(override):
     from types import SimpleNamespace
 
     from ttbundle import spec
-    from ttbundle.plan import kv_blocks
+    from ttbundle.plan.make import kv_blocks
     from ttbundle.runtime.worker import TTWorker
 
     bundle = spec.loads(pool_spec(), "pool.yaml")

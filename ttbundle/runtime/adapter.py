@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from ..backends.emulated import EmulatedModel
-from ..backends.emulated.model import KVCache
+from ..backends.emulated.state import KVCache
 from ..tiles import blocks_per_seq
 from ..vision import vision_bucket
 from .capabilities import model_capabilities
@@ -100,7 +100,7 @@ class BundleModel:
         at ``max_num_seqs`` (default: the spec's)."""
         if cls.package_dir is None:
             raise ValueError("get_max_tokens_all_users: not a package's adapter (no package_dir)")
-        from ..plan import pool_tokens
+        from ..plan.pool import pool_tokens
 
         pkg = _opened(cls.package_dir)
         return pool_tokens(pkg.bundle.spec.runtime, pkg.kv_blocks, max_num_seqs)

@@ -104,12 +104,12 @@ class LaunchPlan:
 
 def _open(target: str, mesh: str | None, output: Path = Path("packages")):
     """(bundle, target Mesh, replica Mesh, package path to serve) without building anything."""
-    from ..plan import target_mesh
+    from ..plan.sharding import target_mesh
 
     p = Path(target)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         from .. import spec as specmod
-        from ..package import package_path
+        from ..package.names import package_path
         bundle = specmod.load(p)
         m = mesh or bundle.spec.targets[0]
         rep = target_mesh(bundle, meshmod.spec_target(p, bundle.spec.targets, m))

@@ -120,9 +120,9 @@ class AsyncDecodeOutput(AsyncModelRunnerOutput):
 
 def model_class(package):
     """The class ``vllm_metadata.json`` names (``module:Class``), which must be the package's own
-    adapter: imported from its verified file by path (``package.load_adapter``), never through
+    adapter: imported from its verified file by path (``package.verify.load_adapter``), never through
     ``sys.path``, no bytecode read or written."""
-    from ..package import load_adapter
+    from ..package.verify import load_adapter
 
     try:
         return load_adapter(package.path, package.manifest, package.metadata)

@@ -353,7 +353,7 @@ def _tokenizer_mode(pkg, extra: list[str]) -> bool:
     ``--skip-tokenizer-init``); a package without a tokenizer that did not opt out is refused
     here, before vLLM starts (vLLM would fail half a minute later instead), unless the extra
     arguments give vLLM a ``--tokenizer`` or ``--skip-tokenizer-init`` themselves."""
-    from ..package import has_tokenizer
+    from ..package.names import has_tokenizer
 
     if pkg.bundle.spec.tokenizer is False:
         return "--skip-tokenizer-init" not in extra

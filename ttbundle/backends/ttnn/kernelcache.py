@@ -185,13 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     """``SPEC MESH``: every traced program (both sampling variants) once through ttnn's calls."""
     import ttnn
 
-    from ... import lower as lowermod, mesh as meshmod, plan as planmod, spec as specmod
+    from ... import lower as lowermod, mesh as meshmod, spec as specmod
+    from ...plan.make import make_plan
     from .lowering import SAMPLING, lower_forward
     from .mockcheck import validate
 
     spec_file, mesh_name = (sys.argv[1:] if argv is None else argv)[:2]
     bundle = specmod.load(spec_file)
-    plan = planmod.make_plan(bundle, mesh_name)
+    plan = make_plan(bundle, mesh_name)
     device = ttnn.open_mesh_device(ttnn.MeshShape(*meshmod.resolve(mesh_name).shape),
                                    trace_region_size=plan.trace_region_size or 0)
     try:

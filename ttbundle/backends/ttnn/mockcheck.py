@@ -243,7 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     import ttnn
     import yaml
 
-    from ... import lower as lowermod, mesh as meshmod, plan as planmod, spec as specmod
+    from ... import lower as lowermod, mesh as meshmod, spec as specmod
+    from ...plan.make import make_plan
     from .lowering import lower_forward, one_layer_per_kind
 
     args = sys.argv[1:] if argv is None else argv
@@ -259,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
                 sh["targets"] = {k: x for k, x in sh["targets"].items() if k == mesh_name}
             d.get("weights", {}).pop("source", None)
             bundle = specmod.loads(yaml.safe_dump(d), path)
-            plan = planmod.make_plan(bundle, mesh_name)
+            plan = make_plan(bundle, mesh_name)
             ts = lowermod.trace_set(bundle)
             keys = [min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")]
             keys += [min(k for k in ts if k[0] == "vision")] if any(k[0] == "vision" for k in ts) else []
