@@ -39,6 +39,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from .phases import is_decode, pick
 from .capabilities import device_top_k
+from .interface import MeshModel
 from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons
 from ..tiles import blocks_per_seq
 
@@ -150,7 +151,7 @@ class TTModelRunner:
         self.chunk = b.prefill_chunk or max(b.prefill)
         self.sample_mode = options.sample_mode(self.bundle.spec.runtime.sample_on_device_mode)
         self.requests: dict[str, ReqState] = {}
-        self.mesh_model = None  # the package's model class (Tenstorrent's model interface)
+        self.mesh_model: MeshModel | None = None  # the package's model (runtime.interface: the one protocol)
         self.model = None  # an nn.Module for vLLM's hooks (it walks .modules()); holds mesh_model
         self.kv = None
         self.host: HostSampler | None = None
@@ -191,7 +192,7 @@ class TTModelRunner:
         self.host = HostSampler(self.vllm_config, self.vllm_config.scheduler_config.max_num_seqs,
                                 self.max_model_len, self.block_size, self.vocab_size, self.device)
         self.prompt_lp = PromptLogprobs(self.host.sampler, self.vllm_config.model_config.logprobs_mode)
-        self.max_device_top_k = device_top_k(getattr(self.mesh_model, "model_capabilities", {}), self.vocab_size)
+        self.max_device_top_k = device_top_k(self.mesh_model.model_capabilities, self.vocab_size)
         logger.info("ttbundle: loaded %s on %s %s (%s) in %.1f s", self.package.name,
                     "a Tenstorrent" if self.tt is not None else "an emulated", self.package.mesh_name,
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
@@ -327,7 +328,7 @@ class TTModelRunner:
         decode = phases.pop()
         sampled_rows = [st for st, n in rows if st.num_computed + n >= st.num_tokens]
         allowed = self.sample_mode == "all" or (self.sample_mode == "decode_only" and decode)
-        seeds = getattr(self.mesh_model, "seeded_on_device", True)  # one seed per device batch: host
+        seeds = self.mesh_model.seeded_on_device  # False: one seed per device batch, seeded rows on the host
         on_device = allowed and not any(host_reasons(st.params, self.max_device_top_k) or (st.params.seed is not None and not seeds)
                                         for st in sampled_rows)
         if self.async_scheduling and decode and on_device and self.lanes is None:  # (lanes: synchronous)
