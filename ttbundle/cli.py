@@ -33,14 +33,6 @@ def _write_atomic(path: Path, text: str) -> None:
     write_text_atomic(path, text)
 
 
-def _targets(bundle, mesh: Optional[str]) -> list[str]:
-    from . import mesh as meshmod
-    if mesh:
-        meshmod.resolve(mesh)
-        return [mesh]
-    return list(bundle.spec.targets)
-
-
 @app.command()
 def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
              mesh: Optional[str] = typer.Option(None, "--mesh", "-m", help="Check this mesh only "
@@ -50,28 +42,9 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
 
     Exit 0 valid, 2 invalid (every problem listed as file:line:col: key.path: message),
     3 valid but does not fit a target's memory (see `ttbundle plan`)."""
-    from . import mesh as meshmod, spec as specmod
-    from .plan.advice import pool_diagnostic
-    from .plan.make import make_plan
-    from .plan.memory import shortfall
-    from .plan.sharding import sharding_diagnostics
+    from .plan.validate import does_not_fit, plan_targets
     try:
-        try:
-            bundle = specmod.load(spec)
-        except specmod.InvalidSpec as e:  # schema-valid: add each mesh's errors, all at once
-            for t in [mesh] if mesh else e.bundle.spec.targets:
-                if meshmod.try_resolve(t) is not None:
-                    e.diagnostics += sharding_diagnostics(e.bundle, t)
-            raise
-        targets = _targets(bundle, mesh)
-        diags, plans = [], {}
-        for t in targets:
-            try:
-                plans[t] = make_plan(bundle, t)
-            except TTBundleError as e:
-                diags += e.diagnostics or []
-        if diags:
-            raise specmod.InvalidInput(f"{spec}: invalid spec", diags)
+        bundle, plans = plan_targets(spec, mesh)
     except TTBundleError as e:
         if as_json:
             out.print_json(data={"valid": False, "errors": [d.to_json() for d in e.diagnostics]
@@ -86,14 +59,8 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
         for w in bundle.warnings:
             err.print(Text(str(w)))
         for t in no_fit:
-            p = plans[t]
-            each = f" (each of its {p.mesh.replicas} replicas on {p.mesh.rows}x{p.mesh.cols})" \
-                if p.mesh.target_shape else ""
-            err.print(Text(f"{spec}: {t}{each}: does not fit: {shortfall(p.memory)}; "
-                           f"run `ttbundle plan {spec} --mesh {t}`"))
-            pool = pool_diagnostic(bundle, p)
-            if pool is not None:
-                err.print(Text(f"  {pool}"))
+            for line in does_not_fit(spec, t, plans[t], bundle):
+                err.print(Text(line))
         ok = [t for t in plans if t not in no_fit]
         if ok:
             out.print(Text(f"{spec}: valid; fits {', '.join(ok)}"))
@@ -110,9 +77,10 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
     from . import report, spec as specmod
     from .plan.advice import fixes
     from .plan.make import make_plan
+    from .plan.validate import targets
     try:
         bundle = specmod.load(spec)
-        target = _targets(bundle, mesh)[0]
+        target = targets(bundle, mesh)[0]
         p = make_plan(bundle, target)
         fx = [] if p.fits else fixes(bundle, p)
         from . import lower as lowermod
@@ -227,8 +195,9 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
             if reference is not None:
                 raise InvalidInput("--reference applies to a package directory; a spec's reference is "
                                    "its weights.source")
+            from .plan.validate import targets
             bundle = specmod.load(target)
-            name = _targets(bundle, mesh)[0]
+            name = targets(bundle, mesh)[0]
             report = run_check(bundle, name, steps=steps, dtype=dtype, random_weights=random_weights,
                                seed=seed, prompt_len=prompt_len, device=device, images=image or None)
     except TTBundleError as e:
@@ -306,11 +275,12 @@ def build(spec: Path = typer.Argument(..., help="Bundle spec (YAML) with weights
     Exit 0 built or up to date, 1 failed, 2 invalid input, 3 does not fit."""
     from . import spec as specmod
     from .build import build as run_build
+    from .plan.validate import targets
     from .progress import ConsoleProgress, print_results
     results = []
     try:
         bundle = specmod.load(spec)
-        for t in _targets(bundle, mesh):
+        for t in targets(bundle, mesh):
             if as_json:
                 def emit(e, _t=t):
                     sys.stdout.write(json.dumps({"mesh": _t, **e}) + "\n")

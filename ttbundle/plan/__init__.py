@@ -16,5 +16,7 @@ build on each other:
 - ``propagate``: activation sharding propagation (the collectives, the steps ``lower`` reads);
 - ``pool``: the KV pool (blocks from tokens and back, ``choose_pool``);
 - ``make``: ``make_plan`` -> ``Plan``, ``kv_blocks``, ``check_mesh``;
-- ``advice``: what would make a plan that does not fit fit (``fixes``, ``pool_diagnostic``).
+- ``advice``: what would make a plan that does not fit fit (``fixes``, ``pool_diagnostic``);
+- ``validate``: ``ttbundle validate``'s checks: a spec planned on each target, every problem at
+  once, and the wording of a target it does not fit (the CLI only prints them).
 """
