@@ -23,7 +23,7 @@ from ttbundle.manifest import MANIFEST, METADATA
 from ttbundle.package.names import PackageError, TOKENIZER_FILES, has_tokenizer
 from ttbundle.package.verify import read_manifest, verify_package
 from ttbundle.errors import InvalidInput
-from ttbundle.runtime import serve as servemod
+from ttbundle.serving import serve as servemod
 
 from pkg_mutations import edit_json, rehash
 from test_build import ckpt, spec_text, write_spec  # noqa: F401  (session fixture)

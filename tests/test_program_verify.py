@@ -15,7 +15,7 @@ from ttbundle.lower import lower, trace_set
 from ttbundle.plan.make import make_plan
 from ttbundle.plan.sharding import target_mesh
 from ttbundle.program import ProgramError
-from ttbundle.runtime.demo import build_package
+from ttbundle.serving.demo import build_package
 
 from pkg_mutations import drop_first, edit_programs
 from test_emulated import COMMON, TINY

@@ -188,7 +188,7 @@ def test_gemma_pixel_budget_is_an_error():
 # ---- the package and the plan ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def package(tmp_path_factory):
-    from ttbundle.runtime import demo
+    from ttbundle.serving import demo
     return demo.build_package(TINY_QVL, tmp_path_factory.mktemp("qvl"), "N300")
 
 

@@ -105,7 +105,7 @@ def test_cli_plan_shows_the_split_and_total_concurrency(tmp_path):
 def built(tmp_path_factory):
     import yaml
 
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     out = tmp_path_factory.mktemp("rep")
     base = yaml.safe_load(spec_text({"runtime": {"max_num_seqs": 8, "max_model_len": 256},
                                      "buckets": {"prefill": [128], "decode": [1, 8], "prefill_chunk": 128},
@@ -153,7 +153,7 @@ def _launch(tmp_path, target, sub, *args):
                                                          "runtime": {"max_num_seqs": 16}}))
     f = tmp_path / "s.yaml"
     f.write_text(text)
-    from ttbundle.runtime.launch import launch_plan
+    from ttbundle.serving.launch import launch_plan
     r = CliRunner().invoke(app, ["serve", str(f), "-m", target, "--print-launch", "-o", str(tmp_path / "out"),
                                  *args])
     assert r.exit_code == 0, r.output

@@ -225,7 +225,7 @@ FAMILIES = ["llama", "qwen3", "gemma2"]
 @pytest.fixture(scope="module")
 def family_pkgs(tmp_path_factory):
     from test_emulated import COMMON, TINY
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     d = tmp_path_factory.mktemp("fam")
     common = COMMON.replace("targets: [N150, N300, T3K, TG]", "targets: [N300]")
     return {f: build_package(TINY[f] + common, d / f, "N300") for f in FAMILIES}

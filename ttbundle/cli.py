@@ -473,14 +473,14 @@ def serve(ctx: typer.Context,
     `ttbundle serve demo -- --max-num-seqs 8`. Exit 0 after Ctrl-C; non-zero with a one-line reason when vLLM or its engine dies."""
     import shlex
 
-    from .runtime import serve as servemod
+    from .serving import serve as servemod
     try:
         progress = None
         if Path(target).suffix in (".yaml", ".yml"):
             from .progress import ConsoleProgress
             progress = ConsoleProgress(err, prefix="build: ")
         if print_launch:
-            from .runtime import launch
+            from .serving import launch
             lp = launch.launch_plan(target, mesh, data_parallel_size,
                                     hosts.split(",") if hosts else None, port, rpc_port, list(ctx.args),
                                     output)

@@ -24,7 +24,7 @@ REL = 0.03  # bf16 weights and activations on the device against the emulated me
 
 @pytest.fixture(scope="module")
 def ttnn_package(tmp_path_factory):
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     return build_package(spec_text("llama"), tmp_path_factory.mktemp("adapter"), "T3K", backend="ttnn",
                          warmup=False)
 

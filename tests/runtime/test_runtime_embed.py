@@ -53,7 +53,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [11] * 3, list(range(20, 120)), [300, 301
 def test_embeddings_equal_transformers(mesh, tmp_path):
     import torch
 
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     pkg = build_package(embed_spec(), tmp_path / "packages", mesh)
     bundle_yaml = yaml.safe_load((pkg / "bundle.yaml").read_text())

@@ -31,7 +31,7 @@ def test_requests_beyond_the_pool_are_preempted_and_still_exact(tmp_path):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     pkg = build_package(pool_spec(), tmp_path, "N150")
     src = tmp_path / "src-tiny-pool"

@@ -117,7 +117,7 @@ def _open(target: str, mesh: str | None, output: Path = Path("packages")):
         return bundle, rep.whole(), rep, str(pkg)
     from .serve import resolve
     pkg_dir = resolve(target, mesh)
-    from .packages import open_package
+    from ..runtime.packages import open_package
     pkg = open_package(pkg_dir, check_hashes=False)
     rep = pkg.loaded.mesh
     return pkg.bundle, rep.whole(), rep, str(pkg_dir)
@@ -126,7 +126,7 @@ def _open(target: str, mesh: str | None, output: Path = Path("packages")):
 def launch_plan(target: str, mesh: str | None = None, dp: int | None = None, hosts: list | None = None,
                 port: int = 8000, rpc_port: int = 13345, extra: list | None = None,
                 output: Path = Path("packages")) -> LaunchPlan:
-    from .lanes import LaneError, plan_lanes
+    from ..runtime.lanes import LaneError, plan_lanes
 
     bundle, whole, rep, pkg = _open(target, mesh, output)
     H = whole.hosts
