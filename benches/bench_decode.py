@@ -21,7 +21,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from ttbundle import lower, plan as planmod, reference, spec, weights  # noqa: E402
+from ttbundle import lower, reference, spec, weights
+from ttbundle.plan.make import make_plan
 from ttbundle.backends.emulated import EmulatedModel, Runner  # noqa: E402
 
 from bench_model import SPEC  # noqa: E402  (the benchmark model, shared by the benches)
@@ -30,7 +31,7 @@ from bench_model import SPEC  # noqa: E402  (the benchmark model, shared by the 
 def emulated_runners(bundle, canon, meshes, device):
     out = {}
     for mesh in meshes:
-        plan = planmod.make_plan(bundle, mesh)
+        plan = make_plan(bundle, mesh)
         model = EmulatedModel.from_canonical(bundle, plan, canon, lower.lower_all(bundle, plan), device=device)
         out[mesh] = model
     return out

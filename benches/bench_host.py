@@ -272,7 +272,7 @@ def main():
     from runtime_helpers import spec_text
 
     from ttbundle.runtime import timing
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     t0 = time.perf_counter()
     pkg = build_package(spec_text("llama"), a.cache, "N150", backend="ttnn", warmup=False)

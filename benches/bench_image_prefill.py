@@ -27,7 +27,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from ttbundle import lower, plan as planmod, reference, spec, vision, weights  # noqa: E402
+from ttbundle import lower, reference, spec, vision, weights
+from ttbundle.plan.make import make_plan
 from ttbundle.backends.emulated import EmulatedModel, Runner  # noqa: E402
 
 SPEC = """\
@@ -137,7 +138,7 @@ def main():
     ref_tok = int(out.argmax())
     print(f"transformers forward: {t_hf * 1e3:.1f} ms")
     for mesh in ("N150", "T3K"):
-        plan = planmod.make_plan(bundle, mesh)
+        plan = make_plan(bundle, mesh)
         model = EmulatedModel.from_canonical(bundle, plan, canon, lower.lower_all(bundle, plan), device=args.device)
         r = Runner(model)
         blocks = list(range(1, -(-len(prompt) // r.block) + 1))

@@ -58,7 +58,7 @@ def spec(per_replica: int, split: bool) -> str:
 
 
 def measure(pkg: Path, log_dir: Path, label: str, batches: dict[int, list], tokens: int) -> dict:
-    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
+    from ttbundle.serving.serve import plan_serve, start, stop, wait_healthy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -105,7 +105,7 @@ def main():
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     a.cache.mkdir(parents=True, exist_ok=True)
     lanes_pkg = build_package(spec(16, True), a.cache / "lanes", "T3K")

@@ -1,7 +1,7 @@
 """How long `ttbundle register` and `ttbundle ls` take with 2,000 packages.
 
 Builds one small package (a random 1-layer Llama, ``ttbundle build``), clones it into N packages
-with distinct bundle names (``runtime.demo.clone_package``: valid manifests, name-independent
+with distinct bundle names (``serving.demo.clone_package``: valid manifests, name-independent
 files hard-linked) under ``DIR/N150/``, then times through the CLI (subprocesses, a private
 ``XDG_CONFIG_HOME``):
 
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--keep", type=Path, help="build into this directory and keep it")
     args = ap.parse_args()
 
-    from ttbundle.runtime.demo import SMALL_SPEC, build_package, clone_package
+    from ttbundle.serving.demo import SMALL_SPEC, build_package, clone_package
 
     root = args.keep or Path(tempfile.mkdtemp(prefix="ttbundle-bench-registry-"))
     try:

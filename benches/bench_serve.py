@@ -198,8 +198,8 @@ def main():
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
-    from ttbundle.runtime.demo import build_package
-    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
+    from ttbundle.serving.demo import build_package
+    from ttbundle.serving.serve import plan_serve, start, stop, wait_healthy
 
     t0 = time.perf_counter()
     spec_text = SPEC

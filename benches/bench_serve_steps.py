@@ -38,7 +38,7 @@ def main():
     import torch
 
     from ttbundle.runtime.adapter import BundleModel
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     from ttbundle.runtime.packages import open_package
     from ttbundle.runtime.phases import pack_prefill, pick
     from ttbundle.runtime.sampling import DeviceSampling

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import yaml
 
-from ttbundle import families, mesh as meshmod, plan as planmod, spec as specmod
+from ttbundle import families, mesh as meshmod, spec as specmod
+from ttbundle.plan.make import make_plan
 from ttbundle.errors import TTBundleError
 
 BUDGET_S = 2.0
@@ -163,7 +164,7 @@ def generate(n: int, seed: int, out: Path) -> tuple[list[Path], dict[str, int]]:
 def _check(text: str) -> None:
     b = specmod.loads(text)
     for t in b.spec.targets:
-        planmod.make_plan(b, t)
+        make_plan(b, t)
 
 
 def validate_all(paths: list[Path]) -> tuple[int, int]:
@@ -173,7 +174,7 @@ def validate_all(paths: list[Path]) -> tuple[int, int]:
         bundle = specmod.load(path)
         for t in bundle.spec.targets:
             try:
-                p = planmod.make_plan(bundle, t)
+                p = make_plan(bundle, t)
             except TTBundleError:
                 continue
             plans += 1

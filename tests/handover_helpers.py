@@ -9,9 +9,10 @@ from pathlib import Path
 
 import yaml
 
-from ttbundle import __version__, lower as lowermod, plan as planmod, spec as specmod
+from ttbundle import __version__, lower as lowermod, spec as specmod
 from ttbundle.backends.ttnn import handover
-from ttbundle.package import render_bundle_yaml, resolved_spec
+from ttbundle.package.templates import render_bundle_yaml, resolved_spec
+from ttbundle.plan.make import make_plan
 
 
 def one_layer_per_kind(program):
@@ -30,7 +31,7 @@ def for_mesh(spec_path, mesh_name: str):
         sh["targets"] = {k: x for k, x in sh["targets"].items() if k == mesh_name}
     d.get("weights", {}).pop("source", None)
     bundle = specmod.loads(yaml.safe_dump(d), str(spec_path))
-    return bundle, planmod.make_plan(bundle, mesh_name)
+    return bundle, make_plan(bundle, mesh_name)
 
 
 def smallest_programs(bundle, plan) -> dict:

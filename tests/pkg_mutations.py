@@ -49,11 +49,12 @@ def drop_first(predicate):
 def storing_file(pkg: Path, dev: int, tensor_key: str) -> str:
     """The weights file that stores device ``dev``'s shard of ``tensor_key``: its own, or the
     one its header's ``stored_in`` names (a shard several devices hold is stored once)."""
-    from ttbundle import package
-    raw = (pkg / package.weight_file(dev)).read_bytes()
+    from ttbundle.package.names import weight_file
+    from ttbundle.package.templates import render_bundle_yaml
+    raw = (pkg / weight_file(dev)).read_bytes()
     n = int.from_bytes(raw[:8], "little")
     info = json.loads(json.loads(raw[8:8 + n])["__metadata__"]["ttbundle"])["tensors"][tensor_key]
-    return package.weight_file(info.get("stored_in", [dev] * (dev + 1))[dev])
+    return weight_file(info.get("stored_in", [dev] * (dev + 1))[dev])
 
 
 def flip_byte(pkg: Path, rel: str, tensor_key: str, offset: int = 0) -> None:
@@ -98,8 +99,10 @@ def edit_bundle_yaml(pkg: Path, edit) -> None:
     the way ``build`` writes it (``package.render_bundle_yaml``), re-hashed."""
     import yaml
 
-    from ttbundle import __version__, package
+    from ttbundle import __version__
+    from ttbundle.package.names import weight_file
+    from ttbundle.package.templates import render_bundle_yaml
     d = yaml.safe_load((pkg / "bundle.yaml").read_text())
     edit(d)
-    (pkg / "bundle.yaml").write_text(package.render_bundle_yaml(d, __version__))
+    (pkg / "bundle.yaml").write_text(render_bundle_yaml(d, __version__))
     rehash(pkg, "bundle.yaml")

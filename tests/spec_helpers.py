@@ -141,13 +141,14 @@ SMOL = {"family": "llama", "vocab_size": 512, "hidden_size": 144, "intermediate_
 def smol_spec(mesh: str) -> tuple[str, dict]:
     """The 9/3-head spec for ``mesh`` with the padding `ttbundle init` chooses (its
     ``SHARDING_FALLBACKS``, first that plans): (spec text, the sharding keys it set)."""
-    from ttbundle import init, plan as planmod, spec as specmod
+    from ttbundle import init, spec as specmod
+    from ttbundle.plan.make import check_mesh
     for extra in ({},) + init.SHARDING_FALLBACKS:
         doc = {"name": "tiny-smol", "description": "9 query / 3 KV heads", "model": SMOL, "targets": [mesh],
                "sharding": dict(extra), "buckets": {"prefill": [32, 64], "decode": [1, 2, 4, 8], "prefill_chunk": 64},
                "runtime": {"max_model_len": 256, "max_num_seqs": 8}}
         text = yaml.safe_dump(doc, sort_keys=False)
-        if not planmod.check_mesh(specmod.loads(text, "smol.yaml"), mesh):
+        if not check_mesh(specmod.loads(text, "smol.yaml"), mesh):
             return text, extra
     raise AssertionError(f"no padding fits {mesh}")
 

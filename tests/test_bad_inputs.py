@@ -15,7 +15,10 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle import build as buildmod, package, spec as specmod
+from ttbundle import build as buildmod, spec as specmod
+from ttbundle.package.names import identifier, safe_name
+from ttbundle.package.shardfile import ShardFile
+from ttbundle.package.verify import verify_package
 from ttbundle.errors import InvalidInput, TTBundleError
 
 from spec_helpers import spec_text as tiny_text
@@ -65,9 +68,9 @@ def test_names_with_a_newline_are_refused(tmp_path, runner, name):
     r = _cli(runner, "validate", p)
     assert r.exit_code == 2 and "name:" in r.output, r.output
     with pytest.raises(InvalidInput):
-        package.safe_name(name, "bundle name")
+        safe_name(name, "bundle name")
     with pytest.raises(InvalidInput):
-        package.identifier("x\n", "module")
+        identifier("x\n", "module")
     from ttbundle import mesh as meshmod
     with pytest.raises(InvalidInput):
         meshmod.resolve("(1,2)\n")
@@ -261,13 +264,13 @@ def test_full_disk_is_an_error_and_the_previous_package_stays(tmp_path, ckpt, ru
 
     def full(self, buf):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(self.path))
-    monkeypatch.setattr(package.ShardFile, "_put", full)
+    monkeypatch.setattr(ShardFile, "_put", full)
     r = _cli(runner, "build", spec, "--mesh", "N150", "-o", out, "--no-warmup", "--force")
     assert r.exit_code == 1, r.output
     assert "No space left on device" in r.output and "free some space" in r.output
     assert "device-000.safetensors" in r.output and "unchanged" in r.output
     assert snapshot(out / "N150") == before
-    assert package.verify_package(out / "N150" / "tiny")["key"] == old.key
+    assert verify_package(out / "N150" / "tiny")["key"] == old.key
     with pytest.raises(TTBundleError, match="No space left"):
         buildmod.build(specmod.load(spec), "N150", out, warmup=False, force=True)
 

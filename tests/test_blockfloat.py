@@ -52,7 +52,7 @@ def exp_at(data, fmt, r, c):
 
 # ---- hand-computed tiles -----------------------------------------------------------------------
 def test_tile_sizes():
-    from ttbundle.plan import TILE_BYTES  # what the memory planner charges per tile
+    from ttbundle.plan.memory import TILE_BYTES
 
     assert bf.tile_bytes("bfp8") == 1088 == 64 + 1024 == TILE_BYTES["bfp8"]
     assert bf.tile_bytes("bfp4") == 576 == 64 + 512 == TILE_BYTES["bfp4"]

@@ -17,9 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle import build as buildmod, convert, fsutil, lower as lowermod, package, spec as specmod, txn
+from ttbundle import build as buildmod, convert, fsutil, lower as lowermod, spec as specmod, txn
+from ttbundle.manifest import METADATA
+from ttbundle.package.load import load_package
+from ttbundle.package.names import tensor_key, weight_file
+from ttbundle.package.verify import verify_package
 from ttbundle.errors import InvalidInput, TTBundleError
-from ttbundle.plan import make_plan
+from ttbundle.plan.make import make_plan
 
 ROOT = Path(__file__).resolve().parent.parent
 # vocab 500 pads to 512 on an 8-wide axis (whole tiles); 2 KV heads are replicated on T3K/TG
@@ -103,7 +107,7 @@ def registrable(mesh_dir: Path) -> list[Path]:
     """Folders the TT plugin would register under EXTRA_MODELS_DIR=mesh_dir."""
     if not mesh_dir.is_dir():
         return []
-    return [d for d in mesh_dir.iterdir() if (d / package.METADATA).exists()]
+    return [d for d in mesh_dir.iterdir() if (d / METADATA).exists()]
 
 
 # ---- round trip -------------------------------------------------------------------------------------
@@ -118,7 +122,7 @@ def test_round_trip_package_tokens_match_check_and_hf(tmp_path, ckpt, mesh):
     bundle = specmod.load(spec)
     res = buildmod.build(bundle, mesh, tmp_path / "out")
     assert res.status == "built"
-    pkg = package.load_package(res.package, verify=True)
+    pkg = load_package(res.package, verify=True)
     assert pkg.mesh.name == mesh
     # every (phase, bucket) was warmed on the emulated backend and its output recorded
     warm = {k: v for k, v in pkg.manifest["artifacts"].items() if k.startswith("warmup:")}
@@ -156,7 +160,7 @@ def test_device_shards_are_the_emulated_backends_shards(tmp_path, ckpt):
 
     bundle = specmod.load(write_spec(tmp_path, ckpt))
     res = buildmod.build(bundle, "T3K", tmp_path / "out", warmup=False)
-    pkg = package.load_package(res.package)
+    pkg = load_package(res.package)
     plan = make_plan(pkg.bundle, pkg.mesh)  # build time: the plan the package was built from
     emu = EmulatedModel.from_canonical(bundle, plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
                                        lowermod.lower_all(bundle, plan), dtype=torch.bfloat16)
@@ -164,7 +168,7 @@ def test_device_shards_are_the_emulated_backends_shards(tmp_path, ckpt):
         dev = pkg.weights.device(d)
         for name in ("wq", "w2", "embed", "attn_norm", "wk"):
             for layer in ((None,) if name == "embed" else (0, 1)):
-                key = package.tensor_key(name, layer)
+                key = tensor_key(name, layer)
                 ref = emu.weight(name, layer)[d]
                 assert torch.equal(dev[key], ref), (key, d)
 
@@ -188,7 +192,7 @@ def test_column_parallel_shards_are_the_checkpoints_bytes(tmp_path, ckpt):
     assert info["dtype"] == "BF16" and info["shape"] == [256, 256]
     row = 256 * 2
     for d in (0, 7):
-        got, info, meta = raw(Path(res.package) / package.weight_file(d), "wq.1")
+        got, info, meta = raw(Path(res.package) / weight_file(d), "wq.1")
         layout = json.loads(meta["ttbundle"])["tensors"]["wq.1"]
         assert layout["transposed"] is True and layout["shape"] == [256, 32]
         assert info["shape"] == [32, 256]
@@ -204,7 +208,7 @@ def test_writer_threads_do_not_change_a_byte(tmp_path, ckpt, monkeypatch):
                              warmup=False)
         outs.append(Path(res.package))
     for d in range(8):
-        a, b = (o / package.weight_file(d) for o in outs)
+        a, b = (o / weight_file(d) for o in outs)
         assert subprocess.run(["cmp", str(a), str(b)]).returncode == 0, d
 
 
@@ -228,7 +232,7 @@ def test_sharded_checkpoint_with_index(tmp_path):
     import torch
 
     from ttbundle import weights
-    canon = package.load_package(res.package, verify=True).weights.canonical(torch.bfloat16)
+    canon = load_package(res.package, verify=True).weights.canonical(torch.bfloat16)
     ref = weights.load_canonical(bundle.family, bundle.arch, src)
     for name, v in ref.items():
         for a, b in zip(v if isinstance(v, list) else [v], canon[name] if isinstance(v, list) else [canon[name]]):
@@ -242,7 +246,7 @@ def test_package_layout_and_manifest(tmp_path, ckpt):
     res = buildmod.build(bundle, "T3K", tmp_path / "out", warmup=False)
     pkg = Path(res.package)
     assert pkg == (tmp_path / "out" / "T3K" / "tiny").absolute()
-    m = package.verify_package(pkg)
+    m = verify_package(pkg)
     meta = json.loads((pkg / "vllm_metadata.json").read_text())
     assert meta == {"arch": "LlamaForCausalLM", "main_class": meta["main_class"]}
     mod, cls = meta["main_class"].split(":")
@@ -392,18 +396,18 @@ def test_block_float_shards_are_device_tiles(tmp_path, ckpt):
                                             f"  source: {ckpt}\n  dtypes: {{mlp: bfp8, attention: bfp4}}\n"))
     bundle = specmod.load(spec)
     res = buildmod.build(bundle, "T3K", tmp_path / "out", warmup=False)
-    pkg = package.load_package(res.package, verify=True)
+    pkg = load_package(res.package, verify=True)
     plan = make_plan(pkg.bundle, pkg.mesh)  # build time: the plan the package was built from
     emu = EmulatedModel.from_canonical(bundle, plan, weights.load_canonical(bundle.family, bundle.arch, ckpt),
                                        lowermod.lower_all(bundle, plan), dtype=torch.bfloat16)
     from safetensors import safe_open
-    with safe_open(str(Path(res.package) / package.weight_file(3)), framework="pt") as f:
+    with safe_open(str(Path(res.package) / weight_file(3)), framework="pt") as f:
         w1 = f.get_tensor("w1.0")
         wq = f.get_tensor("wq.1")
         assert w1.dtype == torch.uint8 and w1.numel() == (256 // 32) * (64 // 32) * 1088
         assert wq.numel() == (256 // 32) * (32 // 32) * 576
         assert "attn_norm.0" not in f.keys()  # replicated: stored once, in device 0's file
-    with safe_open(str(Path(res.package) / package.weight_file(0)), framework="pt") as f:
+    with safe_open(str(Path(res.package) / weight_file(0)), framework="pt") as f:
         assert f.get_tensor("attn_norm.0").dtype == torch.bfloat16
     dev = pkg.weights.device(3)
     for name, fmt in (("w1", "bfp8"), ("w2", "bfp8"), ("wq", "bfp4"), ("wo", "bfp4")):
@@ -517,7 +521,7 @@ def _check_invariant(out: Path, mesh: str, specs_ok: set) -> None:
     found = registrable(out / mesh)
     assert [p.name for p in found] in ([], ["tiny"]), found
     if found:
-        m = package.verify_package(found[0])
+        m = verify_package(found[0])
         assert m["spec_sha256"] in specs_ok
 
 
@@ -541,7 +545,7 @@ def test_interrupted_at_every_stage_leaves_old_package(tmp_path, ckpt):
     def hook(stage):
         stages.append(stage)
         if stage == "after-swap":  # the new package is in place
-            m = package.verify_package(out / "T3K" / "tiny")
+            m = verify_package(out / "T3K" / "tiny")
             assert m["buckets"]["prefill"] == [32, 64, 96] and registrable(out / "T3K") == [out / "T3K" / "tiny"]
             raise Killed()
         _check_invariant(out, "T3K", {_spec_sha(old)})
@@ -554,7 +558,7 @@ def test_interrupted_at_every_stage_leaves_old_package(tmp_path, ckpt):
     assert stages[0].startswith("tensor:") and "before-swap" in stages and stages[-1] == "after-swap"
     assert sum(s.startswith("tensor:") for s in stages) == 21 and "wrote:manifest" in stages
     # stopped after the exchange: the new package is in place and complete
-    new = package.verify_package(out / "T3K" / "tiny")
+    new = verify_package(out / "T3K" / "tiny")
     assert new["buckets"]["prefill"] == [32, 64, 96]
     r = buildmod.build(specmod.load(spec), "T3K", out, warmup=False)
     assert r.status == "up-to-date" and list((out / ".ttbundle" / "tmp").iterdir()) == []
@@ -577,7 +581,7 @@ def test_failed_build_cleans_up_and_keeps_old(tmp_path, ckpt):
         fsutil.fault_hook = None
     assert snapshot(out / "N150") == before
     assert list((out / ".ttbundle" / "tmp").iterdir()) == []
-    assert package.verify_package(out / "N150" / "tiny")["key"] == old.key
+    assert verify_package(out / "N150" / "tiny")["key"] == old.key
 
 
 def test_fallback_swap_without_renameat2_recovers(tmp_path, ckpt, monkeypatch):
@@ -601,7 +605,7 @@ def test_fallback_swap_without_renameat2_recovers(tmp_path, ckpt, monkeypatch):
     assert not (out / "N150" / "tiny").exists()  # killed between the two renames
     r = buildmod.build(specmod.load(spec), "N150", out, warmup=False)  # recovery restores the old one
     assert r.status == "up-to-date" and r.key == old.key
-    package.verify_package(out / "N150" / "tiny")
+    verify_package(out / "N150" / "tiny")
 
 
 CHILD = textwrap.dedent("""
@@ -653,7 +657,7 @@ def test_kill_9_at_random_points_never_leaves_a_broken_package(tmp_path, ckpt):
     r = buildmod.build(specmod.load(spec_a), "T3K", out, warmup=False)
     assert r.status in ("built", "up-to-date") and _spec_sha(r) == a_sha
     assert list((out / ".ttbundle" / "tmp").iterdir()) == []
-    package.verify_package(out / "T3K" / "tiny")
+    verify_package(out / "T3K" / "tiny")
     print("kill points (s, finished):", outcomes)
 
 
@@ -668,7 +672,7 @@ def test_concurrent_builds_serialize_on_the_lock(tmp_path, ckpt):
         assert p.returncode == 0, stderr
         results.append(stdout.split()[1])
     assert sorted(results) == ["built", "up-to-date"]
-    package.verify_package(out / "N150" / "tiny")
+    verify_package(out / "N150" / "tiny")
     assert list((out / ".ttbundle" / "tmp").iterdir()) == []
 
 
@@ -730,7 +734,7 @@ def test_other_families_convert_exactly(tmp_path, family):
     (tmp_path / "s.yaml").write_text(text + "weights: {source: ckpt}\ntokenizer: false\n")
     b = specmod.load(tmp_path / "s.yaml")
     res = buildmod.build(b, "T3K", tmp_path / "out", warmup=False)
-    got = package.load_package(res.package, verify=True).weights.canonical(torch.bfloat16)
+    got = load_package(res.package, verify=True).weights.canonical(torch.bfloat16)
     ref = weights.load_canonical(b.family, b.arch, tmp_path / "ckpt")
     for name, v in ref.items():
         for x, y in zip(v if isinstance(v, list) else [v], got[name] if isinstance(v, list) else [got[name]]):

@@ -20,7 +20,9 @@ from spec_helpers import SMOL, smol_spec
 from test_emulated import TINY as DENSE, tiny as dense_tiny
 from test_emulated_moe import TINY as MOE, tiny as moe_tiny
 
-from ttbundle import layout, mesh as meshmod, package, spec as specmod
+from ttbundle import layout, mesh as meshmod, spec as specmod
+from ttbundle.package.names import weight_file
+from ttbundle.package.verify import verify_package
 from ttbundle.check import QUANT_BOUNDS, check_package, run_check
 from ttbundle.cli import app
 
@@ -82,8 +84,8 @@ def test_one_flipped_bfp8_exponent_byte_fails_and_names_its_layer():
     b = stored("llama", "bfp8")
 
     def hook(pkg):
-        flip_byte(pkg, package.weight_file(3), "w1.1", offset=0)
-        package.verify_package(pkg, full=True)  # the manifest still verifies
+        flip_byte(pkg, weight_file(3), "w1.1", offset=0)
+        verify_package(pkg, full=True)  # the manifest still verifies
     r = run_check(b, "T3K", steps=4, random_weights=True, seed=3, package_hook=hook)
     assert not r.passed
     d = r.diverging()
@@ -119,7 +121,7 @@ def test_a_shifted_padded_shard_fails():
 
     def hook(pkg):
         from safetensors.torch import load_file, save_file
-        rel = package.weight_file(1)
+        rel = weight_file(1)
         f = Path(pkg) / rel
         with open(f, "rb") as fh:
             n = int.from_bytes(fh.read(8), "little")

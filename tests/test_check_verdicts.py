@@ -87,10 +87,11 @@ def test_corrupted_layer_weights_fail_at_their_layer(tmp_path):
     from safetensors.torch import load_file, save_file
     from test_emulated import tiny
 
-    from ttbundle import package
+    from ttbundle.package.names import weight_file
+    from ttbundle.package.verify import verify_package
 
     def hook(pkg):
-        rel = package.weight_file(0)
+        rel = weight_file(0)
         f = pkg / rel
         with open(f, "rb") as fh:
             meta = json.loads(fh.read(int.from_bytes(fh.read(8), "little")))["__metadata__"]
@@ -99,7 +100,7 @@ def test_corrupted_layer_weights_fail_at_their_layer(tmp_path):
         t["w1.1"] = torch.cat([w[1:2], w[0:1], w[2:]]).contiguous()
         save_file(t, str(f), metadata=meta)
         rehash(pkg, rel)
-        package.verify_package(pkg, full=True)
+        verify_package(pkg, full=True)
 
     r = run_check(tiny("llama"), "N150", steps=4, random_weights=True, seed=3, package_hook=hook)
     assert not r.passed

@@ -96,7 +96,7 @@ ONE_OWNER = {
     # a spec target named by a mesh, and the error when none is
     r"is not one of its targets": "ttbundle/mesh.py",
     # the wording of a plan that does not fit
-    r"per chip, chip has": "ttbundle/plan.py",
+    r"per chip, chip has": "ttbundle/plan/memory.py",
     # an even split (ttnn's mesh_partition / ShardTensor2dMesh): the part a device holds
     r"^def even_(part|slice)\(|np\.split\(|\]\s*//=\s*self\.mesh\.axis_size|size % n or": "ttbundle/layout.py",
 }

@@ -17,7 +17,8 @@ import typer.main
 from pydantic import BaseModel
 from typer.testing import CliRunner
 
-from ttbundle import errors, families, mesh as meshmod, plan as planmod, spec as specmod
+from ttbundle import errors, families, mesh as meshmod, spec as specmod
+from ttbundle.plan.make import make_plan
 from ttbundle.cli import app
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -213,7 +214,7 @@ def quickstart_bundle():
 
 def test_quickstart_example_behaves_as_described(quickstart_bundle):
     text = (DOCS / "quickstart.md").read_text(encoding="utf-8")
-    t3k, n300 = planmod.make_plan(quickstart_bundle, "T3K"), planmod.make_plan(quickstart_bundle, "N300")
+    t3k, n300 = make_plan(quickstart_bundle, "T3K"), make_plan(quickstart_bundle, "N300")
     assert t3k.fits and not n300.fits
     w1 = next(t for t in t3k.tensors if t.name == "w1")
     assert w1.notation() == "bfp8[4096@rows, 14336@cols]" and w1.device_shape == [4096, 1792]
@@ -222,7 +223,7 @@ def test_quickstart_example_behaves_as_described(quickstart_bundle):
     spec = quickstart_bundle.spec.model_copy(update={"sharding": specmod.Sharding(
         plan={"w1": [None, "cols"]})})
     b = specmod.Bundle(spec, quickstart_bundle.arch, quickstart_bundle.family, "q", ROOT)
-    w1 = next(t for t in planmod.make_plan(b, "T3K").tensors if t.name == "w1")
+    w1 = next(t for t in make_plan(b, "T3K").tensors if t.name == "w1")
     assert w1.notation().replace("bfp8", "bf16") == "bf16[4096, 14336@cols]"
     kinds = {(c.kind, c.axes) for c in t3k.collectives}
     assert kinds == {("all_reduce", ("cols",)), ("all_gather", ("cols",))}

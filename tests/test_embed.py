@@ -12,7 +12,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from ttbundle import lower, plan as planmod, spec as specmod
+from ttbundle import lower, spec as specmod
+from ttbundle.plan.make import make_plan
 from ttbundle.cli import app
 from ttbundle.errors import InvalidInput
 
@@ -66,7 +67,7 @@ def test_init_detects_a_sentence_transformers_checkpoint(tmp_path, runner, mode,
     b = specmod.load(out)
     assert b.embedding.pooling == want and b.buckets.decode == []
     for mesh in ("N150", "N300"):
-        p = planmod.make_plan(b, mesh)
+        p = make_plan(b, mesh)
         assert p.kv["max_tokens_all_users"] == b.spec.runtime.max_model_len  # one prefill's KV
         assert p.kv["pool_chosen"] == "embed"
     assert {ph for ph, _ in lower.trace_set(b)} == {"prefill"}

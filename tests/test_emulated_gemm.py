@@ -9,8 +9,9 @@ import torch
 from ttbundle.backends.emulated import gemm
 from ttbundle.backends.emulated.model import EmulatedModel
 from ttbundle.errors import InvalidInput
-from ttbundle.package import SharedStack, load_package
-from ttbundle.runtime.demo import build_package
+from ttbundle.package.load import load_package
+from ttbundle.package.shards import SharedStack
+from ttbundle.serving.demo import build_package
 
 from test_emulated import COMMON, TINY
 

@@ -17,7 +17,8 @@ from test_emulated import COMMON, MESHES  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss  # noqa: E402
 
-from ttbundle import plan as planmod, reference, spec  # noqa: E402
+from ttbundle import reference, spec
+from ttbundle.plan.make import make_plan
 from ttbundle.backends.emulated import moe_kernels  # noqa: E402
 from ttbundle.backends.emulated.kernel_table import KERNELS  # noqa: E402
 from ttbundle.backends.emulated.kernels import Ctx  # noqa: E402
@@ -149,7 +150,7 @@ def test_default_expert_parallel_plan_on_tg(family, routing):
     model = {"n_routed_experts": 32, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 4} \
         if family == "deepseek_v3" else {"num_local_experts": 32, "num_experts_per_tok": 4}
     b = tiny(family, model, default_plan=True)
-    p = planmod.make_plan(b, "TG")
+    p = make_plan(b, "TG")
     assert all(t.device_shape[0] == 1 for t in p.tensors if t.group == "experts")
     r = run_check(b, "TG", steps=8, dtype="fp32", random_weights=True, seed=3)
     assert r.tokens_agree and all(s.pcc > 0.99999 for s in r.layers), r.diverging()
@@ -229,7 +230,7 @@ def test_deepseek_full_rank_query_no_dense_layer_plain_rope():
 # ---- MLA: the latent cache --------------------------------------------------------------------------
 def test_mla_caches_one_latent_and_rope_key_per_token_on_every_device():
     b = tiny("deepseek_v3")
-    p = planmod.make_plan(b, "T3K")
+    p = make_plan(b, "T3K")
     (entry,) = p.kv["entries"]
     a = b.arch
     assert entry["name"] == moe_kernels.LATENT_CACHE

@@ -18,7 +18,8 @@ transformers = pytest.importorskip("transformers")
 yaml = pytest.importorskip("yaml")
 from transformers.core_model_loading import revert_weight_conversion  # noqa: E402
 
-from ttbundle import plan, spec, weights  # noqa: E402
+from ttbundle import spec, weights
+from ttbundle.plan.make import make_plan
 from ttbundle.families.base import Local  # noqa: E402
 from ttbundle.errors import InvalidInput  # noqa: E402
 from ttbundle.families import get, moe, transforms  # noqa: E402
@@ -215,7 +216,7 @@ def test_deepseek_routing_checks(tmp_path, model, field):
 
 
 def test_t3k_plan_is_expert_parallel(hf, tmp_path):
-    p = plan.make_plan(tiny_bundle(hf.arch, tmp_path), "T3K")
+    p = make_plan(tiny_bundle(hf.arch, tmp_path), "T3K")
     experts = [t for t in p.tensors if t.group == "experts"]
     assert {t.name for t in experts} == ({"experts_w13", "experts_w2"} if hf.arch.family == "gpt_oss"
                                          else {"experts_w1", "experts_w3", "experts_w2"})
@@ -289,7 +290,7 @@ def test_example_bundles_fit_their_targets(name):
     params = sum(math.prod(t.shape) * t.count for t in b.family.tensors(b.arch))
     assert abs(params / PUBLISHED[name] - 1) < 0.005, params
     for target in b.spec.targets:
-        p = plan.make_plan(b, target)
+        p = make_plan(b, target)
         assert p.fits, (target, p.memory)
         for t in p.tensors:
             if t.group == "experts":

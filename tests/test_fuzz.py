@@ -16,7 +16,10 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from ttbundle import families, plan as planmod, spec as specmod
+from ttbundle import families, spec as specmod
+from ttbundle.plan.advice import fixes
+from ttbundle.plan.make import make_plan
+from ttbundle.plan.sharding import sharding_diagnostics
 from ttbundle.errors import TTBundleError
 
 from spec_helpers import TINY, deep_update, dump
@@ -104,12 +107,12 @@ def _load_and_plan(text: str) -> None:
         except specmod.InvalidSpec as e:
             for t in e.bundle.spec.targets:
                 if meshmod.try_resolve(t) is not None:
-                    planmod.sharding_diagnostics(e.bundle, t)
+                    sharding_diagnostics(e.bundle, t)
             raise
         for t in b.spec.targets:
-            p = planmod.make_plan(b, t)
+            p = make_plan(b, t)
             if not p.fits:
-                planmod.fixes(b, p)
+                fixes(b, p)
 
 
 # ---- config.json ------------------------------------------------------------------------------------
@@ -160,7 +163,7 @@ def test_fuzz_config_json(tmp_path_factory, ops, raw):
 def _load_and_plan_file(p: Path) -> None:
     b = specmod.load(p)
     for t in b.spec.targets:
-        planmod.make_plan(b, t)
+        make_plan(b, t)
 
 
 # ---- safetensors headers -----------------------------------------------------------------------------

@@ -14,7 +14,10 @@ import yaml
 from hypothesis import given, settings, strategies as st
 from typer.testing import CliRunner
 
-from ttbundle import families, plan as planmod, spec as specmod
+from ttbundle import families, spec as specmod
+from ttbundle.layout import axes_of
+from ttbundle.plan.make import make_plan
+from ttbundle.plan.sharding import resolved_plan
 from ttbundle.cli import app
 from spec_helpers import llama_weights_one_chip, wh_dram
 from ttbundle.init import derive_name, y
@@ -120,10 +123,10 @@ def test_every_family_round_trips(tmp_path, runner, family, arch):
     # the default plan is written out for every tensor, and is what the plan uses
     fam = families.get(family)
     assert set(data["sharding"]["plan"]) == {t.name for t in fam.tensors(b.arch)}
-    specs, _ = planmod.resolved_plan(b, "N150")
+    specs, _ = resolved_plan(b, "N150")
     for name, sp in fam.default_plan(b.arch).items():
         if name in specs:
-            assert [planmod.axes_of(e) for e in specs[name]] == [planmod.axes_of(e) for e in sp]
+            assert [axes_of(e) for e in specs[name]] == [axes_of(e) for e in sp]
     # max_model_len default: min(max_position_embeddings, 8192), chunked past the largest bucket
     assert b.spec.runtime.max_model_len == min(b.arch.max_position_embeddings, 8192)
     bk = b.buckets
@@ -200,7 +203,7 @@ def test_bfp8_keeps_embedding_bf16(tmp_path, runner):
     b = specmod.load(out)
     assert b.spec.weights.dtypes.default == "bfp8"
     assert b.spec.weights.dtypes.embedding == "bf16"
-    dt = {t.name: t.dtype for t in planmod.make_plan(b, "N150").tensors}
+    dt = {t.name: t.dtype for t in make_plan(b, "N150").tensors}
     assert dt["embed"] == "bf16"
     assert dt["wq"] == dt["w1"] == dt["lm_head"] == "bfp8"
     assert dt["attn_norm"] == "bf16"
@@ -349,7 +352,7 @@ def test_llama_8b_on_n150_with_32_users_at_32k_gets_bfp8_and_the_largest_pool(tm
     b = specmod.load(out)
     assert b.spec.weights.dtypes.default == "bfp8" and b.spec.runtime.kv_cache_dtype == "bfp8"
     assert b.spec.runtime.max_tokens_all_users == "auto" and b.spec.runtime.max_num_seqs == 32
-    p = planmod.make_plan(b, "N150")
+    p = make_plan(b, "N150")
     w = llama_weights_one_chip(128256, 4096, 14336, 32, 32, 8, 128, "bfp8", "bfp8")
     assert p.memory.weights == w
     # KV: per layer K and V, [blocks, 8 heads, 32, 128] bfp8 = 32 tiles per block
@@ -377,7 +380,7 @@ def test_qwen3_8b_on_n300_keeps_bf16_and_fits(tmp_path, runner):
     assert r.exit_code == 0, r.output
     b = specmod.load(out)
     assert b.spec.weights.dtypes.default == "bf16" and "chosen" not in r.stderr
-    p = planmod.make_plan(b, "N300")
+    p = make_plan(b, "N300")
     # 8 KV heads over 2 chips: [blocks, 4, 32, 128] bf16 = 16 tiles per block, 36 layers x K, V
     kv = lambda blocks: 2 * 36 * wh_dram(16 * blocks, 2048)  # noqa: E731
     rest = p.memory.weights + p.memory.activations + p.memory.trace_region
@@ -432,12 +435,12 @@ def test_a_tensor_that_cannot_divide_is_replicated_on_that_mesh(tmp_path, runner
     assert "sharding.targets.T3K: w1, w3, w2 replicated" in r.stderr
     b = specmod.load(out)
     assert set(b.spec.sharding.targets) == {"T3K"} and set(b.spec.sharding.targets["T3K"]) == {"w1", "w3", "w2"}
-    p = planmod.make_plan(b, "T3K")  # T3K is 1x8: its rows axis splits nothing
+    p = make_plan(b, "T3K")  # T3K is 1x8: its rows axis splits nothing
     for w in (t for t in p.tensors if t.name in ("w1", "w3", "w2")):
         assert w.device_shape == w.shape, w  # the whole MLP on every device
     # attention still split over the 8 columns: 4 heads of 128 / 4 = 32 padded to 8, one per device
     assert next(t for t in p.tensors if t.name == "wq").device_shape[-1] == 128 // 4
-    assert planmod.make_plan(b, "N150").fits
+    assert make_plan(b, "N150").fits
 
 
 def test_hf_model_from_a_hub_cache_snapshot(tmp_path, runner):

@@ -334,7 +334,8 @@ def test_an_fp16_checkpoint_is_stored_as_its_values_rounded_to_bf16_and_checks(t
     import torch
     from safetensors.torch import load_file
 
-    from ttbundle import package, reference
+    from ttbundle import reference
+    from ttbundle.package.load import load_package
     hf16 = load_file(str(ckpt_fp16 / "model.safetensors"))
     assert {t.dtype for t in hf16.values()} == {torch.float16}
     spec = tmp_path / "s.yaml"
@@ -343,7 +344,7 @@ def test_an_fp16_checkpoint_is_stored_as_its_values_rounded_to_bf16_and_checks(t
     r = _cli(runner, "build", spec, "--mesh", "N150", "-o", tmp_path / "pkgs", "--no-warmup")
     assert r.exit_code == 0, r.output
     pkg = tmp_path / "pkgs" / "N150" / spec_name(spec)
-    held = package.load_package(pkg).weights.canonical(torch.float32)
+    held = load_package(pkg).weights.canonical(torch.float32)
     # what the package holds: each fp16 value rounded to the nearest bf16 (not bit-copied)
     emb = hf16["model.embed_tokens.weight"]
     assert torch.equal(held["embed"], emb.to(torch.bfloat16).float())

@@ -266,7 +266,7 @@ def test_gather_sequence_gives_group_order(shape, axes):
 def test_scatter_then_gather_is_identity(shape, a0, a1, pol, h, kv):
     """Cut every device's shard (build's rule), write them back (package's ``_scatter``): the
     global tensor comes back exactly, whatever the padding."""
-    from ttbundle.package import _scatter
+    from ttbundle.package.shards import _scatter
     m = _mesh(shape)
     dims = (Dim("hidden_size", h * 2), Dim("num_attention_heads", kv * 2, 3, groups=kv))
     spec = (a0, a1)
@@ -297,11 +297,12 @@ def _program_collectives():
     from test_emulated import tiny
     from test_emulated_moe import tiny as moe_tiny
 
-    from ttbundle import lower, plan as planmod
+    from ttbundle import lower
+    from ttbundle.plan.make import make_plan
     out = []
     for fam, b in (("llama", tiny("llama")), ("qwen3", tiny("qwen3")), ("deepseek_v3", moe_tiny("deepseek_v3"))):
         for m in ("N300", "T3K", "TG"):
-            p = planmod.make_plan(b, m)
+            p = make_plan(b, m)
             for phase, bucket in (("decode", 8), ("prefill", 32)):
                 prog = lower.lower(b, p, phase, bucket)
                 for kind, i, st in prog.steps():

@@ -8,8 +8,10 @@ import math
 
 import pytest
 
-from ttbundle import lower, mesh as meshmod, plan as planmod, spec as specmod
+from ttbundle import lower, mesh as meshmod, spec as specmod
+from ttbundle.plan.make import make_plan
 from ttbundle.families.base import Dim
+from ttbundle.tiles import round_up
 
 from test_build import spec_text
 
@@ -23,7 +25,7 @@ def bundle():
 
 
 def programs(bundle, mesh):
-    p = planmod.make_plan(bundle, mesh)
+    p = make_plan(bundle, mesh)
     return p, {(ph, b): lower.lower(bundle, p, ph, b).to_json() for ph, b in lower.trace_set(bundle)}
 
 
@@ -52,7 +54,7 @@ def test_programs_agree_with_the_plan(bundle, mesh):
                     assert s["payload_bytes"] == math.prod(s["shape"]) * 2
     # the traces' regions add up to the plan's trace region (rounded to 1 MiB, as the plan does)
     total = sum(pr["trace_region_bytes"] for pr in progs.values())
-    assert planmod._round_up(total, 1 << 20) == p.trace_region_size
+    assert round_up(total, 1 << 20) == p.trace_region_size
 
 
 def test_collective_payloads_per_token_match_the_plan():

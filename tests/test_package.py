@@ -12,7 +12,11 @@ from pathlib import Path
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from ttbundle import build as buildmod, package, spec as specmod
+from ttbundle import build as buildmod, spec as specmod
+from ttbundle.package.load import load_package
+from ttbundle.package.names import PackageError, identifier, mesh_slug, module_name, package_path
+from ttbundle.package.templates import check_adapter_source, code, md, pyrepr, render_adapter, size
+from ttbundle.package.verify import load_adapter, read_manifest, verify_package
 from ttbundle.errors import InvalidInput, TTBundleError
 
 from test_build import write_spec, ckpt  # noqa: F401  (session fixture)
@@ -34,7 +38,7 @@ def pkg(built, tmp_path):
 
 
 def test_verify_accepts_the_built_package(pkg):
-    m = package.verify_package(pkg)
+    m = verify_package(pkg)
     assert len(m["files"]) >= 12
 
 
@@ -46,30 +50,30 @@ def test_a_flipped_byte_is_caught_and_named(pkg, rel):
     i = len(data) // 2
     data[i] ^= 0x01
     p.write_bytes(bytes(data))
-    with pytest.raises(package.PackageError, match=rf"{rel}: sha256 mismatch"):
-        package.verify_package(pkg)
+    with pytest.raises(PackageError, match=rf"{rel}: sha256 mismatch"):
+        verify_package(pkg)
     # the quick check (sizes only) hashes nothing; it reads only the files it vets for code (the
     # adapter, the top-level JSON files: no auto_map), so it refuses a flip only where that file
     # no longer parses, naming it
     try:
-        package.verify_package(pkg, full=False)
-    except package.PackageError as e:
+        verify_package(pkg, full=False)
+    except PackageError as e:
         assert "/" not in rel and rel.endswith(".json") and f"{rel}: not readable JSON" in str(e)
 
 
 def test_missing_truncated_and_extra_files(pkg):
     (pkg / "programs/prefill-64.json").unlink()
-    with pytest.raises(package.PackageError, match="programs/prefill-64.json: missing"):
-        package.verify_package(pkg)
+    with pytest.raises(PackageError, match="programs/prefill-64.json: missing"):
+        verify_package(pkg)
     shutil.copy(pkg / "config.json", pkg / "programs/prefill-64.json")
-    with pytest.raises(package.PackageError, match="programs/prefill-64.json: size"):
-        package.verify_package(pkg)
+    with pytest.raises(PackageError, match="programs/prefill-64.json: size"):
+        verify_package(pkg)
 
 
 def test_extra_file_is_refused(pkg):
     (pkg / "evil.py").write_text("import os\n")
-    with pytest.raises(package.PackageError, match="evil.py: not in the manifest"):
-        package.verify_package(pkg)
+    with pytest.raises(PackageError, match="evil.py: not in the manifest"):
+        verify_package(pkg)
 
 
 def test_first_bad_file_in_sorted_order(pkg):
@@ -78,8 +82,8 @@ def test_first_bad_file_in_sorted_order(pkg):
         b = bytearray(p.read_bytes())
         b[-1] ^= 0xFF
         p.write_bytes(bytes(b))
-    with pytest.raises(package.PackageError, match="README.md"):
-        package.verify_package(pkg)
+    with pytest.raises(PackageError, match="README.md"):
+        verify_package(pkg)
 
 
 @pytest.mark.parametrize("evil", ["../outside", "/etc/passwd", "a/../../b", ".hidden", "weights/./x", "x\\y", ""])
@@ -87,20 +91,20 @@ def test_manifest_paths_cannot_escape(pkg, evil):
     m = json.loads((pkg / "manifest.json").read_text())
     m["files"][evil] = {"sha256": "0" * 64, "size": 1}
     (pkg / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(package.PackageError, match="refusing file path"):
-        package.verify_package(pkg)
+    with pytest.raises(PackageError, match="refusing file path"):
+        verify_package(pkg)
 
 
 def test_not_a_package(tmp_path):
-    with pytest.raises(package.PackageError, match="not a ttbundle package"):
-        package.verify_package(tmp_path)
+    with pytest.raises(PackageError, match="not a ttbundle package"):
+        verify_package(tmp_path)
     (tmp_path / "manifest.json").write_text("{")
-    with pytest.raises(package.PackageError, match="unreadable manifest"):
-        package.verify_package(tmp_path)
+    with pytest.raises(PackageError, match="unreadable manifest"):
+        verify_package(tmp_path)
 
 
 def test_load_package_checks_headers_against_the_plan(pkg):
-    lp = package.load_package(pkg, verify=True)
+    lp = load_package(pkg, verify=True)
     assert lp.mesh.name == "N300" and sorted(lp.programs) == [("decode", 1), ("decode", 8),
                                                               ("prefill", 32), ("prefill", 64)]
     prog = lp.program("decode", 8)
@@ -111,9 +115,9 @@ def test_load_package_checks_headers_against_the_plan(pkg):
     m = json.loads((pkg / "manifest.json").read_text())
     m["files"]["bundle.yaml"]["size"] = len(text.encode())
     (pkg / "manifest.json").write_text(json.dumps(m))
-    with pytest.raises(package.PackageError, match=r"bundle.yaml's model gives w1 \[256, 512\] per device, "
+    with pytest.raises(PackageError, match=r"bundle.yaml's model gives w1 \[256, 512\] per device, "
                                                    r"the programs \[256, 256\]"):
-        package.load_package(pkg)
+        load_package(pkg)
 
 
 def test_cli_cache_verify(pkg, runner):
@@ -131,18 +135,18 @@ def test_cli_cache_verify(pkg, runner):
 
 # ---- names -----------------------------------------------------------------------------------------
 def test_package_path_and_mesh_slugs(tmp_path):
-    assert package.package_path(tmp_path, "llama-3.1-8b", "T3K") == tmp_path.absolute() / "T3K" / "llama-3.1-8b"
-    assert package.mesh_slug("(2,4)") == "2x4"
-    assert package.mesh_slug("(8,4)@blackhole") == "8x4-blackhole"
+    assert package_path(tmp_path, "llama-3.1-8b", "T3K") == tmp_path.absolute() / "T3K" / "llama-3.1-8b"
+    assert mesh_slug("(2,4)") == "2x4"
+    assert mesh_slug("(8,4)@blackhole") == "8x4-blackhole"
     for bad in ("..", "../x", "a/b", ".x", "-x", "", "a\0b", "x" * 200):
         with pytest.raises(InvalidInput):
-            package.package_path(tmp_path, bad, "T3K")
+            package_path(tmp_path, bad, "T3K")
     with pytest.raises(InvalidInput):
-        package.package_path(tmp_path, "ok", "../../T3K")
+        package_path(tmp_path, "ok", "../../T3K")
 
 
 def test_module_names_are_identifiers_and_unique():
-    names = {package.module_name(b, m) for b in ("a.b", "a_b", "a-b", "9lives") for m in ("T3K", "(1,8)")}
+    names = {module_name(b, m) for b in ("a.b", "a_b", "a-b", "9lives") for m in ("T3K", "(1,8)")}
     assert len(names) == 8
     assert all(n.isidentifier() for n in names)
 
@@ -151,7 +155,7 @@ def test_module_names_are_identifiers_and_unique():
 @settings(max_examples=200, deadline=None)
 @given(st.text())
 def test_pyrepr_round_trips_any_string(s):
-    out = package.pyrepr(s)
+    out = pyrepr(s)
     assert ast.literal_eval(out) == s
     tree = ast.parse(f"X = {out}")
     assert isinstance(tree.body[0].value, ast.Constant)
@@ -160,15 +164,15 @@ def test_pyrepr_round_trips_any_string(s):
 def test_pyrepr_refuses_non_data():
     for v in (object(), float("nan"), {1: 2}, print, b"bytes"):
         with pytest.raises(InvalidInput):
-            package.pyrepr(v)
+            pyrepr(v)
 
 
 @pytest.mark.parametrize("name", ["x; import os", "a b", "class", "__import__('os')", "1abc", "é", "a\nb", ""])
 def test_identifiers_refused(name):
     with pytest.raises(InvalidInput):
-        package.identifier(name, "name")
+        identifier(name, "name")
     with pytest.raises(InvalidInput):
-        package.render_adapter("b", "T3K", "LlamaForCausalLM", name, "0.1.0")
+        render_adapter("b", "T3K", "LlamaForCausalLM", name, "0.1.0")
 
 
 EVIL = ['"""', "'''", '"; import os; os.system("id") #', "\\", "\n\nimport os\n", "{{ 7*7 }}", "\x00",
@@ -177,7 +181,7 @@ EVIL = ['"""', "'''", '"; import os; os.system("id") #', "\\", "\n\nimport os\n"
 
 @pytest.mark.parametrize("evil", EVIL)
 def test_adapter_values_stay_data(evil):
-    src = package.render_adapter(evil, evil, evil, "LlamaForCausalLM", evil)
+    src = render_adapter(evil, evil, evil, "LlamaForCausalLM", evil)
     ns: dict = {}
     tree = ast.parse(src)
     consts = {n.targets[0].id: ast.literal_eval(n.value) for n in tree.body
@@ -188,15 +192,15 @@ def test_adapter_values_stay_data(evil):
 
 
 def test_adapter_whitelist_rejects_code():
-    good = package.render_adapter("b", "T3K", "LlamaForCausalLM", "LlamaForCausalLM", "0.1.0")
-    package.check_adapter_source(good, "LlamaForCausalLM")
+    good = render_adapter("b", "T3K", "LlamaForCausalLM", "LlamaForCausalLM", "0.1.0")
+    check_adapter_source(good, "LlamaForCausalLM")
     for inject in ("import subprocess\n", "os.system('id')\n", "X = open('/etc/passwd').read()\n",
                    "def f():\n    pass\n", "class Other(BundleModel):\n    pass\n"):
         with pytest.raises(TTBundleError, match="generated adapter rejected"):
-            package.check_adapter_source(good + inject, "LlamaForCausalLM")
+            check_adapter_source(good + inject, "LlamaForCausalLM")
     body_inject = good.replace("    package_dir = PACKAGE_DIR", "    package_dir = __import__('os').getcwd()")
     with pytest.raises(TTBundleError, match="generated adapter rejected"):
-        package.check_adapter_source(body_inject, "LlamaForCausalLM")
+        check_adapter_source(body_inject, "LlamaForCausalLM")
 
 
 def test_generated_adapter_imports_and_subclasses_the_runtime(pkg):
@@ -207,17 +211,17 @@ def test_generated_adapter_imports_and_subclasses_the_runtime(pkg):
     meta = json.loads((pkg / "vllm_metadata.json").read_text())
     mod, cls = meta["main_class"].split(":")
     try:
-        C = package.load_adapter(pkg, package.read_manifest(pkg), meta)
+        C = load_adapter(pkg, read_manifest(pkg), meta)
         from ttbundle.runtime.adapter import BundleModel
         assert C.__name__ == cls and issubclass(C, BundleModel)
         assert os.path.samefile(C.package_dir, pkg) and C.arch == "LlamaForCausalLM" and C.mesh_name == "N300"
     finally:
         sys.modules.pop(mod, None)
-    package.verify_package(pkg)  # nothing written into the package
+    verify_package(pkg)  # nothing written into the package
 
 
 def test_markdown_and_code_filters():
-    assert "<" not in package.md("<script>alert(1)</script>")
-    assert "|" not in package.md("a|b").replace("\\|", "")
-    assert "`" not in package.code("a`b") and "\\|" in package.code("a|b")
-    assert package.size(512) == "512 B" and package.size(3 << 30) == "3.00 GiB"
+    assert "<" not in md("<script>alert(1)</script>")
+    assert "|" not in md("a|b").replace("\\|", "")
+    assert "`" not in code("a`b") and "\\|" in code("a|b")
+    assert size(512) == "512 B" and size(3 << 30) == "3.00 GiB"

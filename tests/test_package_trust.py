@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle import package
+from ttbundle.manifest import MANIFEST, METADATA
+from ttbundle.package.names import PackageError
+from ttbundle.package.verify import load_adapter, verify_package
 from ttbundle.errors import TTBundleError
 from ttbundle.runtime import registry
 from ttbundle.runtime.packages import open_package
@@ -31,7 +33,7 @@ def pkg(built, tmp_path):
 
 
 def _adapter(pkg: Path) -> tuple[str, str]:
-    mod, cls = json.loads((pkg / package.METADATA).read_text())["main_class"].split(":")
+    mod, cls = json.loads((pkg / METADATA).read_text())["main_class"].split(":")
     return mod, cls
 
 
@@ -63,29 +65,29 @@ def _plant_symlinked_module_dir(pkg: Path, tmp_path: Path, marker: Path) -> None
 
 
 def _rehash(pkg: Path, rel: str) -> None:
-    m = json.loads((pkg / package.MANIFEST).read_text())
+    m = json.loads((pkg / MANIFEST).read_text())
     data = (pkg / rel).read_bytes()
     m["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (pkg / package.MANIFEST).write_text(json.dumps(m))
+    (pkg / MANIFEST).write_text(json.dumps(m))
 
 
 def test_bytecode_in_the_package_is_refused(pkg, tmp_path):
     pyc = _plant_pyc(pkg, tmp_path / "marker")
     rel = pyc.relative_to(pkg).parent.as_posix()
-    with pytest.raises(package.PackageError, match=rf"{rel}/: directory not in the manifest"):
-        package.verify_package(pkg)
+    with pytest.raises(PackageError, match=rf"{rel}/: directory not in the manifest"):
+        verify_package(pkg)
     shutil.rmtree(pyc.parent)
-    package.verify_package(pkg)
+    verify_package(pkg)
 
 
 def test_a_symlink_anywhere_is_refused(pkg, tmp_path):
     _plant_symlinked_module_dir(pkg, tmp_path, tmp_path / "marker")
-    with pytest.raises(package.PackageError, match=rf"{_adapter(pkg)[0]}: a symlink"):
-        package.verify_package(pkg, full=False)
+    with pytest.raises(PackageError, match=rf"{_adapter(pkg)[0]}: a symlink"):
+        verify_package(pkg, full=False)
     (pkg / _adapter(pkg)[0]).unlink()
     os.symlink(pkg / "config.json", pkg / "programs" / "extra.json")
-    with pytest.raises(package.PackageError, match=r"programs/extra.json: a symlink"):
-        package.verify_package(pkg)
+    with pytest.raises(PackageError, match=r"programs/extra.json: a symlink"):
+        verify_package(pkg)
 
 
 @pytest.mark.parametrize("plant", ["pyc", "symlinked-dir"])
@@ -124,7 +126,7 @@ def test_loading_writes_no_bytecode(pkg, monkeypatch):
     finally:
         sys.modules.pop(mod, None)
     assert not (pkg / "__pycache__").exists()
-    package.verify_package(pkg)
+    verify_package(pkg)
 
 
 @pytest.mark.parametrize("main_class", ["this:x", "os:system", "json:loads", "{mod}:Other",
@@ -136,12 +138,12 @@ def test_main_class_must_be_the_packages_own_adapter(pkg, xdg, main_class, runne
 
     mod, cls = _adapter(pkg)
     mc = main_class.format(mod=mod, cls=cls) if isinstance(main_class, str) else main_class
-    meta = json.loads((pkg / package.METADATA).read_text())
+    meta = json.loads((pkg / METADATA).read_text())
     meta["main_class"] = mc
-    (pkg / package.METADATA).write_text(json.dumps(meta))
-    _rehash(pkg, package.METADATA)
+    (pkg / METADATA).write_text(json.dumps(meta))
+    _rehash(pkg, METADATA)
     sys.modules.pop("this", None)
-    with pytest.raises(package.PackageError, match="main_class"):
+    with pytest.raises(PackageError, match="main_class"):
         open_package(pkg)
     good, bad = registry.scan_dir(pkg.parent)
     assert not good and len(bad) == 1 and "main_class" in bad[0][1]
@@ -149,12 +151,12 @@ def test_main_class_must_be_the_packages_own_adapter(pkg, xdg, main_class, runne
     assert r.exit_code == 1 and "main_class" in r.output and "Traceback" not in r.output
     assert "this" not in sys.modules  # `this:x` was never imported
     # the same in the manifest itself (both rewritten, consistently)
-    m = json.loads((pkg / package.MANIFEST).read_text())
+    m = json.loads((pkg / MANIFEST).read_text())
     m["main_class"] = mc
-    (pkg / package.MANIFEST).write_text(json.dumps(m))
-    with pytest.raises(package.PackageError, match="not this package's adapter|field main_class: input should "
+    (pkg / MANIFEST).write_text(json.dumps(m))
+    with pytest.raises(PackageError, match="not this package's adapter|field main_class: input should "
                                                    "be a valid string, got 7"):
-        package.verify_package(pkg)
+        verify_package(pkg)
 
 
 def test_tampered_adapter_with_updated_hash_is_refused_at_load(pkg, tmp_path):
@@ -166,10 +168,10 @@ def test_tampered_adapter_with_updated_hash_is_refused_at_load(pkg, tmp_path):
     src = pkg / f"{mod}.py"
     src.write_text(src.read_text() + f"\nopen({str(marker)!r}, 'w').write('ran')\n")
     _rehash(pkg, f"{mod}.py")
-    with pytest.raises(package.PackageError, match="generated adapter rejected"):
+    with pytest.raises(PackageError, match="generated adapter rejected"):
         open_package(pkg, check_hashes=False)
-    m = json.loads((pkg / package.MANIFEST).read_text())
+    m = json.loads((pkg / MANIFEST).read_text())
     with pytest.raises(TTBundleError, match="generated adapter rejected"):
-        package.load_adapter(pkg, m)
+        load_adapter(pkg, m)
     assert not marker.exists()
 

@@ -18,16 +18,19 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle import build as buildmod, package, spec as specmod
+from ttbundle import build as buildmod, spec as specmod
+from ttbundle.manifest import MANIFEST, METADATA
+from ttbundle.package.names import PackageError, TOKENIZER_FILES, has_tokenizer
+from ttbundle.package.verify import read_manifest, verify_package
 from ttbundle.errors import InvalidInput
-from ttbundle.runtime import serve as servemod
+from ttbundle.serving import serve as servemod
 
 from pkg_mutations import edit_json, rehash
 from test_build import ckpt, spec_text, write_spec  # noqa: F401  (session fixture)
 from test_package import built  # noqa: F401  (the N300 package, built once per module)
 
 ROOT = Path(__file__).resolve().parent.parent
-CODE = Path(package.__file__).resolve().parent.parent  # the ttbundle under test (for subprocesses)
+CODE = Path(buildmod.__file__).resolve().parent.parent  # the ttbundle under test (for subprocesses)
 
 
 @pytest.fixture
@@ -46,22 +49,22 @@ def no_vllm(monkeypatch):
 
 
 def _adapter(pkg: Path) -> str:
-    return json.loads((pkg / package.METADATA).read_text())["main_class"].split(":")[0] + ".py"
+    return json.loads((pkg / METADATA).read_text())["main_class"].split(":")[0] + ".py"
 
 
 def _add_file(pkg: Path, rel: str, data: bytes) -> None:
     (pkg / rel).write_bytes(data)
-    m = json.loads((pkg / package.MANIFEST).read_text())
+    m = json.loads((pkg / MANIFEST).read_text())
     m["files"][rel] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (pkg / package.MANIFEST).write_text(json.dumps(m, indent=1))
+    (pkg / MANIFEST).write_text(json.dumps(m, indent=1))
 
 
 def _drop_files(pkg: Path, *rels: str) -> None:
-    m = json.loads((pkg / package.MANIFEST).read_text())
+    m = json.loads((pkg / MANIFEST).read_text())
     for rel in rels:
         (pkg / rel).unlink()
         m["files"].pop(rel)
-    (pkg / package.MANIFEST).write_text(json.dumps(m, indent=1))
+    (pkg / MANIFEST).write_text(json.dumps(m, indent=1))
 
 
 def _one_error_line(r) -> str:
@@ -126,10 +129,10 @@ def test_tampered_adapter_gets_one_verdict_everywhere(pkg, tmp_path, xdg, runner
     src = pkg / rel
     src.write_text(src.read_text() + f"\nimport os\nos.system('touch {marker}')\n")
     rehash(pkg, rel)
-    with pytest.raises(package.PackageError, match=rf"{rel}: generated adapter rejected"):
-        package.verify_package(pkg)
-    with pytest.raises(package.PackageError, match=rf"{rel}: generated adapter rejected"):
-        package.verify_package(pkg, full=False)  # the cheap verification (ls) vets it too
+    with pytest.raises(PackageError, match=rf"{rel}: generated adapter rejected"):
+        verify_package(pkg)
+    with pytest.raises(PackageError, match=rf"{rel}: generated adapter rejected"):
+        verify_package(pkg, full=False)  # the cheap verification (ls) vets it too
     _assert_one_verdict(_verdicts(pkg, runner, monkeypatch), rf"{re.escape(rel)}: generated adapter rejected")
     assert not marker.exists()
 
@@ -137,8 +140,8 @@ def test_tampered_adapter_gets_one_verdict_everywhere(pkg, tmp_path, xdg, runner
 # ---- item 2: no remote code ---------------------------------------------------------------------------
 def test_extra_python_file_is_refused(pkg, xdg, runner, monkeypatch, no_vllm):
     _add_file(pkg, "modeling_evil.py", b"import os\nos.system('id')\n")
-    with pytest.raises(package.PackageError, match=r"modeling_evil.py: Python code that is not the package's adapter"):
-        package.verify_package(pkg, full=False)
+    with pytest.raises(PackageError, match=r"modeling_evil.py: Python code that is not the package's adapter"):
+        verify_package(pkg, full=False)
     _assert_one_verdict(_verdicts(pkg, runner, monkeypatch), r"modeling_evil.py: Python code")
 
 
@@ -153,8 +156,8 @@ def test_auto_map_is_refused(pkg, xdg, runner, monkeypatch, no_vllm, rel, where)
             at = at.setdefault(k, {})
         at["auto_map"] = {"AutoConfig": "configuration_evil.EvilConfig"}
     edit_json(pkg, rel, edit)
-    with pytest.raises(package.PackageError, match=rf"{rel}: {re.escape(where)}: Hugging Face remote code"):
-        package.verify_package(pkg)
+    with pytest.raises(PackageError, match=rf"{rel}: {re.escape(where)}: Hugging Face remote code"):
+        verify_package(pkg)
     _assert_one_verdict(_verdicts(pkg, runner, monkeypatch), rf"{rel}: {re.escape(where)}: Hugging Face remote code")
 
 
@@ -224,7 +227,7 @@ def test_token_ids_only_package(ckpt, tmp_path, runner):
     res = buildmod.build(specmod.load(spec), "N150", tmp_path / "out", warmup=False)
     pkg = Path(res.package)
     assert "\ntokenizer: false\n" in (pkg / "bundle.yaml").read_text()
-    assert not package.has_tokenizer(json.loads((pkg / package.MANIFEST).read_text())["files"])
+    assert not has_tokenizer(json.loads((pkg / MANIFEST).read_text())["files"])
     r = runner.invoke(app, ["serve", str(pkg), "--print-command"])
     assert r.exit_code == 0, r.output
     assert "--skip-tokenizer-init" in r.stdout.split()
@@ -233,7 +236,7 @@ def test_token_ids_only_package(ckpt, tmp_path, runner):
 def test_serve_refuses_a_package_without_a_tokenizer(pkg, runner, no_vllm):
     from ttbundle.cli import app
 
-    _drop_files(pkg, *[f for f in package.TOKENIZER_FILES if (pkg / f).exists()])
+    _drop_files(pkg, *[f for f in TOKENIZER_FILES if (pkg / f).exists()])
     t = time.monotonic()
     r = runner.invoke(app, ["serve", str(pkg), "--port", str(_free_port())])
     seconds = time.monotonic() - t
@@ -248,7 +251,7 @@ def test_serve_refuses_a_package_without_a_tokenizer(pkg, runner, no_vllm):
 
 # ---- item 9: a strict manifest ------------------------------------------------------------------------
 def _manifest_text(pkg: Path) -> str:
-    return (pkg / package.MANIFEST).read_text()
+    return (pkg / MANIFEST).read_text()
 
 
 MUTATIONS = {
@@ -281,10 +284,10 @@ def test_manifest_is_read_strictly(pkg, runner, case):
         m = json.loads(text)
         edit(m)
         raw = json.dumps(m, indent=1).encode()
-    (pkg / package.MANIFEST).write_bytes(raw)
-    with pytest.raises(package.PackageError, match=r"manifest\.json: .*" + pattern) as e:
-        package.read_manifest(pkg)
-    assert str(pkg / package.MANIFEST) in str(e.value)
+    (pkg / MANIFEST).write_bytes(raw)
+    with pytest.raises(PackageError, match=r"manifest\.json: .*" + pattern) as e:
+        read_manifest(pkg)
+    assert str(pkg / MANIFEST) in str(e.value)
     r = runner.invoke(app, ["cache", "verify", str(pkg), "--hashes-only"])
     assert r.exit_code == 1
     assert re.search(pattern, _one_error_line(r)), r.output
@@ -294,14 +297,14 @@ def test_an_oversized_manifest_is_not_read(pkg, runner):
     """100 MB (sparse; an unknown key at its start): refused by its size, before it is read."""
     from ttbundle.cli import app
 
-    p = pkg / package.MANIFEST
+    p = pkg / MANIFEST
     m = json.loads(p.read_text())
     m["padding"] = "x"
     p.write_text(json.dumps(m))
     os.truncate(p, 100 << 20)
     t = time.monotonic()
-    with pytest.raises(package.PackageError, match=r"manifest\.json: 104,857,600 B, over the 67,108,864 B"):
-        package.read_manifest(pkg)
+    with pytest.raises(PackageError, match=r"manifest\.json: 104,857,600 B, over the 67,108,864 B"):
+        read_manifest(pkg)
     assert time.monotonic() - t < 0.5
     r = runner.invoke(app, ["register", "--dir", str(pkg)])
     assert r.exit_code == 1 and "104,857,600 B" in r.output and "Traceback" not in r.output

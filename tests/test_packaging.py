@@ -38,8 +38,8 @@ def test_wheel_ships_templates_and_renders_from_them(tmp_path):
     # unpacked away from the checkout: the templates come from the wheel's copy
     site = tmp_path / "site"
     zipfile.ZipFile(whl).extractall(site)
-    code = ("import ttbundle.package as p, ttbundle.fsutil as f; "
-            "assert f.TEMPLATE_DIR == f.Path(p.__file__).parent / '_templates', f.TEMPLATE_DIR; "
+    code = ("import ttbundle.package.templates as p, ttbundle.fsutil as f; "
+            "assert f.TEMPLATE_DIR == f.Path(p.__file__).parents[1] / '_templates', f.TEMPLATE_DIR; "
             "print(p.render_adapter('demo', 'N150', 'TTLlamaForCausalLM', 'TTLlamaForCausalLM', '0'))")
     env = dict(os.environ, PYTHONPATH=str(site))
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env)

@@ -16,7 +16,12 @@ import pytest
 import yaml
 
 from spec_helpers import LLAMA_70B, SPEC_FILE, TINY, deep_update, line_of, col_of, spec_text
-from ttbundle import mesh as meshmod, plan as planmod, spec
+from ttbundle import mesh as meshmod, spec
+from ttbundle.plan import advice
+from ttbundle.plan.advice import pool_diagnostic
+from ttbundle.plan.make import check_mesh, kv_blocks, make_plan
+from ttbundle.plan.memory import tensor_bytes
+from ttbundle.plan.pool import pool_blocks, pool_tokens
 from ttbundle.errors import InvalidInput
 
 TILE = 32
@@ -50,7 +55,7 @@ def row_major_bytes(shape, chip=WH) -> int:
 def plan_of(changes=None, mesh="N150", base=None):
     text = spec_text(deep_update({"targets": [mesh]}, changes or {}), base=base)
     b = spec.loads(text, SPEC_FILE)
-    return b, planmod.make_plan(b, mesh)
+    return b, make_plan(b, mesh)
 
 
 def by_name(p):
@@ -60,7 +65,7 @@ def by_name(p):
 # ---- the allocator arithmetic itself -------------------------------------------------------------
 def test_bf16_tile_tensor_on_wormhole():
     # [4096, 512] = 128 x 16 = 2048 tiles; 12 banks x ceil(2048 / 12) = 171 pages x 2048 B
-    assert planmod.tensor_bytes([4096, 512], "bf16", "TILE", meshmod.resolve("N150")) == 12 * 171 * 2048
+    assert tensor_bytes([4096, 512], "bf16", "TILE", meshmod.resolve("N150")) == 12 * 171 * 2048
 
 
 @pytest.mark.parametrize("dtype, per_tile", [("bf16", 2048), ("bfp8", 1088), ("bfp4", 576)])
@@ -68,30 +73,30 @@ def test_block_float_tile_sizes(dtype, per_tile):
     assert TILE_BYTES[dtype] == per_tile  # the notes' numbers, derived above from 32x32 elements
     # 24 tiles fill 12 banks exactly twice; 25 tiles take a third page in every bank
     m = meshmod.resolve("N150")
-    assert planmod.tensor_bytes([32 * 4, 32 * 6], dtype, "TILE", m) == 24 * per_tile
-    assert planmod.tensor_bytes([32 * 5, 32 * 5], dtype, "TILE", m) == 36 * per_tile
+    assert tensor_bytes([32 * 4, 32 * 6], dtype, "TILE", m) == 24 * per_tile
+    assert tensor_bytes([32 * 5, 32 * 5], dtype, "TILE", m) == 36 * per_tile
 
 
 def test_partial_tiles_are_padded():
     # [40, 70] pads to [64, 96]: 2 x 3 = 6 tiles -> 1 page in each of 12 banks
-    assert planmod.tensor_bytes([40, 70], "bf16", "TILE", meshmod.resolve("N150")) == 12 * 2048
+    assert tensor_bytes([40, 70], "bf16", "TILE", meshmod.resolve("N150")) == 12 * 2048
 
 
 def test_blackhole_banks_and_alignment():
     p150 = meshmod.resolve("P150")
     # 8 banks; a ROW_MAJOR page of 48 bf16 = 96 B is aligned to 128 B on Blackhole (64 B alignment)
-    assert planmod.tensor_bytes([10, 48], "bf16", "ROW_MAJOR", p150) == 8 * 2 * 128
-    assert planmod.tensor_bytes([10, 48], "bf16", "ROW_MAJOR", meshmod.resolve("N150")) == 12 * 1 * 96
-    assert planmod.tensor_bytes([4096, 512], "bfp8", "TILE", p150) == 8 * 256 * 1088
+    assert tensor_bytes([10, 48], "bf16", "ROW_MAJOR", p150) == 8 * 2 * 128
+    assert tensor_bytes([10, 48], "bf16", "ROW_MAJOR", meshmod.resolve("N150")) == 12 * 1 * 96
+    assert tensor_bytes([4096, 512], "bfp8", "TILE", p150) == 8 * 256 * 1088
 
 
 def test_kv_pool_blocks_formula():
     # Tenstorrent's: ceil((max_tokens_all_users + block_size x max_num_seqs) / block_size)
     rt = spec.Runtime(max_model_len=2048, max_num_seqs=32, kv_block_size=32)
-    assert planmod.pool_blocks(rt, 32 * 2048) == (32 * 2048 + 32 * 32) // 32 == 2080
-    assert planmod.pool_tokens(rt, 2080) == 32 * 2048
+    assert pool_blocks(rt, 32 * 2048) == (32 * 2048 + 32 * 32) // 32 == 2080
+    assert pool_tokens(rt, 2080) == 32 * 2048
     rt = spec.Runtime(max_model_len=1000, max_num_seqs=3, kv_block_size=64)
-    assert planmod.pool_blocks(rt, 1000) == math.ceil((1000 + 64 * 3) / 64) == 19
+    assert pool_blocks(rt, 1000) == math.ceil((1000 + 64 * 3) / 64) == 19
 
 
 # ---- per-device shapes and bytes on each mesh ----------------------------------------------------
@@ -193,7 +198,7 @@ def test_explicit_pool_sets_the_blocks():
     assert p.memory.kv_cache == 2 * L * tile_bytes([blocks, KV, 32, HD])
     # kv_blocks is what the worker and the ttnn backend use: the same number
     b, _ = plan_of({"runtime": {"max_tokens_all_users": 5000}})
-    assert planmod.kv_blocks(b, "N150") == blocks
+    assert kv_blocks(b, "N150") == blocks
 
 
 def test_auto_pool_is_the_largest_that_fits():
@@ -237,18 +242,18 @@ def test_pool_below_max_model_len_is_refused_at_its_line():
 def test_explicit_pool_that_does_not_fit_gets_the_arithmetic_and_the_largest_that_fits():
     text = spec_text({"runtime": {"max_tokens_all_users": 50_000_000}})
     b = spec.loads(text, SPEC_FILE)
-    p = planmod.make_plan(b, "N150")
+    p = make_plan(b, "N150")
     assert not p.fits
-    d = planmod.pool_diagnostic(b, p)
+    d = pool_diagnostic(b, p)
     assert (d.path, d.line) == ("runtime.max_tokens_all_users", line_of(text, "max_tokens_all_users"))
     m = re.search(r"fix: max_tokens_all_users: (\d+) \(the largest that fits\)", d.message)
     best = int(m.group(1))
     assert f"{p.memory.kv_cache / 2**30:.2f} GiB per chip" in d.message
-    ok = planmod.make_plan(spec.loads(spec_text({"runtime": {"max_tokens_all_users": best}}), SPEC_FILE), "N150")
-    over = planmod.make_plan(spec.loads(spec_text({"runtime": {"max_tokens_all_users": best + 32}}), SPEC_FILE), "N150")
+    ok = make_plan(spec.loads(spec_text({"runtime": {"max_tokens_all_users": best}}), SPEC_FILE), "N150")
+    over = make_plan(spec.loads(spec_text({"runtime": {"max_tokens_all_users": best + 32}}), SPEC_FILE), "N150")
     assert ok.fits and not over.fits
     # the same number is among `plan`'s fixes
-    assert any(f.startswith(f"runtime.max_tokens_all_users: 50000000 -> {best} ") for f in planmod.fixes(b, p))
+    assert any(f.startswith(f"runtime.max_tokens_all_users: 50000000 -> {best} ") for f in advice.fixes(b, p))
 
 
 def acts_bytes(widths, tokens=512) -> int:
@@ -398,7 +403,7 @@ def plan_error(changes, mesh):
     text = spec_text(deep_update({"targets": [mesh]}, changes))
     b = spec.loads(text, SPEC_FILE)
     with pytest.raises(InvalidInput) as ei:
-        planmod.make_plan(b, mesh)
+        make_plan(b, mesh)
     assert ei.value.message == f"{SPEC_FILE}: sharding plan does not fit {meshmod.resolve(mesh).describe()}"
     return text, ei.value.diagnostics
 
@@ -499,14 +504,14 @@ def test_per_target_override_applies_to_that_target_only():
     changes = {"targets": ["N300", "T3K"],
                "sharding": {"targets": {"T3K": {"w1": [None, None]}}}}
     b = spec.loads(spec_text(changes), SPEC_FILE)
-    assert by_name(planmod.make_plan(b, "T3K"))["w1"].device_shape == [D, I]
-    assert by_name(planmod.make_plan(b, "N300"))["w1"].device_shape == [D, I // 2]
+    assert by_name(make_plan(b, "T3K"))["w1"].device_shape == [D, I]
+    assert by_name(make_plan(b, "N300"))["w1"].device_shape == [D, I // 2]
 
 
 def test_override_keyed_by_a_tuple_target_as_written():
     changes = {"targets": ["(1, 8)"], "sharding": {"targets": {"(1, 8)": {"w1": [None, None]}}}}
     b = spec.loads(spec_text(changes), SPEC_FILE)
-    assert by_name(planmod.make_plan(b, "(1, 8)"))["w1"].device_shape == [D, I]
+    assert by_name(make_plan(b, "(1, 8)"))["w1"].device_shape == [D, I]
 
 
 # ---- does not fit: the user story ----------------------------------------------------------------
@@ -528,7 +533,7 @@ def l70_per_chip_weights_bf16_t3k() -> int:
 
 def l70(changes=None, mesh="T3K"):
     b = spec.loads(spec_text(changes, base=LLAMA_70B), SPEC_FILE)
-    return b, planmod.make_plan(b, mesh)
+    return b, make_plan(b, mesh)
 
 
 def test_llama_70b_bf16_on_t3k_does_not_fit():
@@ -564,14 +569,14 @@ def apply_fix(fix: str, base_changes: dict):
 
 def check_fixes(base: dict, changes: dict, mesh: str):
     b = spec.loads(spec_text(changes, base=base), SPEC_FILE)
-    p = planmod.make_plan(b, mesh)
+    p = make_plan(b, mesh)
     assert not p.fits
-    fixes = planmod.fixes(b, p)
+    fixes = advice.fixes(b, p)
     assert fixes
     results = []
     for fix in fixes:
         new_changes, new_mesh = apply_fix(fix, changes)
-        q = planmod.make_plan(spec.loads(spec_text(new_changes, base=base), SPEC_FILE), new_mesh or mesh)
+        q = make_plan(spec.loads(spec_text(new_changes, base=base), SPEC_FILE), new_mesh or mesh)
         claims_fit = "(fits)" in fix or fix.startswith(("a bigger mesh", "runtime."))
         assert q.fits == claims_fit, fix
         if "still" in fix:
@@ -599,7 +604,7 @@ def test_llama_70b_fixes_really_fit():
     b = spec.loads(spec_text(base=LLAMA_70B), SPEC_FILE)
     for m in meshmod.PRESETS.values():
         if m.chip.arch == "wormhole_b0" and 8 < m.num_devices < chosen.num_devices:
-            assert not planmod.make_plan(b, m).fits, m.name
+            assert not make_plan(b, m).fits, m.name
     # weights alone exceed the chip, so shrinking the KV cache is not offered
     assert not any(f.startswith("runtime.") for f in fixes)
 
@@ -620,7 +625,7 @@ def test_kv_bound_spec_gets_the_largest_length_that_fits():
     mml = by_field["max_model_len"]
     assert mml % 32 == 0
     b = spec.loads(spec_text(deep_update(changes, {"runtime": {"max_model_len": mml + 32}})), SPEC_FILE)
-    assert not planmod.make_plan(b, "N150").fits
+    assert not make_plan(b, "N150").fits
 
 
 def test_full_length_pool_gets_the_largest_sequence_count_that_fits():
@@ -635,8 +640,8 @@ def test_full_length_pool_gets_the_largest_sequence_count_that_fits():
 
 def test_check_mesh_returns_located_diagnostics():
     b = spec.loads(spec_text(deep_update(HEADS_28, {"targets": ["N300", "T3K"]})), SPEC_FILE)
-    assert planmod.check_mesh(b, "N300") == []
-    (d,) = planmod.check_mesh(b, "T3K")
+    assert check_mesh(b, "N300") == []
+    (d,) = check_mesh(b, "T3K")
     assert d.path == "targets.1" and d.file == SPEC_FILE
 
 

@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from spec_helpers import llama_weights_one_chip, wh_dram
-from ttbundle import plan as planmod, reference, spec
+from ttbundle import reference, spec
+from ttbundle.plan.make import kv_blocks, make_plan
 from ttbundle.cli import app
 
 from test_build import ckpt  # noqa: F401  (session fixture)
@@ -27,7 +28,7 @@ def test_published_bundle_plans_a_pool_on_every_target(path):
     b = spec.load(path)
     rt = b.spec.runtime
     for t in b.spec.targets:
-        p = planmod.make_plan(b, t)
+        p = make_plan(b, t)
         assert p.fits, t
         tokens, blocks = p.kv["max_tokens_all_users"], p.kv["num_blocks"]
         assert rt.max_model_len <= tokens <= rt.max_num_seqs * rt.max_model_len, t
@@ -49,7 +50,7 @@ def test_init_from_the_published_model_fits_its_documented_meshes(path, tmp_path
     assert r.exit_code == 0, r.output
     written = spec.load(tmp_path / "spec.yaml")
     for t in b.spec.targets:
-        assert planmod.make_plan(written, t).fits, t
+        assert make_plan(written, t).fits, t
 
 
 def test_llama_8b_on_n150_bfp8_32_users_32k_has_the_largest_pool():
@@ -57,7 +58,7 @@ def test_llama_8b_on_n150_bfp8_32_users_32k_has_the_largest_pool():
     rt = b.spec.runtime
     assert (rt.max_num_seqs, rt.max_model_len, rt.kv_cache_dtype) == (32, 32768, "bfp8")
     assert "N150" in b.spec.targets
-    p = planmod.make_plan(b, "N150")
+    p = make_plan(b, "N150")
     assert p.memory.weights == llama_weights_one_chip(128256, 4096, 14336, 32, 32, 8, 128, "bfp8", "bfp8")
     # K and V of 32 layers, each [blocks, 8 heads, 32, 128] bfp8: 32 tiles of 1,088 B per block
     kv = lambda n: 2 * 32 * wh_dram(32 * n, 1088)  # noqa: E731
@@ -71,7 +72,7 @@ def test_qwen3_8b_bf16_on_n300_has_the_largest_pool():
     b = spec.load(BUNDLES / "qwen3-8b.yaml")
     assert b.spec.weights.dtypes.default == "bf16" and "N300" in b.spec.targets
     rt = b.spec.runtime
-    p = planmod.make_plan(b, "N300")
+    p = make_plan(b, "N300")
     # 8 KV heads over the 2 chips: [blocks, 4, 32, 128] bfp8 = 16 tiles per block, 36 layers x K, V
     kv = lambda n: 2 * 36 * wh_dram(16 * n, 1088)  # noqa: E731
     rest = p.memory.weights + p.memory.activations + p.memory.trace_region
@@ -82,13 +83,13 @@ def test_qwen3_8b_bf16_on_n300_has_the_largest_pool():
 
 def test_a_built_package_records_and_allocates_the_pools_blocks(tmp_path_factory, ckpt):  # noqa: F811
     """One number wherever the block count is used: the package's programs, the emulated
-    runner's default cache, the ttnn backend's KV buffers and ``plan.kv_blocks``."""
+    runner's default cache, the ttnn backend's KV buffers and ``plan.make.kv_blocks``."""
     from test_build import REST, spec_text as build_spec
 
     from ttbundle import build as buildmod
     from ttbundle.backends.emulated import EmulatedModel, Runner
     from ttbundle.backends.ttnn import alloc
-    from ttbundle.package import load_package
+    from ttbundle.package.load import load_package
 
     d = tmp_path_factory.mktemp("pool")
     rest = REST.replace("runtime: {max_model_len: 256, max_num_seqs: 8}",
@@ -98,17 +99,17 @@ def test_a_built_package_records_and_allocates_the_pools_blocks(tmp_path_factory
     res = buildmod.build(spec.load(d / "spec.yaml"), "T3K", d / "out", warmup=False)
     blocks = -(-(300 + 32 * 8) // 32)  # 18, where 8 sequences of 256 would take 72
     pkg = load_package(res.package)
-    assert planmod.kv_blocks(pkg.bundle, "T3K") == blocks
+    assert kv_blocks(pkg.bundle, "T3K") == blocks
     for phase, bucket in pkg.programs:
         kv = pkg.program(phase, bucket)["kv_cache"]
         assert kv["num_blocks"] == blocks and {e["device_shape"][0] for e in kv["entries"]} == {blocks}
-    assert {b.shape[0] for b in alloc.plan_buffers(planmod.make_plan(pkg.bundle, pkg.mesh)) if b.what == "kv_cache"} == {blocks}
+    assert {b.shape[0] for b in alloc.plan_buffers(make_plan(pkg.bundle, pkg.mesh)) if b.what == "kv_cache"} == {blocks}
     runner = Runner(EmulatedModel.from_package(pkg))
     assert runner.kv.num_blocks == blocks
     # the serving side reads the package's record (nothing re-plans): the worker's block count,
     # and the pool Tenstorrent's plugin sizes its cache from through the generated adapter:
     # its ceil((tokens + block x seqs) / block) gives the package's blocks at any max_num_seqs
-    from ttbundle.package import load_adapter
+    from ttbundle.package.verify import load_adapter
     from ttbundle.runtime.packages import open_package
     opened = open_package(res.package)
     assert pkg.kv_cache["num_blocks"] == opened.kv_blocks == blocks

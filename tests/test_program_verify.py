@@ -12,9 +12,10 @@ import pytest
 
 from ttbundle import spec as specmod
 from ttbundle.lower import lower, trace_set
-from ttbundle.plan import make_plan, target_mesh
+from ttbundle.plan.make import make_plan
+from ttbundle.plan.sharding import target_mesh
 from ttbundle.program import ProgramError
-from ttbundle.runtime.demo import build_package
+from ttbundle.serving.demo import build_package
 
 from pkg_mutations import drop_first, edit_programs
 from test_emulated import COMMON, TINY
@@ -58,7 +59,8 @@ def test_a_dropped_all_gather_is_refused_at_load_naming_program_layer_and_step(t
 
 
 def test_a_step_reading_a_value_nothing_produced_is_refused(t3k_package, tmp_path):
-    from ttbundle.package import PackageError, load_package
+    from ttbundle.package.load import load_package
+    from ttbundle.package.names import PackageError
 
     pkg = _fresh(t3k_package, tmp_path)
     edit_programs(pkg, "decoder", drop_first(lambda s: s.get("op") == "swiglu"))

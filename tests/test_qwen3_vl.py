@@ -15,7 +15,8 @@ from PIL import Image
 
 from spec_helpers import TINY_Q3VL
 
-from ttbundle import plan as planmod, reference, spec
+from ttbundle import reference, spec
+from ttbundle.plan.make import make_plan
 from ttbundle.backends.emulated import kernel_table
 from ttbundle.check import PCC_MIN_FP32, run_check
 from ttbundle.families import qwen3_vl_vision as q3
@@ -119,7 +120,7 @@ def test_position_embedding_not_resampled_changes_the_image(monkeypatch):
 @pytest.mark.parametrize("mesh", ["T3K", "N300"])
 def test_published_8b_plans_with_its_vision_programs(mesh):
     b = spec.load(BUNDLES / "qwen3-vl-8b-instruct.yaml")
-    p = planmod.make_plan(b, mesh)
+    p = make_plan(b, mesh)
     kinds = [k for k, _, _ in p.vision]
     assert kinds[0] == "vision_embedding" and kinds[-1] == "vision_projector"
     assert [k for k in kinds if k.startswith("vision_deepstack")] == [f"vision_deepstack{k}" for k in range(3)]

@@ -16,7 +16,8 @@ from PIL import Image
 from pkg_mutations import drop_first, edit_programs
 from spec_helpers import TINY_QVL, line_of
 
-from ttbundle import plan as planmod, reference, spec
+from ttbundle import reference, spec
+from ttbundle.plan.make import make_plan
 from ttbundle.check import PCC_MIN_FP32, run_check
 from ttbundle.errors import InvalidInput
 from ttbundle.families import qwen2_5_vl_vision as qv
@@ -124,7 +125,7 @@ def test_dropped_vision_all_reduce_fails_at_the_image():
 
 
 def test_plan_splits_vision_heads_and_mlp_and_lists_the_programs():
-    p = planmod.make_plan(tiny(), "T3K")
+    p = make_plan(tiny(), "T3K")
     t = {x.name: x for x in p.tensors}
     # 8 vision heads of 8 over 8 columns: one head per device; the MLP's 96 over 8: 12 each
     assert t["v_wq"].device_shape == [64, 8] and t["v_w1"].device_shape == [64, 12]
@@ -187,7 +188,7 @@ def test_gemma_pixel_budget_is_an_error():
 # ---- the package and the plan ----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def package(tmp_path_factory):
-    from ttbundle.runtime import demo
+    from ttbundle.serving import demo
     return demo.build_package(TINY_QVL, tmp_path_factory.mktemp("qvl"), "N300")
 
 
@@ -221,7 +222,7 @@ def test_package_vision_program_is_transformers_image_features(package):
     import transformers
 
     from ttbundle.backends.emulated import EmulatedModel
-    from ttbundle.package import load_package
+    from ttbundle.package.load import load_package
     pkg = load_package(package)
     model = EmulatedModel.from_package(pkg)
     src = package.parent.parent / "src-tiny-qwen25-vl"
@@ -291,7 +292,7 @@ def test_ttnn_mrope_tables_give_transformers_rotary_embedding():
 
     from ttbundle.backends.ttnn import device, lowering
     b = tiny()
-    p = planmod.make_plan(b, "N150")
+    p = make_plan(b, "N150")
     prog = __import__("ttbundle.lower", fromlist=["lower"]).lower(b, p, "prefill", 64)
     fw = lowering.lower_forward(b, p.mesh, prog, "host")
     assert {lowering.mrope_position_input(r) for r in range(3)} <= set(fw.inputs)

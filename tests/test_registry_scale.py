@@ -15,7 +15,7 @@ import pytest
 
 from ttbundle.errors import InvalidInput
 from ttbundle.runtime import registry
-from ttbundle.runtime.demo import SMALL_SPEC, build_package, clone_package
+from ttbundle.serving.demo import SMALL_SPEC, build_package, clone_package
 
 N = 120
 
@@ -130,7 +130,7 @@ def test_a_refusal_is_cached_and_re_checked_once_fixed(many, xdg, verifications)
 
 def test_a_shared_name_is_resolved_by_mesh_or_path_with_the_choices_listed(sources, xdg, tmp_path, runner):
     from ttbundle.cli import app
-    from ttbundle.runtime import serve as servemod
+    from ttbundle.serving import serve as servemod
 
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):

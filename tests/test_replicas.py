@@ -11,7 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from spec_helpers import SPEC_FILE, TINY, deep_update, line_of, spec_text
-from ttbundle import mesh as meshmod, plan as planmod, spec as specmod
+from ttbundle import mesh as meshmod, spec as specmod
+from ttbundle.plan.make import make_plan
 from ttbundle.cli import app
 from ttbundle.errors import InvalidInput
 
@@ -71,7 +72,7 @@ def test_max_num_seqs_is_per_replica_and_the_decode_cap_says_so():
 def test_replica_plan_equals_the_standalone_submesh_plan(target, sub, standalone):
     _, split = _bundle({"replicas": {target: {"submesh": list(sub)}}}, targets=(target,))
     _, alone = _bundle({}, targets=(standalone,))
-    p, q = planmod.make_plan(split, target), planmod.make_plan(alone, standalone)
+    p, q = make_plan(split, target), make_plan(alone, standalone)
     assert p.mesh.shape == q.mesh.shape == sub
     assert [(t.name, t.device_shape, t.bytes) for t in p.tensors] == \
         [(t.name, t.device_shape, t.bytes) for t in q.tensors]
@@ -104,7 +105,7 @@ def test_cli_plan_shows_the_split_and_total_concurrency(tmp_path):
 def built(tmp_path_factory):
     import yaml
 
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     out = tmp_path_factory.mktemp("rep")
     base = yaml.safe_load(spec_text({"runtime": {"max_num_seqs": 8, "max_model_len": 256},
                                      "buckets": {"prefill": [128], "decode": [1, 8], "prefill_chunk": 128},
@@ -134,7 +135,7 @@ def test_package_holds_one_replica_and_records_the_split(built):
         pa, pb = json.loads((split / prog).read_text()), json.loads((alone / prog).read_text())
         assert pa["mesh"]["shape"] == pb["mesh"]["shape"] == [1, 2]
         assert pa["layers"] == pb["layers"] and pa["weights"] == pb["weights"]
-    from ttbundle.package import load_package
+    from ttbundle.package.load import load_package
     loaded = load_package(split, verify=True)
     assert loaded.mesh.replicas == 4 and loaded.mesh.shape == (1, 2)
 
@@ -152,7 +153,7 @@ def _launch(tmp_path, target, sub, *args):
                                                          "runtime": {"max_num_seqs": 16}}))
     f = tmp_path / "s.yaml"
     f.write_text(text)
-    from ttbundle.runtime.launch import launch_plan
+    from ttbundle.serving.launch import launch_plan
     r = CliRunner().invoke(app, ["serve", str(f), "-m", target, "--print-launch", "-o", str(tmp_path / "out"),
                                  *args])
     assert r.exit_code == 0, r.output
@@ -220,7 +221,7 @@ def test_validate_says_a_replica_does_not_fit_its_chips(tmp_path):
     N150's numbers), which does not fit; validate exits 3 naming the split."""
     from spec_helpers import LLAMA_70B
     text = spec_text(deep_update({"targets": ["T3K"]}, {"replicas": {"T3K": {"submesh": [1, 1]}}}), base=LLAMA_70B)
-    alone = planmod.make_plan(specmod.loads(spec_text({"targets": ["N150"]}, base=LLAMA_70B), SPEC_FILE), "N150")
+    alone = make_plan(specmod.loads(spec_text({"targets": ["N150"]}, base=LLAMA_70B), SPEC_FILE), "N150")
     assert not alone.fits
     f = tmp_path / "s.yaml"
     f.write_text(text)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle.runtime import serve as servemod
+from ttbundle.serving import serve as servemod
 
 FAKE = textwrap.dedent('''
     import http.server, json, os, signal, subprocess, sys, threading, time
@@ -40,7 +40,7 @@ FAKE = textwrap.dedent('''
 
 DRIVER = textwrap.dedent('''
     import sys
-    from ttbundle.runtime import serve
+    from ttbundle.serving import serve
     plan = serve.ServePlan(".", "tiny", "N150", [sys.executable, sys.argv[1], sys.argv[2], sys.argv[3]],
                            {}, "127.0.0.1", int(sys.argv[2]))
     sys.exit(serve.run(plan, on_ready=lambda p: print("ready", flush=True), startup_timeout=60, health_every=0.5))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle.runtime import serve as servemod
+from ttbundle.serving import serve as servemod
 
 FAKE = textwrap.dedent('''
     import http.server, os, sys, threading, time

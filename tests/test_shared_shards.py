@@ -18,7 +18,11 @@ import torch
 from pkg_mutations import flip_byte, rehash
 from test_emulated import tiny
 
-from ttbundle import package, reference
+from ttbundle import reference
+from ttbundle.package.load import load_package
+from ttbundle.package.names import PackageError, WEIGHTS_FORMAT, weight_file
+from ttbundle.package.shards import SharedStack
+from ttbundle.package.verify import verify_package
 from ttbundle.backends.emulated import EmulatedModel, gemm
 from ttbundle.build import build
 from ttbundle.check import run_check
@@ -53,7 +57,7 @@ def test_a_tg_package_stores_each_distinct_shard_once(packages):
     ck = sum(payload(f) for f in ckpt.glob("*.safetensors"))
     n150 = sum(payload(f) for f in (pkgs["N150"] / "weights").iterdir())
     assert n150 == ck
-    tg = load = package.load_package(pkgs["TG"], verify=True)
+    tg = load = load_package(pkgs["TG"], verify=True)
     files = sorted((pkgs["TG"] / "weights").iterdir())
     assert len(files) == 32
     # the payload is one copy of every distinct shard, "distinct" judged by value
@@ -72,7 +76,7 @@ def test_a_tg_package_stores_each_distinct_shard_once(packages):
     h0, h5 = header(files[0]), header(files[5])
     assert "attn_norm.1" in h0 and "attn_norm.1" not in h5
     meta5 = json.loads(h5["__metadata__"]["ttbundle"])
-    assert meta5["format"] == package.WEIGHTS_FORMAT and meta5["tensors"]["attn_norm.1"]["stored_in"] == [0] * 32
+    assert meta5["format"] == WEIGHTS_FORMAT and meta5["tensors"]["attn_norm.1"]["stored_in"] == [0] * 32
     # the embedding: one copy per column (split over cols, replicated over rows)
     assert meta5["tensors"]["embed"]["stored_in"] == [d % 4 for d in range(32)]
     load.weights.close()
@@ -83,24 +87,24 @@ def held_bytes(model) -> int:
     seen: dict = {}
     for v in model.w.values():
         for W in v if isinstance(v, list) else [v]:
-            t = W.distinct if isinstance(W, package.SharedStack) else W
+            t = W.distinct if isinstance(W, SharedStack) else W
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
     return sum(seen.values())
 
 
 def test_the_emulated_mesh_holds_one_copy_per_distinct_shard(packages):
     _, pkgs = packages
-    tg = package.load_package(pkgs["TG"])
+    tg = load_package(pkgs["TG"])
     norm = tg.weights.stack("attn_norm", 0)
     assert norm.shape[0] == 32 and len({norm[d].untyped_storage().data_ptr() for d in range(32)}) == 1
     assert torch.equal(norm[31], tg.weights.device(31, ["attn_norm.0"])["attn_norm.0"].float())
     embed = tg.weights.stack("embed")
-    assert isinstance(embed, package.SharedStack) and embed.distinct.shape[0] == 4
+    assert isinstance(embed, SharedStack) and embed.distinct.shape[0] == 4
     dense = embed.dense()
     for d in (0, 5, 31):  # each device sees its own file's shard
         assert torch.equal(dense[d], tg.weights.device(d, ["embed"])["embed"].float())
     # the whole model in bf16 (unpacked): TG holds about what N150 does, not 32x
-    held = {m: held_bytes(EmulatedModel.from_package(package.load_package(pkgs[m]), dtype=torch.bfloat16))
+    held = {m: held_bytes(EmulatedModel.from_package(load_package(pkgs[m]), dtype=torch.bfloat16))
             for m in ("N150", "TG")}
     assert held["TG"] <= 1.3 * held["N150"], held
 
@@ -114,7 +118,7 @@ def test_packed_weights_are_packed_once_per_distinct_shard():
     p = gemm.Packed(W)
     assert len(p.per_shard) == 1
     cols = torch.randn(2, 64, 48, generator=g)
-    shared = package.SharedStack(cols, [d % 2 for d in range(8)])
+    shared = SharedStack(cols, [d % 2 for d in range(8)])
     q = gemm.Packed(shared)
     assert len(q.per_shard) == 2
     x = torch.randn(8, 5, 64, generator=g)  # every device's rows differ
@@ -126,7 +130,7 @@ def test_packed_weights_are_packed_once_per_distinct_shard():
 
 def test_identical_rows_are_multiplied_once_and_differing_rows_each():
     g = torch.Generator().manual_seed(1)
-    shared = package.SharedStack(torch.randn(2, 16, 8, generator=g), [0, 1, 0, 1])
+    shared = SharedStack(torch.randn(2, 16, 8, generator=g), [0, 1, 0, 1])
     calls = []
 
     def mm(k, rows):
@@ -149,8 +153,8 @@ def test_the_one_stored_copy_of_a_replicated_norm_corrupted_fails_check():
     """Layer 1's attention norm is stored once for all 32 TG devices: one byte of it flipped (and
     re-hashed) reaches every device, and the check fails at layer 1."""
     def hook(pkg):
-        flip_byte(pkg, package.weight_file(0), "attn_norm.1", offset=1)  # a bf16 high byte
-        package.verify_package(pkg, full=True)
+        flip_byte(pkg, weight_file(0), "attn_norm.1", offset=1)  # a bf16 high byte
+        verify_package(pkg, full=True)
     r = run_check(tiny("llama"), "TG", steps=4, random_weights=True, seed=3, package_hook=hook)
     assert not r.passed and r.diverging().layer == 1
 
@@ -188,13 +192,13 @@ def test_a_header_pointing_at_the_wrong_copy_is_refused(packages, tmp_path, case
         elif case == "tables-differ" and d == 2:
             tensors["attn_norm.0"]["stored_in"] = [0, 0, 2, 0, 0, 0, 0, 0]
     _edit_headers(pkg, edit)
-    package.verify_package(pkg)  # the hashes pass
+    verify_package(pkg)  # the hashes pass
     want = {"another-shard": r"wq.0: stored_in \[0, 0, 2.*does not name",
             "not-stored-there": r"device-003.safetensors: attn_norm.0 is missing",
             "extra-copy-unlisted": r"device-001.safetensors: attn_norm.0 is missing",
             "tables-differ": r"device-002.safetensors: attn_norm.0 is missing"}[case]
-    with pytest.raises(package.PackageError, match=want):
-        package.load_package(pkg)
+    with pytest.raises(PackageError, match=want):
+        load_package(pkg)
 
 
 def test_a_format_1_package_still_loads_with_the_same_numbers(packages, tmp_path):
@@ -219,7 +223,7 @@ def test_a_format_1_package_still_loads_with_the_same_numbers(packages, tmp_path
     m = json.loads((pkg / "manifest.json").read_text())
     m["format"] = "ttbundle.package/1"
     (pkg / "manifest.json").write_text(json.dumps(m))
-    old, new = package.load_package(pkg, verify=True), package.load_package(pkgs["T3K"])
+    old, new = load_package(pkg, verify=True), load_package(pkgs["T3K"])
     norm = old.weights.stack("attn_norm", 0)
     assert len({norm[d].data_ptr() for d in range(8)}) == 8  # one copy per device file
     tokens = torch.tensor([[5, 9, 17, 3]])
@@ -236,10 +240,11 @@ def test_a_format_1_package_still_loads_with_the_same_numbers(packages, tmp_path
 def qwen3():
     """A tiny Qwen3 (per-head q/k norms: weights the attention kernel reads) as transformers
     builds it, and its weights cut for N150 and TG as ``build`` cuts them."""
-    from ttbundle import plan as planmod, weights as wmod
+    from ttbundle import weights as wmod
+    from ttbundle.plan.make import make_plan
     b = tiny("qwen3")
     canon = wmod.from_state_dict(b.family, b.arch, dict(reference.random_model(b, seed=5).state_dict()))
-    return b, {m: (planmod.make_plan(b, m), canon) for m in ("N150", "TG")}
+    return b, {m: (make_plan(b, m), canon) for m in ("N150", "TG")}
 
 
 def _model(qwen3, mesh, **kw):

@@ -12,7 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from spec_helpers import DELETE, SPEC_FILE, TINY, col_of, deep_update, dump, line_of, spec_text
-from ttbundle import mesh as meshmod, plan as planmod, spec
+from ttbundle import mesh as meshmod, spec
+from ttbundle.plan.advice import fixes
+from ttbundle.plan.make import make_plan
+from ttbundle.plan.sharding import sharding_diagnostics
 from ttbundle.errors import InvalidInput
 
 
@@ -52,7 +55,7 @@ def test_minimal_spec_takes_family_buckets(load):
 def test_demo_bundle_validates():
     b = spec.load(Path(__file__).parent.parent / "bundles" / "demo.yaml")
     for t in b.spec.targets:
-        assert planmod.make_plan(b, t).fits
+        assert make_plan(b, t).fits
 
 
 def test_missing_spec_file(tmp_path):
@@ -254,7 +257,7 @@ def test_dtype_layout_errors(diagnostics):
 
 def test_block_float_default_keeps_embedding_and_norms_bf16(load):
     b = load(spec_text({"weights": {"dtypes": {"default": "bfp4", "attention": "bfp8"}}}))
-    p = planmod.make_plan(b, "N150")
+    p = make_plan(b, "N150")
     dt = {t.name: t.dtype for t in p.tensors}
     assert dt["embed"] == dt["final_norm"] == dt["attn_norm"] == "bf16"
     assert dt["wq"] == "bfp8" and dt["w1"] == dt["lm_head"] == "bfp4"
@@ -478,9 +481,9 @@ def assert_clean(text: str) -> str:
     try:
         b = spec.loads(text, SPEC_FILE, base_dir=NO_DIR)
         for t in b.spec.targets:
-            p = planmod.make_plan(b, t)
+            p = make_plan(b, t)
             if not p.fits:
-                assert planmod.fixes(b, p)
+                assert fixes(b, p)
             assert p.memory.total == (p.memory.weights + p.memory.kv_cache + p.memory.activations
                                       + p.memory.trace_region)
     except InvalidInput as e:
@@ -488,7 +491,7 @@ def assert_clean(text: str) -> str:
         if isinstance(e, spec.InvalidSpec):  # schema-valid: the mesh checks still run (validate)
             for t in e.bundle.spec.targets:
                 if meshmod.try_resolve(t) is not None:
-                    e.diagnostics += planmod.sharding_diagnostics(e.bundle, t)
+                    e.diagnostics += sharding_diagnostics(e.bundle, t)
         for d in e.diagnostics:
             assert d.file == SPEC_FILE and isinstance(d.line, int) and d.line >= 1, str(d)
             assert d.line <= max(1, text.count("\n") + 1), str(d)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from spec_helpers import SPEC_FILE, line_of, spec_text
-from ttbundle import lower as lowermod, plan as planmod, speculative
+from ttbundle import lower as lowermod, speculative
+from ttbundle.plan.make import make_plan
 
 NGRAM = {"speculative": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
                          "prompt_lookup_max": 3}}
@@ -64,7 +65,7 @@ def test_verify_programs_hold_k_plus_one_rows_per_sequence_and_their_memory(load
     ts = lowermod.trace_set(b)
     assert [k for k in ts if k[0] == "verify"] == [("verify", n) for n in b.buckets.decode]
     assert [k for k in ts if k[0] != "verify"] == lowermod.trace_set(plain)
-    p, p0 = planmod.make_plan(b, "N150"), planmod.make_plan(plain, "N150")
+    p, p0 = make_plan(b, "N150"), make_plan(plain, "N150")
     for n in b.buckets.decode:
         prog = lowermod.lower(b, p, "verify", n)
         assert prog.rows == -(-n * 4 // 32) * 32  # n x (3 + 1) rows, whole tiles

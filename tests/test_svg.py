@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 
 from ttbundle import spec as specmod
 from ttbundle.cli import app
-from ttbundle.plan import Collective, TensorPlan, make_plan
+from ttbundle.plan.make import make_plan
+from ttbundle.plan.propagate import Collective
+from ttbundle.plan.sharding import TensorPlan
 from ttbundle.svg import render_plan
 
 ROOT = Path(__file__).resolve().parents[1]

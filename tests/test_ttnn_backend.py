@@ -18,7 +18,12 @@ import yaml
 from typer.testing import CliRunner
 
 from test_build import ckpt, spec_text  # noqa: F401  (ckpt: the shared checkpoint fixture)
-from ttbundle import build as buildmod, layout, mockcluster, package, plan as planmod, spec as specmod, tensorbin
+from ttbundle import build as buildmod, layout, mesh as meshmod, mockcluster, spec as specmod, tensorbin
+from ttbundle.layout import axes_of
+from ttbundle.plan.make import make_plan
+from ttbundle.plan.memory import tensor_bytes
+from ttbundle.package.names import weight_file
+from ttbundle.package.verify import read_manifest, verify_package
 from ttbundle.backends.ttnn import cache, mappers
 from ttbundle.cli import app
 from ttbundle.errors import InvalidInput
@@ -33,7 +38,7 @@ def write_spec(tmp: Path, ckpt: Path) -> Path:
 
 
 def st_shard(pkg: Path, d: int, key: str) -> tuple[bytes, dict]:
-    with open(pkg / package.weight_file(d), "rb") as f:
+    with open(pkg / weight_file(d), "rb") as f:
         n = struct.unpack("<Q", f.read(8))[0]
         head = json.loads(f.read(n))
         a, b = head[key]["data_offsets"]
@@ -47,14 +52,14 @@ def test_build_writes_a_tensorbin_per_device_and_tensor(tmp_path, ckpt, mesh):
     bundle = specmod.load(write_spec(tmp_path, ckpt))
     res = buildmod.build(bundle, mesh, tmp_path / "out", backend="ttnn", warmup=False)
     pkg = Path(res.package)
-    m = package.verify_package(pkg)  # every tensorbin file is in the manifest, sha256 included
+    m = verify_package(pkg)  # every tensorbin file is in the manifest, sha256 included
     assert "tensorbin" in res.rebuilt and "tensorbin" in m["artifacts"]
-    p = planmod.make_plan(bundle, mesh)
+    p = make_plan(bundle, mesh)
     tp = {t.name: t for t in p.tensors}
     idx = cache.read_index(pkg)
     D = p.mesh.num_devices
     assert idx["devices"] == D and idx["mesh"] == {"name": mesh, "shape": list(p.mesh.shape)}
-    keys = set(cache._RawSafetensors(pkg / package.weight_file(0)).meta["tensors"])
+    keys = set(cache._RawSafetensors(pkg / weight_file(0)).meta["tensors"])
     assert set(idx["tensors"]) == keys
     listed = set(m["artifacts"]["tensorbin"]["files"])
     # one file per distinct shard: a replicated tensor's in device 0's folder only (layout's rule)
@@ -89,7 +94,7 @@ def test_build_writes_a_tensorbin_per_device_and_tensor(tmp_path, ckpt, mesh):
             else:
                 assert data == raw  # the embedding, row-major
     # the tensorbins hold exactly the DRAM the plan charges for weights (one copy per layer)
-    charged = sum(planmod.tensor_bytes(list(idx["tensors"][k]["shape"]), idx["tensors"][k]["dtype"],
+    charged = sum(tensor_bytes(list(idx["tensors"][k]["shape"]), idx["tensors"][k]["dtype"],
                                        idx["tensors"][k]["layout"], p.mesh) for k in keys)
     assert charged == p.memory.weights
 
@@ -101,7 +106,7 @@ def test_backend_is_part_of_the_key_and_caches_are_reused(tmp_path, ckpt):
     assert buildmod.build(bundle, "N300", out, backend="ttnn", warmup=False).status == "up-to-date"
     r2 = buildmod.build(bundle, "N300", out, warmup=False)  # emulated: the caches go
     assert r2.status == "built" and "weights" in r2.reused and not (Path(r2.package) / "tensorbin").exists()
-    package.verify_package(r2.package)
+    verify_package(r2.package)
     r3 = buildmod.build(bundle, "N300", out, backend="ttnn", warmup=False)
     assert "tensorbin" in r3.rebuilt and "weights" in r3.reused and r3.key == r1.key
     # a rebuild that keeps the weights (a new bucket) links the caches instead of rewriting them
@@ -111,7 +116,7 @@ def test_backend_is_part_of_the_key_and_caches_are_reused(tmp_path, ckpt):
     r4 = buildmod.build(specmod.load(spec), "N300", out, backend="ttnn", warmup=False)
     assert "tensorbin" in r4.reused and "program:decode-4" in r4.rebuilt
     assert (Path(r4.package) / cache.cache_file(1, "wq.0")).stat().st_ino == before
-    package.verify_package(r4.package)
+    verify_package(r4.package)
 
 
 def test_unknown_backend_and_cli_flag(tmp_path, ckpt):
@@ -139,12 +144,12 @@ def test_tilize_round_trip_and_face_order():
 def test_mapper_dims_follow_the_plan():
     text = spec_text() + "sharding: {kv_heads: replicate}\n"
     b = specmod.loads(text, "s.yaml")
-    p = planmod.make_plan(b, "T3K")
+    p = make_plan(b, "T3K")
     tp = {t.name: t for t in p.tensors}
     assert mappers.mapper_dims(p, "attn_norm") == {"type": "ReplicateTensorToMesh"}
     want = [None, None]  # ShardTensor2dMesh dims: the tensor dim split over rows, over cols
     for i, e in enumerate(tp["wq"].spec):
-        for ax in planmod.axes_of(e):
+        for ax in axes_of(e):
             want[("rows", "cols").index(ax)] = i
     assert mappers.mapper_dims(p, "wq") == {"type": "ShardTensor2dMesh", "dims": want}
     # 2 KV heads replicated over 8 devices and the vocab padded 500 -> 512 are ttbundle's own
@@ -156,7 +161,7 @@ def test_mapper_dims_follow_the_plan():
 def test_mock_cluster_descriptors_are_consistent():
     for name in mockcluster.supported():
         d = yaml.safe_load(mockcluster.descriptor(name))
-        m = planmod.meshmod.PRESETS[name]
+        m = meshmod.PRESETS[name]
         chips = list(d["arch"])
         assert len(chips) == m.num_devices
         assert {d["arch"][c] for c in chips} == {m.chip.arch}
@@ -197,7 +202,7 @@ def forwards_of(bundle, plan, sampling="device", keys=None):
 
 
 def recorded_runner(bundle, mesh, sampling="device", keys=None):
-    p = planmod.make_plan(bundle, mesh)
+    p = make_plan(bundle, mesh)
     fws, traced = forwards_of(bundle, p, sampling, keys)
     rec = recording.Recorder(unknown_reads="zeros")  # fake weights: every value read is unknown
     tt = rec.module()
@@ -324,7 +329,7 @@ def test_every_program_op_kind_has_a_lowering():
         bundle = specmod.load(path)
         fams.add(bundle.family.name)
         for mesh in bundle.spec.targets:
-            p = planmod.make_plan(bundle, mesh)
+            p = make_plan(bundle, mesh)
             for phase, b in lowermod.trace_set(bundle):
                 prog = lowermod.lower(bundle, p, phase, b)
                 kinds |= {lowering.step_kind(st) for _, _, st in prog.steps()}
@@ -348,7 +353,7 @@ def test_constants_shared_by_name_have_one_shape():
     once), so a name must mean one shape in every bucket (the MoE routing zeros did not)."""
     for path in lowered_bundles():
         bundle = specmod.load(path)
-        p = planmod.make_plan(bundle, bundle.spec.targets[0])
+        p = make_plan(bundle, bundle.spec.targets[0])
         fws, _ = forwards_of(bundle, p)
         shapes: dict = {}
         for fw in fws.values():
@@ -427,7 +432,7 @@ def test_ttnn_build_without_sfpi_records_an_unfilled_kernel_cache(tmp_path, ckpt
     assert r.exit_code == 0, r.output
     done = [json.loads(x) for x in r.output.splitlines() if '"event": "done"' in x][-1]
     assert any("kernel cache not pre-filled" in w and "no Python with ttnn" in w for w in done["warnings"])
-    m = package.read_manifest(Path(done["package"]))
+    m = read_manifest(Path(done["package"]))
     kc = m["artifacts"]["kernel_cache"]
     assert kc["filled"] is False and kc["files"] == [] and "no Python with ttnn" in kc["reason"]
     assert m["key_fields"]["kernel_cache"] == "none" and m["key_fields"]["backend"] == "ttnn"
@@ -463,12 +468,13 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
     res = buildmod.build(specmod.load(spec), "N300", tmp_path / "out", backend="ttnn", warmup=False)
     assert [c[:2] for c in calls] == [("/py-with-ttnn", "N300")] and "kernel_cache" in res.rebuilt
     # handed the package's own programs and bundle.yaml (nothing for the fill to re-plan or lower)
-    pk = package.load_package(res.package)
+    from ttbundle.package.load import load_package
+    pk = load_package(res.package)
     _, _, yml, progs, trs = calls[0]
     assert yml == (Path(res.package) / "bundle.yaml").read_text()
     assert set(progs) == set(pk.programs) and all(progs[k] == pk.program_ir(*k) for k in pk.programs)
     assert trs == pk.trace_region_size
-    m = package.verify_package(res.package)  # every cache file hashed in the manifest
+    m = verify_package(res.package)  # every cache file hashed in the manifest
     kc = m["artifacts"]["kernel_cache"]
     want = {f"{kernelcache.CACHE_DIR}/kernels/rms_norm/123/trisc0.elf", f"{kernelcache.CACHE_DIR}/firmware.hex"}
     assert kc["filled"] and set(kc["files"]) == want and want <= set(m["files"])
@@ -476,7 +482,7 @@ def test_ttnn_build_with_sfpi_fills_and_hashes_the_kernel_cache(tmp_path, ckpt, 
     assert not any("kernel cache" in w for w in res.warnings)
     (Path(res.package) / kernelcache.CACHE_DIR / "firmware.hex").write_text("11")  # tampering is caught
     with pytest.raises(Exception, match="firmware.hex"):
-        package.verify_package(res.package)
+        verify_package(res.package)
     (Path(res.package) / kernelcache.CACHE_DIR / "firmware.hex").write_text("00")
     assert buildmod.build(specmod.load(spec), "N300", tmp_path / "out", backend="ttnn", warmup=False).status == "up-to-date"
     # the runtime's copy: writable, once per package key
@@ -497,7 +503,7 @@ def test_programs_handed_over_to_a_ttnn_process_read_back_as_lowered(tmp_path):
     from ttbundle.backends.ttnn import handover
     from ttbundle.program import ProgramError
     bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
-    p = planmod.make_plan(bundle, "N300")
+    p = make_plan(bundle, "N300")
     progs = lowermod.lower_all(bundle, p)
     yml = package.render_bundle_yaml(package.resolved_spec(bundle, p), __version__)
     d = handover.write(tmp_path / "h", yml, progs)
@@ -523,7 +529,7 @@ def test_a_handed_over_program_runs_on_the_mesh_it_records():
     from ttbundle import mesh as meshmod
     from ttbundle.backends.ttnn import handover
     prog = lowermod.lower(specmod.load(BUNDLES / "llama-3.1-8b.yaml"),
-                          planmod.make_plan(specmod.load(BUNDLES / "llama-3.1-8b.yaml"), "N300"), "decode", 1)
+                          make_plan(specmod.load(BUNDLES / "llama-3.1-8b.yaml"), "N300"), "decode", 1)
     assert handover.mesh_of(prog) == meshmod.resolve("N300")
     import dataclasses
     quarter = handover.mesh_of(dataclasses.replace(prog, mesh={"name": "TG", "shape": [2, 4], "arch": "wormhole_b0"}))
@@ -556,7 +562,7 @@ def _expected_ccl(bundle, p, prog) -> list[tuple]:
 @pytest.mark.parametrize("mesh", ["N300", "T3K", "TG", "P150x4"])
 def test_every_collective_is_the_right_ccl_call(name, mesh):
     bundle = specmod.load(BUNDLES / f"{name}.yaml")
-    p = planmod.make_plan(bundle, mesh)
+    p = make_plan(bundle, mesh)
     ts = lowermod.trace_set(bundle)
     keys = [min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")]
     rec, r, fws = recorded_runner(bundle, mesh, "device", keys)
@@ -578,7 +584,7 @@ def test_gemma2_attention_is_softcapped_with_the_emulated_mask():
 
     from ttbundle.backends.emulated import kernels
     bundle = specmod.load(BUNDLES / "gemma-2-9b.yaml")
-    p = planmod.make_plan(bundle, "N300")
+    p = make_plan(bundle, "N300")
     cap = bundle.arch.attn_logit_softcapping
     for phase in ("prefill", "decode"):
         b = min(k[1] for k in lowermod.trace_set(bundle) if k[0] == phase)
@@ -611,7 +617,7 @@ def test_gemma2_attention_is_softcapped_with_the_emulated_mask():
 
 def test_mla_prefill_is_lowered_per_chunk_start():
     bundle = specmod.load(BUNDLES / "deepseek-v3.yaml")
-    p = planmod.make_plan(bundle, bundle.spec.targets[0])
+    p = make_plan(bundle, bundle.spec.targets[0])
     chunk = bundle.buckets.prefill_chunk or max(bundle.buckets.prefill)
     b = min(bundle.buckets.prefill)
     starts = lowering.chunk_starts(bundle, "prefill", b)
@@ -631,7 +637,7 @@ def test_mla_prefill_is_lowered_per_chunk_start():
 
 def test_a_later_prefill_chunk_writes_its_own_blocks():
     bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
-    p = planmod.make_plan(bundle, "N300")
+    p = make_plan(bundle, "N300")
     fw = lowering.lower_forward(bundle, p.mesh, lowermod.lower(bundle, p, "prefill", 128))
     fills = [c for _, c in fw.calls() if c.fn == "experimental.paged_fill_cache"]
     assert fills and all(c.args[2].name == "fill_page_table" for c in fills)

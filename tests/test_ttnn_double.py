@@ -24,7 +24,9 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from test_layout import MESH_SHAPES, _mesh, dt_placements, dtensor_mesh, local_shards
-from ttbundle import layout, lower as lowermod, plan as planmod, spec as specmod
+from ttbundle import layout, lower as lowermod, spec as specmod
+from ttbundle.plan.make import make_plan
+from ttbundle.plan.sharding import target_mesh
 from ttbundle.backends.ttnn import device, lowering, numerics, recording
 from ttbundle.backends.ttnn import model as ttmodel
 from ttbundle.backends.ttnn.calls import Call, Forward, Layer, T
@@ -430,7 +432,7 @@ def test_every_program_collective_equals_dtensor_redistribute(name, mesh):
     every layer's, one check per distinct step) as lowered, run on the double, equal DTensor's
     redistribute of the same global activation."""
     bundle = _bundle(name)
-    p = planmod.make_plan(bundle, mesh)
+    p = make_plan(bundle, mesh)
     ts = lowermod.trace_set(bundle)
     keys = [min(k for k in ts if k[0] == phase) for phase in ("decode", "prefill")[:2 if name == "tiny-llama" else 1]]
     steps = [(key, *s) for key in keys for s in program_steps(bundle, p, key)]
@@ -457,7 +459,7 @@ def test_a_deleted_all_reduce_is_caught():
     """Mutation: drop the lowered all_reduce of one step (TG's row-parallel q projection): the
     report names the step, the activation and the devices whose numbers are wrong."""
     bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
-    p = planmod.make_plan(bundle, "TG")
+    p = make_plan(bundle, "TG")
     index, kind, step, calls, _ = next(s for s in program_steps(bundle, p, ("decode", 1))
                                        if s[2]["collective"] == "all_reduce")
     assert check_step(p.mesh, step, calls) == []
@@ -489,13 +491,13 @@ def forward_differences(pkg: Path, prompt: list[int], steps: int, rel: float = 0
     forward whose logits differ by more than ``rel`` of the largest logit (bf16 level), whose
     greedy token differs (unless the reference ranks it within that difference of its best: a
     near tie bf16 may flip), or whose on-device sampled token is not the greedy one."""
-    from ttbundle import package
-    from ttbundle.backends.emulated.model import EmulatedModel, Runner
+    from ttbundle.package.load import LoadedPackage, load_package
+    from ttbundle.backends.emulated import EmulatedModel, Runner
     rec = recording.Recorder()
     r = ttmodel.open_model(rec.module(), pkg, "all", host_fallback=True)
     r.warmup()
     r.capture()
-    pk = package.load_package(pkg)
+    pk = load_package(pkg)
     emu = Runner(EmulatedModel.from_package(pk, dtype=torch.float32))  # its programs as typed IR
     blocks = list(range(emu.max_blocks))
     bs, V = pk.bundle.spec.runtime.kv_block_size, pk.bundle.arch.vocab_size
@@ -580,12 +582,12 @@ def test_the_ttnn_path_runs_the_package_without_a_planner(t3k_package, monkeypat
     and block size, the mesh and trace region from its programs and manifest) and gives the
     emulated backend's numbers on the double. Before, ``open_model`` lowered ``pkg.plan``, a
     re-plan of bundle.yaml."""
-    from ttbundle import plan as planmod
+    from ttbundle.plan import make as planmake
 
     def no_planner(*a, **k):
         raise AssertionError("re-planned at run time")
-    monkeypatch.setattr(planmod, "make_plan", no_planner)
-    monkeypatch.setattr(planmod, "kv_blocks", no_planner)
+    monkeypatch.setattr(planmake, "make_plan", no_planner)
+    monkeypatch.setattr(planmake, "kv_blocks", no_planner)
     assert forward_differences(t3k_package, [5, 17, 99, 3, 250, 42, 7], 1) == []
 
 
@@ -627,7 +629,7 @@ def test_a_package_whose_spec_and_programs_disagree_is_refused(t3k_package, tmp_
     import re
 
     from pkg_mutations import edit_bundle_yaml, edit_program_json
-    from ttbundle.package import PackageError
+    from ttbundle.package.names import PackageError
     pkg = _mutated(t3k_package, tmp_path)
     if where == "bundle.yaml":
         edit_bundle_yaml(pkg, edit)
@@ -665,7 +667,7 @@ def test_tensorbin_caches_that_disagree_with_the_programs_are_refused(t3k_packag
     the programs' is refused at open, naming the key and both (before, the caches were loaded as
     the index said)."""
     from pkg_mutations import edit_json
-    from ttbundle.package import PackageError
+    from ttbundle.package.names import PackageError
     pkg = _mutated(t3k_package, tmp_path)
 
     def bfp8(idx):
@@ -684,7 +686,7 @@ def test_the_lowering_follows_the_programs_kv_record_not_the_spec():
     import dataclasses
 
     bundle = _bundle("tiny-llama")
-    p = planmod.make_plan(bundle, "T3K")  # build time: the program a package would hold
+    p = make_plan(bundle, "T3K")  # build time: the program a package would hold
     rt = bundle.spec.runtime
     assert (rt.kv_cache_dtype, rt.kv_block_size, rt.max_model_len) == ("bf16", 32, 256)
     for phase, bucket, write in (("decode", 1, "experimental.paged_update_cache"),
@@ -705,10 +707,10 @@ def test_the_lowering_follows_the_programs_kv_record_not_the_spec():
 def test_a_program_for_another_mesh_is_not_lowered(t3k_package):
     """``lower_forward`` lowers a program on the mesh it records: a T3K program on N300 is
     refused naming both."""
-    from ttbundle import package
-    pk = package.load_package(t3k_package)
+    from ttbundle.package.load import LoadedPackage, load_package
+    pk = load_package(t3k_package)
     with pytest.raises(ValueError, match=r"program decode-1 is for a \[1, 8\] mesh, lowering for N300"):
-        lowering.lower_forward(pk.bundle, planmod.target_mesh(pk.bundle, "N300"), pk.program_ir("decode", 1))
+        lowering.lower_forward(pk.bundle, target_mesh(pk.bundle, "N300"), pk.program_ir("decode", 1))
 
 
 def test_a_cache_write_of_an_unknown_value_leaves_the_cache_unknown():

@@ -30,7 +30,7 @@ MESHES = ["N150", "N300"]
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     out = tmp_path_factory.mktemp("ttv")
     return {m: build_package(TINY_VL, out, m, backend="ttnn", warmup=False) for m in MESHES}, out
 
@@ -181,7 +181,7 @@ def test_qwen2_5_vl_images_are_refused_on_the_tt_device_path_naming_what_is_miss
     from spec_helpers import TINY_QVL
     from ttbundle.errors import InvalidInput
     from ttbundle.runtime import ttdevice
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     from ttbundle.runtime.options import TTOptions
     from ttbundle.runtime.packages import open_package
 

@@ -16,7 +16,8 @@ from typer.testing import CliRunner
 from pkg_mutations import drop_first, edit_programs
 from spec_helpers import TINY_VL, line_of
 
-from ttbundle import plan as planmod, spec
+from ttbundle import spec
+from ttbundle.plan.make import make_plan
 from ttbundle.backends.emulated import model as emodel
 from ttbundle.check import PCC_MIN_FP32, run_check
 from ttbundle.cli import app
@@ -82,7 +83,7 @@ def test_soft_tokens_of_one_image_attend_to_each_other(monkeypatch):
 
 def test_plan_holds_vision_tensors_and_program():
     b = tiny_vl()
-    p = planmod.make_plan(b, "T3K")
+    p = make_plan(b, "T3K")
     t = {x.name: x for x in p.tensors}
     # 8 vision heads of 8 over 8 columns: one head per device; the MLP's 128 over 8: 16 each
     assert t["v_wq"].device_shape == [64, 8] and t["v_w1"].device_shape == [64, 16]
@@ -176,11 +177,11 @@ def test_plan_charges_the_vision_encoders_activations_when_they_are_the_peak():
     text = TINY_VL.replace("image_size: 64", "image_size: 256").replace("mm_tokens_per_image: 16",
                                                                        "mm_tokens_per_image: 64")
     text = text.replace("prefill_chunk: 64}", "prefill_chunk: 128}")
-    p = planmod.make_plan(tiny_vl(text), "N150")
+    p = make_plan(tiny_vl(text), "N150")
     banks = p.mesh.chip.dram_banks
 
     def buf(rows, f):
         return math.ceil(rows // 32 * f // 32 / banks) * banks * 2048
     assert p.memory.activations == 11 * buf(2048, 64) + 2 * buf(2048, 128)
-    small = planmod.make_plan(tiny_vl(), "N150")  # 64-patch images: the text prefill is the peak
+    small = make_plan(tiny_vl(), "N150")  # 64-patch images: the text prefill is the peak
     assert any(n == "logits" for n, _ in small.activation_buffers)

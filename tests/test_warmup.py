@@ -15,7 +15,11 @@ import torch
 from pkg_mutations import storing_file
 from test_build import ckpt, write_spec  # noqa: F401  (fixture)
 from test_package import pkg  # noqa: F401  (a copy of this module's `built`)
-from ttbundle import build as buildmod, package, spec as specmod, warmref, warmup
+from ttbundle import build as buildmod, spec as specmod, warmref, warmup
+from ttbundle.package import shards
+from ttbundle.package.load import load_package
+from ttbundle.package.names import weight_file
+from ttbundle.package.verify import read_manifest, verify_package
 from ttbundle.errors import WarmupMismatch
 
 PROGRAMS = {"prefill-32", "prefill-64", "decode-1", "decode-8"}
@@ -50,7 +54,7 @@ def mutate_tensor(pkg: Path, dev: int, key: str, fn) -> None:
 
 
 def test_build_records_a_reference_per_program(built):
-    m = package.verify_package(built)
+    m = verify_package(built)
     refs = warmref.references(built, m)
     assert {f"{p}-{b}" for p, b in refs} == PROGRAMS
     for (phase, b), r in refs.items():
@@ -73,7 +77,7 @@ def test_reference_is_what_transformers_computes(built, ckpt):  # noqa: F811
     """Independent of the emulated backend: the recorded prefill argmax and logits are
     transformers' (float32) for the same tokens from the checkpoint."""
     from ttbundle import reference
-    ref = warmref.references(built, package.read_manifest(built))[("prefill", 64)]
+    ref = warmref.references(built, read_manifest(built))[("prefill", 64)]
     hf = reference.load_model(ckpt)
     with torch.no_grad():
         logits = hf(torch.tensor([[(7 * j + 1) % 500 for j in range(8)]])).logits[0].float()
@@ -100,7 +104,7 @@ def test_intact_package_passes_and_a_rerun_agrees_far_inside_the_tolerance(pkg):
 def test_one_weight_changed_by_one_ulp_and_rehashed_fails_in_float32(pkg):
     # a single element of layer 0's query projection on device 1, one bf16 ulp up
     mutate_tensor(pkg, 1, "wq.0", lambda t: t.__setitem__(1000, t[1000] * (1 + 2 ** -7)))
-    package.verify_package(pkg)  # every sha256 matches: the manifest was re-hashed
+    verify_package(pkg)  # every sha256 matches: the manifest was re-hashed
     with pytest.raises(WarmupMismatch, match=r"warm-up of (prefill|decode)-\d+ \(float32\), (row|position) \d+: "
                                              r".* expected -?[\d.e+-]+, got -?[\d.e+-]+ \(tolerance"):
         warmup.verify_package(pkg)
@@ -108,7 +112,7 @@ def test_one_weight_changed_by_one_ulp_and_rehashed_fails_in_float32(pkg):
 
 def test_a_negated_row_fails_in_both_dtypes(pkg):
     mutate_tensor(pkg, 0, "w2.1", lambda t: t.__setitem__(slice(0, 512), -t[0:512]))
-    package.verify_package(pkg)
+    verify_package(pkg)
     for dt in ("float32", "bfloat16"):
         with pytest.raises(WarmupMismatch, match=rf"\({dt}\), (row|position) \d+"):
             warmup.verify_package(pkg, dtypes=(dt,))
@@ -125,7 +129,7 @@ def test_an_altered_program_fails_naming_it(pkg):
     assert n > 0
     (pkg / rel).write_text(json.dumps(prog, sort_keys=True, indent=1) + "\n")
     rehash(pkg, rel)
-    package.verify_package(pkg)
+    verify_package(pkg)
     with pytest.raises(WarmupMismatch, match=r"warm-up of decode-8: programs/decode-8.json is not the program"):
         warmup.verify_package(pkg)
     # and by its numbers: the emulated backend runs the package's program, so even with the
@@ -135,7 +139,7 @@ def test_an_altered_program_fails_naming_it(pkg):
     ref["program_sha256"] = hashlib.sha256((pkg / rel).read_bytes()).hexdigest()
     (pkg / ref_rel).write_bytes(warmup.reference_bytes(ref))
     rehash(pkg, ref_rel)
-    package.verify_package(pkg)
+    verify_package(pkg)
     with pytest.raises(WarmupMismatch, match=r"warm-up of decode-8 \(float32\), row \d+: .* expected"):
         warmup.verify_package(pkg)
 
@@ -174,7 +178,7 @@ def test_cli_cache_verify_runs_the_programs(pkg, runner):
 
 def test_no_warmup_packages_say_what_is_unchecked(tmp_path, ckpt):  # noqa: F811
     res = buildmod.build(specmod.load(write_spec(tmp_path, ckpt)), "N150", tmp_path / "out", warmup=False)
-    m = package.read_manifest(Path(res.package))
+    m = read_manifest(Path(res.package))
     assert warmref.unchecked(m) == sorted(PROGRAMS) and warmup.verify_package(res.package) == {"float32": {}}
 
 
@@ -186,7 +190,7 @@ def test_one_flipped_byte_of_a_bfp8_tile_fails(tmp_path, ckpt):  # noqa: F811
     res = buildmod.build(specmod.load(spec), "N150", tmp_path / "out")
     pkg = Path(res.package)
     assert warmup.verify_package(pkg).keys() == {"float32"}
-    rel = package.weight_file(0)
+    rel = weight_file(0)
     data = bytearray((pkg / rel).read_bytes())
     n = struct.unpack("<Q", data[:8])[0]
     h = json.loads(data[8:8 + n])
@@ -195,7 +199,7 @@ def test_one_flipped_byte_of_a_bfp8_tile_fails(tmp_path, ckpt):  # noqa: F811
     data[at] ^= 0x40  # the value's top magnitude bit
     (pkg / rel).write_bytes(bytes(data))
     rehash(pkg, rel)
-    package.verify_package(pkg)
+    verify_package(pkg)
     with pytest.raises(WarmupMismatch, match=r"warm-up of \w+-\d+ \(float32\), (row|position) \d+: .* expected"):
         warmup.verify_package(pkg)
 
@@ -221,7 +225,7 @@ FAMILIES = ["llama", "qwen3", "gemma2"]
 @pytest.fixture(scope="module")
 def family_pkgs(tmp_path_factory):
     from test_emulated import COMMON, TINY
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     d = tmp_path_factory.mktemp("fam")
     common = COMMON.replace("targets: [N150, N300, T3K, TG]", "targets: [N300]")
     return {f: build_package(TINY[f] + common, d / f, "N300") for f in FAMILIES}
@@ -233,7 +237,7 @@ def test_layer_by_layer_warm_up_equals_whole_forward_on_the_recorded_rows(family
     every program, the logits of the whole-model forward (every weight held, as served) of the
     same rows, bit for bit (same GEMMs), and the reference records them."""
     from ttbundle.backends.emulated import EmulatedModel
-    loaded = package.load_package(family_pkgs[family])
+    loaded = load_package(family_pkgs[family])
     progs = sorted(loaded.programs)
     got = warmref.run(warmup.stage_model(loaded, "float32", progs), loaded.bundle, progs)
     whole = EmulatedModel.from_package(loaded)
@@ -273,8 +277,8 @@ def test_families_pass_in_both_dtypes_and_corruptions_fail_in_both(family_pkgs, 
 def test_reading_in_bands_gives_the_stored_values(family_pkgs, monkeypatch):
     """``PackageWeights.stack`` with bands of a few rows: bf16 stored transposed, bf16 as is and
     block floats (bands of whole tile rows) equal each shard decoded whole (``shards``)."""
-    loaded = package.load_package(family_pkgs["llama"])
-    monkeypatch.setattr(package, "BAND_BYTES", 4096)
+    loaded = load_package(family_pkgs["llama"])
+    monkeypatch.setattr(shards, "BAND_BYTES", 4096)
     w = loaded.weights
     _, metas = w._open()
     assert metas[0]["wq.0"].get("transposed") and not metas[0]["attn_norm.0"].get("transposed")
@@ -291,14 +295,14 @@ def test_block_float_weights_read_and_written_in_bands_are_the_whole_tensors(tmp
     a = Path(buildmod.build(specmod.load(spec), "N300", tmp_path / "a", warmup=False).package)
     monkeypatch.setattr(convert, "BAND_BYTES", 4096)  # 32-row bands of every block-float shard
     b = Path(buildmod.build(specmod.load(spec), "N300", tmp_path / "b", warmup=False).package)
-    loaded = package.load_package(a)
+    loaded = load_package(a)
     w = loaded.weights
     for d in range(2):
-        assert (a / package.weight_file(d)).read_bytes() == (b / package.weight_file(d)).read_bytes()
+        assert (a / weight_file(d)).read_bytes() == (b / weight_file(d)).read_bytes()
     # independent of convert: the stored tiles are blockfloat.encode of the whole shard
     shard = w.shards("w1", 0)[1]
     assert w.device(1)["w1.0"].shape == shard.shape
     assert bytes(blockfloat.encode(shard, "bfp8")) == w._open()[0][1].get_tensor("w1.0").numpy().tobytes()
-    monkeypatch.setattr(package, "BAND_BYTES", 4096)
+    monkeypatch.setattr(shards, "BAND_BYTES", 4096)
     for name, layer in [("w1", 0), ("w2", 1), ("lm_head", None)]:
         assert torch.equal(w.stack(name, layer, torch.float32), torch.stack(w.shards(name, layer, torch.float32)))

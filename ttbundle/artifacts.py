@@ -13,9 +13,10 @@ from pathlib import Path
 
 from . import __version__, cache, lower as lowermod, warmup
 from .fsutil import MAX_TOKENIZER_BYTES, fault as _fault, read_user_bytes
-from .package import (MANIFEST, METADATA, FORMAT, hf_config_json, metadata_json, module_name,
-                      render_adapter, render_readme, tt_arch)
-from .plan import replica_json
+from .manifest import MANIFEST, METADATA
+from .package.names import FORMAT, module_name, tt_arch
+from .package.templates import hf_config_json, metadata_json, render_adapter, render_readme
+from .plan.make import replica_json
 from .speculative import verify_buckets
 from .program import Program
 

@@ -40,8 +40,10 @@ from .artifacts import PackageWriter
 from .convert import convert
 from .errors import DoesNotFit, InvalidInput, TTBundleError
 from .fsutil import fault as _fault
-from .package import PackageError, package_path, read_manifest, weight_file
-from .plan import Plan, make_plan, shortfall
+from .package.names import PackageError, package_path, weight_file
+from .package.verify import read_manifest
+from .plan.make import Plan, make_plan
+from .plan.memory import shortfall
 from .txn import (STATE_DIR, _check_replaceable, _fsync_dir, _Lock, _recover, _swap, _tag,  # noqa: F401
                   lock_unless_read_only)
 

@@ -45,7 +45,7 @@ FIELDS = {
     "ttbundle": "ttbundle version",
     "code.convert": "weight conversion code (ttbundle.convert and every ttbundle module it imports)",
     "code.lower": "lowering code (ttbundle.lower and its imports)",
-    "code.templates": "package templates and the small files' code (ttbundle.package and its imports)",
+    "code.templates": "package templates and the small files' code (ttbundle.package.templates and its imports)",
     "code.backend": "warm-up code (ttbundle.warmup and its imports: the emulated backend)",
     "torch": "torch version",
     "transformers": "transformers version (config.json)",
@@ -110,7 +110,7 @@ def family_sources(family, root: Path = ROOT) -> list[Path]:
 PRODUCERS = {
     "code.convert": ("ttbundle.convert",),   # weights: streaming, shard cutting, block floats
     "code.lower": ("ttbundle.lower",),       # programs/<phase>-<bucket>.json
-    "code.templates": ("ttbundle.package",),  # small files (config.json, adapter, README) + *.j2
+    "code.templates": ("ttbundle.package.templates",),  # small files (config.json, adapter, README) + *.j2
     "code.backend": ("ttbundle.warmup",),    # warm-up: the emulated backend and the reference it records
 }
 # The one module a walk does not enter: ``ttbundle.families``' ``__init__``, the registry that
@@ -229,9 +229,9 @@ def tokenizer_dir(bundle) -> Path | None:
 
 def check_tokenizer(bundle) -> None:
     """A package serves text only with a tokenizer: InvalidInput (at the spec's ``tokenizer:``)
-    when the tokenizer directory has none of ``package.TOKENIZER_MODEL_FILES``, unless the spec
+    when the tokenizer directory has none of ``package.names.TOKENIZER_MODEL_FILES``, unless the spec
     says ``tokenizer: false`` (token ids only)."""
-    from .package import TOKENIZER_MODEL_FILES, has_tokenizer
+    from .package.names import TOKENIZER_MODEL_FILES, has_tokenizer
 
     if bundle.spec.tokenizer is False or bundle.spec.weights.source is None:
         return  # token ids only; no checkpoint: `compute` says weights.source is missing
@@ -249,7 +249,7 @@ def check_tokenizer(bundle) -> None:
 
 
 def tokenizer_files(bundle) -> list[Path]:
-    from .package import TOKENIZER_FILES
+    from .package.names import TOKENIZER_FILES
     d = tokenizer_dir(bundle)
     if d is None:
         return []
@@ -323,7 +323,7 @@ def compute(bundle, plan, previous: dict | None) -> Inputs:
     """Key inputs of ``bundle`` on ``plan.mesh``; source digests come from ``previous``'s stat
     cache where possible (``Inputs.pending`` says whether any file still needs hashing)."""
     from .lower import trace_set
-    from .package import render_bundle_yaml, resolved_spec
+    from .package.templates import render_bundle_yaml, resolved_spec
 
     s = bundle.spec
     if s.weights.source is None:

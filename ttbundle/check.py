@@ -343,7 +343,8 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
 
     from . import reference
     from .backends.emulated import EmulatedModel, Runner
-    from .package import load_package, trim_heap
+    from .package.load import load_package
+    from .package.shards import trim_heap
 
     if dtype not in ("fp32", "bf16"):
         raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
@@ -523,7 +524,7 @@ def recorded_checkpoint(pkg_dir) -> Path:
     if it is still there unchanged: the build's own test (``cache.source_records``: a digest is
     reused while size, mtime and inode match, else the file is hashed again with BLAKE3)."""
     from . import cache
-    from .package import read_manifest
+    from .package.verify import read_manifest
 
     pkg_dir = Path(pkg_dir)
     recs = (read_manifest(pkg_dir).get("sources") or {}).get("weights") or []

@@ -33,14 +33,6 @@ def _write_atomic(path: Path, text: str) -> None:
     write_text_atomic(path, text)
 
 
-def _targets(bundle, mesh: Optional[str]) -> list[str]:
-    from . import mesh as meshmod
-    if mesh:
-        meshmod.resolve(mesh)
-        return [mesh]
-    return list(bundle.spec.targets)
-
-
 @app.command()
 def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
              mesh: Optional[str] = typer.Option(None, "--mesh", "-m", help="Check this mesh only "
@@ -50,24 +42,9 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
 
     Exit 0 valid, 2 invalid (every problem listed as file:line:col: key.path: message),
     3 valid but does not fit a target's memory (see `ttbundle plan`)."""
-    from . import mesh as meshmod, plan as planmod, spec as specmod
+    from .plan.validate import does_not_fit, plan_targets
     try:
-        try:
-            bundle = specmod.load(spec)
-        except specmod.InvalidSpec as e:  # schema-valid: add each mesh's errors, all at once
-            for t in [mesh] if mesh else e.bundle.spec.targets:
-                if meshmod.try_resolve(t) is not None:
-                    e.diagnostics += planmod.sharding_diagnostics(e.bundle, t)
-            raise
-        targets = _targets(bundle, mesh)
-        diags, plans = [], {}
-        for t in targets:
-            try:
-                plans[t] = planmod.make_plan(bundle, t)
-            except TTBundleError as e:
-                diags += e.diagnostics or []
-        if diags:
-            raise specmod.InvalidInput(f"{spec}: invalid spec", diags)
+        bundle, plans = plan_targets(spec, mesh)
     except TTBundleError as e:
         if as_json:
             out.print_json(data={"valid": False, "errors": [d.to_json() for d in e.diagnostics]
@@ -82,14 +59,8 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
         for w in bundle.warnings:
             err.print(Text(str(w)))
         for t in no_fit:
-            p = plans[t]
-            each = f" (each of its {p.mesh.replicas} replicas on {p.mesh.rows}x{p.mesh.cols})" \
-                if p.mesh.target_shape else ""
-            err.print(Text(f"{spec}: {t}{each}: does not fit: {planmod.shortfall(p.memory)}; "
-                           f"run `ttbundle plan {spec} --mesh {t}`"))
-            pool = planmod.pool_diagnostic(bundle, p)
-            if pool is not None:
-                err.print(Text(f"  {pool}"))
+            for line in does_not_fit(spec, t, plans[t], bundle):
+                err.print(Text(line))
         ok = [t for t in plans if t not in no_fit]
         if ok:
             out.print(Text(f"{spec}: valid; fits {', '.join(ok)}"))
@@ -103,12 +74,15 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
          as_json: bool = typer.Option(False, "--json", help="Print the plan as JSON."),
          svg: Optional[Path] = typer.Option(None, "--svg", help="Also draw the plan to this SVG file.")):
     """Per-device shards, per-chip memory and collectives. Exit 0 fits, 3 does not fit."""
-    from . import plan as planmod, report, spec as specmod
+    from . import report, spec as specmod
+    from .plan.advice import fixes
+    from .plan.make import make_plan
+    from .plan.validate import targets
     try:
         bundle = specmod.load(spec)
-        target = _targets(bundle, mesh)[0]
-        p = planmod.make_plan(bundle, target)
-        fx = [] if p.fits else planmod.fixes(bundle, p)
+        target = targets(bundle, mesh)[0]
+        p = make_plan(bundle, target)
+        fx = [] if p.fits else fixes(bundle, p)
         from . import lower as lowermod
         vision = [lowermod.summary(lowermod.lower(bundle, p, ph, n))
                   for ph, n in lowermod.trace_set(bundle) if ph == "vision"]
@@ -221,8 +195,9 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
             if reference is not None:
                 raise InvalidInput("--reference applies to a package directory; a spec's reference is "
                                    "its weights.source")
+            from .plan.validate import targets
             bundle = specmod.load(target)
-            name = _targets(bundle, mesh)[0]
+            name = targets(bundle, mesh)[0]
             report = run_check(bundle, name, steps=steps, dtype=dtype, random_weights=random_weights,
                                seed=seed, prompt_len=prompt_len, device=device, images=image or None)
     except TTBundleError as e:
@@ -300,11 +275,12 @@ def build(spec: Path = typer.Argument(..., help="Bundle spec (YAML) with weights
     Exit 0 built or up to date, 1 failed, 2 invalid input, 3 does not fit."""
     from . import spec as specmod
     from .build import build as run_build
+    from .plan.validate import targets
     from .progress import ConsoleProgress, print_results
     results = []
     try:
         bundle = specmod.load(spec)
-        for t in _targets(bundle, mesh):
+        for t in targets(bundle, mesh):
             if as_json:
                 def emit(e, _t=t):
                     sys.stdout.write(json.dumps({"mesh": _t, **e}) + "\n")
@@ -396,7 +372,7 @@ def cache_verify(package: Path = typer.Argument(..., help="A package directory."
     its fixed warm-up input (emulated, float32) and compare with the reference the build recorded.
     Exit 1 names the first bad file, or the program, row and expected vs got values."""
     from . import warmref, warmup
-    from .package import verify_package
+    from .package.verify import verify_package
     try:
         m = verify_package(package)
         out.print(f"{package}: {len(m['files'])} files verified")
@@ -497,14 +473,14 @@ def serve(ctx: typer.Context,
     `ttbundle serve demo -- --max-num-seqs 8`. Exit 0 after Ctrl-C; non-zero with a one-line reason when vLLM or its engine dies."""
     import shlex
 
-    from .runtime import serve as servemod
+    from .serving import serve as servemod
     try:
         progress = None
         if Path(target).suffix in (".yaml", ".yml"):
             from .progress import ConsoleProgress
             progress = ConsoleProgress(err, prefix="build: ")
         if print_launch:
-            from .runtime import launch
+            from .serving import launch
             lp = launch.launch_plan(target, mesh, data_parallel_size,
                                     hosts.split(",") if hosts else None, port, rpc_port, list(ctx.args),
                                     output)

@@ -19,8 +19,9 @@ from pathlib import Path
 from . import layout as layoutmod
 from .errors import InvalidInput
 from .fsutil import fault as _fault
-from .package import (ST_DTYPE, trim_heap, WEIGHTS_FORMAT, ShardFile, encoded_nbytes, stored_shape, tensor_key,
-                      weight_file)
+from .package.names import WEIGHTS_FORMAT, tensor_key, weight_file
+from .package.shardfile import ShardFile, ST_DTYPE, encoded_nbytes
+from .package.shards import stored_shape, trim_heap
 from .layout import axes_of
 
 TRANSPOSE_BLOCK = 64  # source rows per step when cutting a transposed shard
@@ -215,7 +216,7 @@ def _stored_transposed(tf: str, decl, sources, dtype: str) -> bool:
     the canonical ``[in, out]``: bf16 tensors that are one checkpoint tensor transposed. Their
     shards are then plain cuts of the source (no transpose; often contiguous, written straight
     from the mmap) and the weights header marks them ``"transposed": true``; readers transpose
-    back (``package._decode``: a view). Block floats are always stored in device order: their
+    back (``package.shards._decode``: a view). Block floats are always stored in device order: their
     tiles share exponents along the device's rows."""
     return dtype == "bf16" and tf == "t" and _is_view(tf, sources) and len(decl.shape) >= 2
 

@@ -20,7 +20,11 @@ from pathlib import Path
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from . import families, hub, mesh as meshmod, plan as planmod, spec as specmod
+from . import families, hub, mesh as meshmod, spec as specmod
+from .plan.advice import fixes
+from .plan.make import Plan, make_plan
+from .plan.memory import shortfall
+from .plan.sharding import replicate_undividable
 from .errors import Diagnostic, InvalidInput, TTBundleError
 from .families.base import GROUPS
 from .fsutil import TEMPLATE_DIR, read_user_json, write_text_atomic
@@ -57,7 +61,7 @@ class InitResult:
     path: Path
     text: str
     bundle: specmod.Bundle
-    plans: dict[str, planmod.Plan]  # target -> plan (all resolve; some may not fit)
+    plans: dict[str, Plan]  # target -> plan (all resolve; some may not fit)
     notes: list[str]  # what init chose on the user's behalf, and why
 
     def summary(self) -> list[str]:
@@ -70,7 +74,7 @@ class InitResult:
                 lines.append(f"{t}: fits ({human(m.total)} of {human(m.dram)} per chip; KV pool "
                              f"{p.kv['max_tokens_all_users']:,} tokens, {human(p.kv['bytes'])})")
             else:
-                lines.append(f"{t}: does not fit ({planmod.shortfall(m, human)});"
+                lines.append(f"{t}: does not fit ({shortfall(m, human)});"
                              f" see `ttbundle plan {shlex.quote(str(self.path))} --mesh {shlex.quote(t)}`")
         return lines
 
@@ -191,8 +195,8 @@ def has_weights(d: Path) -> bool:
 
 
 def has_tokenizer(d: Path) -> bool:
-    """Whether ``d`` has a tokenizer ``build`` accepts (``package.has_tokenizer``'s rule)."""
-    from .package import TOKENIZER_MODEL_FILES, has_tokenizer as makes_one
+    """Whether ``d`` has a tokenizer ``build`` accepts (``package.names.has_tokenizer``'s rule)."""
+    from .package.names import TOKENIZER_MODEL_FILES, has_tokenizer as makes_one
     return makes_one({n for n in TOKENIZER_MODEL_FILES if (d / n).is_file()})
 
 
@@ -481,7 +485,7 @@ def _does_not_fit(cfg: Path, meshes: list[str], tried: list, auto: bool) -> "Doe
             f"max_model_len={bundle.spec.runtime.max_model_len} sequence {human(mem.kv_cache)} + "
             f"activations {human(mem.activations)} + trace region {human(mem.trace_region)} = "
             f"{human(mem.total)} per chip; a {p.mesh.chip.label} chip has {human(mem.dram)}"))
-        for f in planmod.fixes(bundle, p):
+        for f in fixes(bundle, p):
             diags.append(Diagnostic(f"{m}: fix (from {label}): {f}"))
     what = "bf16, bfp8 or bfp4 MLP weights" if auto else label
     return DoesNotFit(f"{cfg}: does not fit {', '.join(m for m in meshes if not plans[m].fits)} "
@@ -497,7 +501,7 @@ def _resolve(meshes, output, cfg, kw):
         plans, diags = {}, []
         for m in meshes:
             try:
-                plans[m] = planmod.make_plan(bundle, m)
+                plans[m] = make_plan(bundle, m)
             except InvalidInput as e:
                 diags += e.diagnostics or [Diagnostic(e.message)]
         return plans, diags
@@ -519,7 +523,7 @@ def _resolve(meshes, output, cfg, kw):
             text, bundle = load(opts, why, {})
             targets = {}
             if replicate:
-                targets = {m: r for m in meshes if (r := planmod.replicate_undividable(bundle, m))}
+                targets = {m: r for m in meshes if (r := replicate_undividable(bundle, m))}
                 if not targets:
                     continue
                 text, bundle = load(opts, why, targets)

@@ -23,10 +23,12 @@ import math
 from .families.base import Combine, Dim, Embed, Linear, Local, Logits, Norm, Residual
 from .layout import Policy, axes_of, local_len
 from .mesh import AXES
-from .plan import ACT_BYTES, TILE, TRACE_BYTES_PER_OP, Plan
+from .plan.make import Plan
+from .plan.memory import ACT_BYTES, TRACE_BYTES_PER_OP
 from .program import FORMAT, Activation, LayerProgram, Op, Program, Step, WeightRef
 from .speculative import rows_per_seq, verify_buckets, verify_rows
-from .tiles import round_up as _round_up
+from .tiles import TILE, round_up as _round_up
+
 PHASES = ("prefill", "decode", "verify", "vision")
 
 

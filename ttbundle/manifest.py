@@ -1,6 +1,6 @@
 """The schema of a package's ``manifest.json``: one pydantic model, read strictly.
 
-``package.read_manifest`` parses the file with :func:`ttbundle.fsutil.strict_json` (a duplicate
+``package.verify.read_manifest`` parses the file with :func:`ttbundle.fsutil.strict_json` (a duplicate
 key, ``NaN``, broken syntax refused) after checking its size (:data:`MAX_BYTES`), then validates
 it here: every key known (an unknown one is refused, naming it), every value of its type in
 pydantic's strict mode (a size written as the string ``"12133"`` or as ``true`` is refused, not

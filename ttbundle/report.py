@@ -7,7 +7,8 @@ from rich.table import Table
 from rich.text import Text
 
 from . import mesh as meshmod
-from .plan import Plan, fmt_entry
+from .plan.make import Plan
+from .plan.sharding import fmt_entry
 
 
 def human(n: float) -> str:

@@ -564,7 +564,7 @@ def hf_config_to_arch(config: dict, where: str = "config.json") -> dict:
 
 # ---- semantic checks (mesh-independent) ---------------------------------------------------------
 def check(b: Bundle) -> list[Diagnostic]:
-    """Every mesh-independent rule; ``plan.check_mesh`` adds the per-target ones."""
+    """Every mesh-independent rule; ``plan.make.check_mesh`` adds the per-target ones."""
     s, a, d = b.spec, b.arch, []
     names = {t.name: t for t in b.family.tensors(a)}
 

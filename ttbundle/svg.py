@@ -17,7 +17,10 @@ import math
 import re
 
 from . import __version__
-from .plan import AXES, Plan, TensorPlan, axes_of, fmt_entry
+from .layout import axes_of
+from .mesh import AXES
+from .plan.make import Plan
+from .plan.sharding import TensorPlan, fmt_entry
 from .report import human
 
 WIDTH = 1000

@@ -16,7 +16,7 @@ from typing import Callable
 
 from .errors import InvalidInput
 from .fsutil import fault as _fault
-from .package import MANIFEST, METADATA
+from .manifest import MANIFEST, METADATA
 
 STATE_DIR = ".ttbundle"  # under out_dir: locks and temp dirs (not a package folder)
 

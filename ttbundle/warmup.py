@@ -69,7 +69,7 @@ from typing import Callable
 
 from . import lower as lowermod
 from .errors import WarmupMismatch
-from .plan import Plan
+from .plan.make import Plan
 from .warmref import FORMAT, FP32_RTOL, check_model, references, run, stage_count, summarize
 
 Progress = Callable[[dict], None]
@@ -89,7 +89,7 @@ def _torch_dtype(name: str):
 
 # ---- a model that holds one stage's weights ----------------------------------------------------------
 def stage_model(loaded, dtype: str, programs: list):
-    """The emulated model of ``programs`` of a package (``package.assemble`` /
+    """The emulated model of ``programs`` of a package (``package.load.assemble`` /
     ``load_package``), computing in ``dtype``, holding one stage's weights at a time."""
     from .backends.emulated import EmulatedModel
 
@@ -103,7 +103,7 @@ def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list
     (``{"record": ..., "reference": ...}``; the reference goes to :func:`reference_file`)."""
     import torch
 
-    from .package import assemble
+    from .package.load import assemble
 
     parts = assemble(pkg_dir, {}, bundle, plan.mesh,
                      {k: f"programs/{lowermod.program_name(*k)}.json" for k in lowermod.trace_set(bundle)})
@@ -145,7 +145,7 @@ def verify_package(pkg: str | Path, dtypes=("float32",), log=None) -> dict:
     """``ttbundle cache verify``'s numeric half: the package's programs run from its weights on
     the emulated backend, layer by layer, compared with the build's references.
     ``{dtype: {program: diff}}``."""
-    from .package import load_package
+    from .package.load import load_package
 
     loaded = load_package(Path(pkg))
     refs = references(Path(pkg), loaded.manifest)

@@ -3,7 +3,7 @@
 The emulated platform is *asked for* here (``TTBUNDLE_EMULATED=1``, what ``ttbundle serve``
 sets) before anything resolves vLLM's platform; test_runtime_unit checks that without it vLLM
 does not see ttbundle. Packages are built once per session with ``ttbundle build`` from a random
-bf16 checkpoint (``runtime.demo``), which is also the transformers reference.
+bf16 checkpoint (``serving.demo``), which is also the transformers reference.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def packages_dir(tmp_path_factory):
 @pytest.fixture(scope="session")
 def make_package(packages_dir):
     """``make_package(family, mesh)`` -> (package dir, HF checkpoint dir), built once."""
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     built = {}
 

@@ -160,7 +160,7 @@ def serving(pkg, d: Path, timeout: float = 600, extra: list[str] | None = None):
     arguments after ``--``), with the step log
     at ``d/steps.jsonl`` and its output in ``d/vllm.log``; yields the serve plan once /health
     answers, prints the log's tail when start-up or the body fails, stops the server at exit."""
-    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
+    from ttbundle.serving.serve import plan_serve, start, stop, wait_healthy
 
     plan = plan_serve(pkg, "127.0.0.1", free_port(), extra=extra)
     plan.env["TTBUNDLE_STEP_LOG"] = str(d / "steps.jsonl")
@@ -197,7 +197,7 @@ class Server:
 def served_package(spec: str, packages_dir: Path, mesh: str, d: Path):
     """``spec`` built for ``mesh`` into ``packages_dir`` (random weights) and served from ``d``."""
     from ttbundle import spec as specmod
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     pkg = build_package(spec, packages_dir, mesh)
     name = specmod.loads(spec, "<spec>").spec.name

@@ -1,7 +1,7 @@
 """A tiny package whose tokenizer can spell JSON (byte-level BPE) and whose chat template renders
 tools, for the structured-output and tool-call tests (``test_runtime_structured.py``).
 
-The demo tokenizer (``runtime.demo``) is word-level: it cannot spell ``{`` or ``"``, so no JSON
+The demo tokenizer (``serving.demo``) is word-level: it cannot spell ``{`` or ``"``, so no JSON
 grammar could ever be satisfied with it. This one covers every byte, as GPT-2/Qwen's do, so
 vLLM's grammar backend (xgrammar) builds a bitmask over it like over a real model's."""
 
@@ -31,7 +31,7 @@ MAX_MODEL_LEN = 512
 
 
 def _corpus() -> list[str]:
-    from ttbundle.runtime.demo import words
+    from ttbundle.serving.demo import words
 
     w = words(400)
     json_bits = ['{"name": "get_weather", "arguments": {"city": "Paris"}}', '{"color": "red"}',
@@ -77,7 +77,7 @@ def build(out_dir: Path, mesh: str = "N150") -> tuple[Path, Path]:
     from ttbundle import reference
     from ttbundle import spec as specmod
     from ttbundle.build import build as build_package
-    from ttbundle.runtime.demo import spec_with_source
+    from ttbundle.serving.demo import spec_with_source
 
     out = Path(out_dir).absolute()
     src = out / f"src-{NAME}"

@@ -31,7 +31,7 @@ def prompt():
 
 @pytest.fixture(scope="module")
 def adapter(packages_dir):
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     from ttbundle.runtime.model_runner import model_class
     from ttbundle.runtime.packages import open_package
 

@@ -24,7 +24,7 @@ REL = 0.03  # bf16 weights and activations on the device against the emulated me
 
 @pytest.fixture(scope="module")
 def ttnn_package(tmp_path_factory):
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     return build_package(spec_text("llama"), tmp_path_factory.mktemp("adapter"), "T3K", backend="ttnn",
                          warmup=False)
 
@@ -69,7 +69,7 @@ def _drive(model, kv_shape, bucket, rows):
 def test_adapter_runs_the_ttnn_path_on_a_mesh_device(ttnn_package, monkeypatch):
     from ttbundle import mesh as meshmod
     from ttbundle.backends.ttnn import recording
-    from ttbundle.plan import kv_blocks
+    from ttbundle.plan.make import kv_blocks
     from ttbundle.runtime import ttdevice
     from ttbundle.runtime.adapter import BundleModel
     from ttbundle.runtime.model_runner import model_class

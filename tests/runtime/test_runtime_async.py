@@ -34,7 +34,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def timed(tmp_path_factory):
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     pkg = build_package(spec_text("llama"), tmp_path_factory.mktemp("ttpkg"), "N150", backend="ttnn", warmup=False)
     env = {k: v for k, v in os.environ.items() if k not in ("TTBUNDLE_EMULATED", "TTBUNDLE_TEST_TTNN")}

@@ -65,7 +65,7 @@ PROMPTS = [[5, 17, 99, 3, 250, 42, 7], [11] * 3, list(range(20, 120)), [300, 301
 def test_embeddings_equal_transformers(family, mesh, tmp_path):
     import torch
 
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     arch, embedding = MODELS[family]
     pkg = build_package(embed_spec(family), tmp_path / "packages", mesh)

@@ -45,7 +45,7 @@ def _cmdline(pid: int) -> str:
 
 
 def test_killed_engine_fails_the_serve(make_package, tmp_path):
-    from ttbundle.runtime.serve import ServeFailed, plan_serve, start, stop, wait_healthy, watch
+    from ttbundle.serving.serve import ServeFailed, plan_serve, start, stop, wait_healthy, watch
 
     pkg, _ = make_package("llama", "N150")
     plan = plan_serve(pkg, "127.0.0.1", _free_port())

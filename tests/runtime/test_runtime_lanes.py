@@ -25,7 +25,7 @@ def lanes_spec(family: str = "llama", submesh=(1, 1), per_lane: int = PER_LANE) 
 
 @pytest.fixture(scope="session")
 def lanes_package(packages_dir):
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     pkg = build_package(lanes_spec(), packages_dir, "T3K")
     return pkg, packages_dir / "src-tiny-llama-r1x1"
 
@@ -172,7 +172,7 @@ def test_serve_command_for_lanes_and_data_parallel(lanes_package):
     """`ttbundle serve`'s vLLM command: --max-num-seqs is each engine's lanes x the per-replica
     max_num_seqs (8 x 16 alone, 4 x 16 with DP 2), DP passed once, a DP not dividing 8 refused."""
     from ttbundle.errors import InvalidInput
-    from ttbundle.runtime.serve import plan_serve
+    from ttbundle.serving.serve import plan_serve
     pkg, _ = lanes_package
 
     def seqs(plan):
@@ -194,7 +194,7 @@ def test_lanes_refuse_a_pool_smaller_than_every_sequence_at_full_length(packages
     so lanes are refused (naming the numbers); one lane per engine (DP = replicas) is allowed."""
     from vllm.engine.arg_utils import EngineArgs
 
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     d = yaml.safe_load(lanes_spec(per_lane=8))
     d["name"] = "tiny-small-pool"
     d["runtime"]["max_tokens_all_users"] = 1024  # < 8 x 256 = 2048

@@ -42,7 +42,7 @@ class _Served:
 
 
 def _serve(argv, env, port, d, name):
-    from ttbundle.runtime.serve import start, stop, wait_healthy, ServePlan
+    from ttbundle.serving.serve import start, stop, wait_healthy, ServePlan
     plan = ServePlan(d, name, "T3K", argv, env, "127.0.0.1", port)
     log = d / "vllm.log"
     with open(log, "wb") as f:
@@ -58,7 +58,7 @@ def _serve(argv, env, port, d, name):
 
 @pytest.fixture(scope="module")
 def lanes_server(lanes_package, tmp_path_factory):  # noqa: F811
-    from ttbundle.runtime.serve import plan_serve, stop
+    from ttbundle.serving.serve import plan_serve, stop
     pkg, src = lanes_package
     d = tmp_path_factory.mktemp("serve-lanes")
     port = _free_port()
@@ -119,7 +119,7 @@ def test_128_concurrent_clients_on_eight_lanes(lanes_server):
 @pytest.fixture(scope="module")
 def dp_server(lanes_package, tmp_path_factory):  # noqa: F811
     """Plain `vllm serve PACKAGE --data-parallel-size 2` (no ttbundle serve), emulated mesh."""
-    from ttbundle.runtime.serve import stop, vllm_command
+    from ttbundle.serving.serve import stop, vllm_command
     pkg, src = lanes_package
     d = tmp_path_factory.mktemp("serve-dp")
     port = _free_port()

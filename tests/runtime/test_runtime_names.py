@@ -84,7 +84,7 @@ def test_ls_shows_the_hf_ids(repo, runner):
 
 
 def test_ttbundle_serve_resolves_hf_ids(repo):
-    from ttbundle.runtime import serve
+    from ttbundle.serving import serve
 
     out, extra = repo
     assert serve.resolve(hf_id("llama"), "T3K") == out / "T3K" / "tiny-llama"
@@ -122,7 +122,7 @@ def test_vllm_serve_by_bundle_name(repo, monkeypatch, tmp_path):
 
     import openai
 
-    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
+    from ttbundle.serving.serve import plan_serve, start, stop, wait_healthy
 
     out, _ = repo
     monkeypatch.setenv("MESH_DEVICE", "T3K")

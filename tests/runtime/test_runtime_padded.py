@@ -23,7 +23,7 @@ def test_padded_heads_serve_transformers_identical_tokens(mesh, tmp_path):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     pkg = build_package(spec_text(mesh), tmp_path, mesh)
     src = tmp_path / "src-tiny-smol"
     llm = LLM(model=str(pkg), dtype="float32", seed=0)

@@ -31,7 +31,7 @@ def test_requests_beyond_the_pool_are_preempted_and_still_exact(tmp_path):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     pkg = build_package(pool_spec(), tmp_path, "N150")
     src = tmp_path / "src-tiny-pool"
@@ -59,7 +59,7 @@ def test_worker_asks_vllm_for_the_pools_blocks_unless_overridden(override):
     from types import SimpleNamespace
 
     from ttbundle import spec
-    from ttbundle.plan import kv_blocks
+    from ttbundle.plan.make import kv_blocks
     from ttbundle.runtime.worker import TTWorker
 
     bundle = spec.loads(pool_spec(), "pool.yaml")

@@ -46,7 +46,7 @@ def model_dir(tmp_path_factory):
     """What a package carries for vLLM's processor: the checkpoint's config.json with the TT
     architecture, the demo tokenizer and the package's processor files (``vision.package_files``)."""
     from ttbundle import vision
-    from ttbundle.runtime.demo import make_source
+    from ttbundle.serving.demo import make_source
 
     bundle = _bundle()
     d = make_source(bundle, tmp_path_factory.mktemp("qwen-vl"))

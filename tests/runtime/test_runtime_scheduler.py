@@ -23,7 +23,7 @@ def make_scheduler(pkg, K: int = 1, num_blocks: int | None = None):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from ttbundle.plan import kv_blocks
+    from ttbundle.plan.make import kv_blocks
     from ttbundle.runtime.packages import open_package
     from ttbundle.runtime.scheduler import PhaseScheduler
 

@@ -15,7 +15,7 @@ from ttbundle.runtime import activation
 
 @pytest.fixture(scope="module")
 def ttnn_package(tmp_path_factory):
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
     return build_package(spec_text("llama"), tmp_path_factory.mktemp("serve-tt"), "N150", backend="ttnn",
                          warmup=False)
 
@@ -73,7 +73,7 @@ def test_serve_on_the_device_answers_completions(ttnn_package, monkeypatch, tmp_
     platform (the double's weights are fake: the token count is checked, not the tokens)."""
     import openai
 
-    from ttbundle.runtime.serve import plan_serve, start, stop, wait_healthy
+    from ttbundle.serving.serve import plan_serve, start, stop, wait_healthy
 
     monkeypatch.setenv(activation.TEST_TTNN, "recording")
     with socket.socket() as s:

@@ -48,7 +48,7 @@ def tok(server):
 
 
 def _text(n: int, seed: int) -> str:
-    from ttbundle.runtime.demo import words
+    from ttbundle.serving.demo import words
     rng = random.Random(seed)
     w = words(300)
     return " ".join(rng.choice(w) for _ in range(n))

@@ -36,7 +36,7 @@ def ngram_spec(name: str = "tiny-llama-ngram", replicas=None, per_lane=None) -> 
 
 @pytest.fixture(scope="session")
 def ngram_package(packages_dir):
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     built = {}
 
@@ -159,7 +159,7 @@ def test_stochastic_ngram_keeps_the_distribution_of_sampling_without_speculation
 
 def test_lanes_verify_per_lane_identical_to_transformers(packages_dir):
     """A T3K split into 8 replicas of 1x1 served as lanes: each lane verifies its own rows."""
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     pkg = build_package(ngram_spec("tiny-llama-ngram-r1x1", (1, 1), 4), packages_dir, "T3K")
     src = packages_dir / "src-tiny-llama-ngram-r1x1"
@@ -175,7 +175,7 @@ def test_lanes_verify_per_lane_identical_to_transformers(packages_dir):
 
 def test_serve_passes_the_packages_speculative_config_and_refuses_another(ngram_package, make_package):
     from ttbundle.errors import InvalidInput
-    from ttbundle.runtime.serve import plan_serve
+    from ttbundle.serving.serve import plan_serve
 
     pkg, _ = ngram_package("N150")
     argv = plan_serve(pkg).argv

@@ -14,8 +14,8 @@ import psutil
 import pytest
 
 from runtime_helpers import free_port, spec_text
-from ttbundle.runtime.demo import build_package
-from ttbundle.runtime.serve import healthy
+from ttbundle.serving.demo import build_package
+from ttbundle.serving.serve import healthy
 
 
 @pytest.mark.slow

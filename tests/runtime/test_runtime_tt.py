@@ -32,7 +32,7 @@ CASES = {
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     pkg = build_package(spec_text("llama"), tmp_path_factory.mktemp("ttpkg"), "T3K", backend="ttnn", warmup=False)
     env = {k: v for k, v in os.environ.items() if k != "TTBUNDLE_EMULATED"}

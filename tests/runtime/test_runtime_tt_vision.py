@@ -29,7 +29,7 @@ TOKENS = 6
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
-    from ttbundle.runtime.demo import build_package
+    from ttbundle.serving.demo import build_package
 
     d = tmp_path_factory.mktemp("ttvl")
     pkg = build_package(TINY_VL, d, "N300", backend="ttnn", warmup=False)

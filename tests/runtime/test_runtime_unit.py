@@ -161,7 +161,7 @@ def test_structured_output_needs_the_host():
 
 # ---- `ttbundle serve` arguments ------------------------------------------------------------------
 def test_serve_derives_vllm_arguments_from_the_package(make_package):
-    from ttbundle.runtime.serve import plan_serve
+    from ttbundle.serving.serve import plan_serve
 
     pkg, _ = make_package("llama", "T3K")
     p = plan_serve(pkg, "127.0.0.1", 18123, ["--seed", "3", "--additional-config",
@@ -181,7 +181,7 @@ def test_serve_derives_vllm_arguments_from_the_package(make_package):
 
 @pytest.mark.parametrize("extra", [["-tp", "2"], ["--tensor-parallel-size=8"], ["-pp", "2"]])
 def test_serve_refuses_parallelism_flags(make_package, extra):
-    from ttbundle.runtime.serve import plan_serve
+    from ttbundle.serving.serve import plan_serve
 
     pkg, _ = make_package("llama", "N150")
     with pytest.raises(InvalidInput, match="the mesh replaces tensor/pipeline parallelism"):
@@ -196,7 +196,7 @@ def test_serve_refuses_parallelism_flags(make_package, extra):
 ])
 def test_serve_refuses_unknown_parsers(make_package, extra, needle, listed):
     """Refused before vLLM starts (vLLM's API server would refuse them after its start-up)."""
-    from ttbundle.runtime.serve import plan_serve
+    from ttbundle.serving.serve import plan_serve
 
     pkg, _ = make_package("llama", "N150")
     with pytest.raises(InvalidInput) as e:
@@ -206,7 +206,7 @@ def test_serve_refuses_unknown_parsers(make_package, extra, needle, listed):
 
 
 def test_serve_passes_tool_and_reasoning_parsers_through(make_package):
-    from ttbundle.runtime.serve import plan_serve
+    from ttbundle.serving.serve import plan_serve
 
     pkg, _ = make_package("llama", "N150")
     for extra in (["--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--reasoning-parser", "deepseek_r1"],
@@ -220,7 +220,7 @@ def test_parser_names_are_what_vllm_registers():
     from vllm.reasoning import ReasoningParserManager
     from vllm.tool_parsers import ToolParserManager
 
-    from ttbundle.runtime.serve import vllm_parser_names
+    from ttbundle.serving.serve import vllm_parser_names
 
     assert vllm_parser_names("--tool-call-parser") == sorted(ToolParserManager.list_registered())
     assert vllm_parser_names("--reasoning-parser") == sorted(ReasoningParserManager.list_registered())
@@ -233,7 +233,7 @@ def test_serve_builds_the_target_a_mesh_shape_names(tmp_path, monkeypatch):
 
     from ttbundle import spec as specmod
     from ttbundle.errors import InvalidInput
-    from ttbundle.runtime import demo, serve
+    from ttbundle.serving import demo, serve
     from runtime_helpers import spec_text
 
     src = demo.make_source(specmod.loads(spec_text("llama"), "s.yaml"), tmp_path / "src")

@@ -28,7 +28,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from ttbundle import mockcluster, plan as planmod, spec as specmod
+from ttbundle import mockcluster, spec as specmod
+from ttbundle.plan.make import make_plan
+from ttbundle.plan.memory import TRACE_BANK_ALIGN, tensor_bytes
 from ttbundle.backends.ttnn import alloc
 
 pytestmark = [pytest.mark.ttnn,
@@ -66,7 +68,7 @@ class Variants:
             # with max_model_len and max_num_seqs (an auto pool would shrink to fit instead)
             rt["max_tokens_all_users"] = rt.get("max_num_seqs", 32) * rt.get("max_model_len", 4096)
         rt.pop("auto_pool", None)
-        return planmod.make_plan(specmod.loads(yaml.safe_dump(d), "variant.yaml"), self.mesh)
+        return make_plan(specmod.loads(yaml.safe_dump(d), "variant.yaml"), self.mesh)
 
     def largest_fitting(self, field: str, step: int, top: int, **fixed) -> int | None:
         """Largest multiple of ``step`` in [step, top] for ``field`` whose plan fits (the plan's
@@ -118,7 +120,7 @@ def boundary_plans(bundle: str, mesh: str) -> list[tuple[str, object]]:
     p = v.plan(max_model_len=n, max_num_seqs=seqs)
     banks = p.mesh.chip.dram_banks
     room = p.memory.dram - (p.memory.total - p.memory.trace_region)
-    t = banks * (room // banks // planmod.TRACE_BANK_ALIGN * planmod.TRACE_BANK_ALIGN)
+    t = banks * (room // banks // TRACE_BANK_ALIGN * TRACE_BANK_ALIGN)
     for tr in (t, t + 1):
         out.append((f"trace_region_size={tr} (max_model_len={n}, max_num_seqs={seqs})",
                     v.plan(max_model_len=n, max_num_seqs=seqs, trace_region_size=tr)))
@@ -174,7 +176,7 @@ def test_plan_buffers_cover_the_plan():
     v = Variants("llama-3.1-8b", "N300")
     p = v.plan()
     bufs = alloc.plan_buffers(p)
-    charged = sum(planmod.tensor_bytes(list(b.shape), b.dtype, b.layout, p.mesh) * b.count for b in bufs)
+    charged = sum(tensor_bytes(list(b.shape), b.dtype, b.layout, p.mesh) * b.count for b in bufs)
     assert charged == p.memory.total - p.memory.trace_region
     norm = next(b for b in bufs if b.name == "attn_norm")
     assert norm.shape == device_shape([4096], "ROW_MAJOR") == (1, 1, 128, 32) and norm.count == 32

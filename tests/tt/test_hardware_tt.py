@@ -69,8 +69,8 @@ def mesh(tmp_path_factory) -> str:
 
 def test_dram_banks_and_trace_region_as_planned(mesh, tmp_path):
     """The device's DRAM banks and bytes per bank are the planner's chip facts, and a trace
-    region costs what ``plan.trace_region_dram`` charges (measured on the mock allocator)."""
-    from ttbundle import plan as planmod
+    region costs what ``plan.memory.trace_region_dram`` charges (measured on the mock allocator)."""
+    from ttbundle.plan.memory import trace_region_dram
     m = meshmod.resolve(mesh)
     got = run("""
 import json, sys, ttnn
@@ -86,7 +86,7 @@ print("RESULT " + json.dumps(out))
     assert base[1] == m.chip.dram_banks and base[3] == 0
     assert base[2] == m.chip.dram_bank_bytes, "a real device reserves DRAM the mock does not: update mesh.py"
     for tr, banks, bank, _ in got[1:]:
-        assert (base[2] - bank) * banks == planmod.trace_region_dram(tr, m)
+        assert (base[2] - bank) * banks == trace_region_dram(tr, m)
 
 
 def test_planner_vs_allocator_on_the_device(mesh, tmp_path):

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from ttbundle import lower as lowermod, plan as planmod, spec as specmod
+from ttbundle import lower as lowermod, spec as specmod
+from ttbundle.plan.make import make_plan
 from ttbundle.backends.ttnn import cache, device, introspect, lowering, recording, trace
 
 pytestmark = pytest.mark.ttnn
@@ -32,7 +33,7 @@ def all_forwards():
         if bundle.family.ttnn_unlowered:  # not lowered yet (Qwen3-VL), its ttnn build refused
             continue
         for mesh in bundle.spec.targets:
-            p = planmod.make_plan(bundle, mesh)
+            p = make_plan(bundle, mesh)
             for phase, b in lowermod.trace_set(bundle):
                 prog = lowermod.lower(bundle, p, phase, b)
                 for sampling in lowering.SAMPLING:
@@ -93,7 +94,7 @@ def test_the_runtimes_own_ttnn_calls_bind(ttnn, tmp_path):
     """Warm-up, capture, replay, reading outputs, KV / input allocation, constants and loading the
     tensorbin caches, run on the recording double; each recorded call checked against the wheel."""
     bundle = specmod.load(BUNDLES / "gpt-oss-20b.yaml")
-    p = planmod.make_plan(bundle, "T3K")
+    p = make_plan(bundle, "T3K")
     ts = lowermod.trace_set(bundle)
     keys = [min(k for k in ts if k[0] == "prefill"), min(k for k in ts if k[0] == "decode")]
     fws = {k: lowering.lower_forward(bundle, p.mesh, lowermod.lower(bundle, p, *k), "device") for k in keys}

@@ -30,14 +30,15 @@ BUNDLES = Path(__file__).resolve().parents[2] / "bundles"
 SCRIPT = r"""
 import dataclasses, json, sys
 import ttnn, yaml
-from ttbundle import lower as lowermod, plan as planmod, spec as specmod, mesh as meshmod
+from ttbundle import lower as lowermod, spec as specmod, mesh as meshmod
+from ttbundle.plan.make import make_plan
 from ttbundle.backends.ttnn import mockcheck
 from ttbundle.backends.ttnn.calls import Attr
 from ttbundle.backends.ttnn.lowering import lower_forward
 
 d = yaml.safe_load(open(sys.argv[1])); d["targets"] = ["T3K"]; d.get("weights", {}).pop("source", None)
 bundle = specmod.loads(yaml.safe_dump(d), sys.argv[1])
-plan = planmod.make_plan(bundle, "T3K")
+plan = make_plan(bundle, "T3K")
 ts = lowermod.trace_set(bundle)
 ir = lowermod.lower(bundle, plan, *min(k for k in ts if k[0] == "decode"))
 ir = dataclasses.replace(ir, layers=tuple(dataclasses.replace(lp, count=1) for lp in ir.layers))  # each kind once

@@ -47,7 +47,7 @@ TOKENIZER_TOKENS = {"vision_start_token": ("<|vision_start|>", "vision_start_tok
                     "vision_end_token": ("<|vision_end|>", "vision_end_token_id"),
                     "image_token": ("<|image_pad|>", "image_token_id"),
                     "video_token": ("<|video_pad|>", "video_token_id")}
-#: the demo tokenizer's chat template (``runtime.demo``) with Qwen's image placeholder: an image
+#: the demo tokenizer's chat template (``serving.demo``) with Qwen's image placeholder: an image
 #: part of a message is vision start, one ``<|image_pad|>`` (the processor repeats it per soft
 #: token), vision end
 CHAT_TEMPLATE = (

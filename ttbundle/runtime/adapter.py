@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 
 from ..backends.emulated import EmulatedModel
-from ..backends.emulated.model import KVCache
+from ..backends.emulated.state import KVCache
 from ..tiles import blocks_per_seq
 from ..families.vision_part import decode_rope
 from ..vision import vision_bucket
 from .capabilities import model_capabilities
+from .interface import MeshModel
 from .sampling import DeviceSampling, sample_on_device
 
 logger = logging.getLogger("vllm.ttbundle.adapter")
@@ -63,8 +64,9 @@ def _open_once(package_dir: str, ident):
     return open_package(Path(package_dir))
 
 
-class BundleModel:
-    """A bundle's causal LM on an emulated mesh, behind Tenstorrent's model interface."""
+class BundleModel(MeshModel):
+    """A bundle's causal LM on an emulated mesh, behind Tenstorrent's model interface (the model
+    protocol, ``runtime.interface.MeshModel``)."""
 
     # set by the generated adapter subclass in each package
     package_dir: str | None = None
@@ -76,6 +78,8 @@ class BundleModel:
     #: on the class: the package's capabilities on a Tenstorrent device (what Tenstorrent's
     #: plugin reads before building the model); on an instance: what that instance does
     model_capabilities = _ClassCapabilities()
+    #: a seeded request samples on the emulated mesh with its own generator
+    seeded_on_device = True
 
     def __init__(self, bundle, model: EmulatedModel, trace_mode: str = "all"):
         """``model``: the package's programs and weight shards on the emulated mesh
@@ -101,7 +105,7 @@ class BundleModel:
         at ``max_num_seqs`` (default: the spec's)."""
         if cls.package_dir is None:
             raise ValueError("get_max_tokens_all_users: not a package's adapter (no package_dir)")
-        from ..plan import pool_tokens
+        from ..plan.pool import pool_tokens
 
         pkg = _opened(cls.package_dir)
         return pool_tokens(pkg.bundle.spec.runtime, pkg.kv_blocks, max_num_seqs)
@@ -406,7 +410,7 @@ class BundleModel:
     def read_decode_output(self, tt_out, async_read: bool = True):
         return tt_out
 
-    def process_decode_output_host(self, tt_out, is_tokens: bool = False):
+    def process_decode_output_host(self, tt_out, is_tokens: bool | None = None):
         return tt_out
 
 

@@ -172,7 +172,7 @@ def check_pool(bundle, have: int, lanes: int, name: str = "package") -> None:
     the engine's whole pool: a lane could run out while another has room. Until the scheduler
     accounts per lane, a pool smaller than every sequence at full length is refused with lanes.
     ``have``: the package's recorded pool, in blocks per lane (``Package.kv_blocks``)."""
-    from ..plan import pool_blocks
+    from ..plan.pool import pool_blocks
 
     if lanes <= 1:
         return

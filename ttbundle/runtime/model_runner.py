@@ -43,6 +43,7 @@ from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from .phases import is_decode, pick
 from .capabilities import device_top_k
+from .interface import MeshModel
 from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons
 from ..families.vision_part import PLAIN, PromptPositions, decode_rope
 from ..tiles import blocks_per_seq
@@ -143,9 +144,9 @@ class AsyncDecodeOutput(AsyncModelRunnerOutput):
 
 def model_class(package):
     """The class ``vllm_metadata.json`` names (``module:Class``), which must be the package's own
-    adapter: imported from its verified file by path (``package.load_adapter``), never through
+    adapter: imported from its verified file by path (``package.verify.load_adapter``), never through
     ``sys.path``, no bytecode read or written."""
-    from ..package import load_adapter
+    from ..package.verify import load_adapter
 
     try:
         return load_adapter(package.path, package.manifest, package.metadata)
@@ -173,7 +174,7 @@ class TTModelRunner:
         self.chunk = b.prefill_chunk or max(b.prefill)
         self.sample_mode = options.sample_mode(self.bundle.spec.runtime.sample_on_device_mode)
         self.requests: dict[str, ReqState] = {}
-        self.mesh_model = None  # the package's model class (Tenstorrent's model interface)
+        self.mesh_model: MeshModel | None = None  # the package's model (runtime.interface: the one protocol)
         self.model = None  # an nn.Module for vLLM's hooks (it walks .modules()); holds mesh_model
         self.kv = None
         self.host: HostSampler | None = None
@@ -220,7 +221,7 @@ class TTModelRunner:
         self.host = HostSampler(self.vllm_config, self.vllm_config.scheduler_config.max_num_seqs,
                                 self.max_model_len, self.block_size, self.vocab_size, self.device)
         self.prompt_lp = PromptLogprobs(self.host.sampler, self.vllm_config.model_config.logprobs_mode)
-        self.max_device_top_k = device_top_k(getattr(self.mesh_model, "model_capabilities", {}), self.vocab_size)
+        self.max_device_top_k = device_top_k(self.mesh_model.model_capabilities, self.vocab_size)
         logger.info("ttbundle: loaded %s on %s %s (%s) in %.1f s", self.package.name,
                     "a Tenstorrent" if self.tt is not None else "an emulated", self.package.mesh_name,
                     str(self.dtype).removeprefix("torch."), time.perf_counter() - t0)
@@ -328,7 +329,7 @@ class TTModelRunner:
     def _needs_host(self, params) -> bool:
         """Whether a request's rows sample on the host (``sampling.host_reasons``, or a seed the
         device cannot honour): decided once per request (its parameters never change)."""
-        seeds = getattr(self.mesh_model, "seeded_on_device", True)  # one seed per device batch: host
+        seeds = self.mesh_model.seeded_on_device  # False: one seed per device batch, seeded rows on the host
         return bool(host_reasons(params, getattr(self, "max_device_top_k", None))
                     or (params.seed is not None and not seeds))
 

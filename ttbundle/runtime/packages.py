@@ -27,7 +27,7 @@ class Package:
     mesh_name: str
     manifest: dict
     metadata: dict  # vllm_metadata.json
-    loaded: object = None  # ttbundle.package.LoadedPackage
+    loaded: object = None  # ttbundle.package.load.LoadedPackage
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -66,7 +66,7 @@ class Package:
 def verify_package(path: str | Path, check_hashes: bool = True) -> dict:
     """Every file the manifest lists is there with its size (and sha256) and nothing else is;
     returns the manifest, raises a TTBundleError naming the first bad file."""
-    from ..package import verify_package as verify
+    from ..package.verify import verify_package as verify
     return verify(Path(path), full=check_hashes)
 
 
@@ -97,7 +97,8 @@ def is_package(path: str | Path) -> bool:
 
 def open_package(path: str | Path, check_hashes: bool = True) -> Package:
     """Verify and open a package directory (raises TTBundleError naming what is wrong)."""
-    from ..package import adapter_of, load_package
+    from ..package.load import load_package
+    from ..package.verify import adapter_of
 
     d = Path(path).absolute()
     if not d.is_dir():

@@ -40,6 +40,7 @@ import time
 
 import torch
 
+from .interface import MeshModel
 from .sampling import DeviceSampling
 
 logger = logging.getLogger("vllm.ttbundle.ttdevice")
@@ -136,9 +137,21 @@ def refuse_unlowered_vision(loaded) -> None:
                            f"the TT device path does not feed an image prompt's rope positions yet: {way_out}")
 
 
-class TTDeviceModel:
+def _no_mrope(*given) -> None:
+    """M-RoPE positions handed to the device path: a model with M-RoPE is refused when it loads
+    (:func:`refuse_unlowered_vision`), so a caller passing them is one this path cannot serve."""
+    if any(g is not None for g in given):
+        raise ValueError("M-RoPE positions (rope_positions / rope_deltas) on a Tenstorrent device: the TT "
+                         "device path does not feed them; serve the model on the emulated mesh")
+
+
+class TTDeviceModel(MeshModel):
+    """A package on a ttnn mesh device (its tensorbin weights, lowered forwards, traces), behind
+    the model protocol (``runtime.interface.MeshModel``)."""
+
     #: ``ttnn.sampling`` runs with one seed for the batch: seeded requests sample on the host
     seeded_on_device = False
+    model_capabilities: dict  # per instance: capabilities.model_capabilities(bundle, device=True)
 
     def __init__(self, ttnn, package, runner, trace_mode: str, sample_mode: str):
         self.ttnn, self.package, self.runner = ttnn, package, runner
@@ -161,9 +174,21 @@ class TTDeviceModel:
 
     @classmethod
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel=1,
-                              optimizations=None, *, package, options, sample_mode: str, ttnn=None):
+                              optimizations=None, *, package=None, options=None, sample_mode: str | None = None,
+                              ttnn=None):
+        """The package (``package``, else the directory vLLM was given) on ttnn mesh device
+        ``mesh_device``, with ``options`` (default: Tenstorrent's, with ``optimizations``) and
+        ``sample_mode`` (default: the options', else the bundle's ``sample_on_device_mode``)."""
+        from pathlib import Path
+
         from ..backends.ttnn.model import open_model
         from ..errors import InvalidInput
+        from .options import TTOptions
+        from .packages import open_package
+
+        package = package or open_package(Path(hf_config._name_or_path))
+        options = options or TTOptions(optimizations=optimizations)
+        sample_mode = sample_mode or options.sample_mode(package.bundle.spec.runtime.sample_on_device_mode)
 
         if tt_data_parallel != 1:
             raise ValueError("data parallel over meshes is not supported")
@@ -241,14 +266,17 @@ class TTDeviceModel:
 
     @torch.no_grad()
     def prefill_forward(self, tokens, page_table, kv_cache, prompt_lens, start_pos=None, sampling_params=None,
-                        enable_trace: bool = True, mm: dict | None = None, pixel_values=None, **kwargs):
+                        enable_trace: bool = True, return_prompt_logits: bool = False, mm: dict | None = None,
+                        pixel_values=None, rope_positions=None, image_grid_thw=None, **kwargs):
         """One sequence's prefill chunk (as ``adapter.BundleModel.prefill_forward``). ``mm``: the
         chunk's image soft tokens (``runtime.images.chunk_inputs``; ttbundle's runner);
         ``pixel_values``: the request's images as Tenstorrent's plugin passes them (the whole
         prompt in this call), encoded here by the vision forwards (``images.prompt_inputs``).
         Either way the soft tokens are merged by the prefill forward itself
         (``inputs.merge_images``) and its attention mask holds their image blocks. Other
-        keywords of that plugin (``image_grid_thw``) are accepted and unused."""
+        keywords of that plugin (``image_grid_thw``) are accepted and unused. Refused:
+        ``return_prompt_logits`` (the platform refuses prompt_logprobs on a device) and
+        ``rope_positions`` (a model with M-RoPE is refused at load, ``refuse_unlowered_vision``)."""
         import numpy as np
         from ..backends.ttnn.device import prefill_host_inputs
 
@@ -256,8 +284,9 @@ class TTDeviceModel:
         if N != 1 or S not in self.prefill_buckets:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
                              f"got tokens {list(tokens.shape)}")
-        if kwargs.get("return_prompt_logits"):  # the platform refuses prompt_logprobs on a device
+        if return_prompt_logits:  # the platform refuses prompt_logprobs on a device
             raise ValueError("every prompt position's logits (prompt_logprobs) come back on the emulated mesh only")
+        _no_mrope(rope_positions)
         n, p0 = int(prompt_lens[0]), 0 if start_pos is None else int(start_pos[0])
         if mm is None and pixel_values is not None:
             from .images import prompt_inputs, request_pixels
@@ -305,10 +334,13 @@ class TTDeviceModel:
 
     @torch.no_grad()
     def decode_forward(self, tokens, start_pos, page_table, kv_cache, sampling_params=None, enable_trace: bool = True,
-                       read_from_device: bool = True, prev_output=None, prev_rows=None):
+                       read_from_device: bool = True, prev_output=None, prev_rows=None, rope_positions=None,
+                       rope_deltas=None):
         """``read_from_device=False`` (device sampling): enqueue and return a handle for
         :meth:`read_decode_output`; rows with ``prev_rows[i] >= 0`` take their token from row
-        ``prev_rows[i]`` of ``prev_output`` (an earlier such handle) on the device."""
+        ``prev_rows[i]`` of ``prev_output`` (an earlier such handle) on the device. M-RoPE
+        positions (``rope_positions``, ``rope_deltas``) are refused, as in prefill."""
+        _no_mrope(rope_positions, rope_deltas)
         import numpy as np
         from ..backends.ttnn.device import mask_inputs
 

@@ -83,7 +83,7 @@ class TTWorker(WorkerBase):
 
     def determine_available_memory(self) -> int:
         """Exactly the blocks of the plan's KV pool (Tenstorrent's
-        ceil((max_tokens_all_users + block x max_num_seqs) / block), as ``plan.kv_blocks`` chose it
+        ceil((max_tokens_all_users + block x max_num_seqs) / block), as ``plan.make.kv_blocks`` chose it
         and the package's programs record it: ``Package.kv_blocks``), unless
         ``--num-gpu-blocks-override`` says otherwise; vLLM preempts when they run out."""
         override = self.cache_config.num_gpu_blocks_override

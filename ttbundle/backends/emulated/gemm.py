@@ -5,7 +5,7 @@ sgemm, which on some CPUs (seen here: AMD EPYC) runs several times below what th
 allow; oneDNN's inner-product kernel with the weight reordered once into its blocked layout (what
 ``torch.compile``'s CPU weight prepacking does) reaches the memory bound for 16 rows. So a dense
 ``[D, K, N]`` weight is kept as oneDNN-packed matrices, one per distinct shard (devices that
-hold the same shard share one copy, ``package.stack_shards``): the same values, fp32 products
+hold the same shard share one copy, ``package.shards.stack_shards``): the same values, fp32 products
 accumulated in fp32 (a different summation order than MKL's, as any two GEMMs), and each row's
 result independent of the other rows in the call. A shard several devices hold is multiplied
 once per call (:func:`grouped`): with all their rows at once, or once where their rows are the
@@ -21,7 +21,7 @@ import os
 import torch
 
 from ...errors import InvalidInput
-from ...package import SharedStack
+from ...package.shards import SharedStack
 
 ENV = "TTBUNDLE_EMULATED_GEMM"
 #: the row count oneDNN's reorder is told to expect (a decode bucket); any row count works
@@ -47,8 +47,8 @@ def packs(dtype: torch.dtype, device: torch.device) -> bool:
 
 def shards_of(W) -> tuple[torch.Tensor, tuple[int, ...]]:
     """A held weight ``[D, ...]`` as (its distinct shards ``[G, ...]``, per device the index of
-    its shard): a :class:`~ttbundle.package.SharedStack` as held, a view with stride 0 over the
-    devices (one copy, ``package.stack_shards``) as one shard, anything else one per device."""
+    its shard): a :class:`~ttbundle.package.shards.SharedStack` as held, a view with stride 0 over the
+    devices (one copy, ``package.shards.stack_shards``) as one shard, anything else one per device."""
     if isinstance(W, SharedStack):
         return W.distinct, W.group
     if W.shape[0] > 1 and W.stride(0) == 0:

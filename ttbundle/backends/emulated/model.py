@@ -14,118 +14,25 @@ positions to cache slots, as on the device) and holds values in its declared dty
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
 from ... import layout
-from ...package import stack_shards
+from ...package.shards import stack_shards
 from ...program import Op, Program
-from ...tiles import pick
 from ...vision import vision_bucket
 from . import gemm
 from .kernel_table import KERNELS
 from .kernels import Ctx, _writes, rms_norm, softcap
+from .lazy import LazyWeights, _packed_names
 from .meshops import MeshOps
 from .replication import Replication, Varies, drops
-
-
-@dataclass
-class KVCache:
-    layers: list  # per layer {"k": [D, kvh, num_blocks * block, hd], "v": ...}
-    num_blocks: int
-    block_size: int
+from .state import KVCache, Stages, kv_store
 
 
 class ProgramMismatch(RuntimeError):
     """A program step met tensors of other shapes than the program declares."""
-
-
-def kv_store(kv_dtype: str, compute: torch.dtype):
-    """(storage dtype of the cache tensors, per-write rounding) for a declared KV dtype."""
-    if kv_dtype == "bf16":
-        return torch.bfloat16, None
-    if kv_dtype in ("bfp8", "bfp4"):
-        from ... import blockfloat
-
-        def store(x: torch.Tensor) -> torch.Tensor:
-            # a block-float tile shares one exponent per 16 values of a row: a token's row
-            # rounds alone, so rounding the written rows is what the tile storage holds
-            shape = x.shape
-            q = blockfloat.quantize(x.detach().float().cpu().reshape(-1, shape[-1]), kv_dtype)
-            return q.reshape(shape).to(device=x.device)
-        return compute if compute == torch.float32 else torch.float32, store
-    raise ValueError(f"KV cache dtype {kv_dtype!r}: expected bf16 or bfp8")
-
-
-class Stages:
-    """One program call run a stage at a time (:meth:`EmulatedModel.stages`): iterating yields
-    ``(kind, layer)`` before each stage runs; ``logits`` is set once it is exhausted. ``capture``
-    (when asked for) gets each decoder layer's output ``[N, Tq, hidden]`` (device 0) as it runs;
-    ``rows`` is how many leading rows of it are real (a chunk padded to its bucket)."""
-
-    def __init__(self, gen, capture: list | None = None, rows: int | None = None):
-        self._gen, self.capture, self.rows = gen, capture, rows
-        self.logits = None
-        self.done = False
-
-    def __iter__(self):
-        return self
-
-    def __next__(self):
-        try:
-            return next(self._gen)
-        except StopIteration as e:
-            self.logits, self.done = e.value, True
-            raise
-
-    def drain(self) -> "Stages":
-        for _ in self:
-            pass
-        return self
-
-
-class LazyWeights:
-    """A package's weights read on demand (``package.PackageWeights.stack``: band by band into
-    one tensor, a shared shard once), one tensor of one layer at a time, and held until
-    :meth:`release`: what :meth:`EmulatedModel.run_layer_major` needs to hold one stage of a
-    model of any depth (``check``, the warm-up, ``cache verify``)."""
-
-    def __init__(self, source):
-        self.source = source
-        self.held: dict = {}
-        self._pack, self._dtype, self._device, self._packs = frozenset(), torch.float32, "cpu", False
-
-    def names(self) -> set:
-        return set(self.source.refs)
-
-    def bind(self, packed: set, dtype, device) -> "LazyWeights":
-        self._pack, self._dtype, self._device = frozenset(packed), dtype, device
-        self._packs = gemm.packs(dtype, device)
-        return self
-
-    def get(self, name: str, layer: int | None):
-        """Weight ``name`` (of ``layer``), read on first use: a matmul weight packed as the
-        whole model packs it (the same GEMM, so float32 results equal the serving model's) when
-        one device's shard is at most ``gemm.PACK_BYTES``; a larger one (a vocabulary head)
-        stays plain, since packing holds a second copy while it runs."""
-        key = (name, layer)
-        W = self.held.get(key)
-        if W is None:
-            W = self.source.stack(name, layer, self._dtype, self._device)
-            # unmap the files: the pages a tensor was read from would otherwise stay resident
-            # (counted in the process's RSS) until the stage ends, a vocabulary table's ~1 GB
-            self.source.close()
-            if self._packs and name in self._pack and math.prod(W.shape[1:]) * W.dtype.itemsize <= gemm.PACK_BYTES:
-                W = gemm.hold_one(W, self._dtype)
-            self.held[key] = W
-        return W
-
-    def release(self) -> None:
-        """Drop what was read, and close the package's files, so the pages mapped for one stage
-        leave the process with it."""
-        self.held.clear()
-        self.source.close()
 
 
 class EmulatedModel:
@@ -200,7 +107,7 @@ class EmulatedModel:
     @classmethod
     def from_package(cls, pkg, dtype=torch.float32, device="cpu", kernels: dict | None = None,
                      lazy: bool = False, programs: list | None = None):
-        """A loaded package (``package.load_package``): its programs (all, or the (phase,
+        """A loaded package (``package.load.load_package``): its programs (all, or the (phase,
         bucket) pairs in ``programs``) and its weight files' shards, decoded as the device
         decodes them (bf16; bfp8/bfp4 tiles). ``lazy``: no weight is read here; a tensor is
         read from the (memory-mapped) files when a step first needs it and dropped by
@@ -223,7 +130,7 @@ class EmulatedModel:
 
     def _held(self, name: str, layer: int | None = None):
         """The weight as held: a dense matmul weight may be :class:`gemm.Packed`, a weight some
-        devices share a :class:`package.SharedStack` (see :meth:`weight` for a plain tensor)."""
+        devices share a :class:`package.shards.SharedStack` (see :meth:`weight` for a plain tensor)."""
         t = self.decls.get(name)
         if t is None:
             return None
@@ -651,133 +558,3 @@ class EmulatedModel:
             pos = self.ops.shard_positions(t.dims[0], e_axes, self.policy)
             x = self.ops.take(x, 2, pos)
         return torch.einsum("dtek,dekn->dten", x, W)
-
-
-def _packed_names(traits: dict, programs) -> set:
-    """The weights held packed where :func:`gemm.packs` says so: the matmul-only ones, except
-    those a family computes in float32 (``linear_fp32``)."""
-    return _matmul_only(programs) - set(traits.get("linear_fp32", ()))
-
-
-def _matmul_only(programs) -> set:
-    """Names of the weights that the programs' matmul steps read and no other step does."""
-    matmul, other = set(), set()
-    for p in programs:
-        for lp in p.layers:
-            for st in lp.steps:
-                if st.w:
-                    (matmul if st.op is Op.MATMUL else other).add(st.w)
-    return matmul - other
-
-
-# ---- static-shape entry points --------------------------------------------------------------------
-class Runner:
-    """Prefill / decode with padding to the bundle's buckets, on one KV cache."""
-
-    def __init__(self, model: EmulatedModel, num_blocks: int | None = None):
-        self.model = model
-        b = model.bundle.buckets
-        rt = model.bundle.spec.runtime
-        self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
-        self.chunk = b.prefill_chunk or max(b.prefill)
-        self.block = rt.kv_block_size
-        self.max_blocks = -(-rt.max_model_len // self.block)
-        self.kv = model.allocate_kv_cache(num_blocks or model.kv_layout["num_blocks"], self.block)
-        self.shapes_run: set = set()  # (phase, bucket) pairs executed
-
-    def prefill(self, tokens: list[int], page_table: list[int], start: int = 0, capture=None,
-                mm: dict | None = None, rope_positions=None):
-        """Prefill ``tokens`` at positions start.. in chunks; returns last-token logits [vocab].
-        ``mm``: images in the prompt: ``embeds`` [M, hidden] (soft tokens in prompt order),
-        ``positions`` (the M prompt indices they take) and ``blocks`` (per prompt token its image
-        block, -1 for text); an image's block must lie within one chunk. ``rope_positions``
-        [3, len(tokens)]: the tokens' M-RoPE positions (None: their positions)."""
-        calls = self.prefill_calls(tokens, page_table, start, capture is not None, mm, rope_positions)
-        for c in calls:
-            c.drain()
-            if capture is not None:
-                capture.append([x[0, :c.rows] for x in c.capture])
-        return calls[-1].logits[0, 0]
-
-    def prefill_calls(self, tokens: list[int], page_table: list[int], start: int = 0, capture: bool = False,
-                      mm: dict | None = None, rope_positions=None, head_rows: list[int] | None = None) -> list:
-        """:meth:`prefill` as its program calls, one per chunk, not yet run (:class:`Stages`;
-        run them in order, or layer by layer with ``EmulatedModel.run_layer_major``); a call's
-        ``logits`` [1, 1, vocab] are its chunk's last token's. ``head_rows`` (indices into
-        ``tokens``): the head also runs on these rows (as it runs on the last), and a call's
-        logits are [1, k, vocab] for its ``head_rows`` (the chunk's rows among them, then its
-        last row if not among them), in that order."""
-        calls = []
-        rank = {} if mm is None else {j: r for r, j in enumerate(mm["positions"])}
-        pos = start
-        for i in range(0, len(tokens), self.chunk):
-            chunk = tokens[i:i + self.chunk]
-            bucket = pick(self.prefill_buckets, len(chunk))
-            self.shapes_run.add(("prefill", bucket))
-            t = torch.zeros(1, bucket, dtype=torch.long)
-            t[0, :len(chunk)] = torch.tensor(chunk)
-            p = torch.arange(pos, pos + bucket)[None, :]
-            valid = torch.zeros(1, bucket, dtype=torch.bool)
-            valid[0, :len(chunk)] = True
-            pt = self._table([page_table])
-            mmc = None
-            if mm is not None:
-                sel = [j for j in mm["positions"] if i <= j < i + len(chunk)]
-                mask = torch.zeros(bucket, dtype=torch.bool)
-                mask[[j - i for j in sel]] = True
-                blocks = torch.full((1, max(pos + bucket, start + len(tokens))), -1, dtype=torch.long)
-                blocks[0, start:start + len(tokens)] = torch.tensor(mm["blocks"], dtype=torch.long)
-                mmc = {"mask": mask, "embeds": mm["embeds"][[rank[j] for j in sel]], "blocks": blocks}
-            rp = None
-            if rope_positions is not None:
-                rp = torch.zeros(3, 1, bucket, dtype=torch.long)
-                rp[:, 0, :len(chunk)] = rope_positions[:, i:i + len(chunk)]
-            want = sorted(j - i for j in (head_rows or ()) if i <= j < i + len(chunk))
-            last = want + ([len(chunk) - 1] if len(chunk) - 1 not in want else [])
-            c = self.model.stages(self.model.program("prefill", bucket), t,
-                                  torch.where(valid, p, torch.zeros_like(p)), valid, pt, self.kv,
-                                  [] if capture else None, mm=mmc, rope_positions=rp, last=last)
-            c.rows = len(chunk)
-            c.head_rows = [i + r for r in last]
-            calls.append(c)
-            pos += len(chunk)
-        return calls
-
-    def decode(self, tokens: list[int], positions: list[int], page_tables: list[list[int]], capture=None,
-               rope_deltas: list[int] | None = None):
-        """One decode step for a batch; returns logits [B, vocab]. ``rope_deltas``: per row the
-        M-RoPE delta of its prompt (rope position = position + delta in all three rows)."""
-        c = self.decode_call(tokens, positions, page_tables, capture is not None, rope_deltas).drain()
-        if capture is not None:
-            capture.append([x[:c.rows, 0] for x in c.capture])
-        return c.logits[:c.rows, 0]
-
-    def decode_call(self, tokens: list[int], positions: list[int], page_tables: list[list[int]],
-                    capture: bool = False, rope_deltas: list[int] | None = None) -> Stages:
-        """:meth:`decode` as its program call, not yet run (:class:`Stages`); its ``logits`` are
-        [bucket, 1, vocab], the first ``rows`` real."""
-        B = len(tokens)
-        bucket = pick(self.decode_buckets, B)
-        self.shapes_run.add(("decode", bucket))
-        t = torch.zeros(bucket, 1, dtype=torch.long)
-        t[:B, 0] = torch.tensor(tokens)
-        p = torch.zeros(bucket, 1, dtype=torch.long)
-        p[:B, 0] = torch.tensor(positions)
-        valid = torch.zeros(bucket, 1, dtype=torch.bool)
-        valid[:B] = True
-        pt = self._table(page_tables + [[0]] * (bucket - B))
-        rp = None
-        if rope_deltas is not None:
-            d = torch.zeros(bucket, 1, dtype=torch.long)
-            d[:B, 0] = torch.tensor(rope_deltas)
-            rp = (p + d)[None].expand(3, -1, -1)
-        c = self.model.stages(self.model.program("decode", bucket), t, p, valid, pt, self.kv,
-                              [] if capture else None, rope_positions=rp)
-        c.rows = B
-        return c
-
-    def _table(self, rows: list[list[int]]) -> torch.Tensor:
-        pt = torch.zeros(len(rows), self.max_blocks, dtype=torch.long)
-        for i, r in enumerate(rows):
-            pt[i, :len(r)] = torch.tensor(r[:self.max_blocks])
-        return pt

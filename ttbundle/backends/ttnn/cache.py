@@ -36,7 +36,8 @@ import numpy as np
 
 from ... import tensorbin
 from ...cache import code_digest, digest, module_sources
-from ...package import stored_shape, weight_file
+from ...package.names import weight_file
+from ...package.shards import stored_shape
 from .layout import TILE, device_shape
 
 FORMAT = "ttbundle.tensorbin/2"  # /2: one file per distinct shard (``stored_in``)
@@ -213,7 +214,7 @@ def check_index(pkg: str | Path, idx: dict, refs: dict, mesh_shape, stored_in: d
     holds it, :func:`.layout.device_shape`), each shard in the file the weights store it in
     (``stored_in``: ``PackageWeights.stored_in``, checked against the layout at load). Raises
     PackageError naming the key and both."""
-    from ...package import PackageError
+    from ...package.names import PackageError
 
     if idx.get("format") != FORMAT:
         raise PackageError(f"{pkg}: {INDEX}: format {idx.get('format')!r}, this ttbundle reads {FORMAT}; "

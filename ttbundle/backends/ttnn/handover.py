@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 
 from ... import mesh as meshmod
-from ...package import read_bundle
+from ...package.load import read_bundle
 from ...program import Program, ProgramError
 
 PROGRAMS = "programs"

@@ -1,6 +1,6 @@
 """How ttnn holds each planned tensor: the shape, dtype and layout of its device buffer.
 
-One rule per tensor kind (``families.base.TensorDecl.kind``), the same rules ``plan.tensor_bytes``
+One rule per tensor kind (``families.base.TensorDecl.kind``), the same rules ``plan.memory.tensor_bytes``
 charges for:
 
 * matrices: ``TILE`` in the planned dtype, the per-device shape as is (``[K, N]`` or ``[E, K, N]``);
@@ -44,7 +44,7 @@ def device_shape(shape, layout: str) -> tuple[int, ...]:
 
 
 def tensor_buffer(t) -> BufferSpec:
-    """A ``plan.TensorPlan`` as the buffers ttnn holds on each chip."""
+    """A ``plan.sharding.TensorPlan`` as the buffers ttnn holds on each chip."""
     return BufferSpec(t.name, device_shape(t.device_shape, t.layout), t.dtype, t.layout, t.count)
 
 

@@ -10,7 +10,7 @@ that executor): neither imports the other's user.
 
 from __future__ import annotations
 
-from ...package import LoadedPackage, load_package
+from ...package.load import LoadedPackage, load_package
 from . import cache as ttcache
 from .device import Executor, allocate_kv, make_const
 from .lowering import chunk_starts, lower_forward
@@ -48,7 +48,7 @@ def forward_keys(bundle, traces, sample_on_device_mode: str = "all", host_fallba
 def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=None, *,
                host_fallback: bool = False, trace_mode: str | None = None):
     """The package's model on a mesh, ready for ``warmup()`` (hardware; see module docstring).
-    ``package``: its directory, or a ``package.LoadedPackage``. Everything comes from the
+    ``package``: its directory, or a ``package.load.LoadedPackage``. Everything comes from the
     package as built, nothing is re-planned: its mesh and trace region (manifest), its
     ``tensorbin/`` weights, its KV cache record and its programs, each lowered as it is (the
     weights' PartitionSpecs and shapes it records). Forwards are keyed as :func:`forward_keys`

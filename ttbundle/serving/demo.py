@@ -145,8 +145,10 @@ def clone_package(src: str | Path, dst: str | Path, name: str) -> Path:
     import shutil
 
     from .. import __version__
-    from ..package import (MANIFEST, METADATA, metadata_json, module_name, read_manifest,
-                           render_adapter, safe_name)
+    from ..manifest import MANIFEST, METADATA
+    from ..package.names import module_name, safe_name
+    from ..package.templates import metadata_json, render_adapter
+    from ..package.verify import read_manifest
 
     src, dst = Path(src), Path(dst)
     m = read_manifest(src)

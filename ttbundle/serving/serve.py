@@ -278,8 +278,8 @@ def resolve(target: str, mesh: str | None = None, output: Path = Path("packages"
     """The package directory for NAME (registered; ``mesh`` picks among its packages), PACKAGE
     (a directory) or SPEC (a YAML file: built for ``mesh`` into ``output`` with ``backend``
     unless its package is up to date; ``ttnn`` for a device)."""
-    from .packages import is_package
-    from .registry import find
+    from ..runtime.packages import is_package
+    from ..runtime.registry import find
 
     p = Path(target)
     if p.suffix in (".yaml", ".yml") and os.path.isfile(p):  # os.path: False on any OSError
@@ -305,7 +305,7 @@ DEVICES = ("tt", "emulated")
 def pick_device(device: str | None) -> str:
     """``--device``: ``tt`` or ``emulated``; None: ``tt`` where a device is present. ``tt`` on a
     host without one is an InvalidInput saying why (exit 2)."""
-    from .activation import tt_hardware_missing
+    from ..runtime.activation import tt_hardware_missing
 
     if device is None:
         return "tt" if tt_hardware_missing() is None else "emulated"
@@ -325,10 +325,10 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     ``data_parallel_size``: vLLM engine ranks over the package's replicas (also read from
     ``--data-parallel-size`` in ``extra``); ``--max-num-seqs`` is then each engine's lanes x the
     per-replica max_num_seqs."""
-    from .activation import ENV_EMULATED
-    from .lanes import LaneError, plan_lanes
-    from .packages import open_package
-    from .pooling import serve_args
+    from ..runtime.activation import ENV_EMULATED
+    from ..runtime.lanes import LaneError, plan_lanes
+    from ..runtime.packages import open_package
+    from ..runtime.pooling import serve_args
 
     pkg = open_package(package)
     if device == "tt" and not pkg.built_for_device:
@@ -382,7 +382,7 @@ def _tokenizer_mode(pkg, extra: list[str]) -> bool:
     ``--skip-tokenizer-init``); a package without a tokenizer that did not opt out is refused
     here, before vLLM starts (vLLM would fail half a minute later instead), unless the extra
     arguments give vLLM a ``--tokenizer`` or ``--skip-tokenizer-init`` themselves."""
-    from ..package import has_tokenizer
+    from ..package.names import has_tokenizer
 
     if pkg.bundle.spec.tokenizer is False:
         return "--skip-tokenizer-init" not in extra

@@ -1,0 +1,58 @@
+"""The state an emulated program call runs on: the paged KV cache (:class:`KVCache`, values held
+in their declared dtype: :func:`kv_store`), and a call run a stage at a time (:class:`Stages`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+@dataclass
+class KVCache:
+    layers: list  # per layer {"k": [D, kvh, num_blocks * block, hd], "v": ...}
+    num_blocks: int
+    block_size: int
+
+
+def kv_store(kv_dtype: str, compute: torch.dtype):
+    """(storage dtype of the cache tensors, per-write rounding) for a declared KV dtype."""
+    if kv_dtype == "bf16":
+        return torch.bfloat16, None
+    if kv_dtype in ("bfp8", "bfp4"):
+        from ... import blockfloat
+
+        def store(x: torch.Tensor) -> torch.Tensor:
+            # a block-float tile shares one exponent per 16 values of a row: a token's row
+            # rounds alone, so rounding the written rows is what the tile storage holds
+            shape = x.shape
+            q = blockfloat.quantize(x.detach().float().cpu().reshape(-1, shape[-1]), kv_dtype)
+            return q.reshape(shape).to(device=x.device)
+        return compute if compute == torch.float32 else torch.float32, store
+    raise ValueError(f"KV cache dtype {kv_dtype!r}: expected bf16 or bfp8")
+
+
+class Stages:
+    """One program call run a stage at a time (:meth:`EmulatedModel.stages`): iterating yields
+    ``(kind, layer)`` before each stage runs; ``logits`` is set once it is exhausted. ``capture``
+    (when asked for) gets each decoder layer's output ``[N, Tq, hidden]`` (device 0) as it runs;
+    ``rows`` is how many leading rows of it are real (a chunk padded to its bucket)."""
+
+    def __init__(self, gen, capture: list | None = None, rows: int | None = None):
+        self._gen, self.capture, self.rows = gen, capture, rows
+        self.logits = None
+        self.done = False
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self._gen)
+        except StopIteration as e:
+            self.logits, self.done = e.value, True
+            raise
+
+    def drain(self) -> "Stages":
+        for _ in self:
+            pass
+        return self

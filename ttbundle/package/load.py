@@ -1,0 +1,276 @@
+"""Reading a package back: :func:`load_package` (the manifest verified, the resolved spec, its
+programs, the weight files' headers checked against them) gives a :class:`LoadedPackage`; nothing
+here re-plans. :func:`assemble` is the same from parts (``build`` warms its temp directory up
+with it before the manifest exists)."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .names import WEIGHTS_FORMATS, PackageError, weight_file
+from .shards import PackageWeights
+from .verify import verify_package
+
+
+@dataclass
+class LoadedPackage:
+    """A package read back: the resolved bundle, its mesh, programs, weights and manifest.
+
+    Nothing here re-plans: the programs say what runs and where every weight lives
+    (:attr:`weight_refs`), the KV cache they were built for (:attr:`kv_cache`), and the manifest
+    the trace region (:attr:`trace_region_size`); a backend reads these, never ``plan``. (A
+    build-time caller that wants the plan makes it: ``plan.make.make_plan(pkg.bundle, pkg.mesh)``.)"""
+
+    dir: Path
+    manifest: dict
+    bundle: object
+    mesh: object
+    weights: PackageWeights
+    programs: dict = field(default_factory=dict)  # (phase, bucket) -> relative path
+    _ir: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def kv_cache(self) -> dict:
+        """The KV cache the programs were built for (dtype, ``num_blocks``, block size): one
+        record, the same in every program (``lower`` writes the plan's pool into each). The
+        runtime allocates and hands vLLM this, not a re-planned number."""
+        if "_kv" not in self._ir:
+            recs = {}
+            for phase, bucket in self.programs:
+                kv = self.program_ir(phase, bucket).kv_cache
+                recs.setdefault(json.dumps(kv, sort_keys=True), []).append(f"{phase}/{bucket}")
+            if len(recs) != 1:
+                raise PackageError(f"{self.dir}: its programs disagree on the KV cache: "
+                                   + "; ".join(f"{', '.join(v)}: {k}" for k, v in recs.items()))
+            self._ir["_kv"] = json.loads(next(iter(recs)))
+        return dict(self._ir["_kv"])
+
+    def program(self, phase: str, bucket: int) -> dict:
+        """The JSON form of the (phase, bucket) program (both backends run ``program_ir``)."""
+        return self.program_ir(phase, bucket).to_json()
+
+    def program_ir(self, phase: str, bucket: int):
+        """The (phase, bucket) program as the typed IR (``program.Program``)."""
+        from ..program import Program, ProgramError
+        key = (phase, bucket)
+        if key not in self._ir:
+            try:
+                rel = self.programs[key]
+            except KeyError:
+                raise PackageError(f"{self.dir}: no program for {phase} bucket {bucket}; has "
+                                   f"{sorted(self.programs)}") from None
+            try:
+                data = json.loads((self.dir / rel).read_text(encoding="utf-8"))
+                prog = Program.from_json(data, f"{self.dir}/{rel}")
+                prog.verify()  # every step's inputs as the steps before it leave them
+                self._ir[key] = prog
+            except (OSError, ValueError, ProgramError) as e:
+                raise PackageError(f"{self.dir}: {rel}: {e}") from None
+        return self._ir[key]
+
+    @property
+    def weight_refs(self) -> dict:
+        """``{name: program.WeightRef}``: every weight the programs read, with its PartitionSpec,
+        per-device shape, dtype and layers (one record: every program of a package agrees on it,
+        and the weight files' headers agree with it; checked at load)."""
+        return dict(self.weights.refs)
+
+    @property
+    def trace_region_size(self) -> int:
+        """Bytes to open the mesh's trace region with (``open_mesh_device(trace_region_size=)``):
+        the size the build planned (manifest ``trace_region_size``). A manifest written before it
+        was recorded gives ``trace_region_bytes``, the DRAM that size costs (a little more)."""
+        m = self.manifest
+        return int(m.get("trace_region_size", m.get("trace_region_bytes")) or 0)
+
+
+def read_bundle(pkg: str | Path):
+    """The resolved spec a package directory holds (``bundle.yaml``), loaded."""
+    from .. import spec as specmod
+    pkg = Path(pkg)
+    text = (pkg / "bundle.yaml").read_text(encoding="utf-8")
+    return specmod.loads(text, str(pkg / "bundle.yaml"), base_dir=pkg)
+
+
+def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
+    """Read a package: manifest (and every file's sha256 when ``verify``), the resolved spec, its
+    programs (the weights each reads, checked against the weight files' headers)."""
+    from ..lower import program_name
+    from ..plan.sharding import target_mesh
+
+    pkg = Path(pkg)
+    m = verify_package(pkg, full=verify)
+    bundle = read_bundle(pkg)
+    mesh = target_mesh(bundle, m["mesh"]["name"])  # one replica's submesh when split
+    if list(mesh.shape) != list(m["mesh"].get("shape", mesh.shape)) or \
+            mesh.replicas != (m.get("replicas") or {}).get("count", 1):
+        raise PackageError(f"{pkg}: manifest says mesh {m['mesh'].get('shape')} x "
+                           f"{(m.get('replicas') or {}).get('count', 1)} replicas, bundle.yaml "
+                           f"{mesh.describe()}: the package is inconsistent; rebuild it")
+    programs = {}
+    for phase, buckets in (("prefill", m["buckets"]["prefill"]), ("decode", m["buckets"]["decode"]),
+                           ("verify", m["buckets"].get("verify") or []), ("vision", m["buckets"].get("vision", []))):
+        for b in buckets:
+            rel = f"programs/{program_name(phase, b)}.json"
+            if rel not in m["files"]:
+                raise PackageError(f"{pkg}: {rel}: missing from the manifest")
+            programs[(phase, b)] = rel
+    return assemble(pkg, m, bundle, mesh, programs)
+
+
+def assemble(pkg: Path, manifest: dict, bundle, mesh, programs: dict) -> LoadedPackage:
+    """A package's parts read back (``programs``: (phase, bucket) -> relative path), the weight
+    headers checked against the programs; ``build`` warms its temp directory up with it before
+    the manifest exists."""
+    loaded = LoadedPackage(Path(pkg), manifest, bundle, mesh, None, dict(programs))
+    if not programs:
+        raise PackageError(f"{pkg}: no programs")
+    refs = _weight_refs(loaded)
+    _check_arch(Path(pkg), bundle, mesh, refs)
+    _check_spec(loaded, refs)
+    loaded.weights = PackageWeights(Path(pkg), bundle, mesh, refs)
+    _check_headers(loaded.weights)
+    return loaded
+
+
+def _check_arch(pkg: Path, bundle, mesh, refs: dict) -> None:
+    """bundle.yaml's model declares exactly the weights the programs read, each of the
+    per-device shape ``layout`` gives its dims under the programs' PartitionSpec."""
+    from ..layout import local_len
+    decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
+    if set(decls) != set(refs):
+        raise PackageError(f"{pkg}: bundle.yaml declares tensors {sorted(set(decls) ^ set(refs))} the "
+                           f"programs do not read (or the reverse)")
+    for n, t in decls.items():
+        want = [local_len(d, e, mesh, bundle.spec.sharding) for d, e in zip(t.dims, refs[n].spec)]
+        if want != list(refs[n].device_shape):
+            raise PackageError(f"{pkg}: bundle.yaml's model gives {n} {want} per device, the programs "
+                               f"{list(refs[n].device_shape)}: the package is inconsistent; rebuild it")
+
+
+def _check_spec(loaded: LoadedPackage, refs: dict) -> None:
+    """bundle.yaml (the spec the package says it was built from) and the programs (what runs)
+    agree: every program's mesh is the package's, and every weight's PartitionSpec and dtype and
+    the KV cache's dtype and block size are what the spec resolves to (``plan.sharding.resolved_plan``,
+    ``plan.sharding.tensor_dtype``; no plan is made). A disagreement names the program, the weight, both
+    values and the bundle.yaml line; nothing at run time re-derives a layout, so a package whose
+    programs and spec disagree would run one and describe the other."""
+    from ..layout import axes_of
+    from ..plan.sharding import resolved_plan, tensor_dtype
+
+    pkg, bundle, mesh = loaded.dir, loaded.bundle, loaded.mesh
+    first = min(loaded.programs)
+    others = len(loaded.programs) - 1
+    where = f"{pkg}: {loaded.programs[first]}" + (f" (and its {others} other program(s), which agree with it)"
+                                                  if others else "")
+    for key in sorted(loaded.programs):
+        p = loaded.program_ir(*key)
+        if list(p.mesh.get("shape", ())) != list(mesh.shape) or p.mesh.get("name") != mesh.name:
+            raise PackageError(f"{pkg}: {loaded.programs[key]}: program for mesh {p.mesh.get('name')} "
+                               f"{p.mesh.get('shape')}, the package is for {mesh.describe()}; rebuild it")
+
+    def at(path: tuple) -> str:
+        d = bundle.locate(path, "")
+        return f"{d.file}:{d.line}" if d.file and d.line is not None else str(d.file or "bundle.yaml")
+
+    def show(spec) -> str:
+        return "[" + ", ".join("null" if not e else e[0] if len(e) == 1 else "[" + ", ".join(e) + "]"
+                               for e in spec) + "]"
+
+    specs, origin = resolved_plan(bundle, mesh.name)
+    decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
+    for n, ref in sorted(refs.items()):
+        want = tuple(axes_of(e) for e in specs[n])
+        if want != tuple(ref.spec):
+            src = origin[n] or ("sharding", "plan")
+            raise PackageError(
+                f"{where}: weight {n} is split {show(ref.spec)} (PartitionSpec), bundle.yaml says "
+                f"{show(want)} ({at(src)}: {'.'.join(map(str, src))}): the programs and the spec disagree, "
+                "and the programs are what runs; rebuild the package from its spec")
+        dt = tensor_dtype(bundle.spec, decls[n])
+        if dt != ref.dtype:
+            path = ("weights", "dtypes", "tensors", n)
+            raise PackageError(f"{where}: weight {n} is {ref.dtype}, bundle.yaml says {dt} ({at(path)}): the "
+                               "programs and the spec disagree; rebuild the package from its spec")
+    kv, rt = loaded.kv_cache, bundle.spec.runtime
+    for what, field_, got, want in (("dtype", "kv_cache_dtype", kv.get("dtype"), rt.kv_cache_dtype),
+                                    ("block size", "kv_block_size", kv.get("block_size"), rt.kv_block_size)):
+        if got != want:
+            raise PackageError(f"{where}: KV cache {what} {got}, bundle.yaml says {want} "
+                               f"({at(('runtime', field_))}: runtime.{field_}): the programs and the spec "
+                               "disagree; rebuild the package from its spec")
+
+
+def _weight_refs(loaded: LoadedPackage) -> dict:
+    """The weights the programs read; every program of a package must agree on them."""
+    refs = None
+    for key in sorted(loaded.programs):
+        p = loaded.program_ir(*key)
+        if refs is None:
+            refs, first = p.weights, p.name
+        elif p.weights != refs:
+            bad = sorted(n for n in set(refs) | set(p.weights) if refs.get(n) != p.weights.get(n))
+            raise PackageError(f"{loaded.dir}: programs {first} and {p.name} disagree on weights {bad}")
+    return refs
+
+
+def _check_headers(w: PackageWeights) -> None:
+    """Each device file's header agrees with the programs (names, per-device shapes, encodings),
+    and says where each shard is stored: a ``stored_in`` entry names, per device, a device
+    holding the same units (``layout.holders``) whose own entry names itself, and a file holds
+    exactly the tensors stored in it. Format 1 files (no ``stored_in``) hold every shard."""
+    from ..layout import holders
+    pkg, refs, mesh = w.pkg, w.refs, w.mesh
+    D = mesh.num_devices
+    want = {n: (list(r.device_shape), r.dtype) for n, r in refs.items()}
+    owners = {n: holders(u, D) for n, u in w.units.items()}
+    tables = []
+    for d in range(D):
+        rel = weight_file(d)
+        p = pkg / rel
+        try:
+            with open(p, "rb") as f:
+                n = struct.unpack("<Q", f.read(8))[0]
+                header = json.loads(f.read(n))
+            meta = json.loads(header["__metadata__"]["ttbundle"])
+            tensors = meta["tensors"]
+        except (OSError, ValueError, KeyError, struct.error) as e:
+            raise PackageError(f"{pkg}: {rel}: unreadable weights header: {e}") from None
+        if meta.get("format") not in WEIGHTS_FORMATS:
+            raise PackageError(f"{pkg}: {rel}: weights format {meta.get('format')!r}, this ttbundle reads "
+                               f"{', '.join(WEIGHTS_FORMATS)}; rebuild the package")
+        if meta.get("device") != d:
+            raise PackageError(f"{pkg}: {rel}: header says device {meta.get('device')}, expected {d}")
+        stored = set(header) - {"__metadata__"}
+        for key, info in tensors.items():
+            name = info.get("tensor")
+            shape, dtype = want.get(name, (None, None))
+            if shape is None or info.get("shape") != shape or info.get("encoding") != dtype:
+                raise PackageError(f"{pkg}: {rel}: {key} is {info.get('encoding')}{info.get('shape')}, "
+                                   f"the programs say {dtype}{shape}")
+            src = info.get("stored_in")
+            if src is not None and meta["format"] == WEIGHTS_FORMATS[0]:
+                raise PackageError(f"{pkg}: {rel}: {key}: stored_in in a {WEIGHTS_FORMATS[0]} header")
+            if src is not None and (not isinstance(src, list) or len(src) != D or any(
+                    not isinstance(e, int) or not 0 <= e < D or owners[name][e] != owners[name][i]
+                    or src[e] != e for i, e in enumerate(src))):
+                raise PackageError(f"{pkg}: {rel}: {key}: stored_in {src} does not name, for every device, "
+                                   f"a device holding the same shard that stores it itself")
+            here = src is None or src[d] == d
+            if here != (key in stored):
+                raise PackageError(f"{pkg}: {rel}: {key} is " + (
+                    "missing (the header says this file stores it)" if here else
+                    f"in the file, but the header says device {src[d]}'s file stores it"))
+        if stored - set(tensors):
+            raise PackageError(f"{pkg}: {rel}: holds tensors its header does not describe: "
+                               f"{sorted(stored - set(tensors))[:5]}")
+        tables.append(tensors)
+    w.stored_in = {k: v.get("stored_in") or list(range(D)) for k, v in tables[0].items()}
+    for d in range(1, D):  # one table: where every device's shard is stored
+        if {k: v.get("stored_in") for k, v in tables[d].items()} != \
+                {k: v.get("stored_in") for k, v in tables[0].items()}:
+            raise PackageError(f"{pkg}: {weight_file(d)}: its header and {weight_file(0)}'s disagree on "
+                               "which tensors the files hold or where they are stored")
