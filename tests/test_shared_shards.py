@@ -120,11 +120,13 @@ def test_packed_weights_are_packed_once_per_distinct_shard():
     cols = torch.randn(2, 64, 48, generator=g)
     shared = SharedStack(cols, [d % 2 for d in range(8)])
     q = gemm.Packed(shared)
-    assert len(q.per_shard) == 2
+    # the 2 distinct shards side by side in one matrix (merged), not one per device
+    assert q.per_shard is None and tuple(q.merged.to_dense().shape) == (2 * 48, 64)
     x = torch.randn(8, 5, 64, generator=g)  # every device's rows differ
     ref = torch.bmm(x, shared.dense())
     for held in (q, shared):
         torch.testing.assert_close(gemm.matmul(x, held), ref, rtol=1e-5, atol=1e-5)
+    assert q.merged is None and len(q.per_shard) == 2  # differing rows: one matrix per distinct shard
     torch.testing.assert_close(p.matmul(x), torch.bmm(x, W.contiguous()), rtol=1e-5, atol=1e-5)
 
 
