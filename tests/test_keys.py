@@ -80,7 +80,7 @@ def test_producers_dependencies_are_what_they_import():
         assert all(ui not in d for d in deps.values()), ui
     # no family's own module: those are keyed per family (family_code)
     fam = {f"families/{type(f).__module__.rpartition('.')[2]}.py" for f in families.all_families().values()}
-    assert len(fam) == 9
+    assert {"families/llama.py", "families/deepseek_v3.py", "families/qwen3_vl.py"} <= fam
     assert not any(p in fam or p.startswith("runtime/") or p == "families/__init__.py"
                    for d in deps.values() for p in d)
 

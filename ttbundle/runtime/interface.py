@@ -72,6 +72,14 @@ class MeshModel(Protocol):
         ...
 
     @abstractmethod
+    def verify_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, num_tokens: torch.Tensor,
+                       page_table: torch.Tensor, kv_cache, sampling_params=None):
+        """Speculative decoding's verify step: ``tokens`` [B, k + 1] (each sequence's last token
+        and its proposals), B a decode bucket; logits [B, k + 1, V], or with ``sampling_params``
+        the accepted tokens [B, k + 1] (-1 past each sequence's last)."""
+        ...
+
+    @abstractmethod
     def read_decode_output(self, tt_out, async_read: bool = True):
         """A submitted decode's output, read back to the host."""
         ...

@@ -332,6 +332,12 @@ class TTDeviceModel(MeshModel):
         soft = np.asarray(self.runner.read(out[name]), dtype=np.float32).reshape(-1, self.bundle.arch.hidden_size)
         return finish(torch.from_numpy(soft.copy()))
 
+    def verify_forward(self, tokens, start_pos, num_tokens, page_table, kv_cache, sampling_params=None):
+        """Not on a device yet: the platform refuses ``--speculative-config`` with ``--device tt``
+        before a model is made (the verify programs are not lowered to ttnn)."""
+        raise NotImplementedError("speculative decoding on a Tenstorrent device is not implemented yet (the "
+                                  "verify programs are not lowered to ttnn); serve on the emulated mesh")
+
     @torch.no_grad()
     def decode_forward(self, tokens, start_pos, page_table, kv_cache, sampling_params=None, enable_trace: bool = True,
                        read_from_device: bool = True, prev_output=None, prev_rows=None, rope_positions=None,
