@@ -23,6 +23,7 @@ from ttbundle.layout import axes_of
 from ttbundle.plan.make import make_plan
 from ttbundle.plan.memory import tensor_bytes
 from ttbundle.package.names import weight_file
+from ttbundle.package.templates import render_bundle_yaml, resolved_spec
 from ttbundle.package.verify import read_manifest, verify_package
 from ttbundle.backends.ttnn import cache, mappers
 from ttbundle.cli import app
@@ -505,7 +506,7 @@ def test_programs_handed_over_to_a_ttnn_process_read_back_as_lowered(tmp_path):
     bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
     p = make_plan(bundle, "N300")
     progs = lowermod.lower_all(bundle, p)
-    yml = package.render_bundle_yaml(package.resolved_spec(bundle, p), __version__)
+    yml = render_bundle_yaml(resolved_spec(bundle, p), __version__)
     d = handover.write(tmp_path / "h", yml, progs)
     got_bundle, mesh, got = handover.read(d)
     assert got == progs and list(got) == list(progs)
