@@ -9,7 +9,7 @@ from ...program import Step
 from . import configs
 from .calls import Const, T, W
 from .emitter import DRAM, TILE_L, Lowerer, add_bias, one_input, f32, tt_shape
-from .inputs import vision_mask_input
+from .inputs import VISION_ROPE, vision_mask_input
 from .text_ops import split_heads, merge_heads
 
 
@@ -92,7 +92,8 @@ def _qwen_vision_attention(lw: Lowerer, st: Step) -> None:
     hd = vis.head_dim
     rows, width = lw.shapes[q][2], lw.shapes[q][3]
     h = width // hd
-    for name in ("vision_cos", "vision_sin"):
+    cos_in, sin_in = VISION_ROPE
+    for name in VISION_ROPE:
         lw.inputs[name] = ((1, 1, rows, hd), "bf16", "TILE")
     mask = vision_mask_input(lw.layer in vis.fullatt_block_indexes)
     lw.inputs[mask] = ((1, 1, rows, rows), "bf16", "TILE")
@@ -110,8 +111,8 @@ def _qwen_vision_attention(lw: Lowerer, st: Step) -> None:
     for x, out in ((qh, qr), (kh, kr)):
         shp = lw.shapes[x]
         xr = lw.call("matmul", T(x), T(rot), out=f"{out}.rh", shape=shp, memory_config=DRAM, compute_kernel_config=kernel)
-        c = lw.call("multiply", T(x), T("vision_cos"), out=f"{out}.c", shape=shp, memory_config=DRAM)
-        sn = lw.call("multiply", T(xr), T("vision_sin"), out=f"{out}.s", shape=shp, memory_config=DRAM)
+        c = lw.call("multiply", T(x), T(cos_in), out=f"{out}.c", shape=shp, memory_config=DRAM)
+        sn = lw.call("multiply", T(xr), T(sin_in), out=f"{out}.s", shape=shp, memory_config=DRAM)
         lw.call("add", T(c), T(sn), out=out, shape=shp, memory_config=DRAM)
     s = lw.call("matmul", T(qr), T(kr), out="vo.s", shape=(1, h, rows, rows), transpose_b=True, memory_config=DRAM,
                 compute_kernel_config=kernel)
