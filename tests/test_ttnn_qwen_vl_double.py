@@ -1,17 +1,20 @@
-"""Qwen2.5-VL images on the TT device path (``runtime.ttdevice.TTDeviceModel``), computed by the
-recording double (``backends/ttnn/recording.py`` + ``numerics.py``) on the package's own tensorbin
-weights: the tiny Qwen2.5-VL built with ``--backend ttnn`` on N150 and T3K (vision heads split
-over its 8 columns). The vision forward reads host-made inputs besides the patches (the patches
-in window order, each row's 2-D rope cos / sin, the window and image masks from the vision part's
-per-row segments: ``device.vision_inputs``); the text forwards read the runner's M-RoPE positions
-(``rope_positions.0/1/2``: a prefill chunk's ``[3, 1, S]``, a decode batch's ``[3, B, 1]`` or its
-rope deltas).
+"""Qwen2.5-VL and Qwen3-VL images on the TT device path (``runtime.ttdevice.TTDeviceModel``),
+computed by the recording double (``backends/ttnn/recording.py`` + ``numerics.py``) on the
+package's own tensorbin weights: the tiny Qwen2.5-VL and Qwen3-VL built with ``--backend ttnn``
+on N150 and T3K (vision heads split over its 8 columns). The vision forward reads host-made
+inputs besides the patches (Qwen2.5-VL: the patches in window order, each row's 2-D rope cos /
+sin, the window and image masks from the vision part's per-row segments; Qwen3-VL: the image
+mask, the rope, the learned position embedding's interpolation matrix: ``device.vision_inputs``)
+and Qwen3-VL's returns its DeepStack features beside the soft tokens, which the image prefill
+adds after the first text layers (``mm_deepstack.<k>``); the text forwards read the runner's
+M-RoPE positions (``rope_positions.0/1/2``, Qwen3-VL's interleaved: a prefill chunk's
+``[3, 1, S]``, a decode batch's ``[3, B, 1]`` or its rope deltas).
 
 References: the emulated backend (the package's programs on its weight shards, fp32) for the
-image features, the prefill and the decode logits; transformers'
-``Qwen2_5_VLForConditionalGeneration`` (the checkpoint the package was built from, the same
-processor pixels and grids) for the greedy token; a mutation each for the masks and the M-RoPE
-positions shows both are read."""
+image features, the prefill and the decode logits; transformers' ``*ForConditionalGeneration``
+(the checkpoint the package was built from, the same processor pixels and grids) for the greedy
+token; a mutation each for the masks, the M-RoPE positions and the DeepStack inputs shows they
+are read."""
 
 from __future__ import annotations
 
@@ -23,11 +26,13 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec_helpers import TINY_QVL  # noqa: E402
+from spec_helpers import TINY_Q3VL, TINY_QVL  # noqa: E402
 from vision_double_helpers import device_model, emulated  # noqa: E402
 
 REL = 0.03  # bf16 weights and activations on the double against the fp32 emulated backend
 MESHES = ["N150", "T3K"]
+SPECS = {"qwen2_5_vl": TINY_QVL, "qwen3_vl": TINY_Q3VL}
+SRC = {"qwen2_5_vl": "src-tiny-qwen25-vl", "qwen3_vl": "src-tiny-qwen3-vl"}
 SIZES = ((40, 72), (32, 24))  # grids 10x18 and 8x6 patches: 45 and 12 soft tokens, 228 patches (bucket 256)
 BIG = ((64, 64), (64, 64))  # 16x16 patches each: 512 patches, the larger vision bucket
 S = 128  # the prefill bucket the prompt pads to
@@ -38,7 +43,8 @@ MAX_LEN = 512
 def built(tmp_path_factory):
     from ttbundle.serving.demo import build_package
     out = tmp_path_factory.mktemp("ttqv")
-    return {m: build_package(TINY_QVL, out, m, backend="ttnn", warmup=False) for m in MESHES}, out
+    return {(f, m): build_package(text, out, m, backend="ttnn", warmup=False)
+            for f, text in SPECS.items() for m in MESHES}, out
 
 
 def _images(pkg, sizes, seed: int = 0) -> dict:
@@ -69,23 +75,25 @@ def _rel(got, want) -> float:
     return float((got - want).abs().max()) / float(want.abs().max())
 
 
-def _transformers_logits(src, prompt, inputs):
-    import transformers
-    hf = transformers.Qwen2_5_VLForConditionalGeneration.from_pretrained(str(src), dtype=torch.float32).eval()
-    ids = torch.tensor([prompt])
+def _transformers_logits(pkg, src, prompt, inputs):
+    """transformers' ``Qwen2_5_VLForConditionalGeneration`` / ``Qwen3VLForConditionalGeneration``
+    (``reference.load_model``: the class of the checkpoint's config) on the family's reference
+    inputs (pixels, grids, image token types)."""
+    from ttbundle import reference
+    hf = reference.load_model(src)
     with torch.no_grad():
-        return hf(input_ids=ids, pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"],
-                  mm_token_type_ids=(ids == 500).int()).logits[0, -1]
+        return hf(input_ids=torch.tensor([prompt]), **_part(pkg).reference_kwargs(prompt, inputs, "cpu")).logits[0, -1]
 
 
-@pytest.mark.parametrize("mesh", MESHES)
-def test_qwen2_5_vl_images_on_the_tt_device_path_equal_the_emulated_mesh(built, mesh):
+@pytest.mark.parametrize("mesh", ["N150", pytest.param("T3K", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("family", list(SPECS))
+def test_qwen_vl_images_on_the_tt_device_path_equal_the_emulated_mesh(built, family, mesh):
     from ttbundle.families.vision_part import decode_rope
     from ttbundle.runtime.images import prompt_inputs
     from ttbundle.runtime.sampling import DeviceSampling
 
     pkgs, out = built
-    pkg, dev, kv, rec = device_model(pkgs[mesh], MAX_LEN)
+    pkg, dev, kv, rec = device_model(pkgs[family, mesh], MAX_LEN)
     # every vision bucket has a forward, compiled at warm-up and captured as a trace
     vision = sorted(k for k in dev.runner.forwards if k[0] == "vision")
     assert [k[1] for k in vision] == pkg.bundle.vision.buckets == [256, 512]
@@ -123,10 +131,11 @@ def test_qwen2_5_vl_images_on_the_tt_device_path_equal_the_emulated_mesh(built, 
 
     emu, ekv = emulated(pkg, MAX_LEN)
     want_features = emu.encode_images(px, thw)
-    assert got_features.shape == want_features.shape == (45 + 12, pkg.bundle.arch.hidden_size)
+    width = pkg.bundle.arch.hidden_size * (1 + getattr(pkg.bundle.arch.vision, "deepstack", 0))  # + DeepStack sets
+    assert got_features.shape == want_features.shape == (45 + 12, width)
     assert _rel(got_features, want_features) <= REL
     want_big = emu.encode_images(big["pixel_values"], big["image_grid_thw"])
-    assert got_big.shape == want_big.shape == (128, pkg.bundle.arch.hidden_size)
+    assert got_big.shape == want_big.shape == (128, width)
     assert _rel(got_big, want_big) <= REL
 
     want, want_delta = emu.prefill_forward(tokens, pt, ekv, [n], [0], pixel_values=[px], image_grid_thw=[thw])
@@ -137,20 +146,21 @@ def test_qwen2_5_vl_images_on_the_tt_device_path_equal_the_emulated_mesh(built, 
     want_dec = emu.decode_forward(nxt, torch.tensor([n]), pt, ekv, rope_deltas=want_delta)
     assert _rel(dec_delta, want_dec) <= REL and _rel(dec_runner, want_dec) <= REL
 
-    ref = _transformers_logits(out / "src-tiny-qwen25-vl", prompt, inputs)
+    ref = _transformers_logits(pkg, out / SRC[family], prompt, inputs)
     best = int(ref.argmax())
     for tok in (int(got.argmax()), int(sampled[0])):  # transformers' greedy token, up to a near tie bf16 may flip
         assert float(ref[best] - ref[tok]) <= 2 * err, (tok, best)
 
 
-def test_without_the_rope_positions_the_device_prefill_leaves_the_emulated_mesh(built, monkeypatch):
+@pytest.mark.parametrize("family", list(SPECS))
+def test_without_the_rope_positions_the_device_prefill_leaves_the_emulated_mesh(built, family, monkeypatch):
     """Mutation: the device's M-RoPE inputs filled with the cache positions (what the device path
     fed before, the runner's ``rope_positions`` dropped): the image prompt's logits leave the
     emulated mesh's."""
     from ttbundle.backends.ttnn import device
 
     pkgs, _ = built
-    pkg, dev, kv, _ = device_model(pkgs["N150"], MAX_LEN)
+    pkg, dev, kv, _ = device_model(pkgs[family, "N150"], MAX_LEN)
     inputs = _images(pkg, SIZES)
     prompt = _prompt(pkg, inputs)
     n = len(prompt)
@@ -166,13 +176,14 @@ def test_without_the_rope_positions_the_device_prefill_leaves_the_emulated_mesh(
     assert float((plain - want).abs().max()) > max(5 * err, REL * float(want.abs().max()))
 
 
-def test_without_the_window_masks_the_device_images_leave_the_emulated_mesh(built, monkeypatch):
+@pytest.mark.parametrize("family", list(SPECS))
+def test_without_the_window_masks_the_device_images_leave_the_emulated_mesh(built, family, monkeypatch):
     """Mutation: the vision forward's masks all zero (every patch of the bucket attends to every
     other, the windows and the image bounds gone): its soft tokens leave the emulated mesh's."""
     from ttbundle.backends.ttnn import device
 
     pkgs, _ = built
-    pkg, dev, _, _ = device_model(pkgs["N150"], MAX_LEN)
+    pkg, dev, _, _ = device_model(pkgs[family, "N150"], MAX_LEN)
     inputs = _images(pkg, SIZES)
     emu, _ = emulated(pkg, MAX_LEN)
     want = emu.encode_images(inputs["pixel_values"], inputs["image_grid_thw"])
@@ -186,6 +197,32 @@ def test_without_the_window_masks_the_device_images_leave_the_emulated_mesh(buil
     assert _rel(unmasked, want) > max(5 * _rel(intact, want), REL)
 
 
+def test_without_the_deepstack_inputs_the_qwen3_vl_prefill_leaves_the_emulated_mesh(built, monkeypatch):
+    """Mutation: Qwen3-VL's image prefill with its DeepStack inputs left zero (the soft tokens
+    merged, the feature sets not added after the first text layers): the logits leave the
+    emulated mesh's."""
+    from ttbundle.backends.ttnn import device
+
+    pkgs, _ = built
+    pkg, dev, kv, _ = device_model(pkgs["qwen3_vl", "N150"], MAX_LEN)
+    inputs = _images(pkg, SIZES)
+    prompt = _prompt(pkg, inputs)
+    n = len(prompt)
+    tokens, pt = _tokens(prompt)
+    kw = dict(pixel_values=[inputs["pixel_values"]], image_grid_thw=[inputs["image_grid_thw"]])
+    emu, ekv = emulated(pkg, MAX_LEN)
+    want, _ = emu.prefill_forward(tokens, pt, ekv, [n], [0], **kw)
+    intact, _ = dev.prefill_forward(tokens, pt, kv, [n], [0], **kw)
+    err = float((intact - want).abs().max())
+    made = device.image_inputs
+
+    def no_deepstack(fw, mm):
+        return {k: (np.zeros_like(v) if k.startswith("mm_deepstack") else v) for k, v in made(fw, mm).items()}
+    monkeypatch.setattr(device, "image_inputs", no_deepstack)
+    flat, _ = dev.prefill_forward(tokens, pt, kv, [n], [0], **kw)
+    assert float((flat - want).abs().max()) > max(5 * err, REL * float(want.abs().max()))
+
+
 def test_the_device_path_takes_qwen2_5_vl_and_refuses_a_vision_input_it_cannot_make(built, monkeypatch):
     """The Qwen2.5-VL package is no longer refused on a device (its vision forward's host inputs
     are all ones ``device.vision_inputs`` makes); a vision forward reading an input the runner
@@ -196,7 +233,7 @@ def test_the_device_path_takes_qwen2_5_vl_and_refuses_a_vision_input_it_cannot_m
     from ttbundle.runtime.packages import open_package
 
     pkgs, _ = built
-    pkg = open_package(pkgs["N150"])
+    pkg = open_package(pkgs["qwen2_5_vl", "N150"])
     ttdevice.refuse_unlowered_vision(pkg.loaded)  # nothing refused
     monkeypatch.setattr(ttinputs, "VISION_HOST_INPUTS", ("patches",))
     with pytest.raises(InvalidInput, match=r"programs/vision-256.json lowered reads the host-made inputs "

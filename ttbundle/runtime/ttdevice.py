@@ -342,7 +342,8 @@ class TTDeviceModel(MeshModel):
         patches, meta, finish = part.program_inputs(inputs, bucket, torch.float32)
         out = self._run(key, vision_inputs(fw, patches.numpy(), meta))
         (name,) = fw.outputs
-        soft = np.asarray(self.runner.read(out[name]), dtype=np.float32).reshape(-1, self.bundle.arch.hidden_size)
+        soft = np.asarray(self.runner.read(out[name]), dtype=np.float32)  # [1, 1, soft, hidden (x sets)]
+        soft = soft.reshape(-1, soft.shape[-1])
         return finish(torch.from_numpy(soft.copy()))
 
     @torch.no_grad()

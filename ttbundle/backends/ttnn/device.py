@@ -144,7 +144,7 @@ def _rope_table(c, arch):
     cos, sin = rope_cos_sin(torch.arange(c.shape[0]), p["head_dim"], p["theta"], scaling, torch.float32)
     t = cos if c.kind == "rope_cos" else sin
     if p.get("mrope_section"):  # M-RoPE: this position row's frequencies only (the others zero)
-        keep = mrope_rows(p["mrope_section"], p["head_dim"]) == p["mrope_row"]
+        keep = mrope_rows(p["mrope_section"], p["head_dim"], bool(p.get("mrope_interleaved"))) == p["mrope_row"]
         t = t * keep[None, :].to(t.dtype)
     if p.get("interleaved"):  # rotary_embedding_llama rotates pairs (x0, x1), (x2, x3)...: f0 f0 f1 f1 ...
         t = t[:, : p["head_dim"] // 2].repeat_interleave(2, dim=-1)
@@ -211,16 +211,18 @@ def vision_inputs(fw: Forward, patches, meta: dict | None) -> dict:
     ``cos`` / ``sin`` [rows, head_dim] of ``meta`` (``inputs.VISION_ROPE``) and the additive masks
     of its window and full-attention layers (``inputs.vision_mask_input``): 0 where two rows share
     a segment of ``meta["window"]`` / ``meta["image"]`` (the host's per-row segments, padding rows
-    one of their own), -1e30 elsewhere. An input the forward reads that ``meta`` does not give is
-    a ValueError naming it."""
+    one of their own), -1e30 elsewhere; Qwen3-VL's position interpolation
+    (``inputs.VISION_POS_INTERP``): row r holds weight ``meta["pos_w"][r, j]`` at column
+    ``meta["pos_idx"][r, j]`` of each tap j. An input the forward reads that ``meta`` does not give
+    is a ValueError naming it."""
     import numpy as np
 
-    from .inputs import VISION_ROPE, vision_mask_input
+    from .inputs import VISION_POS_INTERP, VISION_ROPE, vision_mask_input
     shape = fw.inputs["patches"][0]
     out = {"patches": np.asarray(patches, dtype=np.float32).reshape(shape)}
     rows = shape[2]
     wanted = {n: m for n, m in zip(VISION_ROPE, ("cos", "sin"))}
-    wanted.update({vision_mask_input(False): "window", vision_mask_input(True): "image"})
+    wanted.update({vision_mask_input(False): "window", vision_mask_input(True): "image", VISION_POS_INTERP: "pos_w"})
     for name, key in wanted.items():
         if name not in fw.inputs:
             continue
@@ -228,7 +230,12 @@ def vision_inputs(fw: Forward, patches, meta: dict | None) -> dict:
             raise ValueError(f"vision forward {fw.phase}-{fw.bucket} reads {name}, made from the vision part's "
                              f"{key!r}, which its program inputs do not give")
         a = np.asarray(meta[key])
-        if name in VISION_ROPE:
+        if name == VISION_POS_INTERP:
+            m = np.zeros(fw.inputs[name][0][2:], np.float32)
+            idx = np.asarray(meta["pos_idx"], dtype=np.int64).reshape(rows, -1)
+            np.add.at(m, (np.arange(rows)[:, None].repeat(idx.shape[1], 1), idx), a.astype(np.float32).reshape(rows, -1))
+            out[name] = m.reshape(fw.inputs[name][0])
+        elif name in VISION_ROPE:
             out[name] = a.astype(np.float32).reshape(fw.inputs[name][0])
         else:
             seg = a.astype(np.int64).reshape(rows)
@@ -243,20 +250,28 @@ def vision_inputs(fw: Forward, patches, meta: dict | None) -> dict:
 def image_inputs(fw: Forward, mm: dict | None) -> dict:
     """An image prefill's merge inputs (``inputs.merge_images``): ``mm_keep`` 0 at the rows of
     ``mm["mask"]`` (the chunk's image tokens, ``runtime.images.chunk_inputs``) and 1 elsewhere,
-    ``mm_embeds`` the soft tokens ``mm["embeds"]`` at those rows, 0 elsewhere; no ``mm``: text."""
+    ``mm_embeds`` the soft tokens ``mm["embeds"]`` at those rows, 0 elsewhere; no ``mm``: text.
+    Qwen3-VL's ``mm["embeds"]`` carry the DeepStack feature sets beside the soft tokens (hidden
+    features each): set k goes to ``inputs.deepstack_input(k)`` at the same rows."""
     import numpy as np
 
+    from .inputs import deepstack_input
     shape = fw.inputs["mm_keep"][0]
+    sets: list[str] = []
+    while deepstack_input(len(sets)) in fw.inputs:
+        sets.append(deepstack_input(len(sets)))
     keep = np.ones(shape, np.float32)
-    embeds = np.zeros(shape, np.float32)
+    out = {n: np.zeros(shape, np.float32) for n in ["mm_embeds", *sets]}
     if mm is not None:
         rows = np.flatnonzero(np.asarray(mm["mask"], dtype=bool)[:shape[2]])
         e = np.asarray(mm["embeds"], dtype=np.float32).reshape(len(rows), -1)
-        if e.shape[1] != shape[3]:
-            raise ValueError(f"image soft tokens of {e.shape[1]} features for a prefill of {shape[3]}")
+        if e.shape[1] != shape[3] * (1 + len(sets)):
+            raise ValueError(f"image soft tokens of {e.shape[1]} features for a prefill of {shape[3]}"
+                             + (f" x (1 + {len(sets)} DeepStack sets)" if sets else ""))
         keep[0, 0, rows] = 0.0
-        embeds[0, 0, rows] = e
-    return {"mm_keep": keep, "mm_embeds": embeds}
+        for k, n in enumerate(["mm_embeds", *sets]):
+            out[n][0, 0, rows] = e[:, k * shape[3]:(k + 1) * shape[3]]
+    return {"mm_keep": keep, **out}
 
 
 def prefill_host_inputs(fw: Forward, tokens, n: int, start: int, page_table, block_size: int,

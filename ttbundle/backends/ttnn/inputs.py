@@ -40,9 +40,20 @@ def vision_mask_input(full: bool) -> str:
     return "vision_mask.image" if full else "vision_mask.window"
 
 
+#: Qwen3-VL's position-embedding interpolation matrix ``[1, 1, rows, positions]`` (each row's
+#: bilinear taps of the learned table, from the vision part's ``pos_idx`` / ``pos_w``)
+VISION_POS_INTERP = "vision_pos_interp"
+
 #: every input a vision forward may read, all of which the device runner makes per call
-#: (``device.vision_inputs``): the patches, and Qwen2.5-VL's rope and masks
-VISION_HOST_INPUTS = ("patches", *VISION_ROPE, vision_mask_input(False), vision_mask_input(True))
+#: (``device.vision_inputs``): the patches, Qwen2.5-VL's and Qwen3-VL's rope and masks, Qwen3-VL's
+#: position interpolation
+VISION_HOST_INPUTS = ("patches", *VISION_ROPE, vision_mask_input(False), vision_mask_input(True), VISION_POS_INTERP)
+
+
+def deepstack_input(k: int) -> str:
+    """The image prefill input holding the images' DeepStack feature set ``k`` at their image
+    tokens' rows (Qwen3-VL; zeros elsewhere), added after text layer ``k``."""
+    return f"mm_deepstack.{k}"
 
 
 def inputs_of(program: Program, bundle) -> dict:
