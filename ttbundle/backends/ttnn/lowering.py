@@ -11,7 +11,7 @@ use), split as the emulated kernels are:
 * :mod:`.emitter` — the lowerer of one program, the 4-D shape convention, setup weight views;
 * :mod:`.text_ops` — embedding, norms, matmuls, rope, attention, MLP, residual, the head;
 * :mod:`.moe_ops` — DeepSeek's MLA and the mixture-of-experts ops;
-* :mod:`.vision_ops` — the vision encoders (SigLIP, Qwen2.5-VL's);
+* :mod:`.vision_ops` — the vision encoders (SigLIP, Qwen2.5-VL's, Qwen3-VL's) and DeepStack;
 * :mod:`.mesh_ops` — collectives and partitions;
 * :mod:`.inputs` — the forward's input declarations and MLA's static chunk starts.
 
