@@ -114,7 +114,8 @@ def test_a_causal_only_image_mask_on_the_device_breaks_the_prefill(built, monkey
     intact = dev.prefill_forward(tokens, pt, kv, [n], [0], pixel_values=[px])[0]
     err = float((intact - want).abs().max())
     mask = device.mask_inputs
-    monkeypatch.setattr(device, "mask_inputs", lambda fw, qpos, blocks=None: mask(fw, qpos))
+    monkeypatch.setattr(device, "mask_inputs",
+                        lambda fw, qpos, blocks=None, rope_positions=None: mask(fw, qpos, None, rope_positions))
     causal = dev.prefill_forward(tokens, pt, kv, [n], [0], pixel_values=[px])[0]
     assert float((causal - want).abs().max()) > max(5 * err, REL * float(want.abs().max()))
 
