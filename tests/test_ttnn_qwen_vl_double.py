@@ -224,8 +224,8 @@ def test_without_the_deepstack_inputs_the_qwen3_vl_prefill_leaves_the_emulated_m
 
 
 def test_the_device_path_takes_qwen2_5_vl_and_refuses_a_vision_input_it_cannot_make(built, monkeypatch):
-    """The Qwen2.5-VL package is no longer refused on a device (its vision forward's host inputs
-    are all ones ``device.vision_inputs`` makes); a vision forward reading an input the runner
+    """The Qwen2.5-VL and Qwen3-VL packages are no longer refused on a device (their vision
+    forwards' host inputs are all ones ``device.vision_inputs`` makes); a vision forward reading an input the runner
     does not make still is, naming it and the way out, before anything opens."""
     from ttbundle.backends.ttnn import inputs as ttinputs
     from ttbundle.errors import InvalidInput
@@ -233,8 +233,9 @@ def test_the_device_path_takes_qwen2_5_vl_and_refuses_a_vision_input_it_cannot_m
     from ttbundle.runtime.packages import open_package
 
     pkgs, _ = built
+    for family in SPECS:  # nothing refused
+        ttdevice.refuse_unlowered_vision(open_package(pkgs[family, "N150"]).loaded)
     pkg = open_package(pkgs["qwen2_5_vl", "N150"])
-    ttdevice.refuse_unlowered_vision(pkg.loaded)  # nothing refused
     monkeypatch.setattr(ttinputs, "VISION_HOST_INPUTS", ("patches",))
     with pytest.raises(InvalidInput, match=r"programs/vision-256.json lowered reads the host-made inputs "
                                            r"vision_cos, vision_mask.image, vision_mask.window, vision_sin, which "
