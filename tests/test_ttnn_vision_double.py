@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pkg_mutations import edit_json  # noqa: E402
 from spec_helpers import TINY_VL  # noqa: E402
+from vision_double_helpers import device_model as _device_model, emulated as _emulated  # noqa: E402
 
 SOFT, IMAGE, BOI, EOI = 16, 500, 501, 502  # TINY_VL's mm_tokens_per_image and image token ids
 PROMPT = [2, BOI] + [IMAGE] * SOFT + [EOI, 7, 11, BOI] + [IMAGE] * SOFT + [EOI, 9]
@@ -33,37 +34,6 @@ def built(tmp_path_factory):
     from ttbundle.serving.demo import build_package
     out = tmp_path_factory.mktemp("ttv")
     return {m: build_package(TINY_VL, out, m, backend="ttnn", warmup=False) for m in MESHES}, out
-
-
-def _device_model(pkg_dir):
-    """The package on a mesh of the double (computing: no fake weights), warmed and sealed as
-    the model runner does it."""
-    from ttbundle.backends.ttnn import recording
-    from ttbundle.runtime import ttdevice
-    from ttbundle.runtime.options import TTOptions
-    from ttbundle.runtime.packages import open_package
-
-    pkg = open_package(pkg_dir)
-    rec = recording.Recorder()
-    tt = rec.module()
-    md = tt.open_mesh_device(tt.MeshShape(*pkg.loaded.mesh.shape), trace_region_size=pkg.trace_region_size)
-    dev = ttdevice.TTDeviceModel.initialize_vllm_model(None, md, 8, 256, 1, None, package=pkg,
-                                                       options=TTOptions(trace_mode="all"), sample_mode="all",
-                                                       ttnn=tt)
-    dev.runner.ex.on_call = rec.on_call  # each op checked against the shape the lowering says
-    a = pkg.bundle.arch
-    kv = dev.allocate_kv_cache((pkg.kv_blocks, a.kv_heads, 32, a.hd))
-    dev.warmup_model_prefill(kv, True, True)
-    dev.warmup_model_decode(kv, True, 8, pkg.kv_blocks, True)
-    dev.seal()
-    return pkg, dev, kv, rec
-
-
-def _emulated(pkg):
-    from ttbundle.runtime.model_runner import model_class
-    model = model_class(pkg).initialize_vllm_model(None, None, 8, 256, 1, None, package=pkg)
-    a = pkg.bundle.arch
-    return model, model.allocate_kv_cache((pkg.kv_blocks, a.kv_heads, 32, a.hd))
 
 
 def _inputs():
@@ -144,15 +114,16 @@ def test_a_causal_only_image_mask_on_the_device_breaks_the_prefill(built, monkey
     intact = dev.prefill_forward(tokens, pt, kv, [n], [0], pixel_values=[px])[0]
     err = float((intact - want).abs().max())
     mask = device.mask_inputs
-    monkeypatch.setattr(device, "mask_inputs", lambda fw, qpos, blocks=None: mask(fw, qpos))
+    monkeypatch.setattr(device, "mask_inputs",
+                        lambda fw, qpos, blocks=None, rope_positions=None: mask(fw, qpos, None, rope_positions))
     causal = dev.prefill_forward(tokens, pt, kv, [n], [0], pixel_values=[px])[0]
     assert float((causal - want).abs().max()) > max(5 * err, REL * float(want.abs().max()))
 
 
 def test_a_vision_program_the_lowering_cannot_translate_is_refused_on_a_device(built, tmp_path):
-    """A vision op without a ttnn lowering (as Qwen2.5-VL's window attention is until it is
-    lowered): the device path refuses the package naming the program and the op, before it
-    opens anything; the emulated mesh still serves it."""
+    """A vision op without a ttnn lowering (a family's vision op not lowered yet): the device
+    path refuses the package naming the program and the op, before it opens anything; the
+    emulated mesh still serves it."""
     from ttbundle.errors import InvalidInput
     from ttbundle.runtime import ttdevice
     from ttbundle.runtime.options import TTOptions
@@ -170,24 +141,4 @@ def test_a_vision_program_the_lowering_cannot_translate_is_refused_on_a_device(b
     with pytest.raises(InvalidInput, match=r"programs/vision-2.json uses vision_window_attention, which the ttnn "
                                            r"lowering does not translate yet.*TTBUNDLE_EMULATED=1"):
         ttdevice.TTDeviceModel.initialize_vllm_model(None, None, 8, 256, 1, None, package=pkg,
-                                                     options=TTOptions(), sample_mode="all", ttnn=object())
-
-
-@pytest.mark.slow
-def test_qwen2_5_vl_images_are_refused_on_the_tt_device_path_naming_what_is_missing(tmp_path):
-    """The tiny Qwen2.5-VL built with ``--backend ttnn``: its vision forward reads host-made rope
-    and window / image mask inputs the device runner does not fill yet, so the device path
-    refuses it (the error names them and the way out) rather than serving wrong images."""
-    from spec_helpers import TINY_QVL
-    from ttbundle.errors import InvalidInput
-    from ttbundle.runtime import ttdevice
-    from ttbundle.serving.demo import build_package
-    from ttbundle.runtime.options import TTOptions
-    from ttbundle.runtime.packages import open_package
-
-    pkg = open_package(build_package(TINY_QVL, tmp_path, "N150", backend="ttnn", warmup=False))
-    with pytest.raises(InvalidInput, match=r"programs/vision-\d+.json lowered reads the host-made inputs "
-                                           r".*vision_mask.*the TT device path does not fill them yet.*"
-                                           r"TTBUNDLE_EMULATED=1"):
-        ttdevice.TTDeviceModel.initialize_vllm_model(None, None, 8, 512, 1, None, package=pkg,
                                                      options=TTOptions(), sample_mode="all", ttnn=object())

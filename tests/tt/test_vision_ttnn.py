@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from spec_helpers import TINY_QVL, TINY_VL
+from spec_helpers import TINY_Q3VL, TINY_QVL, TINY_VL
 
 BUNDLES = Path(__file__).resolve().parents[2] / "bundles"
 
@@ -39,8 +39,10 @@ def test_vision_programs_pass_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
     tiny.write_text(TINY_VL)
     tiny_q = tmp_path / "tiny-qwen-vl.yaml"
     tiny_q.write_text(TINY_QVL)
+    tiny_q3 = tmp_path / "tiny-qwen3-vl.yaml"
+    tiny_q3.write_text(TINY_Q3VL)
     specs = [str(tiny), str(BUNDLES / "gemma-3-4b-it.yaml"), str(tiny_q),
-             str(BUNDLES / "qwen2.5-vl-7b-instruct.yaml")]
+             str(BUNDLES / "qwen2.5-vl-7b-instruct.yaml"), str(tiny_q3), str(BUNDLES / "qwen3-vl-8b-instruct.yaml")]
     env = mockcluster.mock_env(mesh, tmp_path)
     from handover_helpers import hand_over
     dirs = hand_over(specs, mesh, tmp_path / "programs")  # planned and lowered here, not in the backend

@@ -54,8 +54,6 @@ class Qwen3VL(Qwen25VL):
     bias, qk_norm = False, True
     vision_module = q3
     mrope_extra = {"mrope_interleaved": True}
-    ttnn_unlowered = ("text layers' DeepStack step and vision program (qwen3_vision_embed, qwen3_vision_attention, "
-                      "the DeepStack mergers)")
 
     def layers(self, a):
         kinds = super().layers(a)

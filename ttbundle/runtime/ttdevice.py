@@ -109,10 +109,11 @@ class DecodeOutput:
 
 def refuse_unlowered_vision(loaded) -> None:
     """A multimodal package whose images the TT device path cannot run yet is refused (naming
-    what is missing, before anything opens): a vision op the ttnn lowering has none for; a
-    vision forward that reads host-made inputs besides the patches (the device runner fills
-    only those); a text model with M-RoPE positions (the runner's ``rope_positions`` / rope
-    deltas are not fed to the device forwards yet). Qwen2.5-VL is the last two today."""
+    what is missing, before anything opens): a vision op the ttnn lowering has none for, or a
+    vision forward that reads host-made inputs the device runner does not make
+    (``backends/ttnn/device.vision_inputs``: the patches, and Qwen2.5-VL's per-row rope and
+    window / image masks)."""
+    from ..backends.ttnn.inputs import VISION_HOST_INPUTS
     from ..backends.ttnn.lowering import lower_forward, unlowered_ops
     from ..errors import InvalidInput
 
@@ -127,22 +128,20 @@ def refuse_unlowered_vision(loaded) -> None:
             raise InvalidInput(f"{loaded.dir}: programs/vision-{b}.json uses {', '.join(missing)}, which the ttnn "
                                f"lowering does not translate yet: {way_out}")
     fw = lower_forward(bundle, loaded.mesh, loaded.program_ir("vision", vision[0]), "host")
-    extra = sorted(set(fw.inputs) - {"patches"})
+    extra = sorted(set(fw.inputs) - set(VISION_HOST_INPUTS))
     if extra:
         raise InvalidInput(f"{loaded.dir}: programs/vision-{vision[0]}.json lowered reads the host-made inputs "
-                           f"{', '.join(extra)} besides the patches; the TT device path does not fill them yet: "
-                           f"{way_out}")
-    if bundle.family.traits(bundle.arch).get("mrope_section"):
-        raise InvalidInput(f"{loaded.dir}: {bundle.spec.name}'s text model takes M-RoPE positions (mrope_section); "
-                           f"the TT device path does not feed an image prompt's rope positions yet: {way_out}")
+                           f"{', '.join(extra)}, which the TT device path does not make yet: {way_out}")
 
 
-def _no_mrope(*given) -> None:
-    """M-RoPE positions handed to the device path: a model with M-RoPE is refused when it loads
-    (:func:`refuse_unlowered_vision`), so a caller passing them is one this path cannot serve."""
-    if any(g is not None for g in given):
-        raise ValueError("M-RoPE positions (rope_positions / rope_deltas) on a Tenstorrent device: the TT "
-                         "device path does not feed them; serve the model on the emulated mesh")
+def _rope_kwargs(rope_positions, rope_deltas, start_pos, rows: int):
+    """A decode batch's M-RoPE positions [3, B, 1] (``rope_positions``, else each row's cache
+    position plus its ``rope_deltas``, Tenstorrent's convention; None when neither is given)."""
+    if rope_positions is not None or rope_deltas is None:
+        return rope_positions
+    from ..families.vision_part import decode_rope
+    d = torch.as_tensor(rope_deltas, dtype=torch.long).reshape(-1)
+    return decode_rope(start_pos, torch.nn.functional.pad(d, (0, rows - d.numel())))
 
 
 class TTDeviceModel(MeshModel):
@@ -274,9 +273,12 @@ class TTDeviceModel(MeshModel):
         prompt in this call), encoded here by the vision forwards (``images.prompt_inputs``).
         Either way the soft tokens are merged by the prefill forward itself
         (``inputs.merge_images``) and its attention mask holds their image blocks. Other
-        keywords of that plugin (``image_grid_thw``) are accepted and unused. Refused:
-        ``return_prompt_logits`` (the platform refuses prompt_logprobs on a device) and
-        ``rope_positions`` (a model with M-RoPE is refused at load, ``refuse_unlowered_vision``)."""
+        keywords of that plugin (``image_grid_thw``: the images' patch grids, Qwen2.5-VL) are
+        used as the emulated adapter uses them. ``rope_positions`` [3, 1, S]: the chunk's M-RoPE
+        positions (ttbundle's runner); images given as ``pixel_values`` to an M-RoPE model make
+        their own, and the call then returns ``(output, rope_deltas)`` as
+        ``adapter.BundleModel.prefill_forward`` does. Refused: ``return_prompt_logits`` (the
+        platform refuses prompt_logprobs on a device)."""
         import numpy as np
         from ..backends.ttnn.device import prefill_host_inputs
 
@@ -286,27 +288,36 @@ class TTDeviceModel(MeshModel):
                              f"got tokens {list(tokens.shape)}")
         if return_prompt_logits:  # the platform refuses prompt_logprobs on a device
             raise ValueError("every prompt position's logits (prompt_logprobs) come back on the emulated mesh only")
-        _no_mrope(rope_positions)
         n, p0 = int(prompt_lens[0]), 0 if start_pos is None else int(start_pos[0])
+        deltas = None
         if mm is None and pixel_values is not None:
             from .images import prompt_inputs, request_pixels
+            part = self.bundle.family.vision_part(self.bundle.arch)
+            if part is None:
+                raise ValueError(f"pixel_values for {self.bundle.spec.name}, a text-only model (no vision part)")
             px = request_pixels(pixel_values, N, p0)
-            thw = kwargs.get("image_grid_thw")
-            mm, _ = prompt_inputs(self.bundle.family.vision_part(self.bundle.arch), tokens[0, :n].tolist(), px,
-                                  thw[0] if isinstance(thw, (list, tuple)) else thw, self.encode_images, S)
+            thw = image_grid_thw
+            mm, pos = prompt_inputs(part, tokens[0, :n].tolist(), px,
+                                    thw[0] if isinstance(thw, (list, tuple)) else thw, self.encode_images, S)
+            if not pos.plain and rope_positions is None:  # M-RoPE: the positions the images give
+                rope_positions = pos.chunk(0, n, S)["rope_positions"]
+                deltas = torch.tensor([pos.delta], dtype=torch.long)
         key = self._key("prefill", S, sampling_params, p0)
         fw = self.runner.forwards[key]
         host = prefill_host_inputs(fw, tokens[0].numpy(), n, p0, page_table[0].numpy(), self.block_size,
-                                   self.bundle.spec.runtime.max_model_len, mm=mm)
+                                   self.bundle.spec.runtime.max_model_len, mm=mm,
+                                   rope_positions=None if rope_positions is None else rope_positions.numpy())
         head = fw.inputs["last_rows"][0][2]
         host.update(self._sampling_inputs(sampling_params, head))
         out = self._run(key, host)
         row = (n - 1) % head
         if sampling_params is not None:
             ids = np.asarray(self.runner.read(out["next_tokens"])).reshape(-1)
-            return torch.tensor([int(ids[row])])
-        logits = np.asarray(self.runner.read(out["logits.out"])).reshape(head, -1)
-        return torch.from_numpy(logits[row:row + 1, :self.vocab_size].astype(np.float32))
+            res = torch.tensor([int(ids[row])])
+        else:
+            logits = np.asarray(self.runner.read(out["logits.out"])).reshape(head, -1)
+            res = torch.from_numpy(logits[row:row + 1, :self.vocab_size].astype(np.float32))
+        return res if deltas is None else (res, deltas)
 
     @property
     def vision_buckets(self) -> list[int]:
@@ -316,20 +327,23 @@ class TTDeviceModel(MeshModel):
     def encode_images(self, pixel_values: torch.Tensor, image_grid_thw=None) -> torch.Tensor:
         """Soft tokens [soft tokens, hidden] of the images vLLM's processor made: the lowered
         vision program of the smallest vision bucket holding them (the family's vision part
-        says what a bucket counts and makes the patches, as for the emulated backend), on the
+        says what a bucket counts and makes the patches and the per-call rope and segment
+        metadata, as for the emulated backend; ``device.vision_inputs`` writes them), on the
         mesh (its trace replayed where ``trace_mode`` is ``all``), read back to the host for the
         prefill that merges them (as Tenstorrent's models pass vision embeddings into prefill)."""
         import numpy as np
+        from ..backends.ttnn.device import vision_inputs
         from ..vision import vision_bucket
 
         part = self.bundle.family.vision_part(self.bundle.arch)
         bucket, inputs = vision_bucket(part, self.vision_buckets, pixel_values, image_grid_thw)
         key = self._key("vision", bucket, None)
         fw = self.runner.forwards[key]
-        patches, _, finish = part.program_inputs(inputs, bucket, torch.float32)
-        out = self._run(key, {"patches": patches.numpy().reshape(fw.inputs["patches"][0])})
+        patches, meta, finish = part.program_inputs(inputs, bucket, torch.float32)
+        out = self._run(key, vision_inputs(fw, patches.numpy(), meta))
         (name,) = fw.outputs
-        soft = np.asarray(self.runner.read(out[name]), dtype=np.float32).reshape(-1, self.bundle.arch.hidden_size)
+        soft = np.asarray(self.runner.read(out[name]), dtype=np.float32)  # [1, 1, soft, hidden (x sets)]
+        soft = soft.reshape(-1, soft.shape[-1])
         return finish(torch.from_numpy(soft.copy()))
 
     def verify_forward(self, tokens, start_pos, num_tokens, page_table, kv_cache, sampling_params=None):
@@ -344,9 +358,10 @@ class TTDeviceModel(MeshModel):
                        rope_deltas=None):
         """``read_from_device=False`` (device sampling): enqueue and return a handle for
         :meth:`read_decode_output`; rows with ``prev_rows[i] >= 0`` take their token from row
-        ``prev_rows[i]`` of ``prev_output`` (an earlier such handle) on the device. M-RoPE
-        positions (``rope_positions``, ``rope_deltas``) are refused, as in prefill."""
-        _no_mrope(rope_positions, rope_deltas)
+        ``prev_rows[i]`` of ``prev_output`` (an earlier such handle) on the device.
+        ``rope_positions`` [3, B, 1]: each row's M-RoPE positions (ttbundle's runner); else
+        ``rope_deltas`` [B] (what ``prefill_forward`` returned per request): row ``i`` at
+        ``start_pos[i] + rope_deltas[i]``; neither: the cache positions."""
         import numpy as np
         from ..backends.ttnn.device import mask_inputs
 
@@ -378,7 +393,8 @@ class TTDeviceModel(MeshModel):
         host = {"tokens": toks.reshape(1, R), "positions": np.maximum(pos, 0).astype(np.uint32).reshape(1, R),
                 "cur_pos": pos.astype(np.int32), "page_table": cached_pt[1]}
         if not self._mask_free.get(key):
-            masks = mask_inputs(fw, host["cur_pos"][:, None])
+            rope = _rope_kwargs(rope_positions, rope_deltas, start_pos, B)
+            masks = mask_inputs(fw, host["cur_pos"][:, None], rope_positions=None if rope is None else rope.numpy())
             self._mask_free[key] = not masks
             host.update(masks)
         if sampling_params is not None:  # the runner passes one object while a batch's rows stay

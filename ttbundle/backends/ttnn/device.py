@@ -144,7 +144,7 @@ def _rope_table(c, arch):
     cos, sin = rope_cos_sin(torch.arange(c.shape[0]), p["head_dim"], p["theta"], scaling, torch.float32)
     t = cos if c.kind == "rope_cos" else sin
     if p.get("mrope_section"):  # M-RoPE: this position row's frequencies only (the others zero)
-        keep = mrope_rows(p["mrope_section"], p["head_dim"]) == p["mrope_row"]
+        keep = mrope_rows(p["mrope_section"], p["head_dim"], bool(p.get("mrope_interleaved"))) == p["mrope_row"]
         t = t * keep[None, :].to(t.dtype)
     if p.get("interleaved"):  # rotary_embedding_llama rotates pairs (x0, x1), (x2, x3)...: f0 f0 f1 f1 ...
         t = t[:, : p["head_dim"] // 2].repeat_interleave(2, dim=-1)
@@ -152,13 +152,14 @@ def _rope_table(c, arch):
 
 
 # ---- host inputs of one run -------------------------------------------------------------------------
-def mask_inputs(fw: Forward, qpos, blocks=None) -> dict:
+def mask_inputs(fw: Forward, qpos, blocks=None, rope_positions=None) -> dict:
     """The additive attention masks an explicit-mask attention forward reads
     (``inputs.mask_input``: softcapped attention, an image prefill): ``[R, 1, Sq, L]``, 0 where
     key position l may be attended by the query at ``qpos[r, q]`` (l <= it, or l in the query's
     own image, ``blocks[r, l]`` the image block of position l, -1 for text; then within the
     window, as the emulated backend's mask composes them), -1e30 elsewhere; a query at -1 (a
-    padding row) sees l = 0 only."""
+    padding row) sees l = 0 only. With them, the M-RoPE position inputs
+    (:func:`rope_position_inputs` of ``qpos`` and ``rope_positions``)."""
     import numpy as np
 
     out = {}
@@ -181,14 +182,15 @@ def mask_inputs(fw: Forward, qpos, blocks=None) -> dict:
         if window:
             ok &= k > q - window
         out[name] = np.where(ok, 0.0, -1e30).astype(np.float32)
-    out.update(rope_position_inputs(fw, qpos))
+    out.update(rope_position_inputs(fw, qpos, rope_positions))
     return out
 
 
 def rope_position_inputs(fw: Forward, qpos, rope_positions=None) -> dict:
     """The M-RoPE position inputs a forward reads (``inputs.mrope_position_input``; families
     with ``mrope_section``): ``rope_positions`` [3, rows] when given, else each row's position
-    ``qpos`` in all three (a text token's M-RoPE positions); padding rows (-1) take 0."""
+    ``qpos`` in all three (a text token's M-RoPE positions); padding rows (-1, or rows past
+    those ``rope_positions`` gives: a decode batch [3, B, 1] in a forward of more rows) take 0."""
     import numpy as np
 
     from .lowering import mrope_position_input
@@ -197,36 +199,89 @@ def rope_position_inputs(fw: Forward, qpos, rope_positions=None) -> dict:
         return {}
     rows = fw.inputs[names[0]][0][1]
     pos = np.asarray(qpos, dtype=np.int64).reshape(-1)[:rows]
-    rp = np.repeat(pos[None], 3, 0) if rope_positions is None else np.asarray(rope_positions, np.int64).reshape(3, -1)
+    given = np.repeat(pos[None], 3, 0) if rope_positions is None else np.asarray(rope_positions, np.int64).reshape(3, -1)
+    rp = np.zeros((3, rows), np.int64)  # a decode batch's rows past the given ones: padding, at 0
+    rp[:, :min(rows, given.shape[1])] = given[:, :rows]
     return {n: rp[r].clip(min=0).astype(np.uint32)[None] for r, n in enumerate(names)}
+
+
+def vision_inputs(fw: Forward, patches, meta: dict | None) -> dict:
+    """A vision forward's host inputs: ``patches`` [rows, patch_pixels] (the vision part's
+    ``program_inputs``) and, where its attention reads them (Qwen2.5-VL), the per-row 2-D rope
+    ``cos`` / ``sin`` [rows, head_dim] of ``meta`` (``inputs.VISION_ROPE``) and the additive masks
+    of its window and full-attention layers (``inputs.vision_mask_input``): 0 where two rows share
+    a segment of ``meta["window"]`` / ``meta["image"]`` (the host's per-row segments, padding rows
+    one of their own), -1e30 elsewhere; Qwen3-VL's position interpolation
+    (``inputs.VISION_POS_INTERP``): row r holds weight ``meta["pos_w"][r, j]`` at column
+    ``meta["pos_idx"][r, j]`` of each tap j. An input the forward reads that ``meta`` does not give
+    is a ValueError naming it."""
+    import numpy as np
+
+    from .inputs import VISION_POS_INTERP, VISION_ROPE, vision_mask_input
+    shape = fw.inputs["patches"][0]
+    out = {"patches": np.asarray(patches, dtype=np.float32).reshape(shape)}
+    rows = shape[2]
+    wanted = {n: m for n, m in zip(VISION_ROPE, ("cos", "sin"))}
+    wanted.update({vision_mask_input(False): "window", vision_mask_input(True): "image", VISION_POS_INTERP: "pos_w"})
+    for name, key in wanted.items():
+        if name not in fw.inputs:
+            continue
+        if meta is None or key not in meta:
+            raise ValueError(f"vision forward {fw.phase}-{fw.bucket} reads {name}, made from the vision part's "
+                             f"{key!r}, which its program inputs do not give")
+        a = np.asarray(meta[key])
+        if name == VISION_POS_INTERP:
+            m = np.zeros(fw.inputs[name][0][2:], np.float32)
+            idx = np.asarray(meta["pos_idx"], dtype=np.int64).reshape(rows, -1)
+            np.add.at(m, (np.arange(rows)[:, None].repeat(idx.shape[1], 1), idx), a.astype(np.float32).reshape(rows, -1))
+            out[name] = m.reshape(fw.inputs[name][0])
+        elif name in VISION_ROPE:
+            out[name] = a.astype(np.float32).reshape(fw.inputs[name][0])
+        else:
+            seg = a.astype(np.int64).reshape(rows)
+            out[name] = np.where(seg[:, None] == seg[None, :], 0.0, -1e30).astype(np.float32).reshape(1, 1, rows, rows)
+    missing = sorted(set(fw.inputs) - set(out))
+    if missing:
+        raise ValueError(f"vision forward {fw.phase}-{fw.bucket} reads host inputs {missing} the device runner "
+                         "does not make")
+    return out
 
 
 def image_inputs(fw: Forward, mm: dict | None) -> dict:
     """An image prefill's merge inputs (``inputs.merge_images``): ``mm_keep`` 0 at the rows of
     ``mm["mask"]`` (the chunk's image tokens, ``runtime.images.chunk_inputs``) and 1 elsewhere,
-    ``mm_embeds`` the soft tokens ``mm["embeds"]`` at those rows, 0 elsewhere; no ``mm``: text."""
+    ``mm_embeds`` the soft tokens ``mm["embeds"]`` at those rows, 0 elsewhere; no ``mm``: text.
+    Qwen3-VL's ``mm["embeds"]`` carry the DeepStack feature sets beside the soft tokens (hidden
+    features each): set k goes to ``inputs.deepstack_input(k)`` at the same rows."""
     import numpy as np
 
+    from .inputs import deepstack_input
     shape = fw.inputs["mm_keep"][0]
+    sets: list[str] = []
+    while deepstack_input(len(sets)) in fw.inputs:
+        sets.append(deepstack_input(len(sets)))
     keep = np.ones(shape, np.float32)
-    embeds = np.zeros(shape, np.float32)
+    out = {n: np.zeros(shape, np.float32) for n in ["mm_embeds", *sets]}
     if mm is not None:
         rows = np.flatnonzero(np.asarray(mm["mask"], dtype=bool)[:shape[2]])
         e = np.asarray(mm["embeds"], dtype=np.float32).reshape(len(rows), -1)
-        if e.shape[1] != shape[3]:
-            raise ValueError(f"image soft tokens of {e.shape[1]} features for a prefill of {shape[3]}")
+        if e.shape[1] != shape[3] * (1 + len(sets)):
+            raise ValueError(f"image soft tokens of {e.shape[1]} features for a prefill of {shape[3]}"
+                             + (f" x (1 + {len(sets)} DeepStack sets)" if sets else ""))
         keep[0, 0, rows] = 0.0
-        embeds[0, 0, rows] = e
-    return {"mm_keep": keep, "mm_embeds": embeds}
+        for k, n in enumerate(["mm_embeds", *sets]):
+            out[n][0, 0, rows] = e[:, k * shape[3]:(k + 1) * shape[3]]
+    return {"mm_keep": keep, **out}
 
 
 def prefill_host_inputs(fw: Forward, tokens, n: int, start: int, page_table, block_size: int,
-                        max_model_len: int, mm: dict | None = None) -> dict:
+                        max_model_len: int, mm: dict | None = None, rope_positions=None) -> dict:
     """Host inputs of a prefill forward: ``tokens`` (the bucket's row, the first ``n`` real) at
     positions ``start``...; ``page_table`` the sequence's blocks (the chunk's own ones are
     ``fill_page_table``); the head's one-hot picks the tile row holding token ``n - 1``. ``mm``:
     the chunk's images (``runtime.images.chunk_inputs``; an image prefill forward only): their
-    soft tokens merged, the attention mask with their image blocks."""
+    soft tokens merged, the attention mask with their image blocks. ``rope_positions`` [3, 1,
+    rows]: the chunk's M-RoPE positions (an M-RoPE model; None: the cache positions)."""
     import numpy as np
 
     rows = fw.rows
@@ -260,7 +315,7 @@ def prefill_host_inputs(fw: Forward, tokens, n: int, start: int, page_table, blo
     if "mm_keep" in fw.inputs:
         ins.update(image_inputs(fw, mm))
     blocks = None if mm is None else np.asarray(mm["blocks"], dtype=np.int64).reshape(1, -1)
-    ins.update(mask_inputs(fw, np.arange(start, start + rows)[None], blocks))
+    ins.update(mask_inputs(fw, np.arange(start, start + rows)[None], blocks, rope_positions))
     return ins
 
 

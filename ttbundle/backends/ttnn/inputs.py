@@ -29,10 +29,31 @@ def mask_input(window) -> str:
     return f"attn_mask.w{int(window)}" if window else "attn_mask"
 
 
+#: the per-row 2-D rope inputs of a Qwen2.5-VL vision layer (cos, sin ``[1, 1, rows, head_dim]``),
+#: made on the host from ``image_grid_thw`` (``VisionPart.program_inputs``'s ``cos`` / ``sin``)
+VISION_ROPE = ("vision_cos", "vision_sin")
+
+
 def vision_mask_input(full: bool) -> str:
     """The additive mask input of a Qwen2.5-VL vision layer (0 within a row's window, or its
     image at full-attention layers; -inf elsewhere), made on the host from ``image_grid_thw``."""
     return "vision_mask.image" if full else "vision_mask.window"
+
+
+#: Qwen3-VL's position-embedding interpolation matrix ``[1, 1, rows, positions]`` (each row's
+#: bilinear taps of the learned table, from the vision part's ``pos_idx`` / ``pos_w``)
+VISION_POS_INTERP = "vision_pos_interp"
+
+#: every input a vision forward may read, all of which the device runner makes per call
+#: (``device.vision_inputs``): the patches, Qwen2.5-VL's and Qwen3-VL's rope and masks, Qwen3-VL's
+#: position interpolation
+VISION_HOST_INPUTS = ("patches", *VISION_ROPE, vision_mask_input(False), vision_mask_input(True), VISION_POS_INTERP)
+
+
+def deepstack_input(k: int) -> str:
+    """The image prefill input holding the images' DeepStack feature set ``k`` at their image
+    tokens' rows (Qwen3-VL; zeros elsewhere), added after text layer ``k``."""
+    return f"mm_deepstack.{k}"
 
 
 def inputs_of(program: Program, bundle) -> dict:

@@ -11,7 +11,7 @@ use), split as the emulated kernels are:
 * :mod:`.emitter` — the lowerer of one program, the 4-D shape convention, setup weight views;
 * :mod:`.text_ops` — embedding, norms, matmuls, rope, attention, MLP, residual, the head;
 * :mod:`.moe_ops` — DeepSeek's MLA and the mixture-of-experts ops;
-* :mod:`.vision_ops` — the vision encoders (SigLIP, Qwen2.5-VL's);
+* :mod:`.vision_ops` — the vision encoders (SigLIP, Qwen2.5-VL's, Qwen3-VL's) and DeepStack;
 * :mod:`.mesh_ops` — collectives and partitions;
 * :mod:`.inputs` — the forward's input declarations and MLA's static chunk starts.
 
@@ -84,8 +84,10 @@ def lower_forward(bundle, mesh: Mesh, program: Program, sampling: str = "device"
         lw.shapes["patches"] = lw.inputs["patches"][0]
     layers: list[Layer] = []
     index = 0
+    deep: list[str] = []  # Qwen3-VL: each DeepStack merger's output, returned beside the soft tokens
     for lp in program.layers:
-        decoder = lp.kind not in ("embedding", "head", "vision_embedding", "vision_projector")
+        decoder = (lp.kind not in ("embedding", "head", "vision_embedding", "vision_projector")
+                   and not lp.kind.startswith("vision_deepstack"))
         for i in range(lp.count if decoder else 1):
             lw.layer = index if decoder else None
             lw.calls = []
@@ -105,11 +107,20 @@ def lower_forward(bundle, mesh: Mesh, program: Program, sampling: str = "device"
                 fn(lw, st)
             if lp.kind == "embedding" and "mm_keep" in lw.inputs:
                 merge_images(lw)
+            if lp.kind.startswith("vision_deepstack"):  # its output "deep", kept under a name of its own
+                out = lp.steps[-1].out.name
+                deep.append(lw.call("reshape", T(out), list(lw.shapes[out]), out=f"{out}.{len(deep)}",
+                                    shape=lw.shapes[out]))
+            if lp.kind == "vision_projector" and deep:  # [soft tokens, (1 + sets) x hidden]
+                out = lp.steps[-1].out.name
+                s = lw.shapes[out]
+                lw.call("concat", [T(out)] + [T(d) for d in deep], 3, out=f"{out}.deep",
+                        shape=(*s[:3], s[3] * (1 + len(deep))), memory_config=DRAM)
             layers.append(Layer(lp.kind, lw.layer, lw.calls))
             index += 1 if decoder else 0
     outputs = ["next_tokens"] if sampling == "device" else ["logits.out"]
-    if program.phase == "vision":  # the soft tokens, replicated
-        outputs = [program.layers[-1].steps[-1].out.name]
+    if program.phase == "vision":  # the soft tokens (and DeepStack's features beside them), replicated
+        outputs = [program.layers[-1].steps[-1].out.name + (".deep" if deep else "")]
     elif sampling == "host":
         for k in ("top_k", "top_p", "temperature"):
             lw.inputs.pop(k)

@@ -122,10 +122,11 @@ def rope_tables(lw: Lowerer, head_dim: int, lt: dict, interleaved: bool = False)
 
 
 def mrope_tables(lw: Lowerer, tag: str, head_dim: int, theta: float, scaling, section) -> tuple[T, T]:
-    """M-RoPE (Qwen2.5-VL): cos / sin of each token from three position inputs (temporal,
-    height, width). Each has its own table, zero outside the frequencies its ``mrope_section``
-    rotates; every frequency belongs to one section, so the sum of the three lookups is the
-    token's cos / sin (text tokens: the same position in all three)."""
+    """M-RoPE (Qwen2.5-VL; Qwen3-VL interleaved, ``traits["mrope_interleaved"]``): cos / sin of
+    each token from three position inputs (temporal, height, width). Each has its own table,
+    zero outside the frequencies its ``mrope_section`` rotates (``tables.mrope_rows``); every
+    frequency belongs to one section, so the sum of the three lookups is the token's cos / sin
+    (text tokens: the same position in all three)."""
     L = lw.bundle.spec.runtime.max_model_len
     rows = lw.rows
     out = []
@@ -140,7 +141,8 @@ def mrope_tables(lw: Lowerer, tag: str, head_dim: int, theta: float, scaling, se
                 # (negative for images), so the table of max_model_len rows covers them
                 lw.consts[tab] = Const(tab, (L, head_dim), "bf16", "ROW_MAJOR", "rope_" + part,
                                        (("head_dim", head_dim), ("theta", theta), ("scaling", repr(scaling)),
-                                        ("interleaved", False), ("mrope_section", tuple(section)), ("mrope_row", r)))
+                                        ("interleaved", False), ("mrope_section", tuple(section)), ("mrope_row", r),
+                                        ("mrope_interleaved", bool(lw.traits.get("mrope_interleaved")))))
                 e = lw.call("embedding", T(mrope_position_input(r)), T(tab), out=f"{name}.e{r}", shape=(1, rows, head_dim),
                             layout=TILE_L, dtype=BF16, memory_config=DRAM)
                 looked.append(lw.call("reshape", T(e), [1, 1, rows, head_dim], out=f"{name}.{r}",

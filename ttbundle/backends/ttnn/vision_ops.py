@@ -1,15 +1,17 @@
 """The vision encoders' ops as ttnn calls: Gemma 3's SigLIP tower (rows: the patches of the
-program's images, image after image) and Qwen2.5-VL's vision transformer (rows: the patches in
-window order, host-made masks and rotary inputs per call); the emulated ``vision_kernels``
-counterpart."""
+program's images, image after image), Qwen2.5-VL's vision transformer (rows: the patches in
+window order, host-made masks and rotary inputs per call) and Qwen3-VL's (rows in the
+processor's order; its learned position embedding resampled by a host-made interpolation matrix,
+its DeepStack mergers' features beside the soft tokens), and the text layers' DeepStack step; the
+emulated ``vision_kernels`` counterpart."""
 
 from __future__ import annotations
 
 from ...program import Step
 from . import configs
 from .calls import Const, T, W
-from .emitter import DRAM, TILE_L, Lowerer, add_bias, one_input, f32, tt_shape
-from .inputs import vision_mask_input
+from .emitter import DRAM, TILE_L, Lowerer, add_bias, filled, one_input, f32, tt_shape
+from .inputs import VISION_POS_INTERP, VISION_ROPE, deepstack_input, image_prefill, vision_mask_input
 from .text_ops import split_heads, merge_heads
 
 
@@ -81,10 +83,11 @@ def _vision_pool(lw: Lowerer, st: Step) -> None:
             compute_kernel_config=configs.compute_config())
 
 
-def _qwen_vision_attention(lw: Lowerer, st: Step) -> None:
+def _qwen_vision_attention(lw: Lowerer, st: Step, full: bool | None = None) -> None:
     """q/k/v biases, the 2-D rope (per-row cos / sin inputs; rotate-half by a matmul), then attention over
     all rows with the window (or image) mask input, as matmuls and a softmax: this device's
-    heads ``[1, h, rows, hd]``."""
+    heads ``[1, h, rows, hd]``. ``full``: the image mask at every layer (Qwen3-VL); None: at
+    ``fullatt_block_indexes``, the window mask elsewhere (Qwen2.5-VL)."""
     q, k, v = (a.name for a in st.ins)
     for name, shp in ((a.name, a.shape) for a in st.ins):
         lw.shapes.setdefault(name, tt_shape(shp))
@@ -92,9 +95,10 @@ def _qwen_vision_attention(lw: Lowerer, st: Step) -> None:
     hd = vis.head_dim
     rows, width = lw.shapes[q][2], lw.shapes[q][3]
     h = width // hd
-    for name in ("vision_cos", "vision_sin"):
+    cos_in, sin_in = VISION_ROPE
+    for name in VISION_ROPE:
         lw.inputs[name] = ((1, 1, rows, hd), "bf16", "TILE")
-    mask = vision_mask_input(lw.layer in vis.fullatt_block_indexes)
+    mask = vision_mask_input(lw.layer in vis.fullatt_block_indexes if full is None else full)
     lw.inputs[mask] = ((1, 1, rows, rows), "bf16", "TILE")
     heads = []
     for b, x in (("v_bq", q), ("v_bk", k), ("v_bv", v)):
@@ -110,8 +114,8 @@ def _qwen_vision_attention(lw: Lowerer, st: Step) -> None:
     for x, out in ((qh, qr), (kh, kr)):
         shp = lw.shapes[x]
         xr = lw.call("matmul", T(x), T(rot), out=f"{out}.rh", shape=shp, memory_config=DRAM, compute_kernel_config=kernel)
-        c = lw.call("multiply", T(x), T("vision_cos"), out=f"{out}.c", shape=shp, memory_config=DRAM)
-        sn = lw.call("multiply", T(xr), T("vision_sin"), out=f"{out}.s", shape=shp, memory_config=DRAM)
+        c = lw.call("multiply", T(x), T(cos_in), out=f"{out}.c", shape=shp, memory_config=DRAM)
+        sn = lw.call("multiply", T(xr), T(sin_in), out=f"{out}.s", shape=shp, memory_config=DRAM)
         lw.call("add", T(c), T(sn), out=out, shape=shp, memory_config=DRAM)
     s = lw.call("matmul", T(qr), T(kr), out="vo.s", shape=(1, h, rows, rows), transpose_b=True, memory_config=DRAM,
                 compute_kernel_config=kernel)
@@ -145,8 +149,52 @@ def _qwen_vision_merge_gelu(lw: Lowerer, st: Step) -> None:
     lw.call("gelu", T(x), out=st.out.name, shape=lw.shapes[x], fast_and_approximate_mode=False, memory_config=DRAM)
 
 
+def _qwen3_vision_embed(lw: Lowerer, st: Step) -> None:
+    """Patch matmul output + the conv bias + each row's learned position embedding, resampled to
+    its image's grid: the host-made interpolation matrix input ``[1, 1, rows, positions]`` (each
+    row's bilinear taps and weights) times the table ``v_pos``."""
+    x = add_bias(lw, one_input(lw, st), "v_patch_b", f"{st.out.name}.b")
+    rows, hid = lw.shapes[x][2], lw.shapes[x][3]
+    n = lw.a.vision.num_position_embeddings
+    lw.inputs[VISION_POS_INTERP] = ((1, 1, rows, n), "bf16", "TILE")
+    pos = lw.call("matmul", T(VISION_POS_INTERP), W("v_pos", per_layer=False), out=f"{st.out.name}.pos",
+                  shape=(1, 1, rows, hid), memory_config=DRAM, compute_kernel_config=configs.compute_config())
+    lw.call("add", T(x), T(pos), out=st.out.name, shape=(1, 1, rows, hid), memory_config=DRAM)
+
+
+def _qwen3_vision_attention(lw: Lowerer, st: Step) -> None:
+    """Qwen2.5-VL's attention with the image mask at every layer (no windows)."""
+    _qwen_vision_attention(lw, st, full=True)
+
+
+def _qwen3_deepstack(k: int) -> dict:
+    def gelu(lw: Lowerer, st: Step) -> None:
+        x = add_bias(lw, one_input(lw, st), f"v_ds{k}_fc1_b", f"{st.out.name}.b")
+        lw.call("gelu", T(x), out=st.out.name, shape=lw.shapes[x], fast_and_approximate_mode=False,
+                memory_config=DRAM)
+    return {f"qwen3_deepstack{k}_gelu": gelu, f"qwen3_deepstack{k}_bias": _vision_bias(f"v_ds{k}_fc2_b")}
+
+
+def _deepstack(lw: Lowerer, st: Step) -> None:
+    """Qwen3-VL's DeepStack step of text layer ``l``: in an image prefill, for ``l`` below the
+    DeepStack count, the input ``mm_deepstack.<l>`` (``inputs.deepstack_input``: the images'
+    l-th feature set at their image tokens' rows, zeros elsewhere, host-made per step like
+    ``mm_embeds``); otherwise zeros (decode, later layers)."""
+    shp = lw.shapes.setdefault(st.ins[0].name, tt_shape(st.ins[0].shape))
+    if image_prefill(lw.bundle, lw.prog) and lw.layer < lw.a.vision.deepstack:
+        src = deepstack_input(lw.layer)
+        lw.inputs[src] = (shp, "bf16", "TILE")
+    else:
+        src = filled(lw, "zeros", shp)
+    lw.call("reshape", T(src), list(shp), out=st.out.name, shape=shp)
+
+
 OPS = {"vision_embed": _vision_embed, "vision_attention": _vision_attention, "vision_bias_o": _vision_bias("v_bo"),
        "vision_bias_2": _vision_bias("v_b2"), "vision_gelu": _vision_gelu, "vision_pool": _vision_pool,
        "qwen_vision_attention": _qwen_vision_attention, "qwen_vision_swiglu": _qwen_vision_swiglu,
        "qwen_vision_merge": _qwen_vision_merge, "qwen_vision_merge_gelu": _qwen_vision_merge_gelu,
-       "qwen_vision_merge_bias": _vision_bias("v_merge2_b")}
+       "qwen_vision_merge_bias": _vision_bias("v_merge2_b"),
+       "qwen3_vision_embed": _qwen3_vision_embed, "qwen3_vision_attention": _qwen3_vision_attention,
+       "deepstack": _deepstack}
+for _k in range(8):  # every DeepStack merger a vision config may have (qwen3_vl_vision.MAX_DEEPSTACK)
+    OPS.update(_qwen3_deepstack(_k))
