@@ -448,7 +448,8 @@ class Mistral3VisionPart(VisionPart):
     PIL_PROCESSORS = {"transformers.models.pixtral.image_processing_pixtral": (
         "transformers.models.pixtral.image_processing_pil_pixtral",
         {"PixtralImageProcessor": "PixtralImageProcessorPil",
-         "get_resize_output_image_size": "get_resize_output_image_size"})}
+         "get_resize_output_image_size": "get_resize_output_image_size",
+         "_num_image_tokens": "_num_image_tokens"})}
 
     def settings(self, vs):
         return settings(self.v, vs)
