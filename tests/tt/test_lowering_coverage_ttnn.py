@@ -30,7 +30,7 @@ BUNDLES = Path(__file__).resolve().parents[2] / "bundles"
 def all_forwards():
     for path in sorted(BUNDLES.glob("*.yaml")):
         bundle = specmod.load(path)
-        if bundle.family.ttnn_unlowered:  # not lowered yet (Qwen3-VL), its ttnn build refused
+        if bundle.family.ttnn_unlowered:  # not lowered yet (Qwen3-VL, Mistral 3), its ttnn build refused
             continue
         for mesh in bundle.spec.targets:
             p = make_plan(bundle, mesh)
