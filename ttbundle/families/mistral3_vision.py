@@ -450,6 +450,8 @@ class Mistral3VisionPart(VisionPart):
         {"PixtralImageProcessor": "PixtralImageProcessorPil",
          "get_resize_output_image_size": "get_resize_output_image_size",
          "_num_image_tokens": "_num_image_tokens"})}
+    PROCESSOR_CLASSES = {"transformers.models.pixtral": ("transformers.models.pixtral.processing_pixtral",
+                                                         "PixtralProcessor")}
 
     def settings(self, vs):
         return settings(self.v, vs)
