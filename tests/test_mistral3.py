@@ -137,7 +137,8 @@ def test_default_settings_bound_an_image_to_16_merge_blocks_a_side():
     text = TINY_MISTRAL3.replace("image_size: 64", "image_size: 1024").replace(
         "vision: {images_per_prompt: 2, longest_edge: 64, buckets: [256, 512]}", "vision: {images_per_prompt: 1}")
     text = text.replace("max_model_len: 512", "max_model_len: 1024").replace(
-        "prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128", "prefill: [64, 512], decode: [1, 8, 32], prefill_chunk: 512")
+        "prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128",
+        "prefill: [64, 512], decode: [1, 8, 32], prefill_chunk: 512")
     vs = tiny(text).vision
     assert (vs.longest_edge, vs.buckets) == (16 * 8, [16 * 16 * 4])  # 8-pixel merge blocks, 4 patches each
 
