@@ -110,10 +110,11 @@ class DecodeOutput:
 def refuse_unlowered_vision(loaded) -> None:
     """A multimodal package whose images the TT device path cannot run yet is refused (naming
     what is missing, before anything opens): a vision op the ttnn lowering has none for; a
-    vision forward that reads host-made inputs besides the patches (the device runner fills
-    only those); a text model with M-RoPE positions (the runner's ``rope_positions`` / rope
-    deltas are not fed to the device forwards yet). Qwen2.5-VL is the last two today."""
-    from ..backends.ttnn.lowering import lower_forward, unlowered_ops
+    vision forward that reads host-made inputs besides the patches and those the vision part's
+    metadata gives (``VISION_HOST_INPUTS``: the 2-D rope's cos / sin, the window and image masks);
+    a text model with M-RoPE positions (the runner's ``rope_positions`` / rope deltas are not fed
+    to the device forwards yet: Qwen2.5-VL)."""
+    from ..backends.ttnn.lowering import VISION_HOST_INPUTS, lower_forward, unlowered_ops
     from ..errors import InvalidInput
 
     bundle = loaded.bundle
@@ -127,7 +128,7 @@ def refuse_unlowered_vision(loaded) -> None:
             raise InvalidInput(f"{loaded.dir}: programs/vision-{b}.json uses {', '.join(missing)}, which the ttnn "
                                f"lowering does not translate yet: {way_out}")
     fw = lower_forward(bundle, loaded.mesh, loaded.program_ir("vision", vision[0]), "host")
-    extra = sorted(set(fw.inputs) - {"patches"})
+    extra = sorted(set(fw.inputs) - {"patches"} - set(VISION_HOST_INPUTS))
     if extra:
         raise InvalidInput(f"{loaded.dir}: programs/vision-{vision[0]}.json lowered reads the host-made inputs "
                            f"{', '.join(extra)} besides the patches; the TT device path does not fill them yet: "
@@ -273,8 +274,10 @@ class TTDeviceModel(MeshModel):
         ``pixel_values``: the request's images as Tenstorrent's plugin passes them (the whole
         prompt in this call), encoded here by the vision forwards (``images.prompt_inputs``).
         Either way the soft tokens are merged by the prefill forward itself
-        (``inputs.merge_images``) and its attention mask holds their image blocks. Other
-        keywords of that plugin (``image_grid_thw``) are accepted and unused. Refused:
+        (``inputs.merge_images``) and its attention mask holds their image blocks.
+        ``image_grid_thw`` (a list per request like ``pixel_values``): the images' patch grids,
+        for a family whose images have them (Mistral 3); other keywords of that plugin are
+        accepted and unused. Refused:
         ``return_prompt_logits`` (the platform refuses prompt_logprobs on a device) and
         ``rope_positions`` (a model with M-RoPE is refused at load, ``refuse_unlowered_vision``)."""
         import numpy as np
@@ -291,7 +294,7 @@ class TTDeviceModel(MeshModel):
         if mm is None and pixel_values is not None:
             from .images import prompt_inputs, request_pixels
             px = request_pixels(pixel_values, N, p0)
-            thw = kwargs.get("image_grid_thw")
+            thw = image_grid_thw
             mm, _ = prompt_inputs(self.bundle.family.vision_part(self.bundle.arch), tokens[0, :n].tolist(), px,
                                   thw[0] if isinstance(thw, (list, tuple)) else thw, self.encode_images, S)
         key = self._key("prefill", S, sampling_params, p0)
@@ -320,14 +323,16 @@ class TTDeviceModel(MeshModel):
         mesh (its trace replayed where ``trace_mode`` is ``all``), read back to the host for the
         prefill that merges them (as Tenstorrent's models pass vision embeddings into prefill)."""
         import numpy as np
+        from ..backends.ttnn.device import vision_host_inputs
         from ..vision import vision_bucket
 
         part = self.bundle.family.vision_part(self.bundle.arch)
         bucket, inputs = vision_bucket(part, self.vision_buckets, pixel_values, image_grid_thw)
         key = self._key("vision", bucket, None)
         fw = self.runner.forwards[key]
-        patches, _, finish = part.program_inputs(inputs, bucket, torch.float32)
-        out = self._run(key, {"patches": patches.numpy().reshape(fw.inputs["patches"][0])})
+        patches, meta, finish = part.program_inputs(inputs, bucket, torch.float32)
+        host = {"patches": patches.numpy().reshape(fw.inputs["patches"][0]), **vision_host_inputs(fw, meta)}
+        out = self._run(key, host)
         (name,) = fw.outputs
         soft = np.asarray(self.runner.read(out[name]), dtype=np.float32).reshape(-1, self.bundle.arch.hidden_size)
         return finish(torch.from_numpy(soft.copy()))

@@ -201,6 +201,23 @@ def rope_position_inputs(fw: Forward, qpos, rope_positions=None) -> dict:
     return {n: rp[r].clip(min=0).astype(np.uint32)[None] for r, n in enumerate(names)}
 
 
+def vision_host_inputs(fw: Forward, meta: dict | None) -> dict:
+    """The host-made inputs a vision forward reads besides the patches (``inputs.VISION_HOST_INPUTS``)
+    from the family's per-call metadata (``VisionPart.program_inputs``: per-row rope ``cos`` /
+    ``sin``, each row's ``window`` and ``image`` segment): the rope tables as given, each mask
+    0 where two rows share a segment and -1e30 elsewhere (as the emulated kernels mask)."""
+    import numpy as np
+
+    out = {}
+    for name, (shape, _, _) in fw.inputs.items():
+        if name in ("vision_cos", "vision_sin"):
+            out[name] = np.asarray(meta[name.split("_")[1]], dtype=np.float32).reshape(shape)
+        elif name.startswith("vision_mask."):
+            seg = np.asarray(meta[name.split(".")[1]])
+            out[name] = np.where(seg[:, None] == seg[None, :], 0.0, -1e30).astype(np.float32).reshape(shape)
+    return out
+
+
 def image_inputs(fw: Forward, mm: dict | None) -> dict:
     """An image prefill's merge inputs (``inputs.merge_images``): ``mm_keep`` 0 at the rows of
     ``mm["mask"]`` (the chunk's image tokens, ``runtime.images.chunk_inputs``) and 1 elsewhere,

@@ -30,9 +30,15 @@ def mask_input(window) -> str:
 
 
 def vision_mask_input(full: bool) -> str:
-    """The additive mask input of a Qwen2.5-VL vision layer (0 within a row's window, or its
-    image at full-attention layers; -inf elsewhere), made on the host from ``image_grid_thw``."""
+    """The additive mask input of a Qwen2.5-VL or Pixtral vision layer (0 within a row's window,
+    or its image at full-attention layers and in Pixtral; -inf elsewhere), made on the host from
+    the vision part's per-row segments (``device.vision_host_inputs``)."""
     return "vision_mask.image" if full else "vision_mask.window"
+
+
+#: the host-made inputs a vision forward may read besides the patches: the 2-D rope's per-row
+#: cos / sin and the attention masks (``device.vision_host_inputs`` fills them)
+VISION_HOST_INPUTS = ("vision_cos", "vision_sin", vision_mask_input(True), vision_mask_input(False))
 
 
 def inputs_of(program: Program, bundle) -> dict:
