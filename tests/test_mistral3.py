@@ -198,3 +198,20 @@ def test_published_24b_bundle_plans_on_t3k_with_its_vision_programs():
     assert p.fits
     # the largest image: ceil(1540 / 28) = 55 merge blocks a side = 12100 patches, one bucket
     assert max(b.vision.buckets) == 55 * 55 * 4
+
+
+@pytest.mark.parametrize("key,value,msg", [
+    ("multimodal_projector_bias", True, "multimodal_projector_bias=True is not supported by ttbundle: no published"),
+    ("vision_feature_layer", [-1, -2], "vision_feature_layer=[-1, -2] is not supported by ttbundle: the projector"),
+])
+def test_unsupported_published_keys_exit_2_naming_them(tmp_path, key, value, msg):
+    from ttbundle import cli
+    for console in (cli.out, cli.err):
+        console.width = 200
+    hf = tmp_path / "m"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({**PUBLISHED[PUBLISHED_24B], key: value}))
+    out = tmp_path / "spec.yaml"
+    r = CliRunner(env={"COLUMNS": "200", "NO_COLOR": "1"}).invoke(app, ["init", "--from-hf", str(hf), "-o", str(out)])
+    assert r.exit_code == 2 and msg in r.output, r.output
+    assert not out.exists()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+from . import base
 from . import mistral3_vision as mv
 from .mistral import Mistral, MistralArch
 
@@ -82,6 +83,10 @@ class Mistral3(Mistral):
         return {**super().from_hf(config), "family": self.name}
 
     def from_hf_wrapper(self, config, out):
+        base.reject_hf(config, "multimodal_projector_bias", lambda v: not v,
+                       "no published Mistral 3 has projector biases")
+        base.reject_hf(config, "vision_feature_layer", lambda v: v == -1,
+                       "the projector reads the last vision layer's output (-1) only")
         v = mv.from_hf(config)
         if config.get("tie_word_embeddings") is not None:  # HF's Mistral3ForConditionalGeneration ties by it
             out = {**out, "tie_word_embeddings": config["tie_word_embeddings"]}
