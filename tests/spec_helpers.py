@@ -247,3 +247,37 @@ buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}
 runtime: {max_model_len: 512, max_num_seqs: 8}
 vision: {images_per_prompt: 2, min_pixels: 256, max_pixels: 4096, buckets: [256, 512]}
 """
+
+# a tiny Mistral 3: Mistral text 3 layers of 8 heads of 32 (2 KV heads); a Pixtral encoder of 3
+# layers of 8 heads of 8 (split over T3K's 8 columns), 4-pixel patches merged 2x2; images up to 64
+# pixels on the longer side = 8 x 8 merge blocks = 256 patches, two per prompt in a bucket of 512
+TINY_MISTRAL3 = """\
+name: tiny-mistral3
+model:
+  family: mistral3
+  vocab_size: 512
+  hidden_size: 256
+  intermediate_size: 512
+  num_hidden_layers: 3
+  num_attention_heads: 8
+  num_key_value_heads: 2
+  max_position_embeddings: 1024
+  rms_norm_eps: 1.0e-5
+  rope_theta: 1000000.0
+  vision:
+    hidden_size: 64
+    intermediate_size: 96
+    num_hidden_layers: 3
+    num_attention_heads: 8
+    image_size: 64
+    patch_size: 4
+    hidden_act: silu
+    spatial_merge_size: 2
+    image_token_index: 500
+    image_break_token_index: 501
+    image_end_token_index: 502
+targets: [N150, N300, T3K]
+buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}
+runtime: {max_model_len: 512, max_num_seqs: 8}
+vision: {images_per_prompt: 2, longest_edge: 64, buckets: [256, 512]}
+"""

@@ -62,6 +62,11 @@ CASES = {
         vision_config=dict(depth=3, hidden_size=32, intermediate_size=48, num_heads=2, out_hidden_size=64,
                            patch_size=8, num_position_embeddings=16, deepstack_visual_indexes=[0, 2]),
         image_token_id=127, video_token_id=126, vision_start_token_id=124, vision_end_token_id=125)),
+    "mistral3": ("Mistral3ForConditionalGeneration", lambda: transformers.Mistral3Config(
+        text_config=dict(TINY, model_type="mistral", head_dim=32, sliding_window=None),
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                           num_attention_heads=2, image_size=64, patch_size=8, hidden_act="silu"),
+        image_token_index=127, tie_word_embeddings=False)),
 }
 
 
@@ -282,6 +287,18 @@ PUBLISHED["qwen3-vl-8b-instruct.yaml"] = {  # text_config and vision_config (tra
                       "hidden_size": 1152, "in_channels": 3, "intermediate_size": 4304, "model_type": "qwen3_vl",
                       "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
                       "spatial_merge_size": 2, "temporal_patch_size": 2}}
+PUBLISHED["mistral-small-3.1-24b-instruct.yaml"] = {  # as remembered (transformers 4.50): no tie_word_embeddings
+    "architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "image_token_index": 10,
+    "multimodal_projector_bias": False, "projector_hidden_act": "gelu", "spatial_merge_size": 2,
+    "vision_feature_layer": -1,
+    "text_config": {"attention_dropout": 0.0, "head_dim": 128, "hidden_act": "silu", "hidden_size": 5120,
+                    "intermediate_size": 32768, "max_position_embeddings": 131072, "model_type": "mistral",
+                    "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8,
+                    "rms_norm_eps": 1e-05, "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072},
+    "vision_config": {"attention_dropout": 0.0, "head_dim": 64, "hidden_act": "silu", "hidden_size": 1024,
+                      "image_size": 1540, "intermediate_size": 4096, "model_type": "pixtral",
+                      "num_attention_heads": 16, "num_channels": 3, "num_hidden_layers": 24, "patch_size": 14,
+                      "rope_theta": 10000.0}}
 # the vision dims transformers reads, per family: (name in the HF vision config, name in ours)
 VISION_KEYS = {
     "gemma3": [(k, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
@@ -294,6 +311,8 @@ VISION_KEYS = {
                                   "patch_size", "temporal_patch_size", "spatial_merge_size", "num_position_embeddings",
                                   "out_hidden_size", "hidden_act")]
     + [("deepstack_visual_indexes", "deepstack_visual_indexes")],
+    "mistral3": [(k, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                  "num_channels", "image_size", "patch_size", "hidden_act")],
 }
 WRAPPER_KEYS = {
     "gemma3": [("mm_tokens_per_image", "mm_tokens_per_image"), ("image_token_id", "image_token_index"),
@@ -302,6 +321,8 @@ WRAPPER_KEYS = {
                                     "vision_end_token_id")],
     "qwen3_vl": [(k, k) for k in ("image_token_id", "video_token_id", "vision_start_token_id",
                                   "vision_end_token_id")],
+    "mistral3": [(k, k) for k in ("image_token_index", "spatial_merge_size", "projector_hidden_act",
+                                  "multimodal_projector_bias", "vision_feature_layer")],
 }
 
 

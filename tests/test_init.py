@@ -79,6 +79,11 @@ def save_tiny(arch: str, d: Path, **over) -> Path:
                                          out_hidden_size=dims["hidden_size"]),
                       image_token_id=v - 1, video_token_id=v - 2, vision_start_token_id=v - 4,
                       vision_end_token_id=v - 3)
+        elif arch.startswith("Mistral3"):  # Pixtral: 8-pixel patches merged 2x2, [IMG] inside the vocabulary
+            kw["text_config"].update(model_type="mistral", head_dim=32)
+            kw.update(vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=48,
+                                         num_hidden_layers=1, num_attention_heads=2, image_size=64, patch_size=8),
+                      image_token_index=v - 1)
         else:
             kw.update(vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, image_size=28, patch_size=14),

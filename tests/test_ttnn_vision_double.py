@@ -142,3 +142,48 @@ def test_a_vision_program_the_lowering_cannot_translate_is_refused_on_a_device(b
                                            r"lowering does not translate yet.*TTBUNDLE_EMULATED=1"):
         ttdevice.TTDeviceModel.initialize_vllm_model(None, None, 8, 256, 1, None, package=pkg,
                                                      options=TTOptions(), sample_mode="all", ttnn=object())
+
+
+def test_mistral3_images_on_the_tt_device_path_equal_the_emulated_backend(tmp_path):
+    """The tiny Mistral 3 built with ``--backend ttnn`` on N150: its vision forward reads the
+    host-made rope cos / sin and image mask (``device.vision_inputs`` from the vision part's
+    per-row metadata) besides the patches; two images of different sizes give the emulated
+    backend's soft tokens to bf16 level, and an image prefill the emulated logits. A mask that
+    lets every row attend to every other (the images' segments dropped) does not."""
+    import numpy as np
+    from PIL import Image
+
+    from spec_helpers import TINY_MISTRAL3
+    from ttbundle.serving.demo import build_package
+
+    pkg, dev, kv, rec = _device_model(build_package(TINY_MISTRAL3, tmp_path, "N150", backend="ttnn", warmup=False))
+    part = pkg.bundle.family.vision_part(pkg.bundle.arch)
+    rng = np.random.default_rng(0)
+    ims = [Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8")) for h, w in ((40, 72), (48, 56))]
+    inputs = part.image_inputs(pkg.bundle.vision, ims)
+    got = dev.encode_images(inputs["pixel_values"], inputs["image_grid_thw"])
+    assert rec.op_errors == [] and rec.violations == [] and rec.shape_mismatches == []
+    emu, ekv = _emulated(pkg)
+    want = emu.encode_images(inputs["pixel_values"], inputs["image_grid_thw"])
+    assert got.shape == want.shape == (40 + 42, pkg.bundle.arch.hidden_size)
+    diff = float((got - want).abs().max())
+    assert diff <= REL * float(want.abs().max()), diff
+    # an image prompt's prefill: [IMG] rows of both images after one text token
+    prompt = [2] + sum((part.image_tokens(inputs, k) for k in range(2)), []) + [7, 9]
+    n = len(prompt)
+    tokens = torch.zeros(1, 128, dtype=torch.long)
+    tokens[0, :n] = torch.tensor(prompt)
+    pt = torch.arange(1, 9)[None, :]
+    px, thw = inputs["pixel_values"], inputs["image_grid_thw"]
+    lg = dev.prefill_forward(tokens, pt, kv, [n], [0], pixel_values=[px], image_grid_thw=[thw])[0]
+    ref = emu.prefill_forward(tokens, pt, ekv, [n], [0], pixel_values=[px], image_grid_thw=[thw])[0]
+    err = float((lg - ref).abs().max())
+    assert err <= REL * float(ref.abs().max()), err
+    # one mask over the whole bucket: the images attend to each other (and the padding)
+    from ttbundle.backends.ttnn import device
+    real = device.vision_inputs
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(device, "vision_inputs",
+                   lambda fw, patches, meta: real(fw, patches, {**meta, "image": torch.zeros_like(meta["image"])}))
+        mixed = dev.encode_images(inputs["pixel_values"], inputs["image_grid_thw"])
+    assert float((mixed - want).abs().max()) > 10 * diff

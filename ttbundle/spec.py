@@ -169,8 +169,9 @@ class Vision(BaseModel):
     buckets: list[int] = Field(default_factory=lambda: [1])
     """What the vision encoder is traced for, sorted and unique: Gemma 3, image counts (a
     prompt's images are encoded in one call padded to the smallest bucket holding them);
-    Qwen2.5-VL, patch counts (a prompt's images' patches, padded likewise; default: the
-    patches of `images_per_prompt` images of `max_pixels`)."""
+    Qwen2.5-VL, Qwen3-VL and Mistral 3, patch counts (a prompt's images' patches, padded
+    likewise; default: the patches of `images_per_prompt` images of `max_pixels`, or of
+    `longest_edge` squared)."""
     min_pixels: int | None = Field(default=None, gt=0)
     """Qwen2.5-VL: the image processor enlarges a smaller image to at least this many pixels
     (default 3136 = 56 x 56)."""
@@ -178,6 +179,10 @@ class Vision(BaseModel):
     """Qwen2.5-VL: the image processor shrinks a larger image to at most this many pixels, which
     bounds one image's patches (max_pixels / patch_size^2) and soft tokens (a quarter of them);
     default: 256 soft tokens' worth (200704 = 256 x 28 x 28 pixels at 14-pixel patches)."""
+    longest_edge: int | None = Field(default=None, gt=0)
+    """Mistral 3: the image processor shrinks an image whose longer side exceeds this many pixels
+    (aspect kept), then rounds both sides up to merge blocks (patch_size x spatial_merge_size);
+    at most the encoder's image_size; default: 16 merge blocks (448 pixels at 14-pixel patches)."""
 
 
 class Embedding(BaseModel):

@@ -5,7 +5,9 @@ smallest prefill and decode. Specs: the tiny Gemma 3 VLM of the emulated tests, 
 at published dims (SigLIP: 4096 patches, head dim 72, which ttnn's fused SDPA cannot pad); the
 tiny Qwen2.5-VL of the emulated tests and Qwen2.5-VL-7B-Instruct at published dims (window
 attention by a host-made mask over the bucket's 5120 patches, 2-D rope by per-row cos / sin
-inputs, the 2x2 patch merger as a reshape).
+inputs, the 2x2 patch merger as a reshape); the tiny Mistral 3 of the emulated tests (Pixtral's
+2-D rope and image mask as Qwen's, no biases; the merger's channel-major unfold as a reshape,
+a transpose and a reshape).
 
 On a mock T3K the non-collective calls are validated the same way, on the worker grid the mock
 device reports (8x7); all_gather / all_reduce need a fabric a mock mesh cannot start and are
@@ -22,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from spec_helpers import TINY_Q3VL, TINY_QVL, TINY_VL
+from spec_helpers import TINY_MISTRAL3, TINY_Q3VL, TINY_QVL, TINY_VL
 
 BUNDLES = Path(__file__).resolve().parents[2] / "bundles"
 
@@ -41,8 +43,11 @@ def test_vision_programs_pass_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
     tiny_q.write_text(TINY_QVL)
     tiny_q3 = tmp_path / "tiny-qwen3-vl.yaml"
     tiny_q3.write_text(TINY_Q3VL)
+    tiny_m = tmp_path / "tiny-mistral3.yaml"
+    tiny_m.write_text(TINY_MISTRAL3)
     specs = [str(tiny), str(BUNDLES / "gemma-3-4b-it.yaml"), str(tiny_q),
-             str(BUNDLES / "qwen2.5-vl-7b-instruct.yaml"), str(tiny_q3), str(BUNDLES / "qwen3-vl-8b-instruct.yaml")]
+             str(BUNDLES / "qwen2.5-vl-7b-instruct.yaml"), str(tiny_q3), str(BUNDLES / "qwen3-vl-8b-instruct.yaml"),
+             str(tiny_m)]
     env = mockcluster.mock_env(mesh, tmp_path)
     from handover_helpers import hand_over
     dirs = hand_over(specs, mesh, tmp_path / "programs")  # planned and lowered here, not in the backend

@@ -10,6 +10,7 @@ from .gemma3 import Gemma3
 from .gpt_oss import GptOss
 from .llama import Llama
 from .mistral import Mistral
+from .mistral3 import Mistral3
 from .qwen2 import Qwen2
 from .qwen2_5_vl import Qwen25VL
 from .qwen3 import Qwen3
@@ -25,7 +26,7 @@ def register(family: Family) -> None:
 
 
 for _f in (Llama(), Qwen2(), Qwen3(), Mistral(), Gemma2(), Gemma3(), DeepseekV3(), GptOss(), Qwen25VL(),
-           Qwen3VL()):
+           Qwen3VL(), Mistral3()):
     register(_f)
 
 

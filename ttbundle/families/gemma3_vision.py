@@ -262,9 +262,10 @@ def settings(v: Gemma3Vision, vs):
 def check_settings(b, vs) -> list:
     """Diagnostics for ``vs`` (buckets = image counts) against the token budget."""
     v, d, at = b.arch.vision, [], ("vision",)
-    for k in ("min_pixels", "max_pixels"):
+    for k, what in (("min_pixels", "Qwen2.5-VL's pixel budget"), ("max_pixels", "Qwen2.5-VL's pixel budget"),
+                    ("longest_edge", "Mistral 3's image bound")):
         if getattr(vs, k) is not None:
-            d.append(b.locate(at + (k,), f"{k} is Qwen2.5-VL's pixel budget; Gemma 3 resizes every image to "
+            d.append(b.locate(at + (k,), f"{k} is {what}; Gemma 3 resizes every image to "
                               f"image_size={v.image_size}: remove it"))
     bks = vs.buckets
     if bks and max(bks) < vs.images_per_prompt:

@@ -424,6 +424,9 @@ def check_settings(b, vs) -> list:
     """Diagnostics for ``vs`` (buckets = patch counts) against the pixel and token budgets."""
     v, d, at = b.arch.vision, [], ("vision",)
     f2 = v.factor ** 2
+    if vs.longest_edge is not None:
+        d.append(b.locate(at + ("longest_edge",), "longest_edge is Mistral 3's image bound; this model bounds an "
+                          "image's area: use max_pixels"))
     if vs.max_pixels < f2:
         d.append(b.locate(at + ("max_pixels",), f"max_pixels={vs.max_pixels} is less than one merge block "
                           f"({v.factor} x {v.factor} = {f2} pixels); raise it"))

@@ -108,6 +108,10 @@ class VisionPart:
     #: transformers' torchvision image-processor modules vLLM's model module imports from, and
     #: the PIL module of the same processor: {torchvision module: (PIL module, {name: PIL name})}
     PIL_PROCESSORS: ClassVar[dict] = {}
+    #: transformers' processor classes (not image processors) its lazy package gives as
+    #: torchvision placeholders although they need torchvision only through the image processor
+    #: ``PIL_PROCESSORS`` replaces: {package: (module, class name)} (Mistral 3's PixtralProcessor)
+    PROCESSOR_CLASSES: ClassVar[dict] = {}
 
     def __init__(self, v):
         self.v = v

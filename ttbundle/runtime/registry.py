@@ -402,7 +402,8 @@ def _pil_image_processors(part) -> None:
     model modules import from them (a type, Qwen's ``smart_resize``); transformers itself then
     loads the PIL processor of the same settings (``Gemma3ImageProcessorPil``,
     ``Qwen2VLImageProcessorPil``). Make each import the vision ``part`` names
-    (``PIL_PROCESSORS``) give those."""
+    (``PIL_PROCESSORS``) give those, and the processor classes that needed torchvision only
+    through them (``PROCESSOR_CLASSES``) the real class in place of the lazy placeholder."""
     import sys
     import types
 
@@ -420,6 +421,11 @@ def _pil_image_processors(part) -> None:
                 if ours.endswith("Processor"):
                     setattr(package, ours, getattr(pil, names[ours]))
             logger.debug("ttbundle: torchvision missing: %s is the PIL image processor", name)
+    for package, (module, cls) in part.PROCESSOR_CLASSES.items():
+        real = getattr(importlib_import(module), cls)  # imports with the shims above in place
+        pkg = importlib_import(package)
+        if getattr(pkg, cls, None) is not real:  # the lazy package's torchvision placeholder
+            setattr(pkg, cls, real)
 
 
 def importlib_import(name: str):

@@ -111,8 +111,8 @@ def refuse_unlowered_vision(loaded) -> None:
     """A multimodal package whose images the TT device path cannot run yet is refused (naming
     what is missing, before anything opens): a vision op the ttnn lowering has none for, or a
     vision forward that reads host-made inputs the device runner does not make
-    (``backends/ttnn/device.vision_inputs``: the patches, and Qwen2.5-VL's per-row rope and
-    window / image masks)."""
+    (``backends/ttnn/device.vision_inputs``: the patches, the per-row 2-D rope and window / image
+    masks of Qwen2.5-VL and Pixtral, Qwen3-VL's position interpolation)."""
     from ..backends.ttnn.inputs import VISION_HOST_INPUTS
     from ..backends.ttnn.lowering import lower_forward, unlowered_ops
     from ..errors import InvalidInput
@@ -273,7 +273,8 @@ class TTDeviceModel(MeshModel):
         prompt in this call), encoded here by the vision forwards (``images.prompt_inputs``).
         Either way the soft tokens are merged by the prefill forward itself
         (``inputs.merge_images``) and its attention mask holds their image blocks. Other
-        keywords of that plugin (``image_grid_thw``: the images' patch grids, Qwen2.5-VL) are
+        keywords of that plugin (``image_grid_thw``: the images' patch grids, Qwen2.5-VL, Qwen3-VL,
+        Mistral 3) are
         used as the emulated adapter uses them. ``rope_positions`` [3, 1, S]: the chunk's M-RoPE
         positions (ttbundle's runner); images given as ``pixel_values`` to an M-RoPE model make
         their own, and the call then returns ``(output, rope_deltas)`` as

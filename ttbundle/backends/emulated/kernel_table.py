@@ -9,7 +9,8 @@ from __future__ import annotations
 from . import kernels, moe_kernels, vision_kernels
 
 _TABLES = (kernels.KERNELS, moe_kernels.MOE_KERNELS, vision_kernels.GEMMA_VISION_KERNELS,
-           vision_kernels.QWEN_VISION_KERNELS, vision_kernels.QWEN3_VISION_KERNELS)
+           vision_kernels.QWEN_VISION_KERNELS, vision_kernels.QWEN3_VISION_KERNELS,
+           vision_kernels.MISTRAL3_VISION_KERNELS)
 
 
 def _collect(tables) -> dict:

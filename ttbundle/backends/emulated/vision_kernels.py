@@ -83,12 +83,18 @@ def qwen_vision_attention(ctx: Ctx, layer, q, k, v):
 def _qwen_attention(ctx: Ctx, layer, q, k, v, which: str):
     """q/k/v biases, the 2-D rope, then attention among the rows of one segment of ``which``
     (the host's per-row segments: ``window`` or ``image``), this device's heads."""
-    vis, W, meta = _vision(ctx), ctx.weights, ctx.vision
+    W = ctx.weights
+    q, k, v = q + W("v_bq", layer)[:, None, :], k + W("v_bk", layer)[:, None, :], v + W("v_bv", layer)[:, None, :]
+    return _rope_segment_attention(ctx, q, k, v, which)
+
+
+def _rope_segment_attention(ctx: Ctx, q, k, v, which: str):
+    """The host's 2-D rope (``ctx.vision`` cos/sin per row), then attention among the rows of one
+    segment of ``which`` (the host's per-row segments), this device's heads."""
+    vis, meta = _vision(ctx), ctx.vision
     D, T, _ = q.shape
     hd = vis.head_dim
-    q = (q + W("v_bq", layer)[:, None, :]).view(D, T, -1, hd)
-    k = (k + W("v_bk", layer)[:, None, :]).view(D, T, -1, hd)
-    v = (v + W("v_bv", layer)[:, None, :]).view(D, T, -1, hd)
+    q, k, v = (x.view(D, T, -1, hd) for x in (q, k, v))
     cos, sin = meta["cos"].to(q.device), meta["sin"].to(q.device)
     q = (q.float() * cos[None, :, None] + rotate_half(q.float()) * sin[None, :, None]).to(q.dtype)
     k = (k.float() * cos[None, :, None] + rotate_half(k.float()) * sin[None, :, None]).to(k.dtype)
@@ -160,3 +166,32 @@ def _deepstack(k: int):
 QWEN3_VISION_KERNELS = dict(qwen3_vision_embed=qwen3_vision_embed, qwen3_vision_attention=qwen3_vision_attention)
 for _k in range(8):
     QWEN3_VISION_KERNELS.update(_deepstack(_k))
+
+
+# ---- Mistral 3's Pixtral encoder and projector ---------------------------------------------------
+# rows are the patches in merge-block order (``mistral3_vision``); ``ctx.vision`` holds Pixtral's
+# rope cos/sin and the image segment per row
+def pixtral_attention(ctx: Ctx, layer, q, k, v):
+    """Pixtral's 2-D rope, then attention among the rows of one image (no biases), this device's heads."""
+    return _rope_segment_attention(ctx, q, k, v, "image")
+
+
+def pixtral_gated(ctx: Ctx, layer, g, u):
+    """The gated MLP's hidden layer: ``hidden_act``(gate) x up (no biases)."""
+    return activation(_vision(ctx).hidden_act, g) * u
+
+
+def mistral3_unfold(ctx: Ctx, layer, x):
+    """Each merge block's patches (consecutive rows) as one row, channel-major as ``F.unfold``
+    makes it: feature ``c`` of the block's patch ``j`` at ``c * m^2 + j``."""
+    D, T, H = x.shape
+    unit = _vision(ctx).merge_unit
+    return x.reshape(D, T // unit, unit, H).transpose(2, 3).reshape(D, T // unit, H * unit)
+
+
+def mistral3_projector_act(ctx: Ctx, layer, x):
+    return activation(_vision(ctx).projector_hidden_act, x)
+
+
+MISTRAL3_VISION_KERNELS = dict(pixtral_attention=pixtral_attention, pixtral_gated=pixtral_gated,
+                               mistral3_unfold=mistral3_unfold, mistral3_projector_act=mistral3_projector_act)

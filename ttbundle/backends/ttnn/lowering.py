@@ -29,7 +29,8 @@ from . import configs, mesh_ops, moe_ops, text_ops, vision_ops
 from .calls import Forward, Layer, T
 from .emitter import DRAM, SAMPLING, TOPK, Lowerer, program_policy, tt_dim, tt_shape
 from .inputs import (chunk_starts, image_mask, image_prefill, inputs_of, mask_input, merge_images,
-                     mrope_position_input, static_prefill_start, static_start, vision_mask_input)
+                     mrope_position_input, static_prefill_start, static_start, vision_mask_input,
+                     VISION_HOST_INPUTS)
 from .layout import TILE, device_shape
 from .mesh_ops import collective_calls, partition_calls
 
@@ -132,4 +133,4 @@ def lower_forward(bundle, mesh: Mesh, program: Program, sampling: str = "device"
 __all__ = ["OPS", "SAMPLING", "TOPK", "chunk_starts", "collective_calls", "device_shape", "image_mask",
            "image_prefill", "inputs_of", "lower_forward", "mask_input", "mrope_position_input", "partition_calls",
            "program_policy", "static_prefill_start", "static_start", "step_kind", "tt_dim", "tt_shape",
-           "unlowered_ops", "vision_mask_input"]
+           "unlowered_ops", "vision_mask_input", "VISION_HOST_INPUTS"]

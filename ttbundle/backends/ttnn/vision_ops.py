@@ -1,8 +1,10 @@
 """The vision encoders' ops as ttnn calls: Gemma 3's SigLIP tower (rows: the patches of the
 program's images, image after image), Qwen2.5-VL's vision transformer (rows: the patches in
-window order, host-made masks and rotary inputs per call) and Qwen3-VL's (rows in the
+window order, host-made masks and rotary inputs per call), Qwen3-VL's (rows in the
 processor's order; its learned position embedding resampled by a host-made interpolation matrix,
-its DeepStack mergers' features beside the soft tokens), and the text layers' DeepStack step; the
+its DeepStack mergers' features beside the soft tokens) and Mistral 3's Pixtral encoder and
+projector (rows: the patches in merge-block order, host-made rotary inputs and image mask), and
+the text layers' DeepStack step; the
 emulated ``vision_kernels`` counterpart."""
 
 from __future__ import annotations
@@ -83,11 +85,22 @@ def _vision_pool(lw: Lowerer, st: Step) -> None:
             compute_kernel_config=configs.compute_config())
 
 
-def _qwen_vision_attention(lw: Lowerer, st: Step, full: bool | None = None) -> None:
-    """q/k/v biases, the 2-D rope (per-row cos / sin inputs; rotate-half by a matmul), then attention over
-    all rows with the window (or image) mask input, as matmuls and a softmax: this device's
-    heads ``[1, h, rows, hd]``. ``full``: the image mask at every layer (Qwen3-VL); None: at
-    ``fullatt_block_indexes``, the window mask elsewhere (Qwen2.5-VL)."""
+def _qwen_vision_attention(lw: Lowerer, st: Step) -> None:
+    """q/k/v biases, then the 2-D rope attention (:func:`_rope_attention`) with the window (or
+    image, at full-attention layers) mask."""
+    _rope_attention(lw, st, ("v_bq", "v_bk", "v_bv"), lw.layer in lw.a.vision.fullatt_block_indexes)
+
+
+def _pixtral_attention(lw: Lowerer, st: Step) -> None:
+    """Mistral 3's Pixtral attention: no biases; the 2-D rope attention within each image (the
+    host's cos / sin are Pixtral's frequencies, the image mask its images)."""
+    _rope_attention(lw, st, None, True)
+
+
+def _rope_attention(lw: Lowerer, st: Step, biases: tuple | None, full: bool) -> None:
+    """q/k/v ``biases`` (None: none), the 2-D rope (per-row cos / sin inputs; rotate-half by a
+    matmul), then attention over all rows with the window (``full`` False) or image mask input,
+    as matmuls and a softmax: this device's heads ``[1, h, rows, hd]``."""
     q, k, v = (a.name for a in st.ins)
     for name, shp in ((a.name, a.shape) for a in st.ins):
         lw.shapes.setdefault(name, tt_shape(shp))
@@ -98,11 +111,11 @@ def _qwen_vision_attention(lw: Lowerer, st: Step, full: bool | None = None) -> N
     cos_in, sin_in = VISION_ROPE
     for name in VISION_ROPE:
         lw.inputs[name] = ((1, 1, rows, hd), "bf16", "TILE")
-    mask = vision_mask_input(lw.layer in vis.fullatt_block_indexes if full is None else full)
+    mask = vision_mask_input(full)
     lw.inputs[mask] = ((1, 1, rows, rows), "bf16", "TILE")
     heads = []
-    for b, x in (("v_bq", q), ("v_bk", k), ("v_bv", v)):
-        xb = add_bias(lw, x, b, f"{x}.b")
+    for b, x in zip(biases or (None, None, None), (q, k, v)):
+        xb = x if b is None else add_bias(lw, x, b, f"{x}.b")
         heads.append(split_heads(lw, xb, h, hd, f"{x}.h"))
     qh, kh, vh = heads
     kernel = configs.compute_config()
@@ -164,7 +177,7 @@ def _qwen3_vision_embed(lw: Lowerer, st: Step) -> None:
 
 def _qwen3_vision_attention(lw: Lowerer, st: Step) -> None:
     """Qwen2.5-VL's attention with the image mask at every layer (no windows)."""
-    _qwen_vision_attention(lw, st, full=True)
+    _rope_attention(lw, st, ("v_bq", "v_bk", "v_bv"), True)
 
 
 def _qwen3_deepstack(k: int) -> dict:
@@ -189,12 +202,45 @@ def _deepstack(lw: Lowerer, st: Step) -> None:
     lw.call("reshape", T(src), list(shp), out=st.out.name, shape=shp)
 
 
+def _pixtral_gated(lw: Lowerer, st: Step) -> None:
+    """``hidden_act``(gate) x up, no biases."""
+    g, u = (a.name for a in st.ins)
+    for name, shp in ((a.name, a.shape) for a in st.ins):
+        lw.shapes.setdefault(name, tt_shape(shp))
+    act = lw.a.vision.hidden_act
+    kw = {"fast_and_approximate_mode": False} if act == "gelu" else {}
+    a = lw.call(act, T(g), out=f"{g}.a", shape=lw.shapes[g], memory_config=DRAM, **kw)
+    lw.call("multiply", T(a), T(u), out=st.out.name, shape=lw.shapes[g], memory_config=DRAM)
+
+
+def _mistral3_unfold(lw: Lowerer, st: Step) -> None:
+    """Each merge block's patches (consecutive rows) as one row, channel-major as ``F.unfold``
+    makes it: ``[blocks, unit, hid]`` transposed to ``[blocks, hid, unit]``, then flattened."""
+    x = one_input(lw, st)
+    rows, hid = lw.shapes[x][2], lw.shapes[x][3]
+    unit = lw.a.vision.merge_unit
+    n = rows // unit
+    r = lw.call("reshape", T(x), [1, n, unit, hid], out=f"{st.out.name}.r", shape=(1, n, unit, hid))
+    t = lw.call("transpose", T(r), 2, 3, out=f"{st.out.name}.t", shape=(1, n, hid, unit), memory_config=DRAM)
+    lw.call("reshape", T(t), [1, 1, n, unit * hid], out=st.out.name, shape=(1, 1, n, unit * hid))
+
+
+def _mistral3_projector_act(lw: Lowerer, st: Step) -> None:
+    x = one_input(lw, st)
+    act = lw.a.vision.projector_hidden_act
+    kw = {"gelu": {"fast_and_approximate_mode": False}, "gelu_pytorch_tanh": {"fast_and_approximate_mode": True}}
+    fn = "silu" if act == "silu" else "gelu"
+    lw.call(fn, T(x), out=st.out.name, shape=lw.shapes[x], memory_config=DRAM, **kw.get(act, {}))
+
+
 OPS = {"vision_embed": _vision_embed, "vision_attention": _vision_attention, "vision_bias_o": _vision_bias("v_bo"),
        "vision_bias_2": _vision_bias("v_b2"), "vision_gelu": _vision_gelu, "vision_pool": _vision_pool,
        "qwen_vision_attention": _qwen_vision_attention, "qwen_vision_swiglu": _qwen_vision_swiglu,
        "qwen_vision_merge": _qwen_vision_merge, "qwen_vision_merge_gelu": _qwen_vision_merge_gelu,
        "qwen_vision_merge_bias": _vision_bias("v_merge2_b"),
        "qwen3_vision_embed": _qwen3_vision_embed, "qwen3_vision_attention": _qwen3_vision_attention,
-       "deepstack": _deepstack}
+       "deepstack": _deepstack,
+       "pixtral_attention": _pixtral_attention, "pixtral_gated": _pixtral_gated,
+       "mistral3_unfold": _mistral3_unfold, "mistral3_projector_act": _mistral3_projector_act}
 for _k in range(8):  # every DeepStack merger a vision config may have (qwen3_vl_vision.MAX_DEEPSTACK)
     OPS.update(_qwen3_deepstack(_k))
