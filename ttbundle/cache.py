@@ -53,6 +53,7 @@ FIELDS = {
     "ttnn": "ttnn version",
     "mesh": "target mesh",
     "backend": "build backend (ttnn builds add tensorbin/ weight caches)",
+    "speculative.draft": "content key of the speculative draft's package, built into this one (speculative: {method: draft})",
     "kernel_cache": "SFPI compiler that filled tt-metal's kernel cache (ttnn builds; none: not filled)",
 }
 WEIGHTS_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "weights", "family_code", "ttbundle",

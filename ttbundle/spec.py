@@ -725,7 +725,7 @@ def check(b: Bundle) -> list[Diagnostic]:
     d += _check_vision(b)
     from . import embed, speculative
     d += embed.check(b)
-    d += speculative.check(b)
+    d += speculative.check(b, load)
     return d
 
 
