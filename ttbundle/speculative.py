@@ -202,9 +202,10 @@ def _tokenizer_difference(b, dr) -> str | None:
         return None if va is vd else f"no tokenizer in {ta if va is None else td}"
     if va == vd:
         return None
-    diff = sorted(set(va.items()) ^ set(vd.items()), key=lambda x: x[1])[:3]
-    return f"{len(set(va.items()) ^ set(vd.items()))} token/id pairs differ, e.g. " + ", ".join(
-        f"{t!r}: {i}" for t, i in diff)
+    diff = sorted((t for t in va.keys() | vd.keys() if va.get(t) != vd.get(t)),
+                  key=lambda t: min(x for x in (va.get(t), vd.get(t)) if x is not None))
+    return f"{len(diff)} token(s) with another id, e.g. " + ", ".join(
+        f"{t!r}: {va.get(t, 'none')} here, {vd.get(t, 'none')} in the draft" for t in diff[:3])
 
 
 def _vocab(d: Path) -> dict | None:
