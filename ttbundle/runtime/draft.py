@@ -4,18 +4,19 @@ on the emulated mesh through the model protocol (``runtime.interface.MeshModel``
 generated adapter, ``prefill_forward`` / ``decode_forward``) with a KV region of its own.
 
 Per step, for the requests that got tokens: each request's tokens the draft has not seen yet
-(the whole prompt at first; then the tokens accepted last step and the target's own token) are
-prefilled in the draft's chunks (several requests packed into one program call where
-``phases.pack_prefill`` allows), which gives the first proposal; ``k - 1`` decode steps of the
-batch give the rest. Proposals are greedy (the argmax), as vLLM 0.33's ``DraftModelProposer``
+are computed, which gives the first proposal (a prompt: prefilled in the draft's chunks, several
+requests packed into one program call where ``phases.pack_prefill`` allows; the one or two
+tokens a step adds past the accepted proposals: decode steps of the batch), and ``k - 1``
+decode steps of the batch give the rest. Proposals are greedy (the argmax), as vLLM 0.33's ``DraftModelProposer``
 with its default ``draft_sample_method: greedy``: it hands the rejection sampler no draft
 probabilities, so acceptance is the rule ``sampling.accept`` applies to n-gram proposals (the
 draft distribution one-hot on the proposal) and the target distribution is kept.
 
 The draft's KV stays consistent under rejection by position: a request's draft cache is valid
-up to the tokens the target accepted (``_Slot.computed``); the proposals' own entries past it
-are rewritten by the next step's prefill of what was really accepted (attention reads no
-position past the row it computes). A request holds one slot of ``max_num_seqs`` full-length
+up to ``_Slot.computed``; the proposals fed to the draft (all but the last) keep their entries
+when the target accepted them (the same token at the same position after the same prefix) and
+the rest are rewritten by the next step's tokens, the position rolled back to the accepted
+length (attention reads no position past the row it computes). A request holds one slot of ``max_num_seqs`` full-length
 sequences (``speculative.draft_kv_blocks``); with every slot taken, a request outside the
 current batch gives its slot up and is prefilled again when it next proposes.
 """
@@ -36,6 +37,7 @@ logger = logging.getLogger("vllm.ttbundle.draft")
 class _Slot:
     index: int
     computed: int = 0  # leading tokens of the request whose draft KV is valid
+    fed: tuple = ()  # proposals fed to the draft after them (at positions computed, computed + 1, ...)
 
 
 class DraftProposer:
@@ -98,6 +100,7 @@ class DraftProposer:
         first = self._catch_up([(slots[j], reqs[i][1]) for j, i in enumerate(live)])
         for j, i in enumerate(live):
             out[i].append(first[j])
+            slots[j].fed = ()
         # the rest: decode steps of the batch, each row fed its last proposal
         for step in range(1, max(want[i] for i in live)):
             rows = [(j, i) for j, i in enumerate(live) if want[i] > step]
@@ -112,6 +115,8 @@ class DraftProposer:
             ids = logits[:B].argmax(-1).tolist()
             for r, (j, i) in enumerate(rows):
                 out[i].append(int(ids[r]))
+        for j, i in enumerate(live):  # proposals 1 .. n-1 were fed: their KV holds if they are accepted
+            slots[j].fed = tuple(out[i][:-1])
         self.proposed += sum(len(o) for o in out)
         return out
 
@@ -136,15 +141,50 @@ class DraftProposer:
         return t
 
     def _catch_up(self, work: list[tuple[_Slot, list[int]]]) -> list[int]:
-        """Prefill each request's tokens from its slot's ``computed`` to its end, in chunks of
-        the draft's ``prefill_chunk`` (packed several to a call); the argmax after each request's
-        last token."""
+        """Bring each request's draft KV up to its tokens and return the argmax after its last
+        token. The proposals fed last step that the target accepted keep their KV (same tokens
+        at the same positions); the rest is computed: a few tokens (what one step accepts) as
+        decode steps of the batch, a prompt as prefill chunks."""
+        for s, toks in work:
+            for t in s.fed:  # accepted proposals: their KV is the tokens'
+                if s.computed < len(toks) - 1 and toks[s.computed] == t:
+                    s.computed += 1
+                else:
+                    break
+            s.fed = ()
+            s.computed = min(s.computed, len(toks) - 1)  # at least the last token: its logits
+        short = [w for w, (s, toks) in enumerate(work) if len(toks) - s.computed <= self.k + 1]
+        first = self._decode_rounds(work, short)
+        first.update(self._prefill(work, [w for w in range(len(work)) if w not in set(short)]))
+        return [first[w] for w in range(len(work))]
+
+    def _decode_rounds(self, work, which: list[int]) -> dict[int, int]:
+        """Decode steps of the requests ``which``, each fed its next token until its last."""
+        first: dict[int, int] = {}
+        while which:
+            B = len(which)
+            bucket = pick(self.decode_buckets, B)
+            tokens = torch.zeros(bucket, 1, dtype=torch.long)
+            pos = torch.full((bucket,), -1, dtype=torch.long)
+            for r, w in enumerate(which):
+                s, toks = work[w]
+                tokens[r, 0], pos[r] = toks[s.computed], s.computed
+            logits = self.model.decode_forward(tokens, pos, self._table([work[w][0] for w in which], bucket), self.kv)
+            ids = logits[:B].argmax(-1).tolist()
+            for r, w in enumerate(which):
+                work[w][0].computed += 1
+                if work[w][0].computed == len(work[w][1]):
+                    first[w] = int(ids[r])
+            which = [w for w in which if w not in first]
+        return first
+
+    def _prefill(self, work, which: list[int]) -> dict[int, int]:
+        """Prefill the requests ``which`` from their ``computed`` to their end, in chunks of the
+        draft's ``prefill_chunk`` (packed several to a call, ``phases.pack_prefill``)."""
         from .phases import pack_prefill
 
         first: dict[int, int] = {}
-        todo = list(range(len(work)))
-        for s, toks in work:
-            s.computed = min(s.computed, len(toks) - 1)  # at least the last token: its logits
+        todo = list(which)
         while todo:
             chunks = []
             for w in todo:
@@ -164,4 +204,4 @@ class DraftProposer:
                     if c + n == len(work[w][1]):
                         first[w] = int(ids[m])
             todo = [w for w in todo if work[w][0].computed < len(work[w][1])]
-        return [first[w] for w in range(len(work))]
+        return first
