@@ -218,14 +218,8 @@ def weight_files(directory: Path) -> list[Path]:
 
 
 def tokenizer_dir(bundle) -> Path | None:
-    s = bundle.spec
-    if s.tokenizer is False:  # token ids only
-        return None
-    for p in (s.tokenizer, s.from_hf, s.weights.source):
-        if p is not None:
-            d = bundle.resolve_path(p)
-            return d if d.is_dir() else d.parent
-    return None
+    """The bundle's tokenizer directory (``spec.Bundle.tokenizer_dir``)."""
+    return bundle.tokenizer_dir()
 
 
 def check_tokenizer(bundle) -> None:

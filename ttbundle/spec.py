@@ -316,6 +316,18 @@ class Bundle:
     def locate(self, path: tuple, message: str, severity: str = "error") -> Diagnostic:
         return locate(self.file, self.positions, path, message, severity)
 
+    def tokenizer_dir(self) -> Path | None:
+        """The tokenizer's directory: `tokenizer:`, else from_hf's directory, else the weights
+        directory (None: `tokenizer: false`, or none of them given)."""
+        s = self.spec
+        if s.tokenizer is False:  # token ids only
+            return None
+        for p in (s.tokenizer, s.from_hf, s.weights.source):
+            if p is not None:
+                d = self.resolve_path(p)
+                return d if d.is_dir() else d.parent
+        return None
+
     def resolve_path(self, p: str | None, download: bool = True) -> Path | None:
         """A spec path (``from_hf``, ``weights.source``, ``tokenizer``): relative to the spec's
         directory, or a model id ``ORG/NAME[@REVISION]`` in the Hugging Face cache (``hub.resolve``)."""

@@ -187,10 +187,8 @@ def check_draft(b, load) -> list[Diagnostic]:
 def _tokenizer_difference(b, dr) -> str | None:
     """Why two bundles' tokenizers differ (None: the same vocabulary, token for token; or both
     serve token ids only)."""
-    from .cache import tokenizer_dir
-
     try:
-        ta, td = tokenizer_dir(b), tokenizer_dir(dr)
+        ta, td = b.tokenizer_dir(), dr.tokenizer_dir()
     except (InvalidInput, OSError):
         return None  # the paths' own checks say what is missing
     if ta is None and td is None:
