@@ -203,8 +203,8 @@ class Speculative(BaseModel):
 
     method: Literal["ngram", "draft"] = "ngram"
     """`ngram`: prompt lookup (the proposals are the tokens that followed the longest earlier
-    match of the sequence's last n-gram, vLLM's `ngram`); `draft`: another bundle proposes
-    (not implemented yet)."""
+    match of the sequence's last n-gram, vLLM's `ngram`); `draft`: another bundle (`model:`)
+    proposes greedily (vLLM's `draft_model`); its package is built into this one."""
     num_speculative_tokens: int = Field(default=3, gt=0)
     """k: tokens proposed and verified per sequence and step."""
     prompt_lookup_min: int = Field(default=1, gt=0)
@@ -212,7 +212,9 @@ class Speculative(BaseModel):
     prompt_lookup_max: int = Field(default=3, gt=0)
     """`ngram`: the longest n-gram matched (at least `prompt_lookup_min`)."""
     model: str | None = None
-    """`draft`: the drafting bundle (a spec path or package of the same tokenizer)."""
+    """`draft`: the drafting bundle's spec, relative to this spec: the same tokenizer (the same
+    vocabulary, token for token), decode buckets covering this bundle's, `max_model_len` at least
+    this bundle's, no `speculative:` of its own."""
 
 
 class BundleSpec(BaseModel):
@@ -263,8 +265,9 @@ class BundleSpec(BaseModel):
     """Pooling and normalization of a `task: embed` bundle; default: last-token pooling,
     normalized (Qwen3-Embedding's)."""
     speculative: Speculative | None = None
-    """Speculative decoding (`method: ngram`): the package gets a verify program per decode
-    bucket and `serve` passes vLLM's `--speculative-config`; absent: none."""
+    """Speculative decoding (`method: ngram` or `draft`): the package gets a verify program per
+    decode bucket (and, for `draft`, the draft's package inside it) and `serve` passes vLLM's
+    `--speculative-config`; absent: none."""
 
     @field_validator("name")
     @classmethod
