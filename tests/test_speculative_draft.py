@@ -85,6 +85,17 @@ def test_draft_mistakes_are_located_at_model(spec_dir, draft_changes, words):
         assert w in d.message, d.message
 
 
+def test_a_cycle_of_drafts_and_replicas_are_refused(spec_dir):
+    _write(spec_dir, draft_changes={"speculative": {"method": "draft", "model": SPEC_FILE}})
+    d = _diag(spec_dir)
+    assert d.path == "speculative.model" and "is invalid" in d.message and "cycle" in d.message, d.message
+    _write(spec_dir, target_changes={"targets": ["T3K"], "replicas": {"T3K": {"submesh": [1, 1]}},
+                                     "runtime": {"max_num_seqs": 8}, "buckets": {"decode": [1, 8]}},
+           draft_changes={"targets": ["T3K"], "runtime": {"max_num_seqs": 8}, "buckets": {"decode": [1, 8]}})
+    d = _diag(spec_dir)
+    assert d.path == "speculative.model" and "not yet: a draft with `replicas:`" in d.message, d.message
+
+
 def test_a_missing_draft_spec_and_a_draft_without_model_are_located(spec_dir):
     text = _write(spec_dir)
     (spec_dir / "draft.yaml").unlink()

@@ -143,6 +143,10 @@ def check(b, load=None) -> list[Diagnostic]:
     return d
 
 
+#: draft specs being loaded (a cycle of drafts is refused, not recursed into)
+_LOADING: set[str] = set()
+
+
 def check_draft(b, load) -> list[Diagnostic]:
     """``method: draft``: the draft's spec (``load``: ``spec.load``) loads and validates, has no
     ``speculative:`` of its own, the same vocabulary size and tokenizer (compared token for
@@ -152,12 +156,22 @@ def check_draft(b, load) -> list[Diagnostic]:
     if not path.is_file():
         return [b.locate(at, f"{path}: no such spec file; `model:` names the drafting bundle's spec, "
                          "relative to this spec")]
+    key = str(path.resolve())
+    if key in _LOADING:  # a draft naming its target (or itself) as its draft
+        return [b.locate(at, f"{path} is being loaded already: drafts name each other in a cycle; a draft "
+                         "has no `speculative:` of its own")]
+    _LOADING.add(key)
     try:
         dr = load(path)
     except InvalidInput as e:
         first = "; ".join(str(x) for x in (e.diagnostics or [])[:3]) or e.message
         return [b.locate(at, f"the draft spec {path} is invalid: {first}; fix it there")]
+    finally:
+        _LOADING.discard(key)
     d = []
+    if b.spec.replicas:
+        d.append(b.locate(at, "not yet: a draft with `replicas:` (the draft would need a KV region per lane); "
+                          "remove `replicas:` or speculate with `method: ngram`"))
     if of(dr) is not None:
         d.append(b.locate(at, f"the draft spec {path} has `speculative:` itself; a draft proposes alone: "
                           "remove it there"))
