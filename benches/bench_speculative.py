@@ -64,7 +64,7 @@ def build(k: int, out: Path, method: str = "ngram", draft_layers: int = 2) -> tu
     else:
         d["speculative"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
                             "prompt_lookup_max": 4}
-    f = out / f"demo-{method}.yaml"
+    f = out / f"demo-with-{method}.yaml"
     f.write_text(yaml.safe_dump(d, sort_keys=False))
     bundle = specmod.load(f)
     pkg = Path(build_package(bundle, "N150", out).package)
