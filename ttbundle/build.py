@@ -141,7 +141,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     pkg = package_path(out_dir, bundle.spec.name, plan.mesh.name)
     sfpi = _sfpi(backend)
     res = BuildResult(str(pkg), bundle.spec.name, plan.mesh.name, "dry-run" if dry_run else "built", None)
-    draft = _build_draft(bundle, mesh, out_dir, dry_run=dry_run, force=force, warmup=warmup, progress=progress)
+    draft = _build_draft(bundle, mesh, out_dir, dry_run=dry_run, force=force, warmup=warmup)
     if dry_run:
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
@@ -196,7 +196,8 @@ def _build_draft(bundle, mesh: str, out_dir, **kw) -> BuildResult | None:
     """``speculative: {method: draft}``: the draft bundle's own package for the same mesh, built
     (or found up to date) under the output's state directory (``STATE_DIR/drafts``, where the
     plugin's scan does not look); the target's build copies it into its ``draft/`` directory.
-    Always an emulated package: speculative decoding runs on the emulated mesh only."""
+    Always an emulated package: speculative decoding runs on the emulated mesh only. Its
+    progress is not reported (its `done` event is not the target's)."""
     from .speculative import draft_path
 
     path = draft_path(bundle)
@@ -247,6 +248,8 @@ def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
     if "kernel_cache" in rec:
         sfpi = _sfpi("ttnn")[0].key()
     cache.backend_fields(inp, backend, sfpi)
+    # the draft's key as a build now would compute it (a dry run of the draft's own build)
+    _draft_field(inp, _build_draft(bundle, m["mesh"]["name"], pkg.absolute().parent.parent, dry_run=True))
     cache.fill_digests(inp.weight_records + inp.tokenizer_records)
     inp.finish()
     rows = [{"field": k, "what": cache.FIELDS.get(k, ""), "recorded": rec.get(k),

@@ -154,6 +154,19 @@ def test_the_draft_is_part_of_the_package_verified_and_keyed_with_it(draft_packa
     assert {f"draft/{r}" for r in dm["files"]} | {"draft/manifest.json"} <= set(m["files"])
     assert m["key_fields"]["speculative.draft"] == dm["key"]
     assert m["artifacts"]["draft"]["bundle"] == "tiny-llama-draft-self"
+    # the key: up to date as built; a changed draft spec changes the target's key through the field
+    from ttbundle import spec as specmod
+    from ttbundle.build import build, explain
+    ex = explain(pkg)
+    assert ex["up_to_date"], [f for f in ex["fields"] if f["changed"]]
+    f = pkg.parents[1] / "draft-self.yaml"
+    text = f.read_text()
+    try:
+        f.write_text(text.replace("description: tiny random llama", "description: another draft"))
+        res = build(specmod.load(pkg.parents[1] / "target-self.yaml"), "N150", pkg.parents[1], dry_run=True)
+        assert res.changed_fields == ["speculative.draft"] and res.key != m["key"]
+    finally:
+        f.write_text(text)
     copy = tmp_path / "pkg"
     shutil.copytree(pkg, copy)
     verify_package(copy)

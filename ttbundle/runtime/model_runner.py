@@ -517,7 +517,7 @@ class TTModelRunner:
                                  sampled_token_ids=tokens, logprobs=host[1] if host else None,
                                  prompt_logprobs_dict=prompt_lp)
 
-    # -- speculative decoding (vLLM's --speculative-config: ngram or a draft model) ---------------------------------
+    # -- speculative decoding (vLLM's --speculative-config: ngram or a draft model) --------------
     def _propose(self, order: list, tokens: list) -> None:
         """Proposals for the next step of every request that got tokens this step (vLLM's
         scheduler takes them with ``take_draft_token_ids`` and schedules them with the request's
