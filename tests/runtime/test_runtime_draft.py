@@ -122,6 +122,28 @@ def test_greedy_draft_is_identical_without_speculation_and_to_transformers(draft
     assert runner.proposer.package.path == pkg / "draft"
 
 
+def test_draft_proposals_are_the_drafts_greedy_tokens_after_acceptances_and_rejections(draft_packages):
+    """The proposer alone: its k proposals are transformers' greedy continuation of the draft
+    checkpoint, step after step, while each request keeps 0 to k of them and a token of its own
+    (the draft's KV reused where proposals were accepted, rewritten where they were not)."""
+    from ttbundle.runtime.draft import DraftProposer
+    from ttbundle.runtime.packages import open_package
+
+    pkg, _ = draft_packages["noisy"]
+    dsrc = pkg.parents[1] / "src-noisy"
+    proposer = DraftProposer(open_package(pkg), K, 256)
+    seqs = {f"r{i}": list(p["prompt_token_ids"]) for i, p in enumerate(PROMPTS)}
+    for step in range(5):
+        got = proposer.propose_batch(list(seqs.items()))
+        for (rid, toks), props in zip(list(seqs.items()), got):
+            assert props == hf_greedy(dsrc, toks, K), (step, rid)
+        for i, ((rid, toks), props) in enumerate(zip(list(seqs.items()), got)):
+            j = (step + i) % (K + 1)  # proposals kept; then the target's own token
+            seqs[rid] = toks + props[:j] + [(props[j] + 1) % 512 if j < K else 5]
+    proposer.release("r0")
+    assert set(proposer.slots) == {"r1", "r2"}
+
+
 @pytest.mark.slow  # two engines on 400 requests: minutes on 2 CPU cores
 def test_stochastic_draft_keeps_the_distribution_of_sampling_without_speculation(draft_packages):
     """400 seeded requests, 4 tokens each, with the noisy draft: per position, the tokens'
