@@ -1,4 +1,5 @@
-"""Decode tokens/s with and without ngram speculative decoding, same package, same run.
+"""Decode tokens/s with and without speculative decoding (ngram, or a draft model), same
+package, same run.
 
 The demo bundle (bundles/demo.yaml: the 4-layer Llama trained on the King James Bible) built for
 N150 with `speculative: {method: ngram}` added, served by vLLM's own engine in-process on the
@@ -9,7 +10,12 @@ concurrency: generated tokens/s both ways, the ratio, and vLLM's spec-decode met
 acceptances, acceptance rate, tokens per verify step). Greedy tokens must be identical both ways
 (checked).
 
+``--method draft``: `speculative: {method: draft}` with a layer-skip draft of the demo itself
+(its first ``--draft-layers`` decoder layers, the same embedding, final norm and head: the same
+tokenizer by construction), on the same repetitive workload.
+
 Run: .venv/bin/python benches/bench_speculative.py [--tokens 96] [--streams 1,8] [--k 3]
+     [--method ngram|draft] [--draft-layers 2]
 """
 
 from __future__ import annotations
@@ -40,19 +46,48 @@ VERSES = [
 ]
 
 
-def build(k: int, out: Path) -> tuple[Path, dict]:
+def build(k: int, out: Path, method: str = "ngram", draft_layers: int = 2) -> tuple[Path, dict]:
     from ttbundle import spec as specmod
     from ttbundle.build import build as build_package
+    from ttbundle.package.names import DRAFT_DIR
+    from ttbundle.speculative import vllm_config
 
     d = yaml.safe_load((ROOT / "bundles" / "demo.yaml").read_text())
     d["weights"]["source"] = str(ROOT / "bundles" / "demo")
     d["tokenizer"] = str(ROOT / "bundles" / "demo")
     d["targets"] = ["N150"]
-    d["speculative"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
-                        "prompt_lookup_max": 4}
-    f = out / "demo-ngram.yaml"
+    if method == "draft":
+        dd = dict(d, name="demo-draft", model=dict(d["model"], num_hidden_layers=draft_layers))
+        dd["weights"] = {"source": str(_layer_skip(out / "demo-draft-src", draft_layers))}
+        (out / "demo-draft.yaml").write_text(yaml.safe_dump(dd, sort_keys=False))
+        d["speculative"] = {"method": "draft", "model": "demo-draft.yaml", "num_speculative_tokens": k}
+    else:
+        d["speculative"] = {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
+                            "prompt_lookup_max": 4}
+    f = out / f"demo-with-{method}.yaml"
     f.write_text(yaml.safe_dump(d, sort_keys=False))
-    return Path(build_package(specmod.load(f), "N150", out).package), d["speculative"]
+    bundle = specmod.load(f)
+    pkg = Path(build_package(bundle, "N150", out).package)
+    return pkg, vllm_config(bundle, pkg / DRAFT_DIR)
+
+
+def _layer_skip(dst: Path, layers: int) -> Path:
+    """The demo checkpoint cut to its first ``layers`` decoder layers (a layer-skip draft)."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = ROOT / "bundles" / "demo"
+    shutil.copytree(src, dst)
+    sd = load_file(src / "model.safetensors")
+    keep = {k: v for k, v in sd.items()
+            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    save_file(keep, dst / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["num_hidden_layers"] = layers
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    return dst
 
 
 def serve(pkg: Path, spec_cfg: dict | None, streams: list[int], tokens: int):
@@ -87,15 +122,18 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--streams", default="1,8")
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--method", choices=("ngram", "draft"), default="ngram")
+    ap.add_argument("--draft-layers", type=int, default=2)
     args = ap.parse_args()
     streams = [int(x) for x in args.streams.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        pkg, cfg = build(args.k, Path(tmp))
+        pkg, cfg = build(args.k, Path(tmp), args.method, args.draft_layers)
         with_spec = serve(pkg, cfg, streams, args.tokens)
         without = serve(pkg, None, streams, args.tokens)
-    print(f"demo bundle, N150 (emulated), greedy, {args.tokens} tokens per stream, ngram k={args.k} "
-          f"(prompt_lookup {cfg['prompt_lookup_min']}-{cfg['prompt_lookup_max']})")
-    print("| streams | without: tok/s | with ngram: tok/s | ratio | proposed | accepted | acceptance | "
+    how = (f"ngram k={args.k} (prompt_lookup {cfg['prompt_lookup_min']}-{cfg['prompt_lookup_max']})"
+           if args.method == "ngram" else f"draft k={args.k} (the demo's first {args.draft_layers} layers)")
+    print(f"demo bundle, N150 (emulated), greedy, {args.tokens} tokens per stream, {how}")
+    print(f"| streams | without: tok/s | with {args.method}: tok/s | ratio | proposed | accepted | acceptance | "
           "tokens per verify | identical |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for n in streams:

@@ -47,7 +47,7 @@ def test_k_beyond_what_a_bucket_holds_is_located_with_the_arithmetic(diagnostics
 
 
 @pytest.mark.parametrize("changes, path, words", [
-    ({"speculative": {"method": "draft", "model": "other.yaml"}}, "speculative.method", "not implemented yet"),
+    ({"speculative": {"method": "draft", "model": "other.yaml"}}, "speculative.model", "no such spec file"),
     ({"speculative": {"model": "other.yaml"}}, "speculative.model", "method: draft"),
     ({"speculative": {"prompt_lookup_min": 4, "prompt_lookup_max": 2}}, "speculative.prompt_lookup_min",
      "prompt_lookup_min=4 is above prompt_lookup_max=2"),

@@ -35,6 +35,7 @@ class PackageWriter:
         self.prev_art = (prev or {}).get("artifacts", {}) if not force else {}
         self.artifacts: dict[str, dict] = {}
         self.hf_arch = bundle.family.hf_architecture(bundle.arch)
+        self.draft = None  # speculative decoding's draft package (a BuildResult), copied into DRAFT_DIR
 
     # -- files ---------------------------------------------------------------------------------
     def _link(self, rel: str) -> bool:
@@ -71,6 +72,32 @@ class PackageWriter:
         self.res.bytes_written += len(data)
         _fault(f"wrote:{rel}")
 
+
+    def _draft_files(self, draft) -> None:
+        """The draft's package (``speculative: {method: draft}``) copied whole into ``DRAFT_DIR``
+        (hard links where the file system allows), every file of it listed in this package's
+        manifest too, so ``package.verify`` checks it like any other file."""
+        import hashlib
+
+        from .package.names import DRAFT_DIR
+        from .package.verify import read_manifest
+
+        src = Path(draft.package)
+        m = read_manifest(src)
+        files = {rel: {"sha256": r["sha256"], "size": r["size"]} for rel, r in m["files"].items()}
+        raw = (src / MANIFEST).read_bytes()
+        files[MANIFEST] = {"sha256": hashlib.sha256(raw).hexdigest(), "size": len(raw)}
+        for rel, rec in sorted(files.items()):
+            dst = self.tmp / DRAFT_DIR / rel
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src / rel, dst)
+            except OSError:
+                shutil.copy2(src / rel, dst)
+            self.files[f"{DRAFT_DIR}/{rel}"] = rec
+        self.artifacts["draft"] = {"key": draft.key, "bundle": draft.bundle,
+                                   "files": sorted(f"{DRAFT_DIR}/{r}" for r in files)}
+        (self.res.reused if draft.status == "up-to-date" else self.res.rebuilt).append("draft")
 
     def _tensorbin(self, weights_key: str) -> None:
         """Per-device .tensorbin caches of the weights just written (or linked)."""

@@ -141,10 +141,12 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     pkg = package_path(out_dir, bundle.spec.name, plan.mesh.name)
     sfpi = _sfpi(backend)
     res = BuildResult(str(pkg), bundle.spec.name, plan.mesh.name, "dry-run" if dry_run else "built", None)
+    draft = _build_draft(bundle, mesh, out_dir, dry_run=dry_run, force=force, warmup=warmup)
     if dry_run:
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
         _backend_field(inp, backend, sfpi)
+        _draft_field(inp, draft)
         _hash_sources(inp, emit)
         _describe(bundle, plan, inp, prev, res)
         res.seconds = time.monotonic() - t0
@@ -162,6 +164,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
         _backend_field(inp, backend, sfpi)
+        _draft_field(inp, draft)
         if prev is not None and inp.pending:
             _hash_sources(inp, emit)  # decide no-op vs rebuild on content, not on mtimes
         if prev is not None and not force and not inp.pending \
@@ -176,7 +179,9 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         tmp = state / "tmp" / f"{_tag(pkg)}@{os.getpid()}.{uuid.uuid4().hex[:8]}"
         tmp.mkdir(parents=True)
         try:
-            _Builder(bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup, backend, sfpi).run()
+            builder = _Builder(bundle, plan, inp, prev, pkg, tmp, res, emit, force, warmup, backend, sfpi)
+            builder.draft = draft
+            builder.run()
             _fault("before-swap")
             _swap(tmp, pkg, state)
         except BaseException:
@@ -185,6 +190,27 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     res.seconds = time.monotonic() - t0
     emit({"event": "done", **res.to_json()})
     return res
+
+
+def _build_draft(bundle, mesh: str, out_dir, **kw) -> BuildResult | None:
+    """``speculative: {method: draft}``: the draft bundle's own package for the same mesh, built
+    (or found up to date) under the output's state directory (``STATE_DIR/drafts``, where the
+    plugin's scan does not look); the target's build copies it into its ``draft/`` directory.
+    Always an emulated package: speculative decoding runs on the emulated mesh only. Its
+    progress is not reported (its `done` event is not the target's)."""
+    from .speculative import draft_path
+
+    path = draft_path(bundle)
+    if path is None:
+        return None
+    draft = specmod.load(path)
+    return build(draft, mesh, Path(out_dir).absolute() / STATE_DIR / "drafts", backend="emulated", **kw)
+
+
+def _draft_field(inp, draft: BuildResult | None) -> None:
+    """The draft package's content key is one of the target's key fields (``speculative.draft``)."""
+    if draft is not None:
+        inp.fields["speculative.draft"] = draft.key
 
 
 def _backend_field(inp, backend: str, sfpi=None) -> None:
@@ -222,6 +248,8 @@ def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
     if "kernel_cache" in rec:
         sfpi = _sfpi("ttnn")[0].key()
     cache.backend_fields(inp, backend, sfpi)
+    # the draft's key as a build now would compute it (a dry run of the draft's own build)
+    _draft_field(inp, _build_draft(bundle, m["mesh"]["name"], pkg.absolute().parent.parent, dry_run=True))
     cache.fill_digests(inp.weight_records + inp.tokenizer_records)
     inp.finish()
     rows = [{"field": k, "what": cache.FIELDS.get(k, ""), "recorded": rec.get(k),
@@ -362,6 +390,8 @@ class _Builder(PackageWriter):
             t = time.monotonic()
             self._kernel_cache(keys)
             res.timings["kernel_cache"] = round(time.monotonic() - t, 3)
+        if self.draft is not None:
+            self._draft_files(self.draft)
         t = time.monotonic()
         self._small_files()
         res.key = cache.content_key(inp.fields)

@@ -53,6 +53,7 @@ FIELDS = {
     "ttnn": "ttnn version",
     "mesh": "target mesh",
     "backend": "build backend (ttnn builds add tensorbin/ weight caches)",
+    "speculative.draft": "content key of the speculative draft's package, built into this one (speculative: {method: draft})",
     "kernel_cache": "SFPI compiler that filled tt-metal's kernel cache (ttnn builds; none: not filled)",
 }
 WEIGHTS_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "weights", "family_code", "ttbundle",
@@ -217,14 +218,8 @@ def weight_files(directory: Path) -> list[Path]:
 
 
 def tokenizer_dir(bundle) -> Path | None:
-    s = bundle.spec
-    if s.tokenizer is False:  # token ids only
-        return None
-    for p in (s.tokenizer, s.from_hf, s.weights.source):
-        if p is not None:
-            d = bundle.resolve_path(p)
-            return d if d.is_dir() else d.parent
-    return None
+    """The bundle's tokenizer directory (``spec.Bundle.tokenizer_dir``)."""
+    return bundle.tokenizer_dir()
 
 
 def check_tokenizer(bundle) -> None:

@@ -73,6 +73,10 @@ def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> Non
             and not any(n == "logits" for n, _ in p.activation_buffers) else f"{p.activation_tokens} tokens")
     mt.add_row(f"activations ({what})", f"{mem.activations:,}", human(mem.activations))
     mt.add_row(f"trace region ({p.num_traces} traces)", f"{mem.trace_region:,}", human(mem.trace_region))
+    if mem.draft:
+        dr = p.draft
+        mt.add_row(f"draft {dr['bundle']} (weights + KV {dr['kv_blocks']:,} blocks)", f"{mem.draft:,}",
+                   human(mem.draft))
     mt.add_row("[bold]total[/]", f"{mem.total:,}", human(mem.total))
     mt.add_row(f"chip DRAM ({m.chip.dram_banks} banks x {m.chip.dram_bank_bytes:,})", f"{mem.dram:,}",
                human(mem.dram))

@@ -208,8 +208,8 @@ class Speculative(BaseModel):
 
     method: Literal["ngram", "draft"] = "ngram"
     """`ngram`: prompt lookup (the proposals are the tokens that followed the longest earlier
-    match of the sequence's last n-gram, vLLM's `ngram`); `draft`: another bundle proposes
-    (not implemented yet)."""
+    match of the sequence's last n-gram, vLLM's `ngram`); `draft`: another bundle (`model:`)
+    proposes greedily (vLLM's `draft_model`); its package is built into this one."""
     num_speculative_tokens: int = Field(default=3, gt=0)
     """k: tokens proposed and verified per sequence and step."""
     prompt_lookup_min: int = Field(default=1, gt=0)
@@ -217,7 +217,9 @@ class Speculative(BaseModel):
     prompt_lookup_max: int = Field(default=3, gt=0)
     """`ngram`: the longest n-gram matched (at least `prompt_lookup_min`)."""
     model: str | None = None
-    """`draft`: the drafting bundle (a spec path or package of the same tokenizer)."""
+    """`draft`: the drafting bundle's spec, relative to this spec: the same tokenizer (the same
+    vocabulary, token for token), decode buckets covering this bundle's, `max_model_len` at least
+    this bundle's, no `speculative:` of its own."""
 
 
 class BundleSpec(BaseModel):
@@ -268,8 +270,9 @@ class BundleSpec(BaseModel):
     """Pooling and normalization of a `task: embed` bundle; default: last-token pooling,
     normalized (Qwen3-Embedding's)."""
     speculative: Speculative | None = None
-    """Speculative decoding (`method: ngram`): the package gets a verify program per decode
-    bucket and `serve` passes vLLM's `--speculative-config`; absent: none."""
+    """Speculative decoding (`method: ngram` or `draft`): the package gets a verify program per
+    decode bucket (and, for `draft`, the draft's package inside it) and `serve` passes vLLM's
+    `--speculative-config`; absent: none."""
 
     @field_validator("name")
     @classmethod
@@ -320,6 +323,18 @@ class Bundle:
 
     def locate(self, path: tuple, message: str, severity: str = "error") -> Diagnostic:
         return locate(self.file, self.positions, path, message, severity)
+
+    def tokenizer_dir(self) -> Path | None:
+        """The tokenizer's directory: `tokenizer:`, else from_hf's directory, else the weights
+        directory (None: `tokenizer: false`, or none of them given)."""
+        s = self.spec
+        if s.tokenizer is False:  # token ids only
+            return None
+        for p in (s.tokenizer, s.from_hf, s.weights.source):
+            if p is not None:
+                d = self.resolve_path(p)
+                return d if d.is_dir() else d.parent
+        return None
 
     def resolve_path(self, p: str | None, download: bool = True) -> Path | None:
         """A spec path (``from_hf``, ``weights.source``, ``tokenizer``): relative to the spec's
@@ -730,7 +745,7 @@ def check(b: Bundle) -> list[Diagnostic]:
     d += _check_vision(b)
     from . import embed, speculative
     d += embed.check(b)
-    d += speculative.check(b)
+    d += speculative.check(b, load)
     return d
 
 

@@ -3,6 +3,13 @@ the ``--speculative-config`` vLLM gets. One owner for all three (``spec.check`` 
 :func:`check`; ``lower`` and ``plan`` take :func:`verify_rows`; ``serve`` and the platform take
 :func:`vllm_config` and :func:`disagreements`).
 
+``method: draft``: another bundle (``model:``, a spec path relative to this spec) proposes. It
+must load and validate, share this bundle's tokenizer (the same vocabulary, token for token),
+have decode buckets covering this one's and room for this one's sequences
+(:func:`check_draft`); the plan counts its weights and KV cache as a line of their own
+(:func:`draft_kv_blocks`: its KV region, one full-length sequence per ``max_num_seqs``), and the
+build puts its package into this one's (``package.names.DRAFT_DIR``).
+
 A decode step with proposals runs a *verify* program instead of the decode program: the batch
 padded to a decode bucket ``B``, each sequence's last token and its ``k`` proposals as ``k + 1``
 rows (``B x (k + 1)`` rows, padded to a tile), every row's logits back. vLLM's scheduler
@@ -11,11 +18,15 @@ schedules the proposals (``scheduled_spec_decode_tokens``) and takes back the re
 
 from __future__ import annotations
 
-from .errors import Diagnostic
+from pathlib import Path
+
+from .errors import Diagnostic, InvalidInput
 from .tiles import TILE, round_up
 
-#: methods ttbundle serves (``draft`` is declared in the spec and refused until it is built)
-METHODS = ("ngram",)
+#: methods ttbundle serves
+METHODS = ("ngram", "draft")
+#: vLLM's name of each method (``--speculative-config``'s ``method``)
+VLLM_METHOD = {"ngram": "ngram", "draft": "draft_model"}
 #: the keys of vLLM's ``--speculative-config`` a package fixes
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
 
@@ -42,13 +53,38 @@ def verify_buckets(bundle) -> list[int]:
     return list(bundle.buckets.decode) if of(bundle) is not None else []
 
 
-def vllm_config(bundle) -> dict | None:
-    """vLLM's ``--speculative-config`` for the package (None: no speculation)."""
+def vllm_config(bundle, draft_dir=None) -> dict | None:
+    """vLLM's ``--speculative-config`` for the package (None: no speculation). ``draft``:
+    vLLM's ``draft_model`` with ``model`` the draft package inside the package (``draft_dir``,
+    ``package.names.draft_dir``, when given; vLLM reads its ``config.json``, ttbundle's runner
+    runs it)."""
     s = of(bundle)
     if s is None:
         return None
+    if s.method == "draft":
+        out = {"method": VLLM_METHOD[s.method], "num_speculative_tokens": s.num_speculative_tokens}
+        if draft_dir is not None:
+            out["model"] = str(Path(draft_dir).absolute())
+        return out
     return {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens,
             "prompt_lookup_min": s.prompt_lookup_min, "prompt_lookup_max": s.prompt_lookup_max}
+
+
+def draft_path(bundle) -> Path | None:
+    """The draft bundle's spec file (``speculative.model``, relative to the spec), or None."""
+    s = of(bundle)
+    if s is None or s.method != "draft" or s.model is None:
+        return None
+    return bundle.base_dir / s.model
+
+
+def draft_kv_blocks(bundle, draft) -> int:
+    """The draft's KV blocks on the target's mesh (one owner: the plan counts them, the draft
+    proposer allocates them): every one of the target's ``max_num_seqs`` sequences at the
+    target's ``max_model_len`` in the draft's blocks, plus vLLM's null block 0."""
+    from .tiles import blocks_per_seq
+    rt = bundle.spec.runtime
+    return rt.max_num_seqs * blocks_per_seq(rt.max_model_len, draft.spec.runtime.kv_block_size) + 1
 
 
 def disagreements(package: dict | None, given: dict) -> list[str]:
@@ -57,14 +93,17 @@ def disagreements(package: dict | None, given: dict) -> list[str]:
     if package is None:
         return ["the package was built without `speculative:` (no verify programs)"]
     out = []
-    for k in KEYS:
+    for k in KEYS + ("model",):
+        if k not in package:
+            continue
         if k in given and given[k] is not None and given[k] != package[k]:
             out.append(f"{k}: given {given[k]!r}, package {package[k]!r}")
     return out
 
 
-def check(b) -> list[Diagnostic]:
-    """The mesh-independent rules of ``speculative:`` (called by ``spec.check``)."""
+def check(b, load=None) -> list[Diagnostic]:
+    """The mesh-independent rules of ``speculative:`` (called by ``spec.check``, which passes
+    its ``load`` for the draft's spec: :func:`check_draft`)."""
     s = of(b)
     if s is None:
         return []
@@ -72,6 +111,11 @@ def check(b) -> list[Diagnostic]:
     if s.method not in METHODS:
         d.append(b.locate(at + ("method",), f"method: {s.method} is not implemented yet (ttbundle serves "
                           f"{', '.join(METHODS)}); use `method: ngram`"))
+    if s.method == "draft" and s.model is None:
+        d.append(b.locate(at + ("method",), "`method: draft` needs `model:`, the drafting bundle's spec "
+                          "(a path relative to this spec, e.g. `model: draft.yaml`)"))
+    elif s.method == "draft" and load is not None:
+        d += check_draft(b, load)
     if s.model is not None and s.method != "draft":
         d.append(b.locate(at + ("model",), "`model:` names a drafting bundle for `method: draft`; "
                           "remove it for `method: ngram`"))
@@ -97,3 +141,93 @@ def check(b) -> list[Diagnostic]:
         d.append(b.locate(at + ("num_speculative_tokens",), f"num_speculative_tokens={k} leaves no room "
                           f"in max_model_len={rt.max_model_len}"))
     return d
+
+
+#: draft specs being loaded (a cycle of drafts is refused, not recursed into)
+_LOADING: set[str] = set()
+
+
+def check_draft(b, load) -> list[Diagnostic]:
+    """``method: draft``: the draft's spec (``load``: ``spec.load``) loads and validates, has no
+    ``speculative:`` of its own, the same vocabulary size and tokenizer (compared token for
+    token), decode buckets covering this bundle's, and a ``max_model_len`` at least this one's."""
+    at = ("speculative", "model")
+    path = draft_path(b)
+    if not path.is_file():
+        return [b.locate(at, f"{path}: no such spec file; `model:` names the drafting bundle's spec, "
+                         "relative to this spec")]
+    key = str(path.resolve())
+    if key in _LOADING:  # a draft naming its target (or itself) as its draft
+        return [b.locate(at, f"{path} is being loaded already: drafts name each other in a cycle; a draft "
+                         "has no `speculative:` of its own")]
+    _LOADING.add(key)
+    try:
+        dr = load(path)
+    except InvalidInput as e:
+        first = "; ".join(str(x) for x in (e.diagnostics or [])[:3]) or e.message
+        return [b.locate(at, f"the draft spec {path} is invalid: {first}; fix it there")]
+    finally:
+        _LOADING.discard(key)
+    d = []
+    if b.spec.replicas:
+        d.append(b.locate(at, "not yet: a draft with `replicas:` (the draft would need a KV region per lane); "
+                          "remove `replicas:` or speculate with `method: ngram`"))
+    if of(dr) is not None:
+        d.append(b.locate(at, f"the draft spec {path} has `speculative:` itself; a draft proposes alone: "
+                          "remove it there"))
+    if dr.spec.task != "generate":
+        d.append(b.locate(at, f"the draft spec {path} is `task: {dr.spec.task}`; a draft generates"))
+    va, vd = b.arch.vocab_size, dr.arch.vocab_size
+    if va != vd:
+        d.append(b.locate(at, f"the draft {dr.spec.name} has vocab_size={vd}, this bundle {va}: a draft "
+                          "proposes token ids of the same vocabulary; use a draft of the same tokenizer"))
+    else:
+        why = _tokenizer_difference(b, dr)
+        if why:
+            d.append(b.locate(at, f"the draft {dr.spec.name}'s tokenizer differs from this bundle's ({why}); "
+                              "use a draft of the same tokenizer"))
+    mine, theirs = list(b.buckets.decode), list(dr.buckets.decode)
+    if mine and (not theirs or max(theirs) < max(mine)):
+        d.append(b.locate(at, f"the draft {dr.spec.name}'s decode buckets {theirs} do not cover this bundle's "
+                          f"{mine}: it proposes for up to {max(mine)} sequences at once; add decode bucket "
+                          f"{max(mine)} to the draft's spec"))
+    ml, dl = b.spec.runtime.max_model_len, dr.spec.runtime.max_model_len
+    if dl < ml:
+        d.append(b.locate(at, f"the draft {dr.spec.name} has max_model_len={dl}, below this bundle's {ml}: "
+                          f"set the draft's runtime.max_model_len to at least {ml}"))
+    return d
+
+
+def _tokenizer_difference(b, dr) -> str | None:
+    """Why two bundles' tokenizers differ (None: the same vocabulary, token for token; or both
+    serve token ids only)."""
+    try:
+        ta, td = b.tokenizer_dir(), dr.tokenizer_dir()
+    except (InvalidInput, OSError):
+        return None  # the paths' own checks say what is missing
+    if ta is None and td is None:
+        return None
+    if (ta is None) != (td is None):
+        return "one of them has `tokenizer: false`"
+    va, vd = _vocab(ta), _vocab(td)
+    if va is None or vd is None:
+        return None if va is vd else f"no tokenizer in {ta if va is None else td}"
+    if va == vd:
+        return None
+    diff = sorted((t for t in va.keys() | vd.keys() if va.get(t) != vd.get(t)),
+                  key=lambda t: min(x for x in (va.get(t), vd.get(t)) if x is not None))
+    return f"{len(diff)} token(s) with another id, e.g. " + ", ".join(
+        f"{t!r}: {va.get(t, 'none')} here, {vd.get(t, 'none')} in the draft" for t in diff[:3])
+
+
+def _vocab(d: Path) -> dict | None:
+    """A tokenizer directory's vocabulary (token -> id, added tokens included): ``tokenizer.json``
+    through the ``tokenizers`` library, else transformers' tokenizer."""
+    if (d / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+        return Tokenizer.from_file(str(d / "tokenizer.json")).get_vocab(with_added_tokens=True)
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(str(d)).get_vocab()
+    except Exception:  # noqa: BLE001 - no loadable tokenizer there
+        return None

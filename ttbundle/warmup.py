@@ -143,9 +143,11 @@ def reference_bytes(ref: dict) -> bytes:
 
 def verify_package(pkg: str | Path, dtypes=("float32",), log=None) -> dict:
     """``ttbundle cache verify``'s numeric half: the package's programs run from its weights on
-    the emulated backend, layer by layer, compared with the build's references.
-    ``{dtype: {program: diff}}``."""
+    the emulated backend, layer by layer, compared with the build's references; a speculative
+    draft's package inside it (``package.names.DRAFT_DIR``) too, its programs named
+    ``draft/<program>``. ``{dtype: {program: diff}}``."""
     from .package.load import load_package
+    from .package.names import DRAFT_DIR
 
     loaded = load_package(Path(pkg))
     refs = references(Path(pkg), loaded.manifest)
@@ -158,4 +160,7 @@ def verify_package(pkg: str | Path, dtypes=("float32",), log=None) -> dict:
         out[dt] = check_model(model, loaded.bundle, Path(pkg), loaded.manifest, dt, log)
         del model
         loaded.weights.close()
+    if f"{DRAFT_DIR}/manifest.json" in loaded.manifest["files"]:
+        for dt, diffs in verify_package(Path(pkg) / DRAFT_DIR, dtypes, log).items():
+            out[dt].update({f"{DRAFT_DIR}/{name}": v for name, v in diffs.items()})
     return out

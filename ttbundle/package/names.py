@@ -17,6 +17,10 @@ FORMAT = "ttbundle.package/2"
 FORMATS = ("ttbundle.package/1", FORMAT)
 WEIGHTS_FORMAT = "ttbundle.weights/2"
 WEIGHTS_FORMATS = ("ttbundle.weights/1", WEIGHTS_FORMAT)
+#: where a package holds its speculative draft's package (``speculative: {method: draft}``): a
+#: whole package of its own (manifest, programs, weights), every file also listed in the
+#: including package's manifest
+DRAFT_DIR = "draft"
 RUNTIME_CLASS = ("ttbundle.runtime.adapter", "BundleModel")
 
 # Tokenizer and generation files copied into a package when the tokenizer directory has them.

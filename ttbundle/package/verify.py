@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import InvalidInput
 from ..fsutil import hash_file
 from ..manifest import MANIFEST, METADATA
-from .names import FORMATS, IDENT, SAFE_NAME, PackageError, module_name
+from .names import DRAFT_DIR, FORMATS, IDENT, SAFE_NAME, PackageError, module_name
 from .templates import check_adapter_source
 
 
@@ -94,15 +94,35 @@ def verify_package(pkg: str | Path, full: bool = True) -> dict:
         if full and sha256_file(p) != rec.get("sha256"):
             raise PackageError(f"{pkg}: {rel}: sha256 mismatch (file changed or corrupt)")
     _check_entries(pkg, m)
-    _check_code(pkg, m, adapter_of(pkg, m))
+    _check_code(pkg, m, adapter_of(pkg, m), _draft_adapter(pkg, m, full))
     return m
+
+
+def _draft_adapter(pkg: Path, m: dict, full: bool) -> str | None:
+    """A package holding a speculative draft (``names.DRAFT_DIR``, ``speculative: {method:
+    draft}``): the draft directory is a whole package, verified here like any other (every file
+    of it is also listed, with size and sha256, in the including package's manifest); returns
+    the path of its adapter (``draft/<module>.py``), the one other Python file allowed. A draft
+    holds no draft of its own."""
+    if f"{DRAFT_DIR}/{MANIFEST}" not in m["files"]:
+        return None
+    d = pkg / DRAFT_DIR
+    dm = verify_package(d, full)
+    if f"{DRAFT_DIR}/{MANIFEST}" in dm["files"]:
+        raise PackageError(f"{d}: a draft package holding a draft of its own; rebuild the package")
+    outer = {rel[len(DRAFT_DIR) + 1:] for rel in m["files"] if rel.startswith(f"{DRAFT_DIR}/")}
+    if outer != set(dm["files"]) | {MANIFEST}:
+        extra = sorted(outer ^ (set(dm["files"]) | {MANIFEST}))
+        raise PackageError(f"{pkg}: {MANIFEST} and {DRAFT_DIR}/{MANIFEST} list different draft files "
+                           f"({', '.join(extra[:3])}); rebuild the package")
+    return f"{DRAFT_DIR}/{adapter_of(d, dm)[0]}.py"
 
 
 #: files Python imports or runs: a package holds one, its own generated adapter
 PYTHON_SUFFIXES = (".py", ".pyc", ".pyo", ".pyw", ".pyd", ".pyz", ".pth", ".so")
 
 
-def _check_code(pkg: Path, m: dict, adapter: tuple[str, str]) -> None:
+def _check_code(pkg: Path, m: dict, adapter: tuple[str, str], draft_adapter: str | None = None) -> None:
     """The only code a package carries is its generated adapter, and it passes the adapter
     whitelist (:func:`check_adapter_source`, what the engine checks again before it runs it);
     no other Python file, and no ``auto_map`` (Hugging Face's pointer to remote code, run under
@@ -111,7 +131,7 @@ def _check_code(pkg: Path, m: dict, adapter: tuple[str, str]) -> None:
     mod, cls = adapter
     for rel in sorted(m["files"]):
         name = rel.rsplit("/", 1)[-1]
-        if rel != f"{mod}.py" and (name.lower().endswith(PYTHON_SUFFIXES) or ".so." in name.lower()):
+        if rel not in (f"{mod}.py", draft_adapter) and (name.lower().endswith(PYTHON_SUFFIXES) or ".so." in name.lower()):
             raise PackageError(f"{pkg}: {rel}: Python code that is not the package's adapter ({mod}.py); a "
                                "ttbundle package holds no other code: remove it from the package and its "
                                "manifest, or rebuild the package")

@@ -11,7 +11,7 @@ from .. import layout as layoutmod, mesh as meshmod
 from ..errors import Diagnostic, InvalidInput
 from ..layout import axes_of
 from ..mesh import Mesh
-from ..speculative import rows_per_seq, verify_buckets, verify_rows
+from ..speculative import draft_kv_blocks, draft_path, rows_per_seq, verify_buckets, verify_rows
 from ..tiles import TILE, round_up as _round_up
 from .memory import TRACE_BYTES_PER_OP, Memory, tensor_bytes, trace_region_dram
 from .pool import choose_pool
@@ -36,6 +36,7 @@ class Plan:
     activation_buffers: list = field(default_factory=list)  # [(name, [rows, features])], bf16 TILE each
     max_num_seqs: int = 0  # runtime.max_num_seqs: per replica
     vision: list = field(default_factory=list)  # the vision encoder's [(layer kind, count, [Step])], if any
+    draft: dict = field(default_factory=lambda: {"bytes": 0})  # speculative decoding's draft (draft_memory)
 
     @property
     def fits(self) -> bool:
@@ -50,6 +51,8 @@ class Plan:
         items = [(f"{t.name} ({t.dtype}, x{t.count})", t.bytes) for t in self.tensors]
         items += [(f"KV cache ({self.kv['dtype']})", self.memory.kv_cache),
                   ("activations", self.memory.activations), ("trace region", self.memory.trace_region)]
+        if self.memory.draft:
+            items.append((f"draft model {self.draft['bundle']} (weights, KV)", self.memory.draft))
         return sorted(items, key=lambda x: -x[1])
 
     @property
@@ -87,6 +90,8 @@ class Plan:
             "num_traces": self.num_traces,
             "diagnostics": [d.to_json() for d in self.diagnostics],
         }
+        if self.draft.get("bundle"):
+            out["draft"] = dict(self.draft)
         if m.target_shape is not None:
             out["replicas"] = replica_json(m, self.max_num_seqs)
         return out
@@ -187,7 +192,8 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     for t in tensors:
         by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.bytes
     weights = sum(by_dtype.values())
-    free = mesh.chip.dram_bytes - weights - act_bytes - trace
+    draft = draft_memory(bundle, mesh)
+    free = mesh.chip.dram_bytes - weights - act_bytes - trace - draft["bytes"]
     pool = choose_pool(rt, lambda n: kv_layout(n)[0], free, one_prefill=s.task == "embed")
     blocks = pool.blocks
     kv_total, kv_entries = kv_layout(blocks)
@@ -196,10 +202,31 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
           "pool_chosen": pool.chosen, "pool_why": pool.why,
           "max_num_seqs": rt.max_num_seqs, "full_length_tokens": rt.max_num_seqs * rt.max_model_len}
 
-    total = weights + kv_total + act_bytes + trace
-    mem = Memory(by_dtype, weights, kv_total, act_bytes, trace, total, mesh.chip.dram_bytes)
+    total = weights + kv_total + act_bytes + trace + draft["bytes"]
+    mem = Memory(by_dtype, weights, kv_total, act_bytes, trace, total, mesh.chip.dram_bytes, draft["bytes"])
     return Plan(s.name, a.family, mesh, tensors, mem, collectives, kv, act_tokens, num_traces,
-                list(bundle.warnings), dict(specs), programs, trace_size, act_bufs, rt.max_num_seqs, vision)
+                list(bundle.warnings), dict(specs), programs, trace_size, act_bufs, rt.max_num_seqs, vision,
+                draft)
+
+
+def draft_memory(bundle, mesh: Mesh) -> dict:
+    """Per chip, what speculative decoding's draft model (``speculative: {method: draft}``) holds
+    on ``mesh`` beside the target: its weights (its own plan on the same mesh) and its KV region
+    (``speculative.draft_kv_blocks`` blocks, laid out as its plan lays out its pool). Its
+    activations and programs' traces are not counted apart: it runs between the target's steps.
+    ``{"bytes": 0}`` without a draft."""
+    path = draft_path(bundle)
+    if path is None:
+        return {"bytes": 0}
+    from ..spec import load
+
+    draft = load(path)
+    dp = make_plan(draft, mesh)
+    blocks = draft_kv_blocks(bundle, draft)
+    kv = sum(tensor_bytes([blocks] + e["device_shape"][1:], dp.kv["dtype"], "TILE", mesh) * e["layers"]
+             for e in dp.kv["entries"])
+    return {"bundle": draft.spec.name, "spec": str(path), "weights": dp.memory.weights, "kv_blocks": blocks,
+            "kv_bytes": kv, "bytes": dp.memory.weights + kv}
 
 
 def replica_json(mesh: Mesh, max_num_seqs: int) -> dict:

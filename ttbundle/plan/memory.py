@@ -30,6 +30,7 @@ class Memory:
     trace_region: int
     total: int
     dram: int
+    draft: int = 0  # speculative decoding's draft model (``speculative: {method: draft}``): weights + KV
 
     @property
     def free(self) -> int:

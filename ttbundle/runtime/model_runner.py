@@ -194,7 +194,7 @@ class TTModelRunner:
         from .capabilities import packed_prefill
         self.packed_prefill = packed_prefill(device=tt is not None)  # several prompts per prefill call
         from .speculation import proposer_for
-        self.proposer = proposer_for(vllm_config)  # speculative decoding (ngram), or None
+        self.proposer = proposer_for(vllm_config, package, self.dtype)  # speculative decoding, or None
         self._spec: dict = {}  # this step's scheduled proposals, req_id -> [token ids]
         self._drafts = None  # DraftTokenIds for the next step (take_draft_token_ids)
 
@@ -264,6 +264,8 @@ class TTModelRunner:
         t0 = time.perf_counter()
         if self.tt is None:
             self._check_references()
+            if self.proposer is not None:  # the draft's programs (method: draft) against its build's
+                self.proposer.check_references(log=logger.info)
         dev = self.sample_mode != "off"
         self.mesh_model.warmup_model_prefill(self.kv, self.options.trace_mode == "all",
                                              dev and self.sample_mode == "all")
@@ -295,6 +297,8 @@ class TTModelRunner:
             self._update_lanes(so)
         for rid in so.finished_req_ids:
             self.requests.pop(rid, None)
+            if self.proposer is not None:
+                self.proposer.release(rid)
             self.host.remove(rid)
             self.prompt_lp.remove(rid)
         for nr in so.scheduled_new_reqs:
@@ -513,7 +517,7 @@ class TTModelRunner:
                                  sampled_token_ids=tokens, logprobs=host[1] if host else None,
                                  prompt_logprobs_dict=prompt_lp)
 
-    # -- speculative decoding (vLLM's --speculative-config; ngram) ---------------------------------
+    # -- speculative decoding (vLLM's --speculative-config: ngram or a draft model) --------------
     def _propose(self, order: list, tokens: list) -> None:
         """Proposals for the next step of every request that got tokens this step (vLLM's
         scheduler takes them with ``take_draft_token_ids`` and schedules them with the request's
@@ -521,15 +525,16 @@ class TTModelRunner:
         plain decode program (host fallback)."""
         from vllm.v1.outputs import DraftTokenIds
 
-        ids, drafts = [], []
+        ids, asks = [], []
         for rid, toks in zip(order, tokens):
             st = self.requests.get(rid)
             if not toks or st is None:
                 continue
             ids.append(rid)
-            host = host_reasons(st.params, self.max_device_top_k) or self.sample_mode == "off"
-            drafts.append([] if host else self.proposer.propose(st.prompt + st.output))
-        self._drafts = DraftTokenIds(ids, drafts) if ids else None
+            if not (host_reasons(st.params, self.max_device_top_k) or self.sample_mode == "off"):
+                asks.append((rid, st.prompt + st.output))
+        got = dict(zip((r for r, _ in asks), self.proposer.propose_batch(asks))) if asks else {}
+        self._drafts = DraftTokenIds(ids, [got.get(rid, []) for rid in ids]) if ids else None
 
     def take_draft_token_ids(self):
         drafts, self._drafts = self._drafts, None

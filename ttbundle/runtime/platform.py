@@ -148,7 +148,7 @@ def configure(vllm_config, emulated: bool) -> None:
         _fail(f"MESH_DEVICE={mesh_env} but package {pkg.path.name} was built for {pkg.mesh_name}; "
               f"serve the {mesh_env} package (`ttbundle build --mesh {mesh_env}`) or unset MESH_DEVICE "
               "(a shape such as \"(1,8)\" matches the preset of that shape and chip)")
-    _configure_speculative(vllm_config, pkg, emulated)
+    _configure_speculative(vllm_config, pkg, emulated, lanes)
     if vllm_config.lora_config is not None:
         _fail("LoRA is not supported on Tenstorrent meshes")
     if mc.dtype not in (torch.float32, torch.bfloat16):
@@ -274,11 +274,16 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
     return lp
 
 
-def _configure_speculative(vllm_config, pkg, emulated: bool) -> None:
+def _configure_speculative(vllm_config, pkg, emulated: bool, lanes) -> None:
     """vLLM's ``--speculative-config`` against the package's ``speculative:`` (its verify
     programs are built for one method and k): a config that disagrees is refused naming both;
-    only ``ngram`` on the emulated mesh runs (a device has no verify program lowered yet)."""
-    from ..speculative import disagreements, vllm_config as package_config
+    ``ngram`` and ``draft_model`` (the draft package inside the package, ``package.names.DRAFT_DIR``:
+    ttbundle's runner runs it, ``runtime.draft``) run on the emulated mesh (a device has no
+    verify program lowered yet)."""
+    from pathlib import Path
+
+    from ..package.names import DRAFT_DIR
+    from ..speculative import disagreements, of, vllm_config as package_config
 
     sc = vllm_config.speculative_config
     if sc is None:
@@ -286,18 +291,29 @@ def _configure_speculative(vllm_config, pkg, emulated: bool) -> None:
     given = {"method": sc.method, "num_speculative_tokens": sc.num_speculative_tokens,
              "prompt_lookup_min": getattr(sc, "prompt_lookup_min", None),
              "prompt_lookup_max": getattr(sc, "prompt_lookup_max", None)}
-    if sc.method != "ngram":
+    if sc.method not in ("ngram", "draft_model"):
         _fail(f"--speculative-config method {sc.method!r} is not supported: ttbundle serves `ngram` "
-              "(prompt lookup) speculative decoding")
+              "(prompt lookup) and `draft_model` (the draft package a package is built with, "
+              "`speculative: {method: draft}`) speculative decoding")
     if not emulated:
         _fail("speculative decoding on a Tenstorrent device is not implemented yet (the verify programs "
               "are not lowered to ttnn); serve on the emulated mesh or leave --speculative-config out")
-    pc = package_config(pkg.bundle)
+    pc = package_config(pkg.bundle, pkg.path / DRAFT_DIR)
+    if sc.method == "draft_model":
+        given = {"method": sc.method, "num_speculative_tokens": sc.num_speculative_tokens,
+                 "model": str(Path(sc.model).absolute()) if sc.model else None}
+        if getattr(sc, "draft_sample_method", "greedy") != "greedy":
+            _fail(f"--speculative-config draft_sample_method {sc.draft_sample_method!r}: ttbundle's draft "
+                  "proposes greedily (vLLM's default, `greedy`); leave it out")
     bad = disagreements(pc, given)
     if bad:
         _fail(f"--speculative-config {given} disagrees with package {pkg.name}-{pkg.mesh_name}'s "
               f"speculative: {pc}: " + "; ".join(bad) + "; drop the flag (`ttbundle serve` passes the "
               "package's) or rebuild with the spec's `speculative:` changed")
+    if of(pkg.bundle).method == "draft" and lanes.lanes > 1:
+        _fail(f"{lanes.describe()}: a draft model (speculative: {{method: draft}}) with several lanes is not "
+              "implemented yet (the draft keeps one KV region); serve one replica per engine "
+              "(--data-parallel-size) or speculate with `method: ngram`")
 
 
 def _configure_images(pkg, mc, sc, emulated: bool) -> None:

@@ -1,4 +1,5 @@
-"""Speculative decoding's proposer on the host: n-gram prompt lookup (vLLM's ``ngram`` method).
+"""Speculative decoding's proposer on the host: n-gram prompt lookup (vLLM's ``ngram`` method);
+:func:`proposer_for` picks it or the draft model's (``runtime.draft``).
 
 vLLM 0.33's own ``NgramProposer`` (``vllm/v1/spec_decode/ngram_proposer.py``) is compiled with
 numba, which CPU vLLM does not install (and its rejection sampler's kernels are Triton), so the
@@ -50,11 +51,26 @@ class NgramProposer:
     def propose(self, tokens) -> list[int]:
         return propose_ngram(tokens, self.min_n, self.max_n, self.k, self.max_model_len)
 
+    def propose_batch(self, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
+        """Proposals per ``(req_id, tokens)``: the proposers' one interface (``draft.DraftProposer``)."""
+        return [self.propose(t) for _, t in reqs]
 
-def proposer_for(vllm_config):
-    """The proposer of a vLLM config's ``--speculative-config`` (None: no speculation); the
-    platform has refused every method but ``ngram``."""
+    def release(self, req_id: str) -> None:
+        """Nothing kept per request."""
+
+    def check_references(self, log=None) -> dict:
+        return {}
+
+
+def proposer_for(vllm_config, package=None, dtype=None):
+    """The proposer of a vLLM config's ``--speculative-config`` (None: no speculation): n-gram
+    lookup, or the package's draft (``draft_model``, ``runtime.draft``); the platform has
+    refused every other method."""
     sc = vllm_config.speculative_config
     if sc is None:
         return None
+    if sc.method == "draft_model":
+        from .draft import DraftProposer
+        return DraftProposer(package, int(sc.num_speculative_tokens), vllm_config.model_config.max_model_len,
+                             dtype)
     return NgramProposer(sc, vllm_config.model_config.max_model_len)

@@ -243,10 +243,12 @@ def speculative_args(pkg, extra: list[str]) -> list[str]:
     """vLLM's ``--speculative-config`` from the package's ``speculative:`` (none without one). A
     ``--speculative-config`` / ``-sc`` among the extra arguments must agree with the package (its
     verify programs are built for one method and k): one that disagrees is refused naming both;
-    one that agrees is passed as given."""
+    one that agrees is passed as given. A draft (``speculative: {method: draft}``) is vLLM's
+    ``draft_model`` with ``model`` the draft package inside this one."""
+    from ..package.names import DRAFT_DIR
     from ..speculative import disagreements, vllm_config as package_config
 
-    pc = package_config(pkg.bundle)
+    pc = package_config(pkg.bundle, Path(pkg.path) / DRAFT_DIR)
     given = _flag_value(extra, "--speculative-config", "-sc")
     if given is None:
         return [] if pc is None else ["--speculative-config", json.dumps(pc, separators=(",", ":"))]
@@ -256,6 +258,8 @@ def speculative_args(pkg, extra: list[str]) -> list[str]:
         raise InvalidInput(f"--speculative-config is not JSON: {e}") from None
     if not isinstance(g, dict):
         raise InvalidInput("--speculative-config must be a JSON object")
+    if pc is not None and "model" in pc and g.get("model"):
+        g = dict(g, model=str(Path(g["model"]).absolute()))
     bad = disagreements(pc, g)
     if bad:
         raise InvalidInput(f"--speculative-config {given} disagrees with package {pkg.name}-{pkg.mesh_name}'s "

@@ -1,0 +1,228 @@
+"""Speculative decoding with a draft model (``speculative: {method: draft}``) through vLLM's own
+engine, in-process: the draft's package built into the target's (``draft/``, verified with it,
+its key one of the target's), greedy tokens identical to the same package served without
+speculation and to transformers, every proposal accepted when the draft is the target itself
+and some (not all) when the draft is the target with noise added to its weights, stochastic
+speculation keeping the distribution of sampling without speculation (a test over many seeds),
+``serve`` passing vLLM's ``draft_model`` config and the platform refusing another draft."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from runtime_helpers import hf_greedy, spec_text
+from test_runtime_speculative import OTHERS, REPETITIVE, _contingency_pvalue
+
+K = 3
+PROMPTS = [REPETITIVE] + OTHERS
+
+
+def _noisy_copy(src, dst, scale: float, seed: int = 7):
+    """``src``'s checkpoint with Gaussian noise (``scale`` x each tensor's std) added to every
+    weight: a draft that agrees with the target often, not always."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    g = torch.Generator().manual_seed(seed)
+    for f in dst.glob("*.safetensors"):
+        sd = load_file(f)
+        for k, t in sd.items():
+            if t.is_floating_point() and t.numel() > 1:
+                x = t.float()
+                sd[k] = (x + scale * x.std() * torch.randn(x.shape, generator=g)).to(t.dtype)
+        save_file(sd, f, metadata={"format": "pt"})
+
+
+@pytest.fixture(scope="session")
+def draft_packages(packages_dir):
+    """{"self": target whose draft is the target itself, "noisy": the target with a noisy
+    draft}: (package, checkpoint) built for N150 from one random checkpoint."""
+    from ttbundle import spec as specmod
+    from ttbundle.build import build
+    from ttbundle.serving.demo import make_source, spec_with_source
+
+    out = packages_dir / "draft"
+    out.mkdir()
+    base = yaml.safe_load(spec_text("llama"))
+    src = out / "src-target"
+    make_source(specmod.loads(spec_text("llama")), src, 0)
+    _noisy_copy(src, out / "src-noisy", 0.6)
+    built = {}
+    for kind, dsrc in (("self", src), ("noisy", out / "src-noisy")):
+        d = dict(base, name=f"tiny-llama-draft-{kind}")
+        (out / f"draft-{kind}.yaml").write_text(spec_with_source(yaml.safe_dump(d), dsrc))
+        t = dict(base, name=f"tiny-llama-dtarget-{kind}",
+                 speculative={"method": "draft", "model": f"draft-{kind}.yaml", "num_speculative_tokens": K})
+        (out / f"target-{kind}.yaml").write_text(spec_with_source(yaml.safe_dump(t), src))
+        res = build(specmod.load(out / f"target-{kind}.yaml"), "N150", out)
+        built[kind] = (Path(res.package), src)
+    return built
+
+
+@pytest.fixture(autouse=True)
+def _in_process(monkeypatch):
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def _config(pkg):
+    return {"method": "draft_model", "model": f"{pkg}/draft", "num_speculative_tokens": K}
+
+
+def _run(pkg, speculative: bool, requests, **kw):
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(pkg), dtype="float32", seed=0, disable_log_stats=False,
+              speculative_config=_config(pkg) if speculative else None, **kw)
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.model_executor.driver_worker.worker.model_runner
+        outs = []
+        for prompts, params in requests:
+            ps = params if isinstance(params, list) else [params] * len(prompts)
+            res = llm.generate(prompts, [SamplingParams(**p) for p in ps], use_tqdm=False)
+            outs.append([list(o.outputs[0].token_ids) for o in res])
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name}
+        return outs, metrics, list(runner.step_log), runner
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def _greedy(n):
+    return dict(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+@pytest.mark.parametrize("kind", ["self", "noisy"])
+def test_greedy_draft_is_identical_without_speculation_and_to_transformers(draft_packages, kind):
+    pkg, src = draft_packages[kind]
+    batches = [(PROMPTS, _greedy(40))]
+    (spec_out,), metrics, steps, runner = _run(pkg, True, batches)
+    (plain_out,), plain_metrics, plain_steps, _ = _run(pkg, False, batches)
+    assert spec_out == plain_out
+    for p, toks in zip(PROMPTS, spec_out):
+        assert toks == hf_greedy(src, p["prompt_token_ids"], 40)
+    drafted, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and accepted > 0
+    if kind == "self":  # the draft is the target: every proposal is the target's argmax
+        assert accepted == drafted
+    else:
+        assert accepted < drafted
+    assert not plain_metrics.get("vllm:spec_decode_num_draft_tokens")
+    verify = [s for s in steps if s.phase == "verify"]
+    assert verify and all(s.sampling == "device" for s in verify)
+    assert sum(1 for s in steps if s.phase in ("decode", "verify")) < sum(1 for s in plain_steps if s.phase == "decode")
+    draft = runner.proposer.model  # the draft package's own programs ran (prefill and decode)
+    assert {p for p, _ in draft.programs_run} == {"prefill", "decode"}
+    assert runner.proposer.package.path == pkg / "draft"
+
+
+def test_draft_proposals_are_the_drafts_greedy_tokens_after_acceptances_and_rejections(draft_packages):
+    """The proposer alone: its k proposals are transformers' greedy continuation of the draft
+    checkpoint, step after step, while each request keeps 0 to k of them and a token of its own
+    (the draft's KV reused where proposals were accepted, rewritten where they were not)."""
+    from ttbundle.runtime.draft import DraftProposer
+    from ttbundle.runtime.packages import open_package
+
+    pkg, _ = draft_packages["noisy"]
+    dsrc = pkg.parents[1] / "src-noisy"
+    proposer = DraftProposer(open_package(pkg), K, 256)
+    seqs = {f"r{i}": list(p["prompt_token_ids"]) for i, p in enumerate(PROMPTS)}
+    for step in range(5):
+        got = proposer.propose_batch(list(seqs.items()))
+        for (rid, toks), props in zip(list(seqs.items()), got):
+            assert props == hf_greedy(dsrc, toks, K), (step, rid)
+        for i, ((rid, toks), props) in enumerate(zip(list(seqs.items()), got)):
+            j = (step + i) % (K + 1)  # proposals kept; then the target's own token
+            seqs[rid] = toks + props[:j] + [(props[j] + 1) % 512 if j < K else 5]
+    proposer.release("r0")
+    assert set(proposer.slots) == {"r1", "r2"}
+
+
+@pytest.mark.slow  # two engines on 400 requests: minutes on 2 CPU cores
+def test_stochastic_draft_keeps_the_distribution_of_sampling_without_speculation(draft_packages):
+    """400 seeded requests, 4 tokens each, with the noisy draft: per position, the tokens'
+    distribution with speculation against without it."""
+    pkg, src = draft_packages["noisy"]
+    n = 400
+    prompt = {"prompt_token_ids": REPETITIVE["prompt_token_ids"] + hf_greedy(src, REPETITIVE["prompt_token_ids"], 16)}
+    params = [dict(max_tokens=4, temperature=0.8, top_k=4, seed=s, ignore_eos=True) for s in range(n)]
+    batches = [([prompt] * n, params)]
+    (spec_out,), metrics, steps, _ = _run(pkg, True, batches)
+    (plain_out,), _, _, _ = _run(pkg, False, batches)
+    assert metrics["vllm:spec_decode_num_draft_tokens"] > 0
+    assert 0 < metrics["vllm:spec_decode_num_accepted_tokens"] < metrics["vllm:spec_decode_num_draft_tokens"]
+    assert any(s.phase == "verify" for s in steps)
+    for pos in range(4):
+        a = np.bincount([t[pos] for t in spec_out], minlength=512)
+        b = np.bincount([t[pos] for t in plain_out], minlength=512)
+        assert _contingency_pvalue(a, b) > 1e-3, pos
+
+
+def test_the_draft_is_part_of_the_package_verified_and_keyed_with_it(draft_packages, tmp_path):
+    """Every draft file is listed in the target's manifest (size, sha256) and checked by
+    ``package.verify``; the draft's key is a key field of the target's."""
+    from ttbundle.package.names import PackageError
+    from ttbundle.package.verify import read_manifest, verify_package
+
+    pkg, _ = draft_packages["self"]
+    m = read_manifest(pkg)
+    dm = read_manifest(pkg / "draft")
+    assert {f"draft/{r}" for r in dm["files"]} | {"draft/manifest.json"} <= set(m["files"])
+    assert m["key_fields"]["speculative.draft"] == dm["key"]
+    assert m["artifacts"]["draft"]["bundle"] == "tiny-llama-draft-self"
+    # the key: up to date as built; a changed draft spec changes the target's key through the field
+    from ttbundle import spec as specmod
+    from ttbundle.build import build, explain
+    ex = explain(pkg)
+    assert ex["up_to_date"], [f for f in ex["fields"] if f["changed"]]
+    f = pkg.parents[1] / "draft-self.yaml"
+    text = f.read_text()
+    try:
+        f.write_text(text.replace("description: tiny random llama", "description: another draft"))
+        res = build(specmod.load(pkg.parents[1] / "target-self.yaml"), "N150", pkg.parents[1], dry_run=True)
+        assert res.changed_fields == ["speculative.draft"] and res.key != m["key"]
+    finally:
+        f.write_text(text)
+    # cache verify's numeric half runs the draft's programs against its build's references too
+    from ttbundle.warmup import verify_package as verify_numbers
+    diffs = verify_numbers(pkg)["float32"]
+    assert {n for n in diffs if n.startswith("draft/")} == \
+        {f"draft/{n}" for n in diffs if not n.startswith(("draft/", "verify"))}  # the draft verifies nothing
+    copy = tmp_path / "pkg"
+    shutil.copytree(pkg, copy)
+    verify_package(copy)
+    w = copy / "draft" / "weights" / "device-000.safetensors"
+    data = bytearray(w.read_bytes())
+    data[-1] ^= 1
+    w.write_bytes(bytes(data))
+    with pytest.raises(PackageError, match="draft/weights/device-000.safetensors: sha256 mismatch"):
+        verify_package(copy)
+    shutil.rmtree(copy)
+    shutil.copytree(pkg, copy)
+    (copy / "draft" / "extra.py").write_text("print(1)\n")
+    with pytest.raises(PackageError, match="draft/extra.py: not in the manifest"):
+        verify_package(copy)
+
+
+def test_serve_passes_the_draft_config_and_the_platform_refuses_another_draft(draft_packages, tmp_path):
+    from vllm import LLM
+
+    from ttbundle.errors import InvalidInput
+    from ttbundle.serving.serve import plan_serve
+
+    pkg, _ = draft_packages["self"]
+    argv = plan_serve(pkg).argv
+    assert json.loads(argv[argv.index("--speculative-config") + 1]) == _config(pkg)
+    with pytest.raises(InvalidInput) as ei:
+        plan_serve(pkg, extra=["-sc", json.dumps(dict(_config(pkg), model=str(tmp_path)))])
+    assert f"model: given {str(tmp_path)!r}" in str(ei.value)
+    other, _ = draft_packages["noisy"]
+    with pytest.raises(Exception) as ei:
+        LLM(model=str(pkg), dtype="float32", speculative_config=_config(other))
+    assert "model: given" in str(ei.value) and str(pkg / "draft") in str(ei.value), str(ei.value)
