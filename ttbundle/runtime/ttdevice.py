@@ -132,7 +132,7 @@ def refuse_unlowered_vision(loaded) -> None:
         raise InvalidInput(f"{loaded.dir}: programs/vision-{vision[0]}.json lowered reads the host-made inputs "
                            f"{', '.join(extra)} besides the patches; the TT device path does not fill them yet: "
                            f"{way_out}")
-    if bundle.family.traits(bundle.arch).get("mrope_section"):
+    if loaded.program_ir("vision", vision[0]).traits.mrope_section:
         raise InvalidInput(f"{loaded.dir}: {bundle.spec.name}'s text model takes M-RoPE positions (mrope_section); "
                            f"the TT device path does not feed an image prompt's rope positions yet: {way_out}")
 
@@ -227,7 +227,7 @@ class TTDeviceModel(MeshModel):
                 self.programs_run[(phase, bucket)] += 1
                 return key
         from ..backends.ttnn.lowering import static_start
-        key = (phase, bucket, mode, static_start(self.bundle, phase, bucket, start))
+        key = (phase, bucket, mode, static_start(self.bundle, self.package.program_ir(phase, bucket), start))
         if key not in self.runner.forwards:
             raise ValueError(f"no {mode}-sampling forward for {phase} bucket {bucket}")
         traced = key in self.runner.traced
