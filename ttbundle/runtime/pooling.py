@@ -24,7 +24,8 @@ import time
 import torch
 
 from ..tiles import pick
-from .model_runner import Step, TTModelRunner
+from .model_runner import TTModelRunner
+from .runner_state import Step
 
 
 def is_embed(bundle) -> bool:
