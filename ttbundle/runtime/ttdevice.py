@@ -432,6 +432,10 @@ class TTDeviceModel(MeshModel):
         if self.runner.stage == "warm":  # every forward compiled: capture now, as Tenstorrent's
             self.seal()                 # plugin expects of its last warm-up call (no seal() there)
 
+    def release(self) -> None:
+        """The captured traces given back to the device before its mesh closes."""
+        self.runner.release()
+
     def seal(self):
         """Capture a trace of every traced forward (every one compiled first); from now on each
         step replays. Once only."""

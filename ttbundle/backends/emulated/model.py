@@ -207,6 +207,20 @@ class EmulatedModel:
             pass
         return stages.logits
 
+    def final_hidden(self, program: Program, tokens, positions, valid, page_table, kv: KVCache,
+                     last: int) -> torch.Tensor:
+        """One sequence's final hidden states [Tq, hidden] (what the head reads: the last
+        decoder layer's output, device 0's copy, as the residual stream is whole on every
+        device, normalized with the weight the program's head reads first, its final norm):
+        :meth:`forward` run as for generation (KV written; ``last``: the row whose logits the
+        head computes)."""
+        capture: list = []
+        self.forward(program, tokens, positions, valid, page_table, kv, capture=capture, last=[last])
+        h = capture[-1][0]
+        head = next(lp for lp in program.layers if lp.kind == "head")
+        norm = next((s for s in head.steps if s.op is Op.RMS_NORM), None)
+        return h if norm is None else self._norm(h[None], norm.w, None)[0]
+
     def stages(self, program: Program, tokens, positions, valid, page_table, kv: KVCache,
                capture: list | None = None, mm: dict | None = None, rope_positions=None, last=None) -> "Stages":
         """:meth:`forward` one stage at a time: an iterator that yields ``(kind, layer)`` (layer
