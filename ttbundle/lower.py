@@ -192,4 +192,10 @@ def summary(program: Program) -> dict:
             "collective_traffic_bytes": t["collective_traffic_bytes"]}
 
 
-__all__ = ["AXES", "FORMAT", "PHASES", "lower", "lower_all", "program_name", "summary", "trace_set", "traced"]
+def vision_summaries(bundle, plan: Plan) -> list[dict]:
+    """:func:`summary` of every vision program (``ttbundle plan`` lists them); [] without images."""
+    return [summary(lower(bundle, plan, ph, n)) for ph, n in trace_set(bundle) if ph == "vision"]
+
+
+__all__ = ["AXES", "FORMAT", "PHASES", "lower", "lower_all", "program_name", "summary", "trace_set", "traced",
+           "vision_summaries"]
