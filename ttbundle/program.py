@@ -16,6 +16,7 @@ Every weight a program reads is listed with its PartitionSpec and per-device sha
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 
 from .families.base import Dim
@@ -169,12 +170,24 @@ class Program:
             return cls(d["bundle"], d["family"], d["mesh"], d["phase"], int(d["bucket"]), int(d["rows"]),
                        int(d["context"]), bool(d["traced"]), int(d["trace_region_bytes"]), d["kv_cache"],
                        d["totals"], d["memory"], layers, weights, d.get("policy", {}),
-                       Traits.of(d["traits"], "traits"),
-                       tuple(LayerTraits.of(lt, f"layer_traits[{i}]") for i, lt in enumerate(d["layer_traits"])))
+                       Traits.of(d["traits"], "traits"), _layer_traits(d["layer_traits"]))
         except (ProgramError, TraitsError) as e:
             raise ProgramError(f"{where}: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProgramError(f"{where}: not a valid {FORMAT} program ({type(e).__name__}: {e})") from None
+
+
+def _layer_traits(items) -> tuple[LayerTraits, ...]:
+    """Each layer's traits; layers with equal traits share one record (as ``lower``'s share the
+    arch's rope scaling), so an executor caching per record (rope tables) computes them once."""
+    seen: dict[str, LayerTraits] = {}
+    out = []
+    for i, lt in enumerate(items):
+        key = json.dumps(lt, sort_keys=True, default=str)
+        if key not in seen:
+            seen[key] = LayerTraits.of(lt, f"layer_traits[{i}]")
+        out.append(seen[key])
+    return tuple(out)
 
 
 # ---- the verifier ----------------------------------------------------------------------------------
