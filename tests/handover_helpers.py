@@ -17,8 +17,15 @@ from ttbundle.plan.make import make_plan
 
 def one_layer_per_kind(program):
     """``program`` with each decoder layer kind repeated once (its layers run the same calls on
-    the same shapes; only weights and caches differ): enough to validate every call."""
-    return dataclasses.replace(program, layers=tuple(dataclasses.replace(lp, count=1) for lp in program.layers))
+    the same shapes; only weights and caches differ): enough to validate every call. Each kind's
+    layer keeps the traits of the kind's first layer (``program.verify`` wants one per layer run)."""
+    traits, start = [], 0
+    for lp in program.layers if program.phase != "vision" else ():  # (a vision program: the text's, as they are)
+        if lp.kind not in ("embedding", "head"):
+            traits.append(program.layer_traits[start])
+            start += lp.count
+    return dataclasses.replace(program, layers=tuple(dataclasses.replace(lp, count=1) for lp in program.layers),
+                               layer_traits=tuple(traits) if program.phase != "vision" else program.layer_traits)
 
 
 def for_mesh(spec_path, mesh_name: str):

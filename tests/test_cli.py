@@ -144,7 +144,7 @@ def test_plan_table(runner, write_spec):
     out = r.stdout
     assert out.splitlines()[0] == "tiny (llama) on T3K 1x8: 8 x Wormhole B0, ring, axes rows=1 cols=8"
     assert re.search(r"w1 +│ bf16\[512@rows, 1536@cols\] +│ \[rows, cols\] +│ bf16\[512, 192\]", out)
-    assert re.search(r"fits \(\d+\.\d% used", out)
+    assert re.search(r"fits: [\d.]+ \w+ of [\d.]+ GiB per chip \(\d+\.\d+% of DRAM used\)", out)
     assert "decode traffic: 15,232 bytes per token per device" in out  # see test_plan: 896 + 4*1792 + 7168
 
 
@@ -159,7 +159,7 @@ def test_llama_70b_bf16_on_t3k_is_refused_with_reasons_and_fixes(runner, write_s
     r = run(runner, "plan", p)
     assert r.exit_code == 3
     out = r.stdout
-    assert re.search(r"does not fit \(\d+\.\d% of DRAM, [\d.]+ GiB over\)", out)
+    assert re.search(r"does not fit: needs [\d.]+ GiB of [\d.]+ GiB per chip \(\d+\.\d% of DRAM\), [\d.]+ GiB over", out)
     # the KV pool is charged at its minimum (one max_model_len sequence) when nothing fits, so
     # the MLP matrices lead: 3 x 80 x 8192 x 28672 / 8 x 2 bytes
     consumers = out.split("largest consumers per chip:\n", 1)[1].splitlines()[:3]

@@ -97,6 +97,8 @@ ONE_OWNER = {
     r"is not one of its targets": "ttbundle/mesh.py",
     # the wording of a plan that does not fit
     r"per chip, chip has": "ttbundle/plan/memory.py",
+    # the wording of a plan's verdict (the plan table's, the SVG's)
+    r"of DRAM used\)|of DRAM\), ": "ttbundle/plan/memory.py",
     # an even split (ttnn's mesh_partition / ShardTensor2dMesh): the part a device holds
     r"^def even_(part|slice)\(|np\.split\(|\]\s*//=\s*self\.mesh\.axis_size|size % n or": "ttbundle/layout.py",
 }

@@ -81,7 +81,8 @@ def test_the_protocol_lists_what_the_runner_needs():
     assert members(MeshModel) == [
         "model_capabilities", "seeded_on_device", "initialize_vllm_model", "allocate_kv_cache",
         "prefill_forward", "decode_forward", "verify_forward", "read_decode_output", "process_decode_output_host",
-        "vision_buckets", "encode_images", "warmup_model_prefill", "warmup_model_decode", "seal"]
+        "vision_buckets", "encode_images", "warmup_model_prefill", "warmup_model_decode", "seal",
+        "release"]
     assert BundleModel.seeded_on_device is True and TTDeviceModel.seeded_on_device is False
 
 
@@ -114,7 +115,8 @@ def test_the_runner_calls_the_protocol_only():
     """Every ``self.mesh_model.<name>`` the model runner uses is a protocol member, and nothing
     asks whether the model has one (``getattr``/``hasattr`` on it). ``model`` is the emulated
     model's ``EmulatedModel``, which only the emulated mesh's warm-up check reads."""
-    tree = ast.parse((ROOT / "ttbundle/runtime/model_runner.py").read_text(encoding="utf-8"))
+    tree = ast.Module([n for f in ("model_runner.py", "runner_async.py")  # the runner and its async decode part
+                       for n in ast.parse((ROOT / "ttbundle/runtime" / f).read_text(encoding="utf-8")).body], [])
 
     def is_mesh_model(n) -> bool:
         return isinstance(n, ast.Attribute) and n.attr == "mesh_model" and isinstance(n.value, ast.Name) \

@@ -630,19 +630,20 @@ def test_mla_prefill_is_lowered_per_chunk_start():
     p = make_plan(bundle, bundle.spec.targets[0])
     chunk = bundle.buckets.prefill_chunk or max(bundle.buckets.prefill)
     b = min(bundle.buckets.prefill)
-    starts = lowering.chunk_starts(bundle, "prefill", b)
-    assert starts == list(range(0, bundle.spec.runtime.max_model_len, chunk)) and len(starts) > 1
-    assert lowering.chunk_starts(bundle, "decode", 1) == [0]
     prog = lowermod.lower(bundle, p, "prefill", b)
+    starts = lowering.chunk_starts(bundle, prog)
+    assert starts == list(range(0, bundle.spec.runtime.max_model_len, chunk)) and len(starts) > 1
+    assert lowering.chunk_starts(bundle, lowermod.lower(bundle, p, "decode", 1)) == [0]
     for start in (0, starts[-1]):
         fw = lowering.lower_forward(bundle, p.mesh, prog, chunk_start=start)
         mla = [c for _, c in fw.calls() if c.fn == "transformer.chunked_flash_mla_prefill"]
         assert mla and {c.args[4] for c in mla} == {start} and fw.gaps == []
-    assert lowering.static_start(bundle, "prefill", b, starts[1]) == starts[1]
+    assert lowering.static_start(bundle, prog, starts[1]) == starts[1]
     with pytest.raises(ValueError, match="chunks start at multiples"):
-        lowering.static_start(bundle, "prefill", b, starts[1] + 32)
+        lowering.static_start(bundle, prog, starts[1] + 32)
     llama = specmod.load(BUNDLES / "llama-3.1-8b.yaml")  # dynamic start: one forward for every start
-    assert lowering.chunk_starts(llama, "prefill", 1024) == [0] and lowering.static_start(llama, "prefill", 1024, 2048) == 0
+    lp = lowermod.lower(llama, make_plan(llama, llama.spec.targets[0]), "prefill", 1024)
+    assert lowering.chunk_starts(llama, lp) == [0] and lowering.static_start(llama, lp, 2048) == 0
 
 
 def test_a_later_prefill_chunk_writes_its_own_blocks():

@@ -83,9 +83,8 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
         target = targets(bundle, mesh)[0]
         p = make_plan(bundle, target)
         fx = [] if p.fits else fixes(bundle, p)
-        from . import lower as lowermod
-        vision = [lowermod.summary(lowermod.lower(bundle, p, ph, n))
-                  for ph, n in lowermod.trace_set(bundle) if ph == "vision"]
+        from .lower import vision_summaries
+        vision = vision_summaries(bundle, p)
         if svg:
             from .svg import render_plan
             _write_atomic(svg, render_plan(p))

@@ -405,7 +405,7 @@ def render_spec(hf_dir: str | Path, output: Path, meshes: list[str] | None = Non
         arch = family.arch_model.model_validate(arch_dict)
     except ValidationError as e:
         raise InvalidInput(f"{cfg}: not importable as {family.name}", [
-            Diagnostic(specmod._pydantic_message(err), ".".join(map(str, err["loc"])),
+            Diagnostic(specmod.pydantic_message(err), ".".join(map(str, err["loc"])),
                                str(cfg)) for err in e.errors()]) from None
 
     mpe = arch.max_position_embeddings

@@ -28,6 +28,7 @@ from .plan.memory import ACT_BYTES, TRACE_BYTES_PER_OP
 from .program import FORMAT, Activation, LayerProgram, Op, Program, Step, WeightRef
 from .speculative import rows_per_seq, verify_buckets, verify_rows
 from .tiles import TILE, round_up as _round_up
+from .traits import model_traits
 
 PHASES = ("prefill", "decode", "verify", "vision")
 
@@ -128,6 +129,7 @@ def lower(bundle, plan: Plan, phase: str, bucket: int) -> Program:
            "activations": peak_act, "trace_region": trace_bytes}
     mem["total"] = sum(mem.values())
     mem["dram"] = plan.memory.dram
+    traits, layer_traits = model_traits(fam, a)
     weights = {t.name: WeightRef(t.name, tuple(axes_of(e) for e in t.spec), tuple(t.device_shape), t.dtype,
                                  decls[t.name].layers) for t in plan.tensors}
     return Program(
@@ -138,7 +140,7 @@ def lower(bundle, plan: Plan, phase: str, bucket: int) -> Program:
         kv_cache={"dtype": plan.kv["dtype"], "num_blocks": plan.kv["num_blocks"],
                   "block_size": plan.kv["block_size"], "entries": [dict(e) for e in plan.kv["entries"]]},
         totals=tot, memory=mem, layers=tuple(layers), weights=weights,
-        policy=Policy.of(policy).to_json())
+        policy=Policy.of(policy).to_json(), traits=traits, layer_traits=layer_traits)
 
 
 def _op_step(op, specs: dict, dims: dict, decls: dict, tplan: dict, act, lead: int, context: int) -> Step:
@@ -190,4 +192,10 @@ def summary(program: Program) -> dict:
             "collective_traffic_bytes": t["collective_traffic_bytes"]}
 
 
-__all__ = ["AXES", "FORMAT", "PHASES", "lower", "lower_all", "program_name", "summary", "trace_set", "traced"]
+def vision_summaries(bundle, plan: Plan) -> list[dict]:
+    """:func:`summary` of every vision program (``ttbundle plan`` lists them); [] without images."""
+    return [summary(lower(bundle, plan, ph, n)) for ph, n in trace_set(bundle) if ph == "vision"]
+
+
+__all__ = ["AXES", "FORMAT", "PHASES", "lower", "lower_all", "program_name", "summary", "trace_set", "traced",
+           "vision_summaries"]

@@ -16,11 +16,14 @@ Every weight a program reads is listed with its PartitionSpec and per-device sha
 from __future__ import annotations
 
 import enum
+import json
 from dataclasses import dataclass, field
 
 from .families.base import Dim
+from .traits import LayerTraits, Traits, TraitsError
 
-FORMAT = "ttbundle.program/2"
+# /3: the family's traits recorded (``traits``, ``layer_traits``); /2 programs are refused
+FORMAT = "ttbundle.program/3"
 
 
 class ProgramError(ValueError):
@@ -117,6 +120,9 @@ class Program:
     layers: tuple[LayerProgram, ...]
     weights: dict[str, WeightRef] = field(default_factory=dict)
     policy: dict = field(default_factory=dict)  # the sharding policy for padded/replicated dims
+    #: the numerics beyond shapes (``ttbundle.traits``): the model's, and each decoder layer's
+    traits: Traits = field(default_factory=Traits)
+    layer_traits: tuple[LayerTraits, ...] = ()
 
     @property
     def name(self) -> str:
@@ -140,6 +146,7 @@ class Program:
             "traced": self.traced, "trace_region_bytes": self.trace_region_bytes,
             "kv_cache": self.kv_cache, "totals": self.totals, "memory": self.memory,
             "policy": self.policy,
+            "traits": self.traits.to_json(), "layer_traits": [lt.to_json() for lt in self.layer_traits],
             "weights": {n: {"spec": [list(e) for e in w.spec], "device_shape": list(w.device_shape),
                             "dtype": w.dtype, "layers": None if w.layers is None else list(w.layers)}
                         for n, w in sorted(self.weights.items())},
@@ -162,11 +169,25 @@ class Program:
                            for lp in d["layers"])
             return cls(d["bundle"], d["family"], d["mesh"], d["phase"], int(d["bucket"]), int(d["rows"]),
                        int(d["context"]), bool(d["traced"]), int(d["trace_region_bytes"]), d["kv_cache"],
-                       d["totals"], d["memory"], layers, weights, d.get("policy", {}))
-        except ProgramError as e:
+                       d["totals"], d["memory"], layers, weights, d.get("policy", {}),
+                       Traits.of(d["traits"], "traits"), _layer_traits(d["layer_traits"]))
+        except (ProgramError, TraitsError) as e:
             raise ProgramError(f"{where}: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProgramError(f"{where}: not a valid {FORMAT} program ({type(e).__name__}: {e})") from None
+
+
+def _layer_traits(items) -> tuple[LayerTraits, ...]:
+    """Each layer's traits; layers with equal traits share one record (as ``lower``'s share the
+    arch's rope scaling), so an executor caching per record (rope tables) computes them once."""
+    seen: dict[str, LayerTraits] = {}
+    out = []
+    for i, lt in enumerate(items):
+        key = json.dumps(lt, sort_keys=True, default=str)
+        if key not in seen:
+            seen[key] = LayerTraits.of(lt, f"layer_traits[{i}]")
+        out.append(seen[key])
+    return tuple(out)
 
 
 # ---- the verifier ----------------------------------------------------------------------------------
@@ -183,10 +204,13 @@ def verify(program: "Program", where: str | None = None) -> None:
     all_gather multiplies the gathered dim back to the feature's size, dropping its axes); a
     weight a step reads must be listed. Mesh axes of size 1 split nothing and are ignored. Rows
     may change only at a layer program's start (the head runs on the prefill's last rows).
+    The traits must fit the steps: one :class:`LayerTraits` per decoder layer the layer programs
+    run, and a norm's bias (``traits.norms``) a weight the program lists.
     Raises :class:`ProgramError` naming the program, layer program and step."""
     shape = tuple(program.mesh.get("shape") or ())
     sizes = {"rows": shape[0] if shape else 1, "cols": shape[1] if len(shape) > 1 else 1}
     name = where or program.name
+    _verify_traits(program, name)
 
     def norm(spec) -> Spec:
         return tuple(tuple(a for a in e if sizes.get(a, 2) > 1) for e in spec)
@@ -233,6 +257,19 @@ def verify(program: "Program", where: str | None = None) -> None:
             elif st.out is not None:
                 env[st.out.name] = st.out
             at_start = False
+
+
+def _verify_traits(program: "Program", name: str) -> None:
+    if program.phase != "vision":
+        decoder = sum(lp.count for lp in program.layers if lp.kind not in ("embedding", "head"))
+        if len(program.layer_traits) != decoder:
+            raise ProgramError(f"{name}: records traits for {len(program.layer_traits)} decoder layers, but its "
+                               f"layer programs run {decoder}")
+    for kind, i, st in program.steps():
+        how = program.traits.norms.get(st.w) if st.op is Op.RMS_NORM else None
+        if how is not None and how.bias is not None and how.bias not in program.weights:
+            raise ProgramError(f"{name}: {kind} step {i} (rms_norm): the traits give norm {st.w!r} the bias "
+                               f"{how.bias!r}, which the program does not list")
 
 
 # The JSON form (the package's files; executors read the typed program back): ops under "op" (a LOCAL op under its

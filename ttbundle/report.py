@@ -8,6 +8,7 @@ from rich.text import Text
 
 from . import mesh as meshmod
 from .plan.make import Plan
+from .plan.memory import verdict
 from .plan.sharding import fmt_entry
 
 
@@ -80,10 +81,8 @@ def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> Non
     mt.add_row("[bold]total[/]", f"{mem.total:,}", human(mem.total))
     mt.add_row(f"chip DRAM ({m.chip.dram_banks} banks x {m.chip.dram_bank_bytes:,})", f"{mem.dram:,}",
                human(mem.dram))
-    pct = 100 * mem.total / mem.dram
-    verdict = f"[green]fits[/] ({pct:.1f}% used, {human(mem.free)} free)" if p.fits else \
-        f"[red]does not fit[/] ({pct:.1f}% of DRAM, {human(-mem.free)} over)"
-    mt.add_row("[bold]verdict[/]", "", verdict)
+    fits, word, numbers = verdict(mem, human)
+    mt.add_row("[bold]verdict[/]", "", f"[{'green' if fits else 'red'}]{word}[/]: {numbers}")
     console.print(mt)
     console.print(Text(pool_line(p)))
 

@@ -20,6 +20,7 @@ from . import __version__
 from .layout import axes_of
 from .mesh import AXES
 from .plan.make import Plan
+from .plan.memory import percent as pct, verdict
 from .plan.sharding import TensorPlan, fmt_entry
 from .report import human
 
@@ -49,11 +50,6 @@ def num(x: float) -> str:
     """Coordinate with at most 3 decimals, no trailing zeros (stable across platforms)."""
     s = f"{x:.3f}".rstrip("0").rstrip(".")
     return "0" if s in ("-0", "") else s
-
-
-def pct(n: int, d: int) -> str:
-    p = 100 * n / d if d else 0.0
-    return f"{p:.1f}%" if p >= 1 or p == 0 else f"{p:.2f}%"
 
 
 def _wrap(s: str, size: float, width: float, max_lines: int = 3) -> list[str]:
@@ -148,17 +144,10 @@ def _header(g: _Svg, p: Plan, y: float) -> float:
     g.text(MARGIN, y + 36, f"{m.num_devices} x {m.chip.label} ({m.chip.arch}), {m.topology}, "
            f"axes rows={m.rows} cols={m.cols}; {human(m.chip.dram_bytes)} DRAM per chip"
            + (f" ({m.note})" if m.note else ""), 12)
-    used = pct(mem.total, mem.dram)
-    if p.fits:
-        verdict = f"fits: {human(mem.total)} of {human(mem.dram)} per chip ({used} of DRAM used), " \
-                  f"{human(mem.free)} free"
-        g.rect(MARGIN, y + 45, 12, 12, GREEN, cls="verdict fits")
-        g.text(MARGIN + 18, y + 55, verdict, 13, GREEN, bold=True)
-    else:
-        verdict = f"DOES NOT FIT: needs {human(mem.total)} of {human(mem.dram)} per chip " \
-                  f"({used} of DRAM), {human(-mem.free)} over"
-        g.rect(MARGIN, y + 45, 12, 12, RED, cls="verdict over-capacity")
-        g.text(MARGIN + 18, y + 55, verdict, 13, RED, bold=True)
+    fits, word, numbers = verdict(mem, human)  # plan.memory's wording; capitals where it does not fit
+    colour = GREEN if fits else RED
+    g.rect(MARGIN, y + 45, 12, 12, colour, cls="verdict " + ("fits" if fits else "over-capacity"))
+    g.text(MARGIN + 18, y + 55, f"{word if fits else word.upper()}: {numbers}", 13, colour, bold=True)
     g.text(MARGIN, y + 74, f"decode traffic: {p.decode_traffic_bytes_per_token:,} B per token per "
            f"device over {len(p.collectives)} collective(s); {p.num_traces} traces, activations "
            f"sized for {p.activation_tokens} tokens", 11, GREY)

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from ..errors import InvalidInput, TTBundleError
 
-# /2: a shard several devices hold is stored once (weights ``stored_in``); /1 packages still read
-FORMAT = "ttbundle.package/2"
-FORMATS = ("ttbundle.package/1", FORMAT)
+# /2: a shard several devices hold is stored once (weights ``stored_in``); /3: the programs
+# record the family's traits (``ttbundle.program/3``), so older packages are refused: rebuild them
+FORMAT = "ttbundle.package/3"
+FORMATS = (FORMAT,)
 WEIGHTS_FORMAT = "ttbundle.weights/2"
 WEIGHTS_FORMATS = ("ttbundle.weights/1", WEIGHTS_FORMAT)
 #: where a package holds its speculative draft's package (``speculative: {method: draft}``): a

@@ -51,7 +51,9 @@ def read_manifest(pkg: Path) -> dict:
     except InvalidInput as e:
         raise PackageError(e.message.replace(f"{p}: ", f"{p}: unreadable manifest: ", 1)) from None
     if not isinstance(m, dict) or m.get("format") not in FORMATS or not isinstance(m.get("files"), dict):
-        raise PackageError(f"{p}: not a {' or '.join(FORMATS)} manifest")
+        old = isinstance(m, dict) and str(m.get("format", "")).startswith("ttbundle.package/")
+        raise PackageError(f"{p}: not a {' or '.join(FORMATS)} manifest"
+                           + (f" ({m['format']}, an older ttbundle's: rebuild the package)" if old else ""))
     for rel in m["files"]:
         check_relpath(rel, p)
     why = schema.problem(m, str(p))

@@ -44,6 +44,23 @@ def shortfall(m: Memory, fmt=None) -> str:
     return f"needs {fmt(m.total)} per chip, chip has {fmt(m.dram)}"
 
 
+def percent(n: int, d: int) -> str:
+    """``n`` as a percentage of ``d``: one decimal, two below 1% (a small share is not 0.0%)."""
+    p = 100 * n / d if d else 0.0
+    return f"{p:.1f}%" if p >= 1 or p == 0 else f"{p:.2f}%"
+
+
+def verdict(m: Memory, fmt=None) -> tuple[bool, str, str]:
+    """The one wording of a plan's verdict (``ttbundle plan``'s table, the SVG's header):
+    (fits, "fits" / "does not fit", the numbers: ``X of Y per chip (P% of DRAM used), Z free``
+    or ``needs X of Y per chip (P% of DRAM), Z over``); ``fmt`` writes bytes (``report.human``)."""
+    fmt = fmt or (lambda b: f"{b:,} B")
+    used = percent(m.total, m.dram)
+    if m.free >= 0:
+        return True, "fits", f"{fmt(m.total)} of {fmt(m.dram)} per chip ({used} of DRAM used), {fmt(m.free)} free"
+    return False, "does not fit", f"needs {fmt(m.total)} of {fmt(m.dram)} per chip ({used} of DRAM), {fmt(-m.free)} over"
+
+
 def dram_bytes(pages: int, page_bytes: int, mesh: Mesh) -> int:
     """Bytes an interleaved DRAM buffer takes on one chip: pages round-robin over the banks, each
     bank reserving whole pages rounded up to the DRAM alignment."""

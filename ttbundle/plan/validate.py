@@ -7,7 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .. import mesh as meshmod, spec as specmod
-from ..errors import TTBundleError
+from ..errors import InvalidInput, TTBundleError
 from .advice import pool_diagnostic
 from .make import Plan, make_plan
 from .memory import shortfall
@@ -43,7 +43,7 @@ def plan_targets(path: str | Path, mesh: str | None = None):
         except TTBundleError as e:
             diags += e.diagnostics or []
     if diags:
-        raise specmod.InvalidInput(f"{path}: invalid spec", diags)
+        raise InvalidInput(f"{path}: invalid spec", diags)
     return bundle, plans
 
 

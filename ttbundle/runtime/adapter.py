@@ -406,6 +406,24 @@ class BundleModel(MeshModel):
         """From now on only warmed-up shapes run (no capture while serving)."""
         self.sealed = True
 
+    def release(self) -> None:
+        """Nothing held outside this process's memory: the emulated mesh has no device to free."""
+
+    # -- embeddings (``task: embed``: runtime.pooling, the emulated mesh only) ----------------------
+    @torch.no_grad()
+    def prefill_hidden(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache: KVCache, n: int,
+                       start: int) -> torch.Tensor:
+        """A prefill chunk's final hidden states [n, hidden] (float32, after the final norm):
+        ``tokens`` [1, bucket] (the first ``n`` real) run at positions ``start..`` as the bucket's
+        prefill program runs them for generation (KV written)."""
+        bucket = tokens.shape[1]
+        valid = torch.arange(bucket)[None, :] < n
+        positions = torch.where(valid, torch.arange(start, start + bucket)[None, :],
+                                torch.zeros(1, bucket, dtype=torch.long))
+        h = self.model.final_hidden(self._program("prefill", bucket), tokens, positions, valid, page_table,
+                                    kv_cache, n - 1)
+        return h[:n].float()
+
     # -- Tenstorrent's decode read-back (the emulated mesh's outputs are host tensors already) ------
     def read_decode_output(self, tt_out, async_read: bool = True):
         return tt_out

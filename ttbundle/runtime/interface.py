@@ -116,3 +116,9 @@ class MeshModel(Protocol):
         """After warm-up: from now on only warmed shapes run (a device captures its traces)."""
         ...
 
+    @abstractmethod
+    def release(self) -> None:
+        """Before the mesh closes (the worker's shutdown): give back what the model holds on it
+        (a device's traces); nothing to do on the emulated mesh."""
+        ...
+

@@ -36,16 +36,16 @@ import logging
 import os
 import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
-from vllm.v1.outputs import AsyncModelRunnerOutput
 
 from .phases import is_decode, pick
 from .capabilities import device_top_k
 from .interface import MeshModel
+from .runner_async import AsyncDecode, AsyncDecodeOutput
+from .runner_state import DecodeBatch, InFlight, ReqState, Step
 from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons
-from ..families.vision_part import PLAIN, PromptPositions, decode_rope
+from ..families.vision_part import decode_rope
 from ..tiles import blocks_per_seq
 
 logger = logging.getLogger("vllm.ttbundle.model_runner")
@@ -58,88 +58,6 @@ def async_decode_supported(emulated: bool) -> bool:
     from .capabilities import async_decode
     return async_decode(device=not emulated)
 
-
-@dataclass
-class ReqState:
-    req_id: str
-    prompt: list[int]
-    params: object  # vllm SamplingParams
-    generator: torch.Generator | None
-    block_ids: list[int]
-    num_computed: int
-    output: list[int] = field(default_factory=list)
-    images: object = None  # runtime.images.RequestImages of a request with images
-    positions: PromptPositions = PLAIN  # the prompt's rope positions (the family's vision part's)
-    host_sampling: bool = False  # its sampling needs the host (host_reasons; seeded without device seeds)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt) + len(self.output)
-
-    def tokens(self, start: int, n: int) -> list[int]:
-        return (self.prompt + self.output)[start:start + n]
-
-
-@dataclass
-class Step:
-    """What one step ran (kept in ``TTModelRunner.step_log``; JSON lines to the file named by
-    ``TTBUNDLE_STEP_LOG`` when set)."""
-
-    phase: str  # "prefill" | "decode" | "verify" (a decode with proposals: rows of 1 + proposals tokens)
-    rows: list  # [(req_id, start position, tokens)]
-    buckets: list  # prefill: bucket per row; decode: [batch bucket] (with lanes: one per lane run)
-    sampling: str  # "device" | "host" | "none" (partial chunks only)
-    seconds: float = 0.0
-    lanes: list | None = None  # with lanes: the lane (replica) of each row
-    lane_seconds: list | None = None  # with lanes, decode: seconds of each lane's program
-    mode: str = "sync"  # "async": submitted, read back later (the collect's wait in ``wait``)
-    inputs: float = 0.0  # seconds building inputs and submitting
-    wait: float = 0.0  # seconds blocked reading the output back
-    at: float = 0.0  # time.perf_counter() when the step started (async: its submit)
-    calls: list | None = None  # prefill: [bucket, rows per sequence, sequences] per program call
-
-
-@dataclass
-class InFlight:
-    """A device-sampled decode submitted and not read back yet."""
-
-    states: list  # ReqState per row, in row order
-    handle: object  # the mesh model's output (``read_decode_output`` reads it)
-    step: Step
-    t0: float
-    prev: "InFlight | None" = None  # the step whose output this one's inputs take on the device
-    output: object = None  # the ModelRunnerOutput, once collected
-    batch: "DecodeBatch | None" = None  # the persistent batch it ran
-
-
-@dataclass
-class DecodeBatch:
-    """The persistent state of an async decode batch (the same rows step after step): what the
-    host builds once per batch instead of once per step. It is rebuilt when the rows change; its
-    page table is rebuilt when any row's block list changed (``TTModelRunner._block_epoch``); a
-    step whose rows all take their input token from the previous step of the same batch feeds
-    row i from row i."""
-
-    rids: tuple  # the rows' request ids, in row order
-    epoch: int  # ``TTModelRunner._block_epoch`` when built
-    bucket: int
-    page_table: torch.Tensor  # [bucket, max blocks]
-    sampling: DeviceSampling
-    chained_src: torch.Tensor  # [bucket]: row i takes the previous step's row i (padding: -1)
-    zero_tokens: torch.Tensor  # [bucket, 1] zeros (every row fed on the device)
-
-
-class AsyncDecodeOutput(AsyncModelRunnerOutput):
-    """vLLM's ``AsyncModelRunnerOutput`` for a submitted decode: ``get_output`` collects it."""
-
-    def __init__(self, runner: "TTModelRunner", flight: InFlight):
-        self.runner, self.flight = runner, flight
-
-    def get_output(self):
-        return self.runner._collect(self.flight)
-
-    def get_kv_connector_output(self):
-        return None
 
 
 def model_class(package):
@@ -155,7 +73,7 @@ def model_class(package):
                            f"cannot be loaded: {e}") from None
 
 
-class TTModelRunner:
+class TTModelRunner(AsyncDecode):
     def __init__(self, vllm_config, package, options, device: torch.device, tt=None):
         self.tt = tt  # (ttnn, mesh device) on the TT platform; None: the emulated mesh
         self.vllm_config = vllm_config
@@ -412,88 +330,6 @@ class TTModelRunner:
         return self._output(rows, dict(zip(order, ids)), (order, lp))
 
     # -- async decode: submit now, collect when vLLM asks for the tokens --------------------------
-    def _submit_decode(self, states: list[ReqState]) -> InFlight:
-        """Enqueue a device-sampled decode of ``states`` without reading it back. A row whose
-        input token is the in-flight step's unread output takes it on the device. The batch's
-        page table and sampling parameters persist while its rows and their blocks stay
-        (:class:`DecodeBatch`); per step only the positions (and any host-known tokens) are new."""
-        t0 = time.perf_counter()
-        prev = self._inflight
-        if prev is not None and prev.output is not None:
-            prev = None
-        B = len(states)
-        rids = tuple([st.req_id for st in states])
-        batch = self._batch
-        if batch is None or batch.rids != rids:
-            bucket = pick(self.decode_buckets, B)
-            src = torch.full((bucket,), -1, dtype=torch.long)
-            src[:B] = torch.arange(B)
-            batch = self._batch = DecodeBatch(rids, self._block_epoch, bucket, self._page_table(states, bucket),
-                                              self._device_sampling(states, bucket), src,
-                                              torch.zeros(bucket, 1, dtype=torch.long))
-        elif batch.epoch != self._block_epoch:  # a row got a block: a new table (never changed in place)
-            batch.page_table, batch.epoch = self._page_table(states, batch.bucket), self._block_epoch
-        bucket = batch.bucket
-        positions = [st.num_computed for st in states]
-        pos = torch.tensor(positions + [-1] * (bucket - B), dtype=torch.long)
-        if prev is not None and prev.batch is batch and \
-                all(len(st.prompt) + len(st.output) == c for st, c in zip(states, positions)):
-            tokens, src, chained = batch.zero_tokens, batch.chained_src, True  # the steady state
-        else:
-            tokens, src, chained = self._decode_inputs(states, bucket, prev)
-        handle = self.mesh_model.decode_forward(
-            tokens, pos, batch.page_table, self.kv, batch.sampling, read_from_device=False,
-            **({"prev_output": prev.handle, "prev_rows": src} if chained else {}), **self._decode_rope(states, pos))
-        step = Step("decode", [(rid, c, 1) for rid, c in zip(rids, positions)], [bucket], "device",
-                    mode="async", inputs=time.perf_counter() - t0, at=t0)
-        self._inflight = InFlight(list(states), handle, step, t0, prev if chained else None, batch=batch)
-        return self._inflight
-
-    @staticmethod
-    def _decode_inputs(states: list[ReqState], bucket: int, prev: InFlight | None):
-        """(tokens [bucket, 1], prev_rows [bucket], chained) of a decode whose rows are not all
-        the previous step's rows in the same order: a token the host knows is written; one that
-        is the in-flight step's unread output is taken from its row on the device."""
-        tok, src = [0] * bucket, [-1] * bucket
-        prev_row = {id(st): i for i, st in enumerate(prev.states)} if prev is not None else {}
-        for i, st in enumerate(states):
-            c, n_prompt = st.num_computed, len(st.prompt)
-            if c < st.num_tokens:
-                tok[i] = st.prompt[c] if c < n_prompt else st.output[c - n_prompt]
-            elif id(st) in prev_row:
-                src[i] = prev_row[id(st)]
-            else:  # pragma: no cover - a pending token only ever comes from the step in flight
-                raise RuntimeError(f"request {st.req_id}: input token at {st.num_computed} is not known")
-        src_t = torch.tensor(src, dtype=torch.long)
-        return torch.tensor(tok, dtype=torch.long)[:, None], src_t, any(r >= 0 for r in src)
-
-    def _collect(self, flight: InFlight):
-        """Read ``flight``'s tokens back (after the step it took tokens from), once."""
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        if flight.output is not None:
-            return flight.output
-        if flight.prev is not None:
-            self._collect(flight.prev)
-        t = time.perf_counter()
-        mm = self.mesh_model
-        ids = mm.process_decode_output_host(mm.read_decode_output(flight.handle), is_tokens=True)
-        flight.step.wait = time.perf_counter() - t
-        flight.step.seconds = time.perf_counter() - flight.t0
-        states = flight.states
-        ids = ids[:len(states)].tolist()  # plain ints, one conversion for the batch
-        for st, tok in zip(states, ids):
-            st.output.append(tok)
-        order = [st.req_id for st in states]
-        tokens = [[tok] for tok in ids]
-        flight.output = ModelRunnerOutput(req_ids=order, req_id_to_index={r: i for i, r in enumerate(order)},
-                                          sampled_token_ids=tokens, logprobs=None)
-        flight.prev = None
-        if self._inflight is flight:
-            self._inflight = None
-        self._log(flight.step)
-        return flight.output
-
     def _output(self, rows, sampled: dict, host):
         from vllm.v1.outputs import ModelRunnerOutput
 

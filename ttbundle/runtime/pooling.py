@@ -24,7 +24,8 @@ import time
 import torch
 
 from ..tiles import pick
-from .model_runner import Step, TTModelRunner
+from .model_runner import TTModelRunner
+from .runner_state import Step
 
 
 def is_embed(bundle) -> bool:
@@ -141,29 +142,14 @@ class EmbedRunner(TTModelRunner):
     # -- hidden states --------------------------------------------------------------------------
     @torch.no_grad()
     def _hidden(self, st, n: int) -> tuple[int, torch.Tensor]:
-        """The chunk's final hidden states [n, hidden] (after the final norm): its prefill
-        program run as for generation (KV written), the last decoder layer's output captured
-        (device 0's copy: the residual stream is whole on every device) and normalized with the
-        weight the program's head reads first (its final norm)."""
-        from ..program import Op
-
-        mm = self.mesh_model  # runtime.adapter.BundleModel
+        """(bucket, the chunk's final hidden states [n, hidden] after the final norm): its
+        prefill program run as for generation (KV written; ``BundleModel.prefill_hidden``)."""
         bucket = pick(self.prefill_buckets, n)
-        program = mm._program("prefill", bucket)
-        p0 = st.num_computed
         tokens = torch.zeros(1, bucket, dtype=torch.long)
-        tokens[0, :n] = torch.tensor(st.tokens(p0, n))
-        valid = torch.arange(bucket)[None, :] < n
-        positions = torch.where(valid, torch.arange(p0, p0 + bucket)[None, :], torch.zeros(1, bucket, dtype=torch.long))
-        capture: list = []
-        mm.model.forward(program, tokens, positions, valid, self._page_table([st], 1), self.kv,
-                         capture=capture, last=[n - 1])
-        h = capture[-1][0, :n]
-        head = next(lp for lp in program.layers if lp.kind == "head")
-        norm = next((s for s in head.steps if s.op is Op.RMS_NORM), None)
-        if norm is not None:
-            h = mm.model._norm(h[None], norm.w, None)[0]
-        return bucket, h.float()
+        tokens[0, :n] = torch.tensor(st.tokens(st.num_computed, n))
+        # runtime.adapter.BundleModel (``configure`` refuses embeddings on a device)
+        h = self.mesh_model.prefill_hidden(tokens, self._page_table([st], 1), self.kv, n, st.num_computed)
+        return bucket, h
 
     def _keep(self, st, hidden: torch.Tensor) -> None:
         """Keep what the pooling needs of a chunk: its last row (last), the prompt's first row

@@ -226,7 +226,7 @@ class TTDeviceModel(MeshModel):
                 self.programs_run[(phase, bucket)] += 1
                 return key
         from ..backends.ttnn.lowering import static_start
-        key = (phase, bucket, mode, static_start(self.bundle, phase, bucket, start))
+        key = (phase, bucket, mode, static_start(self.bundle, self.package.program_ir(phase, bucket), start))
         if key not in self.runner.forwards:
             raise ValueError(f"no {mode}-sampling forward for {phase} bucket {bucket}")
         traced = key in self.runner.traced
@@ -454,6 +454,10 @@ class TTDeviceModel(MeshModel):
         logger.info("[WARMUP] compiled %d decode forwards in %.1f s", len(keys), time.perf_counter() - t0)
         if self.runner.stage == "warm":  # every forward compiled: capture now, as Tenstorrent's
             self.seal()                 # plugin expects of its last warm-up call (no seal() there)
+
+    def release(self) -> None:
+        """The captured traces given back to the device before its mesh closes."""
+        self.runner.release()
 
     def seal(self):
         """Capture a trace of every traced forward (every one compiled first); from now on each

@@ -141,6 +141,6 @@ class TTWorker(WorkerBase):
         if getattr(self, "tt", None) is not None:
             ttnn, mesh = self.tt
             if runner is not None and runner.mesh_model is not None:
-                runner.mesh_model.runner.release()
+                runner.mesh_model.release()
             ttnn.close_mesh_device(mesh)
             self.tt = None

@@ -62,7 +62,8 @@ class EmulatedModel:
         self.policy = layout.Policy.from_json(first.policy, bundle.spec.sharding)
         self.decls = {t.name: t for t in self.family.tensors(self.arch)}
         self.kernels = dict(KERNELS, **(kernels or {}))
-        self.traits = self.family.traits(self.arch)
+        #: the family's traits as the program records them (typed; read as a mapping by the kernels)
+        self.traits = first.traits
         packed = _packed_names(self.traits, self.programs.values())
         self.lazy: LazyWeights | None = None
         if isinstance(weights, LazyWeights):
@@ -72,8 +73,7 @@ class EmulatedModel:
         if missing:
             raise ValueError(f"weights missing for {missing}")
         self.w = weights if self.lazy is not None else gemm.hold(weights, packed, dtype, self.device)
-        self.layer_traits = [self.family.layer_traits(self.arch, i)
-                             for i in range(self.arch.num_hidden_layers)]
+        self.layer_traits = list(first.layer_traits)
         self.kv_dtype, self._store = kv_store(self.kv_layout["dtype"], dtype)
         self._embed_rows = None
         self._splits: dict = {}
@@ -116,8 +116,8 @@ class EmulatedModel:
         if lazy:
             w = LazyWeights(pkg.weights)
         else:  # each weight packed as it is read: never every weight twice
-            lw = LazyWeights(pkg.weights).bind(_packed_names(pkg.bundle.family.traits(pkg.bundle.arch),
-                                                             programs.values()), dtype, device)
+            traits = next(iter(programs.values())).traits
+            lw = LazyWeights(pkg.weights).bind(_packed_names(traits, programs.values()), dtype, device)
             w = {name: [lw.get(name, layer) for layer in pkg.weights.layers_of(name)]
                  if t.layers is not None else lw.get(name, None) for name, t in pkg.weights.decls.items()}
         return cls(pkg.bundle, pkg.mesh, programs, w, dtype=dtype, device=device, kernels=kernels)
@@ -206,6 +206,20 @@ class EmulatedModel:
         for _ in stages:
             pass
         return stages.logits
+
+    def final_hidden(self, program: Program, tokens, positions, valid, page_table, kv: KVCache,
+                     last: int) -> torch.Tensor:
+        """One sequence's final hidden states [Tq, hidden] (what the head reads: the last
+        decoder layer's output, device 0's copy, as the residual stream is whole on every
+        device, normalized with the weight the program's head reads first, its final norm):
+        :meth:`forward` run as for generation (KV written; ``last``: the row whose logits the
+        head computes)."""
+        capture: list = []
+        self.forward(program, tokens, positions, valid, page_table, kv, capture=capture, last=[last])
+        h = capture[-1][0]
+        head = next(lp for lp in program.layers if lp.kind == "head")
+        norm = next((s for s in head.steps if s.op is Op.RMS_NORM), None)
+        return h if norm is None else self._norm(h[None], norm.w, None)[0]
 
     def stages(self, program: Program, tokens, positions, valid, page_table, kv: KVCache,
                capture: list | None = None, mm: dict | None = None, rope_positions=None, last=None) -> "Stages":

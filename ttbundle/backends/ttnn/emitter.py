@@ -106,7 +106,7 @@ class HeldWeight:
 
 class Lowerer(Emitter):
     """Lowers one program with what it records: the weights it reads (``weights``), its KV cache
-    (dtype, block size) and its mesh; ``bundle`` gives the arch (family traits, dims) and the
+    (dtype, block size) and its mesh; its traits (``program.traits``, ``layer_traits``); ``bundle`` gives the arch's dims and the
     runtime limits. Nothing here reads a plan."""
 
     def __init__(self, bundle, mesh: Mesh, program: Program, sampling: str, grid: tuple[int, int] | None = None):
@@ -119,7 +119,7 @@ class Lowerer(Emitter):
         self.grid = grid or self.mesh.chip.compute_grid
         decls = {t.name: t for t in self.fam.tensors(self.a)}
         self.tensors = {n: HeldWeight(r, tensor_layout(decls[n])) for n, r in program.weights.items()}
-        self.traits = self.fam.traits(self.a)
+        self.traits = program.traits  # typed, read as a mapping by the op modules
         self.kv_dtype = program.kv_cache["dtype"]
         self.block_size = int(program.kv_cache["block_size"])
         self.layer: int | None = None
@@ -143,8 +143,10 @@ class Lowerer(Emitter):
             return False
         return t.layers is None or self.layer is None or t.layers[0] <= self.layer < t.layers[1]
 
-    def lt(self) -> dict:
-        return self.fam.layer_traits(self.a, self.layer) if self.layer is not None else {}
+    def lt(self):
+        """This decoder layer's traits, as the program records them (a mapping)."""
+        lts = self.prog.layer_traits
+        return lts[self.layer] if self.layer is not None and self.layer < len(lts) else {}
 
 
 def vector_view(lw: Lowerer, w: str, shape: tuple, variant: str) -> W:

@@ -115,16 +115,18 @@ def merge_images(lw: Lowerer) -> None:
     lw.call("add", T("h"), T("mm_embeds"), out="h", shape=h, memory_config=DRAM)
 
 
-def static_prefill_start(bundle) -> bool:
-    """Does this family's prefill attention take its chunk start as a static int (MLA)?"""
-    return bool(bundle.family.traits(bundle.arch).get("mla"))
+def static_prefill_start(program) -> bool:
+    """Does this program's prefill attention take its chunk start as a static int (MLA, as its
+    traits record)?"""
+    return program.traits.mla is not None
 
 
-def chunk_starts(bundle, phase: str, bucket: int) -> list[int]:
-    """The chunk starts a forward must be lowered for: ``[0]`` unless the start is static (MLA
-    prefill), then every multiple of the prefill chunk below max_model_len for a bucket that can
-    hold a chunk (the scheduler starts chunks only there)."""
-    if phase != "prefill" or not static_prefill_start(bundle):
+def chunk_starts(bundle, program) -> list[int]:
+    """The chunk starts ``program``'s forward must be lowered for: ``[0]`` unless the start is
+    static (MLA prefill), then every multiple of the prefill chunk below max_model_len for a
+    bucket that can hold a chunk (the scheduler starts chunks only there)."""
+    bucket = program.bucket
+    if program.phase != "prefill" or not static_prefill_start(program):
         return [0]
     b = bundle.buckets
     chunk = b.prefill_chunk or max(b.prefill)
@@ -133,9 +135,9 @@ def chunk_starts(bundle, phase: str, bucket: int) -> list[int]:
     return list(range(0, bundle.spec.runtime.max_model_len, chunk))
 
 
-def static_start(bundle, phase: str, bucket: int, start: int) -> int:
-    """The start part of a forward key for a chunk at ``start``."""
-    starts = chunk_starts(bundle, phase, bucket)
+def static_start(bundle, program, start: int) -> int:
+    """The start part of a forward key for a chunk at ``start`` of ``program``."""
+    starts = chunk_starts(bundle, program)
     if starts == [0]:
         return 0
     if start not in starts:

@@ -1,0 +1,281 @@
+"""The bundle spec's schema: the typed model of the YAML file (pydantic), its names and limits.
+
+``ttbundle.spec.load`` validates a file against :class:`BundleSpec`; ``json_schema()`` is what
+``ttbundle schema`` prints.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from .. import families
+
+DType = Literal["bf16", "bfp8", "bfp4"]
+AxisName = Literal["rows", "cols"]
+PartitionEntry = Union[None, AxisName, list[AxisName]]
+PartitionSpec = list[PartitionEntry]
+
+NAME_RE = re.compile(r"[a-z0-9][a-z0-9_.-]{0,63}")  # used with fullmatch: `$` passes a final "\n"
+# tt_transformers traces decode for these batch sizes (rows are padded to 32 on device)
+DECODE_TRACE_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def _model_config(**kw):
+    return ConfigDict(extra="forbid", use_attribute_docstrings=True, **kw)
+
+
+class DtypePolicy(BaseModel):
+    """Storage dtype per tensor group. bfp8/bfp4 are Tenstorrent block floats (32x32 tiles, one
+    shared exponent per 16 values): 1,088 and 576 bytes per tile against bf16's 2,048."""
+
+    model_config = _model_config()
+
+    default: DType = "bf16"
+    """Dtype of any group not named below."""
+    embedding: DType | None = None
+    """Token embedding table; ttnn's embedding op reads a ROW_MAJOR bf16 table, so bf16 only."""
+    attention: DType | None = None
+    """q/k/v/o projections (and MLA's low-rank projections)."""
+    mlp: DType | None = None
+    """Dense MLP gate/up/down projections (incl. shared experts)."""
+    experts: DType | None = None
+    """Routed MoE expert weights."""
+    router: DType | None = None
+    """MoE router (gate) weights."""
+    lm_head: DType | None = None
+    """Output projection to the vocabulary."""
+    norms: DType | None = None
+    """1-D tensors (norm weights, biases, attention sinks); ttnn keeps these bf16."""
+    vision: DType | None = None
+    """Vision encoder and multimodal projector matrices (multimodal families)."""
+    tensors: dict[str, DType] = Field(default_factory=dict)
+    """Per-tensor overrides by tensor name (see `ttbundle plan` for names), e.g. `wo: bf16`."""
+
+    def dtype_of(self, name: str, group: str) -> str:
+        if name in self.tensors:
+            return self.tensors[name]
+        return getattr(self, group, None) or self.default
+
+
+class Weights(BaseModel):
+    """Where the checkpoint is and how it is stored on device."""
+
+    model_config = _model_config()
+
+    source: str | None = None
+    """Directory with `*.safetensors` (or `model.safetensors.index.json` for sharded
+    checkpoints; bf16, fp16 or fp32), relative to the spec file, a Hugging Face hub-cache
+    snapshot, or a model id `ORG/NAME[@REVISION]` found in the Hugging Face cache (downloaded
+    unless `HF_HUB_OFFLINE=1`; a path that exists wins). Omit for a plan-only spec."""
+    dtypes: DtypePolicy = Field(default_factory=DtypePolicy)
+    """Storage dtype per tensor group."""
+
+
+class Sharding(BaseModel):
+    """How tensors split over the mesh axes `rows` and `cols`, in PartitionSpec notation: one
+    entry per tensor dim, `null` (replicated), an axis name, or a list of axis names."""
+
+    model_config = _model_config()
+
+    plan: dict[str, PartitionSpec] = Field(default_factory=dict)
+    """Overrides of the family's default plan, by tensor name, e.g. `wq: [null, cols]`."""
+    targets: dict[str, dict[str, PartitionSpec]] = Field(default_factory=dict)
+    """Per-target overrides, keyed by a name from `targets`, applied after `plan`."""
+    kv_heads: Literal["replicate", "pad", "error"] = "replicate"
+    """When KV heads do not divide their axis: `replicate` (each device holds the KV heads its
+    query heads need; needs axis % kv_heads == 0), `pad` (zero heads up to a multiple), `error`."""
+    attention_heads: Literal["pad", "error"] = "error"
+    """When query heads do not divide their axis: `pad` with zero heads, or `error`."""
+    vocab: Literal["pad", "error"] = "pad"
+    """When the vocabulary does not divide its axis in whole tiles: `pad` (extra logits masked)
+    or `error`."""
+
+
+class Buckets(BaseModel):
+    """The fixed shapes traces are captured for."""
+
+    model_config = _model_config()
+
+    prefill: list[int] = Field(default_factory=lambda: [128, 1024])
+    """Prefill sequence lengths (tokens), sorted, unique, multiples of 32."""
+    decode: list[int] = Field(default_factory=lambda: [1, 8, 32])
+    """Decode batch sizes, sorted, unique, each one of 1, 2, 4, 8, 16, 32."""
+    prefill_chunk: int | None = None
+    """Prompts longer than this are prefilled in chunks of this many tokens; must be one of the
+    prefill buckets. Needed when max_model_len exceeds the largest prefill bucket."""
+
+
+class Runtime(BaseModel):
+    """Serving limits and plugin options (same names as Tenstorrent's vLLM plugin)."""
+
+    model_config = _model_config()
+
+    max_model_len: int = Field(default=4096, gt=0)
+    """Longest sequence (prompt + output) served."""
+    max_num_seqs: int = Field(default=32, gt=0)
+    """Sequences decoded together (they share the KV pool, `max_tokens_all_users`)."""
+    kv_block_size: int = Field(default=32, gt=0)
+    """Tokens per paged-KV block; a multiple of 32."""
+    kv_cache_dtype: Literal["bf16", "bfp8"] = "bf16"
+    """KV cache storage dtype."""
+    trace_mode: Literal["all", "decode_only", "none"] = "all"
+    """Which phases run as captured traces."""
+    sample_on_device_mode: Literal["all", "decode_only", "off"] = "all"
+    """Where sampling runs on device (token ids come back instead of logits)."""
+    trace_region_size: int | None = Field(default=None, gt=0)
+    """Bytes reserved for captured traces; default: ttbundle's estimate (see `plan`)."""
+    max_tokens_all_users: Annotated[int, Field(gt=0)] | Literal["auto"] | None = None
+    """KV cache pool (Tenstorrent's name): tokens of KV cache shared by all sequences. vLLM gets
+    ceil((max_tokens_all_users + kv_block_size x max_num_seqs) / kv_block_size) blocks and
+    preempts a sequence when they run out. `auto` or absent: the largest pool that fits each
+    chip after weights, activations and the trace region, capped at max_num_seqs x
+    max_model_len (every sequence at full length); at least max_model_len (one full sequence)."""
+
+
+class Replicas(BaseModel):
+    """A target run as several replicas of the model, each on its own submesh (Tenstorrent's
+    data parallel): a T3K as 8 replicas of [1, 1] or 4 of [1, 2], a TG as 4 of [8, 1] or
+    [2, 4]. Each replica is planned and built exactly as a standalone mesh of the submesh
+    shape; the package holds its weights once and every replica reads them."""
+
+    model_config = _model_config()
+
+    submesh: tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]]
+    """[rows, cols] of one replica's submesh; must tile the target (rows divide its rows, cols
+    its cols)."""
+    count: int | None = Field(default=None, gt=0)
+    """Number of replicas; optional, and when given it must equal the target's chips divided by
+    the submesh's."""
+
+
+class Vision(BaseModel):
+    """Image inputs of a multimodal model (its vision dims are the model's, `model.vision`)."""
+
+    model_config = _model_config()
+
+    images_per_prompt: int = Field(default=1, gt=0)
+    """Most images one prompt may carry (vLLM's `limit_mm_per_prompt`; more is refused with a 400)."""
+    buckets: list[int] = Field(default_factory=lambda: [1])
+    """What the vision encoder is traced for, sorted and unique: Gemma 3, image counts (a
+    prompt's images are encoded in one call padded to the smallest bucket holding them);
+    Qwen2.5-VL, Qwen3-VL and Mistral 3, patch counts (a prompt's images' patches, padded
+    likewise; default: the patches of `images_per_prompt` images of `max_pixels`, or of
+    `longest_edge` squared)."""
+    min_pixels: int | None = Field(default=None, gt=0)
+    """Qwen2.5-VL: the image processor enlarges a smaller image to at least this many pixels
+    (default 3136 = 56 x 56)."""
+    max_pixels: int | None = Field(default=None, gt=0)
+    """Qwen2.5-VL: the image processor shrinks a larger image to at most this many pixels, which
+    bounds one image's patches (max_pixels / patch_size^2) and soft tokens (a quarter of them);
+    default: 256 soft tokens' worth (200704 = 256 x 28 x 28 pixels at 14-pixel patches)."""
+    longest_edge: int | None = Field(default=None, gt=0)
+    """Mistral 3: the image processor shrinks an image whose longer side exceeds this many pixels
+    (aspect kept), then rounds both sides up to merge blocks (patch_size x spatial_merge_size);
+    at most the encoder's image_size; default: 16 merge blocks (448 pixels at 14-pixel patches)."""
+
+
+class Embedding(BaseModel):
+    """How an embedding bundle (`task: embed`) makes one vector of a prompt's final hidden states
+    (after the model's final norm), as sentence-transformers' `Pooling` and `Normalize` modules do."""
+
+    model_config = _model_config()
+
+    pooling: Literal["last", "mean", "cls"] = "last"
+    """`last`: the last prompt token's hidden state (decoder embedding models, e.g.
+    Qwen3-Embedding); `mean`: the mean over the prompt's tokens; `cls`: the first token's."""
+    normalize: bool = True
+    """L2-normalize the pooled vector (a request's `use_activation`, as vLLM names it, overrides)."""
+
+
+class Speculative(BaseModel):
+    """Speculative decoding (vLLM's `--speculative-config`): each decode step verifies up to
+    `num_speculative_tokens` proposed tokens per sequence in one program call (a *verify*
+    program per decode bucket: k + 1 rows per sequence) and keeps the longest prefix the model
+    agrees with, plus one token of its own (rejection sampling as vLLM defines it)."""
+
+    model_config = _model_config()
+
+    method: Literal["ngram", "draft"] = "ngram"
+    """`ngram`: prompt lookup (the proposals are the tokens that followed the longest earlier
+    match of the sequence's last n-gram, vLLM's `ngram`); `draft`: another bundle (`model:`)
+    proposes greedily (vLLM's `draft_model`); its package is built into this one."""
+    num_speculative_tokens: int = Field(default=3, gt=0)
+    """k: tokens proposed and verified per sequence and step."""
+    prompt_lookup_min: int = Field(default=1, gt=0)
+    """`ngram`: the shortest n-gram matched."""
+    prompt_lookup_max: int = Field(default=3, gt=0)
+    """`ngram`: the longest n-gram matched (at least `prompt_lookup_min`)."""
+    model: str | None = None
+    """`draft`: the drafting bundle's spec, relative to this spec: the same tokenizer (the same
+    vocabulary, token for token), decode buckets covering this bundle's, `max_model_len` at least
+    this bundle's, no `speculative:` of its own."""
+
+
+class BundleSpec(BaseModel):
+    """A model deployment on Tenstorrent meshes: architecture, weights, sharding, buckets."""
+
+    model_config = _model_config(title="ttbundle bundle spec")
+
+    name: str
+    """Bundle name: lowercase letters, digits, `-`, `_`, `.`; at most 64 characters."""
+    description: str = ""
+    """Free text shown in `ttbundle ls` and the generated model card."""
+    model: Annotated[Union[families.arch_models()], Field(discriminator="family")] | None = None  # type: ignore[valid-type]
+    """Architecture: `family` plus its dims (HF config.json names). Omit when using `from_hf`."""
+    from_hf: str | None = None
+    """Directory holding a Hugging Face `config.json` to import the architecture from (relative
+    to the spec), or a model id `ORG/NAME[@REVISION]` (as `weights.source`). Exactly one of
+    `model` / `from_hf`."""
+    tokenizer: str | Literal[False] | None = None
+    """Tokenizer directory (HF `tokenizer.json` etc.), relative to the spec, or a model id
+    `ORG/NAME[@REVISION]` (as `weights.source`); defaults to `from_hf`'s directory or the
+    weights directory. `build` needs one of `tokenizer.json`, `tokenizer.model`, `vocab.json`
+    there; `false`: no tokenizer, the package serves token ids only (vLLM's
+    `--skip-tokenizer-init`: prompts as token ids, no text out)."""
+    weights: Weights = Field(default_factory=Weights)
+    """Checkpoint location and storage dtypes."""
+    targets: list[str] = Field(min_length=1)
+    """Meshes to build for: MESH_DEVICE names (N150, N300, T3K, TG, P150, ...) or "(R,C)"."""
+    sharding: Sharding = Field(default_factory=Sharding)
+    """Sharding plan overrides (the family's default plan applies otherwise)."""
+    buckets: Buckets | None = None
+    """Trace buckets; default: the family's."""
+    runtime: Runtime = Field(default_factory=Runtime)
+    """Serving limits and plugin options. With `replicas`, `max_num_seqs` is per replica."""
+    hf_model: str | None = None
+    """The Hugging Face model id the bundle was made from, e.g. `meta-llama/Llama-3.1-8B-Instruct`:
+    a registered package is served by this id as well as by its name (`vllm serve <id>`)."""
+    replicas: dict[str, Replicas] = Field(default_factory=dict)
+    """Per target (a name from `targets`): serve it as replicas on submeshes, e.g.
+    `T3K: {submesh: [1, 1]}` (8 replicas; total concurrency 8 x `runtime.max_num_seqs`)."""
+    vision: Vision | None = None
+    """Image inputs (multimodal models only); default for a model with a vision part: one image
+    per prompt, one vision bucket."""
+    task: Literal["generate", "embed"] = "generate"
+    """`generate`: a language model (completions, chat); `embed`: an embedding model, served by
+    vLLM's pooling runner at `/v1/embeddings` (prefill programs only: no decode buckets; see
+    `embedding`). `ttbundle init` sets `embed` for a sentence-transformers checkpoint."""
+    embedding: Embedding | None = None
+    """Pooling and normalization of a `task: embed` bundle; default: last-token pooling,
+    normalized (Qwen3-Embedding's)."""
+    speculative: Speculative | None = None
+    """Speculative decoding (`method: ngram` or `draft`): the package gets a verify program per
+    decode bucket (and, for `draft`, the draft's package inside it) and `serve` passes vLLM's
+    `--speculative-config`; absent: none."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.fullmatch(v):
+            raise ValueError("must be 1-64 characters of lowercase letters, digits, '-', '_', '.', "
+                             "starting with a letter or digit (it names files and a Python module)")
+        return v
+
+
+def json_schema() -> dict:
+    schema = BundleSpec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    return schema
