@@ -105,7 +105,9 @@ class TTModelRunner(AsyncDecode):
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.step_log: deque[Step] = deque(maxlen=10_000)
         self._log_path = os.environ.get("TTBUNDLE_STEP_LOG")
-        self._log_file = None  # opened once (line-buffered: each step's line is written whole)
+        # opened once, when the runner starts (an empty log: no step yet), line-buffered: each
+        # step's line is written whole
+        self._log_file = open(self._log_path, "a", buffering=1) if self._log_path else None
         from .lanes import plan_lanes_for
         self.lane_plan = plan_lanes_for(vllm_config, package, options)  # replicas / DP / lanes
         self.lanes = None  # runtime.lanes.Lanes when this engine drives more than one replica
@@ -551,7 +553,5 @@ class TTModelRunner(AsyncDecode):
         elif self.lane_plan.replicas > 1:  # one replica per engine: this DP rank's
             step.lanes = [self.lane_plan.first_replica] * len(step.rows)
         self.step_log.append(step)
-        if self._log_path:
-            if self._log_file is None:
-                self._log_file = open(self._log_path, "a", buffering=1)
+        if self._log_file is not None:
             self._log_file.write(json.dumps(step.__dict__) + "\n")
