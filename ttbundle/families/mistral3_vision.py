@@ -22,7 +22,7 @@ of block patch ``j`` at ``c * m^2 + j``), ``merging_layer``, ``linear_1``, ``pro
 Host side, the program's rows are an image's patches in merge-block order (each block's m x m
 patches together, blocks row-major, image after image: ``pixel_values`` [patches, C x p x p] with
 ``image_grid_thw`` (1, h, w) per image, the layout Qwen2.5-VL's part uses, so the bucket counts
-patches and ``qwen2_5_vl_vision.patch_layout`` (no windows) gives each row's patch position and
+patches and ``patch_grid.patch_layout`` (no windows) gives each row's patch position and
 image); :func:`to_images` rebuilds HF's padded ``pixel_values`` and ``image_sizes``.
 
 Tensors are prefixed ``v_`` (encoder) and ``mm_`` (projector); default plan: heads and the MLP's

@@ -6,7 +6,7 @@ the head's rotary frequencies among them (the first ``mrope_section[0]`` frequen
 the temporal position, the next by the height, the last by the width), as HF's
 ``apply_multimodal_rotary_pos_emb`` does. Text tokens have equal positions in the three rows, so a
 text-only prompt is ordinary rope; image placeholders take their merge block's grid position
-(``qwen2_5_vl_vision.mrope_positions``, the one owner of the rule). Without ``vision`` the arch is
+(``patch_grid.mrope_positions``, the one owner of the rule). Without ``vision`` the arch is
 the text model only (a multimodal checkpoint's vision weights are left unused)."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ one row, Linear + bias, GELU, Linear + bias into the text hidden size: one soft 
 
 Window order: HF permutes the merge blocks so that each window is contiguous (``window_index``,
 ``cu_window_seqlens``) and un-permutes the soft tokens at the end. The host does that here
-(:func:`patch_layout`): the program's rows are the patches in window order, padded to the vision
+(``patch_grid.patch_layout``): the program's rows are the patches in window order, padded to the vision
 bucket (a fixed patch count), and the per-row metadata the program reads (rotary angles, window
 and image of each row) is made from ``image_grid_thw`` on the host, as a device would receive it.
 
@@ -28,13 +28,13 @@ the merger replicated.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
 from . import transforms
+from .patch_grid import max_patches, mrope_positions, patch_layout, rope_tables, soft_tokens  # noqa: F401 (q25.*)
 from .vision_part import ImageLayout, PromptPositions, VisionPart, blocks_of
 
 #: what a vision bucket counts
@@ -287,123 +287,6 @@ def rows(v: Qwen25Vision, patches: int) -> tuple[int, dict[str, int]]:
 
 def norms(v: Qwen25Vision) -> dict:
     return {n: {"eps": NORM_EPS} for n in ("v_ln1", "v_ln2", "v_merge_ln")}
-
-
-# ---- image geometry (host side) -----------------------------------------------------------------
-def max_patches(v: Qwen25Vision, max_pixels: int) -> int:
-    """Patches of the largest image the processor makes under ``max_pixels`` (its sides are
-    multiples of ``factor`` pixels with area <= max_pixels), a multiple of the merge unit."""
-    blocks = max_pixels // (v.factor ** 2)
-    return blocks * v.merge_unit
-
-
-def soft_tokens(v: Qwen25Vision, grid) -> int:
-    t, h, w = (int(x) for x in grid)
-    return t * h * w // v.merge_unit
-
-
-def mrope_positions(prompt_ids: list[int], image_grid_thw, vision: Qwen25Vision):
-    """(positions [3, L] (temporal, height, width), delta): Qwen2.5-VL's M-RoPE positions of a
-    prompt. Text tokens take one position in all three rows, counting on from the last; an
-    image's placeholders (its ``soft_tokens`` run of ``image_token_id``) take ``start + t``,
-    ``start + row``, ``start + column`` of their merge block, and the text after it continues at
-    ``start + max(h, w) / merge``. ``delta`` = max position + 1 - L: a token decoded at cache
-    position p has rope position p + delta in all three rows."""
-    import torch
-
-    grids = [tuple(int(x) for x in g) for g in (image_grid_thw if image_grid_thw is not None else [])]
-    m = vision.spatial_merge_size
-    rows: list[list[int]] = [[], [], []]
-    cur, i, k, L = 0, 0, 0, len(prompt_ids)
-    while i < L:
-        if prompt_ids[i] != vision.image_token_id:
-            for r in rows:
-                r.append(cur)
-            cur, i = cur + 1, i + 1
-            continue
-        if k >= len(grids):
-            raise ValueError(f"prompt token {i} is an image placeholder ({vision.image_token_id}) but "
-                             f"image_grid_thw has only {len(grids)} image(s)")
-        t, h, w = grids[k]
-        gh, gw = h // m, w // m
-        n = t * gh * gw
-        if prompt_ids[i:i + n] != [vision.image_token_id] * n:
-            run = next((j for j in range(i, L) if prompt_ids[j] != vision.image_token_id), L) - i
-            raise ValueError(f"image {k} (grid {t}x{h}x{w}) needs {n} placeholder tokens at prompt "
-                             f"position {i}, found a run of {run}")
-        for tt in range(t):
-            for y in range(gh):
-                for x in range(gw):
-                    rows[0].append(cur + tt)
-                    rows[1].append(cur + y)
-                    rows[2].append(cur + x)
-        cur += max(gh, gw)
-        i, k = i + n, k + 1
-    if k != len(grids):
-        raise ValueError(f"image_grid_thw has {len(grids)} images, the prompt's placeholders hold {k}")
-    pos = torch.tensor(rows, dtype=torch.long).reshape(3, L)
-    delta = int(pos.max()) + 1 - L if L else 0
-    return pos, delta
-
-
-def patch_layout(v: Qwen25Vision, image_grid_thw, bucket: int, windows: bool = True) -> dict:
-    """Where each patch of the images goes in a vision program of ``bucket`` rows, and what the
-    program reads per row. Merge blocks are put in window order (each window contiguous: windows
-    of ``window_blocks`` blocks per side, row-major, each row-major inside; one image after the
-    other), their patches kept together; rows past the images are padding.
-
-    ``order`` [patches]: the input row (in the processor's order) of each program row;
-    ``window`` / ``image`` [bucket]: the attention segment of each row in window layers and in
-    full-attention layers (padding rows form their own segment); ``hw`` [bucket, 2]: each row's
-    patch row and column in its image (the 2-D rope); ``unorder`` [soft tokens]: the program's
-    output row of each soft token in prompt order."""
-    import torch
-
-    m, unit = v.spatial_merge_size, v.merge_unit
-    # no windows (Qwen3-VL): one window per frame, the blocks in the processor's order
-    ws = v.window_blocks if windows else max([max(int(g[1]), int(g[2])) for g in image_grid_thw] + [1])
-    order, window, image, hw, block_rows = [], [], [], [], []
-    base, seg, frame = 0, 0, 0
-    for t, h, w in (tuple(int(x) for x in g) for g in image_grid_thw):
-        gh, gw = h // m, w // m
-        for tt in range(t):
-            for wy in range(0, gh, ws):
-                for wx in range(0, gw, ws):
-                    for y in range(wy, min(wy + ws, gh)):
-                        for x in range(wx, min(wx + ws, gw)):
-                            blk = tt * gh * gw + y * gw + x  # the block's index in the image
-                            block_rows.append(base // unit + blk)
-                            for j in range(unit):
-                                order.append(base + blk * unit + j)
-                                window.append(seg)
-                                image.append(-1 - frame - tt)  # a frame attends over itself
-                                hw.append((y * m + j // m, x * m + j % m))
-                    seg += 1
-        base, frame = base + t * h * w, frame + t
-    if len(order) > bucket:
-        raise ValueError(f"{len(order)} patches exceed the vision bucket of {bucket}")
-    pad = bucket - len(order)
-    pad_seg = seg  # padding rows: one segment of their own in both kinds of layer
-    window += [pad_seg] * pad
-    image += [pad_seg] * pad
-    hw += [(0, 0)] * pad
-    unorder = torch.argsort(torch.tensor(block_rows, dtype=torch.long)) if block_rows else torch.zeros(0, dtype=torch.long)
-    return {"order": torch.tensor(order, dtype=torch.long), "window": torch.tensor(window, dtype=torch.long),
-            "image": torch.tensor(image, dtype=torch.long), "hw": torch.tensor(hw, dtype=torch.long).reshape(-1, 2),
-            "unorder": unorder}
-
-
-def rope_tables(v: Qwen25Vision, hw, dtype):
-    """cos, sin [rows, head_dim] of the 2-D vision rope: the first half of the rotary angles from
-    the patch row, the second from its column (head_dim / 4 frequencies each), repeated for the
-    rotate-half layout."""
-    import torch
-
-    spatial = v.head_dim // 2
-    inv = 1.0 / (v.rope_theta ** (torch.arange(0, spatial, 2, dtype=torch.float32) / spatial))
-    ang = torch.cat([hw[:, 0:1].float() * inv, hw[:, 1:2].float() * inv], dim=-1)
-    emb = torch.cat([ang, ang], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 # ---- the vision part's functions (Qwen25VisionPart below calls them) -------------------------

@@ -6,7 +6,7 @@ Interleaved M-RoPE: the head's rotary frequencies take the temporal, height and 
 in turn (frequency j: height where j % 3 == 1 and j < 3 x mrope_section[1], width where
 j % 3 == 2 and j < 3 x mrope_section[2], else temporal), as HF's ``Qwen3VLTextRotaryEmbedding``
 does (``tables.mrope_rows``). The prompt's positions are Qwen2.5-VL's rule (one owner,
-``qwen2_5_vl_vision.mrope_positions``). DeepStack: after text layer ``k`` (k < the count of
+``patch_grid.mrope_positions``). DeepStack: after text layer ``k`` (k < the count of
 ``vision.deepstack_visual_indexes``) the image tokens' hidden states add the k-th DeepStack
 features of their image (a ``deepstack`` step then a residual add in every text layer: zeros
 where there is nothing to add). Everything else is Qwen2.5-VL's family (``qwen2_5_vl``), which

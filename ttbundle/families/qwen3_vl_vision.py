@@ -4,7 +4,7 @@ added into the first text layers).
 
 The images, their patches and grids are Qwen2.5-VL's (HF's ``Qwen2VLImageProcessor``, here with
 16-pixel patches and mean = std = 0.5), and so are the prompt's image tokens and its M-RoPE
-positions (one owner: ``qwen2_5_vl_vision.mrope_positions``; HF's Qwen3-VL ``get_rope_index``
+positions (one owner: ``patch_grid.mrope_positions``; HF's Qwen3-VL ``get_rope_index``
 gives images the same positions), the vision bucket (patches) and the spec's pixel budget: this
 module reuses them and :class:`Qwen3VisionPart` extends Qwen2.5-VL's part.
 

@@ -200,7 +200,7 @@ class EmulatedModel:
         tokens), ``embeds`` [mask.sum(), hidden] (the vision program's output), ``blocks``
         [N, S] the image block of every context position (-1: text). ``rope_positions``
         [3, N, Tq]: M-RoPE positions (temporal, height, width) of a family with
-        ``mrope_section`` (Qwen2.5-VL; ``qwen2_5_vl_vision.mrope_positions`` makes a prompt's);
+        ``mrope_section`` (Qwen2.5-VL; ``patch_grid.mrope_positions`` makes a prompt's);
         None: ``positions`` in all three rows. Cache slots always come from ``positions``."""
         stages = self.stages(program, tokens, positions, valid, page_table, kv, capture, mm, rope_positions, last)
         for _ in stages:

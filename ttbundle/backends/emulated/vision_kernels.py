@@ -71,7 +71,7 @@ GEMMA_VISION_KERNELS = dict(vision_embed=vision_embed, vision_attention=vision_a
 
 
 # ---- Qwen2.5-VL's vision transformer and merger ---------------------------------------------------
-# rows are the patches of the program's images in window order (``qwen2_5_vl_vision.patch_layout``);
+# rows are the patches of the program's images in window order (``patch_grid.patch_layout``);
 # ``ctx.vision`` holds the per-call metadata the host made: rope cos/sin per row, and each row's
 # window and image segment
 def qwen_vision_attention(ctx: Ctx, layer, q, k, v):
