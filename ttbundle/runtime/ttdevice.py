@@ -226,7 +226,7 @@ class TTDeviceModel(MeshModel):
                 self.programs_run[(phase, bucket)] += 1
                 return key
         from ..backends.ttnn.lowering import static_start
-        key = (phase, bucket, mode, static_start(self.bundle, self.package.program_ir(phase, bucket), start))
+        key = (phase, bucket, mode, static_start(self.bundle, self.package.loaded.program_ir(phase, bucket), start))
         if key not in self.runner.forwards:
             raise ValueError(f"no {mode}-sampling forward for {phase} bucket {bucket}")
         traced = key in self.runner.traced
