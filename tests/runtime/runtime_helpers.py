@@ -238,3 +238,25 @@ def prefill_starts(server, since: int) -> list[int]:
     import json
     return [row[1] for s in map(json.loads, step_lines(server)[since:]) if s["phase"] == "prefill"
             for row in s["rows"]]
+
+
+#: image sizes (height, width) of the 8 concurrent image chats (different grids, so different
+#: soft-token counts in one batch)
+CONCURRENT_SIZES = [(24, 24), (40, 56), (64, 32), (32, 64), (56, 40), (48, 48), (16, 64), (64, 64)]
+
+
+def concurrent_chats(server, messages: list, max_tokens: int) -> list:
+    """The chats sent at once through the `openai` client's async API (greedy, token ids back)."""
+    import asyncio
+
+    import openai
+    c = openai.AsyncOpenAI(base_url=server.url, api_key="none", timeout=300, max_retries=0)
+
+    async def one(m):
+        return await c.chat.completions.create(
+            model=server.name, messages=m, max_tokens=max_tokens, temperature=0,
+            extra_body={"ignore_eos": True, "return_token_ids": True})
+
+    async def main():
+        return await asyncio.gather(*(one(m) for m in messages))
+    return asyncio.run(main())
