@@ -260,3 +260,17 @@ def concurrent_chats(server, messages: list, max_tokens: int) -> list:
     async def main():
         return await asyncio.gather(*(one(m) for m in messages))
     return asyncio.run(main())
+
+
+def assert_concurrent_image_chats(server, image, message, hf_greedy, image_token: int) -> None:
+    """8 image chats at once (one image each of :data:`CONCURRENT_SIZES`: different soft-token
+    counts in one batch), each greedy-identical to transformers' generate of its own prompt
+    (``hf_greedy(server, text, images, n)`` -> HF's prompt ids and tokens)."""
+    texts = [f"ba {'be ' * i}" for i in range(8)]
+    ims = [image(i, *CONCURRENT_SIZES[i]) for i in range(8)]
+    rs = concurrent_chats(server, [message(texts[i], ims[i]) for i in range(8)], 4)
+    assert len({r.prompt_token_ids.count(image_token) for r in rs}) >= 5  # different grids
+    for i, r in enumerate(rs):
+        ids, want = hf_greedy(server, texts[i], [ims[i]], 4)
+        assert r.prompt_token_ids == ids, i
+        assert r.choices[0].token_ids == want, i

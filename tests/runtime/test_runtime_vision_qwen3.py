@@ -19,7 +19,7 @@ import pytest
 openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from spec_helpers import TINY_Q3VL  # noqa: E402
-from runtime_helpers import CONCURRENT_SIZES, concurrent_chats, served_package  # noqa: E402
+from runtime_helpers import assert_concurrent_image_chats, served_package  # noqa: E402
 
 pytestmark = [pytest.mark.slow]
 MESH = "N150"
@@ -121,13 +121,4 @@ def test_bad_image_input_is_a_4xx_and_the_server_keeps_serving(server):
 
 
 def test_8_concurrent_image_requests_of_different_sizes_equal_transformers(server):
-    """8 image chats at once (one image each, 8 sizes: different soft-token counts in one
-    batch), each greedy-identical to transformers' generate of its own prompt."""
-    texts = [f"ba {'be ' * i}" for i in range(8)]
-    ims = [image(i, *CONCURRENT_SIZES[i]) for i in range(8)]
-    rs = concurrent_chats(server, [message(texts[i], ims[i]) for i in range(8)], 4)
-    assert len({r.prompt_token_ids.count(IMAGE) for r in rs}) >= 5  # different grids
-    for i, r in enumerate(rs):
-        ids, want = hf_greedy(server, texts[i], [ims[i]], 4)
-        assert r.prompt_token_ids == ids, i
-        assert r.choices[0].token_ids == want, i
+    assert_concurrent_image_chats(server, image, message, hf_greedy, IMAGE)
