@@ -274,3 +274,26 @@ def assert_concurrent_image_chats(server, image, message, hf_greedy, image_token
         ids, want = hf_greedy(server, texts[i], [ims[i]], 4)
         assert r.prompt_token_ids == ids, i
         assert r.choices[0].token_ids == want, i
+
+
+def random_image(seed: int, h: int = 40, w: int = 56):
+    """A seeded random RGB image of h x w pixels (PIL)."""
+    import numpy as np
+    from PIL import Image
+    rng = np.random.default_rng(seed)
+    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
+
+
+def data_url(im) -> str:
+    """An image as an `image_url` base64 PNG data URL."""
+    import base64
+    import io
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def image_message(text: str, *images) -> list:
+    """A user chat message: the images (as data URLs), then the text."""
+    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
+    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]

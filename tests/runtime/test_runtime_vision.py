@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import sys
 from pathlib import Path
 
@@ -20,7 +19,8 @@ openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from spec_helpers import TINY_VL  # noqa: E402
 
-from runtime_helpers import prefill_starts, served_package, step_lines  # noqa: E402
+from runtime_helpers import (prefill_starts, served_package, step_lines,  # noqa: E402
+                             data_url, image_message as message)
 
 pytestmark = pytest.mark.slow
 MESH = "N300"
@@ -37,17 +37,6 @@ def image(seed: int):
     from PIL import Image
     rng = np.random.default_rng(seed)
     return Image.fromarray((rng.random((48 + 4 * seed, 80, 3)) * 255).astype("uint8"))
-
-
-def data_url(im) -> str:
-    buf = io.BytesIO()
-    im.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def message(text: str, *images) -> list:
-    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
-    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
 
 
 def hf_greedy(server, ids: list[int], images: list, n: int) -> list[int]:

@@ -10,17 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import io
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import spec_helpers  # noqa: E402
-from runtime_helpers import prefill_starts, served_package, step_lines  # noqa: E402
+from runtime_helpers import (prefill_starts, served_package, step_lines,  # noqa: E402
+                             random_image as image, data_url, image_message as message)
 
 TINY_QVL = getattr(spec_helpers, "TINY_QVL", None)
 pytestmark = [pytest.mark.slow,
@@ -33,23 +32,6 @@ IMAGE, START, END = 500, 502, 503  # TINY_QVL's image_token_id, vision_start / v
 def server(packages_dir, tmp_path_factory):
     with served_package(TINY_QVL, packages_dir, MESH, tmp_path_factory.mktemp("serve-qvl")) as srv:
         yield srv
-
-
-def image(seed: int, h: int = 40, w: int = 56):
-    from PIL import Image
-    rng = np.random.default_rng(seed)
-    return Image.fromarray((rng.random((h, w, 3)) * 255).astype("uint8"))
-
-
-def data_url(im) -> str:
-    buf = io.BytesIO()
-    im.save(buf, format="PNG")
-    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-
-
-def message(text: str, *images) -> list:
-    parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
-    return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
 
 
 _HF: dict = {}

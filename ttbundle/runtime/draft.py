@@ -153,9 +153,9 @@ class DraftProposer:
                     break
             s.fed = ()
             s.computed = min(s.computed, len(toks) - 1)  # at least the last token: its logits
-        short = [w for w, (s, toks) in enumerate(work) if len(toks) - s.computed <= self.k + 1]
-        first = self._decode_rounds(work, short)
-        first.update(self._prefill(work, [w for w in range(len(work)) if w not in set(short)]))
+        near = [len(toks) - s.computed <= self.k + 1 for s, toks in work]  # a few tokens behind: decode
+        first = self._decode_rounds(work, [w for w, n in enumerate(near) if n])
+        first.update(self._prefill(work, [w for w, n in enumerate(near) if not n]))
         return [first[w] for w in range(len(work))]
 
     def _decode_rounds(self, work, which: list[int]) -> dict[int, int]:
