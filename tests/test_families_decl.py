@@ -287,7 +287,7 @@ PUBLISHED["qwen3-vl-8b-instruct.yaml"] = {  # text_config and vision_config (tra
                       "hidden_size": 1152, "in_channels": 3, "intermediate_size": 4304, "model_type": "qwen3_vl",
                       "num_heads": 16, "num_position_embeddings": 2304, "out_hidden_size": 4096, "patch_size": 16,
                       "spatial_merge_size": 2, "temporal_patch_size": 2}}
-PUBLISHED["mistral-small-3.1-24b-instruct.yaml"] = {  # as remembered (transformers 4.50): no tie_word_embeddings
+PUBLISHED["mistral-small-3.1-24b-instruct.yaml"] = {  # the published config (transformers 4.50): no tie_word_embeddings
     "architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "image_token_index": 10,
     "multimodal_projector_bias": False, "projector_hidden_act": "gelu", "spatial_merge_size": 2,
     "vision_feature_layer": -1,
