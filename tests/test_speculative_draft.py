@@ -85,15 +85,38 @@ def test_draft_mistakes_are_located_at_model(spec_dir, draft_changes, words):
         assert w in d.message, d.message
 
 
-def test_a_cycle_of_drafts_and_replicas_are_refused(spec_dir):
+def test_a_cycle_of_drafts_is_refused(spec_dir):
     _write(spec_dir, draft_changes={"speculative": {"method": "draft", "model": SPEC_FILE}})
     d = _diag(spec_dir)
     assert d.path == "speculative.model" and "is invalid" in d.message and "cycle" in d.message, d.message
-    _write(spec_dir, target_changes={"targets": ["T3K"], "replicas": {"T3K": {"submesh": [1, 1]}},
-                                     "runtime": {"max_num_seqs": 8}, "buckets": {"decode": [1, 8]}},
-           draft_changes={"targets": ["T3K"], "runtime": {"max_num_seqs": 8}, "buckets": {"decode": [1, 8]}})
+
+
+def test_a_draft_with_replicas_splits_the_target_as_the_target_does(spec_dir):
+    """With `replicas:` the draft runs beside each replica (lanes): its spec must split the
+    target into the same submeshes (its package is built for the replica's mesh); otherwise the
+    message names both splits and the entry to write."""
+    from ttbundle import spec
+    from ttbundle.plan.make import make_plan
+
+    split = {"targets": ["T3K"], "runtime": {"max_num_seqs": 8}, "buckets": {"decode": [1, 8]}}
+    _write(spec_dir, target_changes=dict(split, replicas={"T3K": {"submesh": [1, 1]}}), draft_changes=split)
     d = _diag(spec_dir)
-    assert d.path == "speculative.model" and "not yet: a draft with `replicas:`" in d.message, d.message
+    assert d.path == "speculative.model", str(d)
+    for w in ("T3K 1x8 as 8 replicas of 1x1", "T3K 1x8",
+              "replicas: {T3K: {submesh: [1, 1]}}"):
+        assert w in d.message, d.message
+    _write(spec_dir, target_changes=dict(split, replicas={"T3K": {"submesh": [1, 1]}}),
+           draft_changes=dict(split, replicas={"T3K": {"submesh": [1, 2]}}))
+    assert "4 replicas of 1x2" in _diag(spec_dir).message
+    _write(spec_dir, target_changes=split, draft_changes=dict(split, replicas={"T3K": {"submesh": [1, 2]}}))
+    assert "no `replicas:` entry for T3K" in _diag(spec_dir).message
+    _write(spec_dir, target_changes=dict(split, replicas={"T3K": {"submesh": [1, 1]}}),
+           draft_changes=dict(split, replicas={"T3K": {"submesh": [1, 1]}}))
+    target = spec.load(spec_dir / SPEC_FILE)
+    plan = make_plan(target, "T3K")  # the draft counted on the replica's 1x1 mesh, as its own plan there
+    assert plan.mesh.num_devices == 1 and plan.memory.draft == make_plan(spec.load(spec_dir / "draft.yaml"),
+                                                                        "T3K").memory.weights \
+        + plan.draft["kv_bytes"]
 
 
 def test_a_missing_draft_spec_and_a_draft_without_model_are_located(spec_dir):

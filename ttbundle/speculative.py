@@ -169,9 +169,7 @@ def check_draft(b, load) -> list[Diagnostic]:
     finally:
         _LOADING.discard(key)
     d = []
-    if b.spec.replicas:
-        d.append(b.locate(at, "not yet: a draft with `replicas:` (the draft would need a KV region per lane); "
-                          "remove `replicas:` or speculate with `method: ngram`"))
+    d += _split_differences(b, dr, path, at)
     if of(dr) is not None:
         d.append(b.locate(at, f"the draft spec {path} has `speculative:` itself; a draft proposes alone: "
                           "remove it there"))
@@ -196,6 +194,28 @@ def check_draft(b, load) -> list[Diagnostic]:
         d.append(b.locate(at, f"the draft {dr.spec.name} has max_model_len={dl}, below this bundle's {ml}: "
                           f"set the draft's runtime.max_model_len to at least {ml}"))
     return d
+
+
+def _split_differences(b, dr, path, at) -> list[Diagnostic]:
+    """The draft runs beside each replica of the target (its own copy and KV region per lane):
+    it must split every target into the same submeshes (``replicas:``) as this bundle, so its
+    package is built for the replica's mesh (the plan counts it there, ``plan.make.draft_memory``)."""
+    from .plan.sharding import target_mesh
+
+    out = []
+    for name in dict.fromkeys(list(b.spec.replicas) + list(dr.spec.replicas)):
+        try:
+            mine, theirs = target_mesh(b, name), target_mesh(dr, name)
+        except InvalidInput:
+            continue  # an unknown target or a submesh that does not tile: reported by spec.check
+        if (mine.shape, mine.replicas) == (theirs.shape, theirs.replicas):
+            continue
+        want = f"replicas: {{{name}: {{submesh: [{mine.rows}, {mine.cols}]}}}}" if mine.replicas > 1 \
+            else f"no `replicas:` entry for {name}"
+        out.append(b.locate(at, f"the draft {dr.spec.name} runs {name} as {theirs.describe()}, this bundle as "
+                            f"{mine.describe()}: the draft runs beside each replica, on the same submesh; "
+                            f"give the draft spec {path} {want}"))
+    return out
 
 
 def _tokenizer_difference(b, dr) -> str | None:

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from runtime_helpers import hf_greedy, spec_text
-from test_runtime_speculative import OTHERS, REPETITIVE, _contingency_pvalue
+from test_runtime_speculative import OTHERS, PATTERN, REPETITIVE, _contingency_pvalue
 
 K = 3
 PROMPTS = [REPETITIVE] + OTHERS
@@ -42,8 +42,11 @@ def _noisy_copy(src, dst, scale: float, seed: int = 7):
 
 @pytest.fixture(scope="session")
 def draft_packages(packages_dir):
-    """{"self": target whose draft is the target itself, "noisy": the target with a noisy
-    draft}: (package, checkpoint) built for N150 from one random checkpoint."""
+    """``draft_packages(kind, mesh="N150", lanes=False)`` -> (package, checkpoint): the target
+    whose draft is the target itself (``kind="self"``) or the target with a noisy draft
+    (``"noisy"``), from one random checkpoint, built for ``mesh`` (the draft built for the same
+    mesh into the target); ``lanes``: both split into T3K's 8 replicas of 1x1 (``replicas:``),
+    4 sequences per lane."""
     from ttbundle import spec as specmod
     from ttbundle.build import build
     from ttbundle.serving.demo import make_source, spec_with_source
@@ -55,15 +58,23 @@ def draft_packages(packages_dir):
     make_source(specmod.loads(spec_text("llama")), src, 0)
     _noisy_copy(src, out / "src-noisy", 0.6)
     built = {}
-    for kind, dsrc in (("self", src), ("noisy", out / "src-noisy")):
-        d = dict(base, name=f"tiny-llama-draft-{kind}")
-        (out / f"draft-{kind}.yaml").write_text(spec_with_source(yaml.safe_dump(d), dsrc))
-        t = dict(base, name=f"tiny-llama-dtarget-{kind}",
-                 speculative={"method": "draft", "model": f"draft-{kind}.yaml", "num_speculative_tokens": K})
-        (out / f"target-{kind}.yaml").write_text(spec_with_source(yaml.safe_dump(t), src))
-        res = build(specmod.load(out / f"target-{kind}.yaml"), "N150", out)
-        built[kind] = (Path(res.package), src)
-    return built
+
+    def make(kind: str, mesh: str = "N150", lanes: bool = False):
+        if (kind, mesh, lanes) in built:
+            return built[(kind, mesh, lanes)]
+        dsrc = src if kind == "self" else out / "src-noisy"
+        tag = f"{kind}-r1x1" if lanes else kind
+        split = {"replicas": {"T3K": {"submesh": [1, 1]}}, "runtime": dict(base["runtime"], max_num_seqs=4)} \
+            if lanes else {}
+        d = dict(base, name=f"tiny-llama-draft-{tag}", **split)
+        (out / f"draft-{tag}.yaml").write_text(spec_with_source(yaml.safe_dump(d), dsrc))
+        t = dict(base, name=f"tiny-llama-dtarget-{tag}", **split,
+                 speculative={"method": "draft", "model": f"draft-{tag}.yaml", "num_speculative_tokens": K})
+        (out / f"target-{tag}.yaml").write_text(spec_with_source(yaml.safe_dump(t), src))
+        res = build(specmod.load(out / f"target-{tag}.yaml"), mesh, out)
+        built[(kind, mesh, lanes)] = (Path(res.package), src)
+        return built[(kind, mesh, lanes)]
+    return make
 
 
 @pytest.fixture(autouse=True)
@@ -98,9 +109,10 @@ def _greedy(n):
     return dict(max_tokens=n, temperature=0, ignore_eos=True)
 
 
-@pytest.mark.parametrize("kind", ["self", "noisy"])
-def test_greedy_draft_is_identical_without_speculation_and_to_transformers(draft_packages, kind):
-    pkg, src = draft_packages[kind]
+@pytest.mark.parametrize("kind, mesh", [("self", "N150"), ("noisy", "N150"), ("noisy", "T3K")])
+def test_greedy_draft_is_identical_without_speculation_and_to_transformers(draft_packages, kind, mesh):
+    """On N150 and on T3K (the target and its draft sharded over the 8 chips)."""
+    pkg, src = draft_packages(kind, mesh)
     batches = [(PROMPTS, _greedy(40))]
     (spec_out,), metrics, steps, runner = _run(pkg, True, batches)
     (plain_out,), plain_metrics, plain_steps, _ = _run(pkg, False, batches)
@@ -120,16 +132,20 @@ def test_greedy_draft_is_identical_without_speculation_and_to_transformers(draft
     draft = runner.proposer.model  # the draft package's own programs ran (prefill and decode)
     assert {p for p, _ in draft.programs_run} == {"prefill", "decode"}
     assert runner.proposer.package.path == pkg / "draft"
+    # the draft sharded over the target's mesh (T3K: its 8 chips)
+    assert runner.proposer.package.loaded.mesh.num_devices == runner.package.loaded.mesh.num_devices \
+        == {"N150": 1, "T3K": 8}[mesh]
 
 
-def test_draft_proposals_are_the_drafts_greedy_tokens_after_acceptances_and_rejections(draft_packages):
+@pytest.mark.parametrize("mesh", ["N150", "T3K"])
+def test_draft_proposals_are_the_drafts_greedy_tokens_after_acceptances_and_rejections(draft_packages, mesh):
     """The proposer alone: its k proposals are transformers' greedy continuation of the draft
     checkpoint, step after step, while each request keeps 0 to k of them and a token of its own
     (the draft's KV reused where proposals were accepted, rewritten where they were not)."""
     from ttbundle.runtime.draft import DraftProposer
     from ttbundle.runtime.packages import open_package
 
-    pkg, _ = draft_packages["noisy"]
+    pkg, _ = draft_packages("noisy", mesh)
     dsrc = pkg.parents[1] / "src-noisy"
     proposer = DraftProposer(open_package(pkg), K, 256)
     seqs = {f"r{i}": list(p["prompt_token_ids"]) for i, p in enumerate(PROMPTS)}
@@ -144,11 +160,35 @@ def test_draft_proposals_are_the_drafts_greedy_tokens_after_acceptances_and_reje
     assert set(proposer.slots) == {"r1", "r2"}
 
 
+def test_lanes_draft_per_lane_identical_to_transformers(draft_packages):
+    """A T3K split into 8 replicas of 1x1 served as lanes, the draft (the target itself, split
+    the same way) beside each: each lane's requests propose from the lane's own draft KV region
+    (every proposal the target's argmax: accepted == drafted, which a request reading another
+    lane's or another request's draft KV would break) and verify on the lane's target KV, greedy
+    tokens those of transformers. 10 requests on 8 lanes: two lanes hold two."""
+    pkg, src = draft_packages("self", "T3K", lanes=True)
+    prompts = PROMPTS + [{"prompt_token_ids": PATTERN[::-1] * 5}] + \
+        [{"prompt_token_ids": [(3 * i + 11 * j) % 450 + 30 for i in range(24 + 5 * j)]} for j in range(6)]
+    (out,), metrics, steps, runner = _run(pkg, True, [(prompts, _greedy(24))], max_num_seqs=32)
+    assert runner.lanes is not None and runner.lane_plan.lanes == 8
+    assert len(runner.proposer.kvs) == 8 and runner.proposer.kvs[0] is not runner.proposer.kvs[1]
+    for p, toks in zip(prompts, out):
+        assert toks == hf_greedy(src, p["prompt_token_ids"], 24)
+    drafted, accepted = metrics["vllm:spec_decode_num_draft_tokens"], metrics["vllm:spec_decode_num_accepted_tokens"]
+    assert drafted > 0 and accepted == drafted
+    verify = [s for s in steps if s.phase == "verify"]
+    assert verify and all(s.sampling == "device" for s in verify)
+    assert len({lane for s in verify for lane in s.lanes}) == 8  # rows of every lane verified
+    assert max(sum(1 for s_lane in s.lanes if s_lane == lane) for s in verify for lane in set(s.lanes)) == 2
+    # the last requests' slots (vLLM reports them finished with the next step): in their lane's region
+    assert runner.proposer.slots and all(s.lane == runner.lanes.of[rid].index for rid, s in runner.proposer.slots.items())
+
+
 @pytest.mark.slow  # two engines on 400 requests: minutes on 2 CPU cores
 def test_stochastic_draft_keeps_the_distribution_of_sampling_without_speculation(draft_packages):
     """400 seeded requests, 4 tokens each, with the noisy draft: per position, the tokens'
     distribution with speculation against without it."""
-    pkg, src = draft_packages["noisy"]
+    pkg, src = draft_packages("noisy")
     n = 400
     prompt = {"prompt_token_ids": REPETITIVE["prompt_token_ids"] + hf_greedy(src, REPETITIVE["prompt_token_ids"], 16)}
     params = [dict(max_tokens=4, temperature=0.8, top_k=4, seed=s, ignore_eos=True) for s in range(n)]
@@ -170,7 +210,7 @@ def test_the_draft_is_part_of_the_package_verified_and_keyed_with_it(draft_packa
     from ttbundle.package.names import PackageError
     from ttbundle.package.verify import read_manifest, verify_package
 
-    pkg, _ = draft_packages["self"]
+    pkg, _ = draft_packages("self")
     m = read_manifest(pkg)
     dm = read_manifest(pkg / "draft")
     assert {f"draft/{r}" for r in dm["files"]} | {"draft/manifest.json"} <= set(m["files"])
@@ -216,13 +256,13 @@ def test_serve_passes_the_draft_config_and_the_platform_refuses_another_draft(dr
     from ttbundle.errors import InvalidInput
     from ttbundle.serving.serve import plan_serve
 
-    pkg, _ = draft_packages["self"]
+    pkg, _ = draft_packages("self")
     argv = plan_serve(pkg).argv
     assert json.loads(argv[argv.index("--speculative-config") + 1]) == _config(pkg)
     with pytest.raises(InvalidInput) as ei:
         plan_serve(pkg, extra=["-sc", json.dumps(dict(_config(pkg), model=str(tmp_path)))])
     assert f"model: given {str(tmp_path)!r}" in str(ei.value)
-    other, _ = draft_packages["noisy"]
+    other, _ = draft_packages("noisy")
     with pytest.raises(Exception) as ei:
         LLM(model=str(pkg), dtype="float32", speculative_config=_config(other))
     assert "model: given" in str(ei.value) and str(pkg / "draft") in str(ei.value), str(ei.value)

@@ -133,6 +133,7 @@ def _contingency_pvalue(a: np.ndarray, b: np.ndarray) -> float:
                                          torch.tensor(stat / 2, dtype=torch.float64)))
 
 
+@pytest.mark.slow  # three engines, two on 400 requests: minutes on 2 CPU cores
 def test_stochastic_ngram_keeps_the_distribution_of_sampling_without_speculation(ngram_package):
     """400 seeded requests, each 4 tokens (the 2nd to 4th can come from verify steps): per
     position, the tokens' distribution with speculation against without it. The prompt is the

@@ -36,6 +36,7 @@ logger = logging.getLogger("vllm.ttbundle.draft")
 @dataclass
 class _Slot:
     index: int
+    lane: int = 0  # the lane whose KV region holds it (``runtime.lanes``)
     computed: int = 0  # leading tokens of the request whose draft KV is valid
     fed: tuple = ()  # proposals fed to the draft after them (at positions computed, computed + 1, ...)
 
@@ -44,7 +45,7 @@ class DraftProposer:
     """Greedy proposals from the draft package inside ``package`` (a ``runtime.packages.Package``
     whose spec says ``speculative: {method: draft}``), ``k`` per request and step."""
 
-    def __init__(self, package, k: int, max_model_len: int, dtype=torch.float32):
+    def __init__(self, package, k: int, max_model_len: int, dtype=torch.float32, lanes: int = 1):
         from ..package.names import DRAFT_DIR
         from ..package.verify import load_adapter
         from ..speculative import draft_kv_blocks
@@ -64,15 +65,17 @@ class DraftProposer:
         self.blocks_per_seq = blocks_per_seq(max_model_len, self.block_size)
         self.num_slots = rt.max_num_seqs
         blocks = draft_kv_blocks(package.bundle, draft)
-        self.kv = self.model.allocate_kv_cache((blocks, a.kv_heads, self.block_size, a.hd), dtype,
-                                               a.num_hidden_layers)
+        # one KV region per lane (``runtime.lanes``: each lane is a replica of its own, the draft
+        # beside the target on its submesh): a request's draft KV lives in its lane's
+        self.kvs = [self.model.allocate_kv_cache((blocks, a.kv_heads, self.block_size, a.hd), dtype,
+                                                 a.num_hidden_layers) for _ in range(lanes)]
         bk = draft.buckets
         self.prefill_buckets, self.decode_buckets = list(bk.prefill), list(bk.decode)
         self.chunk = bk.prefill_chunk or max(bk.prefill)
         self.slots: dict[str, _Slot] = {}
         self.proposed = 0  # proposals made (for logs and benches)
-        logger.info("ttbundle: draft %s proposes %d tokens per step (KV of %d blocks x %d tokens)",
-                    draft.spec.name, k, blocks, self.block_size)
+        logger.info("ttbundle: draft %s proposes %d tokens per step (KV of %d blocks x %d tokens%s)",
+                    draft.spec.name, k, blocks, self.block_size, f" per lane, {lanes} lanes" if lanes > 1 else "")
 
     # -- vLLM's engine asks for proposals after every step -----------------------------------------
     def check_references(self, log=None) -> dict:
@@ -87,17 +90,31 @@ class DraftProposer:
         """A finished request gives its slot back."""
         self.slots.pop(req_id, None)
 
-    def propose_batch(self, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
+    def propose_batch(self, reqs: list[tuple[str, list[int]]], lanes: list[int] | None = None) -> list[list[int]]:
         """Up to ``k`` greedy proposals after each request's tokens (prompt and outputs), none
-        past ``max_model_len``; ``reqs`` is [(req_id, tokens)]."""
+        past ``max_model_len``; ``reqs`` is [(req_id, tokens)], ``lanes`` each request's lane
+        (0 .. lanes - 1, ``runtime.lanes``; None: lane 0). Each lane's requests run as a batch
+        of their own on the lane's KV region (one program call per lane and step)."""
+        out: list[list[int]] = [[] for _ in reqs]
+        by_lane: dict[int, list[int]] = {}
+        for i, lane in enumerate(lanes if lanes is not None else [0] * len(reqs)):
+            by_lane.setdefault(lane, []).append(i)
+        for lane in sorted(by_lane):
+            for i, props in zip(by_lane[lane], self._propose_lane(lane, [reqs[i] for i in by_lane[lane]])):
+                out[i] = props
+        self.proposed += sum(len(o) for o in out)
+        return out
+
+    def _propose_lane(self, lane: int, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
         want = [min(self.k, self.max_model_len - len(t)) for _, t in reqs]
         live = [i for i, n in enumerate(want) if n > 0]
         out: list[list[int]] = [[] for _ in reqs]
         if not live:
             return out
+        kv = self.kvs[lane]
         batch = {reqs[i][0] for i in live}
-        slots = [self._slot(reqs[i][0], batch) for i in live]
-        first = self._catch_up([(slots[j], reqs[i][1]) for j, i in enumerate(live)])
+        slots = [self._slot(reqs[i][0], batch, lane) for i in live]
+        first = self._catch_up([(slots[j], reqs[i][1]) for j, i in enumerate(live)], kv)
         for j, i in enumerate(live):
             out[i].append(first[j])
             slots[j].fed = ()
@@ -111,26 +128,27 @@ class DraftProposer:
             for r, (j, i) in enumerate(rows):
                 tokens[r, 0] = out[i][-1]
                 pos[r] = len(reqs[i][1]) + step - 1
-            logits = self.model.decode_forward(tokens, pos, self._table([slots[j] for j, _ in rows], bucket), self.kv)
+            logits = self.model.decode_forward(tokens, pos, self._table([slots[j] for j, _ in rows], bucket), kv)
             ids = logits[:B].argmax(-1).tolist()
             for r, (j, i) in enumerate(rows):
                 out[i].append(int(ids[r]))
         for j, i in enumerate(live):  # proposals 1 .. n-1 were fed: their KV holds if they are accepted
             slots[j].fed = tuple(out[i][:-1])
-        self.proposed += sum(len(o) for o in out)
         return out
 
     # -- internals ----------------------------------------------------------------------------
-    def _slot(self, req_id: str, batch: set) -> _Slot:
+    def _slot(self, req_id: str, batch: set, lane: int = 0) -> _Slot:
+        """The request's slot in its lane's KV region (a request keeps its lane: ``runtime.lanes``)."""
         s = self.slots.get(req_id)
         if s is not None:
             return s
-        used = {s.index for s in self.slots.values()}
+        mine = {r: s for r, s in self.slots.items() if s.lane == lane}
+        used = {s.index for s in mine.values()}
         free = [i for i in range(self.num_slots) if i not in used]
         if not free:  # a request outside this batch gives its slot up (prefilled again later)
-            victim = next(r for r in self.slots if r not in batch)
+            victim = next(r for r in mine if r not in batch)
             free = [self.slots.pop(victim).index]
-        s = self.slots[req_id] = _Slot(free[0])
+        s = self.slots[req_id] = _Slot(free[0], lane)
         return s
 
     def _table(self, slots: list[_Slot], rows: int) -> torch.Tensor:
@@ -140,7 +158,7 @@ class DraftProposer:
             t[r] = 1 + s.index * self.blocks_per_seq + torch.arange(self.blocks_per_seq)
         return t
 
-    def _catch_up(self, work: list[tuple[_Slot, list[int]]]) -> list[int]:
+    def _catch_up(self, work: list[tuple[_Slot, list[int]]], kv) -> list[int]:
         """Bring each request's draft KV up to its tokens and return the argmax after its last
         token. The proposals fed last step that the target accepted keep their KV (same tokens
         at the same positions); the rest is computed: a few tokens (what one step accepts) as
@@ -154,11 +172,11 @@ class DraftProposer:
             s.fed = ()
             s.computed = min(s.computed, len(toks) - 1)  # at least the last token: its logits
         near = [len(toks) - s.computed <= self.k + 1 for s, toks in work]  # a few tokens behind: decode
-        first = self._decode_rounds(work, [w for w, n in enumerate(near) if n])
-        first.update(self._prefill(work, [w for w, n in enumerate(near) if not n]))
+        first = self._decode_rounds(work, [w for w, n in enumerate(near) if n], kv)
+        first.update(self._prefill(work, [w for w, n in enumerate(near) if not n], kv))
         return [first[w] for w in range(len(work))]
 
-    def _decode_rounds(self, work, which: list[int]) -> dict[int, int]:
+    def _decode_rounds(self, work, which: list[int], kv) -> dict[int, int]:
         """Decode steps of the requests ``which``, each fed its next token until its last."""
         first: dict[int, int] = {}
         while which:
@@ -169,7 +187,7 @@ class DraftProposer:
             for r, w in enumerate(which):
                 s, toks = work[w]
                 tokens[r, 0], pos[r] = toks[s.computed], s.computed
-            logits = self.model.decode_forward(tokens, pos, self._table([work[w][0] for w in which], bucket), self.kv)
+            logits = self.model.decode_forward(tokens, pos, self._table([work[w][0] for w in which], bucket), kv)
             ids = logits[:B].argmax(-1).tolist()
             for r, w in enumerate(which):
                 work[w][0].computed += 1
@@ -178,7 +196,7 @@ class DraftProposer:
             which = [w for w in which if w not in first]
         return first
 
-    def _prefill(self, work, which: list[int]) -> dict[int, int]:
+    def _prefill(self, work, which: list[int], kv) -> dict[int, int]:
         """Prefill the requests ``which`` from their ``computed`` to their end, in chunks of the
         draft's ``prefill_chunk`` (packed several to a call, ``phases.pack_prefill``)."""
         from .phases import pack_prefill
@@ -197,7 +215,7 @@ class DraftProposer:
                 for m, (w, c, n) in enumerate(members):
                     tokens[m, :n] = torch.tensor(work[w][1][c:c + n])
                 logits = self.model.prefill_forward(tokens, self._table([work[w][0] for w, _, _ in members], N),
-                                                    self.kv, [n for _, _, n in members], [c for _, c, _ in members])
+                                                    kv, [n for _, _, n in members], [c for _, c, _ in members])
                 ids = logits.argmax(-1).tolist()
                 for m, (w, c, n) in enumerate(members):
                     work[w][0].computed = c + n

@@ -114,7 +114,7 @@ class TTModelRunner(AsyncDecode):
         from .capabilities import packed_prefill
         self.packed_prefill = packed_prefill(device=tt is not None)  # several prompts per prefill call
         from .speculation import proposer_for
-        self.proposer = proposer_for(vllm_config, package, self.dtype)  # speculative decoding, or None
+        self.proposer = proposer_for(vllm_config, package, self.dtype, self.lane_plan.lanes)  # or None
         self._spec: dict = {}  # this step's scheduled proposals, req_id -> [token ids]
         self._drafts = None  # DraftTokenIds for the next step (take_draft_token_ids)
 
@@ -371,7 +371,9 @@ class TTModelRunner(AsyncDecode):
             ids.append(rid)
             if not (host_reasons(st.params, self.max_device_top_k) or self.sample_mode == "off"):
                 asks.append((rid, st.prompt + st.output))
-        got = dict(zip((r for r, _ in asks), self.proposer.propose_batch(asks))) if asks else {}
+        lanes = None if self.lanes is None else \
+            [self.lanes.of[r].index - self.lane_plan.first_replica for r, _ in asks]  # a draft's KV per lane
+        got = dict(zip((r for r, _ in asks), self.proposer.propose_batch(asks, lanes))) if asks else {}
         self._drafts = DraftTokenIds(ids, [got.get(rid, []) for rid in ids]) if ids else None
 
     def take_draft_token_ids(self):

@@ -148,7 +148,7 @@ def configure(vllm_config, emulated: bool) -> None:
         _fail(f"MESH_DEVICE={mesh_env} but package {pkg.path.name} was built for {pkg.mesh_name}; "
               f"serve the {mesh_env} package (`ttbundle build --mesh {mesh_env}`) or unset MESH_DEVICE "
               "(a shape such as \"(1,8)\" matches the preset of that shape and chip)")
-    _configure_speculative(vllm_config, pkg, emulated, lanes)
+    _configure_speculative(vllm_config, pkg, emulated)
     if vllm_config.lora_config is not None:
         _fail("LoRA is not supported on Tenstorrent meshes")
     if mc.dtype not in (torch.float32, torch.bfloat16):
@@ -274,7 +274,7 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
     return lp
 
 
-def _configure_speculative(vllm_config, pkg, emulated: bool, lanes) -> None:
+def _configure_speculative(vllm_config, pkg, emulated: bool) -> None:
     """vLLM's ``--speculative-config`` against the package's ``speculative:`` (its verify
     programs are built for one method and k): a config that disagrees is refused naming both;
     ``ngram`` and ``draft_model`` (the draft package inside the package, ``package.names.DRAFT_DIR``:
@@ -310,10 +310,6 @@ def _configure_speculative(vllm_config, pkg, emulated: bool, lanes) -> None:
         _fail(f"--speculative-config {given} disagrees with package {pkg.name}-{pkg.mesh_name}'s "
               f"speculative: {pc}: " + "; ".join(bad) + "; drop the flag (`ttbundle serve` passes the "
               "package's) or rebuild with the spec's `speculative:` changed")
-    if of(pkg.bundle).method == "draft" and lanes.lanes > 1:
-        _fail(f"{lanes.describe()}: a draft model (speculative: {{method: draft}}) with several lanes is not "
-              "implemented yet (the draft keeps one KV region); serve one replica per engine "
-              "(--data-parallel-size) or speculate with `method: ngram`")
 
 
 def _configure_images(pkg, mc, sc, emulated: bool) -> None:

@@ -51,8 +51,9 @@ class NgramProposer:
     def propose(self, tokens) -> list[int]:
         return propose_ngram(tokens, self.min_n, self.max_n, self.k, self.max_model_len)
 
-    def propose_batch(self, reqs: list[tuple[str, list[int]]]) -> list[list[int]]:
-        """Proposals per ``(req_id, tokens)``: the proposers' one interface (``draft.DraftProposer``)."""
+    def propose_batch(self, reqs: list[tuple[str, list[int]]], lanes=None) -> list[list[int]]:
+        """Proposals per ``(req_id, tokens)``: the proposers' one interface (``draft.DraftProposer``;
+        ``lanes``, each request's lane, matters to a draft's KV only)."""
         return [self.propose(t) for _, t in reqs]
 
     def release(self, req_id: str) -> None:
@@ -62,15 +63,15 @@ class NgramProposer:
         return {}
 
 
-def proposer_for(vllm_config, package=None, dtype=None):
+def proposer_for(vllm_config, package=None, dtype=None, lanes: int = 1):
     """The proposer of a vLLM config's ``--speculative-config`` (None: no speculation): n-gram
-    lookup, or the package's draft (``draft_model``, ``runtime.draft``); the platform has
-    refused every other method."""
+    lookup, or the package's draft (``draft_model``, ``runtime.draft``: a KV region per lane of
+    the engine, ``lanes``); the platform has refused every other method."""
     sc = vllm_config.speculative_config
     if sc is None:
         return None
     if sc.method == "draft_model":
         from .draft import DraftProposer
         return DraftProposer(package, int(sc.num_speculative_tokens), vllm_config.model_config.max_model_len,
-                             dtype)
+                             dtype, lanes)
     return NgramProposer(sc, vllm_config.model_config.max_model_len)
