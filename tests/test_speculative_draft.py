@@ -159,6 +159,44 @@ def test_the_drafts_memory_is_a_line_of_the_targets_plan(spec_dir):
     assert any(n.startswith("draft model tiny-draft") for n, _ in with_draft.consumers())
 
 
+def test_the_drafts_memory_line_in_the_text_plan_and_the_svg(spec_dir):
+    """`ttbundle plan` and `ttbundle plan --svg` show the draft's line (its bundle, its KV blocks,
+    its bytes): in the SVG a legend row and a segment of every chip's bar, as wide as its share
+    of the bar (the plan's own numbers); a plan without a draft draws no draft segment."""
+    import io
+    import xml.etree.ElementTree as ET
+
+    from rich.console import Console
+
+    from ttbundle import spec
+    from ttbundle.plan.make import make_plan
+    from ttbundle.report import print_plan
+    from ttbundle.svg import render_plan
+
+    _write(spec_dir, draft_changes={"model": {"num_attention_heads": 8}})  # (8 heads: they split over T3K)
+    p = make_plan(spec.load(spec_dir / SPEC_FILE), "T3K")
+    mem, line = p.memory, p.draft_line()
+    assert line.startswith("draft model tiny-draft") and f"{p.draft['kv_blocks']:,} blocks" in line
+    out = io.StringIO()
+    print_plan(p, Console(file=out, width=200))
+    assert any(line in x and f"{mem.draft:,}" in x for x in out.getvalue().splitlines())
+    ns = "{http://www.w3.org/2000/svg}"
+    root = ET.fromstring(render_plan(p).encode())
+    text = "\n".join("".join(t.itertext()) for t in root.iter(ns + "text"))
+    assert line in text and f"{mem.draft:,} B" in text
+    cls = lambda e: (e.get("class") or "").split()  # noqa: E731
+    assert [e for e in root.iter() if "legend-draft" in cls(e)]
+    segs = [e for e in root.iter() if "seg-draft" in cls(e)]
+    frames = [e for e in root.iter() if "bar-frame" in cls(e)]
+    assert len(segs) == len(frames) == p.mesh.num_devices
+    for seg, fr in zip(segs, frames):
+        assert int(seg.get("data-bytes")) == mem.draft
+        share = mem.draft / max(mem.total, mem.dram) * float(fr.get("width"))
+        assert abs(float(seg.get("width")) - share) <= 0.01
+    plain = make_plan(spec.loads(dump(TINY), SPEC_FILE), "T3K")
+    assert "seg-draft" not in render_plan(plain) and "draft model" not in render_plan(plain)
+
+
 def test_vllms_speculative_config_parses_the_draft_config(spec_dir, tmp_path):
     """What `serve` passes is vLLM's `draft_model` with the draft package's path (vLLM's own
     SpeculativeConfig reading it: method kept, k, the model)."""

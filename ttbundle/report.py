@@ -75,9 +75,7 @@ def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> Non
     mt.add_row(f"activations ({what})", f"{mem.activations:,}", human(mem.activations))
     mt.add_row(f"trace region ({p.num_traces} traces)", f"{mem.trace_region:,}", human(mem.trace_region))
     if mem.draft:
-        dr = p.draft
-        mt.add_row(f"draft {dr['bundle']} (weights + KV {dr['kv_blocks']:,} blocks)", f"{mem.draft:,}",
-                   human(mem.draft))
+        mt.add_row(p.draft_line(), f"{mem.draft:,}", human(mem.draft))
     mt.add_row("[bold]total[/]", f"{mem.total:,}", human(mem.total))
     mt.add_row(f"chip DRAM ({m.chip.dram_banks} banks x {m.chip.dram_bank_bytes:,})", f"{mem.dram:,}",
                human(mem.dram))

@@ -32,7 +32,7 @@ CHAR_W = 0.6  # monospace advance per font-size unit, for layout
 # (key, label, colour): the stacked DRAM bar, bottom to top of the allocator's view
 SEGMENTS = (("weights", "weights", "#4e79a7"), ("kv_cache", "KV cache", "#f28e2b"),
             ("activations", "activations", "#59a14f"), ("trace_region", "trace region", "#b07aa1"),
-            ("free", "free", "#e6e6e6"))
+            ("draft", "draft model", "#edc948"), ("free", "free", "#e6e6e6"))
 RED, GREEN, INK, GREY = "#d62728", "#2e7d32", "#222222", "#777777"
 SHARD_OWN, SHARD_OTHER = "#4e79a7", "#dbe4ef"
 
@@ -113,11 +113,12 @@ class _Svg:
 
 
 def segment_bytes(p: Plan) -> list[tuple[str, str, str, int]]:
-    """(key, label, colour, bytes per chip) for each stacked-bar segment; free is 0 when over."""
+    """(key, label, colour, bytes per chip) for each stacked-bar segment; free is 0 when over;
+    the draft model's (speculative decoding) only when the plan has one."""
     m = p.memory
     vals = {"weights": m.weights, "kv_cache": m.kv_cache, "activations": m.activations,
-            "trace_region": m.trace_region, "free": max(m.free, 0)}
-    return [(k, label, colour, vals[k]) for k, label, colour in SEGMENTS]
+            "trace_region": m.trace_region, "draft": m.draft, "free": max(m.free, 0)}
+    return [(k, label, colour, vals[k]) for k, label, colour in SEGMENTS if k != "draft" or m.draft]
 
 
 def render_plan(plan: Plan) -> str:
@@ -167,6 +168,7 @@ def _memory(g: _Svg, p: Plan, y: float) -> float:
                     f"{p.kv.get('block_size', 0)} tokens",
         "activations": f"largest layer, {p.activation_tokens} tokens",
         "trace_region": f"{p.num_traces} captured traces",
+        "draft": p.draft_line() if mem.draft else "",
         "free": "" if p.fits else f"none: over capacity by {human(-mem.free)}",
     }
     for key, label, colour, n in segs:

@@ -266,3 +266,45 @@ def test_serve_passes_the_draft_config_and_the_platform_refuses_another_draft(dr
     with pytest.raises(Exception) as ei:
         LLM(model=str(pkg), dtype="float32", speculative_config=_config(other))
     assert "model: given" in str(ei.value) and str(pkg / "draft") in str(ei.value), str(ei.value)
+
+
+@pytest.mark.slow  # a server with two engine processes on the shared 2-core host: minutes
+def test_vllm_data_parallel_2_draft_on_every_rank(draft_packages, tmp_path, monkeypatch):
+    """`ttbundle serve`'s command with `--data-parallel-size 2` on the lanes package: two engine
+    ranks of 4 lanes, each with the draft's 4 KV regions, through vLLM's OpenAI server; greedy
+    tokens those of transformers on both ranks, every proposal accepted (the draft is the
+    target: vLLM's spec-decode counters on /metrics)."""
+    import urllib.request
+
+    from test_runtime_lanes_server import _free_port, _prompt, _run_clients, _serve
+    from ttbundle.serving.serve import plan_serve, stop
+
+    monkeypatch.delenv("VLLM_ENABLE_V1_MULTIPROCESSING")
+    pkg, src = draft_packages("self", "T3K", lanes=True)
+    port = _free_port()
+    plan = plan_serve(pkg, "127.0.0.1", port, data_parallel_size=2,
+                      extra=["--data-parallel-rpc-port", str(_free_port())])
+    assert "--speculative-config" in plan.argv
+    plan.env.update(TTBUNDLE_STEP_LOG=str(tmp_path / "steps.jsonl"), TTBUNDLE_EMULATED_THREADS="1")
+    proc, _ = _serve(plan.argv, plan.env, port, tmp_path, plan.name)
+    try:
+        log = (tmp_path / "vllm.log").read_text()
+        assert "DP rank 0 of 2, 4 lane(s)" in log and "DP rank 1 of 2, 4 lane(s)" in log
+        assert log.count("per lane, 4 lanes") >= 2, log[-3000:]  # each rank's draft: a KV region per lane
+        lens = [6, 9, 12, 7, 10, 8, 11, 5, 9, 12, 6, 10]
+        results = _run_clients(plan.url, plan.name, len(lens), lens)
+        for i, (_, n, toks) in enumerate(results):
+            assert toks == hf_greedy(src, _prompt(i), n), i
+        metrics = urllib.request.urlopen(plan.url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+        vals = {}
+        for line in metrics.splitlines():
+            for name in ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"):
+                if line.startswith(name + "{"):
+                    vals[name] = vals.get(name, 0) + float(line.rsplit(" ", 1)[1])
+        drafted, accepted = vals["vllm:spec_decode_num_draft_tokens_total"], vals["vllm:spec_decode_num_accepted_tokens_total"]
+        assert drafted > 0 and accepted == drafted, vals
+        steps = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+        verify_lanes = {lane for s in steps if s["phase"] == "verify" for lane in s["lanes"]}
+        assert {lane // 4 for lane in verify_lanes} == {0, 1}  # both ranks verified proposals
+    finally:
+        stop(proc)

@@ -52,8 +52,13 @@ class Plan:
         items += [(f"KV cache ({self.kv['dtype']})", self.memory.kv_cache),
                   ("activations", self.memory.activations), ("trace region", self.memory.trace_region)]
         if self.memory.draft:
-            items.append((f"draft model {self.draft['bundle']} (weights, KV)", self.memory.draft))
+            items.append((self.draft_line(), self.memory.draft))
         return sorted(items, key=lambda x: -x[1])
+
+    def draft_line(self) -> str:
+        """The draft model's memory line (speculative decoding, ``draft_memory``): the one wording
+        of the text plan's row, the SVG's legend and :meth:`consumers`."""
+        return f"draft model {self.draft['bundle']} (weights + KV {self.draft['kv_blocks']:,} blocks)"
 
     @property
     def replicas(self) -> int:
