@@ -196,14 +196,17 @@ def _build_draft(bundle, mesh: str, out_dir, **kw) -> BuildResult | None:
     """``speculative: {method: draft}``: the draft bundle's own package for the same mesh, built
     (or found up to date) under the output's state directory (``STATE_DIR/drafts``, where the
     plugin's scan does not look); the target's build copies it into its ``draft/`` directory.
-    Always an emulated package: speculative decoding runs on the emulated mesh only. Its
-    progress is not reported (its `done` event is not the target's)."""
-    from .speculative import draft_path
+    Always an emulated package: speculative decoding runs on the emulated mesh only. Built
+    with a verify program per decode bucket (``speculative.draft_spec_text``: the proposer's
+    catch-up). Its progress is not reported (its `done` event is not the target's)."""
+    from .fsutil import read_user_text
+    from .speculative import draft_path, draft_spec_text
 
     path = draft_path(bundle)
     if path is None:
         return None
-    draft = specmod.load(path)
+    draft = specmod.loads(draft_spec_text(bundle, read_user_text(path, "spec file")), str(path),
+                          base_dir=path.parent)  # with its catch-up (verify) programs
     return build(draft, mesh, Path(out_dir).absolute() / STATE_DIR / "drafts", backend="emulated", **kw)
 
 

@@ -212,3 +212,21 @@ def try_resolve(name: str) -> Mesh | None:
         return resolve(name)
     except InvalidInput:
         return None
+
+
+def target_key(names, mesh_name: str) -> str:
+    """The entry of ``names`` (targets as written) that names mesh ``mesh_name``, else itself."""
+    if mesh_name in names:
+        return mesh_name
+    for k in names:
+        m = try_resolve(k)
+        if m is not None and m.name == mesh_name:
+            return k
+    return mesh_name
+
+
+def replica_mesh(target: Mesh, replicas: dict) -> Mesh:
+    """The mesh one replica of ``target`` runs on under a spec's ``replicas:`` (keyed by target
+    names as written): ``target`` itself, or its split (:func:`split`)."""
+    rep = replicas.get(target_key(replicas, target.name))
+    return target if rep is None else split(target, rep.submesh)

@@ -5,10 +5,12 @@ the ``--speculative-config`` vLLM gets. One owner for all three (``spec.check`` 
 
 ``method: draft``: another bundle (``model:``, a spec path relative to this spec) proposes. It
 must load and validate, share this bundle's tokenizer (the same vocabulary, token for token),
-have decode buckets covering this one's and room for this one's sequences
-(:func:`check_draft`); the plan counts its weights and KV cache as a line of their own
+have decode buckets covering this one's and room for this one's sequences, and split each
+target as this one does (``replicas:``: the draft runs beside each replica) (:func:`check_draft`);
+the plan counts its weights and KV cache as a line of their own
 (:func:`draft_kv_blocks`: its KV region, one full-length sequence per ``max_num_seqs``), and the
-build puts its package into this one's (``package.names.DRAFT_DIR``).
+build puts its package, with verify programs for its catch-up (:func:`draft_spec_text`), into
+this one's (``package.names.DRAFT_DIR``).
 
 A decode step with proposals runs a *verify* program instead of the decode program: the batch
 padded to a decode bucket ``B``, each sequence's last token and its ``k`` proposals as ``k + 1``
@@ -76,6 +78,20 @@ def draft_path(bundle) -> Path | None:
     if s is None or s.method != "draft" or s.model is None:
         return None
     return bundle.base_dir / s.model
+
+
+def draft_spec_text(bundle, text: str) -> str:
+    """The draft's spec (``text``, its file's) as the target's build builds it: with
+    ``speculative: {method: ngram, num_speculative_tokens: k}`` (this bundle's ``k``) added, which
+    gives the draft's package a verify program per decode bucket, ``k + 1`` rows per sequence
+    with every row's logits: the draft proposer catches a request up on the tokens the last
+    step added and takes its first proposal in one call of it (``runtime.draft``). The draft
+    never serves on its own, so nothing else reads that block."""
+    import yaml
+
+    data = yaml.safe_load(text)
+    data["speculative"] = {"method": "ngram", "num_speculative_tokens": of(bundle).num_speculative_tokens}
+    return yaml.safe_dump(data, sort_keys=False)
 
 
 def draft_kv_blocks(bundle, draft) -> int:
@@ -170,7 +186,9 @@ def check_draft(b, load) -> list[Diagnostic]:
         _LOADING.discard(key)
     d = []
     d += _split_differences(b, dr, path, at)
-    if of(dr) is not None:
+    sd = of(dr)
+    built = (path.parent / "manifest.json").is_file()  # a package's draft/: the build wrote its block
+    if sd is not None and not (built and (sd.method, sd.num_speculative_tokens) == ("ngram", of(b).num_speculative_tokens)):
         d.append(b.locate(at, f"the draft spec {path} has `speculative:` itself; a draft proposes alone: "
                           "remove it there"))
     if dr.spec.task != "generate":
@@ -189,6 +207,12 @@ def check_draft(b, load) -> list[Diagnostic]:
         d.append(b.locate(at, f"the draft {dr.spec.name}'s decode buckets {theirs} do not cover this bundle's "
                           f"{mine}: it proposes for up to {max(mine)} sequences at once; add decode bucket "
                           f"{max(mine)} to the draft's spec"))
+    k = of(b).num_speculative_tokens
+    if theirs and dr.buckets.prefill and max(theirs) * (k + 1) > max(dr.buckets.prefill):
+        d.append(b.locate(at, f"the draft {dr.spec.name}'s catch-up program of decode bucket {max(theirs)} holds "
+                          f"{max(theirs)} x ({k} + 1) = {max(theirs) * (k + 1)} rows, more than its largest "
+                          f"prefill bucket {max(dr.buckets.prefill)}; add a prefill bucket of at least "
+                          f"{max(theirs) * (k + 1)} to the draft's spec, or lower num_speculative_tokens"))
     ml, dl = b.spec.runtime.max_model_len, dr.spec.runtime.max_model_len
     if dl < ml:
         d.append(b.locate(at, f"the draft {dr.spec.name} has max_model_len={dl}, below this bundle's {ml}: "
@@ -200,14 +224,17 @@ def _split_differences(b, dr, path, at) -> list[Diagnostic]:
     """The draft runs beside each replica of the target (its own copy and KV region per lane):
     it must split every target into the same submeshes (``replicas:``) as this bundle, so its
     package is built for the replica's mesh (the plan counts it there, ``plan.make.draft_memory``)."""
-    from .plan.sharding import target_mesh
+    from . import mesh as meshmod
 
     out = []
     for name in dict.fromkeys(list(b.spec.replicas) + list(dr.spec.replicas)):
+        target = meshmod.try_resolve(name)
+        if target is None:
+            continue  # reported at targets by spec.check
         try:
-            mine, theirs = target_mesh(b, name), target_mesh(dr, name)
+            mine, theirs = (meshmod.replica_mesh(target, x.spec.replicas) for x in (b, dr))
         except InvalidInput:
-            continue  # an unknown target or a submesh that does not tile: reported by spec.check
+            continue  # a submesh that does not tile: reported by spec.check
         if (mine.shape, mine.replicas) == (theirs.shape, theirs.replicas):
             continue
         want = f"replicas: {{{name}: {{submesh: [{mine.rows}, {mine.cols}]}}}}" if mine.replicas > 1 \

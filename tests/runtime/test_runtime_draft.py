@@ -129,8 +129,8 @@ def test_greedy_draft_is_identical_without_speculation_and_to_transformers(draft
     verify = [s for s in steps if s.phase == "verify"]
     assert verify and all(s.sampling == "device" for s in verify)
     assert sum(1 for s in steps if s.phase in ("decode", "verify")) < sum(1 for s in plain_steps if s.phase == "decode")
-    draft = runner.proposer.model  # the draft package's own programs ran (prefill and decode)
-    assert {p for p, _ in draft.programs_run} == {"prefill", "decode"}
+    draft = runner.proposer.model  # the draft package's own programs ran (prefill, decode, catch-up)
+    assert {p for p, _ in draft.programs_run} == {"prefill", "decode", "verify"}
     assert runner.proposer.package.path == pkg / "draft"
     # the draft sharded over the target's mesh (T3K: its 8 chips)
     assert runner.proposer.package.loaded.mesh.num_devices == runner.package.loaded.mesh.num_devices \
@@ -148,11 +148,20 @@ def test_draft_proposals_are_the_drafts_greedy_tokens_after_acceptances_and_reje
     pkg, _ = draft_packages("noisy", mesh)
     dsrc = pkg.parents[1] / "src-noisy"
     proposer = DraftProposer(open_package(pkg), K, 256)
+    assert proposer.catch_up_rows == K + 1
     seqs = {f"r{i}": list(p["prompt_token_ids"]) for i, p in enumerate(PROMPTS)}
     for step in range(5):
+        before = dict(proposer.model.programs_run)
         got = proposer.propose_batch(list(seqs.items()))
         for (rid, toks), props in zip(list(seqs.items()), got):
             assert props == hf_greedy(dsrc, toks, K), (step, rid)
+        calls = {p: n - before.get(p, 0) for p, n in proposer.model.programs_run.items() if n > before.get(p, 0)}
+        if step:  # the catch-up and the first proposal in one call, then k - 1 decode calls (bucket 4):
+            # a request that kept all K proposals last step is 2 tokens behind (the last proposal
+            # was never fed): the verify program's call; each 1 behind (step 1): a decode call
+            one_behind = (step - 1) % (K + 1) == 0
+            assert calls == ({("decode", 4): K} if one_behind else {("verify", 4): 1, ("decode", 4): K - 1}), \
+                (step, calls)
         for i, ((rid, toks), props) in enumerate(zip(list(seqs.items()), got)):
             j = (step + i) % (K + 1)  # proposals kept; then the target's own token
             seqs[rid] = toks + props[:j] + [(props[j] + 1) % 512 if j < K else 5]
@@ -233,7 +242,7 @@ def test_the_draft_is_part_of_the_package_verified_and_keyed_with_it(draft_packa
     from ttbundle.warmup import verify_package as verify_numbers
     diffs = verify_numbers(pkg)["float32"]
     assert {n for n in diffs if n.startswith("draft/")} == \
-        {f"draft/{n}" for n in diffs if not n.startswith(("draft/", "verify"))}  # the draft verifies nothing
+        {f"draft/{n}" for n in diffs if not n.startswith("draft/")}  # the draft's verify: its catch-up
     copy = tmp_path / "pkg"
     shutil.copytree(pkg, copy)
     verify_package(copy)

@@ -65,15 +65,7 @@ def resolved_plan(bundle, mesh_name: str) -> tuple[dict[str, tuple], dict[str, t
     return plan, origin
 
 
-def _target_key(names, mesh_name: str) -> str:
-    """The entry of ``names`` (targets as written) that names mesh ``mesh_name``, else itself."""
-    if mesh_name in names:
-        return mesh_name
-    for k in names:
-        m = meshmod.try_resolve(k)
-        if m is not None and m.name == mesh_name:
-            return k
-    return mesh_name
+_target_key = meshmod.target_key  # (the one rule: mesh.target_key)
 
 
 def tensor_dtype(spec, t: TensorDecl) -> str:
@@ -155,7 +147,4 @@ def sharding_diagnostics(bundle, mesh: Mesh | str) -> list[Diagnostic]:
 def target_mesh(bundle, name: str) -> Mesh:
     """The mesh one replica of target ``name`` runs on: the target itself, or, when the spec's
     ``replicas`` splits it, the submesh (``mesh.split``), planned as a standalone mesh."""
-    mesh = meshmod.resolve(name)
-    key = _target_key(bundle.spec.replicas, mesh.name)
-    rep = bundle.spec.replicas.get(key)
-    return mesh if rep is None else meshmod.split(mesh, rep.submesh)
+    return meshmod.replica_mesh(meshmod.resolve(name), bundle.spec.replicas)

@@ -6,8 +6,11 @@ generated adapter, ``prefill_forward`` / ``decode_forward``) with a KV region of
 Per step, for the requests that got tokens: each request's tokens the draft has not seen yet
 are computed, which gives the first proposal (a prompt: prefilled in the draft's chunks, several
 requests packed into one program call where ``phases.pack_prefill`` allows; the one or two
-tokens a step adds past the accepted proposals: decode steps of the batch), and ``k - 1``
-decode steps of the batch give the rest. Proposals are greedy (the argmax), as vLLM 0.33's ``DraftModelProposer``
+tokens a step adds past the accepted proposals: one call of the draft's verify program, built
+into the draft for this (``speculative.draft_spec_text``), when any request is two or more
+behind, else one decode step), and ``k - 1`` decode steps of the batch give the rest.
+With lanes (``runtime.lanes``) the draft has a KV region per lane and each lane's requests run
+as a batch of their own on it. Proposals are greedy (the argmax), as vLLM 0.33's ``DraftModelProposer``
 with its default ``draft_sample_method: greedy``: it hands the rejection sampler no draft
 probabilities, so acceptance is the rule ``sampling.accept`` applies to n-gram proposals (the
 draft distribution one-hot on the proposal) and the target distribution is kept.
@@ -72,6 +75,10 @@ class DraftProposer:
         bk = draft.buckets
         self.prefill_buckets, self.decode_buckets = list(bk.prefill), list(bk.decode)
         self.chunk = bk.prefill_chunk or max(bk.prefill)
+        from ..speculative import rows_per_seq
+        # its verify programs' rows per sequence (k + 1: ``speculative.draft_spec_text``); 0: a
+        # draft built without them catches up with decode steps
+        self.catch_up_rows = rows_per_seq(draft) if rows_per_seq(draft) == k + 1 else 0
         self.slots: dict[str, _Slot] = {}
         self.proposed = 0  # proposals made (for logs and benches)
         logger.info("ttbundle: draft %s proposes %d tokens per step (KV of %d blocks x %d tokens%s)",
@@ -171,10 +178,34 @@ class DraftProposer:
                     break
             s.fed = ()
             s.computed = min(s.computed, len(toks) - 1)  # at least the last token: its logits
-        near = [len(toks) - s.computed <= self.k + 1 for s, toks in work]  # a few tokens behind: decode
-        first = self._decode_rounds(work, [w for w, n in enumerate(near) if n], kv)
+        near = [len(toks) - s.computed <= self.k + 1 for s, toks in work]  # a few tokens behind
+        which = [w for w, n in enumerate(near) if n]
+        if self.catch_up_rows and any(len(work[w][1]) - work[w][0].computed > 1 for w in which):
+            first = self._catch_up_call(work, which, kv)  # some 2 or more behind: one call for all
+        else:
+            first = self._decode_rounds(work, which, kv)  # each 1 behind (or an older draft): decode
         first.update(self._prefill(work, [w for w, n in enumerate(near) if not n], kv))
         return [first[w] for w in range(len(work))]
+
+    def _catch_up_call(self, work, which: list[int], kv) -> dict[int, int]:
+        """One call of the draft's verify program for the requests ``which`` (each at most
+        ``k + 1`` tokens behind): each row its tokens from ``computed`` on, every row's logits
+        back; the argmax after its last token is its first proposal."""
+        B = len(which)
+        bucket = pick(self.decode_buckets, B)
+        tokens = torch.zeros(bucket, self.catch_up_rows, dtype=torch.long)
+        pos = torch.full((bucket,), -1, dtype=torch.long)
+        n = torch.zeros(bucket, dtype=torch.long)
+        for r, w in enumerate(which):
+            s, toks = work[w]
+            tokens[r, :len(toks) - s.computed] = torch.tensor(toks[s.computed:])
+            pos[r], n[r] = s.computed, len(toks) - s.computed
+        logits = self.model.verify_forward(tokens, pos, n, self._table([work[w][0] for w in which], bucket), kv)
+        first = {}
+        for r, w in enumerate(which):
+            first[w] = int(logits[r, int(n[r]) - 1].argmax())
+            work[w][0].computed = len(work[w][1])
+        return first
 
     def _decode_rounds(self, work, which: list[int], kv) -> dict[int, int]:
         """Decode steps of the requests ``which``, each fed its next token until its last."""

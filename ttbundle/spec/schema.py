@@ -211,7 +211,8 @@ class Speculative(BaseModel):
     model: str | None = None
     """`draft`: the drafting bundle's spec, relative to this spec: the same tokenizer (the same
     vocabulary, token for token), decode buckets covering this bundle's, `max_model_len` at least
-    this bundle's, no `speculative:` of its own."""
+    this bundle's, no `speculative:` of its own; with `replicas:`, the same split of each target
+    (the draft runs beside each replica)."""
 
 
 class BundleSpec(BaseModel):
