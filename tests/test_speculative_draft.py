@@ -74,6 +74,10 @@ def test_a_draft_tokenizer_of_the_same_size_but_other_tokens_is_refused(spec_dir
 @pytest.mark.parametrize("draft_changes, words", [
     ({"buckets": {"decode": [1, 8]}, "runtime": {"max_num_seqs": 8}}, ["decode buckets [1, 8]", "[1, 8, 32]", "add decode bucket 32"]),
     ({"runtime": {"max_model_len": 1024}}, ["max_model_len=1024", "below this bundle's 2048"]),
+    # the draft's catch-up (verify) program of its largest decode bucket: 32 x (3 + 1) rows
+    ({"buckets": {"prefill": [64], "prefill_chunk": 64}},
+     ["catch-up program of decode bucket 32", "32 x (3 + 1) = 128 rows", "largest prefill bucket 64",
+      "add a prefill bucket of at least 128"]),
     ({"speculative": {"method": "ngram"}}, ["has `speculative:` itself"]),
     ({"model": {"hidden_size": 250}}, ["draft spec", "is invalid", "hidden_size"]),
 ])
