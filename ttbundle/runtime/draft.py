@@ -168,8 +168,10 @@ class DraftProposer:
     def _catch_up(self, work: list[tuple[_Slot, list[int]]], kv) -> list[int]:
         """Bring each request's draft KV up to its tokens and return the argmax after its last
         token. The proposals fed last step that the target accepted keep their KV (same tokens
-        at the same positions); the rest is computed: a few tokens (what one step accepts) as
-        decode steps of the batch, a prompt as prefill chunks."""
+        at the same positions); the rest is computed: a few tokens (what one step accepts) in one
+        call of the draft's verify program when any request is 2 or more behind (else one decode
+        step; a draft without verify programs: decode steps, one per token), a prompt as prefill
+        chunks."""
         for s, toks in work:
             for t in s.fed:  # accepted proposals: their KV is the tokens'
                 if s.computed < len(toks) - 1 and toks[s.computed] == t:
