@@ -188,7 +188,8 @@ def check_draft(b, load) -> list[Diagnostic]:
     d += _split_differences(b, dr, path, at)
     sd = of(dr)
     built = (path.parent / "manifest.json").is_file()  # a package's draft/: the build wrote its block
-    if sd is not None and not (built and (sd.method, sd.num_speculative_tokens) == ("ngram", of(b).num_speculative_tokens)):
+    catch_up = ("ngram", of(b).num_speculative_tokens)  # the block draft_spec_text adds
+    if sd is not None and not (built and (sd.method, sd.num_speculative_tokens) == catch_up):
         d.append(b.locate(at, f"the draft spec {path} has `speculative:` itself; a draft proposes alone: "
                           "remove it there"))
     if dr.spec.task != "generate":

@@ -193,7 +193,8 @@ def test_lanes_draft_per_lane_identical_to_transformers(draft_packages):
     assert len({lane for s in verify for lane in s.lanes}) == 8  # rows of every lane verified
     assert max(sum(1 for s_lane in s.lanes if s_lane == lane) for s in verify for lane in set(s.lanes)) == 2
     # the last requests' slots (vLLM reports them finished with the next step): in their lane's region
-    assert runner.proposer.slots and all(s.lane == runner.lanes.of[rid].index for rid, s in runner.proposer.slots.items())
+    slots = runner.proposer.slots
+    assert slots and all(s.lane == runner.lanes.of[rid].index for rid, s in slots.items())
 
 
 @pytest.mark.slow  # two engines on 400 requests: minutes on 2 CPU cores
@@ -313,7 +314,8 @@ def test_vllm_data_parallel_2_draft_on_every_rank(draft_packages, tmp_path, monk
             for name in ("vllm:spec_decode_num_draft_tokens_total", "vllm:spec_decode_num_accepted_tokens_total"):
                 if line.startswith(name + "{"):
                     vals[name] = vals.get(name, 0) + float(line.rsplit(" ", 1)[1])
-        drafted, accepted = vals["vllm:spec_decode_num_draft_tokens_total"], vals["vllm:spec_decode_num_accepted_tokens_total"]
+        drafted = vals["vllm:spec_decode_num_draft_tokens_total"]
+        accepted = vals["vllm:spec_decode_num_accepted_tokens_total"]
         assert drafted > 0 and accepted == drafted, vals
         steps = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
         verify_lanes = {lane for s in steps if s["phase"] == "verify" for lane in s["lanes"]}
