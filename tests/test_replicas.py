@@ -208,14 +208,6 @@ def test_print_launch_refuses_impossible_dp(tmp_path):
     assert "? x 3 x 8 = 64" in " ".join(r.output.split())
 
 
-def test_ttnn_build_of_a_split_target_is_refused_clearly(tmp_path):
-    from ttbundle.build import build
-    _, b = _bundle({"replicas": {"T3K": {"submesh": [1, 2]}}})
-    with pytest.raises(InvalidInput, match=r"not yet: --backend ttnn for T3K 1x8 as 4 replicas of 1x2"):
-        build(b, "T3K", tmp_path / "out", backend="ttnn")
-    assert not (tmp_path / "out").exists()
-
-
 def test_validate_says_a_replica_does_not_fit_its_chips(tmp_path):
     """Llama-70B on a T3K as 8 replicas of one chip: each replica is a standalone 1x1 plan (the
     N150's numbers), which does not fit; validate exits 3 naming the split."""

@@ -268,9 +268,10 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
             _fail(f"--data-parallel-size {dp} with a mixture-of-experts model: vLLM runs MoE ranks "
                   "in lockstep with collectives the emulated mesh does not provide; serve the replicas "
                   "as lanes in one engine instead (leave --data-parallel-size out)")
-    if not emulated and (lp.lanes > 1 or dp > 1):
-        _fail(f"{lp.describe()}: replicas on a Tenstorrent device (opening submeshes) are not "
-              "implemented yet; they run on the emulated mesh")
+    if not emulated and dp > 1:  # lanes in one engine open the target's submeshes (ttdevice.lane_submeshes)
+        _fail(f"{lp.describe()}: vLLM data parallel on a Tenstorrent device (each rank opening its own "
+              "replicas' chips) is not implemented yet; serve every replica as a lane of one engine "
+              "(leave --data-parallel-size out), or data parallel on the emulated mesh")
     return lp
 
 
