@@ -62,6 +62,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))  # the runtime tests' tiny spec (one owner)
+sys.path.insert(0, str(ROOT))  # this checkout's ttbundle (as the children's PYTHONPATH), not the venv's
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 SKIP = 3  # steady state: decode steps left out at each end of a cell

@@ -5,7 +5,9 @@ The model cuts the opened T3K with ``create_submeshes`` (the double's, in ttnn's
 wheel's own order is checked in tests/tt/test_submeshes_ttnn.py) and runs each lane on its
 submesh. References: transformers' greedy ``generate`` on the checkpoint (as
 test_runtime_lanes.py does for the emulated mesh) and the emulated mesh's lanes on the same
-package and prompts; the double's events for where each lane's traces ran."""
+package and prompts; the double's events for where each lane's traces ran. On the timing device
+(``timing_engine_run.py``, async decode on): the device's token rule, and every lane's step
+enqueued before any is read back, so the 8 submeshes' modeled steps run side by side."""
 
 from __future__ import annotations
 
@@ -89,3 +91,46 @@ def test_lanes_tokens_equal_the_emulated_meshs_lanes(lanes_tt):
     finally:
         llm.llm_engine.engine_core.shutdown()
     assert [list(o.outputs[0].token_ids) for o in outs] == res["tokens"]
+
+
+STEP_MS = 50.0
+
+
+@pytest.fixture(scope="module")
+def lanes_timed(lanes_tt):
+    _, pkg, _, prompts = lanes_tt
+    env = {k: v for k, v in os.environ.items() if k not in ("TTBUNDLE_EMULATED", "TTBUNDLE_TEST_TTNN")}
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parents[1]), env.get("PYTHONPATH", "")])
+    env["TTBUNDLE_DEVICE_MODEL"] = f"timing:{STEP_MS:g}ms"
+    # 2 per lane, each prompt one prefill chunk (the device's token rule sums the prompt's last chunk)
+    lens = [5, 40, 60, 3, 50, 17, 64, 9, 33, 1, 50, 12, 30, 26, 45, 8]
+    cases = {"on": {"async": True, "prompts": lens, "max_tokens": TOKENS, "max_num_seqs": 8 * PER_LANE}}
+    return run_engine_script(HERE / "timing_engine_run.py", pkg, cases, env)["on"]
+
+
+def test_lanes_on_the_timing_device_run_async_side_by_side(lanes_timed):
+    from test_runtime_async import expected_tokens
+    res = lanes_timed
+    assert res["async_scheduling"]
+    for prompt, toks in zip(res["prompts"], res["tokens"]):
+        assert toks == expected_tokens(prompt, TOKENS, res["vocab"])
+    decodes = [s for s in res["steps"] if s["phase"] == "decode"]
+    assert decodes and {s["mode"] for s in decodes} == {"async"}
+    lane_of = {}
+    for s in res["steps"]:
+        for (rid, _, _), lane in zip(s["rows"], s["lanes"]):
+            assert lane_of.setdefault(rid, lane) == lane
+    # the decode executes of one engine step (one per lane with rows, enqueued back to back) end
+    # within one modeled step of each other: the submeshes ran them side by side (in turn, the
+    # last would end 7 steps after the first)
+    ex = [e for e in res["events"] if e["kind"] == "execute" and e["key"] and e["key"][0] == "decode"]
+    i, full = 0, 0
+    for s in decodes:
+        n = len(set(s["lanes"]))
+        group = ex[i:i + n]
+        i += n
+        assert len(group) == n
+        if n == 8:
+            full += 1
+            assert max(e["done"] for e in group) - min(e["done"] for e in group) < STEP_MS / 1000
+    assert i == len(ex) and full >= TOKENS - 2

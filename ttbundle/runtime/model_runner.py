@@ -293,7 +293,7 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         sampled_rows = [st for st, n in rows if st.num_computed + n >= st.num_tokens]
         allowed = self.sample_mode == "all" or (self.sample_mode == "decode_only" and decode)
         on_device = allowed and not any(st.host_sampling for st in sampled_rows)
-        if self.async_scheduling and decode and on_device and self.lanes is None:  # (lanes: synchronous)
+        if self.async_scheduling and decode and on_device:
             self._pending = ("async", self._submit_decode([st for st, _ in rows]))
             return None  # vLLM asks sample_tokens for the output
         # a synchronous step: the tokens its rows need must be on the host first
