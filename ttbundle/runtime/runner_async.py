@@ -83,7 +83,8 @@ class AsyncDecode:
             src = torch.full((bucket,), -1, dtype=torch.long)
             src[:B] = torch.arange(B)
             batch = DecodeBatch(rids, self._block_epoch, bucket, self._page_table(states, bucket),
-                                self._device_sampling(states, bucket), src, torch.zeros(bucket, 1, dtype=torch.long))
+                                self._device_sampling(states, bucket), src, torch.zeros(bucket, 1, dtype=torch.long),
+                                all(st.positions.plain for st in states))
             if lane is None:
                 self._batch = batch
             else:
@@ -100,7 +101,8 @@ class AsyncDecode:
             tokens, src, chained = self._decode_inputs(states, bucket, prev)
         handle = self.mesh_model.decode_forward(
             tokens, pos, batch.page_table, kv, batch.sampling, read_from_device=False,
-            **({"prev_output": prev.handle, "prev_rows": src} if chained else {}), **self._decode_rope(states, pos))
+            **({"prev_output": prev.handle, "prev_rows": src} if chained else {}),
+            **({} if batch.plain else self._decode_rope(states, pos)))
         return InFlight(list(states), handle, None, 0.0, batch=batch), chained
 
     @staticmethod

@@ -82,3 +82,4 @@ class DecodeBatch:
     sampling: DeviceSampling
     chained_src: torch.Tensor  # [bucket]: row i takes the previous step's row i (padding: -1)
     zero_tokens: torch.Tensor  # [bucket, 1] zeros (every row fed on the device)
+    plain: bool = True  # every row's rope positions are its cache positions (no M-RoPE input)

@@ -209,6 +209,7 @@ class TTDeviceModel(MeshModel):
         self.model_capabilities = model_capabilities(self.bundle, device=True)
         self._sampling_cache: dict = {}  # lane -> (DeviceSampling, rows, its host inputs) of its last decode
         self._page_cache: dict = {}  # (lane, decode key) -> (page table given, its host array)
+        self._steady: dict = {}  # (lane, decode key) -> (tokens, its host array, prev_rows, its host array)
         self._mask_free: dict = {}  # forward key -> True when it reads no mask / M-RoPE input
         self._decode_keys: dict = {}  # (bucket, mode) -> forward key, checked once after seal
 
@@ -430,18 +431,27 @@ class TTDeviceModel(MeshModel):
         # the forward's rows are the bucket padded to whole tiles (fw.rows): padding rows idle
         # (position -1: nothing written, nothing attended), as backends/ttnn/device.decode_inputs
         R, blocks = fw.rows, fw.inputs["page_table"][0][1]
-        if R == B:
-            pos = start_pos.numpy()
-            toks = tokens.numpy().reshape(R).astype(np.uint32)
-        else:
-            pos = np.full(R, -1, np.int64)
-            pos[:B] = start_pos.numpy()
-            toks = np.zeros(R, np.uint32)
-            toks[:B] = tokens.numpy().reshape(B)
-        # the runner passes one page-table tensor while a batch's rows and blocks stay: its host
-        # array is made once, and the same array object lets write_inputs skip the copy
         lane = self._lane(kv_cache)
         runner = self.lane_runners[lane]
+        pos = start_pos.numpy()
+        if R != B:
+            pos = np.concatenate([pos, np.full(R - B, -1, np.int64)])
+        # a chained step of a persistent batch passes the same tokens (zeros: every row fed on the
+        # device) and feed map tensors step after step: their host arrays are made once (the same
+        # token array lets write_inputs skip its copy; the fed rows overwrite it on the device)
+        same = self._steady.get((lane, key))
+        if same is not None and same[0] is tokens and prev_rows is not None and same[2] is prev_rows:
+            toks, rows = same[1], same[3]
+        else:
+            toks = np.zeros(R, np.uint32)
+            toks[:B] = tokens.numpy().reshape(B)
+            rows = None
+            if prev_rows is not None:
+                rows = np.full(R, -1, np.int64)
+                rows[:B] = prev_rows.numpy()
+            self._steady[lane, key] = (tokens, toks, prev_rows, rows)
+        # the runner passes one page-table tensor while a batch's rows and blocks stay: its host
+        # array is made once, and the same array object lets write_inputs skip the copy
         cached_pt = self._page_cache.get((lane, key))
         if cached_pt is None or cached_pt[0] is not page_table:
             pt = np.zeros((R, blocks), np.int32)
@@ -461,8 +471,6 @@ class TTDeviceModel(MeshModel):
                 self._sampling_cache[lane] = cached = (sampling_params, R, self._sampling_inputs(sampling_params, R))
             host.update(cached[2])
         if prev_rows is not None:  # the device feeds the previous step's ids into this one's tokens
-            rows = np.full(R, -1, np.int64)
-            rows[:B] = prev_rows.numpy()
             self.ttnn.feed_rows(runner.inputs[key]["tokens"], prev_output.out["next_tokens"], rows)
         handle = DecodeOutput(self._run(key, host, lane), B, sampling_params is not None, runner=runner)
         if not read_from_device:
