@@ -55,6 +55,13 @@ def test_the_target_opens_whole_and_each_lane_gets_its_submesh(lanes_tt):
     assert res["compiled_serving"] == 0 and res["violations"] == []
 
 
+def test_data_parallel_on_a_device_is_still_refused_clearly(lanes_tt):
+    res, *_ = lanes_tt
+    msg = " ".join((res["dp_refused"] or "").split())
+    assert "vLLM data parallel on a Tenstorrent device" in msg and "not implemented yet" in msg, msg
+    assert "leave --data-parallel-size out" in msg
+
+
 def test_lanes_tokens_equal_transformers_and_each_request_stays_on_its_submesh(lanes_tt):
     from ttbundle import mesh as meshmod
     res, _, src, prompts = lanes_tt

@@ -24,6 +24,12 @@ def run_case(pkg: str, case: dict) -> dict:
     from ttbundle.backends.ttnn import recording
     from ttbundle.runtime import ttdevice
 
+    from vllm.engine.arg_utils import EngineArgs
+    try:  # vLLM data parallel on a device: still refused (each rank would open its own chips)
+        EngineArgs(model=pkg, dtype="float32", data_parallel_size=2).create_engine_config()
+        refused = None
+    except Exception as e:  # noqa: BLE001 - the message is what the test reads
+        refused = str(e)
     ttdevice.RECORDER = rec = recording.Recorder()  # computing: weights from the tensorbin caches
     llm = LLM(model=pkg, dtype="float32", seed=0, max_num_seqs=case["max_num_seqs"])
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
@@ -52,6 +58,7 @@ def run_case(pkg: str, case: dict) -> dict:
                                      for d in (r.ex.device for r in model.lane_runners)],
         "compiled_off_lanes": sum(1 for e in rec.events[:n_setup] if e.compiled and e.device is None),
         "violations": rec.violations + rec.op_errors,
+        "dp_refused": refused,
     }
     llm.llm_engine.engine_core.shutdown()
     return res
