@@ -24,11 +24,22 @@ holding all S rows; the first and last few steps, where streams start and end, l
            log's end of the prefill)
   e2e      client-side output tokens/s of the whole cell / device bound (prefills included)
 
+  cpu      CPU time of the engine thread per decode step (``time.thread_time`` between consecutive
+           steady decode schedules): what the host spends, which other processes on a shared host
+           inflate less than the wall-clock interval
+  load     the 1-minute load average when the cell ended (a shared host: figures are noisy)
+
+Lanes (``--lanes 8``): the package split into 8 x 1x1 replicas of a T3K (``replicas:``), one
+engine driving them as 8 lanes (``runtime/lanes.py``; on the device path each lane on its own
+submesh, every lane's step enqueued before any is read back), 16 sequences per lane, 128
+streams, in-engine only; the device bound is 128 rows per T (the 8 submeshes run side by side);
+next to it the null engine at 128 streams (one device step per T).
+
 Targets: in-engine eff >= 0.95 at 14 ms / 32 streams, >= 0.9 at 5 ms; API within 10% of the null
-floor. Tiny llama (the runtime tests' spec) built with --backend ttnn for N150, prompts of
+floor; lanes (128 streams, 8 replicas) at 2 ms >= 0.85 of the device bound. Tiny llama (the runtime tests' spec) built with --backend ttnn for N150, prompts of
 --prompt tokens, --tokens output tokens (ignore_eos).
 
-Run: .venv/bin/python benches/bench_host.py [--steps 38,14,5] [--streams 1,8,32]
+Run: .venv/bin/python benches/bench_host.py [--steps 38,14,5] [--streams 1,8,32] [--lanes 8]
      [--modes engine,stream,nostream] [--kinds ttbundle,null] [--tokens 48] [--prompt 32] [--json]
      (--kinds ttbundle-sync: the TT path with --no-async-scheduling, each step read back first)
 (all cells: about 10 minutes on a 2-core host; a subset with the options above).
@@ -51,6 +62,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "tests" / "runtime"))  # the runtime tests' tiny spec (one owner)
+sys.path.insert(0, str(ROOT))  # this checkout's ttbundle (as the children's PYTHONPATH), not the venv's
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 SKIP = 3  # steady state: decode steps left out at each end of a cell
@@ -63,7 +75,8 @@ def prompts(n: int, length: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 # -- what a cell's step log says ---------------------------------------------------------------
-def steady(steps: list[dict], streams: int, step_ms: float, sched: list[float] | None = None) -> dict:
+def steady(steps: list[dict], streams: int, step_ms: float, sched: list[float] | None = None,
+           cpu: list[float] | None = None) -> dict:
     """Steady-state figures of one cell from its step log (dicts with phase, rows, at, inputs, wait)."""
     dec = [s for s in steps if s["phase"] == "decode" and len(s["rows"]) == streams]
     dec.sort(key=lambda s: s["at"])
@@ -77,8 +90,11 @@ def steady(steps: list[dict], streams: int, step_ms: float, sched: list[float] |
     if sched:
         parts["sched"] = statistics.mean(sched)
     parts["other"] = interval - sum(parts.values())
-    return {"eff": (step_ms / 1000) / interval, "interval_ms": interval * 1e3, "steps": len(core),
-            **{k + "_ms": v * 1e3 for k, v in parts.items()}}
+    out = {"eff": (step_ms / 1000) / interval, "interval_ms": interval * 1e3, "steps": len(core),
+           **{k + "_ms": v * 1e3 for k, v in parts.items()}}
+    if cpu:
+        out["cpu_ms"] = statistics.mean(cpu) * 1e3
+    return out
 
 
 def prefill_done(steps: list[dict], t0: float) -> float | None:
@@ -98,7 +114,7 @@ def child_engine(a) -> None:
     from vllm import LLM, SamplingParams
 
     model = a.src if a.kind == "null" else a.package
-    llm = LLM(model=model, dtype="float32", seed=0, max_num_seqs=32, max_model_len=256,
+    llm = LLM(model=model, dtype="float32", seed=0, max_num_seqs=max(32, *a.streams), max_model_len=256,
               async_scheduling=a.kind != "ttbundle-sync",
               **({"worker_cls": "null_engine.NullWorker"} if a.kind == "null" else {}))
     core = llm.llm_engine.engine_core.engine_core
@@ -108,11 +124,11 @@ def child_engine(a) -> None:
     orig = core.scheduler.schedule
 
     def timed(*args, **kw):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         out = orig(*args, **kw)
         if out.total_num_scheduled_tokens and out.num_scheduled_tokens and \
                 all(n == 1 for n in out.num_scheduled_tokens.values()):
-            sched_times.append((len(out.num_scheduled_tokens), time.perf_counter() - t))
+            sched_times.append((len(out.num_scheduled_tokens), time.perf_counter() - t, c))
         return out
     core.scheduler.schedule = timed
     sp = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
@@ -127,7 +143,10 @@ def child_engine(a) -> None:
         wall = time.perf_counter() - t0
         assert all(len(o.outputs[0].token_ids) == a.tokens for o in outs)
         steps = [s if isinstance(s, dict) else dict(s.__dict__) for s in list(log)[n0:]]
-        st = steady(steps, S, a.step, [t for n, t in sched_times if n == S][SKIP:-SKIP] or None)
+        full = [(t, c) for n, t, c in sched_times if n == S][SKIP:-SKIP]
+        cpu = [b[1] - a_[1] for a_, b in zip(full, full[1:])]  # engine-thread CPU per decode step
+        st = steady(steps, S, a.step, [t for t, _ in full] or None, cpu or None)
+        st["load"] = os.getloadavg()[0]
         st["e2e"] = S * a.tokens / wall / (S / (a.step / 1000))
         if S == 1:
             st["ttft_s"] = prefill_done(steps, t0)
@@ -254,6 +273,8 @@ def main():
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--cache", type=Path, default=Path("out/bench-host"))
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--lanes", type=int, default=0, help="the lanes cell: a T3K package of LANES x 1x1 "
+                    "replicas, 16 sequences per lane, LANES x 16 streams, in-engine (8: the T3K)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--kind", help=argparse.SUPPRESS)
     ap.add_argument("--step", type=float, help=argparse.SUPPRESS)
@@ -275,8 +296,16 @@ def main():
     from ttbundle.serving.demo import build_package
 
     t0 = time.perf_counter()
-    pkg = build_package(spec_text("llama"), a.cache, "N150", backend="ttnn", warmup=False)
-    src = a.cache / "src-tiny-llama"
+    if a.lanes:  # the lanes cell: one engine, LANES replicas of one chip each, 16 sequences per lane
+        from test_runtime_lanes import PER_LANE, lanes_spec
+        if a.lanes != 8:
+            raise SystemExit("--lanes: 8 (a T3K of 8 x 1x1 replicas) is the lanes cell")
+        pkg = build_package(lanes_spec(), a.cache, "T3K", backend="ttnn", warmup=False)
+        src = a.cache / "src-tiny-llama-r1x1"
+        a.streams, a.modes = [a.lanes * PER_LANE], ["engine"]
+    else:
+        pkg = build_package(spec_text("llama"), a.cache, "N150", backend="ttnn", warmup=False)
+        src = a.cache / "src-tiny-llama"
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
     print(f"package {pkg} ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
     cells: dict = {}  # (kind, mode, step, S) -> figures
@@ -298,7 +327,8 @@ def main():
         pre = timing.parse(f"timing:{step:g}ms").seconds("prefill", a.prompt)
         r = {"kind": kind, "mode": mode, "step_ms": step, "streams": S, **st,
              "null_eff": null.get("eff"), "vs_null": (st["eff"] / null["eff"]) if null.get("eff") else None,
-             "null_interval_ms": null.get("interval_ms"), "null_other_ms": null.get("other_ms")}
+             "null_interval_ms": null.get("interval_ms"), "null_other_ms": null.get("other_ms"),
+             "null_cpu_ms": null.get("cpu_ms"), "null_load": null.get("load")}
         if st.get("ttft_s") is not None:
             r["ttft_overhead_ms"] = (st["ttft_s"] - pre) * 1e3
         if null.get("ttft_s") is not None:
@@ -307,10 +337,13 @@ def main():
     if a.json:
         print(json.dumps(rows, indent=2))
         return
-    print(f"tiny llama, TT platform on the timing device (N150 package, --backend ttnn), prompt {a.prompt}, "
-          f"{a.tokens} output tokens, one run; null = vLLM with a null model, same device clock")
+    what = (f"T3K package of {a.lanes} x 1x1 replicas as {a.lanes} lanes" if a.lanes else "N150 package")
+    print(f"tiny llama, TT platform on the timing device ({what}, --backend ttnn), prompt {a.prompt}, "
+          f"{a.tokens} output tokens, one run; null = vLLM with a null model, same device clock; "
+          f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     hdr = (f"{'mode':9}{'T ms':>5}{'S':>4}{'eff':>7}{'null':>7}{'vs null':>8}{'e2e':>6}{'intvl':>7}"
-           f"{'sched':>7}{'input':>7}{'wait':>7}{'other':>7}{'null oth':>9}{'TTFT+ms':>8}{'null':>7}")
+           f"{'sched':>7}{'input':>7}{'wait':>7}{'other':>7}{'null oth':>9}{'TTFT+ms':>8}{'null':>7}"
+           f"{'cpu':>7}{'null':>7}{'load':>6}")
     print(hdr)
     for r in sorted(rows, key=lambda r: (r["kind"], ["engine", "stream", "nostream"].index(r["mode"]),
                                          -r["step_ms"], r["streams"])):
@@ -318,9 +351,10 @@ def main():
               f"{fmt(r['vs_null']):>8}{fmt(r.get('e2e')):>6}{fmt(r.get('interval_ms'), '.1f'):>7}"
               f"{fmt(r.get('sched_ms')):>7}{fmt(r.get('input_ms')):>7}{fmt(r.get('wait_ms')):>7}"
               f"{fmt(r.get('other_ms')):>7}{fmt(r.get('null_other_ms')):>9}"
-              f"{fmt(r.get('ttft_overhead_ms'), '.0f'):>8}{fmt(r.get('null_ttft_overhead_ms'), '.0f'):>7}")
+              f"{fmt(r.get('ttft_overhead_ms'), '.0f'):>8}{fmt(r.get('null_ttft_overhead_ms'), '.0f'):>7}"
+              f"{fmt(r.get('cpu_ms')):>7}{fmt(r.get('null_cpu_ms')):>7}{fmt(r.get('load'), '.1f'):>6}")
     by = {(r["mode"], r["step_ms"], r["streams"]): r for r in rows if r["kind"] == "ttbundle"}
-    for (mode, step, S, target) in (("engine", 14.0, 32, 0.95), ("engine", 5.0, 32, 0.9)):
+    for (mode, step, S, target) in (("engine", 14.0, 32, 0.95), ("engine", 5.0, 32, 0.9), ("engine", 2.0, 128, 0.85)):
         if (mode, step, S) in by:
             e = by[(mode, step, S)]["eff"]
             print(f"target in-engine {step:g} ms / {S} streams: eff {e:.3f} (>= {target}) "

@@ -208,14 +208,6 @@ def test_print_launch_refuses_impossible_dp(tmp_path):
     assert "? x 3 x 8 = 64" in " ".join(r.output.split())
 
 
-def test_ttnn_build_of_a_split_target_is_refused_clearly(tmp_path):
-    from ttbundle.build import build
-    _, b = _bundle({"replicas": {"T3K": {"submesh": [1, 2]}}})
-    with pytest.raises(InvalidInput, match=r"not yet: --backend ttnn for T3K 1x8 as 4 replicas of 1x2"):
-        build(b, "T3K", tmp_path / "out", backend="ttnn")
-    assert not (tmp_path / "out").exists()
-
-
 def test_validate_says_a_replica_does_not_fit_its_chips(tmp_path):
     """Llama-70B on a T3K as 8 replicas of one chip: each replica is a standalone 1x1 plan (the
     N150's numbers), which does not fit; validate exits 3 naming the split."""
@@ -229,3 +221,26 @@ def test_validate_says_a_replica_does_not_fit_its_chips(tmp_path):
     assert r.exit_code == 3, r.output
     out = " ".join(r.output.split())
     assert f"T3K (each of its 8 replicas on 1x1): does not fit: needs {alone.memory.total:,} B per chip" in out
+
+
+def test_lane_submeshes_cut_the_whole_target_and_refuse_otherwise():
+    """The TT device path's lanes (``runtime/ttdevice.lane_submeshes``) on the recording double:
+    the opened T3K cut into the replica's 1x2 submeshes in ``submesh_origins`` order; one replica's
+    mesh device, or a lane count other than the replicas, refused naming the numbers."""
+    from types import SimpleNamespace
+
+    from ttbundle.backends.ttnn import recording
+    from ttbundle.runtime.ttdevice import lane_submeshes
+
+    sub = meshmod.split(meshmod.resolve("T3K"), (1, 2))
+    pkg = SimpleNamespace(loaded=SimpleNamespace(mesh=sub), name="tiny", mesh_name="T3K")
+    tt = recording.Recorder().module()
+    subs = lane_submeshes(tt, pkg, tt.open_mesh_device(tt.MeshShape(1, 8)), 4)
+    assert [(s.shape, s.origin) for s in subs] == [((1, 2), o) for o in meshmod.submesh_origins((1, 8), (1, 2))]
+    with pytest.raises(ValueError, match=r"the mesh device is 1x2; its 4 lanes are cut from the whole 1x8 target"):
+        lane_submeshes(tt, pkg, tt.open_mesh_device(tt.MeshShape(1, 2)), 4)
+    with pytest.raises(ValueError, match=r"2 lane\(s\) on one mesh device; .* every replica of the target as a lane \(4\)"):
+        lane_submeshes(tt, pkg, tt.open_mesh_device(tt.MeshShape(1, 8)), 2)
+    whole = SimpleNamespace(loaded=SimpleNamespace(mesh=meshmod.resolve("N150")), name="t", mesh_name="N150")
+    dev = tt.open_mesh_device(tt.MeshShape(1, 1))
+    assert lane_submeshes(tt, whole, dev, 1) == [dev]

@@ -133,10 +133,6 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     if backend == "ttnn" and bundle.family.ttnn_unlowered:
         raise InvalidInput(f"not yet: --backend ttnn for {bundle.family.name}: the ttnn backend has no lowering "
                            f"for its {bundle.family.ttnn_unlowered}; build the emulated package")
-    if backend == "ttnn" and plan.mesh.target_shape is not None:
-        raise InvalidInput(f"not yet: --backend ttnn for {plan.mesh.describe()} (replicas: in the spec): "
-                           "the TT device path does not open submeshes yet; build the emulated package, or "
-                           "a target without replicas, for ttnn")
     cache.check_tokenizer(bundle)
     pkg = package_path(out_dir, bundle.spec.name, plan.mesh.name)
     sfpi = _sfpi(backend)

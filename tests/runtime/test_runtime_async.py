@@ -139,6 +139,33 @@ def test_timing_switch_parses_and_refuses():
             timing.parse(bad)
 
 
+def test_timing_device_runs_each_submesh_queue_side_by_side():
+    """Lanes on a device: each submesh (``create_submeshes`` of the recording double) has its own
+    queue, so 8 lanes' decode steps enqueued at once end after one step of device time, and a
+    second step on a submesh starts when that submesh's first one ends (ttnn's in-order queue)."""
+    from types import SimpleNamespace
+
+    from ttbundle.backends.ttnn import recording
+    from ttbundle.runtime import timing
+
+    dev = timing.TimingDevice(timing.parse("timing:50ms"))
+    tt = dev.wrap(recording.Recorder().module())
+    subs = tt.open_mesh_device(tt.MeshShape(1, 8)).create_submeshes(tt.MeshShape(1, 1))
+    assert len(subs) == 8
+    for i in range(8):
+        dev._traces[i] = (("decode", 32, "device", 0), {}, {})
+    for i, sub in enumerate(subs):
+        tt.execute_trace(sub, SimpleNamespace(n=i), blocking=False)
+    tt.execute_trace(subs[0], SimpleNamespace(n=0), blocking=False)
+    ex = [e for e in dev.events if e.kind == "execute"]
+    first = [e.done - e.at for e in ex[:8]]
+    assert max(first) == pytest.approx(0.050, abs=0.01)  # side by side, not 8 x 50 ms
+    assert ex[8].done == pytest.approx(ex[0].done + 0.050, abs=1e-6)  # submesh 0's queue, in order
+    assert dev.busy == pytest.approx(9 * 0.050)
+    ev = tt.record_event(subs[3])
+    assert ev.at == ex[3].done  # an event on a submesh waits for that submesh's queue only
+
+
 # -- the emulated mesh through vLLM's engine ---------------------------------------------------
 def _engine_run(pkg, async_scheduling: bool, prompts, params):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"

@@ -20,7 +20,8 @@ def run_case(pkg: str, case: dict) -> dict:
     from ttbundle.runtime import ttdevice
 
     ttdevice.RECORDER = ttdevice.DEVICE = None  # a fresh device per engine
-    llm = LLM(model=pkg, dtype="float32", seed=0, async_scheduling=case["async"])
+    llm = LLM(model=pkg, dtype="float32", seed=0, async_scheduling=case["async"],
+              **({"max_num_seqs": case["max_num_seqs"]} if case.get("max_num_seqs") else {}))
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     dev = ttdevice.DEVICE
     n_ev, n_steps = len(dev.events), len(runner.step_log)
@@ -33,7 +34,8 @@ def run_case(pkg: str, case: dict) -> dict:
         "prompts": [p["prompt_token_ids"] for p in prompts],
         "vocab": dev.vocab,
         "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
-        "steps": [{"phase": s.phase, "rows": s.rows, "buckets": s.buckets, "sampling": s.sampling, "mode": s.mode}
+        "steps": [{"phase": s.phase, "rows": s.rows, "buckets": s.buckets, "sampling": s.sampling, "mode": s.mode,
+                   "lanes": s.lanes}
                   for s in list(runner.step_log)[n_steps:]],
         "events": [{"kind": e.kind, "step": e.step, "key": list(e.key) if e.key else None, "at": e.at,
                     "done": e.done} for e in dev.events[n_ev:]],

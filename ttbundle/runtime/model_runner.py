@@ -43,6 +43,7 @@ from .phases import is_decode, pick
 from .capabilities import device_top_k
 from .interface import MeshModel
 from .runner_async import AsyncDecode, AsyncDecodeOutput
+from .runner_lanes import LaneDecode
 from .runner_state import DecodeBatch, InFlight, ReqState, Step
 from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons
 from ..families.vision_part import decode_rope
@@ -73,7 +74,7 @@ def model_class(package):
                            f"cannot be loaded: {e}") from None
 
 
-class TTModelRunner(AsyncDecode):
+class TTModelRunner(AsyncDecode, LaneDecode):
     def __init__(self, vllm_config, package, options, device: torch.device, tt=None):
         self.tt = tt  # (ttnn, mesh device) on the TT platform; None: the emulated mesh
         self.vllm_config = vllm_config
@@ -111,6 +112,7 @@ class TTModelRunner(AsyncDecode):
         from .lanes import plan_lanes_for
         self.lane_plan = plan_lanes_for(vllm_config, package, options)  # replicas / DP / lanes
         self.lanes = None  # runtime.lanes.Lanes when this engine drives more than one replica
+        self._lane_batches: dict[int, DecodeBatch] = {}  # lane -> its persistent decode batch
         from .capabilities import packed_prefill
         self.packed_prefill = packed_prefill(device=tt is not None)  # several prompts per prefill call
         from .speculation import proposer_for
@@ -126,7 +128,7 @@ class TTModelRunner(AsyncDecode):
             ttnn, mesh_device = self.tt
             self.mesh_model = TTDeviceModel.initialize_vllm_model(
                 self.vllm_config.model_config.hf_config, mesh_device,
-                self.vllm_config.scheduler_config.max_num_seqs, self.max_model_len, 1,
+                self.vllm_config.scheduler_config.max_num_seqs, self.max_model_len, self.lane_plan.lanes,
                 self.options.optimizations, package=self.package, options=self.options,
                 sample_mode=self.sample_mode, ttnn=ttnn)
         else:
@@ -291,7 +293,7 @@ class TTModelRunner(AsyncDecode):
         sampled_rows = [st for st, n in rows if st.num_computed + n >= st.num_tokens]
         allowed = self.sample_mode == "all" or (self.sample_mode == "decode_only" and decode)
         on_device = allowed and not any(st.host_sampling for st in sampled_rows)
-        if self.async_scheduling and decode and on_device and self.lanes is None:  # (lanes: synchronous)
+        if self.async_scheduling and decode and on_device:
             self._pending = ("async", self._submit_decode([st for st, _ in rows]))
             return None  # vLLM asks sample_tokens for the output
         # a synchronous step: the tokens its rows need must be on the host first
@@ -417,37 +419,6 @@ class TTModelRunner(AsyncDecode):
 
     def _kv_of(self, st: ReqState):
         return self.kv if self.lanes is None else self.lanes.of[st.req_id].kv
-
-    # -- lanes (runtime/lanes.py) ---------------------------------------------------------------
-    def _update_lanes(self, so) -> None:
-        """Requests leave their lane when they finish (their blocks with them), give their
-        blocks back when preempted, and join the least-loaded lane when first scheduled."""
-        for rid in list(so.finished_req_ids) + list(getattr(so, "preempted_req_ids", None) or ()):
-            st = self.requests.get(rid)
-            if rid in so.finished_req_ids:
-                self.lanes.release(rid, st.block_ids if st else ())
-            elif st is not None and rid in self.lanes.of:
-                self.lanes.free_blocks(self.lanes.of[rid], st.block_ids)
-                st.block_ids = []
-        for nr in so.scheduled_new_reqs:
-            self.lanes.assign(nr.req_id)
-
-    def _decode_lanes(self, states, on_device):
-        """One decode step over every lane: each lane's rows run as that lane's batch, padded to
-        its own decode bucket, on its own KV region (lane order; one program per lane)."""
-        by_lane: dict = {}
-        for st in states:
-            by_lane.setdefault(self.lanes.of[st.req_id].index, []).append(st)
-        out, buckets, secs, rows, phase = {}, [], [], {}, "decode"
-        for idx in sorted(by_lane):
-            t0 = time.perf_counter()
-            res, step = self._decode(by_lane[idx], on_device)
-            secs.append(time.perf_counter() - t0)
-            out.update(res)
-            buckets += step.buckets
-            rows.update((r[0], r) for r in step.rows)
-            phase = "verify" if step.phase == "verify" else phase  # (speculative decoding)
-        return out, Step(phase, [rows[st.req_id] for st in states], buckets, "", lane_seconds=secs)
 
     def _device_sampling(self, states: list[ReqState], rows: int) -> DeviceSampling:
         return DeviceSampling.from_params([s.params for s in states], [s.generator for s in states], rows)

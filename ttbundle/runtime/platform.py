@@ -186,18 +186,19 @@ def configure(vllm_config, emulated: bool) -> None:
     sc.long_prefill_token_threshold = chunk
     # async scheduling (vLLM's default; off with --no-async-scheduling) needs async decode: a
     # decode step submitted before the previous one's tokens are read back (model_runner.py)
-    # (lanes run one program per lane in turn, synchronously: async scheduling would only delay
-    # each request's release from its lane by a step)
+    # (lanes: on a device every lane's decode is submitted, then all collected when vLLM asks;
+    # the emulated mesh computes at submit, so its lanes stay synchronous)
     from .model_runner import async_decode_supported
     if sc.async_scheduling and not async_decode_supported(emulated):
         logger.info("ttbundle: async scheduling off: this device cannot feed a decode's sampled tokens "
                     "into the next decode (capabilities.async_decode)")
-    elif sc.async_scheduling and lanes.lanes > 1:
-        logger.info("ttbundle: async scheduling off: %d lanes run synchronous steps", lanes.lanes)
+    elif sc.async_scheduling and lanes.lanes > 1 and emulated:
+        logger.info("ttbundle: async scheduling off: %d lanes on the emulated mesh run synchronous steps",
+                    lanes.lanes)
     if sc.async_scheduling and vllm_config.speculative_config is not None:
         logger.info("ttbundle: async scheduling off: speculative decoding runs synchronous steps")
-    sc.async_scheduling = bool(sc.async_scheduling) and async_decode_supported(emulated) and lanes.lanes == 1 \
-        and vllm_config.speculative_config is None
+    sc.async_scheduling = bool(sc.async_scheduling) and async_decode_supported(emulated) \
+        and (lanes.lanes == 1 or not emulated) and vllm_config.speculative_config is None
     if sc.scheduler_cls not in (None, SCHEDULER, ASYNC_SCHEDULER) and "ttbundle" not in str(sc.scheduler_cls):
         logger.warning("ttbundle: replacing scheduler %s: every step must be one phase", sc.scheduler_cls)
     sc.scheduler_cls = ASYNC_SCHEDULER if sc.async_scheduling else SCHEDULER
@@ -268,9 +269,10 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
             _fail(f"--data-parallel-size {dp} with a mixture-of-experts model: vLLM runs MoE ranks "
                   "in lockstep with collectives the emulated mesh does not provide; serve the replicas "
                   "as lanes in one engine instead (leave --data-parallel-size out)")
-    if not emulated and (lp.lanes > 1 or dp > 1):
-        _fail(f"{lp.describe()}: replicas on a Tenstorrent device (opening submeshes) are not "
-              "implemented yet; they run on the emulated mesh")
+    if not emulated and dp > 1:  # lanes in one engine open the target's submeshes (ttdevice.lane_submeshes)
+        _fail(f"{lp.describe()}: vLLM data parallel on a Tenstorrent device (each rank opening its own "
+              "replicas' chips) is not implemented yet; serve every replica as a lane of one engine "
+              "(leave --data-parallel-size out), or data parallel on the emulated mesh")
     return lp
 
 

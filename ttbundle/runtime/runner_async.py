@@ -32,28 +32,63 @@ class AsyncDecodeOutput(AsyncModelRunnerOutput):
 class AsyncDecode:
     """The model runner's async decode: submit a device-sampled decode (:meth:`_submit_decode`),
     collect it when its tokens are wanted (:meth:`_collect`). Uses the runner's ``mesh_model``,
-    ``kv``, ``decode_buckets``, ``_inflight``, ``_batch``, ``_block_epoch``, ``_page_table``,
-    ``_device_sampling``, ``_decode_rope`` and ``_log``."""
+    ``kv``, ``lanes``, ``decode_buckets``, ``_inflight``, ``_batch``, ``_lane_batches``,
+    ``_block_epoch``, ``_page_table``, ``_device_sampling``, ``_decode_rope`` and ``_log``."""
 
     def _submit_decode(self, states: list[ReqState]) -> InFlight:
         """Enqueue a device-sampled decode of ``states`` without reading it back. A row whose
         input token is the in-flight step's unread output takes it on the device. The batch's
         page table and sampling parameters persist while its rows and their blocks stay
-        (:class:`DecodeBatch`); per step only the positions (and any host-known tokens) are new."""
+        (:class:`DecodeBatch`); per step only the positions (and any host-known tokens) are new.
+        With lanes, every lane's batch is enqueued (each on its own KV region, or submesh) before
+        the step returns: one part per lane, each fed from its own lane's previous part (a
+        request never changes lane)."""
         t0 = time.perf_counter()
         prev = self._inflight
         if prev is not None and prev.output is not None:
             prev = None
+        if self.lanes is None:
+            flight, chained = self._submit_part(states, None, self.kv, prev)
+            flight.step = Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [flight.batch.bucket],
+                               "device", mode="async", inputs=time.perf_counter() - t0, at=t0)
+            flight.t0, flight.prev = t0, (prev if chained else None)
+            self._inflight = flight
+            return flight
+        by_lane: dict = {}
+        for st in states:
+            by_lane.setdefault(self.lanes.of[st.req_id].index, []).append(st)
+        prev_parts = {p.lane: p for p in prev.parts} if prev is not None and prev.parts else {}
+        parts, chained_any = [], False
+        for idx in sorted(by_lane):
+            lane_states = by_lane[idx]
+            part, chained = self._submit_part(lane_states, idx, self.lanes.of[lane_states[0].req_id].kv,
+                                              prev_parts.get(idx))
+            part.lane = idx
+            parts.append(part)
+            chained_any |= chained
+        step = Step("decode", [(st.req_id, st.num_computed, 1) for st in states], [p.batch.bucket for p in parts],
+                    "device", mode="async", inputs=time.perf_counter() - t0, at=t0)
+        self._inflight = InFlight(list(states), None, step, t0, prev if chained_any else None, parts=parts)
+        return self._inflight
+
+    def _submit_part(self, states: list[ReqState], lane, kv, prev: InFlight | None) -> tuple[InFlight, bool]:
+        """One batch's decode enqueued (the engine's, or lane ``lane``'s on ``kv``), fed from
+        ``prev`` (the same batch's in-flight step) where its input tokens are still on the
+        device: (its flight, without step, and whether it was fed)."""
         B = len(states)
         rids = tuple([st.req_id for st in states])
-        batch = self._batch
-        if batch is None or batch.rids != rids:
+        batch = self._batch if lane is None else self._lane_batches.get(lane)
+        if batch is None or batch.rids != rids or batch.chained_src is None:
             bucket = pick(self.decode_buckets, B)
             src = torch.full((bucket,), -1, dtype=torch.long)
             src[:B] = torch.arange(B)
-            batch = self._batch = DecodeBatch(rids, self._block_epoch, bucket, self._page_table(states, bucket),
-                                              self._device_sampling(states, bucket), src,
-                                              torch.zeros(bucket, 1, dtype=torch.long))
+            batch = DecodeBatch(rids, self._block_epoch, bucket, self._page_table(states, bucket),
+                                self._device_sampling(states, bucket), src, torch.zeros(bucket, 1, dtype=torch.long),
+                                all(st.positions.plain for st in states))
+            if lane is None:
+                self._batch = batch
+            else:
+                self._lane_batches[lane] = batch
         elif batch.epoch != self._block_epoch:  # a row got a block: a new table (never changed in place)
             batch.page_table, batch.epoch = self._page_table(states, batch.bucket), self._block_epoch
         bucket = batch.bucket
@@ -65,12 +100,10 @@ class AsyncDecode:
         else:
             tokens, src, chained = self._decode_inputs(states, bucket, prev)
         handle = self.mesh_model.decode_forward(
-            tokens, pos, batch.page_table, self.kv, batch.sampling, read_from_device=False,
-            **({"prev_output": prev.handle, "prev_rows": src} if chained else {}), **self._decode_rope(states, pos))
-        step = Step("decode", [(rid, c, 1) for rid, c in zip(rids, positions)], [bucket], "device",
-                    mode="async", inputs=time.perf_counter() - t0, at=t0)
-        self._inflight = InFlight(list(states), handle, step, t0, prev if chained else None, batch=batch)
-        return self._inflight
+            tokens, pos, batch.page_table, kv, batch.sampling, read_from_device=False,
+            **({"prev_output": prev.handle, "prev_rows": src} if chained else {}),
+            **({} if batch.plain else self._decode_rope(states, pos)))
+        return InFlight(list(states), handle, None, 0.0, batch=batch), chained
 
     @staticmethod
     def _decode_inputs(states: list[ReqState], bucket: int, prev: InFlight | None):
@@ -100,11 +133,18 @@ class AsyncDecode:
             self._collect(flight.prev)
         t = time.perf_counter()
         mm = self.mesh_model
-        ids = mm.process_decode_output_host(mm.read_decode_output(flight.handle), is_tokens=True)
+        states = flight.states
+        if flight.parts is None:
+            ids = mm.process_decode_output_host(mm.read_decode_output(flight.handle), is_tokens=True)
+            ids = ids[:len(states)].tolist()  # plain ints, one conversion for the batch
+        else:  # lanes: every lane's part (enqueued together) read back in lane order
+            got = {}
+            for part in flight.parts:
+                out = mm.process_decode_output_host(mm.read_decode_output(part.handle), is_tokens=True)
+                got.update(zip((st.req_id for st in part.states), out[:len(part.states)].tolist()))
+            ids = [got[st.req_id] for st in states]
         flight.step.wait = time.perf_counter() - t
         flight.step.seconds = time.perf_counter() - flight.t0
-        states = flight.states
-        ids = ids[:len(states)].tolist()  # plain ints, one conversion for the batch
         for st, tok in zip(states, ids):
             st.output.append(tok)
         order = [st.req_id for st in states]

@@ -63,6 +63,8 @@ class InFlight:
     prev: "InFlight | None" = None  # the step whose output this one's inputs take on the device
     output: object = None  # the ModelRunnerOutput, once collected
     batch: "DecodeBatch | None" = None  # the persistent batch it ran
+    parts: "list[InFlight] | None" = None  # with lanes: one per lane (its rows, handle and batch)
+    lane: int | None = None  # a lane's part: its lane (replica) index
 
 
 @dataclass
@@ -80,3 +82,4 @@ class DecodeBatch:
     sampling: DeviceSampling
     chained_src: torch.Tensor  # [bucket]: row i takes the previous step's row i (padding: -1)
     zero_tokens: torch.Tensor  # [bucket, 1] zeros (every row fed on the device)
+    plain: bool = True  # every row's rope positions are its cache positions (no M-RoPE input)

@@ -8,7 +8,9 @@ double (``backends/ttnn/recording.py``, which records and checks every ttnn call
 replayed trace a modeled duration per (phase, bucket), spent off the CPU, with ttnn's semantics:
 
 * ``execute_trace(..., blocking=False)`` returns at once; the device runs enqueued work in order
-  (a step starts when the previous one is done);
+  (a step starts when the previous one is done); each mesh device (each submesh of
+  ``MeshDevice.create_submeshes``: the lanes of a package split into replicas) has its own
+  command queue and clock, so steps enqueued on different submeshes run at the same time;
 * a readback (``from_device``, blocking) waits, sleeping, until the step that wrote the tensor is
   done; ``from_device(t, blocking=False)`` enqueues the copy behind the work already queued and
   returns the host tensor at once, ``record_event`` / ``event_synchronize`` wait for it
@@ -85,8 +87,9 @@ class TimingDevice:
     times: StepTimes
     vocab: int = 0
     events: list = field(default_factory=list)
-    busy: float = 0.0  # modeled seconds of device work
-    free_at: float = 0.0  # when the last enqueued step ends
+    busy: float = 0.0  # modeled seconds of device work (every submesh's, summed)
+    free_at: float = 0.0  # when the last enqueued step ends (on any submesh)
+    _free: dict = field(default_factory=dict)  # id(mesh device) -> when its last enqueued step ends
     _steps: int = 0
     _traces: dict = field(default_factory=dict)  # trace number -> (key, inputs, outputs)
     _feeds: dict = field(default_factory=dict)  # id(dst input) -> (src output, rows)
@@ -108,16 +111,17 @@ class TimingDevice:
         if d > 0:
             time.sleep(d)
 
-    def execute(self, tid, blocking: bool) -> None:
+    def execute(self, tid, blocking: bool, device=None) -> None:
         key, inputs, outs = self._traces.get(getattr(tid, "n", None), (None, {}, {}))
         now = time.perf_counter()
         with self._lock:
             self._steps += 1
             dur = self.times.seconds(key[0], key[1]) if key else 0.0
-            start = max(now, self.free_at)
-            self.free_at = start + dur
+            start = max(now, self._free.get(id(device), 0.0))
+            done = self._free[id(device)] = start + dur
+            self.free_at = max(self.free_at, done)
             self.busy += dur
-            step, done = self._steps, self.free_at
+            step = self._steps
         self._sample(key, inputs, outs, step, done)
         self.events.append(DeviceEvent("execute", step, key, now, done))
         if blocking:
@@ -169,16 +173,16 @@ class TimingDevice:
                 self.events.append(DeviceEvent("read", t.step, None, now, time.perf_counter()))
         return ready
 
-    def record_event(self) -> _Event:
-        return _Event(self.free_at, self._steps)
+    def record_event(self, device=None) -> _Event:
+        return _Event(self._free.get(id(device), 0.0), self._steps)
 
     def wait_event(self, ev: _Event) -> None:
         now = time.perf_counter()
         self._sleep_until(ev.at)
         self.events.append(DeviceEvent("read", ev.step, None, now, time.perf_counter()))
 
-    def synchronize(self) -> None:
-        self._sleep_until(self.free_at)
+    def synchronize(self, device=None) -> None:
+        self._sleep_until(self._free.get(id(device), 0.0))
 
 
 class _HostRead:
@@ -215,7 +219,7 @@ class TimingTTNN:
         return getattr(self._inner, name)
 
     def execute_trace(self, mesh_device, tid, cq_id: int = 0, blocking: bool = True):
-        self.timing.execute(tid, blocking)
+        self.timing.execute(tid, blocking, mesh_device)
 
     # host -> device copies while serving (after ``attach``): ttnn does them in C++ in microseconds;
     # the double's Python bookkeeping of each call would be most of the host time measured, so the
@@ -256,13 +260,13 @@ class TimingTTNN:
         return self._inner.get_device_tensors(t)
 
     def record_event(self, mesh_device, cq_id: int = 0, *a, **kw):
-        return self.timing.record_event()
+        return self.timing.record_event(mesh_device)
 
     def event_synchronize(self, ev):
         self.timing.wait_event(ev)
 
     def synchronize_device(self, mesh_device, *a, **kw):
-        self.timing.synchronize()
+        self.timing.synchronize(mesh_device)
         return self._inner.synchronize_device(mesh_device)
 
     def feed_rows(self, dst, src, rows) -> None:

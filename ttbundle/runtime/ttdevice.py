@@ -24,6 +24,15 @@ listed in ``RECORDER.zero_reads``); never set it to serve.
 model of ``timing.py`` (over the same double) in for ttnn: replayed traces take a modeled time off
 the CPU, readbacks wait for it, device sampling returns deterministic ids (``DEVICE`` holds it).
 
+**Lanes** (a package split into replicas, ``runtime/lanes.py``): the worker opens the whole
+target mesh (:func:`open_mesh`) and :meth:`TTDeviceModel.initialize_vllm_model` cuts it with
+``MeshDevice.create_submeshes(MeshShape(r, c))`` (the replica's shape; as Tenstorrent's
+``tt_data_parallel_size``), one submesh per lane in ``mesh.submesh_origins`` order; each lane has
+its own weights, KV cache, inputs and traces on its submesh (one ``TraceRunner`` per lane), and
+the KV handle :meth:`~TTDeviceModel.allocate_kv_cache` gives the runner names the lane every
+call of that lane's rows runs on. The runner enqueues every lane's decode before it reads any
+back (``model_runner._decode_lanes``), so the lanes' device time overlaps.
+
 **Async decode** (``read_from_device=False``): the trace is enqueued, the readback of its sampled
 ids enqueued right behind it (``from_device(blocking=False)`` and an event, as Tenstorrent's
 ``read_decode_output(async_read=True)``), and :meth:`read_decode_output` waits for the event. The
@@ -70,10 +79,14 @@ def import_ttnn():
     return ttnn
 
 
-def open_mesh(ttnn, package, options):
+def open_mesh(ttnn, package, options, whole: bool = False):
     """The package's mesh (the one its programs run on), opened with the plugin options (trace
-    region: the option, else the size the package's build planned, from its manifest)."""
+    region: the option, else the size the package's build planned, from its manifest).
+    ``whole``: a package split into replicas opens the whole target (its lanes' submeshes are
+    cut from it, :meth:`TTDeviceModel.initialize_vllm_model`); the fabric follows the replica's
+    chips (collectives run within a replica)."""
     mesh = package.loaded.mesh
+    shape = mesh.target_shape if whole and mesh.target_shape is not None else mesh.shape
     fabric = options.fabric_config or ("FABRIC_1D" if mesh.num_devices > 1 else None)
     if fabric:  # collectives need the fabric; 1D by default, as Tenstorrent's plugin
         args = [getattr(ttnn.FabricConfig, fabric)]
@@ -88,22 +101,23 @@ def open_mesh(ttnn, package, options):
     if options.dispatch_core_axis:
         axis = ttnn.DispatchCoreAxis.ROW if options.dispatch_core_axis == "row" else ttnn.DispatchCoreAxis.COL
         kw["dispatch_core_config"] = ttnn.DispatchCoreConfig(axis=axis)
-    return ttnn.open_mesh_device(ttnn.MeshShape(*mesh.shape), **kw)
+    return ttnn.open_mesh_device(ttnn.MeshShape(*shape), **kw)
 
 
 class KVHandle:
-    """The paged KV cache the plan sized (it lives in the executor); what the runner holds."""
+    """The paged KV cache the plan sized (it lives in the executor of its lane's submesh); what
+    the runner holds. ``lane``: which lane (submesh) it is on, 0 without lanes."""
 
-    def __init__(self, num_blocks: int, block_size: int):
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, num_blocks: int, block_size: int, lane: int = 0):
+        self.num_blocks, self.block_size, self.lane = num_blocks, block_size, lane
 
 
 class DecodeOutput:
     """A decode's outputs before read-back (``decode_forward(read_from_device=False)``):
     Tenstorrent's plugin then calls ``read_decode_output`` and ``process_decode_output_host``."""
 
-    def __init__(self, out: dict, rows: int, tokens: bool, host=None):
-        self.out, self.rows, self.tokens, self.host = out, rows, tokens, host
+    def __init__(self, out: dict, rows: int, tokens: bool, host=None, runner=None):
+        self.out, self.rows, self.tokens, self.host, self.runner = out, rows, tokens, host, runner
         self.pending = None  # async decode: (host tensor, event) of the readback queued at submit
 
 
@@ -144,6 +158,30 @@ def _rope_kwargs(rope_positions, rope_deltas, start_pos, rows: int):
     return decode_rope(start_pos, torch.nn.functional.pad(d, (0, rows - d.numel())))
 
 
+def lane_submeshes(ttnn, package, mesh_device, lanes: int) -> list:
+    """The mesh device of each lane: ``mesh_device`` itself for one lane; else the submeshes of
+    the replica's shape ``create_submeshes`` cuts the whole target into (row-major, the order of
+    ``mesh.submesh_origins``: lane ``i`` is replica ``i``). Refuses a mesh device that is not the
+    target, or a lane count other than the target's replicas (naming both)."""
+    mesh = package.loaded.mesh
+    if lanes == 1 and mesh.replicas == 1:
+        return [mesh_device]
+    target = mesh.target_shape or mesh.shape
+    where = f"package {package.name}-{package.mesh_name} ({mesh.describe()})"
+    if lanes != mesh.replicas:
+        raise ValueError(f"{where}: {lanes} lane(s) on one mesh device; a Tenstorrent device runs every "
+                         f"replica of the target as a lane ({mesh.replicas}), one engine for the whole "
+                         "target")
+    got = tuple(int(x) for x in mesh_device.shape)
+    if got != tuple(target):
+        raise ValueError(f"{where}: the mesh device is {got[0]}x{got[1]}; its {lanes} lanes are cut from "
+                         f"the whole {target[0]}x{target[1]} target (open it, not one replica)")
+    subs = list(mesh_device.create_submeshes(ttnn.MeshShape(*mesh.shape)))
+    if len(subs) != lanes:
+        raise ValueError(f"{where}: create_submeshes gave {len(subs)} submeshes for {lanes} lanes")
+    return subs
+
+
 class TTDeviceModel(MeshModel):
     """A package on a ttnn mesh device (its tensorbin weights, lowered forwards, traces), behind
     the model protocol (``runtime.interface.MeshModel``)."""
@@ -152,8 +190,11 @@ class TTDeviceModel(MeshModel):
     seeded_on_device = False
     model_capabilities: dict  # per instance: capabilities.model_capabilities(bundle, device=True)
 
-    def __init__(self, ttnn, package, runner, trace_mode: str, sample_mode: str):
+    def __init__(self, ttnn, package, runner, trace_mode: str, sample_mode: str, lane_runners=None):
         self.ttnn, self.package, self.runner = ttnn, package, runner
+        #: one TraceRunner per lane (its submesh's weights, KV, inputs, traces); [runner] without lanes
+        self.lane_runners = list(lane_runners or [runner])
+        self._kv_given = 0  # lanes' KV handles handed out (allocate_kv_cache), in lane order
         self.bundle = package.bundle
         b = self.bundle.buckets
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
@@ -166,8 +207,9 @@ class TTDeviceModel(MeshModel):
         self.replays: list[tuple] = []  # forward key of every step's run, in order
         from .capabilities import model_capabilities
         self.model_capabilities = model_capabilities(self.bundle, device=True)
-        self._sampling_cache = None  # (DeviceSampling, rows, its host inputs) of the last decode
-        self._page_cache: dict = {}  # decode key -> (page table given, its host array)
+        self._sampling_cache: dict = {}  # lane -> (DeviceSampling, rows, its host inputs) of its last decode
+        self._page_cache: dict = {}  # (lane, decode key) -> (page table given, its host array)
+        self._steady: dict = {}  # (lane, decode key) -> (tokens, its host array, prev_rows, its host array)
         self._mask_free: dict = {}  # forward key -> True when it reads no mask / M-RoPE input
         self._decode_keys: dict = {}  # (bucket, mode) -> forward key, checked once after seal
 
@@ -189,30 +231,41 @@ class TTDeviceModel(MeshModel):
         options = options or TTOptions(optimizations=optimizations)
         sample_mode = sample_mode or options.sample_mode(package.bundle.spec.runtime.sample_on_device_mode)
 
-        if tt_data_parallel != 1:
-            raise ValueError("data parallel over meshes is not supported")
         if not (package.path / "tensorbin" / "index.json").is_file():
             raise InvalidInput(f"{package.path}: no tensorbin/ weight caches; a Tenstorrent device runs packages "
                                "built with `ttbundle build --backend ttnn`")
         refuse_unlowered_vision(package.loaded)
         ttnn = ttnn or import_ttnn()
         t0 = time.perf_counter()
-        runner = open_model(ttnn, package.loaded, sample_mode, mesh_device, host_fallback=True,
-                            trace_mode=options.trace_mode)
-        if RECORDER is not None and RECORDER.unknown_reads == "zeros":  # test-only hook, fake weights:
-            runner.ex.on_call = RECORDER.on_call  # each op's output gets the shape the lowering says
-        logger.info("ttbundle: %s on a %s mesh: weights, KV cache, %d forwards in %.1f s", package.name,
-                    package.mesh_name, len(runner.forwards), time.perf_counter() - t0)
-        return cls(ttnn, package, runner, options.trace_mode, sample_mode)
+        devices = lane_submeshes(ttnn, package, mesh_device, tt_data_parallel)
+        runners = []
+        for dev in devices:  # each lane: its own weights, KV cache, inputs and (later) traces
+            runner = open_model(ttnn, package.loaded, sample_mode, dev, host_fallback=True,
+                                trace_mode=options.trace_mode)
+            if RECORDER is not None and RECORDER.unknown_reads == "zeros":  # test-only hook, fake weights:
+                runner.ex.on_call = RECORDER.on_call  # each op's output gets the shape the lowering says
+            runners.append(runner)
+        logger.info("ttbundle: %s on a %s mesh%s: weights, KV cache, %d forwards in %.1f s", package.name,
+                    package.mesh_name, f" ({len(runners)} lanes, one submesh each)" if len(runners) > 1 else "",
+                    len(runners[0].forwards), time.perf_counter() - t0)
+        return cls(ttnn, package, runners[0], options.trace_mode, sample_mode, runners)
 
     # -- KV ---------------------------------------------------------------------------------------
     def allocate_kv_cache(self, kv_cache_shape, dtype=None, num_layers=None) -> KVHandle:
+        """The KV cache of the next lane (lanes: called once per lane, in lane order; each
+        lane's cache was allocated on its submesh when the model opened)."""
         plan_blocks = self._plan_blocks()
         if kv_cache_shape[0] != plan_blocks:
             raise ValueError(f"the {self.package.mesh_name} package's KV cache holds {plan_blocks} blocks "
                              f"(its plan); vLLM asked for {kv_cache_shape[0]} (--num-gpu-blocks-override is "
                              "not supported on Tenstorrent devices)")
-        return KVHandle(plan_blocks, kv_cache_shape[2])
+        if self._kv_given >= len(self.lane_runners):
+            raise ValueError(f"{self._kv_given + 1} KV caches asked of {len(self.lane_runners)} lane(s)")
+        self._kv_given += 1
+        return KVHandle(plan_blocks, kv_cache_shape[2], self._kv_given - 1)
+
+    def _lane(self, kv_cache) -> int:
+        return getattr(kv_cache, "lane", 0)
 
     def _plan_blocks(self) -> int:
         return self.package.kv_blocks
@@ -238,11 +291,12 @@ class TTDeviceModel(MeshModel):
             self._decode_keys[(bucket, mode)] = key
         return key
 
-    def _run(self, key: tuple, host: dict) -> dict:
+    def _run(self, key: tuple, host: dict, lane: int = 0) -> dict:
         self.replays.append(key)
-        if self.runner.stage == "captured":
-            return self.runner.run(key, host)
-        return self.runner.run_eager(key, host)  # enable_model_warmup=false: compiles on first use
+        runner = self.lane_runners[lane]
+        if runner.stage == "captured":
+            return runner.run(key, host)
+        return runner.run_eager(key, host)  # enable_model_warmup=false: compiles on first use
 
     def _sampling_inputs(self, s: DeviceSampling | None, rows: int) -> dict:
         """``ttnn.sampling``'s inputs. Rows with top_k above TOPK or none never come here from
@@ -310,13 +364,15 @@ class TTDeviceModel(MeshModel):
                                    rope_positions=None if rope_positions is None else rope_positions.numpy())
         head = fw.inputs["last_rows"][0][2]
         host.update(self._sampling_inputs(sampling_params, head))
-        out = self._run(key, host)
+        lane = self._lane(kv_cache)
+        out = self._run(key, host, lane)
         row = (n - 1) % head
+        runner = self.lane_runners[lane]
         if sampling_params is not None:
-            ids = np.asarray(self.runner.read(out["next_tokens"])).reshape(-1)
+            ids = np.asarray(runner.read(out["next_tokens"])).reshape(-1)
             res = torch.tensor([int(ids[row])])
         else:
-            logits = np.asarray(self.runner.read(out["logits.out"])).reshape(head, -1)
+            logits = np.asarray(runner.read(out["logits.out"])).reshape(head, -1)
             res = torch.from_numpy(logits[row:row + 1, :self.vocab_size].astype(np.float32))
         return res if deltas is None else (res, deltas)
 
@@ -375,22 +431,33 @@ class TTDeviceModel(MeshModel):
         # the forward's rows are the bucket padded to whole tiles (fw.rows): padding rows idle
         # (position -1: nothing written, nothing attended), as backends/ttnn/device.decode_inputs
         R, blocks = fw.rows, fw.inputs["page_table"][0][1]
-        if R == B:
-            pos = start_pos.numpy()
-            toks = tokens.numpy().reshape(R).astype(np.uint32)
+        lane = self._lane(kv_cache)
+        runner = self.lane_runners[lane]
+        pos = start_pos.numpy()
+        if R != B:
+            pos = np.concatenate([pos, np.full(R - B, -1, np.int64)])
+        # a chained step of a persistent batch passes the same tokens (zeros: every row fed on the
+        # device) and feed map tensors step after step: their host arrays are made once (the same
+        # token array lets write_inputs skip its copy; the fed rows overwrite it on the device)
+        same = self._steady.get((lane, key))
+        if same is not None and same[0] is tokens and prev_rows is not None and same[2] is prev_rows:
+            toks, rows = same[1], same[3]
         else:
-            pos = np.full(R, -1, np.int64)
-            pos[:B] = start_pos.numpy()
             toks = np.zeros(R, np.uint32)
             toks[:B] = tokens.numpy().reshape(B)
+            rows = None
+            if prev_rows is not None:
+                rows = np.full(R, -1, np.int64)
+                rows[:B] = prev_rows.numpy()
+            self._steady[lane, key] = (tokens, toks, prev_rows, rows)
         # the runner passes one page-table tensor while a batch's rows and blocks stay: its host
         # array is made once, and the same array object lets write_inputs skip the copy
-        cached_pt = self._page_cache.get(key)
+        cached_pt = self._page_cache.get((lane, key))
         if cached_pt is None or cached_pt[0] is not page_table:
             pt = np.zeros((R, blocks), np.int32)
             given = page_table.numpy()[:, :blocks]
             pt[:given.shape[0], :given.shape[1]] = given
-            self._page_cache[key] = cached_pt = (page_table, pt)
+            self._page_cache[lane, key] = cached_pt = (page_table, pt)
         host = {"tokens": toks.reshape(1, R), "positions": np.maximum(pos, 0).astype(np.uint32).reshape(1, R),
                 "cur_pos": pos.astype(np.int32), "page_table": cached_pt[1]}
         if not self._mask_free.get(key):
@@ -399,19 +466,17 @@ class TTDeviceModel(MeshModel):
             self._mask_free[key] = not masks
             host.update(masks)
         if sampling_params is not None:  # the runner passes one object while a batch's rows stay
-            cached = self._sampling_cache
+            cached = self._sampling_cache.get(lane)
             if cached is None or cached[0] is not sampling_params or cached[1] != R:
-                self._sampling_cache = cached = (sampling_params, R, self._sampling_inputs(sampling_params, R))
+                self._sampling_cache[lane] = cached = (sampling_params, R, self._sampling_inputs(sampling_params, R))
             host.update(cached[2])
         if prev_rows is not None:  # the device feeds the previous step's ids into this one's tokens
-            rows = np.full(R, -1, np.int64)
-            rows[:B] = prev_rows.numpy()
-            self.ttnn.feed_rows(self.runner.inputs[key]["tokens"], prev_output.out["next_tokens"], rows)
-        handle = DecodeOutput(self._run(key, host), B, sampling_params is not None)
+            self.ttnn.feed_rows(runner.inputs[key]["tokens"], prev_output.out["next_tokens"], rows)
+        handle = DecodeOutput(self._run(key, host, lane), B, sampling_params is not None, runner=runner)
         if not read_from_device:
             if handle.tokens:  # async decode: the readback queued right behind the trace, and its event
                 handle.pending = (self.ttnn.from_device(handle.out["next_tokens"], blocking=False),
-                                  self.ttnn.record_event(self.runner.ex.device, 0))
+                                  self.ttnn.record_event(runner.ex.device, 0))
             return handle
         return self.process_decode_output_host(self.read_decode_output(handle), is_tokens=handle.tokens)
 
@@ -422,9 +487,11 @@ class TTDeviceModel(MeshModel):
             host_t, event = tt_out.pending
             self.ttnn.event_synchronize(event)
             ids = np.asarray(self.ttnn.get_device_tensors(host_t)[0].to_numpy())
-            return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, ids)
+            return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, ids, tt_out.runner)
         name = "next_tokens" if tt_out.tokens else "logits.out"
-        return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, np.asarray(self.runner.read(tt_out.out[name])))
+        runner = tt_out.runner or self.runner
+        return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, np.asarray(runner.read(tt_out.out[name])),
+                            runner)
 
     def process_decode_output_host(self, tt_out: DecodeOutput, is_tokens: bool | None = None) -> torch.Tensor:
         """Token ids [B] (device sampling) or logits [B, V] (host sampling), B the padded batch."""
@@ -441,7 +508,8 @@ class TTDeviceModel(MeshModel):
     def warmup_model_prefill(self, kv_cache, enable_trace: bool = True, can_sample_on_device: bool = True):
         t0 = time.perf_counter()
         keys = [k for k in self.runner.forwards if k[0] in ("prefill", "vision")]  # images encode at prefill
-        self.runner.warmup(keys)
+        for runner in self.lane_runners:  # each submesh compiles its own programs
+            runner.warmup(keys)
         self.warmed |= {(k[0], k[1]) for k in keys}
         logger.info("[WARMUP] compiled %d prefill and vision forwards in %.1f s", len(keys), time.perf_counter() - t0)
 
@@ -449,15 +517,17 @@ class TTDeviceModel(MeshModel):
                             can_sample_on_device: bool = True):
         t0 = time.perf_counter()
         keys = [k for k in self.runner.forwards if k[0] == "decode"]
-        self.runner.warmup(keys)
+        for runner in self.lane_runners:
+            runner.warmup(keys)
         self.warmed |= {("decode", k[1]) for k in keys}
         logger.info("[WARMUP] compiled %d decode forwards in %.1f s", len(keys), time.perf_counter() - t0)
-        if self.runner.stage == "warm":  # every forward compiled: capture now, as Tenstorrent's
+        if all(r.stage == "warm" for r in self.lane_runners):  # every forward compiled: capture now, as Tenstorrent's
             self.seal()                 # plugin expects of its last warm-up call (no seal() there)
 
     def release(self) -> None:
-        """The captured traces given back to the device before its mesh closes."""
-        self.runner.release()
+        """The captured traces given back to the device before its mesh closes (every lane's)."""
+        for runner in self.lane_runners:
+            runner.release()
 
     def seal(self):
         """Capture a trace of every traced forward (every one compiled first); from now on each
@@ -465,8 +535,11 @@ class TTDeviceModel(MeshModel):
         if self.sealed:
             return
         t0 = time.perf_counter()
-        self.runner.capture()
+        for runner in self.lane_runners:
+            runner.capture()
         self.sealed = True
         if DEVICE is not None:
-            DEVICE.attach(self.runner, self.vocab_size)
-        logger.info("[WARMUP] captured %d traces in %.1f s", len(self.runner.traces), time.perf_counter() - t0)
+            for runner in self.lane_runners:
+                DEVICE.attach(runner, self.vocab_size)
+        logger.info("[WARMUP] captured %d traces in %.1f s", sum(len(r.traces) for r in self.lane_runners),
+                    time.perf_counter() - t0)

@@ -55,18 +55,21 @@ class TTWorker(WorkerBase):
 
     def _open_mesh(self):
         """The TT platform: the kernel cache the build filled (a writable copy) as TT_METAL_CACHE
-        unless set, then the package's mesh opened through ttnn (``ttdevice.py``)."""
+        unless set, then the package's mesh opened through ttnn (``ttdevice.py``): with lanes the
+        whole target, which the model cuts into the lanes' submeshes."""
         import os
 
         from ..backends.ttnn import kernelcache
         from . import ttdevice
+        from .lanes import plan_lanes_for
 
         cache = kernelcache.runtime_cache_dir(self.package.path, self.package.manifest)
         if cache is not None and not os.environ.get("TT_METAL_CACHE"):
             os.environ["TT_METAL_CACHE"] = f"{cache}/"
             logger.info("ttbundle: TT_METAL_CACHE=%s (the package's pre-filled kernel cache)", cache)
         ttnn = ttdevice.import_ttnn()
-        return ttnn, ttdevice.open_mesh(ttnn, self.package, self.options)
+        lanes = plan_lanes_for(self.vllm_config, self.package, self.options).lanes
+        return ttnn, ttdevice.open_mesh(ttnn, self.package, self.options, whole=lanes > 1)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         self.model_runner.load_model()

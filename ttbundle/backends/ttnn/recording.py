@@ -18,7 +18,8 @@ device would not tolerate:
 understands, so the calls the runtime makes can be checked against the real wheel too.
 
 **It computes.** A tensor of the double holds one numpy array per mesh device (device
-``d = r * cols + c`` of the mesh ``open_mesh_device`` opened), or is *unknown* with the reason.
+``d = r * cols + c`` of the mesh ``open_mesh_device`` opened, or of the submeshes
+``FakeDevice.create_submeshes`` cut from it once it has), or is *unknown* with the reason.
 Host tensors (``ttnn.Tensor``, ``load_tensor`` of a ``.tensorbin``), the mappers
 (``replicate_tensor_to_mesh_mapper``, ``ShardTensor2dMesh``), ``from_host_shards``,
 ``get_device_tensors``, the composers (``ConcatMesh2dToTensor`` via ``aggregate_tensor``), the
@@ -53,7 +54,7 @@ FACTORIES = {"create_sharded_memory_config": "MemoryConfig", "num_cores_to_corer
 NOT_OPS = {"Shape", "Tensor", "set_fabric_config", "distribute_tensor", "replicate_tensor_to_mesh_mapper", "copy_host_to_device_tensor",
            "allocate_tensor_on_device", "synchronize_device", "deallocate", "from_device", "get_device_tensors",
            "load_tensor", "from_host_shards", "to_device", "open_mesh_device", "close_mesh_device", "full",
-           "aggregate_tensor", *TRACE_API}
+           "aggregate_tensor", "record_event", "event_synchronize", *TRACE_API}
 
 
 @dataclass
@@ -63,6 +64,7 @@ class Event:
     kwargs: dict
     compiled: bool = False  # an op that had to compile (a new signature)
     capturing: bool = False  # inside begin/end_trace_capture
+    device: str | None = None  # the submesh an op ran on (its inputs'), None on the opened mesh
 
 
 class UnknownValue(RuntimeError):
@@ -70,11 +72,35 @@ class UnknownValue(RuntimeError):
 
 
 class FakeDevice:
-    def __init__(self, shape: tuple[int, int] = (1, 1)):
-        self.shape = tuple(shape)
+    """A mesh device of the double; ``create_submeshes`` cuts it as ttnn 0.81.1's
+    ``MeshDevice.create_submeshes(MeshShape(r, c))`` does: row-major over the grid of submeshes,
+    each its own device (its own program cache: a submesh's tensors carry its ``origin`` in their
+    signatures, so an op compiles once per submesh, as on ttnn)."""
+
+    def __init__(self, shape: tuple[int, int] = (1, 1), rec: "Recorder | None" = None, origin=None):
+        self.shape, self._rec, self.origin = tuple(shape), rec, origin
+        self.submeshes: list = []
+
+    def get_num_devices(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def create_submeshes(self, submesh_shape) -> list:
+        r, c = (int(x) for x in (submesh_shape.args if isinstance(submesh_shape, FakeObject) else submesh_shape))
+        R, C = self.shape
+        if R % r or C % c:
+            raise ValueError(f"create_submeshes: MeshShape({r}, {c}) does not tile the {R}x{C} mesh")
+        self.submeshes = [FakeDevice((r, c), self._rec, (i * r, j * c)) for i in range(R // r) for j in range(C // c)]
+        if self._rec is not None:  # tensors from now on live on submeshes of this shape
+            self._rec.mesh_shape = (r, c)
+        return list(self.submeshes)
+
+    def get_submeshes(self) -> list:
+        return list(self.submeshes)
 
     def __repr__(self):
-        return "<MeshDevice>"
+        if self.origin is None:
+            return "<MeshDevice>"
+        return f"<MeshDevice {self.shape[0]}x{self.shape[1]} at {self.origin[0]},{self.origin[1]}>"
 
 
 class FakeTraceId:
@@ -91,15 +117,17 @@ class FakeTensor:
     unknown."""
 
     def __init__(self, sig: str, n_out: int = 2, shape: tuple | None = None, data: list | None = None,
-                 why: str = "not computed", dtype: str | None = None, rec: "Recorder | None" = None):
+                 why: str = "not computed", dtype: str | None = None, rec: "Recorder | None" = None,
+                 device: str | None = None):
         self.sig, self._n, self.shape = sig, n_out, shape
         self.data, self.why, self.dtype, self._rec = data, why, dtype, rec
+        self.device = device  # the submesh it lives on (FakeDevice repr), None on the opened mesh
         if data is not None and shape is None and data:
             self.shape = tuple(data[0].shape)
 
     def _part(self, i: int, data=None) -> "FakeTensor":
         return FakeTensor(f"{self.sig}[{i}]", shape=self.shape, data=data, why=self.why, dtype=self.dtype,
-                          rec=self._rec)
+                          rec=self._rec, device=self.device)
 
     def __iter__(self):  # ops returning several tensors (topk) are unpacked
         return iter([self._part(i) for i in range(self._n)])
@@ -255,13 +283,15 @@ class Recorder:
         if path == "open_mesh_device":
             shape = args[0].args if args and isinstance(args[0], FakeObject) else (1, 1)
             self.mesh_shape = tuple(int(x) for x in shape) if len(shape) == 2 else (1, 1)
-            return FakeDevice(self.mesh_shape)
+            return FakeDevice(self.mesh_shape, self)
         if path == "allocate_tensor_on_device":
             if self.capture_began:
                 self.violations.append("allocate_tensor_on_device after a trace capture began")
             shape = tuple(args[0].args[0]) if isinstance(args[0], FakeObject) and args[0].args else None
+            on = next((repr(v) for v in list(args) + list(kwargs.values())
+                       if isinstance(v, FakeDevice) and v.origin is not None), None)
             return FakeTensor(f"alloc{_sig(args[0])}:{_sig(args[1])}:{_sig(args[2])}", shape=shape,
-                              why=ALLOCATED, dtype=_name(args[1]), rec=self)
+                              why=ALLOCATED, dtype=_name(args[1]), rec=self, device=on)
         if path == "Shape":
             return FakeObject("Shape", args, kwargs)
         if path == "replicate_tensor_to_mesh_mapper":
@@ -276,9 +306,14 @@ class Recorder:
                                data=None if t.data is None else [t.data[d]], why=t.why, dtype=t.dtype, rec=self)
                     for d in range(n)]
         if path in NOT_OPS:
-            if path in ("synchronize_device", "deallocate"):
+            if path in ("synchronize_device", "deallocate", "event_synchronize"):
                 return None
-            out = None if path == "copy_host_to_device_tensor" else FakeTensor(f"{path}({_sig(args)})", rec=self)
+            on = next((repr(v) for v in list(args) + list(kwargs.values())
+                       if isinstance(v, FakeDevice) and v.origin is not None), None)
+            if on is None:  # a move within a device (from_device, distribute...) keeps its input's
+                on = next((t.device for t in _walk(list(args)) if t.device), None)
+            out = None if path == "copy_host_to_device_tensor" else FakeTensor(f"{path}({_sig(args)})", rec=self,
+                                                                               device=on)
             self._schedule(lambda: self._move(path, args, kwargs, out))
             return out
         if head[:1].isupper():  # a class: a config object, not an op
@@ -286,7 +321,10 @@ class Recorder:
         if path in FACTORIES:
             return FakeObject(FACTORIES[path], args, kwargs)
         # an op: compiles the first time it sees this signature (op, configuration, input specs)
-        key = hashlib.sha256(f"{path}|{_sig(args)}|{_sig(sorted(kwargs.items()))}".encode()).hexdigest()[:16]
+        # on its device (each submesh has its own program cache, as on ttnn)
+        dev = next((t.device for t in _walk(list(args) + list(kwargs.values())) if t.device), None)
+        ev.device = dev
+        key = hashlib.sha256(f"{dev}|{path}|{_sig(args)}|{_sig(sorted(kwargs.items()))}".encode()).hexdigest()[:16]
         if key not in self.compiled:
             self.compiled.add(key)
             ev.compiled = True
@@ -294,7 +332,7 @@ class Recorder:
                 self.violations.append(f"{path} compiled inside trace capture {self.capturing.n}")
         expect, self._expect = self._expect, None
         base = FakeTensor(f"spec{expect}" if expect is not None else key, shape=expect, rec=self,
-                          n_out=MULTI_OUT.get(path, 2))
+                          n_out=MULTI_OUT.get(path, 2), device=dev)
         if path in IN_PLACE:
             outs = [t for t in args[:1] if isinstance(t, FakeTensor)]
         elif path in MULTI_OUT:
