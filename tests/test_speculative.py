@@ -199,12 +199,15 @@ def test_stochastic_acceptance_keeps_the_target_distribution(temperature, top_k,
     assert (out[:, 0] == d0).mean() == pytest.approx(p[0][d0], abs=0.03)  # accepted with p(d0)
 
 
-def test_capabilities_declare_speculation_on_the_emulated_mesh_only(load):
+def test_capabilities_declare_ngram_speculation_on_both_meshes(load):
+    """n-gram speculation on the emulated mesh and on a device (the verify programs lowered to
+    ttnn: tests/test_ttnn_verify_double.py, tests/runtime/test_runtime_tt_speculative.py)."""
     from ttbundle.runtime.capabilities import model_capabilities
 
     b, plain = load(spec_text(NGRAM)), load(spec_text())
-    emu, dev = model_capabilities(b, device=False), model_capabilities(b, device=True)
-    assert emu["supports_spec_decode"] is True and emu["spec_requirements"]["num_speculative_tokens"] == 3
-    assert emu["spec_requirements"]["methods"] == ["ngram"]
-    assert dev["supports_spec_decode"] is False and dev["spec_requirements"] == {}
-    assert model_capabilities(plain, device=False)["supports_spec_decode"] is False
+    for device in (False, True):
+        caps = model_capabilities(b, device=device)
+        assert caps["supports_spec_decode"] is True and caps["spec_requirements"]["num_speculative_tokens"] == 3
+        assert caps["spec_requirements"]["methods"] == ["ngram"]
+        assert model_capabilities(plain, device=device)["supports_spec_decode"] is False
+        assert model_capabilities(plain, device=device)["spec_requirements"] == {}

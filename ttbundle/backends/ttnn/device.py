@@ -347,6 +347,40 @@ def decode_inputs(fw: Forward, token: int, position: int) -> dict:
     return ins
 
 
+def verify_inputs(fw: Forward, tokens, positions, page_table) -> dict:
+    """Host inputs of a verify forward (speculative decoding): ``tokens`` / ``positions``
+    [B, k + 1] (each sequence's last token and its proposals; position -1: a row that idles,
+    nothing written, nothing attended), ``page_table`` [B, blocks] the sequences' pages. Forward
+    row ``i (k + 1) + j`` is row ``j`` of sequence ``i`` and takes its sequence's page-table row
+    (rows past ``B (k + 1)``: padding, at -1); ``write_pos.j`` holds the positions of the rows
+    that are row ``j`` of their sequence, -1 elsewhere (``inputs.verify_write_input``)."""
+    import numpy as np
+
+    from .inputs import verify_write_input
+
+    tokens, positions = np.asarray(tokens), np.asarray(positions, np.int64)
+    B, K1 = tokens.shape
+    R, blocks = fw.rows, fw.inputs["page_table"][0][1]
+    writes = [verify_write_input(j) for j in range(K1)]
+    if B * K1 > R or any(w not in fw.inputs for w in writes) or verify_write_input(K1) in fw.inputs:
+        raise ValueError(f"verify forward {fw.phase}-{fw.bucket} ({R} rows) cannot run {B} sequences of {K1} rows")
+    n = B * K1
+    pos = np.full(R, -1, np.int64)
+    pos[:n] = positions.reshape(-1)
+    toks = np.zeros(R, np.uint32)
+    toks[:n] = np.clip(tokens.reshape(-1), 0, None)
+    pt = np.zeros((R, blocks), np.int32)
+    given = np.asarray(page_table)[:B, :blocks]
+    pt[:n, :given.shape[1]] = np.repeat(given, K1, axis=0)
+    row = np.full(R, -1, np.int64)
+    row[:n] = np.tile(np.arange(K1), B)
+    ins = {"tokens": toks[None], "positions": np.maximum(pos, 0).astype(np.uint32)[None],
+           "cur_pos": pos.astype(np.int32), "page_table": pt}
+    ins.update({w: np.where(row == j, pos, -1).astype(np.int32) for j, w in enumerate(writes)})
+    ins.update(mask_inputs(fw, ins["cur_pos"][:, None]))
+    return ins
+
+
 def _greedy(fw: Forward, rows: int) -> dict:
     import numpy as np
     if "top_k" not in fw.inputs:

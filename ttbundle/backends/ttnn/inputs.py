@@ -56,6 +56,21 @@ def deepstack_input(k: int) -> str:
     return f"mm_deepstack.{k}"
 
 
+def verify_rows_per_seq(bundle) -> int:
+    """Rows of one sequence in a verify forward (its last token and its k proposals)."""
+    from ...speculative import rows_per_seq
+    return rows_per_seq(bundle)
+
+
+def verify_write_input(j: int) -> str:
+    """The input holding, per row of a verify forward, its cache position where the row is row
+    ``j`` of its sequence, -1 elsewhere: the KV cache is written by ``k + 1`` ``paged_update_cache``
+    calls, each writing one row per sequence (:func:`text_ops.cache_write`). One call of all the
+    rows would have several cores update the same KV tile (a sequence's rows are neighbouring
+    positions of one block)."""
+    return f"write_pos.{j}"
+
+
 def inputs_of(program: Program, bundle) -> dict:
     """The device tensors a run writes before it starts (shape, dtype, layout); page tables in
     the program's KV blocks."""
@@ -67,9 +82,12 @@ def inputs_of(program: Program, bundle) -> dict:
     blocks_per_seq = tiles.blocks_per_seq(bundle.spec.runtime.max_model_len, block_size)
     ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
            "positions": ((1, rows), "uint32", "ROW_MAJOR")}
-    if program.phase == "decode":
+    if program.phase in ("decode", "verify"):  # one token per row: its position, its page-table row
         ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
         ins["page_table"] = ((B, blocks_per_seq), "int32", "ROW_MAJOR")
+        if program.phase == "verify":  # the KV writes, one row of each sequence at a time
+            ins.update({verify_write_input(j): ((B,), "int32", "ROW_MAJOR")
+                        for j in range(verify_rows_per_seq(bundle))})
     else:
         ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
         ins["chunk_start"] = ((1,), "int32", "ROW_MAJOR")
@@ -80,7 +98,7 @@ def inputs_of(program: Program, bundle) -> dict:
             hid = bundle.arch.hidden_size
             ins["mm_keep"] = ((1, 1, rows, hid), "bf16", "TILE")
             ins["mm_embeds"] = ((1, 1, rows, hid), "bf16", "TILE")
-    head_rows = rows if program.phase == "decode" else min(rows, TILE)  # rows the head samples
+    head_rows = rows if program.phase in ("decode", "verify") else min(rows, TILE)  # rows the head samples
     ins["top_k"] = ((head_rows,), "uint32", "ROW_MAJOR")
     ins["top_p"] = ((head_rows,), "bf16", "ROW_MAJOR")
     ins["temperature"] = ((head_rows,), "bf16", "ROW_MAJOR")

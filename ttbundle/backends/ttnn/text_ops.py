@@ -16,7 +16,7 @@ from . import configs
 from .calls import KV, Attr, Const, New, T, W
 from .layout import TILE, device_shape
 from .emitter import BF16, DRAM, F32, RM, TILE_L, TOPK, U32, Lowerer, add_bias, vector_view, f32, tt_shape
-from .inputs import image_mask, mask_input, mrope_position_input
+from .inputs import image_mask, mask_input, mrope_position_input, verify_rows_per_seq, verify_write_input
 
 
 def _embedding(lw: Lowerer, st: Step) -> None:
@@ -203,8 +203,13 @@ def cache_write(lw: Lowerer, kv: str, x: str) -> None:
                           strategy=Attr("ShardStrategy.HEIGHT"), orientation=Attr("ShardOrientation.ROW_MAJOR"),
                           use_height_and_width_as_shard_shape=True)
         src = lw.call("to_memory_config", T(src), mem, out=f"{src}.sh", shape=lw.shapes[src])
-        lw.call("experimental.paged_update_cache", KV(kv), T(src), update_idxs_tensor=T("cur_pos"),
-                page_table=T("page_table"))
+        # verify: one call per row of a sequence (its other rows at -1, nothing written), so no two
+        # cores of a call update the same KV tile (``inputs.verify_write_input``)
+        writes = ([verify_write_input(j) for j in range(verify_rows_per_seq(lw.bundle))]
+                  if lw.phase == "verify" else ["cur_pos"])
+        for idx in writes:
+            lw.call("experimental.paged_update_cache", KV(kv), T(src), update_idxs_tensor=T(idx),
+                    page_table=T("page_table"))
     else:
         # the chunk's own blocks (the full page table would write it from position 0)
         lw.call("experimental.paged_fill_cache", KV(kv), T(src), T("fill_page_table"), batch_idx_tensor=T("seq_slot"))
