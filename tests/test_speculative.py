@@ -211,3 +211,25 @@ def test_capabilities_declare_ngram_speculation_on_both_meshes(load):
         assert caps["spec_requirements"]["methods"] == ["ngram"]
         assert model_capabilities(plain, device=device)["supports_spec_decode"] is False
         assert model_capabilities(plain, device=device)["spec_requirements"] == {}
+
+
+def test_the_platform_takes_ngram_on_a_device_and_refuses_a_draft_model_there(load, tmp_path):
+    """``--speculative-config`` with ``--device tt``: n-gram is served (the verify programs are
+    lowered to ttnn); ``draft_model`` is refused naming the way out (the draft runs beside the
+    emulated mesh only), and a disagreeing k still names both."""
+    from types import SimpleNamespace
+
+    from ttbundle.runtime.platform import _configure_speculative
+
+    b = load(spec_text(NGRAM))
+    pkg = SimpleNamespace(bundle=b, path=tmp_path, name="tiny", mesh_name="N150")
+    lanes = SimpleNamespace(lanes=1)
+
+    def config(**kw):
+        return SimpleNamespace(speculative_config=SimpleNamespace(**dict(NGRAM["speculative"], model=None, **kw)))
+    _configure_speculative(config(), pkg, False, lanes)  # accepted on a device
+    with pytest.raises(ValueError, match="num_speculative_tokens: given 2, package 3"):
+        _configure_speculative(config(num_speculative_tokens=2), pkg, False, lanes)
+    with pytest.raises(ValueError) as ei:
+        _configure_speculative(config(method="draft_model"), pkg, False, lanes)
+    assert "'draft_model' on a Tenstorrent device" in str(ei.value) and "emulated mesh" in str(ei.value)
