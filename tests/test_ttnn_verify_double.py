@@ -3,13 +3,13 @@ verify_forward``), computed by the recording double (``backends/ttnn/recording.p
 ``numerics.py``) on the package's own tensorbin weights: a tiny Llama with ``speculative: {method:
 ngram}`` built with ``--backend ttnn`` on N150 and T3K. The verify forward is decode's lowering over
 ``bucket x (k + 1)`` rows (each row a token at its own position over its sequence's pages; the KV
-written one row per sequence at a time, ``write_pos.<j>``), every row's logits back, acceptance on
-the host.
+writes and the attention run per group of the sequences' row ``j``, ``verify_pos.<j>``, each a
+decode batch), every row's logits back, acceptance on the host.
 
 Reference: the emulated backend (``runtime.adapter.BundleModel``: the package's programs on its
-weight shards, fp32) running the same verify steps on the same prompts; mutations (a sequence's
-later rows attending only up to its first row; its proposal rows' KV never written) show the row
-positions and the KV writes are what the equality rests on."""
+weight shards, fp32) running the same verify steps on the same prompts; mutations of the lowering
+(a sequence's later rows attending only up to its first row; its proposal rows' KV never
+written) show the row positions and the KV writes are what the equality rests on."""
 
 from __future__ import annotations
 
@@ -141,39 +141,39 @@ def test_verify_on_the_tt_device_path_equals_the_emulated_mesh(built, mesh):
         assert a[:2].tolist() == b[:2].tolist()
 
 
-def _causal_broken(verify_inputs):
-    """Every row of a sequence attends only up to its sequence's first row (its cur_pos)."""
-    def inputs(fw, tokens, positions, page_table):
-        ins = verify_inputs(fw, tokens, positions, page_table)
-        B, K1 = np.asarray(tokens).shape
-        cur = ins["cur_pos"].copy()
-        first = np.repeat(np.asarray(positions)[:, 0], K1)
-        cur[:B * K1] = np.where(cur[:B * K1] < 0, -1, first)
-        ins["cur_pos"] = cur.astype(np.int32)
-        return ins
-    return inputs
+def _attend_to_the_first_row(row_groups):
+    """The lowering's attention: every row group attends with group 0's positions (each row sees
+    its sequence only up to its first row: the causal row mask lost); the KV writes intact."""
+    from ttbundle.backends.ttnn.calls import T
+    from ttbundle.backends.ttnn.inputs import verify_pos_input
+
+    def groups(lw, x, out, fn):
+        if out != "oh" or lw.phase != "verify":
+            return row_groups(lw, x, out, fn)
+        return row_groups(lw, x, out, lambda q, o, cur_pos, pages: fn(q, o, T(verify_pos_input(0)), pages))
+    return groups
 
 
-def _proposals_unwritten(verify_inputs):
-    """Only each sequence's first row writes its KV; its proposal rows' slots stay as they were."""
-    from ttbundle.backends.ttnn.inputs import verify_write_input
+def _proposals_unwritten(row_groups):
+    """The lowering's KV writes: only row group 0 (each sequence's first row) is written."""
+    from ttbundle.backends.ttnn.inputs import verify_pos_input
 
-    def inputs(fw, tokens, positions, page_table):
-        ins = verify_inputs(fw, tokens, positions, page_table)
-        for j in range(1, np.asarray(tokens).shape[1]):
-            ins[verify_write_input(j)] = np.full_like(ins[verify_write_input(j)], -1)
-        return ins
-    return inputs
+    def groups(lw, x, out, fn):
+        if not out.endswith(".w") or lw.phase != "verify":
+            return row_groups(lw, x, out, fn)
+        return row_groups(lw, x, out, lambda r, o, cur_pos, pages: fn(r, o, cur_pos, pages)
+                          if cur_pos.name == verify_pos_input(0) else None)
+    return groups
 
 
-@pytest.mark.parametrize("mutation", [_causal_broken, _proposals_unwritten], ids=["row-mask", "kv-writes"])
+@pytest.mark.parametrize("mutation", [_attend_to_the_first_row, _proposals_unwritten], ids=["row-mask", "kv-writes"])
 def test_a_wrong_row_mask_or_unwritten_proposals_leave_the_emulated_mesh(built, mutation, monkeypatch):
-    """Mutations of the device's verify inputs: a sequence's rows past its first attend only up
-    to the first (the causal row mask lost), or its proposal rows' KV is never written; each
-    sequence's first row keeps the emulated logits, every later valid row leaves them."""
-    from ttbundle.backends.ttnn import device
+    """Mutations of the verify lowering: every row of a sequence attends only up to its first
+    row (the causal row mask lost), or only its first row's K/V is written; each sequence's
+    first row keeps the emulated logits, every later valid row leaves them."""
+    from ttbundle.backends.ttnn import text_ops
 
-    monkeypatch.setattr(device, "verify_inputs", mutation(device.verify_inputs))
+    monkeypatch.setattr(text_ops, "row_groups", mutation(text_ops.row_groups))
     pkg, dev, kv, rec = device_model(built["N150"], MAX_LEN)
     got = run_steps(dev, kv, steps=1)
     emu, ekv = emulated(pkg, MAX_LEN)

@@ -352,12 +352,13 @@ class TTDeviceModel(MeshModel):
         """Speculative decoding's verify step, as ``adapter.BundleModel.verify_forward``: the
         lowered verify forward of the decode bucket (``B x (k + 1)`` rows padded to a tile, each
         row a token at its own position over its sequence's pages: decode's lowering, the KV
-        written one row per sequence at a time, then attended causally) replays its trace; every
+        writes and the attention run per group of the sequences' row ``j``, each a decode batch of
+        B rows, so row ``j`` sees its sequence's rows up to itself) replays its trace; every
         row's logits come back, and with ``sampling_params`` acceptance runs on the host
         (``sampling.accept``, vLLM's rejection rule). Returns logits [B, k + 1, V] or the
         accepted tokens [B, k + 1] (-1 past each sequence's last)."""
         import numpy as np
-        from ..backends.ttnn.device import verify_inputs
+        from ..backends.ttnn.device import verify_inputs, verify_rows
         from .sampling import accept
         from .speculation import verify_batch
 
@@ -368,8 +369,8 @@ class TTDeviceModel(MeshModel):
         host = verify_inputs(fw, tokens.numpy(), torch.where(valid, positions, -1).numpy(), page_table.numpy())
         out = self._run(key, host)
         V = self.vocab_size
-        logits = np.asarray(self.runner.read(out["logits.out"])).reshape(fw.rows, -1)[:B * K1, :V]
-        logits = torch.from_numpy(logits.astype(np.float32)).reshape(B, K1, V)
+        logits = np.asarray(self.runner.read(out["logits.out"])).reshape(fw.rows, -1)[:, :V]
+        logits = torch.from_numpy(np.ascontiguousarray(verify_rows(fw, logits, K1), dtype=np.float32))
         if sampling_params is None:
             return logits
         return accept(logits, tokens[:, 1:], (n - 1).clamp(min=0), sampling_params)

@@ -62,13 +62,19 @@ def verify_rows_per_seq(bundle) -> int:
     return rows_per_seq(bundle)
 
 
-def verify_write_input(j: int) -> str:
-    """The input holding, per row of a verify forward, its cache position where the row is row
-    ``j`` of its sequence, -1 elsewhere: the KV cache is written by ``k + 1`` ``paged_update_cache``
-    calls, each writing one row per sequence (:func:`text_ops.cache_write`). One call of all the
-    rows would have several cores update the same KV tile (a sequence's rows are neighbouring
-    positions of one block)."""
-    return f"write_pos.{j}"
+def verify_pos_input(j: int) -> str:
+    """The input holding the cache position of row ``j`` of each sequence of a verify forward
+    (``[bucket]``, -1: no such row). A verify forward's rows are grouped by ``j`` (row
+    ``j * bucket + i`` is row ``j`` of sequence ``i``), and the KV writes and the attention run per
+    group, as decode runs a batch (:func:`text_ops.row_groups`): one ``paged_update_cache`` per
+    group, so no two cores of a call update one KV tile (a sequence's rows are neighbouring
+    positions of one block), and every call holds at most a decode bucket's rows (the
+    height-sharded writes and the decode SDPA take one core per row)."""
+    return f"verify_pos.{j}"
+
+
+#: a verify forward's page table of its sequences (``[bucket, blocks]``), read by each row group
+VERIFY_PAGES = "verify_pages"
 
 
 def inputs_of(program: Program, bundle) -> dict:
@@ -85,9 +91,10 @@ def inputs_of(program: Program, bundle) -> dict:
     if program.phase in ("decode", "verify"):  # one token per row: its position, its page-table row
         ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
         ins["page_table"] = ((B, blocks_per_seq), "int32", "ROW_MAJOR")
-        if program.phase == "verify":  # the KV writes, one row of each sequence at a time
-            ins.update({verify_write_input(j): ((B,), "int32", "ROW_MAJOR")
+        if program.phase == "verify":  # each row group's positions, the sequences' pages
+            ins.update({verify_pos_input(j): ((program.bucket,), "int32", "ROW_MAJOR")
                         for j in range(verify_rows_per_seq(bundle))})
+            ins[VERIFY_PAGES] = ((program.bucket, blocks_per_seq), "int32", "ROW_MAJOR")
     else:
         ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
         ins["chunk_start"] = ((1,), "int32", "ROW_MAJOR")
