@@ -181,3 +181,14 @@ def test_a_wrong_row_mask_or_unwritten_proposals_leave_the_emulated_mesh(built, 
     rows = {b.split(":")[0] for b in verify_differences(got, want) if "logits differ" in b}
     later = {f"step 0 sequence {i} row {j}" for i in range(2) for j in range(1, K + 1) if want[0][1][i, j]}
     assert rows == later and len(later) == K + 1
+
+
+def test_a_verify_forward_is_lowered_for_host_sampling_only(built):
+    """Acceptance runs on the host from every row's logits (as on the emulated mesh): a verify
+    program lowered for device sampling is refused, naming why."""
+    from ttbundle.backends.ttnn.lowering import lower_forward
+    from ttbundle.package.load import load_package
+
+    pk = load_package(built["N150"])
+    with pytest.raises(ValueError, match="lowered with sampling \\('host',\\), got 'device'"):
+        lower_forward(pk.bundle, pk.mesh, pk.program_ir("verify", B), "device")

@@ -16,7 +16,7 @@ from ... import tiles
 from ...program import Program
 from .calls import T
 from .layout import TILE
-from .emitter import DRAM, Lowerer
+from .emitter import DECODE_LIKE, DRAM, Lowerer
 
 
 def mrope_position_input(row: int) -> str:
@@ -88,7 +88,7 @@ def inputs_of(program: Program, bundle) -> dict:
     blocks_per_seq = tiles.blocks_per_seq(bundle.spec.runtime.max_model_len, block_size)
     ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
            "positions": ((1, rows), "uint32", "ROW_MAJOR")}
-    if program.phase in ("decode", "verify"):  # one token per row: its position, its page-table row
+    if program.phase in DECODE_LIKE:  # one token per row: its position, its page-table row
         ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
         ins["page_table"] = ((B, blocks_per_seq), "int32", "ROW_MAJOR")
         if program.phase == "verify":  # each row group's positions, the sequences' pages
@@ -105,7 +105,7 @@ def inputs_of(program: Program, bundle) -> dict:
             hid = bundle.arch.hidden_size
             ins["mm_keep"] = ((1, 1, rows, hid), "bf16", "TILE")
             ins["mm_embeds"] = ((1, 1, rows, hid), "bf16", "TILE")
-    head_rows = rows if program.phase in ("decode", "verify") else min(rows, TILE)  # rows the head samples
+    head_rows = rows if program.phase in DECODE_LIKE else min(rows, TILE)  # rows the head samples
     ins["top_k"] = ((head_rows,), "uint32", "ROW_MAJOR")
     ins["top_p"] = ((head_rows,), "bf16", "ROW_MAJOR")
     ins["temperature"] = ((head_rows,), "bf16", "ROW_MAJOR")

@@ -70,11 +70,11 @@ def lower_forward(bundle, mesh: Mesh, program: Program, sampling: str = "device"
     chip's); ``chunk_start``: the static chunk start of an MLA prefill (:func:`chunk_starts`)."""
     if sampling not in SAMPLING:
         raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
-    if isinstance(program, Program) and sampling not in samplings(program.phase):
-        raise ValueError(f"a {program.phase} forward is lowered with sampling {samplings(program.phase)}, "
-                         f"got {sampling!r}: its rows' logits come back for acceptance on the host")
     if not isinstance(program, Program):
         raise TypeError(f"lower_forward takes a program.Program, got {type(program).__name__}")
+    if sampling not in samplings(program.phase):
+        raise ValueError(f"a {program.phase} forward is lowered with sampling {samplings(program.phase)}, "
+                         f"got {sampling!r}: its rows' logits come back for acceptance on the host")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"lower_forward takes the mesh.Mesh the program runs on, got {type(mesh).__name__}")
     name = program.name

@@ -192,7 +192,7 @@ def merge_heads(lw: Lowerer, x: str, out: str) -> str:
                    memory_config=DRAM)
 
 
-def row_groups(lw: Lowerer, x: str, out: str, fn) -> str:
+def row_groups(lw: Lowerer, x: str, out: str, fn) -> str | None:
     """``fn(x, out, cur_pos, page_table)`` on a decode forward's rows ``x`` ``[1, B, n, d]``; on a
     verify forward's, once per row group ``j`` (row ``j`` of every sequence: rows ``j * bucket``
     up to ``(j + 1) * bucket``, ``inputs.verify_pos_input``) with the group's positions and the
@@ -207,9 +207,9 @@ def row_groups(lw: Lowerer, x: str, out: str, fn) -> str:
         xj = lw.call("slice", T(x), [0, j * B, 0, 0], [1, (j + 1) * B, s[2], s[3]], [1, 1, 1, 1], out=f"{x}.g{j}",
                      shape=(1, B, s[2], s[3]))
         parts.append(fn(xj, f"{out}.g{j}", T(verify_pos_input(j)), T(VERIFY_PAGES)))
-    o = lw.shapes[parts[0]] if parts[0] is not None else None
-    if o is None:  # nothing returned (the cache writes)
+    if parts[0] is None:  # nothing returned (the cache writes)
         return None
+    o = lw.shapes[parts[0]]
     ts = [T(p) for p in parts]
     if R > K1 * B:
         ts.append(T(filled(lw, "zeros", (1, R - K1 * B, o[2], o[3]))))
