@@ -353,7 +353,8 @@ def verify_inputs(fw: Forward, tokens, positions, page_table) -> dict:
     nothing written, nothing attended), ``page_table`` [B, blocks] the sequences' pages. Forward
     rows are grouped by row of a sequence (:func:`verify_rows`: row ``j * B + i`` is row ``j`` of
     sequence ``i``; rows past ``B (k + 1)``: padding, at -1), each with its sequence's page-table
-    row; ``verify_pos.<j>`` holds group ``j``'s positions and ``verify_pages`` the sequences' pages
+    row (``page_table``, read by softcapped attention, which attends every row at once);
+    ``verify_pos.<j>`` holds group ``j``'s positions and ``verify_pages`` the sequences' pages
     (``inputs.verify_pos_input``)."""
     import numpy as np
 
@@ -375,10 +376,10 @@ def verify_inputs(fw: Forward, tokens, positions, page_table) -> dict:
     pages[:, :given.shape[1]] = given
     pt = np.zeros((R, blocks), np.int32)
     pt[:n] = np.tile(pages, (K1, 1))
-    ins = {"tokens": toks[None], "positions": np.maximum(pos, 0).astype(np.uint32)[None],
-           "cur_pos": pos.astype(np.int32), "page_table": pt, VERIFY_PAGES: pages}
+    ins = {"tokens": toks[None], "positions": np.maximum(pos, 0).astype(np.uint32)[None], "page_table": pt,
+           VERIFY_PAGES: pages}
     ins.update({g: positions[:, j].astype(np.int32) for j, g in enumerate(groups)})
-    ins.update(mask_inputs(fw, ins["cur_pos"][:, None]))
+    ins.update(mask_inputs(fw, pos[:, None]))  # softcapped attention: every row's mask
     return ins
 
 

@@ -89,9 +89,10 @@ def inputs_of(program: Program, bundle) -> dict:
     ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
            "positions": ((1, rows), "uint32", "ROW_MAJOR")}
     if program.phase in DECODE_LIKE:  # one token per row: its position, its page-table row
-        ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
         ins["page_table"] = ((B, blocks_per_seq), "int32", "ROW_MAJOR")
-        if program.phase == "verify":  # each row group's positions, the sequences' pages
+        if program.phase == "decode":
+            ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
+        else:  # verify: each row group's positions and the sequences' pages (``text_ops.row_groups``)
             ins.update({verify_pos_input(j): ((program.bucket,), "int32", "ROW_MAJOR")
                         for j in range(verify_rows_per_seq(bundle))})
             ins[VERIFY_PAGES] = ((program.bucket, blocks_per_seq), "int32", "ROW_MAJOR")
