@@ -74,3 +74,26 @@ def test_verify_programs_pass_ttnn_op_validation_on_a_mock_mesh(mesh, tmp_path):
             if k[0] == "verify":
                 assert writes[k] == (K + 1) * writes[dec] > 0, writes
                 assert fw.outputs == ["logits.out"] and not any(c.fn == "sampling" for _, c in fw.calls())
+
+
+def test_the_kernel_cache_fill_runs_the_verify_programs_host_sampled(tmp_path):
+    """``python -m ttbundle.backends.ttnn.kernelcache DIR MESH`` (what ``build --backend ttnn`` runs
+    to fill the kernel cache) runs a verify program once, host-sampled, its calls accepted by the
+    mock chip; decode in both sampling variants."""
+    import importlib.util
+
+    from handover_helpers import hand_over
+
+    from ttbundle import mockcluster
+    spec = importlib.util.find_spec("ttnn")
+    if not (Path(spec.origin).parent / "runtime/sfpi/compiler/bin/riscv-tt-elf-g++").exists():
+        pytest.skip("no SFPI stub: mock meshes do not open (scripts/setup_tt.sh)")
+    env = mockcluster.mock_env("N150", tmp_path)
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    (d,) = hand_over([str(BUNDLES / "llama-3.1-8b.yaml")], "N150", tmp_path / "programs", NGRAM)
+    r = subprocess.run([sys.executable, "-m", "ttbundle.backends.ttnn.kernelcache", d, "N150"], cwd=tmp_path,
+                       env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    runs = [ln.split(":")[0] for ln in r.stdout.splitlines() if " calls, refused " in ln]
+    assert [x for x in runs if x.startswith(("decode", "verify"))] == ["decode-1 device", "decode-1 host", "verify-1 host"]
+    assert all(ln.endswith("refused []") for ln in r.stdout.splitlines() if " calls, refused " in ln), r.stdout
