@@ -28,10 +28,12 @@ def one_layer_per_kind(program):
                                layer_traits=tuple(traits) if program.phase != "vision" else program.layer_traits)
 
 
-def for_mesh(spec_path, mesh_name: str):
+def for_mesh(spec_path, mesh_name: str, changes: dict | None = None):
     """The spec at ``spec_path`` with ``mesh_name`` its only target (per-target sharding of other
-    targets dropped, no weights source), loaded, and its plan on that mesh."""
+    targets dropped, no weights source; top-level ``changes`` set), loaded, and its plan on that
+    mesh."""
     d = yaml.safe_load(open(spec_path))
+    d.update(changes or {})
     d["targets"] = [mesh_name]
     sh = d.get("sharding") or {}
     if sh.get("targets"):  # per-target overrides of the other targets do not apply here
@@ -42,20 +44,21 @@ def for_mesh(spec_path, mesh_name: str):
 
 
 def smallest_programs(bundle, plan) -> dict:
-    """The smallest prefill and decode bucket's program (and vision's, where the model has one),
-    each decoder layer kind once."""
+    """The smallest prefill and decode bucket's program (and vision's, where the model has one;
+    verify's, where it speculates), each decoder layer kind once."""
     ts = lowermod.trace_set(bundle)
-    keys = [min(k for k in ts if k[0] == phase) for phase in ("prefill", "decode", "vision")
+    keys = [min(k for k in ts if k[0] == phase) for phase in ("prefill", "decode", "verify", "vision")
             if any(k[0] == phase for k in ts)]
     return {k: one_layer_per_kind(lowermod.lower(bundle, plan, *k)) for k in keys}
 
 
-def hand_over(spec_paths, mesh_name: str, out: Path) -> list[str]:
-    """For each spec: its smallest programs on ``mesh_name`` handed over in ``out/<spec stem>``
-    (what ``python -m ttbundle.backends.ttnn.mockcheck MESH DIR...`` reads)."""
+def hand_over(spec_paths, mesh_name: str, out: Path, changes: dict | None = None) -> list[str]:
+    """For each spec (with top-level ``changes``): its smallest programs on ``mesh_name`` handed
+    over in ``out/<spec stem>`` (what ``python -m ttbundle.backends.ttnn.mockcheck MESH DIR...``
+    reads)."""
     dirs = []
     for path in spec_paths:
-        bundle, plan = for_mesh(path, mesh_name)
+        bundle, plan = for_mesh(path, mesh_name, changes)
         yml = render_bundle_yaml(resolved_spec(bundle, plan), __version__)
         dirs.append(str(handover.write(Path(out) / Path(path).stem, yml, smallest_programs(bundle, plan))))
     return dirs

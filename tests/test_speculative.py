@@ -199,12 +199,37 @@ def test_stochastic_acceptance_keeps_the_target_distribution(temperature, top_k,
     assert (out[:, 0] == d0).mean() == pytest.approx(p[0][d0], abs=0.03)  # accepted with p(d0)
 
 
-def test_capabilities_declare_speculation_on_the_emulated_mesh_only(load):
+def test_capabilities_declare_ngram_speculation_on_both_meshes(load):
+    """n-gram speculation on the emulated mesh and on a device (the verify programs lowered to
+    ttnn: tests/test_ttnn_verify_double.py, tests/runtime/test_runtime_tt_speculative.py)."""
     from ttbundle.runtime.capabilities import model_capabilities
 
     b, plain = load(spec_text(NGRAM)), load(spec_text())
-    emu, dev = model_capabilities(b, device=False), model_capabilities(b, device=True)
-    assert emu["supports_spec_decode"] is True and emu["spec_requirements"]["num_speculative_tokens"] == 3
-    assert emu["spec_requirements"]["methods"] == ["ngram"]
-    assert dev["supports_spec_decode"] is False and dev["spec_requirements"] == {}
-    assert model_capabilities(plain, device=False)["supports_spec_decode"] is False
+    for device in (False, True):
+        caps = model_capabilities(b, device=device)
+        assert caps["supports_spec_decode"] is True and caps["spec_requirements"]["num_speculative_tokens"] == 3
+        assert caps["spec_requirements"]["methods"] == ["ngram"]
+        assert model_capabilities(plain, device=device)["supports_spec_decode"] is False
+        assert model_capabilities(plain, device=device)["spec_requirements"] == {}
+
+
+def test_the_platform_takes_ngram_on_a_device_and_refuses_a_draft_model_there(load, tmp_path):
+    """``--speculative-config`` with ``--device tt``: n-gram is served (the verify programs are
+    lowered to ttnn); ``draft_model`` is refused naming the way out (the draft runs beside the
+    emulated mesh only), and a disagreeing k still names both."""
+    from types import SimpleNamespace
+
+    from ttbundle.runtime.platform import _configure_speculative
+
+    b = load(spec_text(NGRAM))
+    pkg = SimpleNamespace(bundle=b, path=tmp_path, name="tiny", mesh_name="N150")
+    lanes = SimpleNamespace(lanes=1)
+
+    def config(**kw):
+        return SimpleNamespace(speculative_config=SimpleNamespace(**dict(NGRAM["speculative"], model=None, **kw)))
+    _configure_speculative(config(), pkg, False, lanes)  # accepted on a device
+    with pytest.raises(ValueError, match="num_speculative_tokens: given 2, package 3"):
+        _configure_speculative(config(num_speculative_tokens=2), pkg, False, lanes)
+    with pytest.raises(ValueError) as ei:
+        _configure_speculative(config(method="draft_model"), pkg, False, lanes)
+    assert "'draft_model' on a Tenstorrent device" in str(ei.value) and "emulated mesh" in str(ei.value)

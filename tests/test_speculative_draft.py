@@ -216,3 +216,16 @@ def test_vllms_speculative_config_parses_the_draft_config(spec_dir, tmp_path):
         [f"model: given {str(tmp_path / 'other')!r}, package {cfg['model']!r}"]
     assert speculative.disagreements(cfg, dict(cfg, num_speculative_tokens=2)) == \
         ["num_speculative_tokens: given 2, package 3"]
+
+
+def test_a_draft_model_speculates_on_the_emulated_mesh_only(spec_dir):
+    """The draft model runs beside the emulated mesh (``runtime.draft``): a device declares no
+    speculation for a draft package (the platform refuses ``draft_model`` there)."""
+    from ttbundle import spec
+    from ttbundle.runtime.capabilities import model_capabilities
+
+    _write(spec_dir)
+    b = spec.load(spec_dir / SPEC_FILE)
+    assert model_capabilities(b, device=False)["supports_spec_decode"] is True
+    assert model_capabilities(b, device=True)["supports_spec_decode"] is False
+    assert model_capabilities(b, device=True)["spec_requirements"] == {}

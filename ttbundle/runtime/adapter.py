@@ -314,19 +314,11 @@ class BundleModel(MeshModel):
         rewritten by the next step (later positions are masked until then). Returns logits
         [B, k + 1, V] (host sampling) or, with ``sampling_params``, the accepted tokens
         [B, k + 1], -1 past each sequence's last (``sampling.accept``)."""
-        from ..speculative import rows_per_seq
         from .sampling import accept
+        from .speculation import verify_batch
 
-        B, K1 = tokens.shape
-        if B not in self.decode_buckets or K1 != rows_per_seq(self.bundle):
-            raise ValueError(f"verify runs a batch padded to a decode bucket {self.decode_buckets} of "
-                             f"{rows_per_seq(self.bundle)} rows per sequence (speculative.num_speculative_tokens"
-                             f" + 1), got tokens {list(tokens.shape)}")
-        program = self._program("verify", B)
-        ar = torch.arange(K1)[None, :]
-        n = torch.as_tensor(num_tokens, dtype=torch.long).reshape(-1)
-        valid = (ar < n[:, None]) & (start_pos >= 0)[:, None]
-        positions = torch.where(valid, start_pos.clamp(min=0)[:, None] + ar, torch.zeros(B, K1, dtype=torch.long))
+        valid, positions, n = verify_batch(self.bundle, self.decode_buckets, tokens, start_pos, num_tokens)
+        program = self._program("verify", tokens.shape[0])
         logits = self.model.forward(program, tokens.clamp(min=0), positions, valid, page_table, kv_cache)
         if sampling_params is None:
             return logits.float()

@@ -44,14 +44,17 @@ def model_capabilities(bundle, device: bool = True) -> dict:
       the host.
     * prefix caching: the emulated mesh only (a device prefill starting on a cached block is
       not exercised); chunked prefill when the buckets set ``prefill_chunk``.
-    * one token per step; speculative decoding (``ngram``, the spec's ``speculative:``) on the
-      emulated mesh, where a verify step returns up to k + 1 tokens.
+    * one token per step; speculative decoding (the spec's ``speculative:``), where a verify
+      step returns up to k + 1 tokens: ``ngram`` on both (a device runs the lowered verify
+      forwards, every row's logits back, acceptance on the host), a draft model
+      (``method: draft``) on the emulated mesh only.
     """
     from ..backends.ttnn.lowering import TOPK
     from ..speculative import vllm_config as speculative_config
 
     rt, bk = bundle.spec.runtime, bundle.buckets
     spec = speculative_config(bundle)
+    speculates = spec is not None and (not device or spec["method"] == "ngram")
     return {
         "supports_sample_on_device": rt.sample_on_device_mode != "off",
         "max_device_top_k": TOPK if device else bundle.arch.vocab_size,
@@ -62,10 +65,10 @@ def model_capabilities(bundle, device: bool = True) -> dict:
         "supports_async_decode": async_decode(device),
         "supports_packed_prefill": packed_prefill(device),
         "output_tokens_per_step": 1,
-        # speculative decoding (the spec's ``speculative:``): the emulated mesh runs the verify
-        # programs; on a device they are not lowered yet
-        "supports_spec_decode": not device and spec is not None,
-        "spec_requirements": ({"methods": ["ngram"], **spec} if spec is not None and not device else {}),
+        # speculative decoding (the spec's ``speculative:``): both run the verify programs; a
+        # device proposes with n-grams only (the draft model runs beside the emulated mesh)
+        "supports_spec_decode": speculates,
+        "spec_requirements": ({"methods": ["ngram"], **spec} if speculates else {}),
     }
 
 

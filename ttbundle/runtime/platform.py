@@ -279,9 +279,9 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
 def _configure_speculative(vllm_config, pkg, emulated: bool) -> None:
     """vLLM's ``--speculative-config`` against the package's ``speculative:`` (its verify
     programs are built for one method and k): a config that disagrees is refused naming both;
-    ``ngram`` and ``draft_model`` (the draft package inside the package, ``package.names.DRAFT_DIR``:
-    ttbundle's runner runs it, ``runtime.draft``) run on the emulated mesh (a device has no
-    verify program lowered yet)."""
+    ``ngram`` runs on the emulated mesh and on a device (the verify programs lowered to ttnn);
+    ``draft_model`` (the draft package inside the package, ``package.names.DRAFT_DIR``: ttbundle's
+    runner runs it, ``runtime.draft``) on the emulated mesh only."""
     from pathlib import Path
 
     from ..package.names import DRAFT_DIR
@@ -297,9 +297,10 @@ def _configure_speculative(vllm_config, pkg, emulated: bool) -> None:
         _fail(f"--speculative-config method {sc.method!r} is not supported: ttbundle serves `ngram` "
               "(prompt lookup) and `draft_model` (the draft package a package is built with, "
               "`speculative: {method: draft}`) speculative decoding")
-    if not emulated:
-        _fail("speculative decoding on a Tenstorrent device is not implemented yet (the verify programs "
-              "are not lowered to ttnn); serve on the emulated mesh or leave --speculative-config out")
+    if not emulated and sc.method != "ngram":
+        _fail(f"--speculative-config method {sc.method!r} on a Tenstorrent device is not implemented yet "
+              "(the draft model runs beside the emulated mesh only); serve it on the emulated mesh, or "
+              "speculate with `ngram` (a package built with `speculative: {method: ngram}`)")
     pc = package_config(pkg.bundle, pkg.path / DRAFT_DIR)
     if sc.method == "draft_model":
         given = {"method": sc.method, "num_speculative_tokens": sc.num_speculative_tokens,

@@ -75,3 +75,25 @@ def proposer_for(vllm_config, package=None, dtype=None, lanes: int = 1):
         return DraftProposer(package, int(sc.num_speculative_tokens), vllm_config.model_config.max_model_len,
                              dtype, lanes)
     return NgramProposer(sc, vllm_config.model_config.max_model_len)
+
+
+def verify_batch(bundle, decode_buckets, tokens, start_pos, num_tokens):
+    """A verify step's rows (``MeshModel.verify_forward``'s arguments) as both meshes run them:
+    ``(valid [B, k + 1], positions [B, k + 1], n [B])``, row ``j`` of sequence ``i`` at
+    ``start_pos[i] + j`` while ``j < num_tokens[i]`` (else invalid, at 0; a sequence at -1 is a
+    padding row). A batch not padded to a decode bucket of ``k + 1`` rows per sequence is refused."""
+    import torch
+
+    from ..speculative import rows_per_seq
+
+    B, K1 = tokens.shape
+    if B not in decode_buckets or K1 != rows_per_seq(bundle):
+        raise ValueError(f"verify runs a batch padded to a decode bucket {list(decode_buckets)} of "
+                         f"{rows_per_seq(bundle)} rows per sequence (speculative.num_speculative_tokens"
+                         f" + 1), got tokens {list(tokens.shape)}")
+    ar = torch.arange(K1)[None, :]
+    n = torch.as_tensor(num_tokens, dtype=torch.long).reshape(-1)
+    start_pos = torch.as_tensor(start_pos, dtype=torch.long).reshape(-1)
+    valid = (ar < n[:, None]) & (start_pos >= 0)[:, None]
+    positions = torch.where(valid, start_pos.clamp(min=0)[:, None] + ar, torch.zeros(B, K1, dtype=torch.long))
+    return valid, positions, n

@@ -403,11 +403,35 @@ class TTDeviceModel(MeshModel):
         soft = soft.reshape(-1, soft.shape[-1])
         return finish(torch.from_numpy(soft.copy()))
 
+    @torch.no_grad()
     def verify_forward(self, tokens, start_pos, num_tokens, page_table, kv_cache, sampling_params=None):
-        """Not on a device yet: the platform refuses ``--speculative-config`` with ``--device tt``
-        before a model is made (the verify programs are not lowered to ttnn)."""
-        raise NotImplementedError("speculative decoding on a Tenstorrent device is not implemented yet (the "
-                                  "verify programs are not lowered to ttnn); serve on the emulated mesh")
+        """Speculative decoding's verify step, as ``adapter.BundleModel.verify_forward``: the
+        lowered verify forward of the decode bucket (``B x (k + 1)`` rows padded to a tile, each
+        row a token at its own position over its sequence's pages: decode's lowering, the KV
+        writes and the attention run per group of the sequences' row ``j``, each a decode batch of
+        B rows, so row ``j`` sees its sequence's rows up to itself) replays its trace; every
+        row's logits come back, and with ``sampling_params`` acceptance runs on the host
+        (``sampling.accept``, vLLM's rejection rule). Returns logits [B, k + 1, V] or the
+        accepted tokens [B, k + 1] (-1 past each sequence's last)."""
+        import numpy as np
+        from ..backends.ttnn.device import verify_inputs, verify_rows
+        from .sampling import accept
+        from .speculation import verify_batch
+
+        valid, positions, n = verify_batch(self.bundle, self.decode_buckets, tokens, start_pos, num_tokens)
+        B, K1 = tokens.shape
+        key = self._key("verify", B, None)
+        lane = self._lane(kv_cache)  # with lanes: the lane (submesh) these sequences run on
+        runner = self.lane_runners[lane]
+        fw = runner.forwards[key]
+        host = verify_inputs(fw, tokens.numpy(), torch.where(valid, positions, -1).numpy(), page_table.numpy())
+        out = self._run(key, host, lane)
+        V = self.vocab_size
+        logits = np.asarray(runner.read(out["logits.out"])).reshape(fw.rows, -1)[:, :V]
+        logits = torch.from_numpy(np.ascontiguousarray(verify_rows(fw, logits, K1), dtype=np.float32))
+        if sampling_params is None:
+            return logits
+        return accept(logits, tokens[:, 1:], (n - 1).clamp(min=0), sampling_params)
 
     @torch.no_grad()
     def decode_forward(self, tokens, start_pos, page_table, kv_cache, sampling_params=None, enable_trace: bool = True,
@@ -516,11 +540,11 @@ class TTDeviceModel(MeshModel):
     def warmup_model_decode(self, kv_cache, enable_trace: bool = True, max_batch_size=None, num_blocks=None,
                             can_sample_on_device: bool = True):
         t0 = time.perf_counter()
-        keys = [k for k in self.runner.forwards if k[0] == "decode"]
+        keys = [k for k in self.runner.forwards if k[0] in ("decode", "verify")]  # verify: speculative decoding
         for runner in self.lane_runners:
             runner.warmup(keys)
-        self.warmed |= {("decode", k[1]) for k in keys}
-        logger.info("[WARMUP] compiled %d decode forwards in %.1f s", len(keys), time.perf_counter() - t0)
+        self.warmed |= {(k[0], k[1]) for k in keys}
+        logger.info("[WARMUP] compiled %d decode and verify forwards in %.1f s", len(keys), time.perf_counter() - t0)
         if all(r.stage == "warm" for r in self.lane_runners):  # every forward compiled: capture now, as Tenstorrent's
             self.seal()                 # plugin expects of its last warm-up call (no seal() there)
 

@@ -347,6 +347,49 @@ def decode_inputs(fw: Forward, token: int, position: int) -> dict:
     return ins
 
 
+def verify_inputs(fw: Forward, tokens, positions, page_table) -> dict:
+    """Host inputs of a verify forward (speculative decoding): ``tokens`` / ``positions``
+    [B, k + 1] (each sequence's last token and its proposals; position -1: a row that idles,
+    nothing written, nothing attended), ``page_table`` [B, blocks] the sequences' pages. Forward
+    rows are grouped by row of a sequence (:func:`verify_rows`: row ``j * B + i`` is row ``j`` of
+    sequence ``i``; rows past ``B (k + 1)``: padding, at -1), each with its sequence's page-table
+    row (``page_table``, read by softcapped attention, which attends every row at once);
+    ``verify_pos.<j>`` holds group ``j``'s positions and ``verify_pages`` the sequences' pages
+    (``inputs.verify_pos_input``)."""
+    import numpy as np
+
+    from .inputs import VERIFY_PAGES, verify_pos_input
+
+    tokens, positions = np.asarray(tokens), np.asarray(positions, np.int64)
+    B, K1 = tokens.shape
+    R, blocks = fw.rows, fw.inputs["page_table"][0][1]
+    groups = [verify_pos_input(j) for j in range(K1)]
+    if B != fw.bucket or any(g not in fw.inputs for g in groups) or verify_pos_input(K1) in fw.inputs:
+        raise ValueError(f"verify forward {fw.phase}-{fw.bucket} ({R} rows) cannot run {B} sequences of {K1} rows")
+    n = B * K1
+    pos = np.full(R, -1, np.int64)
+    pos[:n] = positions.T.reshape(-1)
+    toks = np.zeros(R, np.uint32)
+    toks[:n] = np.clip(tokens.T.reshape(-1), 0, None)
+    pages = np.zeros((B, blocks), np.int32)
+    given = np.asarray(page_table)[:B, :blocks]
+    pages[:, :given.shape[1]] = given
+    pt = np.zeros((R, blocks), np.int32)
+    pt[:n] = np.tile(pages, (K1, 1))
+    ins = {"tokens": toks[None], "positions": np.maximum(pos, 0).astype(np.uint32)[None], "page_table": pt,
+           VERIFY_PAGES: pages}
+    ins.update({g: positions[:, j].astype(np.int32) for j, g in enumerate(groups)})
+    ins.update(mask_inputs(fw, pos[:, None]))  # softcapped attention: every row's mask
+    return ins
+
+
+def verify_rows(fw: Forward, out, k1: int):
+    """A verify forward's per-row output ``[rows, ...]`` as ``[B, k + 1, ...]`` (sequence, row of
+    the sequence), its padding rows dropped (:func:`verify_inputs`' order)."""
+    B = fw.bucket
+    return out[:B * k1].reshape(k1, B, *out.shape[1:]).swapaxes(0, 1)
+
+
 def _greedy(fw: Forward, rows: int) -> dict:
     import numpy as np
     if "top_k" not in fw.inputs:

@@ -30,6 +30,16 @@ TILE_L, RM = Attr("TILE_LAYOUT"), Attr("ROW_MAJOR_LAYOUT")
 # k / p / temperature; greedy rows use k = 1, as tt_transformers does) or "host" (logits come back)
 SAMPLING = ("device", "host")
 TOPK = 32  # candidates ttnn.sampling draws from
+#: phases whose forwards lower like decode: one token per row, each row its own position and
+#: page-table row (a verify program's rows are each sequence's last token and its proposals)
+DECODE_LIKE = ("decode", "verify")
+
+
+def samplings(phase: str) -> tuple[str, ...]:
+    """The sampling variants a forward of ``phase`` may be lowered in: a verify forward returns
+    every row's logits only (acceptance, vLLM's rejection rule, runs on the host from them:
+    ``runtime/sampling.accept``, as on the emulated mesh)."""
+    return ("host",) if phase == "verify" else SAMPLING
 
 
 def f32(x: float) -> float:
@@ -114,7 +124,7 @@ class Lowerer(Emitter):
         self.bundle, self.prog = bundle, program
         self.fam, self.a = bundle.family, bundle.arch
         self.phase, self.rows = program.phase, program.rows
-        self.decode = self.phase == "decode"
+        self.decode = self.phase in DECODE_LIKE  # verify: decode's lowering over its rows
         self.sampling = sampling
         self.grid = grid or self.mesh.chip.compute_grid
         decls = {t.name: t for t in self.fam.tensors(self.a)}

@@ -58,8 +58,8 @@ def read(src: str | Path) -> tuple[object, meshmod.Mesh, dict]:
     meshes = {json.dumps(p.mesh, sort_keys=True) for p in out.values()}
     if len(meshes) != 1:
         raise ProgramError(f"{src}/{PROGRAMS}: programs for different meshes: {sorted(meshes)}")
-    order = {"prefill": 0, "decode": 1, "vision": 2}
-    return bundle, mesh_of(next(iter(out.values()))), dict(sorted(out.items(), key=lambda kv: (order.get(kv[0][0], 3), kv[0][1])))
+    order = {"prefill": 0, "decode": 1, "verify": 2, "vision": 3}
+    return bundle, mesh_of(next(iter(out.values()))), dict(sorted(out.items(), key=lambda kv: (order.get(kv[0][0], 4), kv[0][1])))
 
 
 __all__ = ["PROGRAMS", "mesh_of", "read", "write"]

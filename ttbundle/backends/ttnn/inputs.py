@@ -16,7 +16,7 @@ from ... import tiles
 from ...program import Program
 from .calls import T
 from .layout import TILE
-from .emitter import DRAM, Lowerer
+from .emitter import DECODE_LIKE, DRAM, Lowerer
 
 
 def mrope_position_input(row: int) -> str:
@@ -56,6 +56,27 @@ def deepstack_input(k: int) -> str:
     return f"mm_deepstack.{k}"
 
 
+def verify_rows_per_seq(bundle) -> int:
+    """Rows of one sequence in a verify forward (its last token and its k proposals)."""
+    from ...speculative import rows_per_seq
+    return rows_per_seq(bundle)
+
+
+def verify_pos_input(j: int) -> str:
+    """The input holding the cache position of row ``j`` of each sequence of a verify forward
+    (``[bucket]``, -1: no such row). A verify forward's rows are grouped by ``j`` (row
+    ``j * bucket + i`` is row ``j`` of sequence ``i``), and the KV writes and the attention run per
+    group, as decode runs a batch (:func:`text_ops.row_groups`): one ``paged_update_cache`` per
+    group, so no two cores of a call update one KV tile (a sequence's rows are neighbouring
+    positions of one block), and every call holds at most a decode bucket's rows (the
+    height-sharded writes and the decode SDPA take one core per row)."""
+    return f"verify_pos.{j}"
+
+
+#: a verify forward's page table of its sequences (``[bucket, blocks]``), read by each row group
+VERIFY_PAGES = "verify_pages"
+
+
 def inputs_of(program: Program, bundle) -> dict:
     """The device tensors a run writes before it starts (shape, dtype, layout); page tables in
     the program's KV blocks."""
@@ -67,9 +88,14 @@ def inputs_of(program: Program, bundle) -> dict:
     blocks_per_seq = tiles.blocks_per_seq(bundle.spec.runtime.max_model_len, block_size)
     ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
            "positions": ((1, rows), "uint32", "ROW_MAJOR")}
-    if program.phase == "decode":
-        ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
+    if program.phase in DECODE_LIKE:  # one token per row: its position, its page-table row
         ins["page_table"] = ((B, blocks_per_seq), "int32", "ROW_MAJOR")
+        if program.phase == "decode":
+            ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
+        else:  # verify: each row group's positions and the sequences' pages (``text_ops.row_groups``)
+            ins.update({verify_pos_input(j): ((program.bucket,), "int32", "ROW_MAJOR")
+                        for j in range(verify_rows_per_seq(bundle))})
+            ins[VERIFY_PAGES] = ((program.bucket, blocks_per_seq), "int32", "ROW_MAJOR")
     else:
         ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
         ins["chunk_start"] = ((1,), "int32", "ROW_MAJOR")
@@ -80,7 +106,7 @@ def inputs_of(program: Program, bundle) -> dict:
             hid = bundle.arch.hidden_size
             ins["mm_keep"] = ((1, 1, rows, hid), "bf16", "TILE")
             ins["mm_embeds"] = ((1, 1, rows, hid), "bf16", "TILE")
-    head_rows = rows if program.phase == "decode" else min(rows, TILE)  # rows the head samples
+    head_rows = rows if program.phase in DECODE_LIKE else min(rows, TILE)  # rows the head samples
     ins["top_k"] = ((head_rows,), "uint32", "ROW_MAJOR")
     ins["top_p"] = ((head_rows,), "bf16", "ROW_MAJOR")
     ins["temperature"] = ((head_rows,), "bf16", "ROW_MAJOR")

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ... import mesh as meshmod
     from . import handover
-    from .lowering import SAMPLING, lower_forward
+    from .lowering import lower_forward, samplings
     from .mockcheck import validate
 
     args = sys.argv[1:] if argv is None else argv
@@ -207,9 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     device = ttnn.open_mesh_device(ttnn.MeshShape(*mesh.shape), trace_region_size=trace_region_size)
     try:
         for (phase, b), prog in programs.items():
-            if phase == "verify":  # speculative decoding: not lowered to ttnn yet
-                continue
-            for sampling in SAMPLING:
+            for sampling in samplings(phase):
                 fw = lower_forward(bundle, pmesh, prog, sampling)
                 r = validate(ttnn, device, prog, fw)
                 print(f"{phase}-{b} {sampling}: {r.calls} calls, refused {sorted(r.refused)}", flush=True)

@@ -27,7 +27,7 @@ from ...mesh import Mesh
 from ...program import Op, Program, Step
 from . import configs, mesh_ops, moe_ops, text_ops, vision_ops
 from .calls import Forward, Layer, T
-from .emitter import DRAM, SAMPLING, TOPK, Lowerer, program_policy, tt_dim, tt_shape
+from .emitter import DECODE_LIKE, DRAM, SAMPLING, TOPK, Lowerer, program_policy, samplings, tt_dim, tt_shape
 from .inputs import (chunk_starts, image_mask, image_prefill, inputs_of, mask_input, merge_images,
                      mrope_position_input, static_prefill_start, static_start, vision_mask_input,
                      VISION_HOST_INPUTS)
@@ -72,6 +72,9 @@ def lower_forward(bundle, mesh: Mesh, program: Program, sampling: str = "device"
         raise ValueError(f"sampling must be one of {SAMPLING}, got {sampling!r}")
     if not isinstance(program, Program):
         raise TypeError(f"lower_forward takes a program.Program, got {type(program).__name__}")
+    if sampling not in samplings(program.phase):
+        raise ValueError(f"a {program.phase} forward is lowered with sampling {samplings(program.phase)}, "
+                         f"got {sampling!r}: its rows' logits come back for acceptance on the host")
     if not isinstance(mesh, Mesh):
         raise TypeError(f"lower_forward takes the mesh.Mesh the program runs on, got {type(mesh).__name__}")
     name = program.name
@@ -130,7 +133,7 @@ def lower_forward(bundle, mesh: Mesh, program: Program, sampling: str = "device"
                    list(lw.setup.values()), list(lw.consts.values()), lw.gaps, weights)
 
 
-__all__ = ["OPS", "SAMPLING", "TOPK", "chunk_starts", "collective_calls", "device_shape", "image_mask",
+__all__ = ["DECODE_LIKE", "OPS", "SAMPLING", "TOPK", "chunk_starts", "collective_calls", "device_shape", "image_mask",
            "image_prefill", "inputs_of", "lower_forward", "mask_input", "mrope_position_input", "partition_calls",
-           "program_policy", "static_prefill_start", "static_start", "step_kind", "tt_dim", "tt_shape",
+           "program_policy", "samplings", "static_prefill_start", "static_start", "step_kind", "tt_dim", "tt_shape",
            "unlowered_ops", "vision_mask_input", "VISION_HOST_INPUTS"]

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ... import mesh as meshmod
     from . import handover
-    from .lowering import lower_forward
+    from .lowering import lower_forward, samplings
 
     args = sys.argv[1:] if argv is None else argv
     mesh_name, dirs = args[0], args[1:]
@@ -258,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         for path in dirs:
             bundle, pmesh, programs = handover.read(path)
             for (phase, bucket), prog in programs.items():
-                fw = lower_forward(bundle, pmesh, prog, "device", grid=grid)
+                fw = lower_forward(bundle, pmesh, prog, samplings(phase)[0], grid=grid)  # verify: host
                 r = validate(ttnn, device, prog, fw)
                 print("RESULT " + json.dumps({"dir": path, "mesh": mesh_name, "phase": phase, "bucket": bucket,
                                               "calls": r.calls, "grid": list(grid),

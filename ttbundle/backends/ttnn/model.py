@@ -24,11 +24,15 @@ def forward_keys(bundle, programs: dict, sample_on_device_mode: str = "all", hos
     ``sampling`` is "device" where ``sample_on_device_mode`` allows it, "host" otherwise, and also
     "host" everywhere with ``host_fallback`` (batches whose requests need logits); ``start`` is
     the static chunk start of an MLA prefill (``inputs.chunk_starts``), else 0. ``trace_mode``:
-    the serving option (default: the bundle's runtime.trace_mode)."""
+    the serving option (default: the bundle's runtime.trace_mode). A verify program (speculative
+    decoding) has one forward, host-sampled (``lowering.samplings``), traced as decode is."""
     mode = trace_mode or bundle.spec.runtime.trace_mode
     keys, traced = [], set()
     for phase, b in programs:
-        if phase == "verify":  # speculative decoding: the emulated mesh only (not lowered to ttnn yet)
+        if phase == "verify":  # speculative decoding: every row's logits back (acceptance on the
+            keys.append((phase, b, "host", 0))  # host, as the emulated mesh); traced like decode
+            if mode in ("all", "decode_only"):
+                traced.add(keys[-1])
             continue
         if phase == "vision":  # one forward per vision bucket (its soft tokens come back); traced
             keys.append((phase, b, "host", 0))  # with the prefills (fixed shapes, as lower.traced)

@@ -7,7 +7,7 @@ from ...program import Step
 from . import configs
 from .calls import KV, T, W
 from .emitter import BF16, DRAM, Lowerer, add_bias, filled, f32, tt_shape
-from .text_ops import cache_write, split_heads, merge_heads, apply_rope, rope_tables
+from .text_ops import apply_rope, cache_write, merge_heads, rope_tables, row_groups, split_heads
 
 
 def _mla_attention(lw: Lowerer, st: Step) -> None:
@@ -69,10 +69,10 @@ def _mla_attention(lw: Lowerer, st: Step) -> None:
     scale = f32(lt.get("attn_scale", (nope + rope) ** -0.5))
     kernel = configs.compute_config()
     if lw.decode:
-        o_lat = lw.call("transformer.paged_flash_multi_latent_attention_decode", T(q_full), KV("kv_latent"), None,
-                        r, T("page_table"), out="o_lat", shape=(1, rows, H, r), cur_pos_tensor=T("cur_pos"),
-                        scale=scale, program_config=configs.sdpa_config(lw.grid, None),
-                        compute_kernel_config=kernel, memory_config=DRAM)
+        o_lat = row_groups(lw, q_full, "o_lat", lambda q, out, cur_pos, pages: lw.call(  # verify: per row group
+            "transformer.paged_flash_multi_latent_attention_decode", T(q), KV("kv_latent"), None, r, pages, out=out,
+            shape=(1, lw.shapes[q][1], H, r), cur_pos_tensor=cur_pos, scale=scale,
+            program_config=configs.sdpa_config(lw.grid, None), compute_kernel_config=kernel, memory_config=DRAM))
         o_lat = lw.call("transpose", T(o_lat), 1, 2, out="o_lat.t", shape=(1, H, rows, r), memory_config=DRAM)
     else:
         o_lat = lw.call("transformer.chunked_flash_mla_prefill", T(q_full), KV("kv_latent"), r, T("page_table"),

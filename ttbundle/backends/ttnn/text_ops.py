@@ -15,8 +15,8 @@ from ...program import Step
 from . import configs
 from .calls import KV, Attr, Const, New, T, W
 from .layout import TILE, device_shape
-from .emitter import BF16, DRAM, F32, RM, TILE_L, TOPK, U32, Lowerer, add_bias, vector_view, f32, tt_shape
-from .inputs import image_mask, mask_input, mrope_position_input
+from .emitter import BF16, DRAM, F32, RM, TILE_L, TOPK, U32, Lowerer, add_bias, filled, vector_view, f32, tt_shape
+from .inputs import VERIFY_PAGES, image_mask, mask_input, mrope_position_input, verify_pos_input, verify_rows_per_seq
 
 
 def _embedding(lw: Lowerer, st: Step) -> None:
@@ -192,19 +192,45 @@ def merge_heads(lw: Lowerer, x: str, out: str) -> str:
                    memory_config=DRAM)
 
 
+def row_groups(lw: Lowerer, x: str, out: str, fn) -> str | None:
+    """``fn(x, out, cur_pos, page_table)`` on a decode forward's rows ``x`` ``[1, B, n, d]``; on a
+    verify forward's, once per row group ``j`` (row ``j`` of every sequence: rows ``j * bucket``
+    up to ``(j + 1) * bucket``, ``inputs.verify_pos_input``) with the group's positions and the
+    sequences' pages, as a decode batch of ``bucket`` rows, the groups' outputs concatenated
+    along the rows (and zeros for the padding rows past them). ``fn`` returns its output's name."""
+    if lw.phase != "verify":
+        return fn(x, out, T("cur_pos"), T("page_table"))
+    s = lw.shapes[x]
+    B, K1, R = lw.prog.bucket, verify_rows_per_seq(lw.bundle), lw.rows
+    parts = []
+    for j in range(K1):
+        xj = lw.call("slice", T(x), [0, j * B, 0, 0], [1, (j + 1) * B, s[2], s[3]], [1, 1, 1, 1], out=f"{x}.g{j}",
+                     shape=(1, B, s[2], s[3]))
+        parts.append(fn(xj, f"{out}.g{j}", T(verify_pos_input(j)), T(VERIFY_PAGES)))
+    if parts[0] is None:  # nothing returned (the cache writes)
+        return None
+    o = lw.shapes[parts[0]]
+    ts = [T(p) for p in parts]
+    if R > K1 * B:
+        ts.append(T(filled(lw, "zeros", (1, R - K1 * B, o[2], o[3]))))
+    return lw.call("concat", ts, 1, out=out, shape=(1, R, o[2], o[3]), memory_config=DRAM)
+
+
 def cache_write(lw: Lowerer, kv: str, x: str) -> None:
     src = x
     if lw.kv_dtype == "bfp8":
         src = lw.call("typecast", T(x), Attr("bfloat8_b"), out=f"{x}.c", shape=lw.shapes[x])
-    if lw.decode:  # paged_update_cache reads each row's heads from its own core: [1, B, n, d]
-        _, b, _, d = lw.shapes[src]  # height-sharded, one (32 x d) shard per row
-        cores = New.factory("num_cores_to_corerangeset", "CoreRangeSet", b, configs.coord(*lw.grid), row_wise=True)
-        mem = New.factory("create_sharded_memory_config", "MemoryConfig", shape=(TILE, d), core_grid=cores,
-                          strategy=Attr("ShardStrategy.HEIGHT"), orientation=Attr("ShardOrientation.ROW_MAJOR"),
-                          use_height_and_width_as_shard_shape=True)
-        src = lw.call("to_memory_config", T(src), mem, out=f"{src}.sh", shape=lw.shapes[src])
-        lw.call("experimental.paged_update_cache", KV(kv), T(src), update_idxs_tensor=T("cur_pos"),
-                page_table=T("page_table"))
+    if lw.decode:
+        def write(rows: str, _out: str, cur_pos: T, pages: T) -> None:
+            # paged_update_cache reads each row's heads from its own core: [1, B, n, d]
+            _, b, _, d = lw.shapes[rows]  # height-sharded, one (32 x d) shard per row
+            cores = New.factory("num_cores_to_corerangeset", "CoreRangeSet", b, configs.coord(*lw.grid), row_wise=True)
+            mem = New.factory("create_sharded_memory_config", "MemoryConfig", shape=(TILE, d), core_grid=cores,
+                              strategy=Attr("ShardStrategy.HEIGHT"), orientation=Attr("ShardOrientation.ROW_MAJOR"),
+                              use_height_and_width_as_shard_shape=True)
+            sh = lw.call("to_memory_config", T(rows), mem, out=f"{rows}.sh", shape=lw.shapes[rows])
+            lw.call("experimental.paged_update_cache", KV(kv), T(sh), update_idxs_tensor=cur_pos, page_table=pages)
+        row_groups(lw, src, f"{src}.w", write)  # verify: one call per row group (``inputs.verify_pos_input``)
     else:
         # the chunk's own blocks (the full page table would write it from position 0)
         lw.call("experimental.paged_fill_cache", KV(kv), T(src), T("fill_page_table"), batch_idx_tensor=T("seq_slot"))
@@ -252,11 +278,11 @@ def _attention(lw: Lowerer, st: Step) -> None:
         extra["attention_sink"] = vector_view(lw, "sinks", (nq, 1) if lw.decode else (1, nq, 1, 1),
                                                "sink2" if lw.decode else "sink4")
     kernel = configs.compute_config()
-    if lw.decode:
-        o = lw.call("transformer.paged_scaled_dot_product_attention_decode", T("qr"), KV("k"), KV("v"),
-                    T("page_table"), out="oh", shape=lw.shapes["qr"], cur_pos_tensor=T("cur_pos"), scale=scale,
-                    program_config=configs.sdpa_config(lw.grid, None), compute_kernel_config=kernel,
-                    memory_config=DRAM, **extra)
+    if lw.decode:  # verify: per row group, each a decode batch (``row_groups``)
+        o = row_groups(lw, "qr", "oh", lambda q, out, cur_pos, pages: lw.call(
+            "transformer.paged_scaled_dot_product_attention_decode", T(q), KV("k"), KV("v"), pages, out=out,
+            shape=lw.shapes[q], cur_pos_tensor=cur_pos, scale=scale, program_config=configs.sdpa_config(lw.grid, None),
+            compute_kernel_config=kernel, memory_config=DRAM, **extra))
     else:  # over the paged cache from the chunk's first position: prefix chunks included
         o = lw.call("transformer.chunked_scaled_dot_product_attention", T("qr"), KV("k"), KV("v"),
                     T("page_table"), out="oh", shape=lw.shapes["qr"], chunk_start_idx_tensor=T("chunk_start"),
