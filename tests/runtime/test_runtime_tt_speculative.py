@@ -4,8 +4,8 @@ ngram}`` and ``--backend ttnn`` (N150, T3K), the recording double computing on i
 weights in place of ttnn, once with vLLM's ``--speculative-config`` and once without. The
 references: the same package served without speculation, transformers' greedy ``generate`` on the
 checkpoint, and vLLM's own spec-decode metrics (proposals made and accepted on a repetitive
-prompt). Lanes (replicas) are refused on a device, so there is no lanes case here
-(tests/runtime/test_runtime_speculative.py covers them on the emulated mesh)."""
+prompt). With lanes (a T3K split into 8 replicas of 1x1, one submesh each) every lane verifies its
+own rows on its own submesh."""
 
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ DECODE = [1, 4]
 TOKENS = 32
 
 
-def tt_ngram_spec() -> str:
-    d = yaml.safe_load(ngram_spec("tiny-llama-ngram-tt"))
+def tt_ngram_spec(replicas=None) -> str:
+    d = yaml.safe_load(ngram_spec("tiny-llama-ngram-tt" + ("-r1x1" if replicas else ""), replicas, max(DECODE)))
     d["buckets"] = {"prefill": [64], "decode": DECODE, "prefill_chunk": 64}
     d["runtime"]["max_num_seqs"] = max(DECODE)
     return yaml.safe_dump(d, sort_keys=False)
@@ -70,10 +70,13 @@ def runs(tmp_path_factory):
 
     def run(mesh):
         if mesh not in out:
-            pkg = build_package(tt_ngram_spec(), d, mesh, backend="ttnn", warmup=False)
+            lanes = mesh.endswith("-lanes")
+            pkg = build_package(tt_ngram_spec((1, 1) if lanes else None), d, mesh.removesuffix("-lanes"),
+                                backend="ttnn", warmup=False)
             cases = {"spec": {"speculative": dict(NGRAM), "batches": batches},
                      "plain": {"speculative": None, "batches": batches}}
-            out[mesh] = run_engine_script(HERE / "tt_spec_engine_run.py", pkg, cases, env), d / "src-tiny-llama-ngram-tt"
+            src = d / ("src-tiny-llama-ngram-tt" + ("-r1x1" if lanes else ""))
+            out[mesh] = run_engine_script(HERE / "tt_spec_engine_run.py", pkg, cases, env), src
         return out[mesh]
     return run
 
@@ -112,5 +115,22 @@ def test_greedy_ngram_on_the_tt_device_path_is_identical_without_speculation_and
     plain_ids = {r for s in plain["steps"][:1] for r, _, _ in s["rows"]}
     assert set(Counter(r for s in plain["steps"] if s["phase"] == "decode" for r, _, _ in s["rows"]
                        if r in plain_ids).values()) == {TOKENS - 1}
+    assert spec["compiled_serving"] == plain["compiled_serving"] == 0
+    assert spec["violations"] == plain["violations"] == []
+
+
+@pytest.mark.slow  # a T3K of 8 lanes through vLLM's engine, twice
+def test_greedy_ngram_with_lanes_on_the_tt_device_path_verifies_per_lane(runs):
+    """8 lanes of 1x1 on one T3K: each lane's verify runs on its own submesh (its own KV); tokens
+    identical to the same package without speculation and to transformers, proposals accepted."""
+    res, src = runs("T3K-lanes")
+    spec, plain = res["spec"], res["plain"]
+    assert spec["tokens"] == plain["tokens"]
+    (first, second) = spec["tokens"]
+    for p, toks in zip([REPETITIVE] + OTHERS + [REPETITIVE, OTHERS[0]], first + second):
+        assert transformers_disagreements(src, p["prompt_token_ids"], toks) == []
+    assert spec["metrics"]["vllm:spec_decode_num_accepted_tokens"] > 0
+    verify = [s for s in spec["steps"] if s["phase"] == "verify"]
+    assert verify and len({lane for s in verify for lane in s["lanes"]}) > 1  # rows of several lanes verified
     assert spec["compiled_serving"] == plain["compiled_serving"] == 0
     assert spec["violations"] == plain["violations"] == []

@@ -38,8 +38,8 @@ def run_case(pkg: str, case: dict) -> dict:
         return {
             "tokens": outs,
             "metrics": {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name},
-            "steps": [{"phase": s.phase, "rows": s.rows, "buckets": s.buckets, "sampling": s.sampling}
-                      for s in runner.step_log],
+            "steps": [{"phase": s.phase, "rows": s.rows, "buckets": s.buckets, "sampling": s.sampling,
+                       "lanes": list(getattr(s, "lanes", None) or [])} for s in runner.step_log],
             "replays": [list(k) for k in model.replays[n_replays:]],
             "traced": [list(k) for k in model.runner.traces],
             "warmed": [list(k) for k in model.warmed],
