@@ -59,12 +59,12 @@ class DraftProposer:
         self.model = cls.initialize_vllm_model(None, self.package.loaded.mesh, max(draft.buckets.decode),
                                                max_model_len, 1, None, package=self.package, dtype=dtype,
                                                trace_mode="none")
-        a = draft.arch
-        self.block_size = draft.spec.runtime.kv_block_size
+        a = self.package.dims  # the draft's programs' sizes
+        self.block_size = int(self.package.loaded.kv_cache["block_size"])  # the draft programs' KV layout
         self.blocks_per_seq = blocks_per_seq(max_model_len, self.block_size)
         self.num_slots = rt.max_num_seqs
         blocks = draft_kv_blocks(package.bundle, draft)
-        self.kv = self.model.allocate_kv_cache((blocks, a.kv_heads, self.block_size, a.hd), dtype,
+        self.kv = self.model.allocate_kv_cache((blocks, a.num_kv_heads, self.block_size, a.head_dim), dtype,
                                                a.num_hidden_layers)
         bk = draft.buckets
         self.prefill_buckets, self.decode_buckets = list(bk.prefill), list(bk.decode)
