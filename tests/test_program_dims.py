@@ -154,3 +154,27 @@ def test_the_runtime_model_reads_the_packages_sizes_not_bundle_yamls(monkeypatch
         BundleModel.initialize_vllm_model(None, None, 8, 512, package=pkg)
     model = BundleModel.initialize_vllm_model(None, None, 8, 256, package=pkg)
     assert model.vocab_size == pkg.dims.vocab_size
+
+
+def test_a_ttnn_rope_table_uses_its_layers_scaling_not_the_archs():
+    """Gemma 3 scales the global layers' rope (linear, factor 8) and not the local ones: each
+    layer's host-made table is ``tables.rope_cos_sin`` with that layer's own scaling."""
+    from ttbundle.backends.ttnn import device, lowering
+    from ttbundle.tables import rope_cos_sin
+
+    b = specmod.loads(TINY["gemma3"].replace("model:\n", "model:\n  rope_scaling: {rope_type: linear, factor: 8.0}\n"
+                                             "  sliding_window_pattern: 2\n")
+                      + COMMON, "<spec>")
+    assert b.arch.rope_scaling is not None
+    plan = make_plan(b, target_mesh(b, "N150"))
+    prog = lower(b, plan, "decode", 8)
+    fw = lowering.lower_forward(b, plan.mesh, prog)
+    tables = {c.name: c for c in fw.consts if c.kind == "rope_cos"}
+    scaled = next(lt["rope_scaling"] for lt in prog.layer_traits if lt["rope_scaling"] is not None)
+    assert any(lt["rope_scaling"] is None for lt in prog.layer_traits)
+    assert len(tables) == 2  # one table per rope variant: the local layers' and the global ones'
+    for c in tables.values():
+        p = dict(c.params)
+        scaling = scaled if p["scaling"] else None
+        want, _ = rope_cos_sin(torch.arange(c.shape[0]), p["head_dim"], p["theta"], scaling, torch.float32)
+        torch.testing.assert_close(torch.from_numpy(device._rope_table(c)).reshape(want.shape), want)
