@@ -7,8 +7,8 @@ Run it from a tree (its ``ttbundle`` is imported; the tree is the current direct
 and alternate trees (before, after, before, after) so a host load that changes during the
 session touches both alike. Prints one JSON line per run:
 
-* ``validate_s``: ``spec.load`` + ``make_plan`` of every published bundle for every target
-  (what ``ttbundle validate`` does), median of ``--passes``;
+* ``validate_s``: ``spec.load`` + ``make_plan`` of every spec in ``--bundles`` (give both trees
+  the same directory) for every target (what ``ttbundle validate`` does), median of ``--passes``;
 * ``lower_s``: ``make_plan`` + ``lower_all`` of the benchmark model (``bench_model.SPEC``) for N150
   and T3K, median of ``--passes``;
 * ``n150_step_ms`` / ``t3k_step_ms``: the emulated decode step (median of ``--tokens`` steps, N150
@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--passes", type=int, default=5, help="validate and lower passes (median)")
     ap.add_argument("--label", default=os.path.basename(os.getcwd()))
+    ap.add_argument("--bundles", default="bundles", help="the specs to validate (the same set for both trees)")
     args = ap.parse_args()
     torch.manual_seed(0)
     out = {"label": args.label, "load1": os.getloadavg()[0]}
@@ -59,7 +60,7 @@ def main() -> None:
     runs = []
     for _ in range(args.passes):
         t0 = time.perf_counter()
-        for f in sorted(glob.glob("bundles/*.yaml")):
+        for f in sorted(glob.glob(os.path.join(args.bundles, "*.yaml"))):
             b = spec.load(f)
             for t in b.spec.targets:
                 make_plan(b, t)
