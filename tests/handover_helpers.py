@@ -18,14 +18,18 @@ from ttbundle.plan.make import make_plan
 def one_layer_per_kind(program):
     """``program`` with each decoder layer kind repeated once (its layers run the same calls on
     the same shapes; only weights and caches differ): enough to validate every call. Each kind's
-    layer keeps the traits of the kind's first layer (``program.verify`` wants one per layer run)."""
+    layer keeps the traits of the kind's first layer, and the dims count the layers run
+    (``program.verify`` wants one ``LayerTraits`` per layer run, and the dims' count to match)."""
+    if program.phase == "vision":  # a vision program: the text's traits and dims, as they are
+        return dataclasses.replace(program, layers=tuple(dataclasses.replace(lp, count=1) for lp in program.layers))
     traits, start = [], 0
-    for lp in program.layers if program.phase != "vision" else ():  # (a vision program: the text's, as they are)
+    for lp in program.layers:
         if lp.kind not in ("embedding", "head"):
             traits.append(program.layer_traits[start])
             start += lp.count
     return dataclasses.replace(program, layers=tuple(dataclasses.replace(lp, count=1) for lp in program.layers),
-                               layer_traits=tuple(traits) if program.phase != "vision" else program.layer_traits)
+                               layer_traits=tuple(traits),
+                               dims=dataclasses.replace(program.dims, num_hidden_layers=len(traits)))
 
 
 def for_mesh(spec_path, mesh_name: str, changes: dict | None = None):

@@ -171,113 +171,45 @@ def llama_weights_one_chip(v, d, i, layers, heads, kv, hd, mlp_dtype, other_dtyp
                  + t(d, i, mlp_dtype) * 3 + wh_dram(d // 32, 64) * 2)
     return (wh_dram(v, d * 2) + t(d, v, other_dtype) + wh_dram(d // 32, 64) + layers * per_layer)
 
-# a tiny Qwen2.5-VL: text 8 heads of 32 (M-RoPE sections 4/6/6 of its 16 frequencies); vision 8 heads
-# of 8 (split over T3K's 8 columns), 4-pixel patches merged 2x2 (8-pixel blocks), windows of 16
-# pixels (2x2 blocks), full attention at layer 1; images up to 64x64 pixels = 256 patches, two
-# per prompt in a bucket of 512 patches
-TINY_QVL = """\
-name: tiny-qwen25-vl
-model:
-  family: qwen2_5_vl
-  vocab_size: 512
-  hidden_size: 256
-  intermediate_size: 512
-  num_hidden_layers: 2
-  num_attention_heads: 8
-  num_key_value_heads: 2
-  max_position_embeddings: 1024
-  rope_theta: 10000.0
-  mrope_section: [4, 6, 6]
-  vision:
-    depth: 3
-    hidden_size: 64
-    intermediate_size: 96
-    num_heads: 8
-    patch_size: 4
-    temporal_patch_size: 2
-    spatial_merge_size: 2
-    window_size: 16
-    fullatt_block_indexes: [1]
-    out_hidden_size: 256
-    image_token_id: 500
-    video_token_id: 501
-    vision_start_token_id: 502
-    vision_end_token_id: 503
-targets: [N150, N300, T3K]
-buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}
-runtime: {max_model_len: 512, max_num_seqs: 8}
-vision: {images_per_prompt: 2, min_pixels: 256, max_pixels: 4096, buckets: [256, 512]}
-"""
+# the tiny vision-language specs share their text model's sizes (8 heads of 32, 2 KV heads), their
+# targets, buckets and runtime; the two Qwen ones their vision encoder's sizes (8 heads of 8, split
+# over T3K's 8 columns; 4-pixel patches merged 2x2), image tokens and image settings (up to 64x64
+# pixels = 256 patches, two per prompt in a bucket of 512 patches)
+def _tiny_vl(name: str, family: str, layers: int, text: str, vision: str, images: str) -> str:
+    return (f"name: {name}\nmodel:\n  family: {family}\n  vocab_size: 512\n  hidden_size: 256\n"
+            f"  intermediate_size: 512\n  num_hidden_layers: {layers}\n  num_attention_heads: 8\n"
+            "  num_key_value_heads: 2\n  max_position_embeddings: 1024\n" + text + "  vision:\n" + vision +
+            "targets: [N150, N300, T3K]\nbuckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}\n"
+            "runtime: {max_model_len: 512, max_num_seqs: 8}\n" + images)
 
-# a tiny Qwen3-VL: text 3 layers of 8 heads of 32 (interleaved M-RoPE sections 6/5/5 of its 16
-# frequencies); vision 3 layers of 8 heads of 8 (split over T3K's 8 columns), 4-pixel patches merged
-# 2x2, a learned 4x4 position embedding resampled to each grid, DeepStack after vision layers 0 and 2
-# (added after text layers 0 and 1); images up to 64x64 pixels = 256 patches, two per prompt in a
-# bucket of 512 patches
-TINY_Q3VL = """\
-name: tiny-qwen3-vl
-model:
-  family: qwen3_vl
-  vocab_size: 512
-  hidden_size: 256
-  intermediate_size: 512
-  num_hidden_layers: 3
-  num_attention_heads: 8
-  num_key_value_heads: 2
-  max_position_embeddings: 1024
-  rope_theta: 10000.0
-  mrope_section: [6, 5, 5]
-  vision:
-    depth: 3
-    hidden_size: 64
-    intermediate_size: 96
-    num_heads: 8
-    patch_size: 4
-    temporal_patch_size: 2
-    spatial_merge_size: 2
-    num_position_embeddings: 16
-    deepstack_visual_indexes: [0, 2]
-    out_hidden_size: 256
-    image_token_id: 500
-    video_token_id: 501
-    vision_start_token_id: 502
-    vision_end_token_id: 503
-targets: [N150, N300, T3K]
-buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}
-runtime: {max_model_len: 512, max_num_seqs: 8}
-vision: {images_per_prompt: 2, min_pixels: 256, max_pixels: 4096, buckets: [256, 512]}
-"""
 
-# a tiny Mistral 3: Mistral text 3 layers of 8 heads of 32 (2 KV heads); a Pixtral encoder of 3
-# layers of 8 heads of 8 (split over T3K's 8 columns), 4-pixel patches merged 2x2; images up to 64
-# pixels on the longer side = 8 x 8 merge blocks = 256 patches, two per prompt in a bucket of 512
-TINY_MISTRAL3 = """\
-name: tiny-mistral3
-model:
-  family: mistral3
-  vocab_size: 512
-  hidden_size: 256
-  intermediate_size: 512
-  num_hidden_layers: 3
-  num_attention_heads: 8
-  num_key_value_heads: 2
-  max_position_embeddings: 1024
-  rms_norm_eps: 1.0e-5
-  rope_theta: 1000000.0
-  vision:
-    hidden_size: 64
-    intermediate_size: 96
-    num_hidden_layers: 3
-    num_attention_heads: 8
-    image_size: 64
-    patch_size: 4
-    hidden_act: silu
-    spatial_merge_size: 2
-    image_token_index: 500
-    image_break_token_index: 501
-    image_end_token_index: 502
-targets: [N150, N300, T3K]
-buckets: {prefill: [64, 128], decode: [1, 8, 32], prefill_chunk: 128}
-runtime: {max_model_len: 512, max_num_seqs: 8}
-vision: {images_per_prompt: 2, longest_edge: 64, buckets: [256, 512]}
-"""
+def _qwen_vision(own: str) -> str:
+    return ("    depth: 3\n    hidden_size: 64\n    intermediate_size: 96\n    num_heads: 8\n    patch_size: 4\n"
+            "    temporal_patch_size: 2\n    spatial_merge_size: 2\n" + own + "    out_hidden_size: 256\n"
+            "    image_token_id: 500\n    video_token_id: 501\n    vision_start_token_id: 502\n"
+            "    vision_end_token_id: 503\n")
+
+
+_QWEN_IMAGES = "vision: {images_per_prompt: 2, min_pixels: 256, max_pixels: 4096, buckets: [256, 512]}\n"
+
+# a tiny Qwen2.5-VL: text 2 layers (M-RoPE sections 4/6/6 of its 16 frequencies); vision windows of
+# 16 pixels (2x2 blocks), full attention at layer 1
+TINY_QVL = _tiny_vl("tiny-qwen25-vl", "qwen2_5_vl", 2, "  rope_theta: 10000.0\n  mrope_section: [4, 6, 6]\n",
+                    _qwen_vision("    window_size: 16\n    fullatt_block_indexes: [1]\n"), _QWEN_IMAGES)
+
+# a tiny Qwen3-VL: text 3 layers (interleaved M-RoPE sections 6/5/5 of its 16 frequencies); vision
+# a learned 4x4 position embedding resampled to each grid, DeepStack after vision layers 0 and 2
+# (added after text layers 0 and 1)
+TINY_Q3VL = _tiny_vl("tiny-qwen3-vl", "qwen3_vl", 3, "  rope_theta: 10000.0\n  mrope_section: [6, 5, 5]\n",
+                     _qwen_vision("    num_position_embeddings: 16\n    deepstack_visual_indexes: [0, 2]\n"),
+                     _QWEN_IMAGES)
+
+# a tiny Mistral 3: Mistral text 3 layers; a Pixtral encoder of 3 layers of 8 heads of 8 (split over
+# T3K's 8 columns; Pixtral's own keys), 4-pixel patches merged 2x2; images up to 64 pixels on the
+# longer side = 8 x 8 merge blocks = 256 patches, two per prompt in a bucket of 512
+TINY_MISTRAL3 = _tiny_vl(
+    "tiny-mistral3", "mistral3", 3, "  rms_norm_eps: 1.0e-5\n  rope_theta: 1000000.0\n",
+    "    hidden_size: 64\n    intermediate_size: 96\n    num_hidden_layers: 3\n    num_attention_heads: 8\n"
+    "    image_size: 64\n    patch_size: 4\n    hidden_act: silu\n    spatial_merge_size: 2\n"
+    "    image_token_index: 500\n    image_break_token_index: 501\n    image_end_token_index: 502\n",
+    "vision: {images_per_prompt: 2, longest_edge: 64, buckets: [256, 512]}\n")

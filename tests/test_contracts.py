@@ -101,6 +101,12 @@ ONE_OWNER = {
     r"of DRAM used\)|of DRAM\), ": "ttbundle/plan/memory.py",
     # an even split (ttnn's mesh_partition / ShardTensor2dMesh): the part a device holds
     r"^def even_(part|slice)\(|np\.split\(|\]\s*//=\s*self\.mesh\.axis_size|size % n or": "ttbundle/layout.py",
+    # the model's sizes an executor reads (recorded by lower, read back from the program)
+    r"^class Dims\b": "ttbundle/traits.py",
+    # a patch-grid encoder's weight dims and its HF vision config (the 2-D axial rope)
+    r"^def encoder_dims\(|\"rope_type\": \"axial\"": "ttbundle/families/patch_grid.py",
+    # the Qwen vision configs' shared settings and head-width rule
+    r"^class QwenVisionBase\b|is not divisible by num_heads": "ttbundle/families/qwen2_5_vl_vision.py",
 }
 
 # rules with one owner that a module still writes again, not yet moved (docs/architecture.md,

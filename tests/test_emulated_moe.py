@@ -248,7 +248,6 @@ def test_mla_absorbed_decode_equals_expanded_prefill():
     D, H, r, nope, rope, vd, S = 2, 3, 8, 6, 4, 5, 7
     traits = {"mla": {"kv_lora_rank": r, "qk_nope_head_dim": nope, "qk_rope_head_dim": rope,
                       "v_head_dim": vd, "rope_interleave": True}}
-    arch = type("A", (), {"rope_theta": 10000.0, "rope_scaling": None})()
     w = {"wkv_b": torch.randn(D, r, H * (nope + vd), dtype=torch.float64)}
     cache = torch.zeros(D, 1, 16, r + rope, dtype=torch.float64)  # [D, heads, slots, dim]
     kvn = torch.randn(D, S, r + rope, dtype=torch.float64)
@@ -256,7 +255,7 @@ def test_mla_absorbed_decode_equals_expanded_prefill():
 
     def ctx(pos):
         pos = torch.as_tensor(pos)
-        return Ctx(arch, traits, [{}], lambda n, layer: w.get(n), pos, torch.ones_like(pos, dtype=torch.bool),
+        return Ctx(None, traits, [{"rope_theta": 10000.0}], lambda n, layer: w.get(n), pos, torch.ones_like(pos, dtype=torch.bool),
                    pos.reshape(-1), torch.arange(int(pos.max()) + 1)[None], [{"kv_latent": cache}], torch.float64)
 
     full = moe_kernels.mla_attention(ctx(torch.arange(S)[None]), 0, q, kvn)  # prefill of S tokens

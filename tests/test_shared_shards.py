@@ -222,7 +222,7 @@ def test_a_format_1_package_still_loads_with_the_same_numbers(packages, tmp_path
         meta["format"] = "ttbundle.weights/1"
         save_file(tensors, str(f), metadata={"ttbundle": json.dumps(meta, sort_keys=True)})
         rehash(pkg, f"weights/{f.name}")
-    # (the manifest stays ttbundle.package/3: older manifests are refused, their programs lack traits)
+    # (the manifest stays ttbundle.package/4: older manifests are refused, their programs lack traits and dims)
     old, new = load_package(pkg, verify=True), load_package(pkgs["T3K"])
     norm = old.weights.stack("attn_norm", 0)
     assert len({norm[d].data_ptr() for d in range(8)}) == 8  # one copy per device file

@@ -28,7 +28,7 @@ from .plan.memory import ACT_BYTES, TRACE_BYTES_PER_OP
 from .program import FORMAT, Activation, LayerProgram, Op, Program, Step, WeightRef
 from .speculative import rows_per_seq, verify_buckets, verify_rows
 from .tiles import TILE, round_up as _round_up
-from .traits import model_traits
+from .traits import Dims, model_traits
 
 PHASES = ("prefill", "decode", "verify", "vision")
 
@@ -140,7 +140,8 @@ def lower(bundle, plan: Plan, phase: str, bucket: int) -> Program:
         kv_cache={"dtype": plan.kv["dtype"], "num_blocks": plan.kv["num_blocks"],
                   "block_size": plan.kv["block_size"], "entries": [dict(e) for e in plan.kv["entries"]]},
         totals=tot, memory=mem, layers=tuple(layers), weights=weights,
-        policy=Policy.of(policy).to_json(), traits=traits, layer_traits=layer_traits)
+        policy=Policy.of(policy).to_json(), traits=traits, layer_traits=layer_traits,
+        dims=Dims.of_arch(a, rt.max_model_len))
 
 
 def _op_step(op, specs: dict, dims: dict, decls: dict, tplan: dict, act, lead: int, context: int) -> Step:

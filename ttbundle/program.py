@@ -20,10 +20,11 @@ import json
 from dataclasses import dataclass, field
 
 from .families.base import Dim
-from .traits import LayerTraits, Traits, TraitsError
+from .traits import Dims, LayerTraits, Traits, TraitsError
 
-# /3: the family's traits recorded (``traits``, ``layer_traits``); /2 programs are refused
-FORMAT = "ttbundle.program/3"
+# /3: the family's traits recorded (``traits``, ``layer_traits``); /4: the model's dims and
+# max_model_len (``dims``), so executors read no bundle.yaml arch; older programs are refused
+FORMAT = "ttbundle.program/4"
 
 
 class ProgramError(ValueError):
@@ -123,6 +124,9 @@ class Program:
     #: the numerics beyond shapes (``ttbundle.traits``): the model's, and each decoder layer's
     traits: Traits = field(default_factory=Traits)
     layer_traits: tuple[LayerTraits, ...] = ()
+    #: the model's sizes beyond the steps' shapes (``traits.Dims``: hidden, vocab, layers, KV
+    #: heads and head width, RMSNorm eps, max_model_len)
+    dims: Dims | None = None
 
     @property
     def name(self) -> str:
@@ -147,6 +151,7 @@ class Program:
             "kv_cache": self.kv_cache, "totals": self.totals, "memory": self.memory,
             "policy": self.policy,
             "traits": self.traits.to_json(), "layer_traits": [lt.to_json() for lt in self.layer_traits],
+            "dims": None if self.dims is None else self.dims.to_json(),
             "weights": {n: {"spec": [list(e) for e in w.spec], "device_shape": list(w.device_shape),
                             "dtype": w.dtype, "layers": None if w.layers is None else list(w.layers)}
                         for n, w in sorted(self.weights.items())},
@@ -170,7 +175,8 @@ class Program:
             return cls(d["bundle"], d["family"], d["mesh"], d["phase"], int(d["bucket"]), int(d["rows"]),
                        int(d["context"]), bool(d["traced"]), int(d["trace_region_bytes"]), d["kv_cache"],
                        d["totals"], d["memory"], layers, weights, d.get("policy", {}),
-                       Traits.of(d["traits"], "traits"), _layer_traits(d["layer_traits"]))
+                       Traits.of(d["traits"], "traits"), _layer_traits(d["layer_traits"]),
+                       Dims.of(d["dims"], "dims"))
         except (ProgramError, TraitsError) as e:
             raise ProgramError(f"{where}: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
@@ -264,6 +270,9 @@ def _verify_traits(program: "Program", name: str) -> None:
         decoder = sum(lp.count for lp in program.layers if lp.kind not in ("embedding", "head"))
         if len(program.layer_traits) != decoder:
             raise ProgramError(f"{name}: records traits for {len(program.layer_traits)} decoder layers, but its "
+                               f"layer programs run {decoder}")
+        if program.dims is not None and program.dims.num_hidden_layers != decoder:
+            raise ProgramError(f"{name}: its dims say {program.dims.num_hidden_layers} decoder layers, but its "
                                f"layer programs run {decoder}")
     for kind, i, st in program.steps():
         how = program.traits.norms.get(st.w) if st.op is Op.RMS_NORM else None

@@ -247,10 +247,38 @@ class LayerTraits(_Record):
         return cls.of(d, f"{family.name} layer {layer} traits")
 
 
+@dataclass(frozen=True, eq=True)
+class Dims(_Record):
+    """The model's sizes an executor needs beyond each step's shapes: the residual width (a
+    whole ``h``), the vocabulary (logits), the decoder layers and their KV heads and head width
+    (the KV cache, a layer's attention), the RMSNorm eps a norm falls back to, and the longest
+    context the package serves (``runtime.max_model_len``: rope tables, page tables, vLLM's
+    cap). ``lower`` records them from the arch and the spec; nothing after it reads those."""
+
+    hidden_size: int
+    vocab_size: int
+    num_hidden_layers: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_model_len: int
+
+    @classmethod
+    def _convert(cls, key, v, where):
+        return _number(v, where, float if key == "rms_norm_eps" else int)
+
+    @classmethod
+    def of_arch(cls, arch, max_model_len: int) -> "Dims":
+        """The dims of ``arch`` (``families.base.ArchBase``) serving up to ``max_model_len``."""
+        return cls(hidden_size=arch.hidden_size, vocab_size=arch.vocab_size,
+                   num_hidden_layers=arch.num_hidden_layers, num_kv_heads=arch.kv_heads, head_dim=arch.hd,
+                   rms_norm_eps=float(arch.rms_norm_eps), max_model_len=int(max_model_len))
+
+
 def model_traits(family, arch) -> tuple[Traits, tuple[LayerTraits, ...]]:
     """What ``lower`` records in a program: the model's traits and each decoder layer's."""
     return (Traits.of_family(family, arch),
             tuple(LayerTraits.of_family(family, arch, i) for i in range(arch.num_hidden_layers)))
 
 
-__all__ = ["Act", "LayerTraits", "MLATraits", "MoETraits", "NormTraits", "Traits", "TraitsError", "model_traits"]
+__all__ = ["Act", "Dims", "LayerTraits", "MLATraits", "MoETraits", "NormTraits", "Traits", "TraitsError", "model_traits"]

@@ -297,3 +297,60 @@ def image_message(text: str, *images) -> list:
     """A user chat message: the images (as data URLs), then the text."""
     parts = [{"type": "image_url", "image_url": {"url": data_url(im)}} for im in images]
     return [{"role": "user", "content": parts + [{"type": "text", "text": text}]}]
+
+
+def run_engine(pkg, speculative_config, requests, **kw):
+    """One in-process vLLM engine on ``pkg`` (with ``speculative_config``, or None): each
+    (prompts, params) batch generated in turn (``params`` one SamplingParams dict, or one per
+    prompt); returns (token lists per batch, the spec_decode metrics, the runner's step log, the
+    runner). The n-gram and draft tests' engine."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(model=str(pkg), dtype="float32", seed=0, disable_log_stats=False,
+              speculative_config=speculative_config, **kw)
+    try:
+        core = llm.llm_engine.engine_core.engine_core
+        runner = core.model_executor.driver_worker.worker.model_runner
+        outs = []
+        for prompts, params in requests:
+            ps = params if isinstance(params, list) else [params] * len(prompts)
+            res = llm.generate(prompts, [SamplingParams(**p) for p in ps], use_tqdm=False)
+            outs.append([list(o.outputs[0].token_ids) for o in res])
+        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name}
+        return outs, metrics, list(runner.step_log), runner
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+
+
+def greedy(n: int) -> dict:
+    """SamplingParams of ``n`` greedy tokens, EOS ignored."""
+    return dict(max_tokens=n, temperature=0, ignore_eos=True)
+
+
+def processor_model_dir(bundle, d: Path) -> Path:
+    """What a package carries for vLLM's multimodal processor, in ``d``: the checkpoint's
+    config.json with the TT architecture, the demo tokenizer and the package's processor files
+    (``vision.package_files``)."""
+    from ttbundle import vision
+    from ttbundle.serving.demo import make_source
+
+    d = make_source(bundle, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["architectures"] = ["TT" + a for a in cfg["architectures"]]
+    (d / "config.json").write_text(json.dumps(cfg))
+    for name, data in vision.package_files(bundle).items():
+        (d / name).write_bytes(data)
+    return d
+
+
+def vllm_processor(model_dir: Path, hf_arch: str, limits: dict):
+    """vLLM's own multimodal processor for ``model_dir`` through ttbundle's ``TT`` + ``hf_arch``
+    registration (``limit_mm_per_prompt=limits``, max_model_len 512)."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    from ttbundle.runtime.registry import register_arch
+    register_arch(hf_arch)
+    mc = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="float32", max_model_len=512,
+                     limit_mm_per_prompt=limits)
+    return MULTIMODAL_REGISTRY.create_processor(mc)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import yaml
 
-from runtime_helpers import hf_greedy, spec_text
+from runtime_helpers import greedy, hf_greedy, run_engine, spec_text
 from test_runtime_speculative import OTHERS, PATTERN, REPETITIVE, _contingency_pvalue
 
 K = 3
@@ -87,33 +87,14 @@ def _config(pkg):
 
 
 def _run(pkg, speculative: bool, requests, **kw):
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(pkg), dtype="float32", seed=0, disable_log_stats=False,
-              speculative_config=_config(pkg) if speculative else None, **kw)
-    try:
-        core = llm.llm_engine.engine_core.engine_core
-        runner = core.model_executor.driver_worker.worker.model_runner
-        outs = []
-        for prompts, params in requests:
-            ps = params if isinstance(params, list) else [params] * len(prompts)
-            res = llm.generate(prompts, [SamplingParams(**p) for p in ps], use_tqdm=False)
-            outs.append([list(o.outputs[0].token_ids) for o in res])
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name}
-        return outs, metrics, list(runner.step_log), runner
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-
-
-def _greedy(n):
-    return dict(max_tokens=n, temperature=0, ignore_eos=True)
+    return run_engine(pkg, _config(pkg) if speculative else None, requests, **kw)
 
 
 @pytest.mark.parametrize("kind, mesh", [("self", "N150"), ("noisy", "N150"), ("noisy", "T3K")])
 def test_greedy_draft_is_identical_without_speculation_and_to_transformers(draft_packages, kind, mesh):
     """On N150 and on T3K (the target and its draft sharded over the 8 chips)."""
     pkg, src = draft_packages(kind, mesh)
-    batches = [(PROMPTS, _greedy(40))]
+    batches = [(PROMPTS, greedy(40))]
     (spec_out,), metrics, steps, runner = _run(pkg, True, batches)
     (plain_out,), plain_metrics, plain_steps, _ = _run(pkg, False, batches)
     assert spec_out == plain_out
@@ -181,7 +162,7 @@ def test_lanes_draft_per_lane_identical_to_transformers(draft_packages):
     pkg, src = draft_packages("self", "T3K", lanes=True)
     prompts = PROMPTS + [{"prompt_token_ids": PATTERN[::-1] * 5}] + \
         [{"prompt_token_ids": [(3 * i + 11 * j) % 450 + 30 for i in range(24 + 5 * j)]} for j in range(6)]
-    (out,), metrics, steps, runner = _run(pkg, True, [(prompts, _greedy(24))], max_num_seqs=32)
+    (out,), metrics, steps, runner = _run(pkg, True, [(prompts, greedy(24))], max_num_seqs=32)
     assert runner.lanes is not None and runner.lane_plan.lanes == 8
     assert len(runner.proposer.kvs) == 8 and runner.proposer.kvs[0] is not runner.proposer.kvs[1]
     for p, toks in zip(prompts, out):

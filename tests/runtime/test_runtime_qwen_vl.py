@@ -7,16 +7,15 @@ and ``Qwen2_5_VLModel.get_rope_index``, vLLM's ``strip_covered_mm_data``, arithm
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from spec_helpers import TINY_QVL  # noqa: E402
+from runtime_helpers import processor_model_dir, random_image, vllm_processor  # noqa: E402
 
 IMAGE, START, END = 500, 502, 503  # TINY_QVL's image_token_id, vision_start / vision_end
 
@@ -43,36 +42,16 @@ def vision_cfg():
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """What a package carries for vLLM's processor: the checkpoint's config.json with the TT
-    architecture, the demo tokenizer and the package's processor files (``vision.package_files``)."""
-    from ttbundle import vision
-    from ttbundle.serving.demo import make_source
-
-    bundle = _bundle()
-    d = make_source(bundle, tmp_path_factory.mktemp("qwen-vl"))
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["architectures"] = ["TT" + a for a in cfg["architectures"]]
-    (d / "config.json").write_text(json.dumps(cfg))
-    for name, data in vision.package_files(bundle).items():
-        (d / name).write_bytes(data)
-    return d
+    return processor_model_dir(_bundle(), tmp_path_factory.mktemp("qwen-vl"))
 
 
 @pytest.fixture(scope="module")
 def processor(model_dir):
-    from vllm.config import ModelConfig
-    from vllm.multimodal import MULTIMODAL_REGISTRY
-
-    from ttbundle.runtime.registry import register_arch
-    register_arch("Qwen2_5_VLForConditionalGeneration")
-    mc = ModelConfig(model=str(model_dir), tokenizer=str(model_dir), dtype="float32", max_model_len=512,
-                     limit_mm_per_prompt={"image": 2, "video": 0})
-    return MULTIMODAL_REGISTRY.create_processor(mc)
+    return vllm_processor(model_dir, "Qwen2_5_VLForConditionalGeneration", {"image": 2, "video": 0})
 
 
 def image(h, w, seed=0):
-    from PIL import Image
-    return Image.fromarray((np.random.default_rng(seed).random((h, w, 3)) * 255).astype("uint8"))
+    return random_image(seed, h, w)
 
 
 IMG = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -95,7 +95,7 @@ def test_incompatible_or_foreign_packages_are_refused(repo, xdg):
     good, refused = registry.register_dir(repo)
     assert [(e.path.name, e.mesh) for e in good] == [("tiny-llama-old", "T3K")]
     why = dict((f"{p.parent.name}/{p.name}", w) for p, w in refused)
-    assert "manifest.json: not a ttbundle.package/3 manifest" in why["N150/tiny-llama"]
+    assert "manifest.json: not a ttbundle.package/4 manifest" in why["N150/tiny-llama"]
     assert "built by ttbundle 9.1.0, this is ttbundle 0.1.0" in why["T3K/tiny-llama"]
     assert "not a ttbundle package (no manifest.json)" in why["N150/tt-style"]
 

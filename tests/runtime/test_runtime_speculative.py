@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from runtime_helpers import hf_greedy, spec_text
+from runtime_helpers import greedy, hf_greedy, run_engine, spec_text
 
 K = 3
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -53,28 +53,7 @@ def _in_process(monkeypatch):
 
 
 def _run(pkg, speculative: bool, requests, **kw):
-    """One engine on ``pkg`` (with or without vLLM's --speculative-config): each (prompts,
-    params) batch generated in turn; returns (token lists per batch, spec metrics, step log)."""
-    from vllm import LLM, SamplingParams
-
-    llm = LLM(model=str(pkg), dtype="float32", seed=0, disable_log_stats=False,
-              speculative_config=dict(NGRAM) if speculative else None, **kw)
-    try:
-        core = llm.llm_engine.engine_core.engine_core
-        runner = core.model_executor.driver_worker.worker.model_runner
-        outs = []
-        for prompts, params in requests:
-            ps = params if isinstance(params, list) else [params] * len(prompts)
-            res = llm.generate(prompts, [SamplingParams(**p) for p in ps], use_tqdm=False)
-            outs.append([list(o.outputs[0].token_ids) for o in res])
-        metrics = {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name}
-        return outs, metrics, list(runner.step_log), runner
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-
-
-def _greedy(n):
-    return dict(max_tokens=n, temperature=0, ignore_eos=True)
+    return run_engine(pkg, dict(NGRAM) if speculative else None, requests, **kw)
 
 
 def _check_verify_steps(steps, buckets):
@@ -96,7 +75,7 @@ def test_greedy_ngram_is_identical_without_speculation_and_to_transformers(ngram
     prompts = [REPETITIVE] + OTHERS
     # then a request that samples on the host (logprobs) beside one that proposes: their batch
     # runs the plain decode program (host fallback), the proposals all rejected
-    batches = [(prompts, _greedy(48)), ([REPETITIVE, OTHERS[0]], [dict(_greedy(24), logprobs=1), _greedy(24)])]
+    batches = [(prompts, greedy(48)), ([REPETITIVE, OTHERS[0]], [dict(greedy(24), logprobs=1), greedy(24)])]
     (spec_out, spec_host), metrics, steps, runner = _run(pkg, True, batches)
     (plain_out, plain_host), plain_metrics, plain_steps, _ = _run(pkg, False, batches)
     assert spec_out == plain_out and spec_host == plain_host
@@ -165,7 +144,7 @@ def test_lanes_verify_per_lane_identical_to_transformers(packages_dir):
     pkg = build_package(ngram_spec("tiny-llama-ngram-r1x1", (1, 1), 4), packages_dir, "T3K")
     src = packages_dir / "src-tiny-llama-ngram-r1x1"
     prompts = [REPETITIVE] + OTHERS + [{"prompt_token_ids": PATTERN[::-1] * 5}]
-    (out,), metrics, steps, runner = _run(pkg, True, [(prompts, _greedy(32))], max_num_seqs=32)
+    (out,), metrics, steps, runner = _run(pkg, True, [(prompts, greedy(32))], max_num_seqs=32)
     assert runner.lanes is not None and runner.lane_plan.lanes == 8
     for p, toks in zip(prompts, out):
         assert toks == hf_greedy(src, p["prompt_token_ids"], 32)

@@ -317,7 +317,7 @@ def test_model_capabilities_follow_the_spec():
 
     doc = yaml.safe_load(spec_text("llama"))
     b = specmod.loads(yaml.safe_dump(doc), "spec.yaml")
-    dev, emu = model_capabilities(b, device=True), model_capabilities(b, device=False)
+    dev, emu = model_capabilities(b, device=True), model_capabilities(b, device=False, vocab_size=512)
     assert TOPK == 32 and dev["max_device_top_k"] == 32 and emu["max_device_top_k"] == 512
     assert device_top_k(dev, 512) == 32 and device_top_k(emu, 512) is None
     assert (dev["supports_prefix_caching"], emu["supports_prefix_caching"]) == (False, True)

@@ -35,7 +35,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from . import qwen2_5_vl_vision as q25
+from . import patch_grid, qwen2_5_vl_vision as q25
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
 from .vision_part import PLAIN, ImageLayout, VisionPart, blocks_of
 
@@ -164,20 +164,12 @@ def from_hf(config: dict) -> dict | None:
 
 def to_hf(v: PixtralVision) -> tuple[dict, dict]:
     """(HF vision_config, wrapper keys) for the reference model."""
-    vc = {k: getattr(v, k) for k in HF_VISION_KEYS}
-    vc["model_type"] = "pixtral"
-    vc["rope_parameters"] = {"rope_type": "axial", "rope_theta": v.rope_theta}
-    return vc, {k: getattr(v, k) for k in HF_WRAPPER_KEYS}
+    return patch_grid.hf_vision_config(v, HF_VISION_KEYS, HF_WRAPPER_KEYS, "pixtral")
 
 
 # ---- declarations -------------------------------------------------------------------------------
 def dims(v: PixtralVision, text_hidden: int) -> dict[str, Dim]:
-    return {"hid": Dim("vision.hidden_size", v.hidden_size),
-            "heads": Dim("vision.num_attention_heads", v.num_attention_heads, v.head_dim),
-            "inter": Dim("vision.intermediate_size", v.intermediate_size),
-            "pix": Dim("vision.patch_pixels", v.patch_pixels),
-            "merge": Dim("vision.merge_hidden", v.merge_unit * v.hidden_size),
-            "text": Dim("hidden_size", text_hidden)}
+    return patch_grid.encoder_dims(v, text_hidden, heads="num_attention_heads", text="hidden_size")
 
 
 def tensors(v: PixtralVision, text_hidden: int) -> list[TensorDecl]:

@@ -7,6 +7,27 @@ positions. One owner for these rules; the vision parts call them with their sett
 from __future__ import annotations
 
 
+def encoder_dims(v, text_hidden: int, heads: str = "num_heads", text: str = "vision.out_hidden_size") -> dict:
+    """The dims a patch-grid encoder's weights are declared in (``base.Dim``), each named by the
+    spec key that sets it: hidden, attention heads (``heads``: the family's key), MLP, a patch's
+    pixels, a merge block's features and a soft token's width (``text``)."""
+    from .base import Dim
+    return {"hid": Dim("vision.hidden_size", v.hidden_size),
+            "heads": Dim(f"vision.{heads}", getattr(v, heads), v.head_dim),
+            "inter": Dim("vision.intermediate_size", v.intermediate_size),
+            "pix": Dim("vision.patch_pixels", v.patch_pixels),
+            "merge": Dim("vision.merge_hidden", v.merge_unit * v.hidden_size),
+            "text": Dim(text, text_hidden)}
+
+
+def hf_vision_config(v, keys, wrapper_keys, model_type: str, **extra) -> tuple[dict, dict]:
+    """(HF vision_config, wrapper keys) of settings ``v`` for the reference model: ``keys`` and
+    ``extra`` in the vision config with its ``model_type`` and the 2-D (axial) rope's base."""
+    vc = {k: getattr(v, k) for k in keys}
+    vc.update(extra, model_type=model_type, rope_parameters={"rope_type": "axial", "rope_theta": v.rope_theta})
+    return vc, {k: getattr(v, k) for k in wrapper_keys}
+
+
 def max_patches(v, max_pixels: int) -> int:
     """Patches of the largest image the processor makes under ``max_pixels`` (its sides are
     multiples of ``factor`` pixels with area <= max_pixels), a multiple of the merge unit."""

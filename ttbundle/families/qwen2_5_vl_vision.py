@@ -33,7 +33,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
-from . import transforms
+from . import patch_grid, transforms
 from .patch_grid import max_patches, mrope_positions, patch_layout, rope_tables, soft_tokens  # noqa: F401 (q25.*)
 from .vision_part import ImageLayout, PromptPositions, VisionPart, blocks_of
 
@@ -59,39 +59,24 @@ CHAT_TEMPLATE = (
 NORM_EPS = 1e-6  # HF's vision RMSNorms (blocks and merger) use a fixed epsilon
 
 
-class Qwen25Vision(BaseModel):
-    """Qwen2.5-VL's vision transformer (HF ``vision_config``) and the wrapper's image tokens."""
+class QwenVisionBase(BaseModel):
+    """What Qwen2.5-VL's and Qwen3-VL's vision configs share, with the same HF keys and defaults:
+    the patch grid, a soft token's width, the 2-D rope's base and the wrapper's image tokens, and
+    the head-width rule. Each family's class adds its sizes (the same keys, other defaults: other
+    facts, so declared in each) and its own layers' settings."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
-    depth: int = Field(default=32, gt=0)
-    """Vision encoder layers."""
-    hidden_size: int = Field(default=1280, gt=0)
-    """Width of the vision transformer's residual stream."""
-    intermediate_size: int = Field(default=3420, gt=0)
-    """Width of the vision MLP's hidden layer (SiLU-gated)."""
-    num_heads: int = Field(default=16, gt=0)
-    """Vision attention heads (head width = hidden_size / num_heads)."""
     in_channels: int = Field(default=3, gt=0)
     """Color channels."""
-    patch_size: int = Field(default=14, gt=0)
-    """Pixels per side of one patch."""
     temporal_patch_size: int = Field(default=2, gt=0)
     """Frames per patch (an image is repeated to fill them)."""
     spatial_merge_size: int = Field(default=2, gt=0)
     """Patches per side of one merge block (one soft token)."""
-    window_size: int = Field(default=112, gt=0)
-    """Pixels per side of one attention window."""
-    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
-    """Layers attending over the whole image instead of a window."""
     out_hidden_size: int = Field(default=3584, gt=0)
     """Width of a soft token (the text model's hidden size)."""
-    hidden_act: Literal["silu"] = "silu"
-    """Vision MLP activation."""
     rope_theta: float = 10000.0
     """Rotary base of the 2-D vision rope."""
-    tokens_per_second: int = 2
-    """Videos only (not served): temporal position spacing."""
     image_token_id: int = Field(default=151655, ge=0)
     """Placeholder token (`<|image_pad|>`) the soft tokens replace."""
     video_token_id: int = Field(default=151656, ge=0)
@@ -115,22 +100,49 @@ class Qwen25Vision(BaseModel):
         return self.spatial_merge_size ** 2
 
     @property
-    def window_blocks(self) -> int:
-        """Merge blocks per side of one attention window."""
-        return self.window_size // self.spatial_merge_size // self.patch_size
-
-    @property
     def factor(self) -> int:
         """Image sides are resized to multiples of this many pixels."""
         return self.patch_size * self.spatial_merge_size
 
     def problems(self) -> list[tuple[str, str]]:
-        out = []
+        """(field, what is wrong) for settings the encoder cannot run."""
         if self.hidden_size % self.num_heads:
-            out.append(("num_heads", f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"))
-        elif self.head_dim % 4:
-            out.append(("num_heads", f"head width {self.head_dim} (hidden_size / num_heads) must be a multiple of "
-                        "4: the 2-D rope gives height and width a rotary half each"))
+            return [("num_heads", f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}")]
+        if self.head_dim % 4:
+            return [("num_heads", f"head width {self.head_dim} (hidden_size / num_heads) must be a multiple of "
+                     "4: the 2-D rope gives height and width a rotary half each")]
+        return []
+
+
+class Qwen25Vision(QwenVisionBase):
+    """Qwen2.5-VL's vision transformer (HF ``vision_config``) and the wrapper's image tokens."""
+
+    depth: int = Field(default=32, gt=0)
+    """Vision encoder layers."""
+    hidden_size: int = Field(default=1280, gt=0)
+    """Width of the vision transformer's residual stream."""
+    intermediate_size: int = Field(default=3420, gt=0)
+    """Width of the vision MLP's hidden layer (SiLU-gated)."""
+    num_heads: int = Field(default=16, gt=0)
+    """Vision attention heads (head width = hidden_size / num_heads)."""
+    patch_size: int = Field(default=14, gt=0)
+    """Pixels per side of one patch."""
+    window_size: int = Field(default=112, gt=0)
+    """Pixels per side of one attention window."""
+    fullatt_block_indexes: tuple[int, ...] = (7, 15, 23, 31)
+    """Layers attending over the whole image instead of a window."""
+    hidden_act: Literal["silu"] = "silu"
+    """Vision MLP activation."""
+    tokens_per_second: int = 2
+    """Videos only (not served): temporal position spacing."""
+
+    @property
+    def window_blocks(self) -> int:
+        """Merge blocks per side of one attention window."""
+        return self.window_size // self.spatial_merge_size // self.patch_size
+
+    def problems(self) -> list[tuple[str, str]]:
+        out = super().problems()
         if self.window_blocks < 1 or self.window_size % self.factor:
             out.append(("window_size", f"window_size={self.window_size} must be a positive multiple of "
                         f"patch_size x spatial_merge_size = {self.factor} pixels"))
@@ -169,21 +181,13 @@ def from_hf(config: dict) -> dict | None:
 
 def to_hf(v: Qwen25Vision) -> tuple[dict, dict]:
     """(HF vision_config, wrapper keys) for the reference model."""
-    vc = {k: getattr(v, k) for k in HF_VISION_KEYS}
-    vc["fullatt_block_indexes"] = list(v.fullatt_block_indexes)
-    vc["model_type"] = "qwen2_5_vl_vision"
-    vc["rope_parameters"] = {"rope_type": "axial", "rope_theta": v.rope_theta}
-    return vc, {k: getattr(v, k) for k in HF_WRAPPER_KEYS}
+    return patch_grid.hf_vision_config(v, HF_VISION_KEYS, HF_WRAPPER_KEYS, "qwen2_5_vl_vision",
+                                       fullatt_block_indexes=list(v.fullatt_block_indexes))
 
 
 # ---- declarations -------------------------------------------------------------------------------
 def dims(v: Qwen25Vision, text_hidden: int) -> dict[str, Dim]:
-    return {"hid": Dim("vision.hidden_size", v.hidden_size),
-            "heads": Dim("vision.num_heads", v.num_heads, v.head_dim),
-            "inter": Dim("vision.intermediate_size", v.intermediate_size),
-            "pix": Dim("vision.patch_pixels", v.patch_pixels),
-            "merge": Dim("vision.merge_hidden", v.merge_unit * v.hidden_size),
-            "text": Dim("vision.out_hidden_size", text_hidden)}
+    return patch_grid.encoder_dims(v, text_hidden)
 
 
 def tensors(v: Qwen25Vision, text_hidden: int) -> list[TensorDecl]:

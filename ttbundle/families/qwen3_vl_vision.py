@@ -30,9 +30,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from . import qwen2_5_vl_vision as q25
+from . import patch_grid, qwen2_5_vl_vision as q25
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl
 
 #: DeepStack mergers a vision config may have (each has its kernels: ``qwen3_deepstack{k}_*``)
@@ -42,10 +42,8 @@ NORM_EPS = 1e-6  # HF's vision LayerNorms (blocks and mergers) use a fixed epsil
 IMAGE_MEAN = IMAGE_STD = (0.5, 0.5, 0.5)
 
 
-class Qwen3Vision(BaseModel):
+class Qwen3Vision(q25.QwenVisionBase):
     """Qwen3-VL's vision transformer (HF ``vision_config``) and the wrapper's image tokens."""
-
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
     depth: int = Field(default=27, gt=0)
     """Vision encoder layers."""
@@ -55,50 +53,14 @@ class Qwen3Vision(BaseModel):
     """Width of the vision MLP's hidden layer."""
     num_heads: int = Field(default=16, gt=0)
     """Vision attention heads (head width = hidden_size / num_heads)."""
-    in_channels: int = Field(default=3, gt=0)
-    """Color channels."""
     patch_size: int = Field(default=16, gt=0)
     """Pixels per side of one patch."""
-    temporal_patch_size: int = Field(default=2, gt=0)
-    """Frames per patch (an image is repeated to fill them)."""
-    spatial_merge_size: int = Field(default=2, gt=0)
-    """Patches per side of one merge block (one soft token)."""
     num_position_embeddings: int = Field(default=2304, gt=0)
     """Rows of the learned position embedding (a square grid, resampled to each image)."""
     deepstack_visual_indexes: tuple[int, ...] = (8, 16, 24)
     """Vision layers whose merged features are added into the first text layers (DeepStack)."""
-    out_hidden_size: int = Field(default=3584, gt=0)
-    """Width of a soft token (the text model's hidden size)."""
     hidden_act: Literal["gelu_pytorch_tanh"] = "gelu_pytorch_tanh"
     """Vision MLP activation."""
-    rope_theta: float = 10000.0
-    """Rotary base of the 2-D vision rope."""
-    image_token_id: int = Field(default=151655, ge=0)
-    """Placeholder token (`<|image_pad|>`) the soft tokens replace."""
-    video_token_id: int = Field(default=151656, ge=0)
-    """Video placeholder token (videos are not served)."""
-    vision_start_token_id: int = Field(default=151652, ge=0)
-    """Token before an image's placeholders (`<|vision_start|>`)."""
-    vision_end_token_id: int = Field(default=151653, ge=0)
-    """Token after an image's placeholders (`<|vision_end|>`)."""
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_pixels(self) -> int:
-        return self.in_channels * self.temporal_patch_size * self.patch_size ** 2
-
-    @property
-    def merge_unit(self) -> int:
-        """Patches per soft token."""
-        return self.spatial_merge_size ** 2
-
-    @property
-    def factor(self) -> int:
-        """Image sides are resized to multiples of this many pixels."""
-        return self.patch_size * self.spatial_merge_size
 
     @property
     def pos_side(self) -> int:
@@ -110,12 +72,7 @@ class Qwen3Vision(BaseModel):
         return len(self.deepstack_visual_indexes)
 
     def problems(self) -> list[tuple[str, str]]:
-        out = []
-        if self.hidden_size % self.num_heads:
-            out.append(("num_heads", f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}"))
-        elif self.head_dim % 4:
-            out.append(("num_heads", f"head width {self.head_dim} (hidden_size / num_heads) must be a multiple of "
-                        "4: the 2-D rope gives height and width a rotary half each"))
+        out = super().problems()
         if self.pos_side ** 2 != self.num_position_embeddings:
             out.append(("num_position_embeddings", f"{self.num_position_embeddings} is not a square number (the "
                         "learned position embedding is a square grid)"))
@@ -153,22 +110,14 @@ def from_hf(config: dict) -> dict | None:
 
 def to_hf(v: Qwen3Vision) -> tuple[dict, dict]:
     """(HF vision_config, wrapper keys) for the reference model."""
-    vc = {k: getattr(v, k) for k in HF_VISION_KEYS}
-    vc["deepstack_visual_indexes"] = list(v.deepstack_visual_indexes)
-    vc["model_type"] = "qwen3_vl_vision"
-    vc["rope_parameters"] = {"rope_type": "axial", "rope_theta": v.rope_theta}
-    return vc, {k: getattr(v, k) for k in HF_WRAPPER_KEYS}
+    return patch_grid.hf_vision_config(v, HF_VISION_KEYS, HF_WRAPPER_KEYS, "qwen3_vl_vision",
+                                       deepstack_visual_indexes=list(v.deepstack_visual_indexes))
 
 
 # ---- declarations -------------------------------------------------------------------------------
 def dims(v: Qwen3Vision, text_hidden: int) -> dict[str, Dim]:
-    return {"hid": Dim("vision.hidden_size", v.hidden_size),
-            "heads": Dim("vision.num_heads", v.num_heads, v.head_dim),
-            "inter": Dim("vision.intermediate_size", v.intermediate_size),
-            "pix": Dim("vision.patch_pixels", v.patch_pixels),
-            "pos": Dim("vision.num_position_embeddings", v.num_position_embeddings),
-            "merge": Dim("vision.merge_hidden", v.merge_unit * v.hidden_size),
-            "text": Dim("vision.out_hidden_size", text_hidden)}
+    return {**patch_grid.encoder_dims(v, text_hidden),
+            "pos": Dim("vision.num_position_embeddings", v.num_position_embeddings)}
 
 
 def merger_names(k: int | None) -> tuple[str, str, str]:

@@ -48,6 +48,14 @@ class LoadedPackage:
             self._ir["_kv"] = json.loads(next(iter(recs)))
         return dict(self._ir["_kv"])
 
+    @property
+    def dims(self):
+        """The model's sizes (``traits.Dims``: hidden, vocab, layers, KV heads, head width, RMSNorm
+        eps, max_model_len), as the programs record them: one record, the same in every program
+        (checked at load against bundle.yaml). The runtime and both backends size things by
+        this, never by bundle.yaml's arch or ``runtime.max_model_len``."""
+        return self.program_ir(*min(self.programs)).dims
+
     def program(self, phase: str, bucket: int) -> dict:
         """The JSON form of the (phase, bucket) program (both backends run ``program_ir``)."""
         return self.program_ir(phase, bucket).to_json()
@@ -160,6 +168,7 @@ def _check_spec(loaded: LoadedPackage, refs: dict) -> None:
     programs and spec disagree would run one and describe the other."""
     from ..layout import axes_of
     from ..plan.sharding import resolved_plan, tensor_dtype
+    from ..traits import Dims
 
     pkg, bundle, mesh = loaded.dir, loaded.bundle, loaded.mesh
     first = min(loaded.programs)
@@ -195,6 +204,13 @@ def _check_spec(loaded: LoadedPackage, refs: dict) -> None:
             path = ("weights", "dtypes", "tensors", n)
             raise PackageError(f"{where}: weight {n} is {ref.dtype}, bundle.yaml says {dt} ({at(path)}): the "
                                "programs and the spec disagree; rebuild the package from its spec")
+    want_dims = Dims.of_arch(bundle.arch, bundle.spec.runtime.max_model_len)
+    for key in sorted(loaded.programs):
+        got = loaded.program_ir(*key).dims
+        if got != want_dims:
+            bad = [f"{k} {got.get(k)} (bundle.yaml: {want_dims.get(k)})" for k in want_dims if got.get(k) != want_dims.get(k)]
+            raise PackageError(f"{pkg}: {loaded.programs[key]}: the program's dims disagree with bundle.yaml: "
+                               f"{', '.join(bad)}: the programs are what runs; rebuild the package from its spec")
     kv, rt = loaded.kv_cache, bundle.spec.runtime
     for what, field_, got, want in (("dtype", "kv_cache_dtype", kv.get("dtype"), rt.kv_cache_dtype),
                                     ("block size", "kv_block_size", kv.get("block_size"), rt.kv_block_size)):

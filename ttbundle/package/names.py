@@ -13,8 +13,9 @@ from pathlib import Path
 from ..errors import InvalidInput, TTBundleError
 
 # /2: a shard several devices hold is stored once (weights ``stored_in``); /3: the programs
-# record the family's traits (``ttbundle.program/3``), so older packages are refused: rebuild them
-FORMAT = "ttbundle.package/3"
+# record the family's traits (``ttbundle.program/3``); /4: and the model's dims and max_model_len
+# (``ttbundle.program/4``), so older packages are refused: rebuild them
+FORMAT = "ttbundle.package/4"
 FORMATS = (FORMAT,)
 WEIGHTS_FORMAT = "ttbundle.weights/2"
 WEIGHTS_FORMATS = ("ttbundle.weights/1", WEIGHTS_FORMAT)

@@ -88,12 +88,12 @@ class BundleModel(MeshModel):
         self.model = model
         b = bundle.buckets
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
-        self.vocab_size = bundle.arch.vocab_size
+        self.vocab_size = model.dims.vocab_size
         self.trace_mode = trace_mode
         self.warmed: set[tuple[str, int]] = set()
         self.sealed = False  # after warm-up: only warmed shapes may run
         self.programs_run: dict[tuple[str, int], int] = {}
-        self.model_capabilities = model_capabilities(bundle, device=False)
+        self.model_capabilities = model_capabilities(bundle, device=False, vocab_size=model.dims.vocab_size)
 
     # -- Tenstorrent's constructor -------------------------------------------------------------
     @classmethod
@@ -134,12 +134,11 @@ class BundleModel(MeshModel):
         if isinstance(mesh_device, meshmod.Mesh) and tuple(mesh_device.shape) != tuple(pkg.loaded.mesh.shape):
             raise ValueError(f"{pkg.name}: built for {pkg.loaded.mesh.describe()}, handed a "
                              f"{mesh_device.describe()} mesh")
-        rt = pkg.bundle.spec.runtime
         decode = pkg.bundle.buckets.decode  # none for task: embed (prefill only)
-        if (decode and max_batch_size > max(decode)) or max_seq_len > rt.max_model_len:
+        if (decode and max_batch_size > max(decode)) or max_seq_len > pkg.dims.max_model_len:
             raise ValueError(f"{pkg.name}: max_batch_size={max_batch_size} / max_seq_len={max_seq_len} "
                              f"exceed the package's decode buckets {pkg.bundle.buckets.decode} / "
-                             f"max_model_len={rt.max_model_len}")
+                             f"max_model_len={pkg.dims.max_model_len}")
         # every lane runs the same programs on the same (read-only) weight shards: the lanes'
         # own state is their KV cache region (``allocate_kv_cache`` once per lane)
         model = cls(pkg.bundle, pkg.emulated_model(dtype), trace_mode=trace_mode)

@@ -34,9 +34,10 @@ def packed_prefill(device: bool) -> bool:
     return not device
 
 
-def model_capabilities(bundle, device: bool = True) -> dict:
+def model_capabilities(bundle, device: bool = True, vocab_size: int | None = None) -> dict:
     """The capabilities of ``bundle``'s model on a Tenstorrent device (``device``: the ttnn
-    lowering's programs) or on the emulated mesh.
+    lowering's programs) or on the emulated mesh. ``vocab_size``: the package's
+    (``Package.dims``, as its programs record it; None: no bound on the emulated mesh).
 
     * sampling on device unless the spec's ``runtime.sample_on_device_mode`` is ``off``; the
       device draws from the top ``max_device_top_k`` candidates (``ttnn.sampling`` in the
@@ -57,7 +58,7 @@ def model_capabilities(bundle, device: bool = True) -> dict:
     speculates = spec is not None and (not device or spec["method"] == "ngram")
     return {
         "supports_sample_on_device": rt.sample_on_device_mode != "off",
-        "max_device_top_k": TOPK if device else bundle.arch.vocab_size,
+        "max_device_top_k": TOPK if device else vocab_size,
         "supports_device_penalties": False,
         "supports_device_grammar": False,
         "supports_prefix_caching": not device,

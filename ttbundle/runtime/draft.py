@@ -63,14 +63,14 @@ class DraftProposer:
         self.model = cls.initialize_vllm_model(None, self.package.loaded.mesh, max(draft.buckets.decode),
                                                max_model_len, 1, None, package=self.package, dtype=dtype,
                                                trace_mode="none")
-        a = draft.arch
-        self.block_size = draft.spec.runtime.kv_block_size
+        a = self.package.dims  # the draft's programs' sizes
+        self.block_size = int(self.package.loaded.kv_cache["block_size"])  # the draft programs' KV layout
         self.blocks_per_seq = blocks_per_seq(max_model_len, self.block_size)
         self.num_slots = rt.max_num_seqs
         blocks = draft_kv_blocks(package.bundle, draft)
         # one KV region per lane (``runtime.lanes``: each lane is a replica of its own, the draft
         # beside the target on its submesh): a request's draft KV lives in its lane's
-        self.kvs = [self.model.allocate_kv_cache((blocks, a.kv_heads, self.block_size, a.hd), dtype,
+        self.kvs = [self.model.allocate_kv_cache((blocks, a.num_kv_heads, self.block_size, a.head_dim), dtype,
                                                  a.num_hidden_layers) for _ in range(lanes)]
         bk = draft.buckets
         self.prefill_buckets, self.decode_buckets = list(bk.prefill), list(bk.decode)

@@ -87,7 +87,8 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         self.block_size = vllm_config.cache_config.block_size
         self.max_model_len = mc.max_model_len
         self.max_blocks = blocks_per_seq(self.max_model_len, self.block_size)
-        self.vocab_size = self.bundle.arch.vocab_size
+        self.dims = package.dims  # the programs' sizes (KV spec, logits), not bundle.yaml's arch
+        self.vocab_size = self.dims.vocab_size
         b = self.bundle.buckets
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
         self.chunk = b.prefill_chunk or max(b.prefill)
@@ -151,28 +152,28 @@ class TTModelRunner(AsyncDecode, LaneDecode):
     def kv_cache_spec(self) -> dict:
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
-        a = self.bundle.arch
-        spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=a.kv_heads,
-                                 head_size=a.hd, dtype=self.dtype)
+        a = self.dims
+        spec = FullAttentionSpec(block_size=self.block_size, num_kv_heads=a.num_kv_heads,
+                                 head_size=a.head_dim, dtype=self.dtype)
         return {f"model.layers.{i}.self_attn.attn": spec for i in range(a.num_hidden_layers)}
 
     def kv_bytes_per_block(self) -> int:
         return sum(s.page_size_bytes for s in self.kv_cache_spec().values())
 
     def initialize_kv_cache(self, num_blocks: int):
-        a = self.bundle.arch
+        a = self.dims
         lp = self.lane_plan
         if lp.lanes > 1:  # one region per lane: vLLM's pool is lanes x the per-lane formula
             from .lanes import Lanes
             per = num_blocks // lp.lanes
-            kvs = [self.mesh_model.allocate_kv_cache((per, a.kv_heads, self.block_size, a.hd),
+            kvs = [self.mesh_model.allocate_kv_cache((per, a.num_kv_heads, self.block_size, a.head_dim),
                                                      self.dtype, a.num_hidden_layers) for _ in range(lp.lanes)]
             self.lanes = Lanes(lp.first_replica, kvs, per)
             self.kv = kvs[0]  # warm-up runs the (shared) programs once
             logger.info("ttbundle: %s; KV cache of %d blocks x %d tokens per lane", lp.describe(), per,
                         self.block_size)
             return
-        self.kv = self.mesh_model.allocate_kv_cache((num_blocks, a.kv_heads, self.block_size, a.hd),
+        self.kv = self.mesh_model.allocate_kv_cache((num_blocks, a.num_kv_heads, self.block_size, a.head_dim),
                                                     self.dtype, a.num_hidden_layers)
         logger.info("ttbundle: KV cache of %d blocks x %d tokens", num_blocks, self.block_size)
 

@@ -50,6 +50,13 @@ class Package:
         return self.manifest.get("key_fields", {}).get("backend") == "ttnn"
 
     @property
+    def dims(self):
+        """The model's sizes as its programs record them (``traits.Dims``: hidden, vocab, layers,
+        KV heads, head width, RMSNorm eps, max_model_len; ``LoadedPackage.dims``): what the
+        runtime sizes vLLM's KV spec, logits and context cap by, never bundle.yaml's arch."""
+        return self.loaded.dims
+
+    @property
     def kv_blocks(self) -> int:
         """KV blocks the package's programs were built for (its plan's pool, recorded in every
         program): what the worker asks vLLM for and a device allocates; nothing re-plans."""

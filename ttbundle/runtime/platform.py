@@ -156,10 +156,10 @@ def configure(vllm_config, emulated: bool) -> None:
               "(token-identical to transformers on the emulated mesh) or bfloat16")
 
     rt, bk = pkg.bundle.spec.runtime, pkg.bundle.buckets
-    if mc.max_model_len > rt.max_model_len:
-        logger.warning("ttbundle: max_model_len %d capped to the package's %d", mc.max_model_len,
-                       rt.max_model_len)
-        mc.max_model_len = rt.max_model_len
+    longest = pkg.dims.max_model_len  # the programs' (their rope tables and page tables)
+    if mc.max_model_len > longest:
+        logger.warning("ttbundle: max_model_len %d capped to the package's %d", mc.max_model_len, longest)
+        mc.max_model_len = longest
     if sc.max_num_seqs > lanes.engine_seqs:
         logger.warning("ttbundle: max_num_seqs %d capped to the package's %d%s", sc.max_num_seqs,
                        lanes.engine_seqs, f" ({lanes.lanes} lanes x {rt.max_num_seqs})" if lanes.lanes > 1 else "")
@@ -173,7 +173,7 @@ def configure(vllm_config, emulated: bool) -> None:
     # chunked prefill already does (tested against transformers). On the device path a prefill
     # that starts on a cached block has not been exercised, so it stays off there.
     from .capabilities import model_capabilities
-    caps = model_capabilities(pkg.bundle, device=not emulated)
+    caps = model_capabilities(pkg.bundle, device=not emulated, vocab_size=pkg.dims.vocab_size)
     # with lanes a cached block would live in one lane's KV region only: off
     cc.enable_prefix_caching = bool(cc.enable_prefix_caching) and caps["supports_prefix_caching"] \
         and lanes.lanes == 1

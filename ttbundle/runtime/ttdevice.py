@@ -200,7 +200,7 @@ class TTDeviceModel(MeshModel):
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
         self.trace_mode, self.sample_mode = trace_mode, sample_mode
         self.block_size = int(package.loaded.kv_cache["block_size"])  # the programs' KV layout
-        self.vocab_size = self.bundle.arch.vocab_size
+        self.vocab_size = package.dims.vocab_size
         self.warmed: set[tuple[str, int]] = set()
         self.sealed = False
         self.programs_run: dict[tuple[str, int], int] = {}
@@ -360,7 +360,7 @@ class TTDeviceModel(MeshModel):
         key = self._key("prefill", S, sampling_params, p0)
         fw = self.runner.forwards[key]
         host = prefill_host_inputs(fw, tokens[0].numpy(), n, p0, page_table[0].numpy(), self.block_size,
-                                   self.bundle.spec.runtime.max_model_len, mm=mm,
+                                   self.package.dims.max_model_len, mm=mm,
                                    rope_positions=None if rope_positions is None else rope_positions.numpy())
         head = fw.inputs["last_rows"][0][2]
         host.update(self._sampling_inputs(sampling_params, head))

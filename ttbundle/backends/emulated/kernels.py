@@ -59,7 +59,7 @@ def softcap(x, cap):
 class Ctx:
     """What the kernels of one forward need besides their inputs."""
 
-    arch: object
+    arch: object  # the arch's vision settings (``arch.vision``) for the vision kernels; sizes: ``dims``
     traits: dict
     layer_traits: list
     weights: object  # callable (name, layer) -> [D, ...] local tensor, or None
@@ -81,6 +81,8 @@ class Ctx:
     #: per-call inputs of a vision program besides its activations (the family's vision part
     #: makes them on the host: e.g. Qwen2.5-VL's rope angles and attention segments per row)
     vision: dict | None = None
+    #: the model's sizes as the program records them (``traits.Dims``: head width, RMSNorm eps)
+    dims: object = None
     #: [N, S / block_size] the cache blocks of ``context_slots`` (which are whole blocks, in
     #: order) and the block size: attention gathers whole blocks; None: gather slots
     context_blocks: object = None
@@ -184,8 +186,8 @@ ATTN_BLOCK = 1 << 25
 def attention(ctx: Ctx, layer: int, q, k, v):
     """GQA attention over the paged cache, with the optional pieces families use: q/k/v bias,
     per-head q/k RMSNorm, rope variants, sliding window, logit soft-capping, attention sinks."""
-    a, lt, W = ctx.arch, ctx.layer_traits[layer], ctx.weights
-    hd = lt.get("head_dim", a.hd)
+    dims, lt, W = ctx.dims, ctx.layer_traits[layer], ctx.weights
+    hd = lt.get("head_dim", dims.head_dim)
     D, T = q.shape[:2]
     for name, t in (("bq", "q"), ("bk", "k"), ("bv", "v")):
         b = W(name, layer)
@@ -199,9 +201,9 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     q, k, v = q.view(D, T, -1, hd), k.view(D, T, -1, hd), v.view(D, T, -1, hd)
     qn, kn = W("q_norm", layer), W("k_norm", layer)
     if qn is not None:
-        q = rms_norm(q, qn[:, None, None, :], a.rms_norm_eps, ctx.traits.get("norm_offset", 0.0))
-        k = rms_norm(k, kn[:, None, None, :], a.rms_norm_eps, ctx.traits.get("norm_offset", 0.0))
-    cos, sin = _rope_tables(ctx, hd, lt.get("rope_theta", a.rope_theta), lt.get("rope_scaling", a.rope_scaling))
+        q = rms_norm(q, qn[:, None, None, :], dims.rms_norm_eps, ctx.traits.get("norm_offset", 0.0))
+        k = rms_norm(k, kn[:, None, None, :], dims.rms_norm_eps, ctx.traits.get("norm_offset", 0.0))
+    cos, sin = _rope_tables(ctx, hd, lt["rope_theta"], lt.get("rope_scaling"))
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
     cache = ctx.kv[layer]  # [D, kvh, slots, hd]
@@ -245,7 +247,7 @@ def attention(ctx: Ctx, layer: int, q, k, v):
 
 
 def swiglu(ctx: Ctx, layer: int, g, u):
-    return activation(ctx.traits.get("act", ctx.arch.hidden_act), g) * u
+    return activation(ctx.traits["act"], g) * u
 
 
 def deepstack(ctx: Ctx, layer: int, h):

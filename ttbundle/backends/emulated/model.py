@@ -74,6 +74,8 @@ class EmulatedModel:
             raise ValueError(f"weights missing for {missing}")
         self.w = weights if self.lazy is not None else gemm.hold(weights, packed, dtype, self.device)
         self.layer_traits = list(first.layer_traits)
+        #: the model's sizes as the program records them (hidden, vocab, layers, eps, max_model_len)
+        self.dims = first.dims
         self.kv_dtype, self._store = kv_store(self.kv_layout["dtype"], dtype)
         self._embed_rows = None
         self._splits: dict = {}
@@ -173,7 +175,7 @@ class EmulatedModel:
         Heads outermost: a batch's context gathered along the slot dim is already laid out for
         one batched matmul per (device, head), with no copy to permute it."""
         layers = []
-        for _ in range(self.arch.num_hidden_layers):
+        for _ in range(self.dims.num_hidden_layers):
             layers.append({e["name"]: torch.zeros(self.ops.D, e["device_shape"][1], num_blocks * block_size,
                                                   e["device_shape"][3], dtype=self.kv_dtype, device=self.device)
                            for e in self.kv_layout["entries"]})
@@ -251,14 +253,14 @@ class EmulatedModel:
             blocks = mm["blocks"].to(dev)
             if blocks.shape[1] < nblk * bs:
                 blocks = torch.nn.functional.pad(blocks, (0, nblk * bs - blocks.shape[1]), value=-1)
-        H = self.arch.hidden_size
+        H = self.dims.hidden_size
         deep = None  # DeepStack (Qwen3-VL): the images' feature sets beside their soft tokens
         if mm is not None and mm["embeds"].shape[-1] > H:
             deep = {"mask": mm["mask"].to(dev), "deepstack": mm["embeds"][:, H:].to(dev)}
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, positions, valid, slots,
                   ctx_slots, kv.layers, self.dtype, units=self.units, store=self._store, blocks=blocks,
                   rope_positions=None if rope_positions is None else rope_positions.to(dev),
-                  context_blocks=ctx_blocks, block_size=bs, vision=deep)
+                  context_blocks=ctx_blocks, block_size=bs, vision=deep, dims=self.dims)
         flat = tokens.reshape(-1)
         h = hv = None
         layer = 0
@@ -287,19 +289,19 @@ class EmulatedModel:
                 # the stage's activations go now, not when the next stage replaces them: a
                 # layer-by-layer caller runs other work (the reference's layer) in between
                 del acts, out
-        vocab = self.arch.vocab_size
+        vocab = self.dims.vocab_size
         return logits[0, :, :vocab].reshape(N, -1, vocab)
 
     def _merge_images(self, program: Program, h, mm: dict):
         """Image soft tokens in place of their placeholders; the embedding leaves ``h``
         replicated (its program gathers it), so every device takes the whole rows."""
-        if h.shape[-1] != self.arch.hidden_size:
+        if h.shape[-1] != self.dims.hidden_size:
             raise ProgramMismatch(f"{program.name}: embedding leaves h split ({list(h.shape[2:])} of "
-                                  f"{self.arch.hidden_size} features per device); image tokens need it whole")
+                                  f"{self.dims.hidden_size} features per device); image tokens need it whole")
         mask = mm["mask"].to(self.device)
         one = h.shape[0] > 1 and h.stride(0) == 0  # one copy viewed D times: edit that copy
         h = (h[:1] if one else h).clone()
-        h[:, mask] = mm["embeds"][:, :self.arch.hidden_size].to(device=self.device, dtype=h.dtype)[None]
+        h[:, mask] = mm["embeds"][:, :self.dims.hidden_size].to(device=self.device, dtype=h.dtype)[None]
         return h.expand(self.ops.D, *h.shape[1:]) if one else h
 
     def encode_images(self, pixel_values, image_grid_thw=None):
@@ -319,7 +321,7 @@ class EmulatedModel:
         patches = patches[None].to(self.device).expand(self.ops.D, -1, -1)
         zeros = torch.zeros(1, T, dtype=torch.long, device=self.device)
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, zeros, zeros >= 0, zeros[0],
-                  zeros, [], self.dtype, units=self.units, vision=meta)
+                  zeros, [], self.dtype, units=self.units, vision=meta, dims=self.dims)
         h, layer, out, var, deep = None, 0, None, {}, []
         for lp in prog.layers:
             layered = lp.kind.endswith("_layer")  # encoder layers (the others: embedding, projector)
@@ -541,7 +543,7 @@ class EmulatedModel:
         weight = weight or self.weight
         w = weight(name, layer)[:, None, :]
         how = self.traits.get("norms", {}).get(name, {})
-        eps, n = how.get("eps", self.arch.rms_norm_eps), how.get("features")
+        eps, n = how.get("eps", self.dims.rms_norm_eps), how.get("features")
         if how.get("layer_norm"):  # LayerNorm with a bias (vision towers)
             y = torch.nn.functional.layer_norm(x, x.shape[-1:], eps=eps)
             return y * w + weight(how["bias"], layer)[:, None, :]

@@ -54,8 +54,7 @@ def mla_attention(ctx: Ctx, layer: int, q, kvn):
     wkv = wkv.view(D, r, H, nope + vd)
     w_uk, w_uv = wkv[..., :nope], wkv[..., nope:]  # [D, r, H, nope], [D, r, H, v]
 
-    cos, sin = _rope_tables(ctx, rope, lt.get("rope_theta", ctx.arch.rope_theta),
-                            lt.get("rope_scaling", ctx.arch.rope_scaling))
+    cos, sin = _rope_tables(ctx, rope, lt["rope_theta"], lt.get("rope_scaling"))
     q_nope, q_rope = q[..., :nope], q[..., nope:]
     latent, k_rope = kvn[..., :r], kvn[..., r:]
     if m.get("rope_interleave"):

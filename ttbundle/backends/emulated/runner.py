@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...tiles import pick
+from ...tiles import blocks_per_seq, pick
 from .model import EmulatedModel
 from .state import Stages
 
@@ -15,11 +15,10 @@ class Runner:
     def __init__(self, model: EmulatedModel, num_blocks: int | None = None):
         self.model = model
         b = model.bundle.buckets
-        rt = model.bundle.spec.runtime
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
         self.chunk = b.prefill_chunk or max(b.prefill)
-        self.block = rt.kv_block_size
-        self.max_blocks = -(-rt.max_model_len // self.block)
+        self.block = int(model.kv_layout["block_size"])
+        self.max_blocks = blocks_per_seq(model.dims.max_model_len, self.block)
         self.kv = model.allocate_kv_cache(num_blocks or model.kv_layout["num_blocks"], self.block)
         self.shapes_run: set = set()  # (phase, bucket) pairs executed
 

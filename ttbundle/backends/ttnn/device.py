@@ -103,7 +103,7 @@ def allocate_kv(ttnn, device, kv: dict) -> dict:
     return out
 
 
-def make_const(ttnn, device, c, arch=None):
+def make_const(ttnn, device, c):
     """A host-made constant, replicated on every device of the mesh."""
     import numpy as np
 
@@ -120,7 +120,7 @@ def make_const(ttnn, device, c, arch=None):
         from ...tables import rotate_half_matrix  # torch: only where a constant is made
         host = rotate_half_matrix(dict(c.params)["dim"]).numpy().reshape(c.shape)
     elif c.kind in ("rope_cos", "rope_sin"):
-        host = _rope_table(c, arch)
+        host = _rope_table(c)
     elif c.kind == "avg_pool":  # [soft tokens, patches]: each soft token the mean of its window
         from ...tables import pool_matrix  # torch: only where a constant is made
         p = dict(c.params)
@@ -133,14 +133,15 @@ def make_const(ttnn, device, c, arch=None):
     return ttnn.to_device(t, device, memory_config=ttnn.DRAM_MEMORY_CONFIG)
 
 
-def _rope_table(c, arch):
+def _rope_table(c):
     """cos or sin of every position (``[max_model_len, head_dim]``), computed by the rope rule
     both backends share (``ttbundle.tables``; torch, on the serving host)."""
     import torch  # the ttnn wheel brings torch; loaded only where a rope constant is made
 
     from ...tables import mrope_rows, rope_cos_sin
     p = dict(c.params)
-    scaling = getattr(arch, "rope_scaling", None)
+    from ...families.base import RopeScaling
+    scaling = RopeScaling.model_validate_json(p["scaling"]) if p.get("scaling") else None  # the layer's
     cos, sin = rope_cos_sin(torch.arange(c.shape[0]), p["head_dim"], p["theta"], scaling, torch.float32)
     t = cos if c.kind == "rope_cos" else sin
     if p.get("mrope_section"):  # M-RoPE: this position row's frequencies only (the others zero)

@@ -116,8 +116,9 @@ class HeldWeight:
 
 class Lowerer(Emitter):
     """Lowers one program with what it records: the weights it reads (``weights``), its KV cache
-    (dtype, block size) and its mesh; its traits (``program.traits``, ``layer_traits``); ``bundle`` gives the arch's dims and the
-    runtime limits. Nothing here reads a plan."""
+    (dtype, block size) and its mesh; its traits (``program.traits``, ``layer_traits``) and dims
+    (``program.dims``); ``bundle`` gives the weights' declarations, the vision settings and the
+    buckets. Nothing here reads a plan."""
 
     def __init__(self, bundle, mesh: Mesh, program: Program, sampling: str, grid: tuple[int, int] | None = None):
         super().__init__(mesh, program_policy(program, bundle))
@@ -130,6 +131,7 @@ class Lowerer(Emitter):
         decls = {t.name: t for t in self.fam.tensors(self.a)}
         self.tensors = {n: HeldWeight(r, tensor_layout(decls[n])) for n, r in program.weights.items()}
         self.traits = program.traits  # typed, read as a mapping by the op modules
+        self.dims = program.dims  # the model's sizes (hidden, vocab, head width, eps, max_model_len)
         self.kv_dtype = program.kv_cache["dtype"]
         self.block_size = int(program.kv_cache["block_size"])
         self.layer: int | None = None

@@ -85,7 +85,7 @@ def inputs_of(program: Program, bundle) -> dict:
         return {"patches": ((1, 1, rows, bundle.arch.vision.patch_pixels), "bf16", "TILE")}
     B = rows
     block_size = int(program.kv_cache["block_size"])
-    blocks_per_seq = tiles.blocks_per_seq(bundle.spec.runtime.max_model_len, block_size)
+    blocks_per_seq = tiles.blocks_per_seq(program.dims.max_model_len, block_size)
     ins = {"tokens": ((1, rows), "uint32", "ROW_MAJOR"),
            "positions": ((1, rows), "uint32", "ROW_MAJOR")}
     if program.phase in DECODE_LIKE:  # one token per row: its position, its page-table row
@@ -99,11 +99,11 @@ def inputs_of(program: Program, bundle) -> dict:
     else:
         ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
         ins["chunk_start"] = ((1,), "int32", "ROW_MAJOR")
-        ins["fill_page_table"] = ((1, -(-rows // block_size)), "int32", "ROW_MAJOR")  # the chunk's blocks
+        ins["fill_page_table"] = ((1, tiles.cdiv(rows, block_size)), "int32", "ROW_MAJOR")  # the chunk's blocks
         ins["seq_slot"] = ((1,), "int32", "ROW_MAJOR")
         ins["last_rows"] = ((1, 1, min(rows, TILE), rows), "bf16", "TILE")  # one-hot: the last prompt tile row
         if image_prefill(bundle, program):  # the chunk's image soft tokens (merge_images)
-            hid = bundle.arch.hidden_size
+            hid = program.dims.hidden_size
             ins["mm_keep"] = ((1, 1, rows, hid), "bf16", "TILE")
             ins["mm_embeds"] = ((1, 1, rows, hid), "bf16", "TILE")
     head_rows = rows if program.phase in DECODE_LIKE else min(rows, TILE)  # rows the head samples
@@ -133,8 +133,8 @@ def merge_images(lw: Lowerer) -> None:
     both host-made per step (``device.image_inputs``: 0 / the soft token at an image token's row,
     1 / 0 at a text token's), so every bucket keeps one forward and one trace."""
     h = lw.shapes["h"]
-    if h[3] != lw.a.hidden_size:
-        raise NotImplementedError(f"the embedding leaves h split ({h[3]} of {lw.a.hidden_size} features per "
+    if h[3] != lw.dims.hidden_size:
+        raise NotImplementedError(f"the embedding leaves h split ({h[3]} of {lw.dims.hidden_size} features per "
                                   "device); merging image soft tokens needs it whole")
     lw.op = "merge_images"
     lw.call("multiply", T("h"), T("mm_keep"), out="h", shape=h, memory_config=DRAM)
@@ -158,7 +158,7 @@ def chunk_starts(bundle, program) -> list[int]:
     chunk = b.prefill_chunk or max(b.prefill)
     if bucket > chunk:
         return [0]
-    return list(range(0, bundle.spec.runtime.max_model_len, chunk))
+    return list(range(0, program.dims.max_model_len, chunk))
 
 
 def static_start(bundle, program, start: int) -> int:

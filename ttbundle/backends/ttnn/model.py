@@ -74,5 +74,5 @@ def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=No
         forwards[key] = lower_forward(bundle, pkg.mesh, pkg.program_ir(phase, b), sampling, chunk_start=start)
     consts = {c.name: c for fw in forwards.values() for c in fw.consts}
     for c in consts.values():
-        ex.env[c.name] = make_const(ttnn, mesh_device, c, bundle.arch)
+        ex.env[c.name] = make_const(ttnn, mesh_device, c)
     return TraceRunner(ex, forwards, trace_keys)

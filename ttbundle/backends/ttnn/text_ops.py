@@ -11,6 +11,8 @@ path without the soft-cap (the causal fused SDPA cannot say it).
 
 from __future__ import annotations
 
+import hashlib
+
 from ...program import Step
 from . import configs
 from .calls import KV, Attr, Const, New, T, W
@@ -34,7 +36,7 @@ def _rms_norm(lw: Lowerer, st: Step) -> None:
     shp = tt_shape(st.ins[0].shape)
     lw.shapes.setdefault(x, shp)
     norm = lw.traits.get("norms", {}).get(st.w, {})
-    eps = f32(norm.get("eps", getattr(lw.a, "rms_norm_eps", 1e-6)))
+    eps = f32(norm.get("eps", lw.dims.rms_norm_eps))
     w = W(st.w, per_layer=lw.layer is not None)
     if norm.get("layer_norm"):  # LayerNorm with a bias (vision towers)
         lw.call("layer_norm", T(x), out=out, shape=shp, epsilon=eps, weight=w,
@@ -98,16 +100,18 @@ def _matmul(lw: Lowerer, st: Step) -> None:
 def rope_tables(lw: Lowerer, head_dim: int, lt: dict, interleaved: bool = False) -> tuple[T, T]:
     """cos / sin of every position up to max_model_len for one rope variant (host-made), and in
     decode each row's own position's row of them (an embedding lookup inside the trace)."""
-    theta = lt.get("rope_theta", getattr(lw.a, "rope_theta", 10000.0))
-    scaling = lt.get("rope_scaling", getattr(lw.a, "rope_scaling", None))
-    tag = f"rope.{head_dim}.{theta:g}.{abs(hash(repr(scaling))) % 10 ** 8}" + (".il" if interleaved else "")
-    L = lw.bundle.spec.runtime.max_model_len
+    theta = lt["rope_theta"]
+    # the layer's own scaling (Gemma 3's local layers have none where the arch scales), as JSON:
+    # the constant's maker reads it back (``device.make_const``); the tag is stable across processes
+    scaling = "" if lt.get("rope_scaling") is None else lt["rope_scaling"].model_dump_json(exclude_none=True)
+    tag = f"rope.{head_dim}.{theta:g}.{hashlib.sha256(scaling.encode()).hexdigest()[:8]}" + (".il" if interleaved else "")
+    L = lw.dims.max_model_len
     section = lw.traits.get("mrope_section")
     if section:
         return mrope_tables(lw, tag, head_dim, theta, scaling, section)
     for part in ("cos", "sin"):  # ROW_MAJOR [positions, head_dim]: what ttnn.embedding reads
         lw.consts[f"{tag}.{part}"] = Const(f"{tag}.{part}", (L, head_dim), "bf16", "ROW_MAJOR", "rope_" + part,
-                                           (("head_dim", head_dim), ("theta", theta), ("scaling", repr(scaling)),
+                                           (("head_dim", head_dim), ("theta", theta), ("scaling", scaling),
                                             ("interleaved", interleaved)))
     rows = lw.rows
     out = []
@@ -127,7 +131,7 @@ def mrope_tables(lw: Lowerer, tag: str, head_dim: int, theta: float, scaling, se
     zero outside the frequencies its ``mrope_section`` rotates (``tables.mrope_rows``); every
     frequency belongs to one section, so the sum of the three lookups is the token's cos / sin
     (text tokens: the same position in all three)."""
-    L = lw.bundle.spec.runtime.max_model_len
+    L = lw.dims.max_model_len
     rows = lw.rows
     out = []
     for part in ("cos", "sin"):
@@ -140,7 +144,7 @@ def mrope_tables(lw: Lowerer, tag: str, head_dim: int, theta: float, scaling, se
                 # M-RoPE positions exceed the cache positions by at most the prompt's rope delta
                 # (negative for images), so the table of max_model_len rows covers them
                 lw.consts[tab] = Const(tab, (L, head_dim), "bf16", "ROW_MAJOR", "rope_" + part,
-                                       (("head_dim", head_dim), ("theta", theta), ("scaling", repr(scaling)),
+                                       (("head_dim", head_dim), ("theta", theta), ("scaling", scaling),
                                         ("interleaved", False), ("mrope_section", tuple(section)), ("mrope_row", r),
                                         ("mrope_interleaved", bool(lw.traits.get("mrope_interleaved")))))
                 e = lw.call("embedding", T(mrope_position_input(r)), T(tab), out=f"{name}.e{r}", shape=(1, rows, head_dim),
@@ -241,14 +245,14 @@ def _attention(lw: Lowerer, st: Step) -> None:
     for name, shp in ((a.name, a.shape) for a in st.ins):
         lw.shapes.setdefault(name, tt_shape(shp))
     lt = lw.lt()
-    hd = lt.get("head_dim", lw.a.hd)
+    hd = lt.get("head_dim", lw.dims.head_dim)
     nq, nkv = lw.shapes[q][3] // hd, lw.shapes[k][3] // hd
     for b, x in (("bq", q), ("bk", k), ("bv", v)):
         if lw.has(b):
             add_bias(lw, x, b, f"{x}.b")
     q0, k0, v0 = (f"{x}.b" if lw.has(b) else x for b, x in (("bq", q), ("bk", k), ("bv", v)))
     qh, kh, vh = split_heads(lw, q0, nq, hd, "qh"), split_heads(lw, k0, nkv, hd, "kh"), split_heads(lw, v0, nkv, hd, "vh")
-    eps = f32(getattr(lw.a, "rms_norm_eps", 1e-6))
+    eps = f32(lw.dims.rms_norm_eps)
     if lw.has("q_norm"):
         for x, w in ((qh, "q_norm"), (kh, "k_norm")):
             wv = W(w)
@@ -343,7 +347,7 @@ def softcap_attention(lw: Lowerer, nq: int, nkv: int, hd: int, scale: float, cap
 
 
 def activation(lw: Lowerer, x: str, out: str) -> str:
-    act = lw.traits.get("act", getattr(lw.a, "hidden_act", "silu"))
+    act = lw.traits["act"]
     if act in ("silu", "swish"):
         return lw.call("silu", T(x), out=out, shape=lw.shapes[x], memory_config=DRAM)
     approx = act in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new")
@@ -375,7 +379,7 @@ def _logits(lw: Lowerer, st: Step) -> None:
     vocabulary columns are sliced off first."""
     x = st.ins[0].name
     s = lw.shapes[x]
-    V = lw.a.vocab_size
+    V = lw.dims.vocab_size
     if s[3] != V:
         x = lw.call("slice", T(x), [0, 0, 0, 0], [*s[:3], V], [1, 1, 1, 1], out="logits.v", shape=(*s[:3], V))
         s = lw.shapes[x]
