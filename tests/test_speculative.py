@@ -223,13 +223,12 @@ def test_the_platform_takes_ngram_on_a_device_and_refuses_a_draft_model_there(lo
 
     b = load(spec_text(NGRAM))
     pkg = SimpleNamespace(bundle=b, path=tmp_path, name="tiny", mesh_name="N150")
-    lanes = SimpleNamespace(lanes=1)
 
     def config(**kw):
         return SimpleNamespace(speculative_config=SimpleNamespace(**dict(NGRAM["speculative"], model=None, **kw)))
-    _configure_speculative(config(), pkg, False, lanes)  # accepted on a device
+    _configure_speculative(config(), pkg, False)  # accepted on a device
     with pytest.raises(ValueError, match="num_speculative_tokens: given 2, package 3"):
-        _configure_speculative(config(num_speculative_tokens=2), pkg, False, lanes)
+        _configure_speculative(config(num_speculative_tokens=2), pkg, False)
     with pytest.raises(ValueError) as ei:
-        _configure_speculative(config(method="draft_model"), pkg, False, lanes)
+        _configure_speculative(config(method="draft_model"), pkg, False)
     assert "'draft_model' on a Tenstorrent device" in str(ei.value) and "emulated mesh" in str(ei.value)
