@@ -44,8 +44,10 @@ def trace_set(bundle) -> list[tuple[str, int]]:
 
 
 def lower_all(bundle, plan: Plan) -> dict:
-    """Every program of the package (:func:`trace_set`), keyed (phase, bucket)."""
-    return {k: lower(bundle, plan, *k) for k in trace_set(bundle)}
+    """Every program of the package (:func:`trace_set`), keyed (phase, bucket); the model's
+    traits built once for all of them."""
+    traits = model_traits(bundle.family, bundle.arch)
+    return {k: lower(bundle, plan, *k, traits=traits) for k in trace_set(bundle)}
 
 
 def traced(bundle, phase: str) -> bool:
@@ -58,8 +60,9 @@ def program_name(phase: str, bucket: int) -> str:
 
 
 # ---- lowering ------------------------------------------------------------------------------------
-def lower(bundle, plan: Plan, phase: str, bucket: int) -> Program:
-    """The static per-device program of ``bundle`` on ``plan.mesh`` for one (phase, bucket)."""
+def lower(bundle, plan: Plan, phase: str, bucket: int, traits=None) -> Program:
+    """The static per-device program of ``bundle`` on ``plan.mesh`` for one (phase, bucket).
+    ``traits``: :func:`traits.model_traits` of the bundle, when the caller has them already."""
     if phase not in PHASES:
         raise ValueError(f"phase must be one of {PHASES}, got {phase!r}")
     mesh, policy, rt = plan.mesh, bundle.spec.sharding, bundle.spec.runtime
@@ -129,7 +132,7 @@ def lower(bundle, plan: Plan, phase: str, bucket: int) -> Program:
            "activations": peak_act, "trace_region": trace_bytes}
     mem["total"] = sum(mem.values())
     mem["dram"] = plan.memory.dram
-    traits, layer_traits = model_traits(fam, a)
+    traits, layer_traits = traits or model_traits(fam, a)
     weights = {t.name: WeightRef(t.name, tuple(axes_of(e) for e in t.spec), tuple(t.device_shape), t.dtype,
                                  decls[t.name].layers) for t in plan.tensors}
     return Program(
