@@ -100,7 +100,7 @@ def test_qwen_vl_images_on_the_tt_device_path_equal_the_emulated_mesh(built, fam
     assert set(vision) <= set(dev.runner.traces) and dev.runner.stage == "captured"
     compiled_at_warmup = sum(e.compiled for e in rec.events)
     replays_before = sum(e.fn == "execute_trace" for e in rec.events)
-    runs_before = len(dev.replays)
+    runs_before = dev.replay_count
 
     inputs, big = _images(pkg, SIZES), _images(pkg, BIG, seed=1)
     assert inputs["image_grid_thw"].tolist() == [[1, 10, 18], [1, 8, 6]]
@@ -126,7 +126,7 @@ def test_qwen_vl_images_on_the_tt_device_path_equal_the_emulated_mesh(built, fam
     # nothing compiled while serving: every step replayed a trace captured at warm-up
     assert sum(e.compiled for e in rec.events) == compiled_at_warmup
     # 2 encodes, 3 prefills each with its encode, 2 decodes
-    assert sum(e.fn == "execute_trace" for e in rec.events) - replays_before == len(dev.replays) - runs_before == 10
+    assert sum(e.fn == "execute_trace" for e in rec.events) - replays_before == dev.replay_count - runs_before == 10
     assert rec.op_errors == [] and rec.violations == [] and rec.shape_mismatches == []
 
     emu, ekv = emulated(pkg, MAX_LEN)

@@ -11,7 +11,11 @@ token ids, the forwards replayed while serving, and the ops compiled while servi
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
+# this checkout's ttbundle (not whichever the venv installed): the engine runs in this process
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 os.environ["TTBUNDLE_TEST_TTNN"] = "recording"
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.pop("TTBUNDLE_EMULATED", None)
@@ -29,13 +33,13 @@ def run_case(pkg: str, case: dict) -> dict:
               limit_mm_per_prompt={"image": 2})
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     model = runner.mesh_model
-    n_setup, n_replays = len(rec.events), len(model.replays)
+    n_setup, n_replays = len(rec.events), model.replay_count
     params = SamplingParams(max_tokens=case["max_tokens"], temperature=0, ignore_eos=True)
     outs = llm.chat(case["messages"], params, use_tqdm=False)
     res = {
         "prompts": [list(o.prompt_token_ids) for o in outs],
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "replays": [list(k) for k in model.replays[n_replays:]],
+        "replays": [list(k) for k in model.replays_since(n_replays)],
         "traced": [list(k) for k in model.runner.traces],
         "compiled_serving": sum(1 for e in rec.events[n_setup:] if e.compiled),
         "violations": rec.violations + rec.op_errors,

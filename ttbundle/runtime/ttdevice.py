@@ -46,6 +46,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import deque
 
 import torch
 
@@ -188,6 +189,8 @@ class TTDeviceModel(MeshModel):
 
     #: ``ttnn.sampling`` runs with one seed for the batch: seeded requests sample on the host
     seeded_on_device = False
+    #: how many of the latest runs' forward keys :attr:`replays` keeps (a server runs for days)
+    replays_kept = 4096
     model_capabilities: dict  # per instance: capabilities.model_capabilities(bundle, device=True)
 
     def __init__(self, ttnn, package, runner, trace_mode: str, sample_mode: str, lane_runners=None):
@@ -204,7 +207,9 @@ class TTDeviceModel(MeshModel):
         self.warmed: set[tuple[str, int]] = set()
         self.sealed = False
         self.programs_run: dict[tuple[str, int], int] = {}
-        self.replays: list[tuple] = []  # forward key of every step's run, in order
+        #: the forward keys of the latest ``replays_kept`` runs, in order; ``replay_count``: all runs
+        self.replays: deque[tuple] = deque(maxlen=self.replays_kept)
+        self.replay_count = 0
         from .capabilities import model_capabilities
         self.model_capabilities = model_capabilities(self.bundle, device=True)
         self._sampling_cache: dict = {}  # lane -> (DeviceSampling, rows, its host inputs) of its last decode
@@ -291,8 +296,17 @@ class TTDeviceModel(MeshModel):
             self._decode_keys[(bucket, mode)] = key
         return key
 
+    def replays_since(self, count: int) -> list[tuple]:
+        """The forward keys of the runs after the first ``count`` (a ``replay_count`` read
+        earlier), oldest first; refused when the window no longer holds them all."""
+        new = self.replay_count - count
+        if not 0 <= new <= len(self.replays):
+            raise ValueError(f"{new} runs since replay {count}; the last {len(self.replays)} are kept")
+        return list(self.replays)[len(self.replays) - new:]
+
     def _run(self, key: tuple, host: dict, lane: int = 0) -> dict:
         self.replays.append(key)
+        self.replay_count += 1
         runner = self.lane_runners[lane]
         if runner.stage == "captured":
             return runner.run(key, host)
