@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import functools
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -207,6 +208,27 @@ def served_package(spec: str, packages_dir: Path, mesh: str, d: Path):
 
 # ---- vLLM's engine in its own process (tt_engine_run.py, timing_engine_run.py) ----------------------
 RESULT = "RESULT "
+
+
+def use_recording_double() -> None:
+    """An engine script's process: the TT platform with the recording double standing in for ttnn
+    (``TTBUNDLE_TEST_TTNN=recording``) and vLLM's engine in this process; called before vLLM or
+    ttbundle is imported. This checkout's ttbundle goes first on the path (not whichever the venv
+    installed)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+    os.environ["TTBUNDLE_TEST_TTNN"] = "recording"
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.pop("TTBUNDLE_EMULATED", None)
+
+
+def computing_recorder():
+    """The recording double **computing** on the package's tensorbin weights: a ``Recorder()`` in
+    place of the hook's fake-weight one (``ttdevice.RECORDER``); returns it."""
+    from ttbundle.backends.ttnn import recording
+    from ttbundle.runtime import ttdevice
+
+    ttdevice.RECORDER = recording.Recorder()
+    return ttdevice.RECORDER
 
 
 def engine_main(run_case) -> int:

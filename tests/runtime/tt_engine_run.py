@@ -9,15 +9,9 @@ traces, and the double's events (op / compile / capture / replay), in order.
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
+from runtime_helpers import use_recording_double
 
-# this checkout's ttbundle (not whichever the venv installed): the engine runs in this process
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-os.environ["TTBUNDLE_TEST_TTNN"] = "recording"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.pop("TTBUNDLE_EMULATED", None)
+use_recording_double()
 
 
 def events(rec, tid_of) -> list:

@@ -11,11 +11,9 @@ forward key and the submesh it ran on.
 
 from __future__ import annotations
 
-import os
+from runtime_helpers import use_recording_double
 
-os.environ["TTBUNDLE_TEST_TTNN"] = "recording"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.pop("TTBUNDLE_EMULATED", None)
+use_recording_double()
 
 
 def run_case(pkg: str, case: dict) -> dict:

@@ -11,26 +11,22 @@ and the traces, the ops compiled while serving.
 
 from __future__ import annotations
 
-import os
+from runtime_helpers import use_recording_double
 
-os.environ["TTBUNDLE_TEST_TTNN"] = "recording"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.pop("TTBUNDLE_EMULATED", None)
+use_recording_double()
 
 
 def run_case(pkg: str, case: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    from ttbundle.backends.ttnn import recording
-    from ttbundle.runtime import ttdevice
+    from runtime_helpers import computing_recorder
 
-    ttdevice.RECORDER = recording.Recorder()  # computing: weights from the package's tensorbin caches
-    rec = ttdevice.RECORDER
+    rec = computing_recorder()
     llm = LLM(model=pkg, dtype="float32", seed=0, disable_log_stats=False, speculative_config=case["speculative"])
     try:
         runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
         model = runner.mesh_model
-        n_setup, n_replays = len(rec.events), len(model.replays)
+        n_setup, n_replays = len(rec.events), model.replay_count
         outs = []
         for prompts, params in case["batches"]:
             res = llm.generate(prompts, [SamplingParams(**p) for p in params], use_tqdm=False)
@@ -40,7 +36,7 @@ def run_case(pkg: str, case: dict) -> dict:
             "metrics": {m.name: getattr(m, "value", None) for m in llm.get_metrics() if "spec_decode" in m.name},
             "steps": [{"phase": s.phase, "rows": s.rows, "buckets": s.buckets, "sampling": s.sampling,
                        "lanes": list(getattr(s, "lanes", None) or [])} for s in runner.step_log],
-            "replays": [list(k) for k in model.replays[n_replays:]],
+            "replays": [list(k) for k in model.replays_since(n_replays)],
             "traced": [list(k) for k in model.runner.traces],
             "warmed": [list(k) for k in model.warmed],
             "compiled_serving": sum(1 for e in rec.events[n_setup:] if e.compiled),

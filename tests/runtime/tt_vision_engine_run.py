@@ -10,25 +10,17 @@ token ids, the forwards replayed while serving, and the ops compiled while servi
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
+from runtime_helpers import use_recording_double
 
-# this checkout's ttbundle (not whichever the venv installed): the engine runs in this process
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-os.environ["TTBUNDLE_TEST_TTNN"] = "recording"
-os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-os.environ.pop("TTBUNDLE_EMULATED", None)
+use_recording_double()
 
 
 def run_case(pkg: str, case: dict) -> dict:
     from vllm import LLM, SamplingParams
 
-    from ttbundle.backends.ttnn import recording
-    from ttbundle.runtime import ttdevice
+    from runtime_helpers import computing_recorder
 
-    ttdevice.RECORDER = recording.Recorder()  # computing: weights from the package's tensorbin caches
-    rec = ttdevice.RECORDER
+    rec = computing_recorder()
     llm = LLM(model=pkg, dtype="float32", seed=0, additional_config={"tt": case["tt"]},
               limit_mm_per_prompt={"image": 2})
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
