@@ -23,6 +23,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from .errors import Diagnostic, InvalidInput
+from .manifest import MANIFEST
 from .tiles import TILE, round_up
 
 #: methods ttbundle serves
@@ -187,7 +188,7 @@ def check_draft(b, load) -> list[Diagnostic]:
     d = []
     d += _split_differences(b, dr, path, at)
     sd = of(dr)
-    built = (path.parent / "manifest.json").is_file()  # a package's draft/: the build wrote its block
+    built = (path.parent / MANIFEST).is_file()  # a package's draft/: the build wrote its block
     catch_up = ("ngram", of(b).num_speculative_tokens)  # the block draft_spec_text adds
     if sd is not None and not (built and (sd.method, sd.num_speculative_tokens) == catch_up):
         d.append(b.locate(at, f"the draft spec {path} has `speculative:` itself; a draft proposes alone: "

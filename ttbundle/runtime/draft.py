@@ -78,7 +78,8 @@ class DraftProposer:
         from ..speculative import rows_per_seq
         # its verify programs' rows per sequence (k + 1: ``speculative.draft_spec_text``); 0: a
         # draft built without them catches up with decode steps
-        self.catch_up_rows = rows_per_seq(draft) if rows_per_seq(draft) == k + 1 else 0
+        rows = rows_per_seq(draft)
+        self.catch_up_rows = rows if rows == k + 1 else 0
         self.slots: dict[str, _Slot] = {}
         self.proposed = 0  # proposals made (for logs and benches)
         logger.info("ttbundle: draft %s proposes %d tokens per step (KV of %d blocks x %d tokens%s)",
