@@ -2,10 +2,14 @@
 
 The project's benchmark model: a ~160M-parameter Llama (hidden 1024, 8 layers, 16 heads, 8 KV
 heads, intermediate 2816, vocab 32000), random weights, fp32. Prints ratios:
-  emulated N150 single-stream decode tokens/s / HF generate tokens/s   (target >= 0.9)
+  emulated N150 single-stream decode step / HF's step, interleaved    (issue 25: tokens/s >= 1.0x)
   emulated T3K decode step / emulated N150 decode step                  (target <= 1.3)
-The two meshes' decode steps run interleaved (one N150 step, one T3K step, ...), so the step
-ratio holds under a host load that changes during the run.
+and, for continuity with earlier figures, N150 tokens/s / HF `generate` tokens/s timed apart.
+The decode steps run interleaved: one transformers step (the model's forward on the new token
+with its KV cache, greedy: what `generate` does per token without its bookkeeping), one N150
+step, one T3K step, and again, so both ratios hold under a host load that changes during the
+run (a VM's 2 vCPUs here: the speed of a step moves by tens of percent within a minute). HF
+`generate`'s own rate (timed apart, before the steps) is printed beside it.
 
 Run: .venv/bin/python benches/bench_decode.py [--tokens 64] [--prompt 128] [--device cpu|cuda]
 """
@@ -37,12 +41,32 @@ def emulated_runners(bundle, canon, meshes, device):
     return out
 
 
-def emulated_decode(models, prompt, n, device):
-    """Greedy decode of ``n`` tokens on every mesh's model, their steps interleaved (N150's step,
-    then T3K's, ...): a host whose load changes during the run slows both alike, so the step
-    ratio compares the two under the same conditions. Returns per mesh (tokens, step times)."""
+class HFSteps:
+    """transformers' greedy decode one token at a time: the model's forward on the last token with
+    its KV cache (a ``DynamicCache``), argmax. Same interface as :class:`Runner`'s decode here."""
+
+    def __init__(self, hf, prompt, device):
+        self.hf, self.device = hf, device
+        out = hf(torch.tensor([prompt], device=device), use_cache=True)
+        self.cache = out.past_key_values
+        self.first = int(out.logits[0, -1].argmax())
+
+    def step(self, tok: int) -> int:
+        out = self.hf(torch.tensor([[tok]], device=self.device), past_key_values=self.cache, use_cache=True)
+        self.cache = out.past_key_values
+        return int(out.logits[0, -1].argmax())
+
+
+def emulated_decode(models, prompt, n, device, hf=None):
+    """Greedy decode of ``n`` tokens on every mesh's model (and transformers' model, ``hf``, as
+    "HF"), their steps interleaved (HF's step, N150's step, then T3K's, ...): a host whose load
+    changes during the run slows all alike, so the step ratios compare them under the same
+    conditions. Returns per name (tokens, step times)."""
     state = {}
     with torch.no_grad():
+        if hf is not None:
+            h = HFSteps(hf, prompt, device)
+            state["HF"] = (h, None, [h.first], [])
         for mesh, model in models.items():
             r = Runner(model)
             pt = list(range(r.max_blocks))
@@ -53,7 +77,10 @@ def emulated_decode(models, prompt, n, device):
                 if device == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                tok = int(r.decode([toks[-1]], [len(prompt) + i], [pt])[0].argmax())
+                if pt is None:
+                    tok = r.step(toks[-1])
+                else:
+                    tok = int(r.decode([toks[-1]], [len(prompt) + i], [pt])[0].argmax())
                 times.append(time.perf_counter() - t0)
                 toks.append(tok)
     return {mesh: (toks, times) for mesh, (_, _, toks, times) in state.items()}
@@ -92,19 +119,24 @@ def main():
     results = {}
     models = emulated_runners(bundle, canon, ("N150", "T3K"), args.device)
     for _ in range(args.repeats):
-        for mesh, (toks, times) in emulated_decode(models, prompt, args.tokens, args.device).items():
+        for mesh, (toks, times) in emulated_decode(models, prompt, args.tokens, args.device, hf).items():
             step = statistics.median(times)
             best = results.get(mesh, (step,))[0]
             results[mesh] = (min(best, step), toks)
     hf_best = max(hf_tps)
     n150_tps = 1 / results["N150"][0]
-    print(f"HF generate decode:      {hf_best:8.1f} tok/s")
+    print(f"HF generate decode:      {hf_best:8.1f} tok/s  (timed apart, before the interleaved steps)")
+    print(f"HF forward step:         {1 / results['HF'][0]:8.1f} tok/s  (median step {results['HF'][0] * 1e3:.2f} ms, "
+          f"interleaved; greedy tokens = generate's: {results['HF'][1] == ref})")
     print(f"emulated N150 decode:    {n150_tps:8.1f} tok/s  (median step {results['N150'][0] * 1e3:.2f} ms)")
     print(f"emulated T3K decode:     {1 / results['T3K'][0]:8.1f} tok/s  (median step {results['T3K'][0] * 1e3:.2f} ms)")
     print(f"tokens identical to HF:  N150 {results['N150'][1] == ref}, T3K {results['T3K'][1] == ref}")
-    r1 = n150_tps / hf_best
+    r0 = n150_tps / hf_best
+    r1 = results["HF"][0] / results["N150"][0]
     r2 = results["T3K"][0] / results["N150"][0]
-    print(f"ratio emulated N150 / HF tokens/s = {r1:.2f}x (target >= 0.9) {'PASS' if r1 >= 0.9 else 'FAIL'}")
+    print(f"ratio emulated N150 / HF generate tokens/s (timed apart) = {r0:.2f}x")
+    print(f"ratio emulated N150 / HF step, interleaved tokens/s = {r1:.2f}x (target >= 1.0) "
+          f"{'PASS' if r1 >= 1.0 else 'FAIL'}")
     print(f"ratio emulated T3K / N150 step    = {r2:.2f}x (target <= 1.3) {'PASS' if r2 <= 1.3 else 'FAIL'}")
 
 

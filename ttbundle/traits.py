@@ -43,9 +43,14 @@ class _Record(Mapping):
     #: fields present in the mapping even when None (a None that means something)
     _keep_none: tuple[str, ...] = ()
 
-    def _keys(self) -> list[str]:
-        return [f.name for f in fields(self)
-                if f.name in self._keep_none or not _empty(getattr(self, f.name))]
+    def _keys(self) -> tuple[str, ...]:
+        # worked out once per record (it is frozen): the kernels read traits per layer per step
+        keys = self.__dict__.get("_set_fields")
+        if keys is None:
+            keys = tuple(f.name for f in fields(self)
+                         if f.name in self._keep_none or not _empty(getattr(self, f.name)))
+            object.__setattr__(self, "_set_fields", keys)
+        return keys
 
     def __getitem__(self, key):
         if not isinstance(key, str) or key not in self._keys():
