@@ -28,6 +28,18 @@ def apply_rope(x, cos, sin):
     return x * cos[None, :, None, :] + rotate_half(x) * sin[None, :, None, :]
 
 
+def _rope(x, cos, sin_signed):
+    """:func:`apply_rope`'s numbers in fewer passes: ``sin_signed`` is sin with its first half
+    negated (``(-x2) * s`` is ``x2 * (-s)`` exactly), so rotate_half's negation and concatenation
+    become two multiplies into the halves of one buffer; then ``x * cos`` plus that, as before."""
+    half = x.shape[-1] // 2
+    r = torch.empty(x.shape, dtype=torch.result_type(x, cos), device=x.device)
+    torch.mul(x[..., half:], sin_signed[None, :, None, :half], out=r[..., :half])
+    torch.mul(x[..., :half], sin_signed[None, :, None, half:], out=r[..., half:])
+    out = x * cos[None, :, None, :]
+    return out.add_(r)
+
+
 # ---- elementwise --------------------------------------------------------------------------------
 def rms_norm(x, w, eps: float, offset: float = 0.0, weight_fp32: bool = False):
     """RMSNorm in float32 like HF, scaled by (offset + w); returns x's dtype. ``weight_fp32``:
@@ -106,6 +118,15 @@ def _rope_tables(ctx: Ctx, dim: int, theta: float, scaling):
     return ctx.cache[key]
 
 
+def _rope_signed(ctx: Ctx, dim: int, theta: float, scaling):
+    """(cos, sin with its first half negated) for :func:`_rope`, once per forward."""
+    key = ("rope-signed", dim, theta, id(scaling))
+    if key not in ctx.cache:
+        cos, sin = _rope_tables(ctx, dim, theta, scaling)
+        ctx.cache[key] = cos, torch.cat([-sin[:, :dim // 2], sin[:, dim // 2:]], dim=-1)
+    return ctx.cache[key]
+
+
 def _writes(ctx: Ctx):
     """(token selector or None when all tokens are written, their cache slots), once per forward."""
     if "writes" not in ctx.cache:
@@ -130,6 +151,15 @@ def _mask(ctx: Ctx, window):
         if window:
             m &= kpos > qpos - window
         ctx.cache[key] = m
+    return ctx.cache[key]
+
+
+def _masked(ctx: Ctx, window):
+    """[N, Tq, S]: the keys each query must not see (``~_mask``), once per forward: the
+    scores are filled in place through its broadcast view, no per-layer copy."""
+    key = ("masked", window)
+    if key not in ctx.cache:
+        ctx.cache[key] = ~_mask(ctx, window)
     return ctx.cache[key]
 
 
@@ -203,21 +233,23 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     if qn is not None:
         q = rms_norm(q, qn[:, None, None, :], dims.rms_norm_eps, ctx.traits.get("norm_offset", 0.0))
         k = rms_norm(k, kn[:, None, None, :], dims.rms_norm_eps, ctx.traits.get("norm_offset", 0.0))
-    cos, sin = _rope_tables(ctx, hd, lt["rope_theta"], lt.get("rope_scaling"))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cos, sin = _rope_signed(ctx, hd, lt["rope_theta"], lt.get("rope_scaling"))
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
 
     cache = ctx.kv[layer]  # [D, kvh, slots, hd]
     wsel, wslots = _writes(ctx)
     kk, vv = (k, v) if wsel is None else (k[:, wsel], v[:, wsel])
-    cache["k"][:, :, wslots] = ctx.stored(kk.transpose(1, 2)).to(cache["k"].dtype)
-    cache["v"][:, :, wslots] = ctx.stored(vv.transpose(1, 2)).to(cache["v"].dtype)
+    # the new rows copied along the slot dim (index_copy_: one strided copy per row, where
+    # index_put with a middle-dim index went through the general advanced-indexing kernel)
+    cache["k"].index_copy_(2, wslots, ctx.stored(kk.transpose(1, 2)).to(cache["k"].dtype))
+    cache["v"].index_copy_(2, wslots, ctx.stored(vv.transpose(1, 2)).to(cache["v"].dtype))
 
     N, Tq = ctx.positions.shape
     S = ctx.context_slots.shape[1]
     kvh = cache["k"].shape[1]
     K, V = _context(ctx, cache["k"], N, S, q.dtype), _context(ctx, cache["v"], N, S, q.dtype)
     g = q.shape[2] // kvh  # query heads grouped under their KV head
-    scale, cap, mask = lt.get("attn_scale", hd ** -0.5), lt.get("attn_softcap"), _mask(ctx, lt.get("window"))
+    scale, cap, masked = lt.get("attn_scale", hd ** -0.5), lt.get("attn_softcap"), _masked(ctx, lt.get("window"))
     sinks = W("sinks", layer)
     Qv = q.view(D, N, Tq, kvh, g, hd)
     # query rows in blocks whose scores stay within ATTN_BLOCK elements (a long prefill's whole
@@ -228,9 +260,12 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     for t0 in range(0, Tq, rows):
         tb = min(Tq, t0 + rows) - t0
         Q = Qv[:, :, t0:t0 + tb].permute(0, 3, 1, 4, 2, 5).reshape(D, kvh, N, g * tb, hd)
-        scores = (Q @ K.transpose(-1, -2)).view(D, kvh, N, g, tb, S) * scale
-        scores = softcap(scores, cap)
-        scores = scores.masked_fill(~mask[:, t0:t0 + tb][None, None, :, None], float("-inf"))
+        # the scores' elementwise steps in place on the matmul's result (the same operations
+        # in the same order as ``* scale``, ``softcap``, ``masked_fill``: the same numbers)
+        scores = (Q @ K.transpose(-1, -2)).view(D, kvh, N, g, tb, S).mul_(scale)
+        if cap:
+            scores.div_(cap).tanh_().mul_(cap)
+        scores.masked_fill_(masked[:, t0:t0 + tb][None, None, :, None], float("-inf"))
         if sinks is not None:  # an extra logit per head that takes probability mass, then dropped
             sink = sinks.view(D, kvh, 1, g, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
             p = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(q.dtype)
