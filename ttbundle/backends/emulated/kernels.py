@@ -193,7 +193,9 @@ def _context(ctx: Ctx, cache, N: int, S: int, dtype: torch.dtype | None = None):
     blocks lie in a few runs of consecutive cache blocks (a sequence's table as it is usually
     handed out) is copied run by run, converting as it copies (one pass over the stored values);
     otherwise whole blocks of ``block_size`` contiguous slots are gathered (one copy of
-    block_size rows per block instead of a row per slot), then converted."""
+    block_size rows per block instead of a row per slot), then converted. The emulated model's
+    cache is held in the compute dtype (``state.kv_store``), so neither path converts there: the
+    gather is the one pass that lays the context out for the batched matmul."""
     D, kvh, _, hd = cache.shape
     dtype = dtype or cache.dtype
     if getattr(ctx, "context_blocks", None) is not None:
@@ -215,7 +217,17 @@ ATTN_BLOCK = 1 << 25
 
 def attention(ctx: Ctx, layer: int, q, k, v):
     """GQA attention over the paged cache, with the optional pieces families use: q/k/v bias,
-    per-head q/k RMSNorm, rope variants, sliding window, logit soft-capping, attention sinks."""
+    per-head q/k RMSNorm, rope variants, sliding window, logit soft-capping, attention sinks.
+
+    The numbers are those of the plain formula (tests/test_emulated_attention_exact.py checks
+    them bit for bit): rope, write the new K/V rows rounded to the cache's storage, gather each
+    sequence's context, scores = Q K^T as one matmul per (device, KV head, sequence), scale,
+    soft-cap, mask, sinks, softmax, P V. What makes a decode step cheap is doing no more passes
+    than that (issue 25): the cache holds its bf16 values in the compute dtype, so the context
+    is gathered straight into the matmul's operand (no per-layer bf16 -> float32 conversion);
+    rope is two multiplies and an add (:func:`_rope`); the new rows go in with ``index_copy_``;
+    scale, soft-cap and the mask (inverted once per forward, :func:`_masked`) act in place on
+    the matmul's result."""
     dims, lt, W = ctx.dims, ctx.layer_traits[layer], ctx.weights
     hd = lt.get("head_dim", dims.head_dim)
     D, T = q.shape[:2]
