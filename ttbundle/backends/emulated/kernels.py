@@ -187,13 +187,26 @@ def _runs(ctx: Ctx):
     return ctx.cache["runs"]
 
 
+def _block_rows(ctx: Ctx, outer: int, blocks: int):
+    """The context's blocks as rows of a cache viewed ``[outer x blocks, block_size x hd]``
+    (``outer`` = devices x heads, outermost): row ``o * blocks + b`` for each ``o``, then each
+    context block ``b`` in order, once per forward and cache shape."""
+    key = ("block rows", outer, blocks)
+    if key not in ctx.cache:
+        ctx.cache[key] = (torch.arange(outer, device=ctx.context_blocks.device)[:, None] * blocks
+                          + ctx.context_blocks.reshape(1, -1)).reshape(-1)
+    return ctx.cache[key]
+
+
 def _context(ctx: Ctx, cache, N: int, S: int, dtype: torch.dtype | None = None):
     """[D, kvh, N, S, hd]: each sequence's context gathered from ``cache`` [D, kvh, slots, hd]
     as ``dtype`` (default the cache's). Given in blocks (``context_blocks``), a context whose
     blocks lie in a few runs of consecutive cache blocks (a sequence's table as it is usually
     handed out) is copied run by run, converting as it copies (one pass over the stored values);
     otherwise whole blocks of ``block_size`` contiguous slots are gathered (one copy of
-    block_size rows per block instead of a row per slot), then converted. The emulated model's
+    block_size rows per block instead of a row per slot), then converted: from a contiguous
+    cache as rows of ``[devices x heads x blocks, block_size x hd]`` (index_select along dim 0
+    copies each row with one memcpy; along the block dim it set up a strided copy per block). The emulated model's
     cache is held in the compute dtype (``state.kv_store``), so neither path converts there: the
     gather is the one pass that lays the context out for the batched matmul."""
     D, kvh, _, hd = cache.shape
@@ -206,6 +219,9 @@ def _context(ctx: Ctx, cache, N: int, S: int, dtype: torch.dtype | None = None):
             for n, b0, count, j0 in runs:
                 out[:, :, n, j0 * bs:(j0 + count) * bs].copy_(cache[:, :, b0 * bs:(b0 + count) * bs])
             return out
+        if cache.is_contiguous():  # one row per (device, head, block): index_select's dim-0 path
+            rows = cache.view(-1, bs * hd).index_select(0, _block_rows(ctx, D * kvh, cache.shape[2] // bs))
+            return rows.view(D, kvh, N, S, hd).to(dtype)
         got = cache.view(D, kvh, -1, bs, hd).index_select(2, ctx.context_blocks.reshape(-1)).view(D, kvh, N, S, hd)
         return got.to(dtype)
     return cache.index_select(2, ctx.context_slots.reshape(-1)).view(D, kvh, N, S, hd).to(dtype)
