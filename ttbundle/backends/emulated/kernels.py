@@ -28,6 +28,18 @@ def apply_rope(x, cos, sin):
     return x * cos[None, :, None, :] + rotate_half(x) * sin[None, :, None, :]
 
 
+def _rope(x, cos, sin_signed):
+    """:func:`apply_rope`'s numbers in fewer passes: ``sin_signed`` is sin with its first half
+    negated (``(-x2) * s`` is ``x2 * (-s)`` exactly), so rotate_half's negation and concatenation
+    become two multiplies into the halves of one buffer; then ``x * cos`` plus that, as before."""
+    half = x.shape[-1] // 2
+    r = torch.empty(x.shape, dtype=torch.result_type(x, cos), device=x.device)
+    torch.mul(x[..., half:], sin_signed[None, :, None, :half], out=r[..., :half])
+    torch.mul(x[..., :half], sin_signed[None, :, None, half:], out=r[..., half:])
+    out = x * cos[None, :, None, :]
+    return out.add_(r)
+
+
 # ---- elementwise --------------------------------------------------------------------------------
 def rms_norm(x, w, eps: float, offset: float = 0.0, weight_fp32: bool = False):
     """RMSNorm in float32 like HF, scaled by (offset + w); returns x's dtype. ``weight_fp32``:
@@ -106,6 +118,15 @@ def _rope_tables(ctx: Ctx, dim: int, theta: float, scaling):
     return ctx.cache[key]
 
 
+def _rope_signed(ctx: Ctx, dim: int, theta: float, scaling):
+    """(cos, sin with its first half negated) for :func:`_rope`, once per forward."""
+    key = ("rope-signed", dim, theta, id(scaling))
+    if key not in ctx.cache:
+        cos, sin = _rope_tables(ctx, dim, theta, scaling)
+        ctx.cache[key] = cos, torch.cat([-sin[:, :dim // 2], sin[:, dim // 2:]], dim=-1)
+    return ctx.cache[key]
+
+
 def _writes(ctx: Ctx):
     """(token selector or None when all tokens are written, their cache slots), once per forward."""
     if "writes" not in ctx.cache:
@@ -133,6 +154,15 @@ def _mask(ctx: Ctx, window):
     return ctx.cache[key]
 
 
+def _masked(ctx: Ctx, window):
+    """[N, Tq, S]: the keys each query must not see (``~_mask``), once per forward: the
+    scores are filled in place through its broadcast view, no per-layer copy."""
+    key = ("masked", window)
+    if key not in ctx.cache:
+        ctx.cache[key] = ~_mask(ctx, window)
+    return ctx.cache[key]
+
+
 #: at most this many runs of consecutive cache blocks are copied run by run (below)
 CONTEXT_RUNS = 4
 
@@ -157,13 +187,28 @@ def _runs(ctx: Ctx):
     return ctx.cache["runs"]
 
 
+def _block_rows(ctx: Ctx, outer: int, blocks: int):
+    """The context's blocks as rows of a cache viewed ``[outer x blocks, block_size x hd]``
+    (``outer`` = devices x heads, outermost): row ``o * blocks + b`` for each ``o``, then each
+    context block ``b`` in order, once per forward and cache shape."""
+    key = ("block rows", outer, blocks)
+    if key not in ctx.cache:
+        ctx.cache[key] = (torch.arange(outer, device=ctx.context_blocks.device)[:, None] * blocks
+                          + ctx.context_blocks.reshape(1, -1)).reshape(-1)
+    return ctx.cache[key]
+
+
 def _context(ctx: Ctx, cache, N: int, S: int, dtype: torch.dtype | None = None):
     """[D, kvh, N, S, hd]: each sequence's context gathered from ``cache`` [D, kvh, slots, hd]
     as ``dtype`` (default the cache's). Given in blocks (``context_blocks``), a context whose
     blocks lie in a few runs of consecutive cache blocks (a sequence's table as it is usually
     handed out) is copied run by run, converting as it copies (one pass over the stored values);
     otherwise whole blocks of ``block_size`` contiguous slots are gathered (one copy of
-    block_size rows per block instead of a row per slot), then converted."""
+    block_size rows per block instead of a row per slot), then converted: from a contiguous
+    cache as rows of ``[devices x heads x blocks, block_size x hd]`` (index_select along dim 0
+    copies each row with one memcpy; along the block dim it set up a strided copy per block). The emulated model's
+    cache is held in the compute dtype (``state.kv_store``), so neither path converts there: the
+    gather is the one pass that lays the context out for the batched matmul."""
     D, kvh, _, hd = cache.shape
     dtype = dtype or cache.dtype
     if getattr(ctx, "context_blocks", None) is not None:
@@ -174,6 +219,9 @@ def _context(ctx: Ctx, cache, N: int, S: int, dtype: torch.dtype | None = None):
             for n, b0, count, j0 in runs:
                 out[:, :, n, j0 * bs:(j0 + count) * bs].copy_(cache[:, :, b0 * bs:(b0 + count) * bs])
             return out
+        if cache.is_contiguous():  # one row per (device, head, block): index_select's dim-0 path
+            rows = cache.view(-1, bs * hd).index_select(0, _block_rows(ctx, D * kvh, cache.shape[2] // bs))
+            return rows.view(D, kvh, N, S, hd).to(dtype)
         got = cache.view(D, kvh, -1, bs, hd).index_select(2, ctx.context_blocks.reshape(-1)).view(D, kvh, N, S, hd)
         return got.to(dtype)
     return cache.index_select(2, ctx.context_slots.reshape(-1)).view(D, kvh, N, S, hd).to(dtype)
@@ -185,7 +233,17 @@ ATTN_BLOCK = 1 << 25
 
 def attention(ctx: Ctx, layer: int, q, k, v):
     """GQA attention over the paged cache, with the optional pieces families use: q/k/v bias,
-    per-head q/k RMSNorm, rope variants, sliding window, logit soft-capping, attention sinks."""
+    per-head q/k RMSNorm, rope variants, sliding window, logit soft-capping, attention sinks.
+
+    The numbers are those of the plain formula (tests/test_emulated_attention_exact.py checks
+    them bit for bit): rope, write the new K/V rows rounded to the cache's storage, gather each
+    sequence's context, scores = Q K^T as one matmul per (device, KV head, sequence), scale,
+    soft-cap, mask, sinks, softmax, P V. What makes a decode step cheap is doing no more passes
+    than that (issue 25): the cache holds its bf16 values in the compute dtype, so the context
+    is gathered straight into the matmul's operand (no per-layer bf16 -> float32 conversion);
+    rope is two multiplies and an add (:func:`_rope`); the new rows go in with ``index_copy_``;
+    scale, soft-cap and the mask (inverted once per forward, :func:`_masked`) act in place on
+    the matmul's result."""
     dims, lt, W = ctx.dims, ctx.layer_traits[layer], ctx.weights
     hd = lt.get("head_dim", dims.head_dim)
     D, T = q.shape[:2]
@@ -203,21 +261,23 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     if qn is not None:
         q = rms_norm(q, qn[:, None, None, :], dims.rms_norm_eps, ctx.traits.get("norm_offset", 0.0))
         k = rms_norm(k, kn[:, None, None, :], dims.rms_norm_eps, ctx.traits.get("norm_offset", 0.0))
-    cos, sin = _rope_tables(ctx, hd, lt["rope_theta"], lt.get("rope_scaling"))
-    q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    cos, sin = _rope_signed(ctx, hd, lt["rope_theta"], lt.get("rope_scaling"))
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
 
     cache = ctx.kv[layer]  # [D, kvh, slots, hd]
     wsel, wslots = _writes(ctx)
     kk, vv = (k, v) if wsel is None else (k[:, wsel], v[:, wsel])
-    cache["k"][:, :, wslots] = ctx.stored(kk.transpose(1, 2)).to(cache["k"].dtype)
-    cache["v"][:, :, wslots] = ctx.stored(vv.transpose(1, 2)).to(cache["v"].dtype)
+    # the new rows copied along the slot dim (index_copy_: one strided copy per row, where
+    # index_put with a middle-dim index went through the general advanced-indexing kernel)
+    cache["k"].index_copy_(2, wslots, ctx.stored(kk.transpose(1, 2)).to(cache["k"].dtype))
+    cache["v"].index_copy_(2, wslots, ctx.stored(vv.transpose(1, 2)).to(cache["v"].dtype))
 
     N, Tq = ctx.positions.shape
     S = ctx.context_slots.shape[1]
     kvh = cache["k"].shape[1]
     K, V = _context(ctx, cache["k"], N, S, q.dtype), _context(ctx, cache["v"], N, S, q.dtype)
     g = q.shape[2] // kvh  # query heads grouped under their KV head
-    scale, cap, mask = lt.get("attn_scale", hd ** -0.5), lt.get("attn_softcap"), _mask(ctx, lt.get("window"))
+    scale, cap, masked = lt.get("attn_scale", hd ** -0.5), lt.get("attn_softcap"), _masked(ctx, lt.get("window"))
     sinks = W("sinks", layer)
     Qv = q.view(D, N, Tq, kvh, g, hd)
     # query rows in blocks whose scores stay within ATTN_BLOCK elements (a long prefill's whole
@@ -228,9 +288,12 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     for t0 in range(0, Tq, rows):
         tb = min(Tq, t0 + rows) - t0
         Q = Qv[:, :, t0:t0 + tb].permute(0, 3, 1, 4, 2, 5).reshape(D, kvh, N, g * tb, hd)
-        scores = (Q @ K.transpose(-1, -2)).view(D, kvh, N, g, tb, S) * scale
-        scores = softcap(scores, cap)
-        scores = scores.masked_fill(~mask[:, t0:t0 + tb][None, None, :, None], float("-inf"))
+        # the scores' elementwise steps in place on the matmul's result (the same operations
+        # in the same order as ``* scale``, ``softcap``, ``masked_fill``: the same numbers)
+        scores = (Q @ K.transpose(-1, -2)).view(D, kvh, N, g, tb, S).mul_(scale)
+        if cap:
+            scores.div_(cap).tanh_().mul_(cap)
+        scores.masked_fill_(masked[:, t0:t0 + tb][None, None, :, None], float("-inf"))
         if sinks is not None:  # an extra logit per head that takes probability mass, then dropped
             sink = sinks.view(D, kvh, 1, g, 1, 1).expand(*scores.shape[:-1], 1).to(scores.dtype)
             p = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(q.dtype)

@@ -8,7 +8,8 @@ sharding requires (``meshops``), so a program with a step missing computes wrong
 Prefill runs one sequence padded to a prefill bucket (chunks of ``prefill_chunk``), decode a
 batch padded to a decode bucket. The KV cache is paged (a block table maps each sequence's
 positions to cache slots, as on the device) and holds values in its declared dtype (``bf16`` or
-``bfp8``: each new row is rounded as the device's storage rounds it).
+``bfp8``: each new row is rounded as the device's storage rounds it), in tensors of the compute
+dtype where that is wider (``state.kv_store``: attention reads them without converting).
 """
 
 from __future__ import annotations

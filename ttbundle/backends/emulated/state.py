@@ -15,9 +15,21 @@ class KVCache:
 
 
 def kv_store(kv_dtype: str, compute: torch.dtype):
-    """(storage dtype of the cache tensors, per-write rounding) for a declared KV dtype."""
+    """(storage dtype of the cache tensors, per-write rounding) for a declared KV dtype. The
+    emulated cache holds the *values* the device's storage would (each written row rounded as
+    it rounds them) in the compute dtype where that is wider (bf16 and block-float caches of a
+    float32 model: float32 tensors), so reads need no conversion; this is the emulated
+    backend's own memory (vLLM sizes its blocks at the model dtype's bytes, which this is)."""
     if kv_dtype == "bf16":
-        return torch.bfloat16, None
+        if compute == torch.bfloat16:
+            return torch.bfloat16, None
+
+        def store_bf16(x: torch.Tensor) -> torch.Tensor:
+            # held as the compute dtype (each value exactly a bf16 one, as the device's bf16
+            # storage rounds it): attention reads its context straight into the matmul instead
+            # of gathering bf16 and converting every step, every layer (issue 25)
+            return x.to(torch.bfloat16).to(compute)
+        return compute, store_bf16
     if kv_dtype in ("bfp8", "bfp4"):
         from ... import blockfloat
 
