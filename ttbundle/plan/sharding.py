@@ -58,14 +58,11 @@ def resolved_plan(bundle, mesh_name: str) -> tuple[dict[str, tuple], dict[str, t
     for n, sp in s.sharding.plan.items():
         if n in plan:
             plan[n], origin[n] = tuple(sp), ("sharding", "plan", n)
-    key = _target_key(s.sharding.targets, mesh_name)
+    key = meshmod.target_key(s.sharding.targets, mesh_name)
     for n, sp in s.sharding.targets.get(key, {}).items():
         if n in plan:
             plan[n], origin[n] = tuple(sp), ("sharding", "targets", key, n)
     return plan, origin
-
-
-_target_key = meshmod.target_key  # (the one rule: mesh.target_key)
 
 
 def tensor_dtype(spec, t: TensorDecl) -> str:
@@ -101,7 +98,7 @@ def _shard_tensors(bundle, mesh: Mesh):
     decls = {t.name: t for t in fam.tensors(a)}
     errors: dict[tuple, tuple[list[str], str, tuple]] = {}
     tensors: list[TensorPlan] = []
-    tkey = _target_key(s.targets, mesh.name)
+    tkey = meshmod.target_key(s.targets, mesh.name)
     target_idx = s.targets.index(tkey) if tkey in s.targets else None
 
     for t in decls.values():

@@ -51,7 +51,7 @@ class DraftProposer:
     def __init__(self, package, k: int, max_model_len: int, dtype=torch.float32, lanes: int = 1):
         from ..package.names import DRAFT_DIR
         from ..package.verify import load_adapter
-        from ..speculative import draft_kv_blocks
+        from ..speculative import draft_kv_blocks, rows_per_seq
         from .packages import open_package
 
         # verified with the target (package.verify checks the draft's files as the target's)
@@ -75,7 +75,6 @@ class DraftProposer:
         bk = draft.buckets
         self.prefill_buckets, self.decode_buckets = list(bk.prefill), list(bk.decode)
         self.chunk = bk.prefill_chunk or max(bk.prefill)
-        from ..speculative import rows_per_seq
         # its verify programs' rows per sequence (k + 1: ``speculative.draft_spec_text``); 0: a
         # draft built without them catches up with decode steps
         rows = rows_per_seq(draft)

@@ -13,6 +13,7 @@ rope positions named here), and the static chunk starts of an MLA prefill.
 from __future__ import annotations
 
 from ... import tiles
+from ...speculative import rows_per_seq
 from ...program import Program
 from .calls import T
 from .layout import TILE
@@ -56,12 +57,6 @@ def deepstack_input(k: int) -> str:
     return f"mm_deepstack.{k}"
 
 
-def verify_rows_per_seq(bundle) -> int:
-    """Rows of one sequence in a verify forward (its last token and its k proposals)."""
-    from ...speculative import rows_per_seq
-    return rows_per_seq(bundle)
-
-
 def verify_pos_input(j: int) -> str:
     """The input holding the cache position of row ``j`` of each sequence of a verify forward
     (``[bucket]``, -1: no such row). A verify forward's rows are grouped by ``j`` (row
@@ -94,7 +89,7 @@ def inputs_of(program: Program, bundle) -> dict:
             ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
         else:  # verify: each row group's positions and the sequences' pages (``text_ops.row_groups``)
             ins.update({verify_pos_input(j): ((program.bucket,), "int32", "ROW_MAJOR")
-                        for j in range(verify_rows_per_seq(bundle))})
+                        for j in range(rows_per_seq(bundle))})
             ins[VERIFY_PAGES] = ((program.bucket, blocks_per_seq), "int32", "ROW_MAJOR")
     else:
         ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
