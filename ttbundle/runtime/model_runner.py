@@ -35,6 +35,7 @@ import json
 import logging
 import os
 import time
+import collections
 from collections import deque
 
 import torch
@@ -103,7 +104,9 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         self._pending = None
         self._inflight: InFlight | None = None  # the last submitted decode, until collected
         self._batch: DecodeBatch | None = None  # the last async decode's persistent batch
-        self._block_epoch = 0  # bumped whenever a request's block list changes or a request starts
+        # per lane (None without lanes): bumped whenever a request of that lane starts or its block
+        # list changes, so one lane's new block leaves the other lanes' page tables as they are
+        self._block_epoch: collections.Counter = collections.Counter()
         self.async_scheduling = bool(vllm_config.scheduler_config.async_scheduling)
         self.step_log: deque[Step] = deque(maxlen=10_000)
         self._log_path = os.environ.get("TTBUNDLE_STEP_LOG")
@@ -233,7 +236,7 @@ class TTModelRunner(AsyncDecode, LaneDecode):
             st = self.requests[nr.req_id] = ReqState(nr.req_id, list(nr.prompt_token_ids), sp, gen,
                                                      list(nr.block_ids[0]), nr.num_computed_tokens)
             st.host_sampling = self._needs_host(sp)
-            self._block_epoch += 1
+            self._blocks_changed(nr.req_id)
             if getattr(nr, "mm_features", None):
                 self._request_images(self.requests[nr.req_id], nr.mm_features)
         c = so.scheduled_cached_reqs
@@ -244,14 +247,21 @@ class TTModelRunner(AsyncDecode, LaneDecode):
                 if self.lanes is not None:
                     self.lanes.free_blocks(self.lanes.of[rid], st.block_ids)
                 st.block_ids = list(new[0]) if new is not None else []
-                self._block_epoch += 1
+                self._blocks_changed(rid)
             elif new is not None and new[0]:
                 st.block_ids += new[0]
-                self._block_epoch += 1
+                self._blocks_changed(rid)
             st.num_computed = c.num_computed_tokens[i]
             full = c.all_token_ids.get(rid)
             if full is not None and len(full) > st.num_tokens:  # tokens we never saw
                 st.output += full[st.num_tokens:]
+
+    def _lane_key(self, rid: str):
+        """The key of ``rid``'s persistent decode batch: its lane's index, None without lanes."""
+        return None if self.lanes is None else self.lanes.of[rid].index
+
+    def _blocks_changed(self, rid: str) -> None:
+        self._block_epoch[self._lane_key(rid)] += 1
 
     def _needs_host(self, params) -> bool:
         """Whether a request's rows sample on the host (``sampling.host_reasons``, or a seed the

@@ -83,17 +83,18 @@ class LaneDecode:
 
     def _lane_batch(self, idx: int, states, on_device: bool) -> DecodeBatch:
         """Lane ``idx``'s persistent batch: rebuilt when its rows change, its page table when a
-        row's blocks changed (``_block_epoch``), its sampling inputs when the sampling side
+        row's blocks changed (``_block_epoch[idx]``), its sampling inputs when the sampling side
         changes; the same tensors otherwise (the device model then skips their copies)."""
         rids = tuple([st.req_id for st in states])
         batch = self._lane_batches.get(idx)
+        epoch = self._block_epoch[idx]
         if batch is None or batch.rids != rids or (batch.sampling is None) == on_device:
             bucket = pick(self.decode_buckets, len(states))
             batch = self._lane_batches[idx] = DecodeBatch(
-                rids, self._block_epoch, bucket, self._page_table(states, bucket),
+                rids, epoch, bucket, self._page_table(states, bucket),
                 self._device_sampling(states, bucket) if on_device else None, None, None)
-        elif batch.epoch != self._block_epoch:  # a new table (never changed in place)
-            batch.page_table, batch.epoch = self._page_table(states, batch.bucket), self._block_epoch
+        elif batch.epoch != epoch:  # a new table (never changed in place)
+            batch.page_table, batch.epoch = self._page_table(states, batch.bucket), epoch
         return batch
 
     def _verify_lanes(self, states, by_lane: dict, on_device: bool):

@@ -71,12 +71,13 @@ class InFlight:
 class DecodeBatch:
     """The persistent state of an async decode batch (the same rows step after step): what the
     host builds once per batch instead of once per step. It is rebuilt when the rows change; its
-    page table is rebuilt when any row's block list changed (``TTModelRunner._block_epoch``); a
-    step whose rows all take their input token from the previous step of the same batch feeds
-    row i from row i."""
+    page table is rebuilt when a row's block list may have changed (``TTModelRunner._block_epoch``
+    of its lane, or of the engine without lanes: another lane's new block leaves it as it is); a
+    step whose rows all take their input token from the previous step of the same batch feeds row
+    i from row i."""
 
     rids: tuple  # the rows' request ids, in row order
-    epoch: int  # ``TTModelRunner._block_epoch`` when built
+    epoch: int  # ``TTModelRunner._block_epoch`` of its lane (None: no lanes) when built
     bucket: int
     page_table: torch.Tensor  # [bucket, max blocks]
     sampling: DeviceSampling

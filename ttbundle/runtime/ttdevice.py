@@ -447,7 +447,6 @@ class TTDeviceModel(MeshModel):
             return logits
         return accept(logits, tokens[:, 1:], (n - 1).clamp(min=0), sampling_params)
 
-    @torch.no_grad()
     def decode_forward(self, tokens, start_pos, page_table, kv_cache, sampling_params=None, enable_trace: bool = True,
                        read_from_device: bool = True, prev_output=None, prev_rows=None, rope_positions=None,
                        rope_deltas=None):
@@ -456,9 +455,10 @@ class TTDeviceModel(MeshModel):
         ``prev_rows[i]`` of ``prev_output`` (an earlier such handle) on the device.
         ``rope_positions`` [3, B, 1]: each row's M-RoPE positions (ttbundle's runner); else
         ``rope_deltas`` [B] (what ``prefill_forward`` returned per request): row ``i`` at
-        ``start_pos[i] + rope_deltas[i]``; neither: the cache positions."""
+        ``start_pos[i] + rope_deltas[i]``; neither: the cache positions. (No ``torch.no_grad``
+        here, unlike the other forwards: the step is host arrays and device calls, no torch op,
+        and entering the context costs microseconds per lane per step, issue 25.)"""
         import numpy as np
-        from ..backends.ttnn.device import mask_inputs
 
         B = tokens.shape[0]
         if tokens.shape[1] != 1 or B not in self.decode_buckets:
@@ -499,6 +499,7 @@ class TTDeviceModel(MeshModel):
         host = {"tokens": toks.reshape(1, R), "positions": np.maximum(pos, 0).astype(np.uint32).reshape(1, R),
                 "cur_pos": pos.astype(np.int32), "page_table": cached_pt[1]}
         if not self._mask_free.get(key):
+            from ..backends.ttnn.device import mask_inputs  # (here: a from-import runs the import machinery each call)
             rope = _rope_kwargs(rope_positions, rope_deltas, start_pos, B)
             masks = mask_inputs(fw, host["cur_pos"][:, None], rope_positions=None if rope is None else rope.numpy())
             self._mask_free[key] = not masks
