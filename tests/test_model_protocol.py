@@ -80,7 +80,8 @@ def test_each_model_declares_and_implements_the_protocol(cls):
 def test_the_protocol_lists_what_the_runner_needs():
     assert members(MeshModel) == [
         "model_capabilities", "seeded_on_device", "initialize_vllm_model", "allocate_kv_cache",
-        "prefill_forward", "decode_forward", "verify_forward", "read_decode_output", "process_decode_output_host",
+        "prefill_forward", "read_prefill_output", "decode_forward", "verify_forward", "read_decode_output",
+        "process_decode_output_host",
         "vision_buckets", "encode_images", "warmup_model_prefill", "warmup_model_decode", "seal",
         "release"]
     assert BundleModel.seeded_on_device is True and TTDeviceModel.seeded_on_device is False

@@ -92,9 +92,17 @@ def test_host_sampled_batches_fall_back_to_synchronous_steps(timed):
     assert decodes and {(s["sampling"], s["mode"]) for s in decodes} == {("host", "sync")}
     ev = res["events"]
     ex = [i for i, e in enumerate(ev) if e["kind"] == "execute"]
-    # each step's output is read (logits to vLLM's sampler) before the next is enqueued
-    for i, j in zip(ex, ex[1:]):
-        assert any(e["kind"] == "read" and e["step"] == ev[i]["step"] for e in ev[i + 1:j]), (i, j)
+    groups, k = [], 0  # each engine step's programs: one per chunk of a prefill step, one per decode
+    for s in res["steps"]:
+        n = len(s["rows"]) if s["phase"] == "prefill" else 1
+        groups.append(ex[k:k + n])
+        k += n
+    assert k == len(ex)
+    # each step's outputs are read (logits to vLLM's sampler) before the next step is enqueued (a
+    # prefill step's chunks are all enqueued before any is read back: on lanes they run side by side)
+    for g, nxt in zip(groups, groups[1:]):
+        for i in g:
+            assert any(e["kind"] == "read" and e["step"] == ev[i]["step"] for e in ev[i + 1:nxt[0]]), (i, nxt[0])
 
 
 @pytest.mark.slow  # one engine process, three engines: about a minute

@@ -7,7 +7,8 @@ submesh. References: transformers' greedy ``generate`` on the checkpoint (as
 test_runtime_lanes.py does for the emulated mesh) and the emulated mesh's lanes on the same
 package and prompts; the double's events for where each lane's traces ran. On the timing device
 (``timing_engine_run.py``, async decode on): the device's token rule, and every lane's step
-enqueued before any is read back, so the 8 submeshes' modeled steps run side by side."""
+enqueued before any is read back, so the 8 submeshes' modeled steps run side by side (decode
+steps, and the chunks of a prefill step on different lanes)."""
 
 from __future__ import annotations
 
@@ -141,3 +142,23 @@ def test_lanes_on_the_timing_device_run_async_side_by_side(lanes_timed):
             full += 1
             assert max(e["done"] for e in group) - min(e["done"] for e in group) < STEP_MS / 1000
     assert i == len(ex) and full >= TOKENS - 2
+
+
+def test_a_prefill_steps_chunks_on_different_lanes_run_side_by_side(lanes_timed):
+    """Every chunk of a prefill step is enqueued before any is read back: the chunks on different
+    lanes (submeshes) run at the same time, each enqueued before the first of them is done (read
+    back one by one, each would be enqueued after the one before it ended)."""
+    res = lanes_timed
+    pre = [e for e in res["events"] if e["kind"] == "execute" and e["key"] and e["key"][0] == "prefill"]
+    i, side_by_side = 0, 0
+    for s in res["steps"]:
+        if s["phase"] != "prefill":
+            continue
+        group = pre[i:i + len(s["rows"])]  # one prefill program per chunk (no packing on a device)
+        i += len(s["rows"])
+        assert len(group) == len(s["rows"])
+        if len(set(s["lanes"])) == len(s["lanes"]) > 1:
+            side_by_side += 1
+            first_done = min(e["done"] for e in group)
+            assert all(e["at"] < first_done for e in group), group
+    assert i == len(pre) and side_by_side >= 2

@@ -172,7 +172,7 @@ class BundleModel(MeshModel):
                         prompt_lens, start_pos=None, sampling_params: DeviceSampling | None = None,
                         enable_trace: bool = True, return_prompt_logits: bool = False, mm: dict | None = None,
                         pixel_values=None, rope_positions: torch.Tensor | None = None, image_grid_thw=None,
-                        **kwargs):
+                        read_from_device: bool = True, **kwargs):
         """One sequence's prefill chunk. ``tokens`` [1, S] with S a prefill bucket, the first
         ``prompt_lens[0]`` real; positions start at ``start_pos[0]``. Returns the last real
         token's logits [1, V] (host sampling) or its sampled id [1] (``sampling_params``);
@@ -188,7 +188,9 @@ class BundleModel(MeshModel):
         the convention of Tenstorrent's M-RoPE models); for other models ``image_grid_thw`` is
         accepted and unused. ``rope_positions`` [3, 1, S]: M-RoPE positions (temporal, height,
         width) of the chunk's tokens (ttbundle's runner, ``PromptPositions.chunk``); None: the
-        cache positions. KV slots always come from the cache positions."""
+        cache positions. KV slots always come from the cache positions. ``read_from_device``: the
+        emulated mesh computes in the call either way; its result is its own handle
+        (:meth:`read_prefill_output`)."""
         N, S = tokens.shape
         if N != 1:
             if (mm is not None or pixel_values is not None or return_prompt_logits or rope_positions is not None
@@ -416,6 +418,9 @@ class BundleModel(MeshModel):
         return h[:n].float()
 
     # -- Tenstorrent's decode read-back (the emulated mesh's outputs are host tensors already) ------
+    def read_prefill_output(self, handle):
+        return handle
+
     def read_decode_output(self, tt_out, async_read: bool = True):
         return tt_out
 

@@ -54,11 +54,20 @@ class MeshModel(Protocol):
     def prefill_forward(self, tokens: torch.Tensor, page_table: torch.Tensor, kv_cache, prompt_lens,
                         start_pos=None, sampling_params=None, enable_trace: bool = True,
                         return_prompt_logits: bool = False, mm: dict | None = None, pixel_values=None,
-                        rope_positions: torch.Tensor | None = None, image_grid_thw=None, **kwargs):
+                        rope_positions: torch.Tensor | None = None, image_grid_thw=None,
+                        read_from_device: bool = True, **kwargs):
         """A prefill chunk: ``tokens`` [N, S] (one sequence, or N packed), the last real token's
         logits [N, V] or sampled ids [N]; ``return_prompt_logits``: every real position's logits;
         ``mm``: the chunk's image soft tokens; ``pixel_values`` / ``image_grid_thw``: a request's
-        images as Tenstorrent's plugin passes them; ``rope_positions``: M-RoPE positions."""
+        images as Tenstorrent's plugin passes them; ``rope_positions``: M-RoPE positions.
+        ``read_from_device=False`` (ttbundle's runner): the chunk is enqueued and a handle comes
+        back for :meth:`read_prefill_output`, so a step's chunks on different lanes (submeshes)
+        run side by side."""
+        ...
+
+    @abstractmethod
+    def read_prefill_output(self, handle):
+        """What :meth:`prefill_forward` returns, for a chunk enqueued with ``read_from_device=False``."""
         ...
 
     @abstractmethod

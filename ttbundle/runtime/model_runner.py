@@ -488,6 +488,9 @@ class TTModelRunner(AsyncDecode, LaneDecode):
             calls += step.calls if step else []
             return out, Step("prefill", [(st.req_id, st.num_computed, n) for st, n in rows], buckets, "",
                              calls=calls)
+        # every chunk enqueued before any is read back: on a device, chunks of different lanes
+        # (each lane its own submesh) run side by side instead of one after another
+        submitted = []
         for st, n in rows:
             bucket = pick(self.prefill_buckets, n)
             buckets.append(bucket)
@@ -502,9 +505,11 @@ class TTModelRunner(AsyncDecode, LaneDecode):
                 if mm is not None:
                     kw["mm"] = mm
             kw.update(st.positions.chunk(st.num_computed, n, bucket))
-            res = self.mesh_model.prefill_forward(
+            submitted.append((st, n, samples, k, self.mesh_model.prefill_forward(
                 tokens, self._page_table([st], 1), self._kv_of(st), [n], [st.num_computed],
-                self._device_sampling([st], 1) if (samples and on_device) else None, **kw)
+                self._device_sampling([st], 1) if (samples and on_device) else None, read_from_device=False, **kw)))
+        for st, n, samples, k, handle in submitted:
+            res = self.mesh_model.read_prefill_output(handle)
             if k is not None:  # every position's logits [n, V]: the prompt's, then the last one's
                 done = self.prompt_lp.add(st.req_id, st.prompt, k, st.num_computed, res)
                 if done is not None:

@@ -113,6 +113,17 @@ class KVHandle:
         self.num_blocks, self.block_size, self.lane = num_blocks, block_size, lane
 
 
+class PrefillOutput:
+    """A prefill chunk enqueued (``prefill_forward(read_from_device=False)``), read by
+    ``read_prefill_output``: its outputs on the device, the lane's runner, which row of the head
+    is the chunk's last real token, and the readback queued behind it."""
+
+    def __init__(self, out: dict, runner, row: int, head: int, tokens: bool, deltas=None):
+        self.out, self.runner, self.row, self.head, self.tokens, self.deltas = out, runner, row, head, tokens, deltas
+        self.name = "next_tokens" if tokens else "logits.out"
+        self.pending = None  # (host tensor, event) of the readback queued at submit
+
+
 class DecodeOutput:
     """A decode's outputs before read-back (``decode_forward(read_from_device=False)``):
     Tenstorrent's plugin then calls ``read_decode_output`` and ``process_decode_output_host``."""
@@ -334,7 +345,8 @@ class TTDeviceModel(MeshModel):
     @torch.no_grad()
     def prefill_forward(self, tokens, page_table, kv_cache, prompt_lens, start_pos=None, sampling_params=None,
                         enable_trace: bool = True, return_prompt_logits: bool = False, mm: dict | None = None,
-                        pixel_values=None, rope_positions=None, image_grid_thw=None, **kwargs):
+                        pixel_values=None, rope_positions=None, image_grid_thw=None, read_from_device: bool = True,
+                        **kwargs):
         """One sequence's prefill chunk (as ``adapter.BundleModel.prefill_forward``). ``mm``: the
         chunk's image soft tokens (``runtime.images.chunk_inputs``; ttbundle's runner);
         ``pixel_values``: the request's images as Tenstorrent's plugin passes them (the whole
@@ -347,7 +359,10 @@ class TTDeviceModel(MeshModel):
         positions (ttbundle's runner); images given as ``pixel_values`` to an M-RoPE model make
         their own, and the call then returns ``(output, rope_deltas)`` as
         ``adapter.BundleModel.prefill_forward`` does. Refused: ``return_prompt_logits`` (the
-        platform refuses prompt_logprobs on a device)."""
+        platform refuses prompt_logprobs on a device). ``read_from_device=False``: the chunk's
+        program is enqueued with its readback right behind it (a later replay of the same trace on
+        this submesh overwrites its outputs) and a handle returned for :meth:`read_prefill_output`:
+        the runner enqueues every chunk of a step before reading any, so lanes prefill side by side."""
         import numpy as np
         from ..backends.ttnn.device import prefill_host_inputs
 
@@ -380,15 +395,32 @@ class TTDeviceModel(MeshModel):
         host.update(self._sampling_inputs(sampling_params, head))
         lane = self._lane(kv_cache)
         out = self._run(key, host, lane)
-        row = (n - 1) % head
         runner = self.lane_runners[lane]
-        if sampling_params is not None:
-            ids = np.asarray(runner.read(out["next_tokens"])).reshape(-1)
-            res = torch.tensor([int(ids[row])])
+        handle = PrefillOutput(out, runner, (n - 1) % head, head, sampling_params is not None, deltas)
+        if read_from_device:
+            return self.read_prefill_output(handle)
+        handle.pending = (self.ttnn.from_device(out[handle.name], blocking=False),
+                          self.ttnn.record_event(runner.ex.device, 0))
+        return handle
+
+    def read_prefill_output(self, handle: "PrefillOutput"):
+        """A prefill chunk's result (what :meth:`prefill_forward` returns), read back: the
+        sampled id [1] or the last real row's logits [1, V] (and the M-RoPE deltas where the
+        call made them)."""
+        import numpy as np
+        if handle.pending is not None:  # enqueued: wait for its readback's event
+            host_t, event = handle.pending
+            self.ttnn.event_synchronize(event)
+            data = np.asarray(self.ttnn.get_device_tensors(host_t)[0].to_numpy())
         else:
-            logits = np.asarray(runner.read(out["logits.out"])).reshape(head, -1)
+            data = np.asarray(handle.runner.read(handle.out[handle.name]))
+        row = handle.row
+        if handle.tokens:
+            res = torch.tensor([int(data.reshape(-1)[row])])
+        else:
+            logits = data.reshape(handle.head, -1)
             res = torch.from_numpy(logits[row:row + 1, :self.vocab_size].astype(np.float32))
-        return res if deltas is None else (res, deltas)
+        return res if handle.deltas is None else (res, handle.deltas)
 
     @property
     def vision_buckets(self) -> list[int]:
