@@ -31,11 +31,11 @@ its rows needs a token that step produces (host sampling needs the output tokens
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import os
 import time
-import collections
 from collections import deque
 
 import torch

@@ -399,9 +399,21 @@ class TTDeviceModel(MeshModel):
         handle = PrefillOutput(out, runner, (n - 1) % head, head, sampling_params is not None, deltas)
         if read_from_device:
             return self.read_prefill_output(handle)
-        handle.pending = (self.ttnn.from_device(out[handle.name], blocking=False),
-                          self.ttnn.record_event(runner.ex.device, 0))
+        handle.pending = self._queue_read(runner, out[handle.name])
         return handle
+
+    def _queue_read(self, runner, t) -> tuple:
+        """The readback of output ``t`` queued right behind the program that wrote it, and an
+        event after it: (host tensor, event), read by :meth:`_queued`. A later replay of the same
+        trace on this (sub)mesh overwrites ``t``; the queued read has its value."""
+        return self.ttnn.from_device(t, blocking=False), self.ttnn.record_event(runner.ex.device, 0)
+
+    def _queued(self, pending: tuple):
+        """What a :meth:`_queue_read` read back, once its event has passed (device 0's copy)."""
+        import numpy as np
+        host_t, event = pending
+        self.ttnn.event_synchronize(event)
+        return np.asarray(self.ttnn.get_device_tensors(host_t)[0].to_numpy())
 
     def read_prefill_output(self, handle: "PrefillOutput"):
         """A prefill chunk's result (what :meth:`prefill_forward` returns), read back: the
@@ -409,9 +421,7 @@ class TTDeviceModel(MeshModel):
         call made them)."""
         import numpy as np
         if handle.pending is not None:  # enqueued: wait for its readback's event
-            host_t, event = handle.pending
-            self.ttnn.event_synchronize(event)
-            data = np.asarray(self.ttnn.get_device_tensors(host_t)[0].to_numpy())
+            data = self._queued(handle.pending)
         else:
             data = np.asarray(handle.runner.read(handle.out[handle.name]))
         row = handle.row
@@ -546,8 +556,7 @@ class TTDeviceModel(MeshModel):
         handle = DecodeOutput(self._run(key, host, lane), B, sampling_params is not None, runner=runner)
         if not read_from_device:
             if handle.tokens:  # async decode: the readback queued right behind the trace, and its event
-                handle.pending = (self.ttnn.from_device(handle.out["next_tokens"], blocking=False),
-                                  self.ttnn.record_event(runner.ex.device, 0))
+                handle.pending = self._queue_read(runner, handle.out["next_tokens"])
             return handle
         return self.process_decode_output_host(self.read_decode_output(handle), is_tokens=handle.tokens)
 
@@ -555,10 +564,7 @@ class TTDeviceModel(MeshModel):
         """The decode's output read back to the host (token ids or logits)."""
         import numpy as np
         if tt_out.pending is not None:  # enqueued at submit: wait for its event
-            host_t, event = tt_out.pending
-            self.ttnn.event_synchronize(event)
-            ids = np.asarray(self.ttnn.get_device_tensors(host_t)[0].to_numpy())
-            return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, ids, tt_out.runner)
+            return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, self._queued(tt_out.pending), tt_out.runner)
         name = "next_tokens" if tt_out.tokens else "logits.out"
         runner = tt_out.runner or self.runner
         return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, np.asarray(runner.read(tt_out.out[name])),
