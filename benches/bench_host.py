@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import os
 import socket
@@ -119,8 +120,8 @@ def cpu_split(llm, core, worker, kind: str) -> tuple[dict, dict]:
     state). The wrappers cost some CPU themselves, so the parts sum to more than an unwrapped step."""
     from vllm.v1.core.sched.scheduler import Scheduler
 
-    totals: dict = {}
-    state = {"on": False}
+    totals: collections.defaultdict = collections.defaultdict(float)
+    state = {"on": False, "vllm_schedule": 0.0}
 
     def wrap(obj, name, label):
         f = getattr(obj, name)
@@ -131,7 +132,7 @@ def cpu_split(llm, core, worker, kind: str) -> tuple[dict, dict]:
                 return f(*args, **kw)
             finally:
                 if state["on"]:
-                    totals[label] = totals.get(label, 0.0) + time.thread_time() - c
+                    totals[label] += time.thread_time() - c
         setattr(obj, name, timed)
 
     base = Scheduler.schedule
@@ -141,7 +142,7 @@ def cpu_split(llm, core, worker, kind: str) -> tuple[dict, dict]:
         try:
             return base(self, *args, **kw)
         finally:  # the caller counts it once it knows whether the step is a full decode step
-            state["vllm_schedule"] = state.get("vllm_schedule", 0.0) + time.thread_time() - c
+            state["vllm_schedule"] += time.thread_time() - c
     Scheduler.schedule = vllm_schedule
     wrap(core.scheduler, "update_from_output", "vLLM update_from_output")
     wrap(llm.llm_engine.output_processor, "process_outputs", "vLLM output processor")
@@ -182,7 +183,8 @@ def child_engine(a) -> None:
     log = (worker.step_log if a.kind == "null" else worker.model_runner.step_log)
     sched_times: list = []
     # (before ``orig`` is looked up: the null engine's scheduler calls vLLM's schedule() directly)
-    split, split_state = cpu_split(llm, core, worker, a.kind) if a.cpu_split else ({}, {"on": False})
+    split, split_state = (cpu_split(llm, core, worker, a.kind) if a.cpu_split
+                          else (collections.defaultdict(float), {"on": False}))
     orig = core.scheduler.schedule
     full_steps = {"S": None, "n": 0}
 
@@ -198,10 +200,9 @@ def child_engine(a) -> None:
         split_state["on"] = decode and len(out.num_scheduled_tokens) == full_steps["S"]
         if split_state["on"]:
             full_steps["n"] += 1
-            inner = split_state.get("vllm_schedule", 0.0)
-            split["vLLM schedule()"] = split.get("vLLM schedule()", 0.0) + inner
-            split["ttbundle phase rules (around it)"] = (split.get("ttbundle phase rules (around it)", 0.0)
-                                                        + time.thread_time() - c - inner)
+            inner = split_state["vllm_schedule"]
+            split["vLLM schedule()"] += inner
+            split["ttbundle phase rules (around it)"] += time.thread_time() - c - inner
         return out
     core.scheduler.schedule = timed
     sp = SamplingParams(max_tokens=a.tokens, temperature=0, ignore_eos=True)
