@@ -175,11 +175,11 @@ def test_timing_device_runs_each_submesh_queue_side_by_side():
 
 
 # -- the emulated mesh through vLLM's engine ---------------------------------------------------
-def _engine_run(pkg, async_scheduling: bool, prompts, params):
+def _engine_run(pkg, async_scheduling: bool, prompts, params, **engine_args):
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(pkg), dtype="float32", seed=0, async_scheduling=async_scheduling)
+    llm = LLM(model=str(pkg), dtype="float32", seed=0, async_scheduling=async_scheduling, **engine_args)
     try:
         core = llm.llm_engine.engine_core.engine_core
         runner = core.model_executor.driver_worker.worker.model_runner

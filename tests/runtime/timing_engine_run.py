@@ -21,7 +21,8 @@ def run_case(pkg: str, case: dict) -> dict:
 
     ttdevice.RECORDER = ttdevice.DEVICE = None  # a fresh device per engine
     llm = LLM(model=pkg, dtype="float32", seed=0, async_scheduling=case["async"],
-              **({"max_num_seqs": case["max_num_seqs"]} if case.get("max_num_seqs") else {}))
+              **({"max_num_seqs": case["max_num_seqs"]} if case.get("max_num_seqs") else {}),
+              **({"additional_config": {"tt": case["tt"]}} if case.get("tt") else {}))
     runner = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner
     dev = ttdevice.DEVICE
     n_ev, n_steps = len(dev.events), len(runner.step_log)

@@ -34,6 +34,25 @@ def packed_prefill(device: bool) -> bool:
     return not device
 
 
+def tokens_per_step(bundle, device: bool, requested: int | None = None, sample_mode: str = "all",
+                    speculative: bool = False) -> int:
+    """Tokens a decode step produces per host round trip (the one rule the platform, the
+    scheduler and the runner use): the spec's ``runtime.output_tokens_per_step``, or fewer when
+    asked (``requested``, the ``tt`` option ``output_tokens_per_step``); 1 where the device cannot
+    feed a step's sampled ids into the next (``async_decode``), where sampling is on the host
+    (``sample_mode`` off) or with vLLM's speculative decoding (both schedule several tokens a
+    step). Asking for more than the package declares is refused (``ValueError``)."""
+    declared = bundle.spec.runtime.output_tokens_per_step
+    if requested is not None and requested > declared:
+        raise ValueError(f"output_tokens_per_step={requested} exceeds the package's "
+                         f"runtime.output_tokens_per_step={declared}; ask for at most {declared} "
+                         "(or rebuild the package with more)")
+    k = declared if requested is None else requested
+    if k > 1 and (not async_decode(device) or sample_mode == "off" or speculative):
+        return 1
+    return k
+
+
 def model_capabilities(bundle, device: bool = True, vocab_size: int | None = None) -> dict:
     """The capabilities of ``bundle``'s model on a Tenstorrent device (``device``: the ttnn
     lowering's programs) or on the emulated mesh. ``vocab_size``: the package's
@@ -45,10 +64,10 @@ def model_capabilities(bundle, device: bool = True, vocab_size: int | None = Non
       the host.
     * prefix caching: the emulated mesh only (a device prefill starting on a cached block is
       not exercised); chunked prefill when the buckets set ``prefill_chunk``.
-    * one token per step; speculative decoding (the spec's ``speculative:``), where a verify
-      step returns up to k + 1 tokens: ``ngram`` on both (a device runs the lowered verify
-      forwards, every row's logits back, acceptance on the host), a draft model
-      (``method: draft``) on the emulated mesh only.
+    * ``output_tokens_per_step`` tokens a decode step (``tokens_per_step``); speculative
+      decoding (the spec's ``speculative:``), where a verify step returns up to k + 1 tokens:
+      ``ngram`` on both (a device runs the lowered verify forwards, every row's logits back,
+      acceptance on the host), a draft model (``method: draft``) on the emulated mesh only.
     """
     from ..backends.ttnn.lowering import TOPK
     from ..speculative import vllm_config as speculative_config
@@ -65,7 +84,11 @@ def model_capabilities(bundle, device: bool = True, vocab_size: int | None = Non
         "supports_chunked_prefill": bk.prefill_chunk is not None,
         "supports_async_decode": async_decode(device),
         "supports_packed_prefill": packed_prefill(device),
-        "output_tokens_per_step": 1,
+        # decode tokens per host step: the decode program replayed, sampled ids fed on the device
+        "output_tokens_per_step": tokens_per_step(bundle, device, sample_mode=rt.sample_on_device_mode),
+        # a seeded row samples on the device (the emulated mesh: a generator per row; a device:
+        # one seed per batch, so seeded rows go to the host); the models' ``seeded_on_device``
+        "supports_device_seeds": not device,
         # speculative decoding (the spec's ``speculative:``): both run the verify programs; a
         # device proposes with n-grams only (the draft model runs beside the emulated mesh)
         "supports_spec_decode": speculates,

@@ -46,7 +46,7 @@ from .interface import MeshModel
 from .runner_async import AsyncDecode, AsyncDecodeOutput
 from .runner_lanes import LaneDecode
 from .runner_state import DecodeBatch, InFlight, ReqState, Step
-from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons
+from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons, host_sampled
 from ..families.vision_part import decode_rope
 from ..tiles import blocks_per_seq
 
@@ -123,6 +123,9 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         self.proposer = proposer_for(vllm_config, package, self.dtype, self.lane_plan.lanes)  # or None
         self._spec: dict = {}  # this step's scheduled proposals, req_id -> [token ids]
         self._drafts = None  # DraftTokenIds for the next step (take_draft_token_ids)
+        from .capabilities import tokens_per_step
+        self.tokens_per_step = tokens_per_step(self.bundle, tt is not None, options.output_tokens_per_step,
+                                               self.sample_mode, vllm_config.speculative_config is not None)
 
     # -- set-up ---------------------------------------------------------------------------------
     def load_model(self):
@@ -266,9 +269,7 @@ class TTModelRunner(AsyncDecode, LaneDecode):
     def _needs_host(self, params) -> bool:
         """Whether a request's rows sample on the host (``sampling.host_reasons``, or a seed the
         device cannot honour): decided once per request (its parameters never change)."""
-        seeds = self.mesh_model.seeded_on_device  # False: one seed per device batch, seeded rows on the host
-        return bool(host_reasons(params, getattr(self, "max_device_top_k", None))
-                    or (params.seed is not None and not seeds))
+        return host_sampled(params, getattr(self, "max_device_top_k", None), self.mesh_model.seeded_on_device)
 
     def _request_images(self, st: ReqState, features) -> None:
         """A new request's images and its prompt's positions, as the family's vision part lays
@@ -304,9 +305,19 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         sampled_rows = [st for st, n in rows if st.num_computed + n >= st.num_tokens]
         allowed = self.sample_mode == "all" or (self.sample_mode == "decode_only" and decode)
         on_device = allowed and not any(st.host_sampling for st in sampled_rows)
+        # several tokens a step (capabilities.tokens_per_step): the scheduler's placeholder
+        # proposals are the step's extra tokens, every one produced on the device
+        counts = [n for _, n in rows] if decode and self.tokens_per_step > 1 and self._spec else None
+        if counts is not None and not on_device:
+            raise RuntimeError("a decode step of several tokens a row has a row sampled on the host; "
+                               "the ttbundle scheduler schedules one token a row then")
         if self.async_scheduling and decode and on_device:
-            self._pending = ("async", self._submit_decode([st for st, _ in rows]))
+            self._pending = ("async", self._submit_decode([st for st, _ in rows], counts))
             return None  # vLLM asks sample_tokens for the output
+        if counts is not None:  # synchronous: submitted and read back at once
+            flight = self._submit_decode([st for st, _ in rows], counts)
+            flight.step.mode = "sync"
+            return self._collect(flight)
         # a synchronous step: the tokens its rows need must be on the host first
         if self._inflight is not None and any(st.num_computed + n > st.num_tokens for st, n in rows):
             self._collect(self._inflight)
@@ -538,7 +549,8 @@ class TTModelRunner(AsyncDecode, LaneDecode):
 
     def _log(self, step: Step):
         if self.lanes is not None:
-            step.lanes = [self.lanes.of[rid].index for rid, _, _ in step.rows]
+            # (a request that finished while its step was in flight has left its lane: None)
+            step.lanes = [getattr(self.lanes.of.get(rid), "index", None) for rid, _, _ in step.rows]
         elif self.lane_plan.replicas > 1:  # one replica per engine: this DP rank's
             step.lanes = [self.lane_plan.first_replica] * len(step.rows)
         self.step_log.append(step)

@@ -82,6 +82,9 @@ class TTOptions(BaseModel):
     """Multi-host only (where ranks exchange the pickled vLLM config): accepted, no effect."""
     env_passthrough: list[Annotated[str, StringConstraints(pattern=ENV_NAME)]] | None = None
     """Multi-host only (environment variable names passed to the other ranks): accepted, no effect."""
+    output_tokens_per_step: int | None = Field(default=None, ge=1)
+    """ttbundle: tokens a decode step produces per host round trip, at most what the package
+    declares (its runtime.output_tokens_per_step, the default); 1 turns it off."""
     max_prefill_steps_between_decodes: int = Field(default=DEFAULT_MAX_PREFILL_STEPS, ge=1)
     """ttbundle: the most prefill steps that run in a row while a request waits to decode (the
     scheduler's waiting bound; see docs/runtime.md)."""

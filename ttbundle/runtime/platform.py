@@ -179,8 +179,15 @@ def configure(vllm_config, emulated: bool) -> None:
         and lanes.lanes == 1
     chunk = bk.prefill_chunk or max(bk.prefill)
     sc.enable_chunked_prefill = True
-    spec_rows = 1 + (vllm_config.speculative_config.num_speculative_tokens
-                     if vllm_config.speculative_config is not None else 0)  # a decode's rows with proposals
+    from .capabilities import tokens_per_step
+    try:  # decode tokens per host step: scheduled as that many tokens a request
+        per_step = tokens_per_step(pkg.bundle, not emulated, opts.output_tokens_per_step,
+                                   opts.sample_mode(pkg.bundle.spec.runtime.sample_on_device_mode),
+                                   vllm_config.speculative_config is not None)
+    except ValueError as e:
+        _fail(str(e))
+    spec_rows = max(per_step, 1 + (vllm_config.speculative_config.num_speculative_tokens
+                                   if vllm_config.speculative_config is not None else 0))  # a decode's rows
     sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs * spec_rows, chunk)
     sc.max_num_scheduled_tokens = None
     sc.long_prefill_token_threshold = chunk

@@ -65,6 +65,8 @@ class InFlight:
     batch: "DecodeBatch | None" = None  # the persistent batch it ran
     parts: "list[InFlight] | None" = None  # with lanes: one per lane (its rows, handle and batch)
     lane: int | None = None  # a lane's part: its lane (replica) index
+    handles: list | None = None  # several tokens a step: each replay's output, in order (handle: the last)
+    counts: list | None = None  # several tokens a step: each row's tokens (replays it takes part in)
 
 
 @dataclass

@@ -18,6 +18,14 @@ from ..tiles import blocks_per_seq
 _EPS = 1e-5  # vLLM's threshold below which a temperature means greedy
 
 
+def host_sampled(params, max_device_top_k: int | None, seeded_on_device: bool) -> bool:
+    """Whether a request's rows sample on the host: :func:`host_reasons`, or a seed the device
+    cannot honour (``seeded_on_device`` False: one seed per device batch). Decided once per
+    request (its parameters never change), by the runner (per batch) and the scheduler (tokens
+    per decode step) alike."""
+    return bool(host_reasons(params, max_device_top_k) or (params.seed is not None and not seeded_on_device))
+
+
 def host_reasons(params, max_device_top_k: int | None = None) -> list[str]:
     """Why a request's sampling cannot run on the device (empty: it can). ``max_device_top_k``:
     the most candidates the device samples from (``model_capabilities``; None: the whole

@@ -79,9 +79,28 @@ class PhaseScheduler(Scheduler):
         opts = parse(self.vllm_config.additional_config)
         from .activation import HARDWARE, active_platform
         from .capabilities import packed_prefill
+        device = active_platform() == HARDWARE
         self.configure(list(b.prefill), b.prefill_chunk or max(b.prefill), list(b.decode),
-                       opts.max_prefill_steps_between_decodes,
-                       packed=packed_prefill(device=active_platform() == HARDWARE))
+                       opts.max_prefill_steps_between_decodes, packed=packed_prefill(device=device))
+        from .capabilities import device_top_k, model_capabilities, tokens_per_step
+        k = tokens_per_step(pkg.bundle, device, opts.output_tokens_per_step,
+                            opts.sample_mode(pkg.bundle.spec.runtime.sample_on_device_mode),
+                            self.vllm_config.speculative_config is not None)
+        caps = model_capabilities(pkg.bundle, device=device, vocab_size=pkg.dims.vocab_size)
+        self.configure_tokens_per_step(k, device_top_k(caps, pkg.dims.vocab_size), caps["supports_device_seeds"])
+
+    def configure_tokens_per_step(self, k: int, max_device_top_k: int | None = None,
+                                  seeded_on_device: bool = True) -> None:
+        """Decode steps of ``k`` tokens (``capabilities.tokens_per_step``): each decoding request
+        gets ``k - 1`` placeholder proposals, so vLLM allocates and schedules ``k`` tokens and
+        takes the ``k`` the runner returns as proposals all accepted. A step whose batch holds a
+        row sampled on the host (``sampling.host_sampled``) schedules one token a request."""
+        self.tokens_per_step = k
+        self._device_sampling_rule = (max_device_top_k, seeded_on_device)
+        self._host_rows: dict = {}  # req_id -> samples on the host (decided once per request)
+        if k > 1:
+            self.num_spec_tokens = k - 1
+            self._k_placeholders = [-1] * (k - 1)
 
     def configure(self, prefill_buckets: list[int], chunk: int, decode_buckets: list[int],
                   max_prefill_run: int, packed: bool = False) -> None:
@@ -110,9 +129,10 @@ class PhaseScheduler(Scheduler):
     @staticmethod
     def _last_in_flight(r) -> bool:
         """Async scheduling: the step in flight samples this request's last token (max_tokens),
-        so vLLM schedules nothing more for it (the condition of vLLM's ``Scheduler.schedule``)."""
+        so nothing more is scheduled for it (vLLM's ``Scheduler.schedule`` has the condition for
+        one token a step; its tokens in flight are its placeholders, several a step)."""
         return (r.num_output_placeholders > 0
-                and r.num_computed_tokens + 2 - r.num_output_placeholders >= r.num_prompt_tokens + r.max_tokens)
+                and r.num_output_tokens + r.num_output_placeholders >= r.max_tokens)
 
     def _waiting_in_order(self):
         yield from self.kv_holding_waiting
@@ -179,6 +199,34 @@ class PhaseScheduler(Scheduler):
              self.scheduler_config.long_prefill_token_threshold) = saved
         return out
 
+    def _host_sampled(self, r) -> bool:
+        host = self._host_rows.get(r.request_id)
+        if host is None:
+            from .sampling import host_sampled
+            host = self._host_rows[r.request_id] = host_sampled(r.sampling_params, *self._device_sampling_rule)
+        return host
+
+    def _set_tokens_per_step(self, decodes: list) -> None:
+        """This step's decodes each run ``tokens_per_step`` tokens (placeholder proposals), or
+        all one when a row samples on the host (its logits must come back every token)."""
+        if any(self._host_sampled(r) for r in decodes):
+            for r in decodes:
+                r.spec_token_ids = []
+        else:
+            for r in decodes:
+                if len(r.spec_token_ids) != self.tokens_per_step - 1:
+                    r.spec_token_ids = self._k_placeholders
+
+    def make_spec_decoding_stats(self, spec_decoding_stats, *args, **kwargs):
+        # several tokens per step is not speculation: nothing proposed, nothing to report
+        if self.tokens_per_step > 1:
+            return spec_decoding_stats
+        return super().make_spec_decoding_stats(spec_decoding_stats, *args, **kwargs)
+
+    def _free_request(self, request, *args, **kwargs):
+        self._host_rows.pop(request.request_id, None)
+        return super()._free_request(request, *args, **kwargs)
+
     # -- the step -------------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False):
         t0 = time.perf_counter()
@@ -189,6 +237,8 @@ class PhaseScheduler(Scheduler):
                     decodes.append(r)
             else:
                 others.append(r)
+        if self.tokens_per_step > 1 and decodes:
+            self._set_tokens_per_step(decodes)
         planned_running, planned_waiting, tokens = self._plan_prefill(others)
         want_prefill = bool(tokens)
         prefill_first = want_prefill and (not decodes or self.prefill_run < self.max_prefill_run)
@@ -207,8 +257,9 @@ class PhaseScheduler(Scheduler):
             out = self._run_restricted(decodes, 0, sum(1 + len(r.spec_token_ids) for r in decodes))
         else:
             out = self._run_restricted([], 0, 0)
+        spec = out.scheduled_spec_decode_tokens
         if not prefill_first and out.total_num_scheduled_tokens and not out.scheduled_new_reqs and \
-                out.total_num_scheduled_tokens == len(out.num_scheduled_tokens):
+                all(n == 1 + len(spec.get(rid, ())) for rid, n in out.num_scheduled_tokens.items()):
             phase = "decode"  # only decode-ready requests were visible, nothing admitted, one token each
         else:
             phase = self._phase_of(out)

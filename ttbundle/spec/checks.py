@@ -137,8 +137,15 @@ def check(b: Bundle, load=None) -> list[Diagnostic]:
     if rt.max_model_len > a.max_position_embeddings:
         d.append(b.locate(("runtime", "max_model_len"), f"max_model_len={rt.max_model_len} exceeds the "
                           f"model's max_position_embeddings={a.max_position_embeddings}"))
-    if rt.trace_mode == "none" and rt.sample_on_device_mode != "off":
-        pass  # sampling on device works untraced too
+    if rt.output_tokens_per_step > 1 and rt.sample_on_device_mode == "off":
+        d.append(b.locate(("runtime", "output_tokens_per_step"), f"output_tokens_per_step="
+                          f"{rt.output_tokens_per_step} feeds each sampled token into the next decode "
+                          "on the device, but sample_on_device_mode is off; set output_tokens_per_step: 1 "
+                          "or sample on the device"))
+    if rt.output_tokens_per_step > 1 and s.speculative is not None:
+        d.append(b.locate(("runtime", "output_tokens_per_step"), f"output_tokens_per_step="
+                          f"{rt.output_tokens_per_step} and speculative: both schedule several tokens "
+                          "a decode step; keep one (output_tokens_per_step: 1, or no speculative:)"))
     # architecture consistency
     if a.num_attention_heads % a.kv_heads:
         d.append(b.locate(("model", "num_key_value_heads"), f"num_attention_heads={a.num_attention_heads}"

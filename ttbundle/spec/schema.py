@@ -125,6 +125,13 @@ class Runtime(BaseModel):
     """Which phases run as captured traces."""
     sample_on_device_mode: Literal["all", "decode_only", "off"] = "all"
     """Where sampling runs on device (token ids come back instead of logits)."""
+    output_tokens_per_step: int = Field(default=1, ge=1, le=32)
+    """Tokens a decode step may produce per host round trip (Tenstorrent's
+    `model_capabilities["output_tokens_per_step"]`): the decode program replayed that many times
+    in one engine step, each replay's sampled ids fed into the next on the device, read back
+    once. Needs sampling on the device and a device that feeds sampled ids (the emulated mesh;
+    not yet the ttnn lowering, which then runs 1); a batch with a row sampled on the host runs
+    one token a step. vLLM sees it as that many tokens scheduled a step (every one accepted)."""
     trace_region_size: int | None = Field(default=None, gt=0)
     """Bytes reserved for captured traces; default: ttbundle's estimate (see `plan`)."""
     max_tokens_all_users: Annotated[int, Field(gt=0)] | Literal["auto"] | None = None
