@@ -88,12 +88,15 @@ def steady(steps: list[dict], streams: int, step_ms: float, sched: list[float] |
         return {"eff": float("nan"), "steps": len(core)}
     iv = [(b["at"] - a["at"]) for a, b in zip(core, core[1:])]
     interval = statistics.mean(iv)
+    # several tokens a step (--tokens-per-step): each step is that many device steps
+    per_step = statistics.mean(max(r[2] for r in s["rows"]) for s in core[:-1])
     parts = {"input": statistics.mean(s.get("inputs", 0.0) for s in core[1:]),
              "wait": statistics.mean(s.get("wait", 0.0) for s in core[:-1])}
     if sched:
         parts["sched"] = statistics.mean(sched)
     parts["other"] = interval - sum(parts.values())
-    out = {"eff": (step_ms / 1000) / interval, "interval_ms": interval * 1e3, "steps": len(core),
+    out = {"eff": per_step * (step_ms / 1000) / interval, "interval_ms": interval * 1e3, "steps": len(core),
+           "tokens_per_step": per_step,
            **{k + "_ms": v * 1e3 for k, v in parts.items()}}
     if cpu:
         out["cpu_ms"] = statistics.mean(cpu) * 1e3
@@ -177,7 +180,9 @@ def child_engine(a) -> None:
     model = a.src if a.kind == "null" else a.package
     llm = LLM(model=model, dtype="float32", seed=0, max_num_seqs=max(32, *a.streams), max_model_len=256,
               async_scheduling=a.kind != "ttbundle-sync",
-              **({"worker_cls": "null_engine.NullWorker"} if a.kind == "null" else {}))
+              **({"worker_cls": "null_engine.NullWorker"} if a.kind == "null" else {}),
+              **({"additional_config": {"tt": {"output_tokens_per_step": a.tokens_per_step}}}
+                 if a.kind != "null" and a.tokens_per_step > 1 else {}))
     core = llm.llm_engine.engine_core.engine_core
     worker = core.model_executor.driver_worker.worker
     log = (worker.step_log if a.kind == "null" else worker.model_runner.step_log)
@@ -192,8 +197,9 @@ def child_engine(a) -> None:
         t, c = time.perf_counter(), time.thread_time()
         split_state["vllm_schedule"] = 0.0
         out = orig(*args, **kw)
+        spec = out.scheduled_spec_decode_tokens  # (several tokens a step: placeholder proposals)
         decode = bool(out.total_num_scheduled_tokens and out.num_scheduled_tokens and
-                      all(n == 1 for n in out.num_scheduled_tokens.values()))
+                      all(n == 1 + len(spec.get(r, ())) for r, n in out.num_scheduled_tokens.items()))
         if decode:
             sched_times.append((len(out.num_scheduled_tokens), time.perf_counter() - t, c))
         # --cpu-split: count the parts from a full decode step's schedule to the next schedule
@@ -239,7 +245,8 @@ def run_child_engine(a, kind: str, step: float, pkg: Path, src: Path) -> dict:
     env = _env(kind, step)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", "engine", "--kind", kind, "--step", str(step),
            "--package", str(pkg), "--src", str(src), "--tokens", str(a.tokens), "--prompt", str(a.prompt),
-           "--streams", ",".join(map(str, a.streams))] + (["--cpu-split"] if a.cpu_split else [])
+           "--streams", ",".join(map(str, a.streams)), "--tokens-per-step", str(a.tokens_per_step)] + \
+        (["--cpu-split"] if a.cpu_split else [])
     r = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
     line = [x for x in r.stdout.splitlines() if x.startswith("RESULT ")]
     if r.returncode != 0 or not line:
@@ -293,6 +300,8 @@ def run_api(a, kind: str, step: float, pkg: Path, src: Path, vocab: int) -> dict
         cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(pkg)] + common
         if kind == "ttbundle-sync":
             cmd.append("--no-async-scheduling")
+        if a.tokens_per_step > 1:
+            cmd += ["--additional-config", json.dumps({"tt": {"output_tokens_per_step": a.tokens_per_step}})]
     else:
         cmd = [sys.executable, str(HERE / "null_engine.py"), "serve", str(src)] + common
     out = open(a.cache / f"server-{kind}-{step:g}.log", "wb")
@@ -359,6 +368,9 @@ def main():
                     "full decode step split by part (vLLM's schedule, update and output processing; "
                     "ttbundle's phase rules, execute_model, submit, collect; the timing device's model); the "
                     "wrappers cost CPU too: take eff and cpu from a run without it")
+    ap.add_argument("--tokens-per-step", type=int, default=1, help="ttbundle's decode steps of this many "
+                    "tokens (runtime.output_tokens_per_step, declared in the package built for it): each "
+                    "step replays the decode program that many times, fed on the device")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--kind", help=argparse.SUPPRESS)
     ap.add_argument("--step", type=float, help=argparse.SUPPRESS)
@@ -380,15 +392,26 @@ def main():
     from ttbundle.serving.demo import build_package
 
     t0 = time.perf_counter()
+
+    def declare(text: str) -> str:  # the package declares --tokens-per-step (its own cache folder)
+        if a.tokens_per_step == 1:
+            return text
+        import yaml
+        spec = yaml.safe_load(text)
+        spec["runtime"]["output_tokens_per_step"] = a.tokens_per_step
+        return yaml.safe_dump(spec, sort_keys=False)
+    if a.tokens_per_step > 1:
+        a.cache = a.cache / f"tokens-per-step-{a.tokens_per_step}"
+        a.cache.mkdir(parents=True, exist_ok=True)
     if a.lanes:  # the lanes cell: one engine, LANES replicas of one chip each, 16 sequences per lane
         from test_runtime_lanes import PER_LANE, lanes_spec
         if a.lanes != 8:
             raise SystemExit("--lanes: 8 (a T3K of 8 x 1x1 replicas) is the lanes cell")
-        pkg = build_package(lanes_spec(), a.cache, "T3K", backend="ttnn", warmup=False)
+        pkg = build_package(declare(lanes_spec()), a.cache, "T3K", backend="ttnn", warmup=False)
         src = a.cache / "src-tiny-llama-r1x1"
         a.streams, a.modes = [a.lanes * PER_LANE], ["engine"]
     else:
-        pkg = build_package(spec_text("llama"), a.cache, "N150", backend="ttnn", warmup=False)
+        pkg = build_package(declare(spec_text("llama")), a.cache, "N150", backend="ttnn", warmup=False)
         src = a.cache / "src-tiny-llama"
     vocab = json.loads((src / "config.json").read_text())["vocab_size"]
     print(f"package {pkg} ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
@@ -422,7 +445,8 @@ def main():
         print(json.dumps(rows, indent=2))
         return
     what = (f"T3K package of {a.lanes} x 1x1 replicas as {a.lanes} lanes" if a.lanes else "N150 package")
-    print(f"tiny llama, TT platform on the timing device ({what}, --backend ttnn), prompt {a.prompt}, "
+    per = f", ttbundle {a.tokens_per_step} tokens a decode step" if a.tokens_per_step > 1 else ""
+    print(f"tiny llama, TT platform on the timing device ({what}, --backend ttnn{per}), prompt {a.prompt}, "
           f"{a.tokens} output tokens, one run; null = vLLM with a null model, same device clock; "
           f"load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     hdr = (f"{'mode':9}{'T ms':>5}{'S':>4}{'eff':>7}{'null':>7}{'vs null':>8}{'e2e':>6}{'intvl':>7}"
