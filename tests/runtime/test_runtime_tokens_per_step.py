@@ -190,6 +190,28 @@ def test_emulated_tokens_equal_transformers_at_several_tokens_a_step(tmp_path_fa
 
 
 @pytest.mark.slow
+def test_a_prompt_found_whole_in_the_prefix_cache_prefills_its_last_token(tmp_path_factory):
+    """A prompt of 65 tokens sent again hits 64 in the prefix cache and prefills one token. vLLM's
+    scheduler, told of K - 1 proposals a step, would pad that one token to a decode of K (and the
+    runner would find its input tokens unknown); ttbundle's scheduler tells it of them in decode
+    steps only. Host-sampled (logprobs) too."""
+    from ttbundle.serving.demo import build_package
+    from test_runtime_async import _engine_run
+
+    d = tmp_path_factory.mktemp("k4cache")
+    pkg = build_package(declared(spec_text("llama")), d, "N150")
+    prompt = {"prompt_token_ids": [(7 * i) % 500 + 8 for i in range(65)]}
+    ref = hf_greedy(d / "src-tiny-llama", prompt["prompt_token_ids"], MAX_TOKENS)
+    greedy = dict(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True)
+    for params in (greedy, dict(greedy, logprobs=1)):
+        toks, steps = _engine_run(pkg, True, [prompt, prompt], [params, params], enable_prefix_caching=True,
+                                  max_num_seqs=1)  # one at a time: the second finds the first's blocks
+        assert toks == [ref, ref], params
+        pre = [r for s in steps if s.phase == "prefill" for r in s.rows]
+        assert tuple(pre[-1][1:]) == (64, 1), pre
+
+
+@pytest.mark.slow
 def test_emulated_lanes_tokens_equal_transformers_at_several_tokens_a_step(tmp_path_factory):
     """Lanes on the emulated mesh (synchronous steps): each lane's K replays on its own KV region."""
     from test_runtime_lanes import PER_LANE, _prompts, lanes_spec

@@ -25,7 +25,7 @@ from ..backends.emulated.state import KVCache
 from ..tiles import blocks_per_seq
 from ..families.vision_part import decode_rope
 from ..vision import vision_bucket
-from .capabilities import model_capabilities
+from .capabilities import device_seeds, model_capabilities
 from .interface import MeshModel
 from .sampling import DeviceSampling, sample_on_device
 
@@ -79,7 +79,7 @@ class BundleModel(MeshModel):
     #: plugin reads before building the model); on an instance: what that instance does
     model_capabilities = _ClassCapabilities()
     #: a seeded request samples on the emulated mesh with its own generator
-    seeded_on_device = True
+    seeded_on_device = device_seeds(device=False)
 
     def __init__(self, bundle, model: EmulatedModel, trace_mode: str = "all"):
         """``model``: the package's programs and weight shards on the emulated mesh

@@ -25,6 +25,13 @@ def async_decode(device: bool) -> bool:
     return ASYNC_DECODE and bool(os.environ.get(ENV))
 
 
+def device_seeds(device: bool) -> bool:
+    """Whether a seeded request samples on the device: the emulated mesh draws each row with its
+    own generator; a device's ``ttnn.sampling`` takes one seed for the batch, so seeded rows go
+    to the host (the models' ``seeded_on_device``; ``supports_device_seeds``)."""
+    return not device
+
+
 def packed_prefill(device: bool) -> bool:
     """Whether one prefill call may carry several sequences' chunks (``prefill_forward`` with
     tokens [N, R], ``phases.pack_prefill``): the emulated mesh, yes (one program of the bucket's
@@ -86,9 +93,7 @@ def model_capabilities(bundle, device: bool = True, vocab_size: int | None = Non
         "supports_packed_prefill": packed_prefill(device),
         # decode tokens per host step: the decode program replayed, sampled ids fed on the device
         "output_tokens_per_step": tokens_per_step(bundle, device, sample_mode=rt.sample_on_device_mode),
-        # a seeded row samples on the device (the emulated mesh: a generator per row; a device:
-        # one seed per batch, so seeded rows go to the host); the models' ``seeded_on_device``
-        "supports_device_seeds": not device,
+        "supports_device_seeds": device_seeds(device),
         # speculative decoding (the spec's ``speculative:``): both run the verify programs; a
         # device proposes with n-grams only (the draft model runs beside the emulated mesh)
         "supports_spec_decode": speculates,

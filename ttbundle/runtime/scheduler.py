@@ -176,17 +176,23 @@ class PhaseScheduler(Scheduler):
             planned_waiting.append(r)
         return planned_running, planned_waiting, tokens
 
-    def _run_restricted(self, visible: list, admit: int, budget: int):
+    def _run_restricted(self, visible: list, admit: int, budget: int, decode: bool = False):
         """``super().schedule()`` seeing only ``visible`` running requests, admitting at most
-        ``admit`` waiting requests, with a token budget of ``budget``."""
+        ``admit`` waiting requests, with a token budget of ``budget``. Several tokens a step
+        (``tokens_per_step``): vLLM's scheduler knows of the placeholder proposals in decode steps
+        only; in a prefill step it would pad a request with one token left (a prompt found whole in
+        the prefix cache) to a decode of ``tokens_per_step`` and, over the step's budget, never
+        schedule it."""
         orig = list(self.running)
         saved = (self.max_num_active_reqs, self.max_num_scheduled_tokens,
-                 self.scheduler_config.long_prefill_token_threshold)
+                 self.scheduler_config.long_prefill_token_threshold, self.num_spec_tokens)
         visible_ids = {id(r) for r in visible}
         self.running = list(visible)
         self.max_num_active_reqs = len(visible) + admit
         self.max_num_scheduled_tokens = budget
         self.scheduler_config.long_prefill_token_threshold = self.chunk
+        if self.tokens_per_step > 1 and not decode:
+            self.num_spec_tokens = 0
         try:
             out = super().schedule()
         finally:
@@ -196,7 +202,7 @@ class PhaseScheduler(Scheduler):
             self.running = ([r for r in orig if id(r) not in visible_ids or id(r) in after_ids]
                             + [r for r in after if id(r) not in orig_ids])
             (self.max_num_active_reqs, self.max_num_scheduled_tokens,
-             self.scheduler_config.long_prefill_token_threshold) = saved
+             self.scheduler_config.long_prefill_token_threshold, self.num_spec_tokens) = saved
         return out
 
     def _host_sampled(self, r) -> bool:
@@ -245,22 +251,24 @@ class PhaseScheduler(Scheduler):
         out = None
         if prefill_first:
             out = self._run_restricted(planned_running, len(planned_waiting), sum(tokens.values()))
-            bad = {r: n for r, n in out.num_scheduled_tokens.items() if tokens.get(r) != n}
+            # (a prompt found in the prefix cache schedules fewer tokens than planned: not a deviation)
+            bad = {r: n for r, n in out.num_scheduled_tokens.items() if tokens.get(r, 0) < n}
             if bad:  # vLLM deviated from the plan (should not happen): say so, keep serving
                 logger.warning("ttbundle scheduler: prefill chunks %s differ from the plan %s", bad, tokens)
             if out.total_num_scheduled_tokens == 0 and decodes:
                 first = out  # no progress (e.g. no free KV blocks): decode instead
-                out = self._run_restricted(decodes, 0, sum(1 + len(r.spec_token_ids) for r in decodes))
+                out = self._run_restricted(decodes, 0, sum(1 + len(r.spec_token_ids) for r in decodes), decode=True)
                 out.finished_req_ids = set(first.finished_req_ids) | set(out.finished_req_ids)
                 out.preempted_req_ids = set(first.preempted_req_ids or ()) | set(out.preempted_req_ids or ())
         elif decodes:  # each decode its last token and its proposals (speculative decoding)
-            out = self._run_restricted(decodes, 0, sum(1 + len(r.spec_token_ids) for r in decodes))
+            out = self._run_restricted(decodes, 0, sum(1 + len(r.spec_token_ids) for r in decodes), decode=True)
         else:
             out = self._run_restricted([], 0, 0)
         spec = out.scheduled_spec_decode_tokens
         if not prefill_first and out.total_num_scheduled_tokens and not out.scheduled_new_reqs and \
                 all(n == 1 + len(spec.get(rid, ())) for rid, n in out.num_scheduled_tokens.items()):
             phase = "decode"  # only decode-ready requests were visible, nothing admitted, one token each
+            # (and its proposals, or placeholders for several tokens a step)
         else:
             phase = self._phase_of(out)
         if phase == "prefill" and decodes:

@@ -50,6 +50,7 @@ from collections import deque
 
 import torch
 
+from .capabilities import device_seeds
 from .interface import MeshModel
 from .sampling import DeviceSampling
 
@@ -199,7 +200,7 @@ class TTDeviceModel(MeshModel):
     the model protocol (``runtime.interface.MeshModel``)."""
 
     #: ``ttnn.sampling`` runs with one seed for the batch: seeded requests sample on the host
-    seeded_on_device = False
+    seeded_on_device = device_seeds(device=True)
     #: how many of the latest runs' forward keys :attr:`replays` keeps (a server runs for days)
     replays_kept = 4096
     model_capabilities: dict  # per instance: capabilities.model_capabilities(bundle, device=True)
