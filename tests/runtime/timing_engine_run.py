@@ -36,7 +36,7 @@ def run_case(pkg: str, case: dict) -> dict:
         "vocab": dev.vocab,
         "async_scheduling": bool(llm.llm_engine.vllm_config.scheduler_config.async_scheduling),
         "steps": [{"phase": s.phase, "rows": s.rows, "buckets": s.buckets, "sampling": s.sampling, "mode": s.mode,
-                   "lanes": s.lanes}
+                   "lanes": s.lanes, "at": s.at}
                   for s in list(runner.step_log)[n_steps:]],
         "events": [{"kind": e.kind, "step": e.step, "key": list(e.key) if e.key else None, "at": e.at,
                     "done": e.done} for e in dev.events[n_ev:]],

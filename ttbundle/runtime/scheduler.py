@@ -212,10 +212,12 @@ class PhaseScheduler(Scheduler):
             host = self._host_rows[r.request_id] = host_sampled(r.sampling_params, *self._device_sampling_rule)
         return host
 
-    def _set_tokens_per_step(self, decodes: list) -> None:
+    def _set_tokens_per_step(self, decodes: list, one: bool = False) -> None:
         """This step's decodes each run ``tokens_per_step`` tokens (placeholder proposals), or
-        all one when a row samples on the host (its logits must come back every token)."""
-        if any(self._host_sampled(r) for r in decodes):
+        all one when a row samples on the host (its logits must come back every token) or when
+        ``one`` (a prompt waits to prefill: a decode step of K tokens would hold it K device
+        steps instead of one)."""
+        if one or any(self._host_sampled(r) for r in decodes):
             for r in decodes:
                 r.spec_token_ids = []
         else:
@@ -243,10 +245,10 @@ class PhaseScheduler(Scheduler):
                     decodes.append(r)
             else:
                 others.append(r)
-        if self.tokens_per_step > 1 and decodes:
-            self._set_tokens_per_step(decodes)
         planned_running, planned_waiting, tokens = self._plan_prefill(others)
         want_prefill = bool(tokens)
+        if self.tokens_per_step > 1 and decodes:  # while a prompt waits, one token a step
+            self._set_tokens_per_step(decodes, one=want_prefill)
         prefill_first = want_prefill and (not decodes or self.prefill_run < self.max_prefill_run)
         out = None
         if prefill_first:
