@@ -41,8 +41,12 @@ Targets: in-engine eff >= 0.95 at 14 ms / 32 streams, >= 0.9 at 5 ms (issue 13);
 thread's CPU per full decode step, part by part (in-engine cells). Tiny llama (the runtime tests' spec) built with --backend ttnn for N150, prompts of
 --prompt tokens, --tokens output tokens (ignore_eos).
 
+``--tokens-per-step K``: ttbundle decodes K tokens an engine step (the package declares
+``runtime.output_tokens_per_step: K``); eff counts the K device steps of each engine step.
+
 Run: .venv/bin/python benches/bench_host.py [--steps 38,14,5] [--streams 1,8,32] [--lanes 8]
      [--modes engine,stream,nostream] [--kinds ttbundle,null] [--tokens 48] [--prompt 32] [--json]
+     [--tokens-per-step 1]
      (--kinds ttbundle-sync: the TT path with --no-async-scheduling, each step read back first)
 (all cells: about 10 minutes on a 2-core host; a subset with the options above).
 """
