@@ -211,6 +211,27 @@ def test_emulated_tokens_equal_transformers_at_several_tokens_a_step(tmp_path_fa
 
 
 @pytest.mark.slow
+def test_stop_tokens_and_seeded_sampling_as_at_one_token_a_step(tmp_path_factory):
+    """A stop token met inside a K-token step ends the request there (vLLM drops the step's later
+    tokens), and seeded stochastic rows (sampled on the emulated mesh, a generator per row) draw
+    the same tokens as at one token a step (the option set to 1)."""
+    from ttbundle.serving.demo import build_package
+    from test_runtime_async import _engine_run
+
+    pkg = build_package(declared(spec_text("llama")), tmp_path_factory.mktemp("k4stop"), "N150")
+    prompts = [{"prompt_token_ids": [(11 + 7 * i + n) % 500 + 8 for i in range(n)]} for n in (5, 100, 3, 64, 20)]
+    greedy, _ = _engine_run(pkg, True, prompts, [dict(max_tokens=20, temperature=0, ignore_eos=True)] * 5)
+    params = [dict(max_tokens=20, temperature=0, stop_token_ids=[g[6]]) for g in greedy]  # mid-step
+    params += [dict(max_tokens=20, temperature=0.9, top_k=20, seed=3 + i) for i in range(5)]
+    got = {}
+    for k in (1, K):
+        got[k], steps = _engine_run(pkg, True, prompts * 2, params, additional_config={"tt": {"output_tokens_per_step": k}})
+        assert {r[2] for s in steps if s.phase == "decode" for r in s.rows} >= {k}
+    assert got[K] == got[1]
+    assert [len(t) for t in got[K][:5]] == [g.index(g[6]) + 1 for g in greedy]
+
+
+@pytest.mark.slow
 def test_a_prompt_found_whole_in_the_prefix_cache_prefills_its_last_token(tmp_path_factory):
     """A prompt of 65 tokens sent again hits 64 in the prefix cache and prefills one token. vLLM's
     scheduler, told of K - 1 proposals a step, would pad that one token to a decode of K (and the
