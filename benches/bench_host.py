@@ -181,6 +181,8 @@ def child_engine(a) -> None:
         null_engine.patch_cpu_platform()
     from vllm import LLM, SamplingParams
 
+    from ttbundle.runtime.phases import decode_shaped
+
     model = a.src if a.kind == "null" else a.package
     llm = LLM(model=model, dtype="float32", seed=0, max_num_seqs=max(32, *a.streams), max_model_len=256,
               async_scheduling=a.kind != "ttbundle-sync",
@@ -201,9 +203,8 @@ def child_engine(a) -> None:
         t, c = time.perf_counter(), time.thread_time()
         split_state["vllm_schedule"] = 0.0
         out = orig(*args, **kw)
-        spec = out.scheduled_spec_decode_tokens  # (several tokens a step: placeholder proposals)
-        decode = bool(out.total_num_scheduled_tokens and out.num_scheduled_tokens and
-                      all(n == 1 + len(spec.get(r, ())) for r, n in out.num_scheduled_tokens.items()))
+        # (several tokens a step: placeholder proposals)
+        decode = decode_shaped(out.num_scheduled_tokens, out.scheduled_spec_decode_tokens)
         if decode:
             sched_times.append((len(out.num_scheduled_tokens), time.perf_counter() - t, c))
         # --cpu-split: count the parts from a full decode step's schedule to the next schedule

@@ -60,6 +60,14 @@ def tokens_per_step(bundle, device: bool, requested: int | None = None, sample_m
     return k
 
 
+def serving_tokens_per_step(bundle, options, device: bool, vllm_config) -> int:
+    """:func:`tokens_per_step` of an engine: the ``tt`` options (``output_tokens_per_step``, the
+    sampling mode) and vLLM's config (speculative decoding) it was started with."""
+    return tokens_per_step(bundle, device, options.output_tokens_per_step,
+                           options.sample_mode(bundle.spec.runtime.sample_on_device_mode),
+                           vllm_config.speculative_config is not None)
+
+
 def model_capabilities(bundle, device: bool = True, vocab_size: int | None = None) -> dict:
     """The capabilities of ``bundle``'s model on a Tenstorrent device (``device``: the ttnn
     lowering's programs) or on the emulated mesh. ``vocab_size``: the package's

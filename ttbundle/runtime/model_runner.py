@@ -123,9 +123,8 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         self.proposer = proposer_for(vllm_config, package, self.dtype, self.lane_plan.lanes)  # or None
         self._spec: dict = {}  # this step's scheduled proposals, req_id -> [token ids]
         self._drafts = None  # DraftTokenIds for the next step (take_draft_token_ids)
-        from .capabilities import tokens_per_step
-        self.tokens_per_step = tokens_per_step(self.bundle, tt is not None, options.output_tokens_per_step,
-                                               self.sample_mode, vllm_config.speculative_config is not None)
+        from .capabilities import serving_tokens_per_step
+        self.tokens_per_step = serving_tokens_per_step(self.bundle, options, tt is not None, vllm_config)
 
     # -- set-up ---------------------------------------------------------------------------------
     def load_model(self):

@@ -14,6 +14,13 @@ def is_decode(num_computed: int, num_prompt: int, num_tokens: int) -> bool:
     return num_computed >= num_prompt and num_tokens - num_computed == 1
 
 
+def decode_shaped(num_scheduled: dict, proposals: dict) -> bool:
+    """Whether a step (vLLM's ``num_scheduled_tokens`` and ``scheduled_spec_decode_tokens``)
+    schedules every request its one token and its proposals (speculative decoding), or
+    placeholders (several tokens a step): a decode step's shape, not yet its requests' phase."""
+    return bool(num_scheduled) and all(n == 1 + len(proposals.get(r, ())) for r, n in num_scheduled.items())
+
+
 def pack_prefill(lengths: list[int], buckets: list[int], packed: bool = True) -> list[tuple[int, int, list[int]]]:
     """How one prefill step's chunks (``lengths``, in step order) run: a list of program calls
     ``(bucket, rows per sequence, [indices into lengths])``.

@@ -179,11 +179,9 @@ def configure(vllm_config, emulated: bool) -> None:
         and lanes.lanes == 1
     chunk = bk.prefill_chunk or max(bk.prefill)
     sc.enable_chunked_prefill = True
-    from .capabilities import tokens_per_step
+    from .capabilities import serving_tokens_per_step
     try:  # decode tokens per host step: scheduled as that many tokens a request
-        per_step = tokens_per_step(pkg.bundle, not emulated, opts.output_tokens_per_step,
-                                   opts.sample_mode(pkg.bundle.spec.runtime.sample_on_device_mode),
-                                   vllm_config.speculative_config is not None)
+        per_step = serving_tokens_per_step(pkg.bundle, opts, not emulated, vllm_config)
     except ValueError as e:
         _fail(str(e))
     declared = pkg.bundle.spec.runtime.output_tokens_per_step

@@ -51,7 +51,7 @@ from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
 from .options import parse
-from .phases import is_decode, prefill_rows
+from .phases import decode_shaped, is_decode, prefill_rows
 
 logger = logging.getLogger("vllm.ttbundle.scheduler")
 
@@ -82,10 +82,8 @@ class PhaseScheduler(Scheduler):
         device = active_platform() == HARDWARE
         self.configure(list(b.prefill), b.prefill_chunk or max(b.prefill), list(b.decode),
                        opts.max_prefill_steps_between_decodes, packed=packed_prefill(device=device))
-        from .capabilities import device_top_k, model_capabilities, tokens_per_step
-        k = tokens_per_step(pkg.bundle, device, opts.output_tokens_per_step,
-                            opts.sample_mode(pkg.bundle.spec.runtime.sample_on_device_mode),
-                            self.vllm_config.speculative_config is not None)
+        from .capabilities import device_top_k, model_capabilities, serving_tokens_per_step
+        k = serving_tokens_per_step(pkg.bundle, opts, device, self.vllm_config)
         caps = model_capabilities(pkg.bundle, device=device, vocab_size=pkg.dims.vocab_size)
         self.configure_tokens_per_step(k, device_top_k(caps, pkg.dims.vocab_size), caps["supports_device_seeds"])
 
@@ -266,9 +264,8 @@ class PhaseScheduler(Scheduler):
             out = self._run_restricted(decodes, 0, sum(1 + len(r.spec_token_ids) for r in decodes), decode=True)
         else:
             out = self._run_restricted([], 0, 0)
-        spec = out.scheduled_spec_decode_tokens
-        if not prefill_first and out.total_num_scheduled_tokens and not out.scheduled_new_reqs and \
-                all(n == 1 + len(spec.get(rid, ())) for rid, n in out.num_scheduled_tokens.items()):
+        if not prefill_first and not out.scheduled_new_reqs and \
+                decode_shaped(out.num_scheduled_tokens, out.scheduled_spec_decode_tokens):
             phase = "decode"  # only decode-ready requests were visible, nothing admitted, one token each
             # (and its proposals, or placeholders for several tokens a step)
         else:

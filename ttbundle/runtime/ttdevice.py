@@ -114,6 +114,11 @@ class KVHandle:
         self.num_blocks, self.block_size, self.lane = num_blocks, block_size, lane
 
 
+def _output_name(tokens: bool) -> str:
+    """A program's output read back: its sampled ids (device sampling) or its logits."""
+    return "next_tokens" if tokens else "logits.out"
+
+
 class PrefillOutput:
     """A prefill chunk enqueued (``prefill_forward(read_from_device=False)``), read by
     ``read_prefill_output``: its outputs on the device, the lane's runner, which row of the head
@@ -121,7 +126,7 @@ class PrefillOutput:
 
     def __init__(self, out: dict, runner, row: int, head: int, tokens: bool, deltas=None):
         self.out, self.runner, self.row, self.head, self.tokens, self.deltas = out, runner, row, head, tokens, deltas
-        self.name = "next_tokens" if tokens else "logits.out"
+        self.name = _output_name(tokens)
         self.pending = None  # (host tensor, event) of the readback queued at submit
 
 
@@ -566,7 +571,7 @@ class TTDeviceModel(MeshModel):
         import numpy as np
         if tt_out.pending is not None:  # enqueued at submit: wait for its event
             return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, self._queued(tt_out.pending), tt_out.runner)
-        name = "next_tokens" if tt_out.tokens else "logits.out"
+        name = _output_name(tt_out.tokens)
         runner = tt_out.runner or self.runner
         return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, np.asarray(runner.read(tt_out.out[name])),
                             runner)
