@@ -106,3 +106,71 @@ def edit_bundle_yaml(pkg: Path, edit) -> None:
     edit(d)
     (pkg / "bundle.yaml").write_text(render_bundle_yaml(d, __version__))
     rehash(pkg, "bundle.yaml")
+
+
+def _tensor_bytes(raw: bytes):
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    info = json.loads(header["__metadata__"]["ttbundle"])["tensors"]
+    return n, header, info
+
+
+def edit_tensor(pkg: Path, key: str, fn) -> int:
+    """Apply ``fn(tensor, device) -> tensor`` to every stored shard of ``key`` (the device's
+    ``[..., in, out]`` values, block floats decoded), store it back in the shard's own encoding
+    (bf16, or re-encoded tiles) and re-hash; returns how many files changed. The package still
+    verifies: only numbers can tell."""
+    import torch
+
+    from ttbundle import blockfloat
+    from ttbundle.package.names import weight_file
+    from ttbundle.package.shards import _decode
+
+    changed, d = 0, 0
+    while (pkg / weight_file(d)).exists():
+        rel = weight_file(d)
+        raw = bytearray((pkg / rel).read_bytes())
+        n, header, info = _tensor_bytes(bytes(raw))
+        if key in header:
+            a, z = header[key]["data_offsets"]
+            meta = info[key]
+            enc = meta.get("encoding", "bf16")
+            data = bytes(raw[8 + n + a:8 + n + z])
+            if enc == "bf16":
+                t = torch.frombuffer(bytearray(data), dtype=torch.bfloat16).reshape(header[key]["shape"])
+                t = _decode(t, meta).float()
+            else:
+                t = blockfloat.decode(data, meta["shape"], enc)
+            new = fn(t.clone(), d)
+            if enc == "bf16":
+                s = new.transpose(-1, -2) if meta.get("transposed") else new
+                out = s.contiguous().to(torch.bfloat16).view(torch.uint8).numpy().tobytes()
+            else:
+                out = blockfloat.encode(new.contiguous(), enc)
+            assert len(out) == z - a
+            raw[8 + n + a:8 + n + z] = out
+            (pkg / rel).write_bytes(bytes(raw))
+            rehash(pkg, rel)
+            changed += 1
+        d += 1
+    return changed
+
+
+def swap_tensors(pkg: Path, key_a: str, key_b: str) -> None:
+    """Swap the stored bytes of two same-shaped tensors (two layers' weights) in every device
+    file, re-hashed."""
+    from ttbundle.package.names import weight_file
+
+    d = 0
+    while (pkg / weight_file(d)).exists():
+        rel = weight_file(d)
+        raw = bytearray((pkg / rel).read_bytes())
+        n, header, _ = _tensor_bytes(bytes(raw))
+        if key_a in header and key_b in header:
+            (a0, a1), (b0, b1) = header[key_a]["data_offsets"], header[key_b]["data_offsets"]
+            assert a1 - a0 == b1 - b0
+            A, B = bytes(raw[8 + n + a0:8 + n + a1]), bytes(raw[8 + n + b0:8 + n + b1])
+            raw[8 + n + a0:8 + n + a1], raw[8 + n + b0:8 + n + b1] = B, A
+            (pkg / rel).write_bytes(bytes(raw))
+            rehash(pkg, rel)
+        d += 1

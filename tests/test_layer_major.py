@@ -56,7 +56,8 @@ def test_layer_major_lazy_equals_whole_calls(tmp_path, mesh):
     assert len(cap_whole) == len(calls)
     for i, (c, w) in enumerate(zip(calls, cap_whole)):
         rows = [x[0, :c.rows] if i < n_pre else x[:c.rows, 0] for x in c.capture]
-        assert len(rows) == layers and all(torch.equal(a, b) for a, b in zip(rows, w))
+        # the embedding's output first, then each decoder layer's
+        assert len(rows) == layers + 1 and all(torch.equal(a, b) for a, b in zip(rows, w))
 
 
 def test_calls_with_other_stages_are_refused(tmp_path):

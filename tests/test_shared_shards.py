@@ -355,6 +355,6 @@ def test_activations_are_dropped_after_their_last_read(qwen3):
         Runner(tg).prefill(list(range(3, 40)), [1], capture=cap)
     assert most["decoder"] <= 4, most
     assert between and all(b == ["h"] for b in between), between
-    assert len(cap[0]) == 2  # one per layer: the bucket's 64 rows of one device, not 32 devices'
+    assert len(cap[0]) == 3  # the embedding and each layer: the bucket's 64 rows of one device, not 32 devices'
     for x in cap[0]:
         assert x.untyped_storage().nbytes() == 64 * x.shape[-1] * x.element_size()

@@ -129,20 +129,27 @@ def round_to_bf16(model) -> None:
 def kv_cache(model, storage: str | None = None):
     """A transformers cache for ``model`` that stores keys and values as a device cache of
     dtype ``storage`` holds them (``"bf16"``: rounded to bf16 on every write, as ttbundle's
-    emulated cache does); ``None``: transformers' own cache in the compute dtype."""
+    emulated cache does; ``"bfp8"``/``"bfp4"``: each head's row of a token rounded as a
+    block-float tile row stores it, one shared exponent per 16 values, as the emulated cache
+    does); ``None``: transformers' own cache in the compute dtype."""
     import torch
     from transformers.cache_utils import DynamicCache
 
     if storage is None:
         return DynamicCache(config=model.config)
-    if storage != "bf16":
-        raise ValueError(f"reference KV storage {storage!r}: only bf16 is modeled")
+    if storage not in ("bf16", "bfp8", "bfp4"):
+        raise ValueError(f"reference KV storage {storage!r}: bf16, bfp8 or bfp4")
+
+    def store(x):
+        if storage == "bf16":
+            return x.to(torch.bfloat16).to(x.dtype)
+        from . import blockfloat
+        q = blockfloat.quantize(x.detach().float().cpu().reshape(-1, x.shape[-1]), storage)
+        return q.reshape(x.shape).to(device=x.device, dtype=x.dtype)
 
     class RoundingCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            k = key_states.to(torch.bfloat16).to(key_states.dtype)
-            v = value_states.to(torch.bfloat16).to(value_states.dtype)
-            return super().update(k, v, layer_idx, *args, **kwargs)
+            return super().update(store(key_states), store(value_states), layer_idx, *args, **kwargs)
 
     return RoundingCache(config=model.config)
 
@@ -194,7 +201,8 @@ class LayerwiseModel:
     the whole sequence with a cache of its own (``kv_storage``: :func:`kv_cache`);
     :meth:`head` the final norm, LM head and final logit soft-capping."""
 
-    def __init__(self, directory: str | Path, dtype=None, device="cpu", kv_storage: str | None = None):
+    def __init__(self, directory: str | Path, dtype=None, device="cpu", kv_storage: str | None = None,
+                 weights=None):
         import torch
         import transformers
 
@@ -203,6 +211,10 @@ class LayerwiseModel:
         self.dtype = dtype or torch.float32
         self.device = torch.device(device)
         self.kv_storage = kv_storage
+        #: ``weights(key)``: the tensor to load for checkpoint ``key`` instead of the file's, or
+        #: None (``check``'s expected run: the checkpoint as a package stores it); its
+        #: ``lm_head_rows()`` the LM head's rows likewise
+        self.weights = weights
         try:
             cfg = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
             with _params_on_meta():
@@ -249,6 +261,7 @@ class LayerwiseModel:
         """Materialize the parameters under module ``prefix`` from the checkpoint, rounded to
         bf16: the tensors that load under it, or ``keys`` (then unchecked: the parts outside the
         decoder, which a text-only prompt leaves on the meta device)."""
+        import torch
         from safetensors import safe_open
         from transformers.core_model_loading import convert_and_load_state_dict_in_model
         from transformers.modeling_utils import LoadStateDictConfig
@@ -264,7 +277,12 @@ class LayerwiseModel:
                 if f not in handles:
                     handles[f] = safe_open(str(f), framework="pt")
                 sd[k] = handles[f].get_slice(k)
-            exact = all(x.get_dtype() == "BF16" for x in sd.values())  # bf16 values already
+                if self.weights is not None:
+                    x = self.weights(k)
+                    if x is not None:  # stored values: each exactly a bf16 value
+                        sd[k] = x.to(torch.bfloat16)
+            exact = all((x.dtype == torch.bfloat16) if isinstance(x, torch.Tensor) else x.get_dtype() == "BF16"
+                        for x in sd.values())  # bf16 values already
             convert_and_load_state_dict_in_model(
                 self.model, sd, LoadStateDictConfig(dtype=None, weight_mapping=self._conversions()))
         finally:
@@ -422,8 +440,15 @@ class LayerwiseModel:
         keys = self._keys(self.head_name) or self._keys(self.embed_name)  # tied: the table once
         plain = len(keys) == 1 and getattr(self.lm_head, "bias", None) is None and \
             self.where[keys[0]][1] in (f"{self.head_name}.weight", f"{self.embed_name}.weight")
+        rows = None if self.weights is None else self.weights.lm_head_rows()
         with torch.no_grad():
-            if plain:
+            if rows is not None:  # the LM head as stored ([vocab, hidden])
+                logits = torch.empty(*x.shape[:-1], rows.shape[0], dtype=x.dtype, device=x.device)
+                for a in range(0, rows.shape[0], HEAD_ROWS):
+                    W = rows[a:a + HEAD_ROWS].to(x.dtype).to(x.device)
+                    logits[..., a:a + W.shape[0]] = torch.nn.functional.linear(x, W)
+                del rows
+            elif plain:
                 path = str(self.where[keys[0]][0])
                 with safe_open(path, framework="pt") as f:
                     V = f.get_slice(keys[0]).get_shape()[0]

@@ -281,6 +281,9 @@ class EmulatedModel:
                 if kind == "embedding":
                     if mm is not None:
                         h = self._merge_images(program, h, mm)
+                    if capture is not None:  # the embedding's output too (None: left split)
+                        capture.append((h[0] if h.stride(0) == 0 else h[0].clone()).reshape(N, Tq, -1)
+                                       if h.shape[-1] == self.dims.hidden_size else None)
                 elif kind == "head":
                     logits = out
                 else:

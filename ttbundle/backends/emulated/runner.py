@@ -33,7 +33,7 @@ class Runner:
         for c in calls:
             c.drain()
             if capture is not None:
-                capture.append([x[0, :c.rows] for x in c.capture])
+                capture.append([None if x is None else x[0, :c.rows] for x in c.capture])
         return calls[-1].logits[0, 0]
 
     def prefill_calls(self, tokens: list[int], page_table: list[int], start: int = 0, capture: bool = False,
@@ -86,7 +86,7 @@ class Runner:
         M-RoPE delta of its prompt (rope position = position + delta in all three rows)."""
         c = self.decode_call(tokens, positions, page_tables, capture is not None, rope_deltas).drain()
         if capture is not None:
-            capture.append([x[:c.rows, 0] for x in c.capture])
+            capture.append([None if x is None else x[:c.rows, 0] for x in c.capture])
         return c.logits[:c.rows, 0]
 
     def decode_call(self, tokens: list[int], positions: list[int], page_tables: list[list[int]],

@@ -54,98 +54,50 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import InvalidInput
+from ..errors import InvalidInput
 
-PCC_MIN_BF16 = 0.99
-#: fp32 compute on bf16 storage: the same weights on both sides, so every layer agrees to float
-#: rounding (measured > 0.99999 for every family); a wrong shard that keeps the greedy tokens
-#: still falls far below this
-PCC_MIN_FP32 = 0.9999
-#: block-float packages (weights or KV cache): every layer's PCC against the bf16 reference and the
-#: teacher-forced greedy-token agreement (docs/check.md has the figures these were chosen from)
-#: (MoE: a layer below the PCC bound passes where a routing flip explains it, as in bf16, and at
-#: most ``flips`` of the expert choices may differ)
-#: (the head's logits compound every layer's error: a bfp4 DeepSeek's fell to 0.848 at a step
-#: whose last layer kept 0.85, with no routing flip)
-QUANT_BOUNDS = {"bfp8": {"layer_pcc": 0.99, "head_pcc": 0.99, "top1": 0.9, "flips": 0.1},
-                "bfp4": {"layer_pcc": 0.85, "head_pcc": 0.8, "top1": 0.9, "flips": 0.35}}
-MAX_FLIP_SHARE = 0.1
-#: a reference top-1/top-2 logit margin within this many typical logit errors is a near-tie the
-#: package's numerics can flip (module docstring)
-MARGIN_SIGMAS = 5.0
+from .quality import Quality, default_text, measure, targets_for
+from .verdict import EXEC_BOUNDS, HEAD_BOUNDS, MARGIN_SIGMAS, MIN_DECISIVE, STAGE_ORDER, Executor, Stage, normalised_error, pcc
+
+__all__ = ["CheckReport", "Executor", "Quality", "Stage", "EXEC_BOUNDS", "HEAD_BOUNDS", "MARGIN_SIGMAS", "MIN_DECISIVE",
+           "check_package", "run_check", "pcc", "normalised_error", "recorded_checkpoint"]
+
 #: the reference runs the prompt in calls of this many tokens (attention scores: heads x this x
 #: context), and each decode step as a call of its own
 REFERENCE_CHUNK = 128
 #: prompt positions whose next-token predictions are compared, at most (evenly spaced, the first
 #: and last included; every decode step is compared too): the logits of a position are a
 #: vocabulary of floats per side (128,256 x 4 B for Llama 3), so comparing every position of a
-#: 5,000-token prompt held ~5 GB; the stages' PCCs still cover every position
+#: 5,000-token prompt held ~5 GB; the stages' errors still cover every position
 MAX_PROMPT_POSITIONS = 256
-PCC_MIN_PREFILL_FLIPPED = 0.95
-#: the stage depth the PCC bounds above were set at (docs/check.md's figures: models of 2-4
-#: decoder layers). Each stage adds its own rounding error, independent of the others', so the
-#: error of a stage's output grows in quadrature with depth and 1 - PCC (about half the squared
-#: relative error) linearly: beyond this depth the allowed 1 - PCC of stage ``d`` (layer index + 1;
-#: the head: layers + 1) is the bound's times ``d / CALIBRATED_DEPTH``, while what any one stage
-#: adds to its predecessor's 1 - PCC stays within the bound itself (so a bad layer at depth 30 is
-#: named as strictly as one at depth 1). Measured, Llama-3.1-8B-shaped, bfp8, random weights: 1 -
-#: PCC grows by ~0.00045 per layer, 0.0144 at layer 32 (docs/benchmarks.md).
-CALIBRATED_DEPTH = 4
-
-
-def pcc(a, b) -> float:
-    import torch
-
-    a, b = a.double().flatten(), b.double().flatten()
-    a, b = a - a.mean(), b - b.mean()
-    den = (a.norm() * b.norm()).item()
-    if den == 0:
-        return 1.0 if torch.equal(a, b) else 0.0
-    return float((a @ b).item() / den)
-
-
-@dataclass
-class LayerStat:
-    step: str  # "prefill", "decode N" or "image"
-    layer: int  # decoder layer; the head's is the number of decoder layers (it runs after them)
-    max_abs: float
-    pcc: float
-    stage: str = "layer"  # "layer", "head" (final norm + LM head: the logits) or "image"
-
-    @property
-    def name(self) -> str:
-        return f"layer {self.layer}" if self.stage == "layer" else self.stage
 
 
 @dataclass
 class CheckReport:
+    """Both verdicts of one check (docs/check.md): ``executor`` (the emulated mesh against the
+    expected run) and ``quality`` (the package against the original checkpoint), and the
+    per-layer PCC against the original (``drift``: where storage error accumulates)."""
+
     bundle: str
     mesh: str
     dtype: str
     prompt_len: int
     steps: int
-    #: the next-token prediction (argmax) of each side at every compared position: every prompt
-    #: position, then each decode step's (the last prompt position's is the first step's)
-    ref_tokens: list[int]
-    emu_tokens: list[int]
-    layers: list[LayerStat] = field(default_factory=list)
+    executor: Executor
+    quality: Quality
+    #: per (step, layer): PCC of the emulated residual stream against the original checkpoint's
+    drift: list = field(default_factory=list)
     shapes_run: list = field(default_factory=list)
-    #: MoE only: {"moe_layers", "choices", "flipped", "flips": [(step label, layer)],
-    #: "flipped_positions": [positions whose token took other experts in some layer]}
-    routing: dict | None = None
     #: the package's storage: {"weights": {dtype: tensors}, "kv_cache": dtype}
     storage: dict = field(default_factory=lambda: {"weights": {"bf16": 1}, "kv_cache": "bf16"})
     kv_blocks: int = 0  # KV cache blocks the check allocated
-    logits_pcc: list = field(default_factory=list)  # per step: next-token logits vs the reference
     continuation: list = field(default_factory=list)  # the tokens fed as decode steps (teacher forcing)
-    #: per compared position: the reference's top-1 minus top-2 logit
-    margins: list = field(default_factory=list)
-    #: the typical logit error: median over positions of the std over the vocabulary of
-    #: (emulated - reference) logits
-    logit_error: float = 0.0
-    #: the sequence position of each compared index (:func:`compared_prompt_positions`, then
-    #: every decode step); empty: every position, in order
+    #: the sequence position of each compared index (prompt positions, then every decode step)
     positions: list = field(default_factory=list)
+    #: the original checkpoint's and the package's next-token predictions at each compared index
+    ref_tokens: list = field(default_factory=list)
+    emu_tokens: list = field(default_factory=list)
+    reference: str = ""
 
     @property
     def quantized(self) -> str | None:
@@ -154,161 +106,81 @@ class CheckReport:
         return "bfp4" if "bfp4" in fmts else "bfp8" if "bfp8" in fmts else None
 
     @property
-    def margin_bound(self) -> float:
-        """A top-1/top-2 margin the package's numerics can move: ``MARGIN_SIGMAS`` times the
-        typical logit error (module docstring)."""
-        return MARGIN_SIGMAS * self.logit_error
-
-    def position(self, p: int) -> int:
-        """The sequence position of compared index ``p``."""
-        return self.positions[p] if self.positions else p
+    def storage_class(self) -> str:
+        return self.quantized or "bf16"
 
     def step_of(self, p: int) -> str:
         """The step label of compared index ``p``."""
-        position = self.position(p)
+        position = self.positions[p]
         return "prefill" if position < self.prompt_len else f"decode {position - self.prompt_len + 1}"
 
     @property
-    def decisive(self) -> list[int]:
-        """The compared positions whose reference margin exceeds :attr:`margin_bound` (MoE: and
-        whose token took the same experts on both sides in every layer)."""
-        flipped = set(self.routing["flipped_positions"]) if self.routing else set()
-        tau = self.margin_bound
-        return [p for p, m in enumerate(self.margins) if m > tau and self.position(p) not in flipped]
+    def passed(self) -> bool:
+        """Both verdicts (quality: where it is judged)."""
+        return self.executor.passed and self.quality.passed
+
+    def failure(self) -> str | None:
+        """The executor's failure, else the quality's, in one line; None when it passes."""
+        why = self.executor.failure(self.step_of)
+        if why:
+            return f"executor: {why}"
+        if self.quality.misses():
+            return (f"quality ({self.storage_class} storage, teacher-forced on {self.quality.text}): "
+                    + "; ".join(self.quality.misses()) + " (targets: the spec's quality."
+                    f"{self.storage_class}, docs/check.md)")
+        return None
 
     @property
-    def top1_agreement(self) -> float:
-        """Teacher-forced: the share of :attr:`decisive` positions whose next-token prediction
-        equals the reference's (1.0 when none is decisive)."""
-        d = self.decisive
-        return sum(self.ref_tokens[p] == self.emu_tokens[p] for p in d) / len(d) if d else 1.0
+    def layers(self) -> list:
+        """The executor's stages."""
+        return self.executor.stages
 
     @property
-    def bounds(self) -> dict:
-        """The pass bounds that apply (module docstring)."""
-        if self.quantized:
-            return dict(QUANT_BOUNDS[self.quantized])
-        if self.dtype == "bf16":
-            return {"layer_pcc": PCC_MIN_BF16}
-        return {"tokens": "identical where decisive", "layer_pcc": PCC_MIN_FP32}
-
-    def _explained(self, s: LayerStat) -> bool:
-        """A stage below the bound that a routing flip accounts for (module docstring)."""
-        if not self.routing:
-            return False
-        flips = {tuple(f) for f in self.routing["flips"]}
-        if not any((s.step, li) in flips for li in self.routing["moe_layers"] if li <= s.layer):
-            return False
-        return s.step != "prefill" or s.pcc >= PCC_MIN_PREFILL_FLIPPED
-
-    @property
-    def flips_ok(self) -> bool:
-        r = self.routing
-        share = QUANT_BOUNDS[self.quantized]["flips"] if self.quantized else MAX_FLIP_SHARE
-        return not r or r["flipped"] <= share * r["choices"]
+    def routing(self) -> dict | None:
+        """MoE: both sides' expert choices compared (the expected side's and the emulated's)."""
+        return self.executor.routing
 
     @property
     def tokens_agree(self) -> bool:
-        """Every decisive position's prediction is the reference's (a near-tie may differ)."""
-        return all(self.ref_tokens[p] == self.emu_tokens[p] for p in self.decisive)
+        """The executor's decisive predictions all identical."""
+        return self.executor.tokens_agree
 
     @property
     def first_token_divergence(self) -> int | None:
-        """The first compared position whose predictions differ (near-ties included)."""
-        for i, (a, b) in enumerate(zip(self.ref_tokens, self.emu_tokens)):
-            if a != b:
-                return i
-        return None
+        """The first compared index whose prediction differs from the original checkpoint's."""
+        return next((i for i, (a, b) in enumerate(zip(self.ref_tokens, self.emu_tokens)) if a != b), None)
 
-    def base_bound(self, s: LayerStat) -> float:
-        """The calibrated PCC bound of stage ``s`` (the head's own where the format gives one)."""
-        b = self.bounds
-        return b.get("head_pcc", b["layer_pcc"]) if s.stage == "head" else b["layer_pcc"]
-
-    def bound(self, s: LayerStat) -> float:
-        """The PCC bound of stage ``s`` at its depth (:data:`CALIBRATED_DEPTH`)."""
-        depth = 1 if s.stage == "image" else s.layer + 1
-        return 1.0 - (1.0 - self.base_bound(s)) * max(1.0, depth / CALIBRATED_DEPTH)
-
-    def added(self, s: LayerStat) -> float:
-        """What stage ``s`` adds to 1 - PCC over the stage before it in the same step (the
-        first stage: its whole 1 - PCC)."""
-        if s.stage == "image" or s.layer == 0:
-            return 1.0 - s.pcc
-        prev = [t for t in self.layers if t.step == s.step and t.stage != "image" and t.layer < s.layer]
-        return (1.0 - s.pcc) - (1.0 - max(prev, key=lambda t: t.layer).pcc) if prev else 1.0 - s.pcc
-
-    def stage_failure(self, s: LayerStat) -> str:
-        """Why stage ``s`` fails its bound, in words."""
-        if s.pcc < self.bound(s):
-            return f"PCC below {self.bound(s):.4g}"
-        return (f"{s.name} adds {self.added(s):.3g} to 1 - PCC over the stage before it "
-                f"(at most {1.0 - self.base_bound(s):.3g})")
-
-    def _stage_ok(self, s: LayerStat) -> bool:
-        explain = self.quantized or self.dtype == "bf16"
-        within = s.pcc >= self.bound(s) and self.added(s) <= 1.0 - self.base_bound(s)
-        return within or bool(explain and self._explained(s))
-
-    @property
-    def passed(self) -> bool:
-        stages = all(self._stage_ok(s) for s in self.layers)
-        if self.quantized:
-            return stages and self.flips_ok and self.top1_agreement >= self.bounds["top1"]
-        if self.dtype == "fp32":
-            return stages and self.tokens_agree
-        return stages and self.flips_ok
-
-    def diverging(self) -> LayerStat | None:
-        """The first (step, stage) that explains a failure: the first stage below its bound (in
-        execution order: the image, each step's layers, then its head), else, where the
-        predictions fail, the head at the first decisive position that differs."""
-        if self.passed or not self.layers:
-            return None
-        bad = next((s for s in self.layers if not self._stage_ok(s)), None)
-        if bad is not None:
-            return bad
-        wrong = next((p for p in self.decisive if self.ref_tokens[p] != self.emu_tokens[p]), None)
-        if wrong is not None:
-            step = self.step_of(wrong)
-            return next(s for s in self.layers if s.stage == "head" and s.step == step)
-        return min(self.layers, key=lambda s: s.pcc)
+    def diverging(self) -> Stage | None:
+        return self.executor.first_wrong()
 
     def to_json(self) -> dict:
-        d = self.diverging()
         return {
             "bundle": self.bundle, "mesh": self.mesh, "dtype": self.dtype, "passed": self.passed,
-            "prompt_len": self.prompt_len, "steps": self.steps, "tokens_agree": self.tokens_agree,
-            "first_token_divergence": self.first_token_divergence,
-            "ref_tokens": self.ref_tokens, "emulated_tokens": self.emu_tokens,
-            "continuation": self.continuation, "compared_positions": len(self.ref_tokens),
-            "positions": [self.position(p) for p in range(len(self.ref_tokens))],
-            "decisive_positions": len(self.decisive), "margin_bound": self.margin_bound,
-            "logit_error": self.logit_error, "margins": self.margins,
-            "first_diverging": None if d is None else {"step": d.step, "layer": d.layer, "stage": d.stage,
-                                                       "pcc": d.pcc, "max_abs": d.max_abs},
-            "layers": [dict(s.__dict__, bound=self.bound(s), added=self.added(s)) for s in self.layers],
+            "failure": self.failure(), "prompt_len": self.prompt_len, "steps": self.steps,
+            "reference": self.reference,
+            "executor": self.executor.to_json(self.step_of), "quality": self.quality.to_json(),
+            "drift": [dict(d) for d in self.drift],
+            "continuation": self.continuation, "compared_positions": len(self.positions),
+            "positions": self.positions, "ref_tokens": self.ref_tokens, "emulated_tokens": self.emu_tokens,
             "shapes_run": [list(s) for s in sorted(self.shapes_run)],
-            "storage": self.storage, "quantized": self.quantized, "bounds": self.bounds,
-            "top1_agreement": self.top1_agreement, "kv_blocks": self.kv_blocks,
-            "logits_pcc": self.logits_pcc,
-            "routing": None if self.routing is None else {**self.routing,
-                                                          "flips": [list(f) for f in self.routing["flips"]]},
+            "storage": self.storage, "quantized": self.quantized, "kv_blocks": self.kv_blocks,
         }
 
 
 def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_weights: bool = False,
               seed: int = 0, prompt_len: int | None = None, device: str = "cpu",
-              package_hook=None, images: list | None = None) -> CheckReport:
+              package_hook=None, images: list | None = None, text: str | None = None,
+              checkpoint_hook=None) -> CheckReport:
     """``ttbundle check SPEC --mesh M``: build the package into a temporary directory, then
     check that package (:func:`check_package`). With ``random_weights`` the checkpoint is a
-    random instance of the architecture, saved (bf16) beside it. ``package_hook(pkg_dir)`` runs
+    random instance of the architecture, saved (bf16) beside it. ``checkpoint_hook(dir)`` runs
+    before the build (tests plant outliers in the checkpoint there), ``package_hook(pkg_dir)``
     between the build and the check (tests mutate the package there)."""
     import dataclasses
     import tempfile
 
-    from . import reference
-    from .build import build
+    from .. import reference
+    from ..build import build
 
     if dtype not in ("fp32", "bf16"):
         raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
@@ -321,6 +193,8 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
             if bundle.spec.weights.source is None:
                 raise InvalidInput(f"{bundle.file}: weights.source is not set; give it or use --random-weights")
             src = bundle.resolve_path(bundle.spec.weights.source)
+        if checkpoint_hook is not None:
+            checkpoint_hook(src)
         w = bundle.spec.weights.model_copy(update={"source": str(src.absolute())})
         # random weights come without a tokenizer: the temporary package is token ids only
         b = dataclasses.replace(bundle, spec=bundle.spec.model_copy(
@@ -329,22 +203,46 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
         if package_hook is not None:
             package_hook(Path(res.package))
         return check_package(res.package, src, steps=steps, dtype=dtype, seed=seed, prompt_len=prompt_len,
-                             device=device, images=images)
+                             device=device, images=images, text=text)
+
+
+def text_tokens(pkg, text: str | None) -> tuple[list[int] | None, str]:
+    """The check's text as token ids with the package's own tokenizer (``text`` None: the shipped
+    public-domain text, :func:`quality.default_text`), and what it was; (None, why) for a package
+    without a tokenizer (token ids only: the prompt is then random tokens)."""
+    from ..package.names import has_tokenizer
+
+    names = [p.name for p in Path(pkg.dir).iterdir()]
+    if not has_tokenizer(names):
+        if text is not None:
+            raise InvalidInput(f"{pkg.dir}: the package has no tokenizer (token ids only), so --text cannot "
+                               f"be read; build it with one")
+        return None, "random tokens (the package has no tokenizer)"
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(str(pkg.dir), local_files_only=True)
+    what = "ttbundle/data/quality.txt (public domain)" if text is None else "--text"
+    ids = tok(default_text() if text is None else text)["input_ids"]
+    return [int(i) for i in ids], what
 
 
 def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", seed: int = 0,
-                  prompt_len: int | None = None, device: str = "cpu", images: list | None = None) -> CheckReport:
-    """``ttbundle check PACKAGE_DIR``: the package's own programs on its own weight bytes (bf16
-    values, bfp8/bfp4 tiles decoded as ttnn decodes them), its KV cache in its declared dtype,
-    against transformers in float32 on the checkpoint in ``reference_dir`` (rounded to bf16, the
-    package's finest storage), its KV cache stored like the package's when that is bf16. Both
-    sides hold one decoder layer at a time (module docstring)."""
+                  prompt_len: int | None = None, device: str = "cpu", images: list | None = None,
+                  text: str | None = None) -> CheckReport:
+    """``ttbundle check PACKAGE_DIR`` (module docstring): three sides, one decoder layer of each
+    in memory at a time. The emulated mesh runs the package's programs on its own bytes; the
+    *expected* side runs transformers, stage by stage, on the emulated side's input to that
+    stage, with the checkpoint in ``reference_dir`` stored as the package declares
+    (``check.expected``) and its KV cache stored as the package's is; the *original* side runs
+    transformers on the checkpoint itself (rounded to bf16, the package's finest storage) over
+    the whole sequence, for the quality verdict."""
     import torch
 
-    from . import reference
-    from .backends.emulated import EmulatedModel, Runner
-    from .package.load import load_package
-    from .package.shards import trim_heap
+    from .. import reference
+    from ..backends.emulated import EmulatedModel, Runner
+    from ..package.load import load_package
+    from ..package.shards import trim_heap
+    from .expected import ExpectedWeights
 
     if dtype not in ("fp32", "bf16"):
         raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
@@ -356,16 +254,26 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
 
     b = bundle.buckets
     chunk = b.prefill_chunk or max(b.prefill)
+    ids, text_what = (None, "images") if images else text_tokens(pkg, text)
     if prompt_len is None:
         prompt_len = min(chunk + chunk // 3 + 1, rt.max_model_len - steps - 1)
+        if ids is not None:
+            prompt_len = max(1, min(prompt_len, len(ids) - (steps - 1)))
     if prompt_len < 1 or prompt_len + steps > rt.max_model_len:
         raise InvalidInput(f"prompt of {prompt_len} + {steps} steps must fit max_model_len={rt.max_model_len}")
+    if ids is not None and len(ids) < prompt_len + steps - 1:
+        raise InvalidInput(f"the text has {len(ids)} tokens; a prompt of {prompt_len} + {steps - 1} teacher-forced "
+                           f"steps needs {prompt_len + steps - 1}: give a longer --text, or fewer --steps or "
+                           f"--prompt-len")
     g = torch.Generator().manual_seed(seed + 1)
-    prompt = torch.randint(0, bundle.arch.vocab_size, (prompt_len,), generator=g).tolist()
+    if ids is not None:
+        prompt = ids[:prompt_len]
+    else:
+        prompt = torch.randint(0, bundle.arch.vocab_size, (prompt_len,), generator=g).tolist()
     mm, inputs, rope, delta = None, None, None, 0
     part = bundle.family.vision_part(bundle.arch)  # the family's vision part owns what differs
     if images:
-        from . import vision
+        from .. import vision
         inputs = {k: x.to(tdtype) if x.is_floating_point() else x
                   for k, x in vision.image_inputs(bundle, images).items()}
         prompt, mm = vision.prompt_with_images(bundle, prompt, len(images), chunk, inputs)
@@ -376,32 +284,40 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     if part is not None:  # the prompt's positions (M-RoPE: its 3-row positions; None: plain)
         pos = part.positions(prompt, inputs)
         rope, delta = pos.rope, pos.delta
-    cont = continuation(prompt, steps - 1, () if part is None else set(part.special_tokens()) | {part.placeholder()})
+    if ids is not None:  # natural text: the text's own next tokens
+        cont = ids[prompt_len:prompt_len + steps - 1]
+    else:
+        cont = continuation(prompt, steps - 1, () if part is None else set(part.special_tokens()) | {part.placeholder()})
     seq = prompt + cont
     labels = ["prefill"] * prompt_len + [f"decode {i}" for i in range(1, steps)]
+    segments = reference_segments(prompt_len, len(seq), [] if mm is None else mm["positions"])
+    kv_ref = kv_dtype if kv_dtype in ("bf16", "bfp8") else None
 
-    # the reference: transformers' skeleton; one layer materialized at a time
-    ref = reference.LayerwiseModel(reference_dir, tdtype, device, kv_dtype if kv_dtype == "bf16" else None)
+    # the original: transformers' skeleton of the checkpoint; the expected: the same skeleton
+    # loading the checkpoint as the package stores it. One layer materialized at a time.
+    ref = reference.LayerwiseModel(reference_dir, tdtype, device, "bf16" if kv_dtype == "bf16" else None)
+    exp = reference.LayerwiseModel(reference_dir, tdtype, device, kv_ref,
+                                   weights=ExpectedWeights(pkg, reference_dir))
     n_layers = len(ref.layers)
     router = bundle.family.hf_router
     routes: dict = {"hf": {}, "emu": {}}  # layer -> [set of experts per token] in sequence order
     hooks = []
     if router:
-        for li, layer in enumerate(ref.layers):
+        for li, layer in enumerate(exp.layers):
             for m in layer.modules():
                 if type(m).__name__ == router[0]:
                     hooks.append(m.register_forward_hook(
                         lambda m, i, o, li=li: routes["hf"].setdefault(li, []).extend(set(r) for r in o[2].tolist())))
-    image_ref = []
+    image_exp = []
     kw = {} if mm is None else part.reference_kwargs(seq, inputs, device)
-    h_ref, layer_calls = ref.record(
-        seq, reference_segments(prompt_len, len(seq), [] if mm is None else mm["positions"]), kw,
-        images=mm is not None, on_vision=None if mm is None else
-        lambda: image_ref.append(part.reference_features(ref.model, inputs, device).float().cpu()))
+    h_ref, ref_calls = ref.record(seq, segments, kw, images=mm is not None)
+    h_exp0, exp_calls = exp.record(
+        seq, segments, kw, images=mm is not None, on_vision=None if mm is None else
+        lambda: image_exp.append(part.reference_features(exp.model, inputs, device).float().cpu()))
 
     kernels = None
     if router:
-        from .backends.emulated.kernel_table import KERNELS
+        from ..backends.emulated.kernel_table import KERNELS
         base = KERNELS[router[1]]
 
         def route(ctx, layer, scores):  # device 0's routing weights: nonzero = chosen
@@ -414,41 +330,73 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     need = -(-(prompt_len + steps) // rt.kv_block_size)
     runner = Runner(model, num_blocks=need + 1)
     blocks = list(range(1, need + 1))
-    stats: list = []
-    image_stat = None
+    stages: list = []
+    drift: list = []
+    flips: list = []
 
     def free():
         model.release()  # closes the package's files too: what was read does not stay resident
         trim_heap()
 
+    def local(out, emu, inp, layer, stage):
+        """Per step: the prompt's positions together, each decode step's alone."""
+        for lab in dict.fromkeys(labels):
+            idx = [i for i, x in enumerate(labels) if x == lab]
+            a, z = idx[0], idx[-1] + 1
+            r, e = out[a:z], emu[a:z]
+            stages.append(Stage(lab, layer, stage, normalised_error(r, e, None if inp is None else inp[a:z]),
+                                float((r - e).abs().max()), pcc(r, e)))
+
     with torch.no_grad():
         if mm is not None:  # the package's vision program against transformers' image features
             mm["embeds"] = model.encode_images(inputs["pixel_values"].to(device), inputs.get("image_grid_thw"))
             free()
-            from .vision import vision_bucket
+            from ..vision import vision_bucket
             vb, _ = vision_bucket(part, sorted(b for ph, b in model.programs if ph == "vision"),
                                   inputs["pixel_values"], inputs.get("image_grid_thw"))
             runner.shapes_run.add(("vision", vb))
             e = mm["embeds"].float().cpu()
-            image_stat = LayerStat("image", 0, float((image_ref[0] - e).abs().max()), pcc(image_ref[0], e), "image")
+            stages.append(Stage("image", -1, "image", normalised_error(image_exp[0], e),
+                                float((image_exp[0] - e).abs().max()), pcc(image_exp[0], e)))
         sel = compared_prompt_positions(prompt_len)
         idx = sel + list(range(prompt_len, len(seq)))
         calls = runner.prefill_calls(prompt, blocks, capture=True, mm=mm, rope_positions=rope, head_rows=sel)
         n_pre = len(calls)
         calls += [runner.decode_call([t], [prompt_len + i], [blocks], capture=True,
                                      rope_deltas=None if rope is None else [delta]) for i, t in enumerate(cont)]
+        prev = None  # the emulated side's output of the stage before: the expected side's input
+
+        def captured():
+            rows = [c.capture.pop(0) for c in calls]
+            if any(r is None for r in rows):
+                return None
+            return torch.cat([r[0, :c.rows] if k < n_pre else r[:c.rows, 0]
+                              for k, (r, c) in enumerate(zip(rows, calls))]).float().cpu()
 
         def after(stage):
-            nonlocal h_ref
-            _, li = stage
+            nonlocal h_ref, prev
+            kind, li = stage
             free()
+            if kind == "embedding":
+                prev = captured()
+                if prev is not None:
+                    local(h_exp0[0].float().cpu(), prev, None, -1, "embed")
+                else:  # the embedding leaves h split: layer 0 reads the expected side's own
+                    prev = h_exp0[0].float().cpu()
+                return
             if li is None:
                 return
-            emu = torch.cat([c.capture.pop()[0, :c.rows] if k < n_pre else c.capture.pop()[:c.rows, 0]
-                             for k, c in enumerate(calls)]).float().cpu()
-            h_ref = ref.run_layer(li, h_ref, layer_calls[li])
+            emu = captured()
+            out = exp.run_layer(li, prev[None].to(device=device, dtype=tdtype), exp_calls[li])[0].float().cpu()
             trim_heap()
-            stats.extend(_stats(h_ref[0].float().cpu(), emu, labels, li, "layer"))
+            local(out, emu, prev, li, "layer")
+            h_ref = ref.run_layer(li, h_ref, ref_calls[li])
+            trim_heap()
+            for lab in dict.fromkeys(labels):
+                ix = [i for i, x in enumerate(labels) if x == lab]
+                drift.append({"step": lab, "layer": li, "pcc": pcc(h_ref[0, ix[0]:ix[-1] + 1].float().cpu(),
+                                                                     emu[ix[0]:ix[-1] + 1])})
+            prev = emu
             if router and li in routes["hf"]:
                 rows = routes["emu"].pop(li, [])
                 routes["emu"][li] = sum((r[:c.rows] for r, c in zip(rows, calls)), [])
@@ -458,28 +406,36 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
         emu_logits = torch.cat([lg[0, [r for r, j in enumerate(c.head_rows) if j in wanted]] if k < n_pre
                                 else lg[:c.rows, 0] for k, (lg, c) in enumerate(zip(out, calls))]).float().cpu()
         del out
+        exp_logits = exp.head(prev[idx][None].to(device=device, dtype=tdtype))[0].float().cpu()
         ref_logits = ref.head(h_ref[:, idx])[0].float().cpu()
     for h in hooks:
         h.remove()
     head_labels = [labels[j] for j in idx]
-    stats.extend(_stats(ref_logits, emu_logits, head_labels, n_layers, "head"))
+    for lab in dict.fromkeys(head_labels):
+        ix = [i for i, x in enumerate(head_labels) if x == lab]
+        r, e = exp_logits[ix[0]:ix[-1] + 1], emu_logits[ix[0]:ix[-1] + 1]
+        stages.append(Stage(lab, n_layers, "head", normalised_error(r, e), float((r - e).abs().max()), pcc(r, e)))
     order = {lab: i for i, lab in enumerate(dict.fromkeys(labels))}
-    stats.sort(key=lambda s: (order[s.step], s.layer))
-    top2 = ref_logits.topk(2, dim=-1).values
-    err = (emu_logits.double() - ref_logits.double()).std(dim=-1, unbiased=False)
-    report = CheckReport(bundle.spec.name, pkg.mesh.name, dtype, prompt_len, steps,
-                         ref_logits.argmax(-1).tolist(), emu_logits.argmax(-1).tolist(), layers=stats,
-                         shapes_run=sorted(runner.shapes_run), storage=storage_of(pkg),
-                         kv_blocks=runner.kv.num_blocks, continuation=cont,
-                         margins=(top2[:, 0] - top2[:, 1]).tolist(), logit_error=float(err.median()),
-                         positions=idx)
-    if image_stat is not None:
-        report.layers.insert(0, image_stat)
-    last = idx.index(prompt_len - 1)  # the next-token logits of the prompt, then of each step
-    report.logits_pcc = [pcc(ref_logits[p], emu_logits[p]) for p in range(last, len(idx))]
+    stages.sort(key=lambda s: (-1 if s.step == "image" else order[s.step], STAGE_ORDER[s.stage], s.layer))
+    routing = None
     if router:
-        report.routing = _routing(routes, labels)
-    return report
+        routing = _routing(routes, labels)
+        flips = [tuple(f) for f in routing["flips"]]
+    top2 = exp_logits.topk(2, dim=-1).values
+    bound = HEAD_BOUNDS[dtype]
+    ex = Executor(dtype, stages, exp_logits.argmax(-1).tolist(), emu_logits.argmax(-1).tolist(),
+                  (top2[:, 0] - top2[:, 1]).tolist(),
+                  (MARGIN_SIGMAS * bound * exp_logits.double().std(dim=-1)).tolist(), flips, routing)
+    nxt = [seq[q + 1] if q + 1 < len(seq) else -1 for q in idx]
+    storage = storage_of(pkg)
+    quantized = "bfp4" if "bfp4" in set(storage["weights"]) | {storage["kv_cache"]} else \
+        "bfp8" if "bfp8" in set(storage["weights"]) | {storage["kv_cache"]} else "bf16"
+    q = Quality(**measure(ref_logits, emu_logits, nxt), storage=quantized,
+                targets=targets_for(bundle, quantized), natural_text=ids is not None, text=text_what)
+    return CheckReport(bundle.spec.name, pkg.mesh.name, dtype, prompt_len, steps, ex, q, drift=drift,
+                       shapes_run=sorted(runner.shapes_run), storage=storage, kv_blocks=runner.kv.num_blocks,
+                       continuation=cont, positions=idx, ref_tokens=ref_logits.argmax(-1).tolist(),
+                       emu_tokens=emu_logits.argmax(-1).tolist(), reference=str(reference_dir))
 
 
 def compared_prompt_positions(prompt_len: int) -> list[int]:
@@ -509,22 +465,12 @@ def continuation(prompt: list[int], n: int, special=()) -> list[int]:
     return [text[i % len(text)] for i in range(n)]
 
 
-def _stats(ref, emu, labels: list, layer: int, stage: str) -> list:
-    """Per step: the prompt's positions together, each decode step's alone."""
-    out = []
-    for lab in dict.fromkeys(labels):
-        idx = [i for i, x in enumerate(labels) if x == lab]
-        r, e = ref[idx[0]:idx[-1] + 1], emu[idx[0]:idx[-1] + 1].reshape(len(idx), -1)
-        out.append(LayerStat(lab, layer, float((r - e).abs().max()), pcc(r, e), stage))
-    return out
-
-
 def recorded_checkpoint(pkg_dir) -> Path:
     """The checkpoint a package was built from, as its manifest records it (``sources.weights``),
     if it is still there unchanged: the build's own test (``cache.source_records``: a digest is
     reused while size, mtime and inode match, else the file is hashed again with BLAKE3)."""
-    from . import cache
-    from .package.verify import read_manifest
+    from .. import cache
+    from ..package.verify import read_manifest
 
     pkg_dir = Path(pkg_dir)
     recs = (read_manifest(pkg_dir).get("sources") or {}).get("weights") or []

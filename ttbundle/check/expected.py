@@ -1,0 +1,177 @@
+"""The *expected* weights: the original checkpoint's tensors stored as the package declares them.
+
+``check``'s executor verdict runs transformers on these beside the emulated mesh. They are made
+here from the checkpoint, independently of the package's bytes: each canonical tensor (the
+family's name table and transform) is cut into the shards the plan gives each device
+(``layout``: padding and replicas included), each distinct shard rounded as its declared
+encoding stores it (bf16, or bfp8/bfp4 tiles: ``blockfloat.quantize``, byte-exact with ttnn's
+packer and the package's decoder), put back into the global tensor (``package.shards``'s
+reassembly) and then into the checkpoint's own layout (the inverse of the name table's
+transform), so transformers loads them as it loads the checkpoint.
+
+A package whose stored bytes are not what its declaration makes of the checkpoint (a zeroed
+head, a swapped layer, a flipped exponent byte, a matrix rounded to bfp4 in a bfp8 package)
+therefore runs other numbers than the expected side, and the executor verdict fails at the
+stage that reads them. Only block-float matrices differ from the plain bf16 rounding the
+reference already applies; bf16-stored tensors are left to it (the same values).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..errors import InvalidInput
+
+
+def stored_values(c, units_per_dim: list, dims, devices: int, encoding: str):
+    """The global tensor ``c`` (float32) as a package storing it in ``encoding`` holds it: each
+    distinct device shard (``units_per_dim[k][d]``: the units of dim ``k`` device ``d`` holds,
+    -1 for padding) cut, padded with zeros, rounded (``blockfloat.quantize``: one shared
+    exponent per 16 values of a tile row, so the cut matters) and written back."""
+    import torch
+
+    from .. import blockfloat
+    from ..layout import elements
+    from ..package.shards import _scatter
+
+    out = c.clone()
+    seen = set()
+    for d in range(devices):
+        sig = tuple(tuple(u[d]) for u in units_per_dim)
+        if sig in seen:
+            continue
+        seen.add(sig)
+        shard = c
+        for k, (us, dim) in enumerate(zip(sig, dims)):
+            pos = torch.tensor(elements(list(us), dim.unit), dtype=torch.long)
+            shard = shard.index_select(k, pos.clamp(min=0))
+            pad = (pos < 0).nonzero().reshape(-1)
+            if len(pad):
+                shard = shard.index_fill(k, pad, 0.0)
+        q = blockfloat.quantize(shard.contiguous(), encoding) if encoding != "bf16" else \
+            shard.to(torch.bfloat16).float()
+        _scatter(out, q, [list(u) for u in sig], dims)
+    return out
+
+
+def _untranspose(c, sources):
+    return [c.transpose(-1, -2)]
+
+
+def _interleave(c, sources):
+    """The inverse of ``gate_up_deinterleave``: ``[gate | up]`` back to (g0, u0, g1, u1, ...)."""
+    import torch
+    half = c.shape[-1] // 2
+    return [torch.stack((c[..., :half], c[..., half:]), dim=-1).flatten(-2)]
+
+
+def _conv_unpatch(c, sources):
+    return [c.transpose(0, 1).reshape(sources[0].shape)]
+
+
+def _qkv_part(k):
+    def inv(c, sources):
+        src = sources[0].clone()
+        third = src.shape[0] // 3
+        src[k * third:(k + 1) * third] = c.transpose(0, 1) if c.dim() == 2 else c
+        return [src]
+    return inv
+
+
+#: name-table transform -> its inverse: the canonical tensor back in the checkpoint's layout
+#: (given the checkpoint's tensors, for a transform that fills part of one)
+INVERSES = {"t": _untranspose, "id": lambda c, s: [c], "gate_up_deinterleave": _interleave,
+            "conv_patch": _conv_unpatch, **{f"qkv_{k}": _qkv_part(k) for k in range(3)}}
+
+
+class ExpectedWeights:
+    """Per checkpoint key, the tensor a package's declared storage makes of it (module
+    docstring), computed one layer at a time as transformers loads that layer; ``None`` for a
+    key whose tensors are stored as bf16 (the reference's own rounding gives those)."""
+
+    def __init__(self, pkg, reference_dir: str | Path):
+        from ..weights import Checkpoint, read_plan
+
+        bundle = pkg.bundle
+        self.family, self.arch = bundle.family, bundle.arch
+        self.weights = pkg.weights  # the plan's dtypes and shard units (not the stored bytes)
+        self.devices = pkg.mesh.num_devices
+        self.ck = Checkpoint(reference_dir)
+        self.jobs = read_plan(self.family, self.arch, self.ck.keys())
+        self.table = {n.tensor: n for n in self.family.hf_names(self.arch)}
+        self.decls = {t.name: t for t in self.family.tensors(self.arch)}
+        # checkpoint key -> the quantized canonical tensors it feeds ((name, layer) jobs)
+        self.by_key: dict = {}
+        for name, layer, srcs in self.jobs:
+            if self.weights.dtypes[name] == "bf16":
+                continue
+            tf = self.table[name].transform
+            if tf not in INVERSES:
+                raise InvalidInput(
+                    f"{name}: stored {self.weights.dtypes[name]} from a checkpoint read through "
+                    f"the {tf!r} transform (a quantized checkpoint): check's expected run cannot "
+                    f"put such a tensor back in the checkpoint's layout; store {name} as bf16 or "
+                    f"check against a bf16 checkpoint (--reference)")
+            for _, keys in srcs:
+                for k in keys:
+                    self.by_key.setdefault(k, []).append((name, layer, srcs))
+        self._cache: dict = {}
+
+    @property
+    def quantized(self) -> bool:
+        return bool(self.by_key)
+
+    def __call__(self, key: str):
+        """The expected tensor of checkpoint ``key`` (float32, the checkpoint's layout), or None
+        where its tensors are stored bf16. A key's jobs are computed together and kept until
+        each of their keys was asked for once (a layer's keys are asked for together)."""
+        if key not in self.by_key:
+            return None
+        if key not in self._cache:
+            self._compute(key)
+        return self._cache.pop(key)
+
+    def _compute(self, key: str) -> None:
+        import torch
+
+        from ..families import transforms
+
+        out: dict = {}
+        for name, layer, srcs in self.by_key[key]:
+            parts = [torch.stack([self.ck.get(k) for k in ks]) if "{e}" in pat else self.ck.get(ks[0])
+                     for pat, ks in srcs]
+            tf = self.table[name].transform
+            c = transforms.apply(tf, parts, self.arch).float()
+            decl = self.decls[name]
+            q = stored_values(c, self.weights.units[name], decl.dims, self.devices, self.weights.dtypes[name])
+            # a key fed by several jobs (one fused tensor split into q, k, v) takes each job's part
+            current = [torch.stack([out.get(k, self.ck.get(k).float()) for k in ks]) if "{e}" in pat
+                       else out.get(ks[0], self.ck.get(ks[0]).float()) for pat, ks in srcs]
+            back = INVERSES[tf](q, current)
+            for (pat, ks), b in zip(srcs, back):
+                if "{e}" in pat:
+                    for e, k in enumerate(ks):
+                        out[k] = b[e].contiguous()
+                else:
+                    out[ks[0]] = b.contiguous()
+        for k, t in out.items():
+            if k in self.by_key:
+                self._cache[k] = t
+
+    def lm_head_rows(self):
+        """The LM head as stored, ``[vocab, hidden]`` (rows of the checkpoint's layout), or None
+        where it is stored bf16: the expected side's head reads it (a tied LM head shares its
+        checkpoint tensor with the embedding, which the package stores apart, in bf16)."""
+        name = "lm_head"
+        if name not in self.decls or self.weights.dtypes.get(name, "bf16") == "bf16":
+            return None
+        (_, _, srcs), = [j for j in self.jobs if j[0] == name]
+        import torch
+
+        from ..families import transforms
+        parts = [self.ck.get(ks[0]) for _, ks in srcs]
+        c = transforms.apply(self.table[name].transform, parts, self.arch).float()
+        q = stored_values(c, self.weights.units[name], self.decls[name].dims, self.devices,
+                          self.weights.dtypes[name])
+        del c
+        return q.transpose(0, 1).contiguous().to(torch.float32)
