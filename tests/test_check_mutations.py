@@ -163,3 +163,43 @@ def test_the_deep_bfp4_mutation_fails_and_the_correct_package_passes(built, tmp_
     _zero_wo(pkg)
     r = _check(pkg, ckpt, "bf16")
     assert not r.passed and (r.diverging().stage, r.diverging().layer) == ("layer", DEEP)
+
+
+def _plant_outlier(ckpt):
+    """A massive activation as trained decoders grow one (|x| ~ 1,000 in a few residual channels
+    at the first token, the attention sink): channel 5 of the embedding of the prompt's first
+    token (the check's random prompt of ``seed`` 3; its decode steps feed the prompt again, so
+    one decode step holds it too) set to 1,800, which rides the residual stream through every
+    layer and dominates its PCC."""
+    from safetensors.torch import load_file, save_file
+    first = torch.randint(0, 512, (70,), generator=torch.Generator().manual_seed(3 + 1))[0]
+    f = ckpt / "model.safetensors"
+    t = load_file(str(f))
+    t["model.embed_tokens.weight"][first, 5] = 1800.0
+    save_file(t, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_massive_activation_channel_passes_in_bfp8_and_hides_no_bug(tmp_path, dtype):
+    b = specmod.loads(SPEC.replace(f"num_hidden_layers: {LAYERS}", "num_hidden_layers: 4"), "outlier.yaml")
+    s = b.spec
+    w = s.weights.model_copy(update={"dtypes": specmod.DtypePolicy(default="bfp8")})
+    b = dataclasses.replace(b, spec=s.model_copy(update={"weights": w, "runtime": s.runtime.model_copy(
+        update={"kv_cache_dtype": "bfp8"})}))
+    from ttbundle.check import run_check
+    r = run_check(b, "N300", steps=4, dtype=dtype, random_weights=True, seed=3, prompt_len=70,
+                  checkpoint_hook=_plant_outlier)
+    assert r.executor.passed, r.executor.failure(r.step_of)
+    # the channel is there: it dominates the prefill's residual stream (its PCC against the
+    # original stays near 1 whatever the storage error in the other channels)
+    assert min(d["pcc"] for d in r.drift if d["step"] == "prefill") > 0.999
+    assert len(r.executor.decisive) >= 8
+
+    def hook(pkg):
+        assert edit_tensor(pkg, "wo.1", lambda t, d: torch.zeros_like(t))
+    bad = run_check(b, "N300", steps=4, dtype=dtype, random_weights=True, seed=3, prompt_len=70,
+                    checkpoint_hook=_plant_outlier, package_hook=hook)
+    d = bad.diverging()
+    assert not bad.passed and (d.stage, d.layer, d.step) == ("layer", 1, "prefill"), d
+    # the same zeroed wo barely moves the PCC of the stream the massive channel dominates
+    assert d.pcc > 0.99

@@ -151,4 +151,4 @@ def test_the_metric_sees_error_a_massive_channel_hides_from_pcc():
     a = (inp16 + upd).to(torch.bfloat16).float()
     b = (inp16 + upd.to(torch.bfloat16).float() * (1 + 2 ** -8 * torch.randn(64, 256, generator=g))
          ).to(torch.bfloat16).float()
-    assert normalised_error(a, b, inp16) < EXEC_BOUNDS["bf16"] / 2
+    assert normalised_error(a, b, inp16, "bf16") < EXEC_BOUNDS["bf16"] / 2

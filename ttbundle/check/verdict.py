@@ -26,13 +26,14 @@ from dataclasses import dataclass, field
 #: the executor bound on a stage's normalised error, per compute dtype (measured: docs/check.md,
 #: "Executor bounds"; the worst correct stage of every family, mesh and storage and the smallest
 #: mutation are printed by benches/check_figures.py)
-EXEC_BOUNDS = {"fp32": 1e-3, "bf16": 0.05}
+EXEC_BOUNDS = {"fp32": 1e-3, "bf16": 0.06}
 #: the head's (the final norm and the LM head: one matmul from the same input, no residual): its
 #: own, tighter bound; the decisive margin is counted in it
 HEAD_BOUNDS = {"fp32": 1e-3, "bf16": 0.02}
-#: MoE in bf16: a stage whose own layer routed a token to other experts on the two sides in that
-#: step (a router near-tie rounded apart: another expert is another function) may reach this
-#: normalised error; no other stage is excused, and no stage in fp32
+#: MoE in bf16: the positions whose token took other experts on the two sides in a layer (a
+#: router near-tie rounded apart, on the same input: another expert is another function) are
+#: judged apart in that layer's stage, against this bound; the stage's other positions, and
+#: every other stage, keep theirs. fp32 excuses nothing
 FLIP_BOUND_BF16 = 0.5
 #: a position is decisive when the expected side's top-1 logit leads its top-2 by more than this
 #: many allowed logit errors (the head's bound times the position's logit standard deviation):
@@ -45,9 +46,22 @@ MIN_DECISIVE = 8
 STAGE_ORDER = {"image": 0, "embed": 1, "layer": 2, "head": 3}
 
 
-def normalised_error(ref, emu, inp=None) -> float:
+#: the relative resolution of a value held in the compute dtype (half its unit in the last place
+#: at most: bf16 keeps 8 significant bits)
+RESOLUTION = {"fp32": 2.0 ** -24, "bf16": 2.0 ** -8}
+#: a channel's error is measured against at least this many units of the resolution of its
+#: output: where a layer's update is small next to the residual it is added to, a bf16 residual
+#: cannot hold the update more finely, and two correct bf16 computations whose updates differ
+#: in the last bits round the sum one unit apart (measured: the demo model's decode steps at a
+#: 683-token context, docs/check.md)
+RESOLUTION_UNITS = 8
+
+
+def normalised_error(ref, emu, inp=None, dtype: str = "fp32") -> float:
     """The stage metric (module docstring): ``ref``/``emu`` the two sides' outputs and ``inp``
-    the input both read ``[positions, channels]`` (None: the update is the output)."""
+    the input both read ``[positions, channels]`` (None: the update is the output). Each
+    channel's error is scaled by the largest of its update, the median channel's update and
+    :data:`RESOLUTION_UNITS` units of the compute dtype's resolution of its output."""
     import torch
 
     r = ref.double().reshape(-1, ref.shape[-1])
@@ -55,7 +69,8 @@ def normalised_error(ref, emu, inp=None) -> float:
     u = r if inp is None else r - inp.double().reshape(-1, inp.shape[-1])
     un, en = u.norm(dim=0), e.norm(dim=0)
     floor = un.median().clamp(min=torch.finfo(torch.float64).tiny)
-    return float(((en / torch.maximum(un, floor)) ** 2).mean().sqrt())
+    held = RESOLUTION_UNITS * RESOLUTION[dtype] * r.norm(dim=0)
+    return float(((en / torch.maximum(torch.maximum(un, floor), held)) ** 2).mean().sqrt())
 
 
 def pcc(a, b) -> float:
@@ -79,6 +94,10 @@ class Stage:
     err: float
     max_abs: float
     pcc: float
+    #: MoE, bf16: positions whose token took other experts on the two sides in this layer
+    #: (excluded from ``err``) and their own normalised error (at most FLIP_BOUND_BF16)
+    flipped: int = 0
+    flip_err: float | None = None
 
     @property
     def name(self) -> str:
@@ -114,12 +133,10 @@ class Executor:
         return all(self.exp_tokens[p] == self.emu_tokens[p] for p in self.decisive)
 
     def allowed(self, s: Stage) -> float:
-        if self.dtype == "bf16" and s.stage == "layer" and (s.step, s.layer) in {tuple(f) for f in self.flips}:
-            return FLIP_BOUND_BF16
         return HEAD_BOUNDS[self.dtype] if s.stage == "head" else self.bound
 
     def stage_ok(self, s: Stage) -> bool:
-        return s.err <= self.allowed(s)
+        return s.err <= self.allowed(s) and (s.flip_err is None or s.flip_err <= FLIP_BOUND_BF16)
 
     @property
     def enough_decisive(self) -> bool:
@@ -141,6 +158,10 @@ class Executor:
         """Why the verdict fails, in one line; None when it passes."""
         bad = self.first_wrong()
         if bad is not None:
+            if bad.err <= self.allowed(bad):
+                return (f"{bad.name} at {bad.step}: the {bad.flipped} position(s) routed to other experts "
+                        f"than the expected run's have normalised error {bad.flip_err:.3g} > "
+                        f"{FLIP_BOUND_BF16:g} (bf16 routing near-ties)")
             return (f"{bad.name} at {bad.step}: normalised error {bad.err:.3g} against the expected run "
                     f"(the checkpoint as this package stores it) > {self.allowed(bad):g} "
                     f"({self.dtype} compute)")
