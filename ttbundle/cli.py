@@ -172,6 +172,9 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
                                                      "vision.images_per_prompt)."),
           text_file: Optional[Path] = typer.Option(None, "--text", help="A UTF-8 text file to read "
                                                    "(default: the public-domain text shipped with ttbundle)."),
+          record: bool = typer.Option(True, "--record/--no-record", help="Package only: keep the result in "
+                                      "the package as checks/<dtype>.json (bound to its manifest; no hash "
+                                      "changes), for `ttbundle ls` and `serve --require-checked`."),
           as_json: bool = typer.Option(False, "--json", help="Print the report as JSON.")):
     """Two verdicts, one decoder layer in memory at a time. Executor: the package's programs on
     its own weights (emulated mesh) against transformers on the checkpoint stored as the
@@ -197,6 +200,13 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
             ref = hub.resolve(reference).path if reference is not None else recorded_checkpoint(target)
             report = check_package(target, ref, steps=steps, dtype=dtype, seed=seed, prompt_len=prompt_len,
                                    device=device, images=image or None, text=text)
+            if record:
+                from .check.record import make_record, write_record
+                try:
+                    where = write_record(target, make_record(report, target, ref))
+                    err.print(Text(f"check record: {where}"))
+                except OSError as e:
+                    err.print(Text(f"[warning] check record not written ({e.strerror or e}); --no-record skips it"))
         else:
             if reference is not None:
                 raise InvalidInput("--reference applies to a package directory; a spec's reference is "
@@ -417,6 +427,7 @@ def register(directory: Path = typer.Option(..., "--dir", help="A directory of p
 @app.command("ls")
 def ls_(as_json: bool = typer.Option(False, "--json", help="Machine-readable list.")):
     """Registered packages (registered directories and EXTRA_MODELS_DIR): name, mesh, buckets."""
+    from .check.record import records as check_records, summary
     from .runtime.registry import scan
     try:
         good, bad = scan(check_hashes=False)
@@ -425,18 +436,19 @@ def ls_(as_json: bool = typer.Option(False, "--json", help="Machine-readable lis
     if as_json:  # the text rich's print_json writes, without its 0.3 ms per package
         sys.stdout.write(json.dumps({"packages": [{"name": e.name, "mesh": e.mesh, "arch": e.arch,
                                                    "path": str(e.path), "prefill": e.prefill,
-                                                   "decode": e.decode, "hf_model": e.hf_model or None}
+                                                   "decode": e.decode, "hf_model": e.hf_model or None,
+                                                   "checks": check_records(e.path)}
                                                   for e in good],
                                      "refused": [{"path": str(p), "reason": why} for p, why in bad]},
                                     indent=2) + "\n")
         return
     from rich.table import Table
     t = Table(show_edge=False)
-    for c in ("name", "mesh", "arch", "prefill buckets", "decode buckets", "path"):
+    for c in ("name", "mesh", "arch", "prefill buckets", "decode buckets", "check", "path"):
         t.add_column(c)
     for e in good:
         t.add_row(e.name, e.mesh, e.arch, " ".join(map(str, e.prefill)), " ".join(map(str, e.decode)),
-                  str(e.path))
+                  summary(e.path), str(e.path))
     out.print(t)
     for path, why in bad:
         err.print(Text(f"refused {path}: {why}"))
@@ -469,7 +481,10 @@ def serve(ctx: typer.Context,
           hosts: Optional[str] = typer.Option(None, "--hosts", help="--print-launch: comma-separated host "
                                               "names, head first (default host0, host1, ...)."),
           rpc_port: int = typer.Option(13345, "--data-parallel-rpc-port", help="--print-launch: the head's "
-                                       "data-parallel RPC port.")):
+                                       "data-parallel RPC port."),
+          require_checked: bool = typer.Option(False, "--require-checked", help="Refuse a package without "
+                                               "a passing `ttbundle check` record for its mesh and current "
+                                               "manifest (exit 1).")):
     """Serve a package with vLLM's OpenAI server on a Tenstorrent device or the emulated mesh;
     Ctrl-C stops it cleanly.
 
@@ -497,6 +512,9 @@ def serve(ctx: typer.Context,
         where = servemod.pick_device(device)
         pkg = servemod.resolve(target, mesh, output, progress, "ttnn" if where == "tt" else "emulated")
         plan = servemod.plan_serve(pkg, host, port, list(ctx.args), where, data_parallel_size)
+        if require_checked:
+            rec = servemod.require_checked(plan)
+            err.print(Text(f"check record: passed {rec['validation']['date']} ({rec['dtypes']['compute']} compute)"))
     except TTBundleError as e:
         fail(e)
     if print_command:

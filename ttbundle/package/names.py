@@ -23,6 +23,11 @@ WEIGHTS_FORMATS = ("ttbundle.weights/1", WEIGHTS_FORMAT)
 #: whole package of its own (manifest, programs, weights), every file also listed in the
 #: including package's manifest
 DRAFT_DIR = "draft"
+#: check records kept with a package (``ttbundle check PACKAGE`` writes ``checks/<dtype>.json``):
+#: data bound to the manifest's digest, not part of the manifest, so recording a check changes
+#: no hash; ``verify`` allows regular ``.json`` files of at most ``CHECK_RECORD_BYTES`` here
+CHECKS_DIR = "checks"
+CHECK_RECORD_BYTES = 1 << 20
 RUNTIME_CLASS = ("ttbundle.runtime.adapter", "BundleModel")
 
 # Tokenizer and generation files copied into a package when the tokenizer directory has them.

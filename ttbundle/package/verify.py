@@ -14,7 +14,7 @@ from pathlib import Path
 from ..errors import InvalidInput
 from ..fsutil import hash_file
 from ..manifest import MANIFEST, METADATA
-from .names import DRAFT_DIR, FORMATS, IDENT, SAFE_NAME, PackageError, module_name
+from .names import CHECK_RECORD_BYTES, CHECKS_DIR, DRAFT_DIR, FORMATS, IDENT, SAFE_NAME, PackageError, module_name
 from .templates import check_adapter_source
 
 
@@ -181,7 +181,9 @@ def _read_small(pkg: Path, rel: str) -> str:
 
 
 def _check_entries(pkg: Path, m: dict) -> None:
-    """Every entry under ``pkg`` is a listed file or a directory above one; no symlinks."""
+    """Every entry under ``pkg`` is a listed file or a directory above one; no symlinks. The one
+    exception is ``checks/`` (``names.CHECKS_DIR``): check records, regular ``.json`` files only
+    and small, which nothing imports or runs."""
     listed = set(m["files"]) | {MANIFEST}
     dirs_needed = {"/".join(rel.split("/")[:i]) for rel in listed for i in range(1, rel.count("/") + 1)}
 
@@ -197,6 +199,10 @@ def _check_entries(pkg: Path, m: dict) -> None:
             if stat.S_ISLNK(st.st_mode):
                 raise PackageError(f"{pkg}: {rel}: a symlink; a package holds regular files only "
                                    "(copy the package with its files, e.g. `cp -rL`, or rebuild it)")
+            if rel == CHECKS_DIR and stat.S_ISDIR(st.st_mode) and CHECKS_DIR not in dirs_needed:
+                _check_records(pkg, p)
+                dirs.remove(name)  # not walked into: checked above
+                continue
             if stat.S_ISDIR(st.st_mode):
                 if rel not in dirs_needed:
                     hint = (" (bytecode written by an import from the package folder; delete it, and "
@@ -205,6 +211,17 @@ def _check_entries(pkg: Path, m: dict) -> None:
                     raise PackageError(f"{pkg}: {rel}/: directory not in the manifest{hint}")
             elif rel not in listed:
                 raise PackageError(f"{pkg}: {rel}: not in the manifest")
+
+
+def _check_records(pkg: Path, d: str) -> None:
+    """``checks/`` holds regular, small ``.json`` files and nothing else."""
+    for name in sorted(os.listdir(d)):
+        st = os.lstat(os.path.join(d, name))
+        if not stat.S_ISREG(st.st_mode) or not name.endswith(".json") or name.startswith("."):
+            raise PackageError(f"{pkg}: {CHECKS_DIR}/{name}: a check record directory holds .json files only")
+        if st.st_size > CHECK_RECORD_BYTES:
+            raise PackageError(f"{pkg}: {CHECKS_DIR}/{name}: {st.st_size} B, over the {CHECK_RECORD_BYTES} B "
+                               f"a check record may have")
 
 
 def adapter_of(pkg: Path, m: dict, metadata: dict | None = None) -> tuple[str, str]:

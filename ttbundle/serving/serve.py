@@ -566,3 +566,21 @@ def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_eve
         signal.signal(signal.SIGTERM, old)
         signal.signal(signal.SIGINT, old_int)
         signal.signal(signal.SIGHUP, old_hup)
+
+
+def require_checked(plan: ServePlan) -> dict:
+    """``serve --require-checked``: the package's newest passing check record for its mesh
+    (``check.record``: bound to its current manifest), else TTBundleError (exit 1) saying what
+    it has and the command that makes one."""
+    from ..check.record import passing, records
+    from ..errors import TTBundleError
+
+    rec = passing(plan.package, plan.mesh)
+    if rec is not None:
+        return rec
+    rs = records(plan.package)
+    mine = [r for r in rs if any(h.get("sku") == plan.mesh for h in r.get("hardware", []))]
+    why = ("it has no check record for its manifest (never checked, or rebuilt since)" if not mine else
+           f"its latest check for {plan.mesh} failed: {mine[0].get('failure')}")
+    raise TTBundleError(f"{plan.package}: --require-checked: no passing check record for {plan.mesh}; {why}. "
+                        f"Run `ttbundle check {plan.package}` (docs/check.md)")
