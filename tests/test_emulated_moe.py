@@ -320,7 +320,7 @@ def test_cli_check_bf16_reports_expert_choices(family, tmp_path, runner):
                               "--random-weights", "--json"])
     assert res.exit_code == 0, res.output
     rep = json.loads(res.output)
-    r = rep["routing"]
+    r = rep["executor"]["routing"]
     assert rep["passed"] and r["choices"] > 0 and r["flipped"] <= 0.1 * r["choices"]
     assert r["moe_layers"] == moe_layers(b)
     res = runner.invoke(app, ["check", str(path), "--mesh", "T3K", "--dtype", "bf16", "--steps", "4",

@@ -329,7 +329,16 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
         if e.key == "kv_cache_dtype" and kv_dtype != "bf16":
             e.doc += doc_lines(dtype_note and f"init: {dtype_note}")
 
-    docs = {k: field_doc(B, k) for k in ("model", "weights", "sharding", "buckets", "runtime")}
+    # check's quality targets per storage, written out so they are visible and edited in one place
+    Q = specmod.QualityTarget
+    sections["quality"] = [
+        Entry(st, doc=doc_lines(f"a package storing {st} at its coarsest"), children=[
+            Entry(k, y(v), field_doc(Q, k)) for k, v in targets.items()])
+        for st, targets in specmod.DEFAULT_QUALITY.items()]
+    sections["quality"][0].doc = doc_lines("init: check's defaults (docs/check.md, \"Quality targets\")") \
+        + sections["quality"][0].doc
+
+    docs = {k: field_doc(B, k) for k in ("model", "weights", "sharding", "buckets", "runtime", "quality")}
     header = [
         f"Bundle spec {one_line(name)}: {one_line(hf_arch)} from {one_line(rel)}{'' if ref else '/config.json'}, "
         "written by `ttbundle init`.",

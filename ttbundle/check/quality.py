@@ -9,14 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: per storage (the coarsest format a package stores), the targets a package must meet where the
-#: spec declares none (``quality:`` in the spec). Measured (docs/check.md, "Quality targets"):
-#: the demo model and planted-outlier models in bfp8 and bfp8 + bfp4 MLP on the shipped text.
-DEFAULT_TARGETS = {
-    "bf16": {"top1": 0.97, "top5": 0.99, "kl_mean": 0.01, "ppl_ratio": 1.02},
-    "bfp8": {"top1": 0.90, "top5": 0.97, "kl_mean": 0.05, "ppl_ratio": 1.05},
-    "bfp4": {"top1": 0.80, "top5": 0.93, "kl_mean": 0.20, "ppl_ratio": 1.15},
-}
 #: metrics where larger is better (the rest: smaller is better)
 HIGHER_IS_BETTER = ("top1", "top5")
 
@@ -99,13 +91,14 @@ def measure(original, package, next_tokens) -> dict:
 
 
 def targets_for(bundle, storage: str) -> dict:
-    """The spec's quality targets for ``storage`` (``quality.<storage>``), else
-    :data:`DEFAULT_TARGETS`'s."""
-    declared = getattr(bundle.spec, "quality", None) or {}
-    t = declared.get(storage) if isinstance(declared, dict) else getattr(declared, storage, None)
+    """The spec's quality targets for ``storage`` (``quality.<storage>``: the metrics it sets),
+    else ``spec.DEFAULT_QUALITY``'s."""
+    from ..spec import DEFAULT_QUALITY
+    declared = bundle.spec.quality
+    t = None if declared is None else getattr(declared, storage)
     if t is None:
-        return dict(DEFAULT_TARGETS[storage])
-    return {k: v for k, v in (t.items() if isinstance(t, dict) else t.model_dump().items()) if v is not None}
+        return dict(DEFAULT_QUALITY[storage])
+    return {k: v for k, v in t.model_dump().items() if v is not None}
 
 
 def default_text() -> str:

@@ -17,11 +17,11 @@ from .checks import check
 from .hf import HF_MAX_INT, HF_OBJECT_KEYS, hf_config_to_arch
 from .load import load, loads
 from .messages import pydantic_message
-from .schema import (DECODE_TRACE_SIZES, NAME_RE, AxisName, Buckets, BundleSpec, DtypePolicy, DType, Embedding,
-                     PartitionEntry, PartitionSpec, Replicas, Runtime, Sharding, Speculative, Vision, Weights,
-                     json_schema)
+from .schema import (DECODE_TRACE_SIZES, DEFAULT_QUALITY, NAME_RE, AxisName, Buckets, BundleSpec, DtypePolicy,
+                     DType, Embedding, PartitionEntry, PartitionSpec, Quality, QualityTarget, Replicas, Runtime,
+                     Sharding, Speculative, Vision, Weights, json_schema)
 
-__all__ = ["DECODE_TRACE_SIZES", "HF_MAX_INT", "HF_OBJECT_KEYS", "NAME_RE", "AxisName", "Buckets", "Bundle",
+__all__ = ["DECODE_TRACE_SIZES", "DEFAULT_QUALITY", "Quality", "QualityTarget", "HF_MAX_INT", "HF_OBJECT_KEYS", "NAME_RE", "AxisName", "Buckets", "Bundle",
            "BundleSpec", "DType", "DtypePolicy", "Embedding", "InvalidSpec", "PartitionEntry", "PartitionSpec",
            "Replicas", "Runtime", "Sharding", "Speculative", "Vision", "Weights", "check", "hf_config_to_arch",
            "json_schema", "load", "loads", "locate", "pydantic_message"]

@@ -197,6 +197,46 @@ class Embedding(BaseModel):
     """L2-normalize the pooled vector (a request's `use_activation`, as vLLM names it, overrides)."""
 
 
+#: per storage (the coarsest format a package stores: its weights' or KV cache's), the quality
+#: targets `check` applies where a spec declares none: teacher-forced top-1 and top-5 agreement
+#: with the original checkpoint, mean KL divergence (nats) and perplexity ratio, on natural text.
+#: Measured: docs/check.md, "Quality targets" (the demo model in bfp8, bfp8 + bfp4 MLP and bfp4,
+#: with tt-transformers' published Llama-3.1-8B N150 targets, top-1 >= 0.90 and top-5 >= 0.97,
+#: for bfp8)
+DEFAULT_QUALITY = {
+    "bf16": {"top1": 0.97, "top5": 0.99, "kl_mean": 0.01, "ppl_ratio": 1.02},
+    "bfp8": {"top1": 0.90, "top5": 0.97, "kl_mean": 0.03, "ppl_ratio": 1.05},
+    "bfp4": {"top1": 0.75, "top5": 0.93, "kl_mean": 0.15, "ppl_ratio": 1.15},
+}
+
+
+class QualityTarget(BaseModel):
+    """What `ttbundle check` requires of a package against its original checkpoint, teacher-forced
+    on natural text (docs/check.md); a metric left out is reported, not judged."""
+
+    model_config = _model_config()
+
+    top1: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Share of positions where the package's most likely next token is the original's."""
+    top5: Annotated[float, Field(ge=0, le=1)] | None = None
+    """Share of positions where the original's most likely next token is in the package's top 5."""
+    kl_mean: Annotated[float, Field(ge=0)] | None = None
+    """Mean KL divergence of the package's next-token distribution from the original's (nats), at most."""
+    ppl_ratio: Annotated[float, Field(gt=0)] | None = None
+    """The package's perplexity of the text over the original's, at most."""
+
+
+class Quality(BaseModel):
+    """Quality targets per storage: the coarsest format the package stores (weights or KV cache);
+    a storage left out takes `check`'s defaults (docs/check.md)."""
+
+    model_config = _model_config()
+
+    bf16: QualityTarget | None = None
+    bfp8: QualityTarget | None = None
+    bfp4: QualityTarget | None = None
+
+
 class Speculative(BaseModel):
     """Speculative decoding (vLLM's `--speculative-config`): each decode step verifies up to
     `num_speculative_tokens` proposed tokens per sequence in one program call (a *verify*
@@ -269,6 +309,9 @@ class BundleSpec(BaseModel):
     embedding: Embedding | None = None
     """Pooling and normalization of a `task: embed` bundle; default: last-token pooling,
     normalized (Qwen3-Embedding's)."""
+    quality: Quality | None = None
+    """`ttbundle check`'s quality targets per storage (teacher-forced top-1/top-5, KL divergence,
+    perplexity ratio against the original checkpoint on natural text); absent: its defaults."""
     speculative: Speculative | None = None
     """Speculative decoding (`method: ngram` or `draft`): the package gets a verify program per
     decode bucket (and, for `draft`, the draft's package inside it) and `serve` passes vLLM's
