@@ -9,7 +9,9 @@ at a time), then measures, each in its own subprocess, in the same run:
   dirty pages synced before each timed run);
 * ``ttbundle build SPEC --mesh N150`` (bfp8 weights, warm-up included): wall and peak RSS;
 * the floor of that build: encoding its bfp8 tensors alone (no I/O, no hashing, every core);
-* ``ttbundle check PACKAGE --steps 4``: wall and peak RSS;
+* ``ttbundle check PACKAGE --steps 4``: wall and peak RSS, and its decoder layers' time per side
+  (the emulated mesh, the expected run, the original checkpoint);
+* the reference of check: one transformers forward (float32, eager) over the same tokens;
 
 and prints, per L, the build wall over the reference (target <= 3x), the peak RSS (target
 <= 4 GiB) and, with two L, the peak-RSS deltas between the largest and the smallest L (target:
@@ -138,6 +140,21 @@ def encode_floor(src: Path) -> float:
     return time.monotonic() - t0
 
 
+def hf_forward(src: Path, tokens: int) -> dict:
+    """One transformers forward (float32, eager attention, as check's reference) of the
+    checkpoint over ``tokens`` random tokens: the load and the forward, timed apart."""
+    import torch
+
+    from ttbundle import reference
+    t0 = time.monotonic()
+    model = reference.load_model(src)
+    t1 = time.monotonic()
+    ids = torch.randint(0, ARCH["vocab_size"], (1, tokens), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        model(input_ids=ids)
+    return {"load_s": t1 - t0, "forward_s": time.monotonic() - t1}
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -219,11 +236,21 @@ def one_depth(work: Path, layers: int, check: bool, env: dict, prompt_len: int |
     if check:
         extra = [] if prompt_len is None else ["--prompt-len", str(prompt_len)]
         try:
-            c_wall, c_rss, _ = measure(tt + ["check", done["package"], "--steps", "4"] + extra, env)
+            c_wall, c_rss, c_out = measure(tt + ["check", done["package"], "--steps", "4", "--json",
+                                                 "--no-record"] + extra, env)
         except SystemExit as e:  # a failed check keeps the build's figures and says why
             row.update(check_failed=str(e)[-2000:])
             return row
-        row.update(check_prompt=prompt_len, check_s=round(c_wall, 1), check_rss=c_rss, check_over_reference=round(c_wall / ref_s, 2))
+        rep = json.loads(c_out)
+        # the reference of the same run: one transformers forward over the same tokens
+        hf_wall, hf_rss, hf_out = measure([sys.executable, __file__, "--hf-forward", str(src),
+                                           "--tokens", str(rep["prompt_len"] + rep["steps"] - 1)], env)
+        hf = json.loads(hf_out.splitlines()[-1])
+        row.update(check_prompt=rep["prompt_len"], check_s=round(c_wall, 1), check_rss=c_rss,
+                   check_over_reference=round(c_wall / ref_s, 2), check_timings=rep["timings"],
+                   check_passed=rep["passed"], hf_forward_s=round(hf["forward_s"], 1),
+                   hf_load_s=round(hf["load_s"], 1), hf_rss=hf_rss,
+                   check_over_hf_forward=round(c_wall / hf["forward_s"], 2))
     row["load"] = round(os.getloadavg()[0], 2)
     return row
 
@@ -241,10 +268,15 @@ def main() -> None:
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--make-checkpoint", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--encode-floor", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--hf-forward", type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--tokens", type=int, default=128, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.measure:
         wall, rss, out = timed(json.loads(args.measure))
         print(json.dumps({"wall": wall, "rss": rss, "out": out}))
+        return
+    if args.hf_forward:
+        print(json.dumps(hf_forward(args.hf_forward, args.tokens)))
         return
     if args.encode_floor:
         print(encode_floor(args.encode_floor))
@@ -296,6 +328,14 @@ def main() -> None:
     for r in rows:
         if "check_failed" in r:
             print(f"check of {r['layers']} layers failed:\n{r['check_failed']}")
+    for r in rows:
+        if "check_timings" in r:
+            t = r["check_timings"]
+            print(f"check, {r['layers']} layers, prompt {r['check_prompt']} + 4 steps (passed: {r['check_passed']}): "
+                  f"{r['check_s']:.1f} s = {r['check_over_hf_forward']:.2f}x one transformers forward over the "
+                  f"same tokens ({r['hf_forward_s']:.1f} s; load {r['hf_load_s']:.1f} s, peak RSS "
+                  f"{r['hf_rss'] / gib:.2f} GiB); its decoder layers: emulated {t['emulated']:.1f} s, expected "
+                  f"{t['expected']:.1f} s, original {t['original']:.1f} s (of {t['total']:.1f} s)")
     for r in rows:
         print(f"floor, {r['layers']} layers: encoding the bfp8 tensors alone (no I/O, no hash, every core) "
               f"{r['encode_floor_s']:.1f} s = {r['floor_over_reference']:.2f}x the reference")

@@ -1,14 +1,14 @@
-"""The figures behind `ttbundle check`'s block-float bounds (docs/check.md).
+"""The figures behind `ttbundle check`'s executor bounds (docs/check.md, "Executor bounds").
 
-For each family's tiny test model, mesh and storage (bfp8 weights; bfp4 MLP/expert weights with
-bfp8 elsewhere; each with a bfp8 KV cache), one run of ``ttbundle check`` (teacher-forced, fp32
-compute) against transformers: the worst decoder-layer PCC, the worst head (logits) PCC, the
-next-token predictions that agree on decisive positions (reference margin above the bound) of
-those compared, and the largest margin, in typical logit errors, at which a prediction differed
-(what ``check.MARGIN_SIGMAS`` must exceed); then the same package mutated (a row-parallel
-all_reduce deleted from its programs) to show where a real bug lands. Prints a Markdown table.
+For each family's tiny test model, mesh, storage (bf16; bfp8 weights; bfp4 MLP/expert weights
+with bfp8 elsewhere; the block-float ones with a bfp8 KV cache) and compute dtype, one run of
+``ttbundle check`` (teacher-forced, random weights seed 3): the executor's worst stage error of
+a correct package (normalised error against the expected run; the head's apart), its decisive
+positions, the quality figures against the original checkpoint (random tokens: reported, not
+judged), then the same package with the attention output's all_reduce deleted from its programs
+(a real bug): the stage it fails at and that stage's error. Prints a Markdown table.
 
-    .venv/bin/python benches/check_figures.py [--steps 16] [--meshes N150,T3K,TG] [--families ...]
+    .venv/bin/python benches/check_figures.py [--steps 16] [--meshes N150,T3K] [--dtypes fp32,bf16]
 """
 
 from __future__ import annotations
@@ -23,49 +23,58 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from pkg_mutations import drop_first, edit_programs  # noqa: E402
-from test_check_package import FAMILIES, STORAGE, stored as bundle  # noqa: E402  (the tests' storages)
+from test_check_package import FAMILIES, STORAGE, stored  # noqa: E402  (the tests' storages)
+from test_emulated import TINY as DENSE, tiny as dense_tiny  # noqa: E402
+from test_emulated_moe import tiny as moe_tiny  # noqa: E402
 
-from ttbundle.check import run_check  # noqa: E402
+from ttbundle.check import EXEC_BOUNDS, HEAD_BOUNDS, run_check  # noqa: E402
 
 
-def reduce_step(b) -> tuple[str, str]:
-    """(layer kind, activation) of the attention output's row-parallel all_reduce."""
-    return b.family.layers(b.arch)[-1].name, "attn_out"
+def bundle(fam: str, storage: str):
+    if storage != "bf16":
+        return stored(fam, storage)
+    return dense_tiny(fam) if fam in DENSE else moe_tiny(fam)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=16)
-    ap.add_argument("--meshes", default="N150,T3K,TG")
+    ap.add_argument("--meshes", default="N150,T3K")
+    ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--families", default=",".join(FAMILIES))
-    ap.add_argument("--storage", default=",".join(sorted(STORAGE, reverse=True)))
+    ap.add_argument("--storage", default=",".join(["bf16"] + sorted(STORAGE, reverse=True)))
     args = ap.parse_args()
-    print("| family | mesh | storage | worst layer PCC | worst head PCC | decisive agree / decisive / compared | "
-          "largest differing margin (errors) | passed | dropped all_reduce: worst PCC | seconds |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"executor bounds: layers {EXEC_BOUNDS}, head {HEAD_BOUNDS}")
+    print("| family | mesh | storage | compute | worst stage error (stage) | worst head error | flipped positions "
+          "(worst error) | decisive / compared | executor | quality top-1 / KL mean (random tokens) | "
+          "dropped all_reduce: first wrong stage, error | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for fam in args.families.split(","):
         for mesh in args.meshes.split(","):
             for st in args.storage.split(","):
-                t0 = time.perf_counter()
-                b = bundle(fam, st)
-                r = run_check(b, mesh, steps=args.steps, random_weights=True, seed=3)
-                worst = min(s.pcc for s in r.layers if s.stage == "layer")
-                head = min(s.pcc for s in r.layers if s.stage == "head")
-                flipped = set(r.routing["flipped_positions"]) if r.routing else set()
-                differ = [r.margins[p] / r.logit_error for p, (a, e) in enumerate(zip(r.ref_tokens, r.emu_tokens))
-                          if a != e and p not in flipped]
-                dec = r.decisive
-                agree = sum(r.ref_tokens[p] == r.emu_tokens[p] for p in dec)
-                bad = "n/a (1 chip)"
-                if mesh != "N150":
-                    kind, act = reduce_step(b)
-                    hook = lambda pkg: edit_programs(pkg, kind, drop_first(  # noqa: E731
-                        lambda s: s.get("collective") == "all_reduce" and s["act"] == act))
-                    m = run_check(b, mesh, steps=args.steps, random_weights=True, seed=3, package_hook=hook)
-                    bad = f"{min(s.pcc for s in m.layers):.4f}" + (" (passed!)" if m.passed else "")
-                print(f"| {fam} | {mesh} | {st} | {worst:.5f} | {head:.5f} | {agree} / {len(dec)} / "
-                      f"{len(r.ref_tokens)} | {max(differ, default=0):.2f} | {'yes' if r.passed else 'NO'} | "
-                      f"{bad} | {time.perf_counter() - t0:.1f} |", flush=True)
+                for dt in args.dtypes.split(","):
+                    t0 = time.perf_counter()
+                    b = bundle(fam, st)
+                    r = run_check(b, mesh, steps=args.steps, dtype=dt, random_weights=True, seed=3)
+                    ex = r.executor
+                    body = [s for s in ex.stages if s.stage != "head"]
+                    w = max(body, key=lambda s: s.err)
+                    head = max(s.err for s in ex.stages if s.stage == "head")
+                    fl = [s.flip_err for s in ex.stages if s.flip_err is not None]
+                    flips = f"{sum(s.flipped for s in ex.stages)} ({max(fl):.3f})" if fl else "0"
+                    bad = "n/a (1 chip)"
+                    if mesh != "N150":
+                        kind = b.family.layers(b.arch)[-1].name
+                        hook = lambda pkg: edit_programs(pkg, kind, drop_first(  # noqa: E731
+                            lambda s: s.get("collective") == "all_reduce" and s["act"] == "attn_out"))
+                        m = run_check(b, mesh, steps=args.steps, dtype=dt, random_weights=True, seed=3,
+                                      package_hook=hook)
+                        d = m.diverging()
+                        bad = "PASSED (!)" if m.executor.passed else f"{d.name} {d.step}, {d.err:.3g}"
+                    print(f"| {fam} | {mesh} | {st} | {dt} | {w.err:.3g} ({w.name}, {w.step}) | {head:.3g} | {flips} | "
+                          f"{len(ex.decisive)} / {len(ex.margins)} | {'pass' if ex.passed else 'FAIL'} | "
+                          f"{r.quality.top1:.3f} / {r.quality.kl_mean:.3g} | {bad} | "
+                          f"{time.perf_counter() - t0:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

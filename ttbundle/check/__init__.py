@@ -1,56 +1,34 @@
-"""`ttbundle check`: a package's programs on the emulated mesh against Hugging Face transformers.
+"""`ttbundle check`: two verdicts a package ships on (docs/check.md).
 
-What is checked is what ships: the package's own programs (``programs/*.json``) executed on its
-own weight bytes (bf16, or bfp8/bfp4 tiles decoded as ttnn decodes them), with its KV cache held
-in its declared dtype. ``check SPEC`` builds the package into a temporary directory first. The
-reference is transformers in float32 on the checkpoint the package was built from, its weights
-rounded to bf16 (the package's finest storage) and, for a bf16 KV cache, its cache rounded to
-bf16 on every write as the package's is.
+**Executor** (``check.verdict``): the package's own programs (``programs/*.json``) on its own
+weight bytes (bf16, or bfp8/bfp4 tiles decoded as ttnn decodes them), its KV cache in its
+declared dtype, on the emulated mesh, against an *expected run*: transformers (float32) on the
+checkpoint stored as the package declares it (``check.expected``), its KV cache stored as the
+package's. Each stage (image, embedding, decoder layers, head) is judged locally: the expected
+side runs it on the emulated side's input to it, so the two differ by that stage's arithmetic
+alone, at any depth; the metric is the normalised error (per channel, against the stage's own
+update), the bounds the compute dtype's. A bug fails at any storage and depth, named by stage
+and step.
 
-Layer by layer, in bounded memory. Neither side ever holds the model: the emulated mesh reads one
+**Quality** (``check.quality``): the package's next-token distributions against the original
+checkpoint's (transformers, float32, the checkpoint rounded to bf16), teacher-forced on natural
+text (the package's tokenizer; ``ttbundle/data/quality.txt`` by default): top-1, top-5, KL
+divergence, perplexity ratio, against the spec's targets per storage.
+
+Layer by layer, in bounded memory. No side ever holds the model: the emulated mesh reads one
 layer's shards at a time from the package (``EmulatedModel.run_layer_major`` on a lazy model);
 transformers is a skeleton on the ``meta`` device (``reference.LayerwiseModel``) whose recording
 forward gives each decoder layer's arguments per call (masks, position embeddings), after which
-each layer is read from the checkpoint, run over every call with its own cache, compared with the
-emulated layer and freed; then the final norm and LM head (the "head" stage). Peak memory is a
-fixed amount plus one layer (and the largest tensor, the embedding or LM head), whatever the
-depth (``tests/test_check_memory.py``).
-
-Teacher forcing with a fixed continuation. A layer-major run must know every step's input token
-before layer 0 runs, so the decode steps are fed the prompt's own tokens again from its start
-(:func:`continuation`), not a greedy token. Next-token predictions are compared at up to
-:data:`MAX_PROMPT_POSITIONS` prompt positions (all of a short prompt; evenly spaced in a long one,
-the first and last included: the prefill runs its head on those rows) and at each step. Per stage
-(each decoder layer, over every position; the head: the logits of the compared positions) and
-step: max-abs error and PCC of the prompt's positions together (``prefill``) and of each step's
-(``decode N``).
-
-Near-ties. Where the reference's top-1/top-2 logit margin is within what the package's numerics
-move the logits, a differing prediction is rounding, not a bug. The bound is measured: the
-typical logit error (the median over compared positions of the standard deviation over the
-vocabulary of emulated minus reference logits) times ``MARGIN_SIGMAS``; a position with a larger
-margin is decisive. Measured on the tests' tiny models (docs/check.md): every differing
-prediction of a correct block-float package had a margin under 4.2 typical errors. A bug that
-inflates the logit error widens the bound, so the stage PCC bounds, the head's included, are what
-catch it.
-
-Pass, bf16 storage: fp32 compute -> every decisive prediction identical and every stage's PCC >=
-``PCC_MIN_FP32``; bf16 compute -> every stage's PCC >= ``PCC_MIN_BF16``. Block floats (bfp8/bfp4
-weights or a bfp8 KV cache): every stage's PCC and the agreement on decisive positions within
-``QUANT_BOUNDS`` of the coarsest format stored (docs/check.md: the figures they come from, and
-what a wrong shard, a dropped collective or a swapped gather gives).
-
-Mixture-of-experts families (``Family.hf_router``) also record every token's expert choice on
-both sides. In bf16 a router near-tie can pick another expert on either side (transformers' own
-bf16 does so against its fp32), and another expert is another function, so a step whose token
-flipped can fall below the bound without a bug. The bf16 rule there: flips are rare (at most
-``MAX_FLIP_SHARE`` of the choices), every stage below the bound follows a flip in the same step
-at that layer or before it, and the prefill stays >= ``PCC_MIN_PREFILL_FLIPPED`` regardless. A
-position whose token took other experts is not decisive.
+each layer is read (from the checkpoint, or as stored), run over every call with its own cache,
+compared and freed; then the final norm and LM head (the "head" stage). Peak memory is a fixed
+amount plus one layer per side (and the largest tensor), whatever the depth
+(``tests/test_check_memory.py``). ``check SPEC`` builds the package into a temporary directory
+first; ``check PACKAGE`` keeps a record in it (``check.record``).
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -98,6 +76,9 @@ class CheckReport:
     ref_tokens: list = field(default_factory=list)
     emu_tokens: list = field(default_factory=list)
     reference: str = ""
+    #: wall seconds: each side's decoder layers (``emulated`` includes its embedding and head
+    #: stages) and the whole comparison (the recordings and heads included)
+    timings: dict = field(default_factory=dict)
 
     @property
     def quantized(self) -> str | None:
@@ -164,6 +145,7 @@ class CheckReport:
             "positions": self.positions, "ref_tokens": self.ref_tokens, "emulated_tokens": self.emu_tokens,
             "shapes_run": [list(s) for s in sorted(self.shapes_run)],
             "storage": self.storage, "quantized": self.quantized, "kv_blocks": self.kv_blocks,
+            "timings": self.timings,
         }
 
 
@@ -339,6 +321,9 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     stages: list = []
     drift: list = []
     flips: list = []
+    #: seconds per side's decoder layers (the emulated mesh's: the rest of the layer-major run)
+    timings = {"expected": 0.0, "original": 0.0}
+    t_start = time.perf_counter()
 
     def free():
         model.release()  # closes the package's files too: what was read does not stay resident
@@ -399,8 +384,10 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
             if li is None:
                 return
             emu = captured()
+            t0 = time.perf_counter()
             out = exp.run_layer(li, prev[None].to(device=device, dtype=torch.float32), exp_calls[li])[0].float().cpu()
             trim_heap()
+            timings["expected"] += time.perf_counter() - t0
             flipped = frozenset()
             if router and li in routes["hf"]:
                 rows = routes["emu"].pop(li, [])
@@ -409,8 +396,10 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
                     flipped = frozenset(p for p, (x, y) in enumerate(zip(routes["hf"][li], routes["emu"][li]))
                                         if x != y)
             local(out, emu, prev, li, "layer", flipped)
+            t0 = time.perf_counter()
             h_ref = ref.run_layer(li, h_ref, ref_calls[li])
             trim_heap()
+            timings["original"] += time.perf_counter() - t0
             for lab in dict.fromkeys(labels):
                 ix = [i for i, x in enumerate(labels) if x == lab]
                 drift.append({"step": lab, "layer": li, "pcc": pcc(h_ref[0, ix[0]:ix[-1] + 1].float().cpu(),
@@ -418,6 +407,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
             prev = emu
 
         out = model.run_layer_major(calls, after_stage=after)
+        timings["emulated"] = time.perf_counter() - t_start - timings["expected"] - timings["original"]
         wanted = set(sel)
         emu_logits = torch.cat([lg[0, [r for r, j in enumerate(c.head_rows) if j in wanted]] if k < n_pre
                                 else lg[:c.rows, 0] for k, (lg, c) in enumerate(zip(out, calls))]).float().cpu()
@@ -452,7 +442,9 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     return CheckReport(bundle.spec.name, pkg.mesh.name, dtype, prompt_len, steps, ex, q, drift=drift,
                        shapes_run=sorted(runner.shapes_run), storage=storage, kv_blocks=runner.kv.num_blocks,
                        continuation=cont, positions=idx, ref_tokens=ref_logits.argmax(-1).tolist(),
-                       emu_tokens=emu_logits.argmax(-1).tolist(), reference=str(reference_dir))
+                       emu_tokens=emu_logits.argmax(-1).tolist(), reference=str(reference_dir),
+                       timings={k: round(v, 2) for k, v in timings.items()}
+                       | {"total": round(time.perf_counter() - t_start, 2)})
 
 
 def compared_prompt_positions(prompt_len: int) -> list[int]:
