@@ -136,11 +136,18 @@ def test_round_trip_package_tokens_match_check_and_hf(tmp_path, ckpt, mesh):
     report = run_check(bundle, mesh, steps=steps, prompt_len=prompt_len)
     model = EmulatedModel.from_package(pkg)
     runner = Runner(model)
-    prompt = torch.randint(0, bundle.arch.vocab_size, (prompt_len,),
-                           generator=torch.Generator().manual_seed(1)).tolist()  # run_check's prompt
+    prompt = report.prompt
     blocks = list(range(runner.max_blocks))
-    # check feeds the prompt's own tokens again as the decode steps (teacher forcing)
-    assert report.continuation == prompt[:steps - 1]
+    if report.quality.natural_text:  # the package's tokenizer reads check's text: its next tokens follow
+        import transformers
+
+        from ttbundle.check.quality import default_text
+        ids = transformers.AutoTokenizer.from_pretrained(str(res.package))(default_text())["input_ids"]
+        assert prompt == ids[:prompt_len] and report.continuation == ids[prompt_len:prompt_len + steps - 1]
+    else:  # random tokens, fed again as the decode steps (teacher forcing)
+        assert prompt == torch.randint(0, bundle.arch.vocab_size, (prompt_len,),
+                                       generator=torch.Generator().manual_seed(1)).tolist()
+        assert report.continuation == prompt[:steps - 1]
     with torch.no_grad():
         tokens = [int(runner.prefill(prompt, blocks).argmax())]
         for i, t in enumerate(report.continuation):

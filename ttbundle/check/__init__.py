@@ -70,6 +70,7 @@ class CheckReport:
     storage: dict = field(default_factory=lambda: {"weights": {"bf16": 1}, "kv_cache": "bf16"})
     kv_blocks: int = 0  # KV cache blocks the check allocated
     continuation: list = field(default_factory=list)  # the tokens fed as decode steps (teacher forcing)
+    prompt: list = field(default_factory=list)  # the prompt's tokens
     #: the sequence position of each compared index (prompt positions, then every decode step)
     positions: list = field(default_factory=list)
     #: the original checkpoint's and the package's next-token predictions at each compared index
@@ -141,7 +142,7 @@ class CheckReport:
             "reference": self.reference,
             "executor": self.executor.to_json(self.step_of), "quality": self.quality.to_json(),
             "drift": [dict(d) for d in self.drift],
-            "continuation": self.continuation, "compared_positions": len(self.positions),
+            "prompt": self.prompt, "continuation": self.continuation, "compared_positions": len(self.positions),
             "positions": self.positions, "ref_tokens": self.ref_tokens, "emulated_tokens": self.emu_tokens,
             "shapes_run": [list(s) for s in sorted(self.shapes_run)],
             "storage": self.storage, "quantized": self.quantized, "kv_blocks": self.kv_blocks,
@@ -441,7 +442,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
                 targets=targets_for(bundle, quantized), natural_text=ids is not None, text=text_what)
     return CheckReport(bundle.spec.name, pkg.mesh.name, dtype, prompt_len, steps, ex, q, drift=drift,
                        shapes_run=sorted(runner.shapes_run), storage=storage, kv_blocks=runner.kv.num_blocks,
-                       continuation=cont, positions=idx, ref_tokens=ref_logits.argmax(-1).tolist(),
+                       continuation=cont, prompt=prompt, positions=idx, ref_tokens=ref_logits.argmax(-1).tolist(),
                        emu_tokens=emu_logits.argmax(-1).tolist(), reference=str(reference_dir),
                        timings={k: round(v, 2) for k, v in timings.items()}
                        | {"total": round(time.perf_counter() - t_start, 2)})
