@@ -181,21 +181,30 @@ def test_plan_and_validate_say_whether_the_emulated_mesh_fits_this_host(smol, mo
 
 
 # ---- a vLLM engine that dies of a signal -----------------------------------------------------
-# A stand-in for vLLM 0.33's API server: it starts its engine core with multiprocessing (as vLLM
-# does); the engine is killed by a signal before it is ready, and the API server reports the
-# failed processes' exit codes the way vLLM's start-up does (a dict of name -> exitcode), exit 1.
+# A stand-in for vLLM 0.33's API server: it loads ttbundle's general plugin (vLLM calls the
+# `vllm.general_plugins` entry point in its API server before it starts an engine), starts its
+# engine core with multiprocessing (as vLLM does), the engine is killed by a signal before it is
+# ready, and the API server says what vLLM said in the run that prompted this (its exit codes read
+# before the engine was reaped: an empty dict), shuts the engine down as vLLM does (terminate,
+# join) and exits 1. MODE "words": no plugin, and vLLM's message with the exit code in it.
 FAKE = textwrap.dedent('''
     import multiprocessing, os, signal, sys, time
     def engine(sig):
         os.kill(os.getpid(), sig)
         time.sleep(30)
     if __name__ == "__main__":
-        p = multiprocessing.Process(target=engine, args=(int(sys.argv[1]),), name="EngineCore_DP0")
+        sig, mode = int(sys.argv[1]), sys.argv[2]
+        if mode == "plugin":
+            from ttbundle.runtime.activation import general_plugin
+            general_plugin()
+        p = multiprocessing.Process(target=engine, args=(sig,), name="EngineCore_DP0")
         p.start()
-        p.join()
-        finished = {p.name: p.exitcode}
+        time.sleep(0.5)
+        finished = {} if mode == "plugin" else {p.name: p.exitcode}
         print("RuntimeError: Engine core initialization failed. See root cause above. "
               f"Failed core proc(s): {finished}", file=sys.stderr, flush=True)
+        p.terminate()  # vLLM's shutdown: a signal it sends itself is not the cause
+        p.join()
         sys.exit(1)
 ''')
 
@@ -206,22 +215,36 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGSEGV])
-def test_serve_names_the_signal_that_killed_the_engine(tmp_path, smol, sig):
+@pytest.mark.parametrize("sig, mode", [(signal.SIGKILL, "plugin"), (signal.SIGSEGV, "plugin"),
+                                       (signal.SIGKILL, "words")])
+def test_serve_names_the_signal_that_killed_the_engine(tmp_path, smol, sig, mode):
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE)
     b = spec.load(smol)
     memory = hostmod.host_plan(b, make_plan(b, "N300"), available=8 * GiB)
-    plan = servemod.ServePlan(tmp_path, "smol-135m", "N300", [sys.executable, str(script), str(int(sig))], {},
-                              "127.0.0.1", _port(), memory)
+    plan = servemod.ServePlan(tmp_path, "smol-135m", "N300", [sys.executable, str(script), str(int(sig)), mode],
+                              {}, "127.0.0.1", _port(), memory)
     with pytest.raises(TTBundleError) as ei:
         servemod.run(plan, startup_timeout=60)
     msg = str(ei.value)
     assert "\n" not in msg
-    assert f"vLLM's engine process EngineCore_DP0 was killed by signal {int(sig)} ({sig.name}) before it was healthy" in msg
+    assert f"was killed by signal {int(sig)} ({sig.name}) before it was healthy (vLLM exit code 1)" in msg
+    assert msg.startswith("vLLM's engine process " + ("EngineCore_DP0" if mode == "words" else ""))
     assert ("OOM killer" in msg) == (sig == signal.SIGKILL)
     if sig == signal.SIGKILL:  # the arithmetic: this serve's expected peak against what the host had
         assert f"expected a peak of {memory.arithmetic()}, with 8.00 GiB available" in msg
+
+
+def test_a_signal_vllm_sends_itself_is_not_the_cause(tmp_path):
+    """The engine exits with an error (code 1); vLLM's shutdown then terminates what is left:
+    serve says vLLM exited, not that a signal killed the engine."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(FAKE.replace("os.kill(os.getpid(), sig)", "time.sleep(0.1 * sig)"))
+    plan = servemod.ServePlan(tmp_path, "x", "N150", [sys.executable, str(script), "9", "plugin"], {},
+                              "127.0.0.1", _port())
+    with pytest.raises(TTBundleError) as ei:
+        servemod.run(plan, startup_timeout=60)
+    assert str(ei.value) == "vLLM exited with code 1 before it was healthy (its output above says why)"
 
 
 def test_engine_signal_reads_vllms_words():
@@ -235,7 +258,8 @@ def test_a_file_log_is_read_back_for_the_signal(tmp_path):
     """`start(plan, log=f)` (the tests' and benches' way): the signal is read from the file."""
     script = tmp_path / "fake_vllm.py"
     script.write_text(FAKE)
-    plan = servemod.ServePlan(tmp_path, "x", "N150", [sys.executable, str(script), "9"], {}, "127.0.0.1", _port())
+    plan = servemod.ServePlan(tmp_path, "x", "N150", [sys.executable, str(script), "9", "words"], {}, "127.0.0.1",
+                              _port())
     with open(tmp_path / "vllm.log", "wb") as f:
         proc = servemod.start(plan, log=f)
     try:

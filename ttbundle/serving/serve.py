@@ -565,7 +565,15 @@ def start(plan: ServePlan, log=None) -> subprocess.Popen:
     to ours, :class:`Output`); it gets SIGTERM if this process dies (:func:`_child_setup`). The
     process carries ``output`` (its :class:`Output`) and ``peak_rss`` (the most its process group
     was seen holding, :func:`group_rss`, sampled while it is waited on)."""
+    import tempfile
+
+    from ..runtime.activation import CHILD_SIGNALS
+
     env = dict(os.environ, **plan.env)
+    fd, signals = tempfile.mkstemp(prefix="ttbundle-serve-", suffix=".signals")
+    os.close(fd)
+    env[CHILD_SIGNALS] = signals  # vLLM's engine processes a signal ended (activation.note_child_signals)
+    _become_subreaper()
     if log is None:
         env.setdefault("PYTHONUNBUFFERED", "1")  # its lines as they come, through the pipe
         if os.isatty(1):  # vLLM colours its log only on a terminal; it writes to ours
@@ -576,32 +584,80 @@ def start(plan: ServePlan, log=None) -> subprocess.Popen:
                             stderr=subprocess.STDOUT if log is not None else pipe)
     name = getattr(log, "name", None)
     proc.output = Output(proc) if log is None else Output(log=Path(name) if isinstance(name, str) else None)
-    proc.peak_rss = 0
+    proc.peak_rss, proc.names, proc.signals = 0, {}, Path(signals)
     return proc
 
 
-def group_rss(pgid: int) -> int:
-    """Bytes resident in the processes of process group ``pgid`` now (Linux ``/proc``; 0 elsewhere)."""
-    total = 0
+def group_processes(pgid: int) -> dict[int, tuple[str, int]]:
+    """The processes of process group ``pgid`` now: pid -> (name, resident bytes) (Linux
+    ``/proc``; the name is the command line's first word, which vLLM sets to ``VLLM::EngineCore``
+    for its engine; empty elsewhere)."""
+    out = {}
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
     try:
         entries = [d for d in os.listdir("/proc") if d.isdigit()]
     except OSError:
-        return 0
+        return out
     for d in entries:
         try:
             with open(f"/proc/{d}/stat", "rb") as f:
                 fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
+            if len(fields) <= 21 or int(fields[2]) != pgid:
+                continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                words = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
             continue
-        if len(fields) > 21 and int(fields[2]) == pgid:
-            total += int(fields[21]) * page
-    return total
+        name = words[0].decode(errors="replace").strip() if words else ""
+        out[int(d)] = (Path(name.split()[0]).name if name else "", int(fields[21]) * page)
+    return out
 
 
 def _sample(proc: subprocess.Popen) -> None:
-    if hasattr(proc, "peak_rss"):
-        proc.peak_rss = max(proc.peak_rss, group_rss(proc.pid))
+    """The most vLLM's processes were seen holding (``peak_rss``) and their names by pid."""
+    if not hasattr(proc, "peak_rss"):
+        return
+    procs = group_processes(proc.pid)
+    proc.peak_rss = max(proc.peak_rss, sum(rss for _, rss in procs.values()))
+    proc.names.update({pid: name for pid, (name, _) in procs.items() if name})
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def _become_subreaper() -> None:
+    """Orphans of vLLM (its engine, when the API server exits without reaping it) become this
+    process's children, so :func:`noted_signal` can read how they ended (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def noted_signal(proc: subprocess.Popen) -> tuple[str, int] | None:
+    """``(process, signal)`` of the first of vLLM's child processes a signal ended: as vLLM's
+    process noted it when it read the child's exit code (``activation.note_child_signals``), or
+    as this process reaps it (vLLM's API server exited without reaping its engine, which then
+    became ours: :func:`_become_subreaper`). None when neither says."""
+    try:
+        lines = proc.signals.read_text().split("\n")
+    except (AttributeError, OSError):
+        lines = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            pid = int(parts[0])
+            return f"{proc.names.get(pid, '')} (pid {pid})".lstrip(), int(parts[1])
+    for pid, name in sorted(getattr(proc, "names", {}).items()):  # (a process seen with its name)
+        if pid == proc.pid:
+            continue
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except (ChildProcessError, OSError):  # not ours (still vLLM's, or reaped)
+            continue
+        if got == pid and os.WIFSIGNALED(status):
+            return f"{name} (pid {pid})", os.WTERMSIG(status)
+    return None
 
 
 _FAILED_CORES = re.compile(r"Failed core proc\(s\): \{([^}]*)\}")
@@ -663,7 +719,7 @@ def died(proc: subprocess.Popen, when: str, memory=None) -> str:
     out = getattr(proc, "output", None)
     if out is not None:
         out.join(2.0)
-    eng = engine_signal(out.text()) if out is not None else None
+    eng = noted_signal(proc) or (engine_signal(out.text()) if out is not None else None)
     if eng is not None:
         name, sig = eng
         return (f"vLLM's engine process {name} was killed by signal {sig} ({signal_name(sig)}) {when} "
@@ -674,7 +730,7 @@ def died(proc: subprocess.Popen, when: str, memory=None) -> str:
 def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
     """SIGINT to vLLM's API server (its clean shutdown: it stops its engine itself; a SIGINT to
     the whole group would kill the engine under it and log an EngineDeadError), then SIGKILL to
-    the group after ``grace``."""
+    the group after ``grace``; then removes the signals file :func:`start` made."""
     if proc.poll() is None:
         try:
             os.kill(proc.pid, signal.SIGINT)
@@ -695,6 +751,10 @@ def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
     out = getattr(proc, "output", None)
     if out is not None:  # the rest of its output passed through
         out.join()
+    try:  # the signals file start made (read by then: died)
+        proc.signals.unlink()
+    except (AttributeError, OSError):
+        pass
     return proc.returncode
 
 
@@ -727,15 +787,21 @@ def watch(proc: subprocess.Popen, host: str, port: int, every: float = HEALTH_EV
         except subprocess.TimeoutExpired:
             missed = 0 if healthy(host, port, timeout) else missed + 1
             if missed >= failures:
+                eng = noted_signal(proc)
+                if eng is not None:  # its engine was ended by a signal (vLLM noted it)
+                    raise ServeFailed(f"vLLM stopped answering http://{host}:{port}/health: its engine process "
+                                      f"{eng[0]} was killed by signal {eng[1]} ({signal_name(eng[1])}) while "
+                                      f"serving" + killed_note(eng[1], proc, memory) + "; stopped it") from None
                 raise ServeFailed(f"vLLM stopped answering http://{host}:{port}/health ({missed} checks "
                                   f"{every:g} s apart): its engine died or hangs (its log above says "
                                   "why); stopped it") from None
             continue
-        how = f"killed by signal {-code} ({signal_name(-code)})" if code < 0 else f"exit code {code}"
         why = died(proc, "while serving", memory)
-        extra = "" if why.startswith("vLLM exited with") or code < 0 else f": {why}"
+        if why.startswith("vLLM's engine"):  # a signal ended its engine: which, and for SIGKILL the memory
+            raise ServeFailed(why, code if code > 0 else 1)
+        how = f"killed by signal {-code} ({signal_name(-code)})" if code < 0 else f"exit code {code}"
         note = killed_note(-code, proc, memory) if code < 0 else ""
-        raise ServeFailed(f"vLLM exited while serving ({how}){extra}{note}: its engine died or it was "
+        raise ServeFailed(f"vLLM exited while serving ({how}){note}: its engine died or it was "
                           "stopped from outside (its log above says why)", code if code > 0 else 1)
 
 
