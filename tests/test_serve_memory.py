@@ -186,11 +186,13 @@ def test_plan_and_validate_say_whether_the_emulated_mesh_fits_this_host(smol, mo
 # engine core with multiprocessing (as vLLM does), the engine is killed by a signal before it is
 # ready, and the API server says what vLLM said in the run that prompted this (its exit codes read
 # before the engine was reaped: an empty dict), shuts the engine down as vLLM does (terminate,
-# join) and exits 1. MODE "words": no plugin, and vLLM's message with the exit code in it.
+# join) and exits 1. MODE "words": no plugin, and vLLM's message with the exit code in it; signal
+# 0: the engine runs until vLLM's shutdown terminates it.
 FAKE = textwrap.dedent('''
     import multiprocessing, os, signal, sys, time
     def engine(sig):
-        os.kill(os.getpid(), sig)
+        if sig:
+            os.kill(os.getpid(), sig)
         time.sleep(30)
     if __name__ == "__main__":
         sig, mode = int(sys.argv[1]), sys.argv[2]
@@ -199,7 +201,10 @@ FAKE = textwrap.dedent('''
             general_plugin()
         p = multiprocessing.Process(target=engine, args=(sig,), name="EngineCore_DP0")
         p.start()
-        time.sleep(0.5)
+        if sig:
+            os.waitid(os.P_PID, p.pid, os.WEXITED | os.WNOWAIT)  # ended, not reaped yet
+        else:
+            time.sleep(0.5)  # a running engine: vLLM's shutdown below ends it
         finished = {} if mode == "plugin" else {p.name: p.exitcode}
         print("RuntimeError: Engine core initialization failed. See root cause above. "
               f"Failed core proc(s): {finished}", file=sys.stderr, flush=True)
@@ -236,11 +241,11 @@ def test_serve_names_the_signal_that_killed_the_engine(tmp_path, smol, sig, mode
 
 
 def test_a_signal_vllm_sends_itself_is_not_the_cause(tmp_path):
-    """The engine exits with an error (code 1); vLLM's shutdown then terminates what is left:
+    """vLLM fails its start-up for another reason and its shutdown terminates the running engine:
     serve says vLLM exited, not that a signal killed the engine."""
     script = tmp_path / "fake_vllm.py"
-    script.write_text(FAKE.replace("os.kill(os.getpid(), sig)", "time.sleep(0.1 * sig)"))
-    plan = servemod.ServePlan(tmp_path, "x", "N150", [sys.executable, str(script), "9", "plugin"], {},
+    script.write_text(FAKE)
+    plan = servemod.ServePlan(tmp_path, "x", "N150", [sys.executable, str(script), "0", "plugin"], {},
                               "127.0.0.1", _port())
     with pytest.raises(TTBundleError) as ei:
         servemod.run(plan, startup_timeout=60)

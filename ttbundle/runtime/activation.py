@@ -80,16 +80,16 @@ class QuietStop:
 CHILD_SIGNALS = "TTBUNDLE_CHILD_SIGNALS"  # set by `ttbundle serve` (serving.serve.start): a file
 
 
-PF_EXITING = 0x4  # linux/sched.h: the task has started to exit (a fatal signal was delivered)
+PF_EXITING, PF_DUMPCORE = 0x4, 0x200  # linux/sched.h: the task exits / dumps core (a fatal signal)
 
 
 def _exiting(pid: int) -> bool:
     """Whether process ``pid`` has begun to exit (Linux ``/proc/PID/stat``: a zombie, or its
-    flags' ``PF_EXITING``), so a signal sent now is not what ends it."""
+    flags' ``PF_EXITING`` or ``PF_DUMPCORE``), so a signal sent now is not what ends it."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()
-        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & PF_EXITING)
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & (PF_EXITING | PF_DUMPCORE))
     except (OSError, IndexError, ValueError):
         return False
 
