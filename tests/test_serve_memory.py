@@ -72,11 +72,11 @@ def test_auto_on_an_emulated_n300_is_sized_for_the_host(smol, monkeypatch):
     # the device's pool: every sequence at full length (the 8224 blocks; 15 GiB as float32 here)
     assert p.kv["num_blocks"] == -(-(32 * 8192 + 32 * 32) // 32) == 8224
     assert 8224 * SMOL_KV_PER_BLOCK > 15 * GiB
-    _fake_memory(monkeypatch, 8 * GiB)
+    _fake_memory(monkeypatch, 16 * GiB)
     h = hostmod.host_plan(b, p)
     assert h.kv_bytes_per_block == SMOL_KV_PER_BLOCK and h.weights == SMOL_WEIGHTS
     assert h.runtime == hostmod.RUNTIME_BYTES and h.activations > 0
-    left = 8 * GiB - SMOL_WEIGHTS - h.activations - hostmod.RUNTIME_BYTES
+    left = 16 * GiB - SMOL_WEIGHTS - h.activations - hostmod.RUNTIME_BYTES
     blocks = int(hostmod.HOST_KV_SHARE * left) // SMOL_KV_PER_BLOCK  # the largest that fits the share
     assert h.chosen == "auto" and h.blocks == blocks < 8224
     assert h.tokens == blocks * 32 - 32 * 32

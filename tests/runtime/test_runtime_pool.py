@@ -97,7 +97,7 @@ def test_the_emulated_worker_sizes_an_auto_pool_for_the_host(monkeypatch):
     bundle = spec.loads(text, "pool.yaml")
     plan = make_plan(bundle, "N150")
     big = host.host_plan(bundle, plan, available=1 << 40)
-    avail = big.fixed + 800 * big.kv_bytes_per_block  # the share: 100 blocks
+    avail = big.fixed + int(100.5 * big.kv_bytes_per_block / host.HOST_KV_SHARE)  # the share: 100 blocks
     monkeypatch.setattr(host, "available_memory", lambda: avail)
     monkeypatch.setattr(host, "own_rss", lambda: 0)
     want = host.host_plan(bundle, plan, available=avail)

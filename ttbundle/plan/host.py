@@ -34,8 +34,11 @@ from .pool import choose_pool, pool_blocks, pool_tokens
 
 #: the share of the available memory (after weights, activations and runtime) ``auto`` gives the
 #: emulated KV pool: the emulated mesh decodes a few streams at a time (tens of tokens a second on
-#: a small host), so a larger pool buys little, and the rest stays for the host's other work
-HOST_KV_SHARE = 0.125
+#: a small host), so a larger pool buys little, and the rest stays for the host's other work. At
+#: 1/16 the issue's case (a 135M model on an emulated N300, 8192-token context, on a 24 GiB host
+#: with ~21 GiB available) gets 17,920 tokens (1.08 GiB; 1/8 gave 37,056) and serve's processes
+#: peaked at 3.73 GiB (4.72 GiB at 1/8) against an expected 4.58 GiB (docs/runtime.md)
+HOST_KV_SHARE = 0.0625
 #: ``ttbundle serve`` (~0.5 GB after a build), vLLM 0.33's API server (~0.6 GB) and its engine
 #: process before weights and KV (~0.7 GB), measured serving the demo on this project's host
 #: (docs/runtime.md, "The emulated mesh's memory")
