@@ -273,3 +273,33 @@ def test_a_file_log_is_read_back_for_the_signal(tmp_path):
     finally:
         servemod.stop(proc)
     assert Path(tmp_path / "vllm.log").read_text().count("Failed core proc(s)") == 1
+
+
+ORPHAN = textwrap.dedent('''
+    import os, signal, sys, time
+    pid = os.fork()
+    if pid == 0:                      # the engine: runs a while, then a signal kills it
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(30)
+    os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)   # dead, left unreaped
+    os._exit(0)                       # the API server goes without reaping it (as vLLM may)
+''')
+
+
+def test_an_engine_its_api_server_left_unreaped_is_reaped_by_serve(tmp_path):
+    """No plugin, no words: the engine, orphaned by its API server, becomes serve's child (a
+    child subreaper) and serve reads the signal from its status."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(ORPHAN)
+    plan = servemod.ServePlan(tmp_path, "x", "N150", [sys.executable, str(script)], {}, "127.0.0.1", _port())
+    proc = servemod.start(plan)
+    try:
+        while proc.poll() is None:  # serve samples its processes while it waits (wait_healthy)
+            servemod._sample(proc)
+        engine = [p for p in proc.names if p != proc.pid]
+        assert engine, "the engine was not seen"
+        msg = servemod.died(proc, "before it was healthy")
+        assert f"(pid {engine[0]}) was killed by signal 9 (SIGKILL) before it was healthy (vLLM exit code 0)" in msg
+    finally:
+        servemod.stop(proc)
