@@ -37,14 +37,18 @@ def test_validate_ok_line(runner, tmp_path):
         shutil.copytree(DEMO.parent / "demo", tmp_path / "demo")
     r = run(runner, "validate", demo)
     assert r.exit_code == 0
-    assert r.stdout == f"{demo}: valid; fits N150, N300, T3K\n"
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"{demo}: valid; fits N150, N300, T3K"
+    # then whether the emulated mesh fits this host, per target (tests/test_serve_memory.py)
+    assert [x.split(":")[0] for x in lines[1:]] == [f"  {t}, emulated on this host" for t in ("N150", "N300", "T3K")]
     assert r.stderr == ""
 
 
 def test_validate_one_mesh(runner, write_spec):
     p = write_spec(spec_text({"targets": ["N150", "T3K"]}))
     r = run(runner, "validate", p, "--mesh", "N300")
-    assert r.exit_code == 0 and r.stdout == f"{p}: valid; fits N300\n"
+    assert r.exit_code == 0 and r.stdout.splitlines()[0] == f"{p}: valid; fits N300"
+    assert len(r.stdout.splitlines()) == 2 and "N300, emulated on this host: " in r.stdout
 
 
 def test_validate_invalid_lists_every_located_error_on_stderr(runner, write_spec):
@@ -89,7 +93,9 @@ def test_validate_json(runner, write_spec):
                                                            3, str(write_spec(text)))
     r = run(runner, "validate", write_spec(spec_text({"targets": ["N150", "T3K"]})), "--json")
     assert r.exit_code == 0
-    assert json.loads(r.stdout) == {"valid": True, "fits": {"N150": True, "T3K": True}, "warnings": []}
+    data = json.loads(r.stdout)
+    assert set(data.pop("emulated_host")) == {"N150", "T3K"}
+    assert data == {"valid": True, "fits": {"N150": True, "T3K": True}, "warnings": []}
 
 
 @pytest.mark.parametrize("args, needle", [

@@ -42,6 +42,7 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
 
     Exit 0 valid, 2 invalid (every problem listed as file:line:col: key.path: message),
     3 valid but does not fit a target's memory (see `ttbundle plan`)."""
+    from .plan.host import host_plan
     from .plan.validate import does_not_fit, plan_targets
     try:
         bundle, plans = plan_targets(spec, mesh)
@@ -52,8 +53,10 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
             raise typer.Exit(e.exit_code)
         fail(e)
     no_fit = [t for t, p in plans.items() if not p.fits]
+    hosts = {t: host_plan(bundle, p) for t, p in plans.items()}
     if as_json:
         out.print_json(data={"valid": True, "fits": {t: p.fits for t, p in plans.items()},
+                             "emulated_host": {t: h.to_json() for t, h in hosts.items()},
                              "warnings": [w.to_json() for w in bundle.warnings]})
     else:
         for w in bundle.warnings:
@@ -64,6 +67,8 @@ def validate(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
         ok = [t for t in plans if t not in no_fit]
         if ok:
             out.print(Text(f"{spec}: valid; fits {', '.join(ok)}"))
+        for t, h in ((t, hosts[t]) for t in ok):  # a target that fits: whether its emulated mesh fits here
+            out.print(Text(f"  {t}, emulated on this host: {h.verdict()}"))
     if no_fit:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
 
@@ -76,12 +81,14 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
     """Per-device shards, per-chip memory and collectives. Exit 0 fits, 3 does not fit."""
     from . import report, spec as specmod
     from .plan.advice import fixes
+    from .plan.host import host_plan
     from .plan.make import make_plan
     from .plan.validate import targets
     try:
         bundle = specmod.load(spec)
         target = targets(bundle, mesh)[0]
         p = make_plan(bundle, target)
+        host = host_plan(bundle, p)
         fx = [] if p.fits else fixes(bundle, p)
         from .lower import vision_summaries
         vision = vision_summaries(bundle, p)
@@ -93,11 +100,12 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
     if as_json:
         data = p.to_json()
         data["fixes"] = fx
+        data["emulated_host"] = host.to_json()
         if vision:
             data["vision_programs"] = vision
         out.print_json(data=data)
     else:
-        report.print_plan(p, out, fx)
+        report.print_plan(p, out, fx, host)
         if vision:
             report.print_vision(vision, out, bundle.family.vision_part(bundle.arch).BUCKET_UNIT)
     if not p.fits:
@@ -521,6 +529,8 @@ def serve(ctx: typer.Context,
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
         out.print(Text(f"{env} {shlex.join(plan.argv)}"))
         return
+    if plan.memory is not None:
+        err.print(Text(f"emulated mesh on this host: {plan.memory.pool_line()}"))
     err.print(Text(f"starting vLLM for {plan.name}-{plan.mesh} ({plan.package}) ..."))
 
     def ready(p):

@@ -10,25 +10,42 @@ if TYPE_CHECKING:
 
 
 class ConsoleProgress:
-    """Build events as rich progress bars: one bar per phase with the current item and an ETA."""
+    """Build events on the console. On a terminal, rich progress bars: one bar per phase with the
+    current item and an ETA. Elsewhere (CI logs, ``serve > log``: ``console.is_terminal`` is
+    false), whole lines instead of bars cut at the column width: each phase's start, a line at
+    most every :attr:`LINE_EVERY_S` seconds while it advances, and its end, each with the stage,
+    the count done of its total and the seconds elapsed in it."""
 
     LABELS = {"hash": "hashing checkpoint", "weights": "converting weights", "programs": "lowering programs",
               "tensorbin": "writing .tensorbin caches",
               "warmup": "warming traces"}
+    LINE_EVERY_S = 10.0
 
-    def __init__(self, console, prefix: str = ""):
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
-                                   TimeRemainingColumn)
+    def __init__(self, console, prefix: str = "", clock=None):
+        import time
+
         self.console, self.prefix = console, prefix
-        self.bars = Progress(TextColumn("{task.description:<28}"), BarColumn(bar_width=30), MofNCompleteColumn(),
-                             TextColumn("{task.fields[item]:<18}"), TimeElapsedColumn(), TextColumn("ETA"),
-                             TimeRemainingColumn(), console=console)
+        self.clock = clock or time.monotonic
+        self.lines = not console.is_terminal
         self.tasks: dict[str, int] = {}
         self.running = False
+        # without a terminal: per phase [done, total, started, last line printed, last item]
+        self.phases: dict[str, list] = {}
+        self.current: str | None = None
+        if not self.lines:
+            from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                                       TimeRemainingColumn)
+            self.bars = Progress(TextColumn("{task.description:<28}"), BarColumn(bar_width=30), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[item]:<18}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                 TimeRemainingColumn(), console=console)
 
     def __call__(self, e: dict) -> None:
         ev = e["event"]
-        if ev == "phase":
+        if ev == "waiting":
+            self._print(f"{self.prefix}waiting for another build of this package ({e['lock']})")
+        elif self.lines:
+            self._line_event(ev, e)
+        elif ev == "phase":
             if not self.running:
                 self.bars.start()
                 self.running = True
@@ -38,11 +55,46 @@ class ConsoleProgress:
         elif ev == "advance" and e["phase"] in self.tasks:
             step = (e.get("bytes", 0) >> 20) if e["phase"] == "hash" else 1
             self.bars.update(self.tasks[e["phase"]], advance=step, item=str(e.get("item", ""))[:18])
-        elif ev == "waiting":
-            self.console.print(f"{self.prefix}waiting for another build of this package ({e['lock']})")
         elif ev == "done" and self.running:
             self.bars.stop()
             self.running = False
+
+    # -- whole lines (no terminal) ----------------------------------------------------------------
+    def _print(self, line: str) -> None:
+        from rich.text import Text
+
+        self.console.print(Text(line), soft_wrap=True, crop=False)
+
+    def _line(self, phase: str, state: str = "") -> None:
+        done, total, t0, _, item = self.phases[phase]
+        unit = " MiB" if phase == "hash" else ""
+        what = f" ({item})" if item and state != "done" else ""
+        end = f", {state}" if state else ""
+        self._print(f"{self.prefix}{self.LABELS.get(phase, phase)}: {done:,}/{total:,}{unit}{what} "
+                    f"[{self.clock() - t0:.1f} s{end}]")
+        self.phases[phase][3] = self.clock()
+
+    def _end(self) -> None:
+        if self.current is not None:
+            self._line(self.current, "done")
+            self.current = None
+
+    def _line_event(self, ev: str, e: dict) -> None:
+        if ev == "phase":
+            self._end()
+            total = e["total"] if e["phase"] != "hash" else max(1, e["total"] >> 20)
+            now = self.clock()
+            self.phases[e["phase"]] = [0, total, now, now, ""]
+            self.current = e["phase"]
+            self._line(e["phase"])
+        elif ev == "advance" and e["phase"] in self.phases:
+            st = self.phases[e["phase"]]
+            st[0] += (e.get("bytes", 0) >> 20) if e["phase"] == "hash" else 1
+            st[4] = str(e.get("item", ""))
+            if self.clock() - st[3] >= self.LINE_EVERY_S:
+                self._line(e["phase"])
+        elif ev == "done":
+            self._end()
 
 
 def print_results(results: list[BuildResult], console) -> None:

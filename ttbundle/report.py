@@ -40,7 +40,12 @@ def print_vision(programs: list[dict], console: Console, unit: str = "images") -
     console.print(t)
 
 
-def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> None:
+def host_line(h) -> str:
+    """Whether the emulated mesh fits this host (``plan.host.HostPlan``), one line."""
+    return f"emulated mesh on this host: {h.verdict()}"
+
+
+def print_plan(p: Plan, console: Console, fixes: list[str] | None = None, host=None) -> None:
     m = p.mesh
     console.print(f"[bold]{p.bundle_name}[/] ({p.family}) on [bold]{m.describe()}[/]: "
                   f"{m.num_devices} x {m.chip.label}, {m.topology}, axes rows={m.rows} cols={m.cols}")
@@ -83,6 +88,8 @@ def print_plan(p: Plan, console: Console, fixes: list[str] | None = None) -> Non
     mt.add_row("[bold]verdict[/]", "", f"[{'green' if fits else 'red'}]{word}[/]: {numbers}")
     console.print(mt)
     console.print(Text(pool_line(p)))
+    if host is not None:
+        console.print(Text(host_line(host)))
 
     if p.collectives:
         ct = Table(title="collectives per forward", title_justify="left", show_edge=False)

@@ -63,9 +63,47 @@ def test_killed_engine_fails_the_serve(make_package, tmp_path):
                 pass
         t0 = time.monotonic()
         with pytest.raises(ServeFailed) as ei:
-            watch(proc, plan.host, plan.port, every=1.0)
+            watch(proc, plan.host, plan.port, every=1.0, memory=plan.memory)
         print(f"noticed in {time.monotonic() - t0:.1f} s: {ei.value}")
         assert ei.value.exit_code != 0
+        # which signal (vLLM's API server reaped the engine: activation.note_child_signals noted
+        # it, or it became serve's orphan), and for SIGKILL the memory arithmetic (issue 38)
+        assert "was killed by signal 9 (SIGKILL) while serving" in str(ei.value)
+        assert f"expected a peak of {plan.memory.arithmetic()}" in str(ei.value)
+    except BaseException:
+        print(log.read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        stop(proc)
+
+
+def test_engine_killed_before_healthy_names_the_signal(make_package, tmp_path):
+    """vLLM's own message then says ``Failed core proc(s): {}`` (it looked before the engine was
+    reaped): serve still names the signal, and for SIGKILL gives the memory arithmetic."""
+    from ttbundle.errors import TTBundleError
+    from ttbundle.serving.serve import group_processes, plan_serve, start, stop, wait_healthy
+
+    pkg, _ = make_package("llama", "N150")
+    plan = plan_serve(pkg, "127.0.0.1", _free_port())
+    log = tmp_path / "vllm.log"
+    with open(log, "wb") as f:
+        proc = start(plan, log=f)
+    try:
+        t0 = time.monotonic()
+        engine = None
+        while engine is None and time.monotonic() - t0 < 300:
+            engine = next((p for p, (name, _) in group_processes(proc.pid).items()
+                           if name.startswith("VLLM::EngineCore")), None)
+            time.sleep(0.2)
+        assert engine is not None, "no engine process under vLLM's API server"
+        time.sleep(1.0)
+        os.kill(engine, signal.SIGKILL)
+        with pytest.raises(TTBundleError) as ei:
+            wait_healthy(proc, plan.host, plan.port, timeout=600, memory=plan.memory)
+        msg = str(ei.value)
+        print(msg)
+        assert f"(pid {engine}) was killed by signal 9 (SIGKILL) before it was healthy" in msg
+        assert f"expected a peak of {plan.memory.arithmetic()}" in msg
     except BaseException:
         print(log.read_text(errors="replace")[-4000:])
         raise

@@ -55,19 +55,57 @@ def test_requests_beyond_the_pool_are_preempted_and_still_exact(tmp_path):
 
 
 @pytest.mark.parametrize("override", [None, 7])
-def test_worker_asks_vllm_for_the_pools_blocks_unless_overridden(override):
+@pytest.mark.parametrize("device", [False, True])
+def test_worker_asks_vllm_for_the_pools_blocks_unless_overridden(override, device, monkeypatch):
+    """A device: the plan's pool. The emulated mesh: the pool ``Package.host_plan`` gives this host
+    (here the spec's explicit pool, which fits a large host: the same blocks)."""
     from types import SimpleNamespace
 
     from ttbundle import spec
-    from ttbundle.plan.make import kv_blocks
+    from ttbundle.plan import host
+    from ttbundle.plan.make import kv_blocks, make_plan
     from ttbundle.runtime.worker import TTWorker
 
+    monkeypatch.setattr(host, "available_memory", lambda: 1 << 40)
     bundle = spec.loads(pool_spec(), "pool.yaml")
     per_block = 12345
+    plan = make_plan(bundle, "N150")
     fake = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks_override=override),
                            # a package's record is the plan's pool (tests/test_pool.py builds one)
-                           package=SimpleNamespace(kv_blocks=kv_blocks(bundle, "N150")),
+                           package=SimpleNamespace(kv_blocks=kv_blocks(bundle, "N150"),
+                                                   host_plan=lambda **k: host.host_plan(bundle, plan, **k)),
                            model_runner=SimpleNamespace(kv_bytes_per_block=lambda: per_block,
-                                                        lane_plan=SimpleNamespace(lanes=1)))
+                                                        lane_plan=SimpleNamespace(lanes=1)),
+                           tt=object() if device else None)
+    fake._host_blocks = lambda lanes: TTWorker._host_blocks(fake, lanes)
     want = override or math.ceil((POOL + 32 * SEQS) / 32)
     assert TTWorker.determine_available_memory(fake) == want * per_block
+
+
+def test_the_emulated_worker_sizes_an_auto_pool_for_the_host(monkeypatch):
+    """``vllm serve PACKAGE`` on the emulated mesh, no override, ``auto``: the host's pool
+    (``plan.host``), fewer blocks than the device's on a small host."""
+    from types import SimpleNamespace
+
+    from ttbundle import spec
+    from ttbundle.plan import host
+    from ttbundle.plan.make import make_plan
+    from ttbundle.runtime.worker import TTWorker
+
+    text = pool_spec().replace("max_tokens_all_users: 256", "max_tokens_all_users: auto") \
+        .replace("max_model_len: 256", "max_model_len: 1024")
+    bundle = spec.loads(text, "pool.yaml")
+    plan = make_plan(bundle, "N150")
+    big = host.host_plan(bundle, plan, available=1 << 40)
+    avail = big.fixed + int(100.5 * big.kv_bytes_per_block / host.HOST_KV_SHARE)  # the share: 100 blocks
+    monkeypatch.setattr(host, "available_memory", lambda: avail)
+    monkeypatch.setattr(host, "own_rss", lambda: 0)
+    want = host.host_plan(bundle, plan, available=avail)
+    assert want.chosen == "auto" and want.blocks == 100 < plan.kv["num_blocks"]
+    fake = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks_override=None),
+                           package=SimpleNamespace(kv_blocks=plan.kv["num_blocks"],
+                                                   host_plan=lambda **k: host.host_plan(bundle, plan, **k)),
+                           model_runner=SimpleNamespace(kv_bytes_per_block=lambda: 1,
+                                                        lane_plan=SimpleNamespace(lanes=1)), tt=None)
+    fake._host_blocks = lambda lanes: TTWorker._host_blocks(fake, lanes)
+    assert TTWorker.determine_available_memory(fake) == want.blocks

@@ -108,9 +108,11 @@ def kv_blocks(bundle, mesh: Mesh | str) -> int:
     return make_plan(bundle, mesh).kv["num_blocks"]
 
 
-def make_plan(bundle, mesh: Mesh | str) -> Plan:
+def make_plan(bundle, mesh: Mesh | str, draft_bundle=None) -> Plan:
     """The plan of ``bundle`` on ``mesh`` (a target name: on one replica's submesh when the spec
-    splits it, ``target_mesh``). Raises InvalidInput listing every divisibility error."""
+    splits it, ``target_mesh``). Raises InvalidInput listing every divisibility error.
+    ``draft_bundle``: speculative decoding's draft, already loaded (a package's, from the draft
+    package inside it), instead of the spec file ``speculative.model`` names."""
     if isinstance(mesh, str):
         mesh = target_mesh(bundle, mesh)
     fam, a, s = bundle.family, bundle.arch, bundle.spec
@@ -197,7 +199,7 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
     for t in tensors:
         by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.bytes
     weights = sum(by_dtype.values())
-    draft = draft_memory(bundle, mesh)
+    draft = draft_memory(bundle, mesh, draft_bundle)
     free = mesh.chip.dram_bytes - weights - act_bytes - trace - draft["bytes"]
     pool = choose_pool(rt, lambda n: kv_layout(n)[0], free, one_prefill=s.task == "embed")
     blocks = pool.blocks
@@ -214,18 +216,19 @@ def make_plan(bundle, mesh: Mesh | str) -> Plan:
                 draft)
 
 
-def draft_memory(bundle, mesh: Mesh) -> dict:
+def draft_memory(bundle, mesh: Mesh, draft=None) -> dict:
     """Per chip, what speculative decoding's draft model (``speculative: {method: draft}``) holds
     on ``mesh`` beside the target: its weights (its own plan on the same mesh) and its KV region
     (``speculative.draft_kv_blocks`` blocks, laid out as its plan lays out its pool). Its
     activations and programs' traces are not counted apart: it runs between the target's steps.
-    ``{"bytes": 0}`` without a draft."""
+    ``{"bytes": 0}`` without a draft. ``draft``: the draft's bundle, when already loaded."""
     path = draft_path(bundle)
     if path is None:
         return {"bytes": 0}
-    from ..spec import load
+    if draft is None:
+        from ..spec import load
 
-    draft = load(path)
+        draft = load(path)
     dp = make_plan(draft, mesh)
     blocks = draft_kv_blocks(bundle, draft)
     kv = sum(tensor_bytes([blocks] + e["device_shape"][1:], dp.kv["dtype"], "TILE", mesh) * e["layers"]

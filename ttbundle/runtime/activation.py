@@ -77,8 +77,64 @@ class QuietStop:
         return record.levelno >= 40 or not str(record.msg).startswith("[shutdown]")
 
 
+CHILD_SIGNALS = "TTBUNDLE_CHILD_SIGNALS"  # set by `ttbundle serve` (serving.serve.start): a file
+
+
+PF_EXITING, PF_DUMPCORE = 0x4, 0x200  # linux/sched.h: the task exits / dumps core (a fatal signal)
+
+
+def _exiting(pid: int) -> bool:
+    """Whether process ``pid`` has begun to exit (Linux ``/proc/PID/stat``: a zombie, or its
+    flags' ``PF_EXITING`` or ``PF_DUMPCORE``), so a signal sent now is not what ends it."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+        return fields[0] in (b"Z", b"X") or bool(int(fields[6]) & (PF_EXITING | PF_DUMPCORE))
+    except (OSError, IndexError, ValueError):
+        return False
+
+
+def note_child_signals(path: str) -> None:
+    """In a vLLM process (``ttbundle serve`` sets ``TTBUNDLE_CHILD_SIGNALS``): each child process it
+    started with ``multiprocessing`` (vLLM's engine core) that a signal ended, a signal vLLM did
+    not send itself (its ``terminate``/``kill`` of a shutdown), is appended to ``path`` as
+    ``PID SIGNAL``, once, when vLLM reads the child's exit code. vLLM's own message does not
+    always carry it (``Failed core proc(s): {}`` when it looked before the child was reaped); so
+    ``serve`` can say which signal ended the engine (the kernel's OOM killer sends SIGKILL)."""
+    from multiprocessing import popen_fork
+
+    cls = popen_fork.Popen
+    if getattr(cls, "_ttbundle_notes", None) == path:
+        return
+    poll, send = getattr(cls, "_ttbundle_poll", cls.poll), getattr(cls, "_ttbundle_send", cls._send_signal)
+
+    def _send_signal(self, sig):
+        # a child already ended (noted by the poll) or exiting (killed, its memory still being
+        # freed) ended of something else: only a signal to a running child is vLLM's own
+        if poll_noting(self) is None and not _exiting(self.pid):
+            self._ttbundle_sent = True
+        return send(self, sig)
+
+    def poll_noting(self, flag=os.WNOHANG):
+        rc = poll(self, flag)
+        if rc is not None and rc < 0 and not getattr(self, "_ttbundle_sent", False) \
+                and not getattr(self, "_ttbundle_noted", False):
+            self._ttbundle_noted = True
+            try:
+                with open(path, "a", encoding="utf-8") as f:
+                    f.write(f"{self.pid} {-rc}\n")
+            except OSError:
+                pass
+        return rc
+    cls._ttbundle_poll, cls._ttbundle_send, cls._ttbundle_notes = poll, send, path
+    cls.poll, cls._send_signal = poll_noting, _send_signal
+
+
 def general_plugin() -> None:
-    """``vllm.general_plugins`` entry point: register packages, only when active."""
+    """``vllm.general_plugins`` entry point: under ``ttbundle serve``, note the signals that end
+    vLLM's children (:func:`note_child_signals`); register packages, only when active."""
+    if os.environ.get(CHILD_SIGNALS):
+        note_child_signals(os.environ[CHILD_SIGNALS])
     if active_platform() is None:
         return
     from .registry import register_models

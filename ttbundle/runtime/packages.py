@@ -62,6 +62,21 @@ class Package:
         program): what the worker asks vLLM for and a device allocates; nothing re-plans."""
         return int(self.loaded.kv_cache["num_blocks"])
 
+    def host_plan(self, lanes: int = 1, engines: int = 1, override_blocks: int | None = None,
+                  available: int | None = None):
+        """The package on the emulated mesh of this host (``plan.host.host_plan``: its KV pool,
+        ``auto`` sized for the host's available memory, and the expected peak), from the plan of
+        its bundle on its mesh (a speculative draft: the draft package inside it)."""
+        from ..package.names import DRAFT_DIR
+        from ..plan.host import host_plan
+        from ..plan.make import make_plan
+
+        draft = None
+        if (self.path / DRAFT_DIR / MANIFEST).exists():
+            draft = open_package(self.path / DRAFT_DIR, check_hashes=False).bundle
+        plan = make_plan(self.bundle, self.mesh_name, draft_bundle=draft)
+        return host_plan(self.bundle, plan, available, lanes, engines, override_blocks)
+
     def emulated_model(self, dtype=None, device="cpu"):
         """The package on the emulated mesh: its programs on its own weight shards."""
         import torch

@@ -88,11 +88,30 @@ class TTWorker(WorkerBase):
         """Exactly the blocks of the plan's KV pool (Tenstorrent's
         ceil((max_tokens_all_users + block x max_num_seqs) / block), as ``plan.make.kv_blocks`` chose it
         and the package's programs record it: ``Package.kv_blocks``), unless
-        ``--num-gpu-blocks-override`` says otherwise; vLLM preempts when they run out."""
+        ``--num-gpu-blocks-override`` says otherwise (``ttbundle serve`` passes the emulated mesh's
+        pool for this host that way); vLLM preempts when they run out. On the emulated mesh
+        without an override (``vllm serve PACKAGE``), the pool ``Package.host_plan`` gives this
+        host (``plan.host``: ``auto`` takes a share of the available memory, at most the plan's)."""
         override = self.cache_config.num_gpu_blocks_override
-        # with lanes, one region of the package's pool per lane
-        blocks = override or self.package.kv_blocks * self.model_runner.lane_plan.lanes
+        lanes = self.model_runner.lane_plan.lanes
+        if override:
+            blocks = override
+        elif self.tt is None:
+            blocks = self._host_blocks(lanes)
+        else:  # with lanes, one region of the package's pool per lane
+            blocks = self.package.kv_blocks * lanes
         return blocks * self.model_runner.kv_bytes_per_block()
+
+    def _host_blocks(self, lanes: int) -> int:
+        """The emulated pool for this host, from inside the engine: what it already holds (its
+        resident bytes: runtime, weights) counts as available, since the host plan counts it."""
+        from ..plan.host import available_memory, own_rss
+
+        m = self.package.host_plan(lanes=lanes, available=available_memory() + own_rss())
+        logger.info("ttbundle: emulated mesh on this host: %s", m.pool_line())
+        if not m.fits:
+            logger.warning("ttbundle: the emulated mesh's expected peak exceeds this host's available memory")
+        return m.blocks
 
     def initialize_from_config(self, kv_cache_config) -> None:
         self.model_runner.initialize_kv_cache(kv_cache_config.num_blocks)

@@ -31,6 +31,7 @@ import dataclasses
 import errno
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -41,7 +42,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..errors import InvalidInput, TTBundleError
+from ..errors import DoesNotFit, InvalidInput, TTBundleError
 from ..mesh import spec_target
 
 GRACE_S = 30
@@ -67,6 +68,7 @@ class ServePlan:
     env: dict = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 8000
+    memory: object = None  # the emulated mesh on this host (``plan.host.HostPlan``); None on a device
 
     @property
     def url(self) -> str:
@@ -361,6 +363,9 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     if pkg.trace_region_size:
         tt["trace_region_size"] = int(pkg.trace_region_size)
     cfg = _merge({"tt": tt}, user_cfg)
+    memory = emulated_memory(pkg, extra, lanes.lanes, dp) if device == "emulated" else None
+    pool = ["--num-gpu-blocks-override", str(memory.blocks)] \
+        if memory is not None and memory.chosen != "override" else []
     argv = vllm_command() + [
         "serve", str(pkg.path),
         "--host", host, "--port", str(port),
@@ -370,7 +375,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         "--block-size", str(rt.kv_block_size),
         "--dtype", "float32" if device == "emulated" else "bfloat16",
         "--additional-config", json.dumps(cfg, separators=(",", ":")),
-    ] + (["--skip-tokenizer-init"] if token_ids_only else []) + speculative_args(pkg, extra) \
+    ] + pool + (["--skip-tokenizer-init"] if token_ids_only else []) + speculative_args(pkg, extra) \
         + serve_args(pkg.bundle, extra) + extra
     env = {ENV_EMULATED: "1" if device == "emulated" else "0", "MESH_DEVICE": pkg.mesh_name, "HF_HUB_OFFLINE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
@@ -378,7 +383,35 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     # environment is inherited): with the oneDNN-packed GEMMs a step is ~60 short parallel
     # regions, and shortening the spin to 10,000 cost ~12% of the 16-stream throughput on a
     # quiet host (5 runs) (docs/benchmarks.md); on a host busy with other jobs a short spin helps
-    return ServePlan(pkg.path, pkg.name, pkg.mesh_name, argv, env, host, port)
+    return ServePlan(pkg.path, pkg.name, pkg.mesh_name, argv, env, host, port, memory)
+
+
+def emulated_memory(pkg, extra: list[str], lanes: int = 1, engines: int = 1):
+    """The emulated mesh of ``pkg`` on this host (``Package.host_plan``: its KV pool, ``auto``
+    sized for the host, and the expected peak of serve's processes); a pool that cannot fit what
+    the host has available (the spec's ``max_tokens_all_users``, ``--num-gpu-blocks-override``
+    among the extra arguments, or ``auto``'s least: one ``max_model_len`` sequence) is
+    :class:`DoesNotFit` (exit 3) with the arithmetic and what would fit."""
+    from ..plan.host import gib
+    from ..plan.pool import pool_tokens
+
+    override = _int_flag(extra, "--num-gpu-blocks-override")
+    m = pkg.host_plan(lanes=lanes, engines=engines, override_blocks=override)
+    if m.fits:
+        return m
+    rt = pkg.bundle.spec.runtime
+    best = m.largest_blocks()
+    if m.chosen == "override":
+        fix = f"--num-gpu-blocks-override {best} or less (or leave it out: auto sizes the pool for this host)"
+    elif m.chosen == "spec" and pool_tokens(rt, best // lanes) >= rt.max_model_len:
+        fix = (f"runtime.max_tokens_all_users: {pool_tokens(rt, best // lanes):,} or less, or `auto` "
+               "(sizes the pool for this host)")
+    else:
+        fix = ("free memory on this host, lower runtime.max_model_len or max_num_seqs, or serve on a "
+               "Tenstorrent device (--device tt)")
+    raise DoesNotFit(f"{pkg.name}-{pkg.mesh_name} on the emulated mesh does not fit this host: KV pool "
+                     f"{m.tokens:,} tokens ({m.why}) needs a peak of {m.arithmetic()}, and this host has "
+                     f"{gib(m.available)} available; fix: {fix}")
 
 
 def _tokenizer_mode(pkg, extra: list[str]) -> bool:
@@ -473,18 +506,231 @@ def quiet_logging_config(directory: Path) -> Path | None:
     return path
 
 
+class Output:
+    """vLLM's output passed through to this process's stdout and stderr as it comes (the same
+    bytes, unbuffered), its last :data:`KEEP` bytes of each kept: what a failure is read from
+    (:func:`engine_signal`). With ``log`` (a file vLLM writes to), the file's tail instead."""
+
+    KEEP = 1 << 16
+
+    def __init__(self, proc: subprocess.Popen | None = None, log: Path | None = None):
+        import threading
+
+        self.log, self._tail, self._threads = log, {1: b"", 2: b""}, []
+        if proc is not None:
+            for src, fd in ((proc.stdout, 1), (proc.stderr, 2)):
+                if src is not None:
+                    t = threading.Thread(target=self._pump, args=(src, fd), daemon=True)
+                    t.start()
+                    self._threads.append(t)
+
+    def _pump(self, src, fd: int) -> None:
+        try:
+            while True:
+                chunk = os.read(src.fileno(), 1 << 16)
+                if not chunk:
+                    break
+                self._tail[fd] = (self._tail[fd] + chunk)[-self.KEEP:]
+                try:
+                    while chunk:
+                        chunk = chunk[os.write(fd, chunk):]
+                except OSError:  # our own output closed: keep reading (vLLM must not block)
+                    pass
+        except (OSError, ValueError):
+            pass
+        finally:
+            try:
+                src.close()
+            except OSError:
+                pass
+
+    def join(self, timeout: float = 5.0) -> None:
+        for t in self._threads:
+            t.join(timeout)
+
+    def text(self) -> str:
+        """The last output (both streams), as text."""
+        if self.log is not None:
+            try:
+                with open(self.log, "rb") as f:
+                    f.seek(max(os.path.getsize(self.log) - self.KEEP, 0))
+                    return f.read().decode(errors="replace")
+            except OSError:
+                return ""
+        return (self._tail[1] + b"\n" + self._tail[2]).decode(errors="replace")
+
+
 def start(plan: ServePlan, log=None) -> subprocess.Popen:
-    """Start vLLM in its own process group (``log``: a file for its output, else inherited); it
-    gets SIGTERM if this process dies (:func:`_child_setup`)."""
+    """Start vLLM in its own process group (``log``: a file for its output, else passed through
+    to ours, :class:`Output`); it gets SIGTERM if this process dies (:func:`_child_setup`). The
+    process carries ``output`` (its :class:`Output`) and ``peak_rss`` (the most its process group
+    was seen holding, :func:`group_rss`, sampled while it is waited on)."""
+    import tempfile
+
+    from ..runtime.activation import CHILD_SIGNALS
+
     env = dict(os.environ, **plan.env)
-    return subprocess.Popen(plan.argv, env=env, start_new_session=True, preexec_fn=_child_setup,
-                            stdout=log, stderr=subprocess.STDOUT if log is not None else None)
+    fd, signals = tempfile.mkstemp(prefix="ttbundle-serve-", suffix=".signals")
+    os.close(fd)
+    env[CHILD_SIGNALS] = signals  # vLLM's engine processes a signal ended (activation.note_child_signals)
+    _become_subreaper()
+    if log is None:
+        env.setdefault("PYTHONUNBUFFERED", "1")  # its lines as they come, through the pipe
+        if os.isatty(1):  # vLLM colours its log only on a terminal; it writes to ours
+            env.setdefault("VLLM_LOGGING_COLOR", "1")
+    pipe = subprocess.PIPE if log is None else None
+    proc = subprocess.Popen(plan.argv, env=env, start_new_session=True, preexec_fn=_child_setup,
+                            stdout=log if log is not None else pipe,
+                            stderr=subprocess.STDOUT if log is not None else pipe)
+    name = getattr(log, "name", None)
+    proc.output = Output(proc) if log is None else Output(log=Path(name) if isinstance(name, str) else None)
+    proc.peak_rss, proc.names, proc.signals = 0, {}, Path(signals)
+    return proc
+
+
+def group_processes(pgid: int) -> dict[int, tuple[str, int]]:
+    """The processes of process group ``pgid`` now: pid -> (name, resident bytes) (Linux
+    ``/proc``; the name is the command line's first word, which vLLM sets to ``VLLM::EngineCore``
+    for its engine; empty elsewhere)."""
+    out = {}
+    page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+    try:
+        entries = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return out
+    for d in entries:
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if len(fields) <= 21 or int(fields[2]) != pgid:
+                continue
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                words = f.read().split(b"\0")
+        except (OSError, IndexError, ValueError):
+            continue
+        name = words[0].decode(errors="replace").strip() if words else ""
+        out[int(d)] = (Path(name.split()[0]).name if name else "", int(fields[21]) * page)
+    return out
+
+
+def _sample(proc: subprocess.Popen) -> None:
+    """The most vLLM's processes were seen holding (``peak_rss``) and their names by pid."""
+    if not hasattr(proc, "peak_rss"):
+        return
+    procs = group_processes(proc.pid)
+    proc.peak_rss = max(proc.peak_rss, sum(rss for _, rss in procs.values()))
+    proc.names.update({pid: name for pid, (name, _) in procs.items() if name})
+
+
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+
+
+def _become_subreaper() -> None:
+    """Orphans of vLLM (its engine, when the API server exits without reaping it) become this
+    process's children, so :func:`noted_signal` can read how they ended (Linux)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def noted_signal(proc: subprocess.Popen) -> tuple[str, int] | None:
+    """``(process, signal)`` of the first of vLLM's child processes a signal ended: as vLLM's
+    process noted it when it read the child's exit code (``activation.note_child_signals``), or
+    as this process reaps it (vLLM's API server exited without reaping its engine, which then
+    became ours: :func:`_become_subreaper`). None when neither says."""
+    try:
+        lines = proc.signals.read_text().split("\n")
+    except (AttributeError, OSError):
+        lines = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            pid = int(parts[0])
+            return f"{proc.names.get(pid, '')} (pid {pid})".lstrip(), int(parts[1])
+    for pid, name in sorted(getattr(proc, "names", {}).items()):  # (a process seen with its name)
+        if pid == proc.pid:
+            continue
+        try:
+            got, status = os.waitpid(pid, os.WNOHANG)
+        except (ChildProcessError, OSError):  # not ours (still vLLM's, or reaped)
+            continue
+        if got == pid and os.WIFSIGNALED(status):
+            return f"{name} (pid {pid})", os.WTERMSIG(status)
+    return None
+
+
+_FAILED_CORES = re.compile(r"Failed core proc\(s\): \{([^}]*)\}")
+_CORE_CODE = re.compile(r"'([^']+)': (-?\d+)")
+_DIED = re.compile(r"Process (\S+) \(PID: \d+\) died with exit code (-?\d+)")
+
+
+def engine_signal(text: str) -> tuple[str, int] | None:
+    """``(process name, signal number)`` of a vLLM engine process that a signal ended, from
+    vLLM's own output (``text``): vLLM 0.33's API server writes the exit codes of the engine
+    core processes that failed its start-up (``Failed core proc(s): {'EngineCore_DP0': -9}``)
+    or died under an API server process (``... died with exit code -9``); a negative exit code
+    is the signal (Python's ``multiprocessing``). None when it names none."""
+    found = None
+    for m in _FAILED_CORES.finditer(text):
+        for name, code in _CORE_CODE.findall(m.group(1)):
+            if int(code) < 0:
+                found = (name, -int(code))
+    for name, code in _DIED.findall(text):
+        if int(code) < 0:
+            found = (name, -int(code))
+    return found
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def killed_note(signum: int, proc: subprocess.Popen, memory=None) -> str:
+    """For SIGKILL (what the kernel's OOM killer sends): the memory arithmetic (the expected
+    peak, ``memory``: ``plan.host.HostPlan``) and what vLLM's processes were seen holding."""
+    if signum != signal.SIGKILL:
+        return ""
+    from ..plan.host import gib
+
+    note = "; SIGKILL is what the kernel's OOM killer sends when memory runs out (`dmesg` says whether it did)"
+    if memory is not None:
+        note += (f": this serve expected a peak of {memory.arithmetic()}, with {gib(memory.available)} "
+                 "available when it started")
+    seen = getattr(proc, "peak_rss", 0)
+    if seen:
+        note += f"; vLLM's processes were seen holding {gib(seen)} at most"
+    if memory is not None:
+        note += ("; fix: a smaller pool (runtime.max_tokens_all_users, --num-gpu-blocks-override) or more "
+                 "free memory")
+    return note
+
+
+def died(proc: subprocess.Popen, when: str, memory=None) -> str:
+    """Why vLLM ended, in one line: the signal that ended vLLM or its engine (from its exit status
+    or its output, :func:`engine_signal`) and, for SIGKILL, the memory arithmetic; else its exit
+    code."""
+    code = proc.returncode
+    if code is not None and code < 0:
+        return f"vLLM was killed by signal {-code} ({signal_name(-code)}) {when}" + killed_note(-code, proc, memory)
+    out = getattr(proc, "output", None)
+    if out is not None:
+        out.join(2.0)
+    eng = noted_signal(proc) or (engine_signal(out.text()) if out is not None else None)
+    if eng is not None:
+        name, sig = eng
+        return (f"vLLM's engine process {name} was killed by signal {sig} ({signal_name(sig)}) {when} "
+                f"(vLLM exit code {code})" + killed_note(sig, proc, memory))
+    return f"vLLM exited with exit code {code} {when}"
 
 
 def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
     """SIGINT to vLLM's API server (its clean shutdown: it stops its engine itself; a SIGINT to
     the whole group would kill the engine under it and log an EngineDeadError), then SIGKILL to
-    the group after ``grace``."""
+    the group after ``grace``; then removes the signals file :func:`start` made."""
     if proc.poll() is None:
         try:
             os.kill(proc.pid, signal.SIGINT)
@@ -502,15 +748,27 @@ def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    out = getattr(proc, "output", None)
+    if out is not None:  # the rest of its output passed through
+        out.join()
+    try:  # the signals file start made (read by then: died)
+        proc.signals.unlink()
+    except (AttributeError, OSError):
+        pass
     return proc.returncode
 
 
-def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float) -> None:
+def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, memory=None) -> None:
+    """Return once vLLM answers /health; raise why (:func:`died`, ``memory``: the emulated mesh's
+    :class:`~ttbundle.plan.host.HostPlan` for a SIGKILL's arithmetic) when it exits first."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
+        _sample(proc)
         if proc.poll() is not None:
-            raise TTBundleError(f"vLLM exited with code {proc.returncode} before it was healthy "
-                                "(its output above says why)")
+            why = died(proc, "before it was healthy", memory)
+            if why.startswith("vLLM exited with"):
+                why = f"vLLM exited with code {proc.returncode} before it was healthy (its output above says why)"
+            raise TTBundleError(why)
         if healthy(host, port):
             return
         time.sleep(0.5)
@@ -518,23 +776,33 @@ def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float) -
 
 
 def watch(proc: subprocess.Popen, host: str, port: int, every: float = HEALTH_EVERY_S,
-          failures: int = HEALTH_FAILURES, timeout: float = HEALTH_TIMEOUT_S) -> None:
+          failures: int = HEALTH_FAILURES, timeout: float = HEALTH_TIMEOUT_S, memory=None) -> None:
     """Return never while vLLM serves: raise :class:`ServeFailed` when it exits by itself or
     fails ``failures`` health checks in a row (its engine died, it hangs)."""
     missed = 0
     while True:
+        _sample(proc)
         try:
             code = proc.wait(every)
         except subprocess.TimeoutExpired:
             missed = 0 if healthy(host, port, timeout) else missed + 1
             if missed >= failures:
+                eng = noted_signal(proc)
+                if eng is not None:  # its engine was ended by a signal (vLLM noted it)
+                    raise ServeFailed(f"vLLM stopped answering http://{host}:{port}/health: its engine process "
+                                      f"{eng[0]} was killed by signal {eng[1]} ({signal_name(eng[1])}) while "
+                                      f"serving" + killed_note(eng[1], proc, memory) + "; stopped it") from None
                 raise ServeFailed(f"vLLM stopped answering http://{host}:{port}/health ({missed} checks "
                                   f"{every:g} s apart): its engine died or hangs (its log above says "
                                   "why); stopped it") from None
             continue
-        how = "killed by signal " + str(-code) if code < 0 else f"exit code {code}"
-        raise ServeFailed(f"vLLM exited while serving ({how}): its engine died or it was stopped from "
-                          "outside (its log above says why)", code if code > 0 else 1)
+        why = died(proc, "while serving", memory)
+        if why.startswith("vLLM's engine"):  # a signal ended its engine: which, and for SIGKILL the memory
+            raise ServeFailed(why, code if code > 0 else 1)
+        how = f"killed by signal {-code} ({signal_name(-code)})" if code < 0 else f"exit code {code}"
+        note = killed_note(-code, proc, memory) if code < 0 else ""
+        raise ServeFailed(f"vLLM exited while serving ({how}){note}: its engine died or it was "
+                          "stopped from outside (its log above says why)", code if code > 0 else 1)
 
 
 def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_every: float = HEALTH_EVERY_S) -> int:
@@ -553,10 +821,10 @@ def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_eve
     env = plan.env if quiet is None else {**plan.env, "VLLM_LOGGING_CONFIG_PATH": str(quiet)}
     proc = start(dataclasses.replace(plan, env=env))
     try:
-        wait_healthy(proc, plan.host, plan.port, startup_timeout)
+        wait_healthy(proc, plan.host, plan.port, startup_timeout, plan.memory)
         if on_ready:
             on_ready(plan)
-        watch(proc, plan.host, plan.port, health_every)
+        watch(proc, plan.host, plan.port, health_every, memory=plan.memory)
         return 0  # pragma: no cover - watch only returns by raising
     except KeyboardInterrupt:
         return 0
