@@ -311,7 +311,7 @@ def test_build_and_check_a_model_id_or_snapshot_spec_and_its_recorded_snapshot(
     model = REPO if form == "model id" else snap
     assert _cli(runner, "init", "--from-hf", model, "-o", spec, *INIT, cwd=tmp_path).exit_code == 0
     rep = _check_json(runner, spec)  # built into a temporary package, run against transformers
-    assert rep["passed"] and rep["tokens_agree"], rep
+    assert rep["passed"] and rep["executor"]["tokens_agree"], rep["failure"]
     r = _cli(runner, "build", spec, "-o", tmp_path / "pkgs", "--no-warmup")
     assert r.exit_code == 0, r.output
     pkg = tmp_path / "pkgs" / "N150" / NAME
@@ -325,9 +325,9 @@ def test_build_and_check_a_model_id_or_snapshot_spec_and_its_recorded_snapshot(
     assert {"tokenizer.json", "generation_config.json"} <= toks
     assert (pkg / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
     rep = _check_json(runner, pkg)  # the package's recorded checkpoint: the snapshot
-    assert rep["passed"] and rep["tokens_agree"], rep
+    assert rep["passed"] and rep["executor"]["tokens_agree"], rep["failure"]
     rep = _check_json(runner, pkg, "--reference", f"{REPO}@{COMMIT}")  # the same, named by id
-    assert rep["passed"] and rep["tokens_agree"], rep
+    assert rep["passed"] and rep["executor"]["tokens_agree"], rep["failure"]
 
 
 def test_an_fp16_checkpoint_is_stored_as_its_values_rounded_to_bf16_and_checks(tmp_path, ckpt_fp16, runner):
@@ -357,7 +357,7 @@ def test_an_fp16_checkpoint_is_stored_as_its_values_rounded_to_bf16_and_checks(t
     assert torch.equal(hf.model.embed_tokens.weight, held["embed"])
     assert torch.equal(hf.model.layers[0].self_attn.q_proj.weight.T, held["wq"][0])
     rep = _check_json(runner, pkg)
-    assert rep["passed"] and rep["tokens_agree"], rep
+    assert rep["passed"] and rep["executor"]["tokens_agree"], rep["failure"]
 
 
 def spec_name(spec: Path) -> str:
