@@ -98,9 +98,26 @@ def parse_registry(text: str, where) -> list[Path]:
     return [Path(d) for d in reg.dirs]
 
 
+def lock_file() -> Path:
+    """The lock every read-modify-write of ``registry.json`` and ``verified.json`` holds
+    (``fsutil.locked``): parallel ``register`` processes each add their directory, none lost."""
+    return config_dir() / "registry.lock"
+
+
 def _save_dirs(dirs: list[Path]) -> None:
     from ..fsutil import write_text_atomic
     write_text_atomic(registry_file(), json.dumps({"dirs": [str(d) for d in dirs]}, indent=2) + "\n")
+
+
+def _add_dir(d: Path) -> None:
+    """Add ``d`` to the registry: read, change and rewrite (atomically) under the registry lock,
+    so that registers running at once each see the others' directories."""
+    from ..fsutil import locked
+
+    with locked(lock_file()):
+        dirs = registered_dirs()
+        if d not in dirs:
+            _save_dirs(dirs + [d])
 
 
 def package_dirs(d: Path) -> list[Path]:
@@ -178,6 +195,7 @@ class VerifyCache:
         from .. import __version__
         self.version = __version__
         self.data: dict = {}
+        self.changed: dict = {}  # what this process recorded: save() merges it into the file
         self.dirty = False
         try:
             doc = json.loads(cache_file().read_text(encoding="utf-8"))
@@ -208,18 +226,26 @@ class VerifyCache:
             rec = {"fingerprint": fp, "refused": result}
         if self.data.get(str(p)) != rec:
             self.data[str(p)] = rec
+            self.changed[str(p)] = rec
             self.dirty = True
 
     def save(self) -> None:
+        """Write this process's changed records over what is in the file now (read again under
+        the registry lock: another process may have recorded other packages meanwhile)."""
         if not self.dirty:
             return
-        from ..fsutil import write_text_atomic
+        from ..fsutil import locked, write_text_atomic
         try:
-            write_text_atomic(cache_file(), json.dumps({"format": CACHE_FORMAT, "ttbundle": self.version,
-                                                        "packages": self.data}, separators=(",", ":")))
+            with locked(lock_file()):
+                on_disk = VerifyCache().data
+                on_disk.update(self.changed)
+                self.data = on_disk
+                write_text_atomic(cache_file(), json.dumps({"format": CACHE_FORMAT, "ttbundle": self.version,
+                                                            "packages": self.data}, separators=(",", ":")))
         except TTBundleError as e:  # a read-only config dir: slower next time, nothing worse
             logger.warning("ttbundle: verification cache not saved: %s", e)
         self.dirty = False
+        self.changed = {}
 
 
 def scan_dir(d: Path, check_hashes: bool = True, cache: VerifyCache | None = None
@@ -299,9 +325,7 @@ def register_dir(d: str | Path) -> tuple[list[Entry], list[tuple[Path, str]]]:
         raise InvalidInput(f"{d}: no packages found (a package is a directory with manifest.json; "
                            "`ttbundle build -o DIR` writes DIR/<mesh>/<bundle>)")
     if good:
-        dirs = registered_dirs()
-        if d not in dirs:
-            _save_dirs(dirs + [d])
+        _add_dir(d)
     return good, bad
 
 
