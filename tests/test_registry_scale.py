@@ -125,7 +125,11 @@ def test_a_refusal_is_cached_and_re_checked_once_fixed(many, xdg, verifications)
     assert [p.name for p, _ in registry.scan()[1]] == ["reg-0003"] and verifications == []
     (pkg / "config.json").write_bytes(saved)
     good, bad = registry.scan()
-    assert len(good) == N and not bad and verifications == [("reg-0003", True)]
+    # verified again and whole, but refused at register it never was registered: register it
+    assert verifications == [("reg-0003", True)] and len(good) == N - 1
+    assert [p.name for p, _ in bad] == ["reg-0003"] and "not registered" in bad[0][1]
+    good, bad = registry.register_dir(many)
+    assert len(good) == N and not bad and len(registry.scan()[0]) == N
 
 
 def test_a_shared_name_is_resolved_by_mesh_or_path_with_the_choices_listed(sources, xdg, tmp_path, runner):
