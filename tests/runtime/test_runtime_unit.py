@@ -268,6 +268,14 @@ def test_tt_options_multi_host_and_compat_keys():
     ({"tt": {"env_passthrough": ["OK", "1BAD"]}}, "tt.env_passthrough.1: String should match pattern"),
     ({"tt": {"env_passthrough": "HF_TOKEN"}}, "tt.env_passthrough: Input should be a valid list"),
     ({"tt": {"rank_bindings": "x"}}, "did you mean `rank_binding`?"),
+    # strict types (issue 43): JSON's "5" or true is not a number, "yes" or 1 not a boolean
+    ({"tt": {"output_tokens_per_step": "4"}}, "tt.output_tokens_per_step: Input should be a valid integer, got '4'"),
+    ({"tt": {"output_tokens_per_step": True}}, "tt.output_tokens_per_step: Input should be a valid integer, got True"),
+    ({"tt": {"trace_region_size": "50000000"}}, "tt.trace_region_size: Input should be a valid integer"),
+    ({"tt": {"max_prefill_steps_between_decodes": 2.0}}, "tt.max_prefill_steps_between_decodes: Input should be a valid integer"),
+    ({"tt": {"enable_model_warmup": "false"}}, "tt.enable_model_warmup: Input should be a valid boolean, got 'false'"),
+    ({"tt": {"always_compat_sampling": 1}}, "tt.always_compat_sampling: Input should be a valid boolean, got 1"),
+    ({"tt": {"tt_data_parallel_size": True}}, "tt.tt_data_parallel_size: Input should be a valid integer, got True"),
 ])
 def test_tt_options_new_keys_validated(cfg, needle):
     with pytest.raises(InvalidInput) as e:
