@@ -78,8 +78,11 @@ class QuietStop:
 
 
 def general_plugin() -> None:
-    """``vllm.general_plugins`` entry point: register packages, only when active."""
+    """``vllm.general_plugins`` entry point: register packages and refuse JSON schemas no value
+    satisfies (``structured.hook_schema_check``), only when active."""
     if active_platform() is None:
         return
     from .registry import register_models
+    from .structured import hook_schema_check
     register_models()
+    hook_schema_check()
