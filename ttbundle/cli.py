@@ -497,6 +497,7 @@ def serve(ctx: typer.Context,
     import shlex
 
     from .serving import serve as servemod
+    servemod.stop_on_signals()  # from here on: the build and vLLM's start-up stop on them too
     try:
         progress = None
         if Path(target).suffix in (".yaml", ".yml"):
@@ -517,6 +518,9 @@ def serve(ctx: typer.Context,
         plan = servemod.plan_serve(pkg, host, port, list(ctx.args), where, data_parallel_size)
     except TTBundleError as e:
         fail(e)
+    except KeyboardInterrupt as e:  # the build removed its temp dir; a previous package is as it was
+        err.print(Text(f"stopped by {servemod.signal_name(e)} before vLLM started; nothing was served"))
+        raise typer.Exit(0)
     if print_command:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
         out.print(Text(f"{env} {shlex.join(plan.argv)}"))
