@@ -143,3 +143,42 @@ def test_a_stop_during_vllms_start_up_is_one_line_and_leaves_no_process(tmp_path
                 p.kill()
             except psutil.Error:
                 pass
+
+
+def _serve_until_exit(pkg, tmp_path, *extra) -> tuple[int, list[str]]:
+    r = subprocess.run([sys.executable, "-m", "ttbundle.cli", "serve", str(pkg), "--port", str(free_port()),
+                        *extra], capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, HF_HUB_OFFLINE="1"), cwd=tmp_path)
+    return r.returncode, (r.stdout + r.stderr).strip().splitlines()
+
+
+@pytest.mark.slow
+def test_a_cause_raised_inside_vllms_processes_is_serves_last_line(tmp_path):
+    """Issue 43: an option refused by the platform (vLLM's API server) or a warm-up mismatch (its
+    engine process) ended in `[error] vLLM exited with code 1 before it was healthy (its output
+    above says why)`, the cause only inside a traceback among ~170 lines. Now the last line says it."""
+    import json as _json
+    import shutil
+
+    from pkg_mutations import flip_byte
+    from ttbundle.package.names import weight_file
+
+    pkg = build_package(spec_text("llama"), tmp_path / "packages", "N150")
+    code, lines = _serve_until_exit(pkg, tmp_path, "--", "--additional-config",
+                                    '{"tt": {"output_tokens_per_step": "4"}}')
+    assert code == 1 and lines[-1] == ("[error] vLLM exited with code 1 before it was healthy: --additional-config: "
+                                       "tt.output_tokens_per_step: Input should be a valid integer, got '4'"), lines[-5:]
+    code, lines = _serve_until_exit(pkg, tmp_path, "--", "--additional-config",
+                                    '{"tt": {"output_tokens_per_step": 5}}')
+    assert code == 1 and lines[-1].startswith("[error] vLLM exited with code 1 before it was healthy: "
+                                              "output_tokens_per_step=5 exceeds"), lines[-5:]
+    bad = tmp_path / "changed" / "tiny-llama"
+    shutil.copytree(pkg, bad)
+    raw = (bad / weight_file(0)).read_bytes()
+    header = _json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    key = sorted(k for k in header if "norm" in k and k != "__metadata__")[0]
+    flip_byte(bad, weight_file(0), key, offset=1)  # re-hashed: only the warm-up's numbers can tell
+    code, lines = _serve_until_exit(bad, tmp_path)
+    assert code == 1 and lines[-1].startswith("[error] vLLM exited with code 1 before it was healthy: "
+                                              "WarmupMismatch: "), lines[-5:]
+    assert "row" in lines[-1]

@@ -572,12 +572,18 @@ def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
     return proc.returncode
 
 
-def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float) -> None:
+def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, cause_file=None) -> None:
+    """Return once /health answers; vLLM exiting first is a TTBundleError with the cause the
+    plugin recorded in ``cause_file`` (``runtime.cause``: an option refused, a warm-up mismatch),
+    else pointing at vLLM's output."""
+    from ..runtime.cause import read
+
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         if proc.poll() is not None:
-            raise TTBundleError(f"vLLM exited with code {proc.returncode} before it was healthy "
-                                "(its output above says why)")
+            why = read(cause_file) if cause_file else None
+            raise TTBundleError(f"vLLM exited with code {proc.returncode} before it was healthy: "
+                                + (why or "its output above says why"))
         if healthy(host, port):
             return
         time.sleep(0.5)
@@ -651,11 +657,15 @@ def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_eve
     import tempfile
     tmp = tempfile.TemporaryDirectory(prefix="ttbundle-serve-")
     quiet = quiet_logging_config(Path(tmp.name))
-    env = plan.env if quiet is None else {**plan.env, "VLLM_LOGGING_CONFIG_PATH": str(quiet)}
+    from ..runtime.cause import ENV as CAUSE_ENV
+    cause_file = Path(tmp.name) / "cause"
+    env = {**plan.env, CAUSE_ENV: str(cause_file)}
+    if quiet is not None:
+        env["VLLM_LOGGING_CONFIG_PATH"] = str(quiet)
     proc = start(dataclasses.replace(plan, env=env))
     served = False
     try:
-        wait_healthy(proc, plan.host, plan.port, startup_timeout)
+        wait_healthy(proc, plan.host, plan.port, startup_timeout, cause_file)
         served = True
         mark_healthy(proc)
         if on_ready:
