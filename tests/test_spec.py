@@ -560,6 +560,10 @@ def test_published_bundles_name_the_hf_model_their_header_cites():
      "valid boolean, got 'yes' (write true or false)"),
     ({"description": 5}, "description", "description:", "valid string, got 5"),
     ({"buckets": {"decode": [1, True]}}, "buckets.decode.1", "- true", "got True"),
+    ({"model": {"hidden_size": "512"}}, "model.hidden_size", "hidden_size:", "got '512'"),
+    ({"model": {"num_hidden_layers": True}}, "model.num_hidden_layers", "num_hidden_layers:", "got True"),
+    ({"model": {"tie_word_embeddings": "yes"}}, "model.tie_word_embeddings", "tie_word_embeddings:",
+     "got 'yes' (write true or false)"),
 ])
 def test_spec_types_are_strict(diagnostics, runner, write_spec, changes, where, needle, says):
     """Each of these validated before (pydantic's lax mode: "4" -> 4, true -> 1, "yes" -> True);
@@ -573,6 +577,15 @@ def test_spec_types_are_strict(diagnostics, runner, write_spec, changes, where, 
     p = write_spec(text)
     r = runner.invoke(app, ["validate", str(p)])
     assert r.exit_code == 2 and f"spec.yaml:{d.line}:" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_plain_exponent_number_is_a_number_as_in_yaml_1_2(load, diagnostics):
+    """PyYAML reads `1e-5` (no dot) as text; strict types would refuse it saying to drop quotes
+    that are not there. A plain one is a number; a quoted one stays text (refused)."""
+    text = spec_text().replace("  hidden_size: 512\n", "  hidden_size: 512\n  rms_norm_eps: 1e-5\n")
+    assert "rms_norm_eps: 1e-5" in text and load(text).arch.rms_norm_eps == 1e-5
+    quoted = text.replace("rms_norm_eps: 1e-5", "rms_norm_eps: '1e-5'")
+    assert any(d.path == "model.rms_norm_eps" for d in diagnostics(quoted))
 
 
 def test_strict_types_still_take_an_int_for_a_float_and_a_list_for_a_submesh(load):

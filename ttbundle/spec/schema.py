@@ -26,7 +26,7 @@ DECODE_TRACE_SIZES = (1, 2, 4, 8, 16, 32)
 def _model_config(**kw):
     """Every model of the spec's own keys: unknown keys refused, and strict types: no string or
     boolean is taken for a number (`"4"`, `true`), nor a string for a boolean (`"yes"`); an int is
-    a float. (The families' architecture dims, `model:`, keep their own config.)"""
+    a float. (The families' architecture dims, `model:`, are strict the same way: ``ArchBase``.)"""
     return ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True, **kw)
 
 
