@@ -562,6 +562,8 @@ def test_published_bundles_name_the_hf_model_their_header_cites():
     ({"buckets": {"decode": [1, True]}}, "buckets.decode.1", "- true", "got True"),
     ({"model": {"hidden_size": "512"}}, "model.hidden_size", "hidden_size:", "got '512'"),
     ({"model": {"num_hidden_layers": True}}, "model.num_hidden_layers", "num_hidden_layers:", "got True"),
+    ({"model": {"rope_scaling": {"rope_type": "linear", "factor": "8"}}}, "model.rope_scaling.factor", "factor:",
+     "got '8'"),
     ({"model": {"tie_word_embeddings": "yes"}}, "model.tie_word_embeddings", "tie_word_embeddings:",
      "got 'yes' (write true or false)"),
 ])

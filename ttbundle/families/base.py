@@ -167,7 +167,7 @@ class LayerKind:
 class RopeScaling(BaseModel):
     """HF ``rope_scaling``: the rope variants ttbundle implements."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True)
 
     rope_type: Literal["default", "linear", "llama3", "yarn"] = "default"
     """Scaling method; unknown types are rejected rather than silently ignored."""
