@@ -250,6 +250,9 @@ def spec_reference() -> str:
         _cell(schema.get("description", "")), "",
         "A bundle spec is one YAML file. Every key is listed below by its full path, with its type, "
         "its default and what it means; unknown keys are rejected (with a did-you-mean hint). "
+        "Types are strict (`model:` included): a quoted number (`\"4\"`) or `true` is not a number, "
+        "`\"yes\"` or `1` is not a boolean, a number is not a string; each is an error at its "
+        "line (an integer is taken where a float is asked). "
         "Paths in a spec (`from_hf`, `tokenizer`, `weights.source`) are relative to the spec "
         "file; each may instead be a Hugging Face hub-cache snapshot or a model id "
         "`ORG/NAME[@REVISION]` found in the Hugging Face cache (a path that exists wins; see "

@@ -303,3 +303,27 @@ def test_index_symlinked_to_a_device_is_refused_before_reading(tmp_path, ckpt, r
     (src / "model.safetensors.index.json").symlink_to("/dev/zero")
     r = _build(runner, tmp_path, src)
     assert r.exit_code == 2 and "model.safetensors.index.json" in r.output, r.output
+
+
+# ---- path components longer than the file system allows (issue 43) ---------------------------------
+LONG = "a" * 300
+
+
+@pytest.mark.parametrize("args", [
+    ["init", "--from-hf", LONG, "-o", "x.yaml"],
+    ["init", "--from-hf", f"/tmp/{LONG}/model", "-o", "x.yaml"],
+    ["init", "--from-hf", "{ckpt}", "-o", f"{LONG}/spec.yaml"],
+    ["init", "--from-hf", "{ckpt}", "-o", f"{LONG}.yaml"],
+    ["check", LONG], ["check", f"{LONG}.yaml"],
+    ["register", "--dir", LONG], ["register", "--dir", f"/tmp/{LONG}/x"],
+], ids=["init-from-hf", "init-from-hf-dir", "init-o-dir", "init-o", "check", "check-spec", "register",
+        "register-abs"])
+def test_a_path_component_over_255_bytes_is_one_line_exit_2(tmp_path, ckpt, runner, monkeypatch, args):
+    """Was `OSError: [Errno 36] File name too long` with a traceback, exit 1."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "xdg"))
+    r = _cli(runner, *[a.replace("{ckpt}", str(ckpt)) for a in args])
+    assert r.exit_code == 2, r.output
+    lines = r.output.strip().splitlines()
+    assert len(lines) == 1 and "file name too long: a path component of" in lines[0] and "(at most 255)" in lines[0]
+    assert list(tmp_path.glob("*.yaml")) == []  # nothing half-written

@@ -125,7 +125,11 @@ def test_a_refusal_is_cached_and_re_checked_once_fixed(many, xdg, verifications)
     assert [p.name for p, _ in registry.scan()[1]] == ["reg-0003"] and verifications == []
     (pkg / "config.json").write_bytes(saved)
     good, bad = registry.scan()
-    assert len(good) == N and not bad and verifications == [("reg-0003", True)]
+    # verified again and whole, but refused at register it never was registered: register it
+    assert verifications == [("reg-0003", True)] and len(good) == N - 1
+    assert [p.name for p, _ in bad] == ["reg-0003"] and "not registered" in bad[0][1]
+    good, bad = registry.register_dir(many)
+    assert len(good) == N and not bad and len(registry.scan()[0]) == N
 
 
 def test_a_shared_name_is_resolved_by_mesh_or_path_with_the_choices_listed(sources, xdg, tmp_path, runner):
@@ -160,3 +164,45 @@ def test_a_shared_name_is_resolved_by_mesh_or_path_with_the_choices_listed(sourc
     assert r.exit_code == 0 and str(b / "N300" / "shared") in r.output, r.output
     r = runner.invoke(app, ["serve", "x" * 300])
     assert r.exit_code == 2 and "no registered package" in r.output
+
+
+# ---- parallel registers (issue 43) ----------------------------------------------------------------
+_REGISTER_AT_ONCE = """
+import os, sys, time
+from ttbundle.cli import app
+go = sys.argv[1]
+while not os.path.exists(go):  # a barrier: every process imported, then all register at once
+    time.sleep(0.005)
+app(["register", "--dir", sys.argv[2]])
+"""
+
+
+def test_parallel_registers_of_many_directories_lose_nothing(sources, xdg, tmp_path):
+    """Registers of many directories started together each record their directory (and their
+    packages' verification results): the registry is read, changed and rewritten under a lock.
+    Without it, each process rewrote the list it had read and most directories were lost."""
+    import subprocess
+    import sys
+    import time
+
+    n = 12
+    dirs = []
+    for i in range(n):
+        d = tmp_path / f"dir-{i:02d}"
+        clone_package(sources["N150"], d / "N150" / f"par-{i:02d}", f"par-{i:02d}")
+        dirs.append(d)
+    go = tmp_path / "go"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    procs = [subprocess.Popen([sys.executable, "-c", _REGISTER_AT_ONCE, str(go), str(d)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for d in dirs]
+    time.sleep(0.5)
+    go.write_text("")
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert all("recorded in" in o and "Traceback" not in o for o in outs), outs
+    recorded = json.loads(registry.registry_file().read_text())["dirs"]
+    assert sorted(recorded) == sorted(str(d.resolve()) for d in dirs)
+    cached = json.loads(registry.cache_file().read_text())["packages"]
+    assert {Path(p).name for p in cached} == {f"par-{i:02d}" for i in range(n)}
+    good, bad = registry.scan()
+    assert sorted(e.name for e in good) == [f"par-{i:02d}" for i in range(n)] and not bad

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from test_build import ckpt, write_spec  # noqa: F401  (session fixture)
 from ttbundle.serving import serve as servemod
 
 FAKE = textwrap.dedent('''
@@ -136,3 +137,78 @@ def test_a_bad_host_and_a_busy_port_are_exit_2(runner, monkeypatch):
         assert time.monotonic() - t0 < 1.0
     # the same port once free is accepted (the check does not hold it)
     servemod.check_address("127.0.0.1", busy)
+
+
+# ---- SIGKILL while vLLM starts (issue 43) ---------------------------------------------------------------
+#: vLLM while it starts: an API server and its engine that ignore SIGTERM (vLLM ignores or defers it
+#: until its server runs) and are not healthy yet
+STARTING = textwrap.dedent('''
+    import json, os, signal, subprocess, sys, time
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    port, pids = int(sys.argv[1]), sys.argv[2]
+    engine = subprocess.Popen([sys.executable, "-c", "import signal, time; "
+                               "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(600)"])
+    open(pids, "w").write(json.dumps([os.getpid(), engine.pid]))
+    time.sleep(600)
+''')
+
+
+def test_sigkill_of_serve_while_vllm_starts_leaves_nothing(tmp_path):
+    """Was: the parent-death SIGTERM arrived while vLLM's start-up ignored it, and its API server
+    and engine went on (re-parented to PID 1), serving 90 s later. The watchdog kills the group."""
+    (tmp_path / "fake.py").write_text(STARTING)
+    (tmp_path / "driver.py").write_text(DRIVER)
+    pids = tmp_path / "pids.json"
+    drv = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(tmp_path / "fake.py"),
+                            str(_free_port()), str(pids)])
+    t0 = time.monotonic()
+    while not pids.exists() and time.monotonic() - t0 < 30:
+        time.sleep(0.05)
+    procs = json.loads(pids.read_text())
+    try:
+        time.sleep(0.3)
+        assert all(_alive(p) for p in procs)
+        os.kill(drv.pid, signal.SIGKILL)
+        drv.wait(10)
+        assert _gone(procs, 10), "after SIGKILL to serve during start-up, vLLM's stand-in still runs"
+    finally:
+        for p in procs:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+# ---- Ctrl-C, SIGTERM and SIGHUP during `serve SPEC`'s build (issue 43) ------------------------------------
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_signal_during_the_build_stops_serve_in_one_line_and_removes_the_temp_dir(tmp_path, ckpt, sig):
+    """Was: SIGINT ignored when serve started with SIGINT ignored (`serve SPEC &` in a script):
+    it built and served 18 s later; SIGTERM/SIGHUP killed it silently (rc 143) and left the build's
+    temp dir. Now each stops it where it is: one line, exit 0, the temp dir gone, nothing served."""
+    spec = write_spec(tmp_path, ckpt)
+    out = tmp_path / "out"
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "ttbundle.cli", "serve", str(spec), "--mesh", "N150", "-o",
+                             str(out), "--port", str(port), "--device", "emulated"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    tmp = out / ".ttbundle" / "tmp"
+    try:
+        t0 = time.monotonic()
+        while not (tmp.is_dir() and any(tmp.iterdir())):  # the build is writing its temp package
+            assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+            time.sleep(0.01)
+        os.kill(proc.pid, sig)
+        o, e = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:  # it went on (to serve): its own clean stop, vLLM included
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=60)
+    assert proc.returncode == 0, (proc.returncode, e)
+    lines = [x for x in e.splitlines() if not x.startswith("build: ")]
+    assert lines == [f"stopped by {'SIGINT (Ctrl-C)' if sig == signal.SIGINT else sig.name} before vLLM "
+                     "started; nothing was served"], e
+    assert "Traceback" not in o + e and not any(tmp.iterdir())
+    assert not (out / "N150" / "tiny").exists()
+    assert not servemod.healthy("127.0.0.1", port, 0.5)
+

@@ -538,3 +538,59 @@ def test_published_bundles_name_the_hf_model_their_header_cites():
         b = spec.load(p)
         header = "".join(line for line in p.read_text().splitlines()[1:6] if line.startswith("#"))
         assert b.spec.hf_model and b.spec.hf_model in header, p.name
+
+
+# ---- strict types (issue 43): no string or boolean taken for a number, nor the reverse ------------
+@pytest.mark.parametrize("changes, where, needle, says", [
+    ({"runtime": {"output_tokens_per_step": "4"}}, "runtime.output_tokens_per_step", "output_tokens_per_step:",
+     "valid integer, got '4' (write the number without quotes)"),
+    ({"runtime": {"output_tokens_per_step": True}}, "runtime.output_tokens_per_step", "output_tokens_per_step:",
+     "valid integer, got True (true/false is not a number)"),
+    ({"runtime": {"max_num_seqs": True}}, "runtime.max_num_seqs", "max_num_seqs:", "got True"),
+    ({"runtime": {"max_model_len": "2048"}}, "runtime.max_model_len", "max_model_len:", "got '2048'"),
+    ({"speculative": {"num_speculative_tokens": True}}, "speculative.num_speculative_tokens",
+     "num_speculative_tokens:", "got True"),
+    ({"targets": ["T3K"], "replicas": {"T3K": {"submesh": [True, True]}}}, "replicas.T3K.submesh.0", "- true",
+     "got True"),
+    ({"targets": ["T3K"], "replicas": {"T3K": {"submesh": ["1", "2"]}}}, "replicas.T3K.submesh.0", "- '1'",
+     "got '1'"),
+    ({"targets": ["T3K"], "replicas": {"T3K": {"submesh": [1]}}}, "replicas.T3K.submesh", "submesh:",
+     "a submesh is [rows, cols]: 2 numbers, got 1"),
+    ({"task": "embed", "embedding": {"normalize": "yes"}}, "embedding.normalize", "normalize:",
+     "valid boolean, got 'yes' (write true or false)"),
+    ({"description": 5}, "description", "description:", "valid string, got 5"),
+    ({"buckets": {"decode": [1, True]}}, "buckets.decode.1", "- true", "got True"),
+    ({"model": {"hidden_size": "512"}}, "model.hidden_size", "hidden_size:", "got '512'"),
+    ({"model": {"num_hidden_layers": True}}, "model.num_hidden_layers", "num_hidden_layers:", "got True"),
+    ({"model": {"rope_scaling": {"rope_type": "linear", "factor": "8"}}}, "model.rope_scaling.factor", "factor:",
+     "got '8'"),
+    ({"model": {"tie_word_embeddings": "yes"}}, "model.tie_word_embeddings", "tie_word_embeddings:",
+     "got 'yes' (write true or false)"),
+])
+def test_spec_types_are_strict(diagnostics, runner, write_spec, changes, where, needle, says):
+    """Each of these validated before (pydantic's lax mode: "4" -> 4, true -> 1, "yes" -> True);
+    now each is an error at its own line, exit 2."""
+    from ttbundle.cli import app
+
+    text = spec_text(changes)
+    d = next((d for d in diagnostics(text) if d.path == where), None)
+    assert d is not None, [str(x) for x in diagnostics(text)]
+    assert d.line == line_of(text, needle) and says in d.message, str(d)
+    p = write_spec(text)
+    r = runner.invoke(app, ["validate", str(p)])
+    assert r.exit_code == 2 and f"spec.yaml:{d.line}:" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_plain_exponent_number_is_a_number_as_in_yaml_1_2(load, diagnostics):
+    """PyYAML reads `1e-5` (no dot) as text; strict types would refuse it saying to drop quotes
+    that are not there. A plain one is a number; a quoted one stays text (refused)."""
+    text = spec_text().replace("  hidden_size: 512\n", "  hidden_size: 512\n  rms_norm_eps: 1e-5\n")
+    assert "rms_norm_eps: 1e-5" in text and load(text).arch.rms_norm_eps == 1e-5
+    quoted = text.replace("rms_norm_eps: 1e-5", "rms_norm_eps: '1e-5'")
+    assert any(d.path == "model.rms_norm_eps" for d in diagnostics(quoted))
+
+
+def test_strict_types_still_take_an_int_for_a_float_and_a_list_for_a_submesh(load):
+    b = load(spec_text({"targets": ["T3K"], "replicas": {"T3K": {"submesh": [1, 2]}},
+                        "model": {"rms_norm_eps": 1, "rope_theta": 500000}}))
+    assert b.spec.replicas["T3K"].submesh == (1, 2) and b.arch.rms_norm_eps == 1.0

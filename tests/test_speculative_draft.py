@@ -135,6 +135,18 @@ def test_a_missing_draft_spec_and_a_draft_without_model_are_located(spec_dir):
     assert d.path == "speculative.method" and "needs `model:`" in d.message
 
 
+@pytest.mark.parametrize("model, says", [
+    ("/dev/zero", "/dev/zero: is a device, not a regular spec file"),  # was "no such spec file"
+    (".", "is a directory, not a spec file"),
+    ("draft.yaml/x.yaml", "no such spec file (a part of the path is a file)"),
+    ("d" * 300 + ".yaml", "cannot be read (File name too long)"),
+])
+def test_a_draft_model_that_is_not_a_spec_file_says_what_it_is(spec_dir, model, says):
+    _write(spec_dir, {"speculative": {"model": model}})
+    d = _diag(spec_dir)
+    assert d.path == "speculative.model" and says in d.message, d.message
+
+
 def test_the_drafts_memory_is_a_line_of_the_targets_plan(spec_dir):
     """The target's plan with a draft: its total grows by the draft's weights (the draft's own
     plan on the same mesh) and the draft's KV region (max_num_seqs full-length sequences in the

@@ -3,6 +3,7 @@ errors into exit codes (0 ok, 1 failed, 2 invalid input, 3 does not fit; see doc
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
 from pathlib import Path
@@ -15,7 +16,30 @@ from rich.text import Text
 from . import __version__
 from .errors import EXIT_DOES_NOT_FIT, InvalidInput, TTBundleError
 
-app = typer.Typer(help="Declarative model bundles for vLLM on Tenstorrent meshes.",
+class _Group(typer.core.TyperGroup):
+    """The command group: a path the file system refuses for its length is the user's input,
+    whichever command met it (`init -o`, `check`, `register --dir`, ...): one line, exit 2."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except OSError as e:
+            if e.errno != errno.ENAMETOOLONG:
+                raise
+            fail(InvalidInput(_too_long(e.filename)))
+
+
+def _too_long(name) -> str:
+    name = str(name) if name is not None else ""
+    parts = [p for p in name.split("/") if len(p.encode(errors="surrogateescape")) > 255]
+    shown = (name[:60] + f"... ({len(name)} characters)") if len(name) > 80 else name
+    if parts:
+        return (f"{shown}: file name too long: a path component of {len(parts[0].encode(errors='surrogateescape'))} "
+                "bytes (at most 255); shorten it")
+    return f"{shown}: file name too long (a path is at most 4095 bytes); shorten it"
+
+
+app = typer.Typer(help="Declarative model bundles for vLLM on Tenstorrent meshes.", cls=_Group,
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 out = Console(highlight=False, soft_wrap=True)
 err = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -502,6 +526,7 @@ def serve(ctx: typer.Context,
     import shlex
 
     from .serving import serve as servemod
+    servemod.stop_on_signals()  # from here on: the build and vLLM's start-up stop on them too
     try:
         progress = None
         if Path(target).suffix in (".yaml", ".yml"):
@@ -525,6 +550,9 @@ def serve(ctx: typer.Context,
             err.print(Text(f"check record: passed {rec['validation']['date']} ({rec['dtypes']['compute']} compute)"))
     except TTBundleError as e:
         fail(e)
+    except KeyboardInterrupt as e:  # the build removed its temp dir; a previous package is as it was
+        err.print(Text(f"stopped by {servemod.stop_name(e)} before vLLM started; nothing was served"))
+        raise typer.Exit(0)
     if print_command:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
         out.print(Text(f"{env} {shlex.join(plan.argv)}"))

@@ -3,6 +3,8 @@ hashing a file, and where the jinja2 templates live."""
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import stat
@@ -53,6 +55,25 @@ def write_bytes_atomic(path: str | Path, data: bytes) -> None:
             raise
     except OSError as e:
         raise TTBundleError(f"cannot write {path}: {e.strerror or e}") from None
+
+
+@contextlib.contextmanager
+def locked(path: str | Path):
+    """An exclusive ``flock`` on ``path`` (created, kept: removing a lock file while another
+    process waits on it would let a third take a different one) for a read-modify-write of files
+    beside it that several processes may do at once; released on exit and when the process dies.
+    A lock that cannot be created is a TTBundleError naming it."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666 & ~_umask())
+    except OSError as e:
+        raise TTBundleError(f"cannot lock {path}: {e.strerror or e}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 #: Size limits of user input files (a real spec is a few KiB, a config.json a few KiB, the

@@ -20,6 +20,7 @@ schedules the proposals (``scheduled_spec_decode_tokens``) and takes back the re
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from .errors import Diagnostic, InvalidInput
@@ -160,6 +161,29 @@ def check(b, load=None) -> list[Diagnostic]:
     return d
 
 
+def _not_a_spec_file(path: Path) -> str | None:
+    """Why ``path`` cannot be a draft's spec file (missing, a directory, a device or FIFO, a name
+    the file system refuses), or None."""
+    import errno
+    import stat
+
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return "no such spec file"
+    except OSError as e:
+        if e.errno == errno.ENOTDIR:
+            return "no such spec file (a part of the path is a file)"
+        return f"cannot be read ({e.strerror or e})"
+    if stat.S_ISDIR(st.st_mode):
+        return "is a directory, not a spec file"
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else \
+            "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else "not a file"
+        return f"is {kind}, not a regular spec file"
+    return None
+
+
 #: draft specs being loaded (a cycle of drafts is refused, not recursed into)
 _LOADING: set[str] = set()
 
@@ -170,8 +194,9 @@ def check_draft(b, load) -> list[Diagnostic]:
     token), decode buckets covering this bundle's, and a ``max_model_len`` at least this one's."""
     at = ("speculative", "model")
     path = draft_path(b)
-    if not path.is_file():
-        return [b.locate(at, f"{path}: no such spec file; `model:` names the drafting bundle's spec, "
+    why = _not_a_spec_file(path)
+    if why:
+        return [b.locate(at, f"{path}: {why}; `model:` names the drafting bundle's spec (a YAML file), "
                          "relative to this spec")]
     key = str(path.resolve())
     if key in _LOADING:  # a draft naming its target (or itself) as its draft

@@ -10,6 +10,7 @@ Merge keys (``<<``) follow YAML: explicit keys win, then earlier merged mappings
 from __future__ import annotations
 
 import math
+import re
 
 import yaml
 
@@ -23,6 +24,9 @@ MAX_INT = 2**63 - 1  # numbers are bounded before anything uses them
 Path = tuple
 _MAP, _SEQ = "tag:yaml.org,2002:map", "tag:yaml.org,2002:seq"
 _MERGE = "tag:yaml.org,2002:merge"
+_STR = "tag:yaml.org,2002:str"
+#: a number with an exponent and no dot (`1e-5`, `2E+3`): YAML 1.2's float, PyYAML's string
+_EXP_FLOAT = re.compile(r"[-+]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)[eE][-+]?[0-9]+")
 
 
 class _SpecConstructor(yaml.constructor.SafeConstructor):
@@ -125,6 +129,8 @@ class _Walker:
             kind = node.tag.rsplit(":", 1)[-1]
             raise self.fail(node, path, f"{node.value[:40]!r} is not a valid {kind}; write the "
                             "value out plainly (quote it to keep it as text)") from None
+        if isinstance(value, str) and not node.style and node.tag == _STR and _EXP_FLOAT.fullmatch(value):
+            value = float(value)  # YAML 1.2 reads plain `1e-5` as a number; PyYAML (1.1) as text
         if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT:
             raise self.fail(node, path, f"integer out of range (at most {MAX_INT:,} in magnitude)")
         if isinstance(value, float) and not math.isfinite(value):

@@ -115,7 +115,7 @@ def test_vllm_start_registers_good_packages_and_warns_about_bad(repo, xdg, monke
 
     _tamper(repo / "T3K" / "tiny-llama")
     monkeypatch.setenv("EXTRA_MODELS_DIR", str(repo / "T3K"))
-    registry._save_dirs([repo / "N150"])
+    registry.register_dir(repo / "N150")
     monkeypatch.delenv(registry.VERIFIED_ENV, raising=False)
     seen = []
     h = logging.Handler()
@@ -135,6 +135,73 @@ def test_vllm_start_registers_good_packages_and_warns_about_bad(repo, xdg, monke
     assert any("registered 1 package(s): tiny-llama-N150" in m for m in seen), seen
 
 
+# ---- what register recorded: each package's manifest digest (issue 43) -----------------------------
+def test_serve_by_name_refuses_a_package_changed_and_re_hashed_since_register(repo, xdg, runner):
+    """A weight changed and its manifest entry re-hashed passes every hash check (`cache verify`,
+    serving the directory), but it is not the package that was registered: serving it by name is
+    refused until it is registered again."""
+    from pkg_mutations import rehash
+    from ttbundle.cli import app
+    from ttbundle.errors import TTBundleError
+    from ttbundle.runtime.packages import open_package
+    from ttbundle.serving import serve as servemod
+
+    registry.register_dir(repo)
+    pkg = repo / "N150" / "tiny-llama"
+    rel = "weights/device-000.safetensors"
+    _tamper(pkg, rel)
+    rehash(pkg, rel)
+    open_package(pkg, check_hashes=True)  # every hash matches its (re-written) manifest
+    with pytest.raises(TTBundleError, match="changed since it was registered") as ei:
+        registry.find("tiny-llama-N150")
+    assert "re-register after a rebuild" in str(ei.value) and f"ttbundle register --dir {repo}" in str(ei.value)
+    assert registry.find("tiny-llama-T3K").mesh == "T3K"  # the other package is untouched
+    r = runner.invoke(app, ["serve", "tiny-llama-N150", "--print-command"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert f"registered package tiny-llama-N150 ({pkg}) is refused: manifest.json changed" in r.output
+    r = runner.invoke(app, ["ls", "--json"])
+    doc = json.loads(r.stdout)
+    assert [(p["name"], p["mesh"]) for p in doc["packages"]] == [("tiny-llama", "T3K")]
+    assert [x["path"] for x in doc["refused"]] == [str(pkg)]
+    # the directory itself is trusted as it is (`check` is the numeric proof)
+    assert servemod.resolve(str(pkg)) == pkg
+    r = runner.invoke(app, ["register", "--dir", str(repo)])
+    assert r.exit_code == 0 and "registered tiny-llama-N150" in r.output
+    assert registry.find("tiny-llama-N150").path == pkg
+
+
+def test_a_package_that_appeared_after_register_or_an_old_registry_is_not_registered(repo, xdg, runner):
+    from ttbundle.cli import app
+
+    registry.register_dir(repo)
+    shutil.copytree(repo / "T3K" / "tiny-llama", repo / "T3K" / "later")
+    bad = dict(registry.scan()[1])
+    assert "not registered" in bad[repo / "T3K" / "later"] and f"ttbundle register --dir {repo}" in \
+        bad[repo / "T3K" / "later"]
+    # a registry written before digests were recorded: nothing is served by name until registered
+    registry.registry_file().write_text(json.dumps({"dirs": [str(repo)]}))
+    good, bad = registry.scan()
+    assert good == [] and len(bad) == 3 and all("not registered" in w for _, w in bad)
+    r = runner.invoke(app, ["serve", "tiny-llama-N150", "--print-command"])
+    assert r.exit_code == 1 and "is refused: not registered" in r.output, r.output
+    registry.register_dir(repo)
+    assert len(registry.scan()[0]) == 3
+
+
+def test_serve_name_of_a_registered_package_that_no_longer_verifies_names_the_file(repo, xdg, runner):
+    """Was: "no registered package named 'tiny-llama-N150' (registered: none ...)"."""
+    from ttbundle.cli import app
+
+    registry.register_dir(repo)
+    _tamper(repo / "N150" / "tiny-llama", "weights/device-000.safetensors")
+    r = runner.invoke(app, ["serve", "tiny-llama-N150", "--print-command"])
+    assert r.exit_code == 1 and "Traceback" not in r.output, r.output
+    assert "tiny-llama-N150" in r.output and "weights/device-000.safetensors: sha256 mismatch" in r.output
+    assert "no registered package" not in r.output
+    r = runner.invoke(app, ["serve", "tiny-llama", "--mesh", "N150", "--print-command"])
+    assert r.exit_code == 1 and "sha256 mismatch" in r.output, r.output
+
+
 # ---- a corrupt registry file (issue 23) --------------------------------------------------------------
 @pytest.mark.parametrize("text, says", [
     ('{"dirs": [5]}', "dirs.0"),
@@ -143,6 +210,10 @@ def test_vllm_start_registers_good_packages_and_warns_about_bad(repo, xdg, monke
     ('{"dirs": [], "extra": 1}', "field extra"),
     ('["/x"]', "registry field"),
     ('{"dirs": ["relative/dir"]}', "not an absolute path"),
+    ('{"dirs": [], "manifests": {"relative": "' + "0" * 64 + '"}}', "not an absolute path"),
+    ('{"dirs": [], "manifests": {"/x": "abc"}}', "not a sha256"),
+    ('{"dirs": [], "manifests": {"/x": 5}}', "manifests./x"),
+    ('{"dirs": [], "manifests": ["/x"]}', "field manifests"),
     ('{"dirs": [NaN]}', "not readable JSON"),
     ('{"dirs": [', "not readable JSON"),
 ])

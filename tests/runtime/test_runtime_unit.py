@@ -268,6 +268,14 @@ def test_tt_options_multi_host_and_compat_keys():
     ({"tt": {"env_passthrough": ["OK", "1BAD"]}}, "tt.env_passthrough.1: String should match pattern"),
     ({"tt": {"env_passthrough": "HF_TOKEN"}}, "tt.env_passthrough: Input should be a valid list"),
     ({"tt": {"rank_bindings": "x"}}, "did you mean `rank_binding`?"),
+    # strict types (issue 43): JSON's "5" or true is not a number, "yes" or 1 not a boolean
+    ({"tt": {"output_tokens_per_step": "4"}}, "tt.output_tokens_per_step: Input should be a valid integer, got '4'"),
+    ({"tt": {"output_tokens_per_step": True}}, "tt.output_tokens_per_step: Input should be a valid integer, got True"),
+    ({"tt": {"trace_region_size": "50000000"}}, "tt.trace_region_size: Input should be a valid integer"),
+    ({"tt": {"max_prefill_steps_between_decodes": 2.0}}, "tt.max_prefill_steps_between_decodes: Input should be a valid integer"),
+    ({"tt": {"enable_model_warmup": "false"}}, "tt.enable_model_warmup: Input should be a valid boolean, got 'false'"),
+    ({"tt": {"always_compat_sampling": 1}}, "tt.always_compat_sampling: Input should be a valid boolean, got 1"),
+    ({"tt": {"tt_data_parallel_size": True}}, "tt.tt_data_parallel_size: Input should be a valid integer, got True"),
 ])
 def test_tt_options_new_keys_validated(cfg, needle):
     with pytest.raises(InvalidInput) as e:
@@ -379,3 +387,47 @@ def test_prompt_logprobs_refused_on_a_device_only():
     with pytest.raises(VLLMValidationError, match="prompt_logprobs are not supported on a Tenstorrent device"):
         TTMeshPlatform.validate_request(None, _params(prompt_logprobs=1))
     TTMeshPlatform.validate_request(None, _params())
+
+
+# ---- a JSON schema no value satisfies (issue 43) ---------------------------------------------------
+def test_ref_loop_finds_a_root_no_value_satisfies_and_nothing_else():
+    from ttbundle.runtime.structured import ref_loop
+
+    loops = {
+        json.dumps({"$ref": "#"}): ["'#'"],
+        json.dumps({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}):
+            ["'#/$defs/a' -> '#/$defs/b' -> '#/$defs/a'"],
+        json.dumps({"anyOf": [{"$ref": "#"}], "title": "t"}): ["'#'"],
+        json.dumps({"allOf": [{"$ref": "#"}, {"type": "object"}]}): ["'#'"],
+        json.dumps({"definitions": {"a~b": {"$ref": "#/definitions/a~0b"}}, "$ref": "#/definitions/a~0b"}):
+            ["'#/definitions/a~0b' -> '#/definitions/a~0b'"],
+    }
+    for text, says in loops.items():
+        why = ref_loop(text)
+        assert why and all(s in why for s in says), (text, why)
+    fine = [
+        {"type": "object", "properties": {"x": {"$ref": "#"}}},  # recursion below a property
+        {"anyOf": [{"$ref": "#"}, {"type": "null"}]},  # a base case
+        {"$defs": {"a": {"$ref": "#/$defs/a"}}, "type": "string"},  # an unused definition
+        {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"type": "integer"}}, "$ref": "#/$defs/a"},  # a chain
+        {"$ref": "https://example.com/s.json"}, {"$ref": "#/nowhere"}, {"$ref": 5}, [], "not json {",
+    ]
+    for schema in fine:
+        assert ref_loop(schema if isinstance(schema, str) else json.dumps(schema)) is None, schema
+        if isinstance(schema, (dict, list)):
+            assert ref_loop(schema) is None
+
+
+def test_vllm_request_validation_refuses_the_loop_with_its_own_400_error():
+    from vllm.config import StructuredOutputsConfig
+    from vllm.exceptions import VLLMValidationError
+    from vllm.sampling_params import SamplingParams, StructuredOutputsParams
+
+    from ttbundle.runtime.structured import hook_schema_check
+
+    hook_schema_check()
+    hook_schema_check()  # idempotent
+    p = SamplingParams(structured_outputs=StructuredOutputsParams(json={"$ref": "#"}))
+    with pytest.raises(VLLMValidationError, match="is a loop of references") as ei:
+        p._validate_structured_outputs(None, StructuredOutputsConfig(), None)
+    assert ei.value.parameter == "response_format"

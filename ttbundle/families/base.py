@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import InvalidInput
 
@@ -167,7 +167,7 @@ class LayerKind:
 class RopeScaling(BaseModel):
     """HF ``rope_scaling``: the rope variants ttbundle implements."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True)
 
     rope_type: Literal["default", "linear", "llama3", "yarn"] = "default"
     """Scaling method; unknown types are rejected rather than silently ignored."""
@@ -191,10 +191,36 @@ class RopeScaling(BaseModel):
     """yarn (GPT-OSS): whether correction range bounds are truncated to integers."""
 
 
-class ArchBase(BaseModel):
-    """Dims shared by every decoder family, named as in Hugging Face ``config.json``."""
+def _lists_as_tuples(cls, data):
+    """Strict models take a YAML or JSON list for a tuple field (strict mode alone refuses it);
+    the items stay strict."""
+    import typing
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
+    if not isinstance(data, dict):
+        return data
+    out = dict(data)
+    for name, f in cls.model_fields.items():
+        v = out.get(name)
+        if not isinstance(v, list):
+            continue
+        todo, tuples = [f.annotation], False
+        while todo:
+            t = todo.pop()
+            tuples = tuples or typing.get_origin(t) is tuple or t is tuple
+            todo += list(typing.get_args(t)) if typing.get_origin(t) is not tuple else []
+        if tuples:
+            out[name] = tuple(v)
+    return out
+
+
+class ArchBase(BaseModel):
+    """Dims shared by every decoder family, named as in Hugging Face ``config.json``. Types are
+    strict (a quoted number or `true` is not a number): a spec's `model:` and a `config.json`
+    alike."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True, strict=True)
+
+    _tuples = model_validator(mode="before")(classmethod(_lists_as_tuples))
 
     vocab_size: int = Field(gt=0)
     """Tokens in the vocabulary (rows of the embedding)."""

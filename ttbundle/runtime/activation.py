@@ -132,10 +132,13 @@ def note_child_signals(path: str) -> None:
 
 def general_plugin() -> None:
     """``vllm.general_plugins`` entry point: under ``ttbundle serve``, note the signals that end
-    vLLM's children (:func:`note_child_signals`); register packages, only when active."""
+    vLLM's children (:func:`note_child_signals`); register packages and refuse JSON schemas no
+    value satisfies (``structured.hook_schema_check``), only when active."""
     if os.environ.get(CHILD_SIGNALS):
         note_child_signals(os.environ[CHILD_SIGNALS])
     if active_platform() is None:
         return
     from .registry import register_models
+    from .structured import hook_schema_check
     register_models()
+    hook_schema_check()

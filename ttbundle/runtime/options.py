@@ -37,7 +37,8 @@ MULTI_HOST = ("rank_binding", "mpi_args", "extra_ttrun_args", "config_pkl_dir", 
 class TTOptions(BaseModel):
     """``additional_config["tt"]``: Tenstorrent plugin options (defaults as in that plugin)."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+    # strict: JSON's "5" or true is not the number 5 or 1, nor "yes" a boolean
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True)
 
     trace_mode: Literal["all", "decode_only", "none"] = "all"
     """Which phases replay captured traces: prefill and decode, decode only, or none."""
@@ -126,7 +127,7 @@ def parse(additional_config) -> TTOptions:
                 close = difflib.get_close_matches(str(err["loc"][-1]), fields, n=1, cutoff=0.6)
                 hint = f"did you mean `{close[0]}`?" if close else f"valid keys: {', '.join(fields)}"
                 problems.append(f"{SECTION}.{key}: unknown option; {hint}")
-            elif err["type"] == "literal_error":
+            elif err["type"] in ("literal_error", "int_type", "bool_type", "string_type", "list_type"):
                 problems.append(f"{SECTION}.{key}: {err['msg']}, got {err.get('input')!r}")
             else:
                 problems.append(f"{SECTION}.{key}: {err['msg']}")

@@ -106,6 +106,8 @@ class TTMeshPlatform(EmulatedMeshPlatform):
 
 
 def _fail(msg: str):
+    from .cause import record
+    record(msg)  # serve's last line (cause.py)
     raise ValueError(f"ttbundle: {msg}")
 
 

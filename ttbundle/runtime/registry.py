@@ -1,7 +1,11 @@
 """Where packages are found: registered directories and ``EXTRA_MODELS_DIR``.
 
-* ``ttbundle register --dir DIR`` verifies every package in DIR and records DIR in the user
-  registry ``$XDG_CONFIG_HOME/ttbundle/registry.json`` (default ``~/.config/ttbundle``).
+* ``ttbundle register --dir DIR`` verifies every package in DIR and records DIR, and the digest
+  of each package's manifest (:func:`manifest_digest`), in the user registry
+  ``$XDG_CONFIG_HOME/ttbundle/registry.json`` (default ``~/.config/ttbundle``), under a lock
+  (:func:`lock_file`). A package of a registered directory whose manifest is not the one recorded
+  (rebuilt, or changed and re-hashed; or never registered) is refused (:func:`unregistered`);
+  ``EXTRA_MODELS_DIR`` and a package given by path are trusted as they are.
 * At vLLM start (the ``vllm.general_plugins`` entry point, only when the ttbundle platform is
   active) every package of every registered directory and of ``$EXTRA_MODELS_DIR`` is verified;
   each architecture is registered with vLLM as ``TT<HF arch>`` (Tenstorrent's naming). A package
@@ -48,6 +52,15 @@ class Entry:
     decode: list
     description: str = ""
     hf_model: str = ""  # the spec's hf_model: the HF id the package also answers to
+    manifest_digest: str = ""  # manifest_digest() of the manifest it was verified with
+
+
+def manifest_digest(manifest: dict) -> str:
+    """sha256 of a manifest's content (canonical JSON: sorted keys, no spaces): what ``register``
+    records per package. Any change of what the manifest says (a file's sha256 or size, a file
+    added, the build's key) changes it; rewriting the same content with other whitespace does not."""
+    text = json.dumps(manifest, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def config_dir() -> Path:
@@ -59,22 +72,34 @@ def registry_file() -> Path:
     return config_dir() / "registry.json"
 
 
-def registered_dirs() -> list[Path]:
-    """The directories in the user registry, parsed strictly (:func:`parse_registry`)."""
+def _read_registry() -> tuple[list[Path], dict[str, str]]:
+    """(directories, {package path: manifest digest}) of the user registry, parsed strictly."""
     f = registry_file()
     if not f.exists():
-        return []
+        return [], {}
     try:
         text = f.read_text(encoding="utf-8")
     except (OSError, ValueError) as e:
         raise InvalidInput(f"{f}: unreadable registry ({getattr(e, 'strerror', None) or e}); fix or delete it") from None
-    return parse_registry(text, f)
+    return parse_registry_doc(text, f)
+
+
+def registered_dirs() -> list[Path]:
+    """The directories in the user registry, parsed strictly (:func:`parse_registry`)."""
+    return _read_registry()[0]
 
 
 def parse_registry(text: str, where) -> list[Path]:
-    """``{"dirs": [absolute path, ...]}`` and nothing else: a duplicate key, an unknown key, a
-    value of another type is InvalidInput naming the file and the field (never a traceback, never
-    a string read one character at a time)."""
+    """The directories of a registry file's ``text`` (:func:`parse_registry_doc`)."""
+    return parse_registry_doc(text, where)[0]
+
+
+def parse_registry_doc(text: str, where) -> tuple[list[Path], dict[str, str]]:
+    """``{"dirs": [absolute path, ...], "manifests": {absolute package path: sha256 hex}}`` and
+    nothing else (``manifests`` may be absent: a registry written before digests were recorded,
+    whose packages are then all unregistered): a duplicate key, an unknown key, a value of another
+    type is InvalidInput naming the file and the field (never a traceback, never a string read one
+    character at a time)."""
     from pydantic import BaseModel, ConfigDict, ValidationError
 
     from ..fsutil import strict_json
@@ -82,6 +107,7 @@ def parse_registry(text: str, where) -> list[Path]:
     class Registry(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
         dirs: list[str] = []
+        manifests: dict[str, str] = {}
 
     data = strict_json(text, f"{where}")
     try:
@@ -90,17 +116,49 @@ def parse_registry(text: str, where) -> list[Path]:
         err = e.errors()[0]
         field = ".".join(str(x) for x in err["loc"]) or "(top level)"
         raise InvalidInput(f"{where}: registry field {field}: {err['msg']} (expected {{\"dirs\": "
-                           f"[\"/abs/dir\", ...]}}); fix it, or delete it and `ttbundle register` again") from None
-    bad = next((d for d in reg.dirs if not d or "\0" in d or not os.path.isabs(d)), None)
+                           f"[\"/abs/dir\", ...], \"manifests\": {{\"/abs/package\": \"<sha256>\"}}}}); "
+                           "fix it, or delete it and `ttbundle register` again") from None
+    for field, paths in (("dirs", reg.dirs), ("manifests", list(reg.manifests))):
+        bad = next((d for d in paths if not d or "\0" in d or not os.path.isabs(d)), None)
+        if bad is not None:
+            raise InvalidInput(f"{where}: registry field {field}: {bad!r} is not an absolute path; fix it, "
+                               "or delete the file and `ttbundle register` again")
+    bad = next((k for k, v in reg.manifests.items()
+                if len(v) != 64 or any(c not in "0123456789abcdef" for c in v)), None)
     if bad is not None:
-        raise InvalidInput(f"{where}: registry field dirs: {bad!r} is not an absolute path; fix it, or "
-                           "delete the file and `ttbundle register` again")
-    return [Path(d) for d in reg.dirs]
+        raise InvalidInput(f"{where}: registry field manifests.{bad}: {reg.manifests[bad]!r} is not a "
+                           "sha256 (64 hex digits); fix it, or delete the file and `ttbundle register` again")
+    return [Path(d) for d in reg.dirs], dict(reg.manifests)
 
 
-def _save_dirs(dirs: list[Path]) -> None:
+def lock_file() -> Path:
+    """The lock every read-modify-write of ``registry.json`` and ``verified.json`` holds
+    (``fsutil.locked``): parallel ``register`` processes each add their directory, none lost."""
+    return config_dir() / "registry.lock"
+
+
+def _save(dirs: list[Path], manifests: dict[str, str]) -> None:
     from ..fsutil import write_text_atomic
-    write_text_atomic(registry_file(), json.dumps({"dirs": [str(d) for d in dirs]}, indent=2) + "\n")
+    write_text_atomic(registry_file(), json.dumps({"dirs": [str(d) for d in dirs],
+                                                   "manifests": dict(sorted(manifests.items()))},
+                                                  indent=2) + "\n")
+
+
+def _add_dir(d: Path, good: list[Entry], bad: list[Path]) -> None:
+    """Record ``d`` and the manifest digest of each package in ``good``; forget the digest of each
+    package in ``bad`` (refused now) and of every recorded package under ``d`` that is gone. Read,
+    changed and rewritten (atomically) under the registry lock, so that registers running at once
+    each see the others' directories."""
+    from ..fsutil import locked
+
+    with locked(lock_file()):
+        dirs, manifests = _read_registry()
+        for p in bad:
+            manifests.pop(str(p), None)
+        for p in [p for p in manifests if Path(p).is_relative_to(d) and not os.path.isdir(p)]:
+            del manifests[p]
+        manifests.update({str(e.path): e.manifest_digest for e in good})
+        _save(dirs if d in dirs else dirs + [d], manifests)
 
 
 def package_dirs(d: Path) -> list[Path]:
@@ -133,11 +191,12 @@ def entry_of(path: Path, check_hashes: bool = True) -> Entry:
     pkg = open_package(path, check_hashes)
     b = pkg.bundle.buckets
     return Entry(pkg.name, pkg.mesh_name, pkg.arch, pkg.path, list(b.prefill), list(b.decode),
-                 pkg.bundle.spec.description, pkg.bundle.spec.hf_model or "")
+                 pkg.bundle.spec.description, pkg.bundle.spec.hf_model or "",
+                 manifest_digest(pkg.manifest))
 
 
 # ---- verification cache -------------------------------------------------------------------------
-CACHE_FORMAT = "ttbundle.verified/2"  # /2: entries carry hf_model
+CACHE_FORMAT = "ttbundle.verified/3"  # /2: entries carry hf_model; /3: manifest_digest
 
 
 def cache_file() -> Path:
@@ -178,6 +237,7 @@ class VerifyCache:
         from .. import __version__
         self.version = __version__
         self.data: dict = {}
+        self.changed: dict = {}  # what this process recorded: save() merges it into the file
         self.dirty = False
         try:
             doc = json.loads(cache_file().read_text(encoding="utf-8"))
@@ -208,18 +268,26 @@ class VerifyCache:
             rec = {"fingerprint": fp, "refused": result}
         if self.data.get(str(p)) != rec:
             self.data[str(p)] = rec
+            self.changed[str(p)] = rec
             self.dirty = True
 
     def save(self) -> None:
+        """Write this process's changed records over what is in the file now (read again under
+        the registry lock: another process may have recorded other packages meanwhile)."""
         if not self.dirty:
             return
-        from ..fsutil import write_text_atomic
+        from ..fsutil import locked, write_text_atomic
         try:
-            write_text_atomic(cache_file(), json.dumps({"format": CACHE_FORMAT, "ttbundle": self.version,
-                                                        "packages": self.data}, separators=(",", ":")))
+            with locked(lock_file()):
+                on_disk = VerifyCache().data
+                on_disk.update(self.changed)
+                self.data = on_disk
+                write_text_atomic(cache_file(), json.dumps({"format": CACHE_FORMAT, "ttbundle": self.version,
+                                                            "packages": self.data}, separators=(",", ":")))
         except TTBundleError as e:  # a read-only config dir: slower next time, nothing worse
             logger.warning("ttbundle: verification cache not saved: %s", e)
         self.dirty = False
+        self.changed = {}
 
 
 def scan_dir(d: Path, check_hashes: bool = True, cache: VerifyCache | None = None
@@ -246,21 +314,43 @@ def scan_dir(d: Path, check_hashes: bool = True, cache: VerifyCache | None = Non
     return good, bad
 
 
-def search_dirs(strict: bool = True) -> list[Path]:
-    """The registry's directories, then ``EXTRA_MODELS_DIR``'s. ``strict=False`` (the vLLM
-    plugin): a broken registry file is a warning and only ``EXTRA_MODELS_DIR`` is searched, so a
-    corrupt registry does not stop ``serve PACKAGE_DIR``."""
+def _search(strict: bool = True) -> list[tuple[Path, dict[str, str] | None]]:
+    """(directory, the registry's manifest digests) for each registered directory, then
+    (directory, None) for each of ``EXTRA_MODELS_DIR`` (trusted as it is, like a package path).
+    ``strict=False`` (the vLLM plugin): a broken registry file is a warning and only
+    ``EXTRA_MODELS_DIR`` is searched, so a corrupt registry does not stop ``serve PACKAGE_DIR``."""
     try:
-        dirs = list(registered_dirs())
+        dirs, manifests = _read_registry()
     except InvalidInput as e:
         if strict:
             raise
         logger.warning("ttbundle: ignoring the registry: %s", e)
-        dirs = []
+        dirs, manifests = [], {}
+    out = [(d, manifests) for d in dirs]
     extra = os.environ.get("EXTRA_MODELS_DIR")
     if extra:
-        dirs += [Path(x) for x in extra.split(os.pathsep) if x]
-    return dirs
+        out += [(Path(x), None) for x in extra.split(os.pathsep) if x]
+    return out
+
+
+def search_dirs(strict: bool = True) -> list[Path]:
+    """The registry's directories, then ``EXTRA_MODELS_DIR``'s (:func:`_search`)."""
+    return [d for d, _ in _search(strict)]
+
+
+def unregistered(e: Entry, d: Path, manifests: dict[str, str]) -> str | None:
+    """Why package ``e`` of registered directory ``d`` is not served by name: its manifest is not
+    the one ``register`` recorded (rebuilt, or changed and re-hashed), or none was recorded (it
+    appeared after ``register``, or the registry predates digests); None when it is."""
+    again = f"`ttbundle register --dir {d}`"
+    rec = manifests.get(str(e.path))
+    if rec is None:
+        return (f"not registered (it appeared in {d} after it was registered, or was registered by an "
+                f"older ttbundle); register it: {again}")
+    if rec != e.manifest_digest:
+        return (f"manifest.json changed since it was registered (a rebuild, or files changed and "
+                f"re-hashed); re-register after a rebuild: {again}")
+    return None
 
 
 def scan(check_hashes: bool = True, cached: bool = True, strict: bool = True
@@ -271,7 +361,7 @@ def scan(check_hashes: bool = True, cached: bool = True, strict: bool = True
     good, bad = [], []
     seen = set()
     cache = VerifyCache() if cached else None
-    for d in search_dirs(strict):
+    for d, manifests in _search(strict):
         if not d.exists():
             bad.append((d, f"{d}: registered directory no longer exists"))
             continue
@@ -279,7 +369,11 @@ def scan(check_hashes: bool = True, cached: bool = True, strict: bool = True
         for e in g:
             if e.path not in seen:
                 seen.add(e.path)
-                good.append(e)
+                why = unregistered(e, d, manifests) if manifests is not None else None
+                if why is None:
+                    good.append(e)
+                else:
+                    bad.append((e.path, why))
         bad += b
     if cache is not None:
         cache.save()
@@ -299,9 +393,7 @@ def register_dir(d: str | Path) -> tuple[list[Entry], list[tuple[Path, str]]]:
         raise InvalidInput(f"{d}: no packages found (a package is a directory with manifest.json; "
                            "`ttbundle build -o DIR` writes DIR/<mesh>/<bundle>)")
     if good:
-        dirs = registered_dirs()
-        if d not in dirs:
-            _save_dirs(dirs + [d])
+        _add_dir(d, good, [p for p, _ in bad])
     return good, bad
 
 
@@ -314,12 +406,13 @@ def find(name_or_path: str, mesh: str | None = None) -> Entry:
     p = Path(name_or_path)
     if os.path.isdir(p):  # False on any OSError (a name too long to be a path)
         return entry_of(p)
-    good, _ = scan(check_hashes=False)
+    good, refused = scan(check_hashes=False)
     hits = [e for e in good if name_or_path in (e.name, f"{e.name}-{e.mesh}")
             or (e.hf_model and e.hf_model == name_or_path)]
     if mesh is not None:
         picked = [e for e in hits if same_mesh(mesh, e.mesh)]
         if hits and not picked:
+            _raise_refused(name_or_path, mesh, refused)
             raise InvalidInput(f"{name_or_path!r} has no package for mesh {mesh}; it has: "
                                + ", ".join(sorted({e.mesh for e in hits})))
         hits = picked
@@ -328,6 +421,7 @@ def find(name_or_path: str, mesh: str | None = None) -> Entry:
     if len(hits) == 1:
         return hits[0]
     if not hits:
+        _raise_refused(name_or_path, mesh, refused)
         known = ", ".join(sorted(f"{e.name}-{e.mesh}" + (f" ({e.hf_model})" if e.hf_model else "")
                                  for e in good)) or "none"
         where = ", ".join(str(d) for d in search_dirs()) or "no registered directory, no EXTRA_MODELS_DIR"
@@ -339,6 +433,31 @@ def find(name_or_path: str, mesh: str | None = None) -> Entry:
     raise InvalidInput(f"{name_or_path!r} names {len(hits)} packages; {how}:",
                        [Diagnostic(str(e.path), f"{e.name}-{e.mesh}") for e in
                         sorted(hits, key=lambda e: (e.mesh, str(e.path)))])
+
+
+def _raise_refused(name: str, mesh: str | None, refused: list[tuple[Path, str]]) -> None:
+    """When the package ``name`` (and ``mesh``) asks for is there but refused, say why (the file
+    that does not verify, the manifest changed since ``register``), not "no package"."""
+    named = [(p, why, n) for p, why in refused if (n := _claimed_name(p)) is not None
+             and name in (n[0], f"{n[0]}-{n[1]}") and (mesh is None or same_mesh(mesh, n[1]))]
+    if named:
+        p, why, (n, m) = named[0]
+        more = f" (and {len(named) - 1} more of that name, refused too; `ttbundle ls` lists them)" \
+            if len(named) > 1 else ""
+        raise TTBundleError(f"registered package {n}-{m} ({p}) is refused: {why}{more}")
+
+
+def _claimed_name(p: Path) -> tuple[str, str] | None:
+    """(bundle, mesh) a refused package's manifest claims, read leniently (the package failed
+    verification: this only names it in an error), or None."""
+    from .packages import MANIFEST
+
+    try:
+        with open(p / MANIFEST, "rb") as f:
+            m = json.loads(f.read(64 << 20))
+        return str(m["bundle"]), str(m["mesh"]["name"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 # ---- vLLM side ----------------------------------------------------------------------------------

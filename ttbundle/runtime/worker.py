@@ -13,6 +13,7 @@ import logging
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from .cause import recorded
 from .model_runner import TTModelRunner
 from .options import parse
 from .packages import open_package
@@ -35,10 +36,15 @@ class TTWorker(WorkerBase):
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs):
         super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
-        self.options = parse(vllm_config.additional_config)
+        with recorded():
+            self.options = parse(vllm_config.additional_config)
         self.package = None
 
     def init_device(self):
+        with recorded():
+            self._init_device()
+
+    def _init_device(self):
         from .activation import HARDWARE, active_platform
 
         self.device = torch.device("cpu")
@@ -72,7 +78,8 @@ class TTWorker(WorkerBase):
         return ttnn, ttdevice.open_mesh(ttnn, self.package, self.options, whole=lanes > 1)
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        self.model_runner.load_model()
+        with recorded():
+            self.model_runner.load_model()
 
     def get_model(self):
         """An ``nn.Module`` (vLLM walks ``.modules()``) holding the mesh model as ``.mesh_model``."""
@@ -114,12 +121,14 @@ class TTWorker(WorkerBase):
         return m.blocks
 
     def initialize_from_config(self, kv_cache_config) -> None:
-        self.model_runner.initialize_kv_cache(kv_cache_config.num_blocks)
+        with recorded():
+            self.model_runner.initialize_kv_cache(kv_cache_config.num_blocks)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         import time
         t0 = time.perf_counter()
-        self.model_runner.warm_up()
+        with recorded():
+            self.model_runner.warm_up()
         return CompilationTimes(language_model=time.perf_counter() - t0, encoder=0.0)
 
     def get_supported_tasks(self):

@@ -18,7 +18,9 @@ elsewhere: ``TTBUNDLE_EMULATED=1``), with ``MESH_DEVICE`` set to the package's m
 Ctrl-C (or SIGTERM, or SIGHUP from a closed terminal) is forwarded to vLLM as SIGINT, which shuts
 the engine down cleanly; after a grace period the group is killed. If ``ttbundle serve`` dies
 without that (SIGKILL, a crash), the kernel sends vLLM SIGTERM (``PR_SET_PDEATHSIG``) and vLLM stops
-its engine: no server outlives it. The address is checked before anything starts
+its engine; vLLM defers that SIGTERM while it starts, so a watchdog (:data:`WATCHDOG`) kills the
+group then: no server outlives it. A stop before vLLM is healthy kills the group (it never
+served). The address is checked before anything starts
 (:func:`check_address`). While serving, vLLM is watched: if it exits by itself (vLLM's
 API server shuts down with code 0 when its engine process dies) or stops answering ``/health``
 (503 once the engine is dead), the server is stopped and :class:`ServeFailed` says why.
@@ -506,6 +508,64 @@ def quiet_logging_config(directory: Path) -> Path | None:
     return path
 
 
+#: The watchdog (:func:`start`): its own session, so a terminal's signals do not reach it; it
+#: reads this process's pipe until EOF, which comes however this process ends (SIGKILL included).
+#: "healthy" said before: vLLM stops itself on its parent-death SIGTERM, the group is killed only
+#: if it is still there after the grace; never healthy (vLLM's start-up ignores or defers SIGTERM):
+#: the group is killed at once. "done": stopped cleanly, nothing to do.
+WATCHDOG = """
+import os, signal, sys, time
+pgid, grace = int(sys.argv[1]), float(sys.argv[2])
+healthy = False
+for line in sys.stdin.buffer:
+    if line.strip() == b"done":
+        sys.exit(0)
+    healthy = healthy or line.strip() == b"healthy"
+def there():
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except OSError:
+        return False
+t0 = time.monotonic()
+while healthy and there() and time.monotonic() - t0 < grace:
+    time.sleep(0.2)
+try:
+    os.killpg(pgid, signal.SIGKILL)
+except OSError:
+    pass
+"""
+WATCHDOG_GRACE_S = 30
+
+
+def _watchdog(pgid: int) -> subprocess.Popen | None:
+    """A process that kills vLLM's process group ``pgid`` when this one dies (:data:`WATCHDOG`);
+    None where it cannot start (the parent-death SIGTERM still applies)."""
+    try:
+        return subprocess.Popen([sys.executable, "-I", "-S", "-c", WATCHDOG, str(pgid), str(WATCHDOG_GRACE_S)],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    except OSError:
+        return None
+
+
+def _tell_watchdog(proc: subprocess.Popen, word: str, close: bool = False) -> None:
+    dog = getattr(proc, "ttbundle_watchdog", None)
+    if dog is None or dog.stdin is None or dog.stdin.closed:
+        return
+    try:
+        dog.stdin.write(word.encode() + b"\n")
+        dog.stdin.flush()
+        if close:
+            dog.stdin.close()
+            dog.wait(5)
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        pass
+
+
+def mark_healthy(proc: subprocess.Popen) -> None:
+    """vLLM answers /health: from now on, this process dying leaves vLLM its clean stop first."""
+    _tell_watchdog(proc, "healthy")
 class Output:
     """vLLM's output passed through to this process's stdout and stderr as it comes (the same
     bytes, unbuffered), its last :data:`KEEP` bytes of each kept: what a failure is read from
@@ -562,8 +622,10 @@ class Output:
 
 def start(plan: ServePlan, log=None) -> subprocess.Popen:
     """Start vLLM in its own process group (``log``: a file for its output, else passed through
-    to ours, :class:`Output`); it gets SIGTERM if this process dies (:func:`_child_setup`). The
-    process carries ``output`` (its :class:`Output`) and ``peak_rss`` (the most its process group
+    to ours, :class:`Output`); it gets SIGTERM if this process dies (:func:`_child_setup`), and a
+    watchdog process kills its group if this process dies before vLLM was healthy, or if it is
+    still there 30 s after (:data:`WATCHDOG`): vLLM defers SIGTERM while it starts
+    (:func:`mark_healthy` tells it). The process carries ``output`` (its :class:`Output`) and ``peak_rss`` (the most its process group
     was seen holding, :func:`group_rss`, sampled while it is waited on)."""
     import tempfile
 
@@ -585,6 +647,7 @@ def start(plan: ServePlan, log=None) -> subprocess.Popen:
     name = getattr(log, "name", None)
     proc.output = Output(proc) if log is None else Output(log=Path(name) if isinstance(name, str) else None)
     proc.peak_rss, proc.names, proc.signals = 0, {}, Path(signals)
+    proc.ttbundle_watchdog = _watchdog(proc.pid)
     return proc
 
 
@@ -748,6 +811,7 @@ def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    _tell_watchdog(proc, "done", close=True)
     out = getattr(proc, "output", None)
     if out is not None:  # the rest of its output passed through
         out.join()
@@ -758,13 +822,21 @@ def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
     return proc.returncode
 
 
-def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, memory=None) -> None:
-    """Return once vLLM answers /health; raise why (:func:`died`, ``memory``: the emulated mesh's
-    :class:`~ttbundle.plan.host.HostPlan` for a SIGKILL's arithmetic) when it exits first."""
+def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, memory=None,
+                 cause_file=None) -> None:
+    """Return once vLLM answers /health; raise why when it exits first: the cause the plugin
+    recorded in ``cause_file`` (``runtime.cause``: an option refused, a warm-up mismatch), else
+    :func:`died` (``memory``: the emulated mesh's :class:`~ttbundle.plan.host.HostPlan` for a
+    SIGKILL's arithmetic)."""
+    from ..runtime.cause import read
+
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         _sample(proc)
         if proc.poll() is not None:
+            cause = read(cause_file) if cause_file else None
+            if cause:
+                raise TTBundleError(f"vLLM exited with code {proc.returncode} before it was healthy: {cause}")
             why = died(proc, "before it was healthy", memory)
             if why.startswith("vLLM exited with"):
                 why = f"vLLM exited with code {proc.returncode} before it was healthy (its output above says why)"
@@ -805,35 +877,76 @@ def watch(proc: subprocess.Popen, host: str, port: int, every: float = HEALTH_EV
                           "stopped from outside (its log above says why)", code if code > 0 else 1)
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is, as Ctrl-C's KeyboardInterrupt is."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def stop_name(e: BaseException) -> str:
+    """How a stop was asked for: ``SIGTERM``, ``SIGHUP``, or ``SIGINT (Ctrl-C)``."""
+    return signal.Signals(e.signum).name if isinstance(e, Stopped) else "SIGINT (Ctrl-C)"
+
+
+def stop_on_signals():
+    """Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session) raise KeyboardInterrupt
+    (:class:`Stopped` for the last two) wherever the program is: the build, vLLM's start-up, serving;
+    Ctrl-C too when the process started with SIGINT ignored (``cmd &`` in a script). Returns a
+    function that puts the previous handlers back."""
+    def on_term(signum, frame):
+        raise Stopped(signum)
+
+    old = {sig: signal.signal(sig, h) for sig, h in ((signal.SIGINT, signal.default_int_handler),
+                                                      (signal.SIGTERM, on_term), (signal.SIGHUP, on_term))}
+
+    def restore():
+        for sig, h in old.items():
+            signal.signal(sig, h)
+    return restore
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    proc.wait()
+
+
 def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_every: float = HEALTH_EVERY_S) -> int:
     """Serve until Ctrl-C / SIGTERM / SIGHUP (a closed terminal or ssh session) (returns 0);
-    raises :class:`ServeFailed` when vLLM or its engine dies first (:func:`watch`)."""
-    def on_term(signum, frame):
-        raise KeyboardInterrupt
-
-    # Ctrl-C must work even when started with SIGINT ignored (e.g. `cmd &` in a script)
-    old_int = signal.signal(signal.SIGINT, signal.default_int_handler)
-    old = signal.signal(signal.SIGTERM, on_term)
-    old_hup = signal.signal(signal.SIGHUP, on_term)
+    raises :class:`ServeFailed` when vLLM or its engine dies first (:func:`watch`). A stop before
+    vLLM was healthy kills its process group: it never served, and vLLM's start-up answers SIGINT
+    with a KeyboardInterrupt traceback per process and defers SIGTERM."""
+    restore = stop_on_signals()
     import tempfile
     tmp = tempfile.TemporaryDirectory(prefix="ttbundle-serve-")
     quiet = quiet_logging_config(Path(tmp.name))
-    env = plan.env if quiet is None else {**plan.env, "VLLM_LOGGING_CONFIG_PATH": str(quiet)}
+    from ..runtime.cause import ENV as CAUSE_ENV
+    cause_file = Path(tmp.name) / "cause"
+    env = {**plan.env, CAUSE_ENV: str(cause_file)}
+    if quiet is not None:
+        env["VLLM_LOGGING_CONFIG_PATH"] = str(quiet)
     proc = start(dataclasses.replace(plan, env=env))
+    served = False
     try:
-        wait_healthy(proc, plan.host, plan.port, startup_timeout, plan.memory)
+        wait_healthy(proc, plan.host, plan.port, startup_timeout, plan.memory, cause_file)
+        served = True
+        mark_healthy(proc)
         if on_ready:
             on_ready(plan)
         watch(proc, plan.host, plan.port, health_every, memory=plan.memory)
         return 0  # pragma: no cover - watch only returns by raising
     except KeyboardInterrupt:
+        if not served:
+            _kill_group(proc)
         return 0
     finally:
         stop(proc)
         tmp.cleanup()
-        signal.signal(signal.SIGTERM, old)
-        signal.signal(signal.SIGINT, old_int)
-        signal.signal(signal.SIGHUP, old_hup)
+        restore()
 
 
 def require_checked(plan: ServePlan) -> dict:

@@ -30,7 +30,22 @@ def pydantic_message(err: dict, data=None) -> str:
         return f"{msg}, got {err.get('input')!r}"
     if t == "missing":
         return "required key is missing"
+    if t in _TYPE_ERRORS and "input" in err:  # strict types: say what was given and what to write
+        got = err["input"]
+        hint = ""
+        if isinstance(got, bool) and t != "bool_type":
+            hint = " (true/false is not a number)"
+        elif isinstance(got, str) and t in ("int_type", "float_type"):
+            hint = " (write the number without quotes)"
+        elif t == "bool_type":
+            hint = " (write true or false)"
+        return f"{msg}, got {got!r}{hint}"
     return msg
+
+
+#: pydantic's type errors of strict mode: the message says what was given
+_TYPE_ERRORS = ("int_type", "float_type", "bool_type", "string_type", "list_type", "tuple_type",
+                "dict_type")
 
 
 def _get(data, path: tuple):

@@ -24,7 +24,10 @@ DECODE_TRACE_SIZES = (1, 2, 4, 8, 16, 32)
 
 
 def _model_config(**kw):
-    return ConfigDict(extra="forbid", use_attribute_docstrings=True, **kw)
+    """Every model of the spec's own keys: unknown keys refused, and strict types: no string or
+    boolean is taken for a number (`"4"`, `true`), nor a string for a boolean (`"yes"`); an int is
+    a float. (The families' architecture dims, `model:`, are strict the same way: ``ArchBase``.)"""
+    return ConfigDict(extra="forbid", use_attribute_docstrings=True, strict=True, **kw)
 
 
 class DtypePolicy(BaseModel):
@@ -150,12 +153,21 @@ class Replicas(BaseModel):
 
     model_config = _model_config()
 
-    submesh: tuple[Annotated[int, Field(gt=0)], Annotated[int, Field(gt=0)]]
+    submesh: tuple[Annotated[int, Field(gt=0, strict=True)], Annotated[int, Field(gt=0, strict=True)]] = \
+        Field(strict=False)  # a YAML list is the tuple; its items stay strict
     """[rows, cols] of one replica's submesh; must tile the target (rows divide its rows, cols
     its cols)."""
     count: int | None = Field(default=None, gt=0)
     """Number of replicas; optional, and when given it must equal the target's chips divided by
     the submesh's."""
+
+
+    @field_validator("submesh", mode="before")
+    @classmethod
+    def _two(cls, v):
+        if isinstance(v, (list, tuple)) and len(v) != 2:
+            raise ValueError(f"a submesh is [rows, cols]: 2 numbers, got {len(v)} ({list(v)!r})")
+        return v
 
 
 class Vision(BaseModel):
