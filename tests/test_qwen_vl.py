@@ -276,7 +276,7 @@ def test_cli_check_with_image_files(tmp_path):
                                  "--steps", "3", "--seed", "1", *paths])
     assert r.exit_code == 0, r.output
     assert "image soft tokens" in r.output
-    same = re.search(r"predictions .*?: (\d+)/(\d+) identical", r.output)  # every compared position
+    same = re.search(r"executor: (\d+)/(\d+) decisive next-token predictions identical", r.output)
     assert same and same[1] == same[2], r.output
     # three images exceed images_per_prompt=2: a clear error, no traceback
     r = CliRunner().invoke(app, ["check", str(tmp_path / "spec.yaml"), "--random-weights", "--steps", "1",

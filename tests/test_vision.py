@@ -137,7 +137,7 @@ def test_cli_check_with_image_files(tmp_path):
                                  "--steps", "3", "--seed", "1", *paths])
     assert r.exit_code == 0, r.output
     assert "image soft tokens" in r.output
-    same = re.search(r"predictions .*?: (\d+)/(\d+) identical", r.output)  # every compared position
+    same = re.search(r"executor: (\d+)/(\d+) decisive next-token predictions identical", r.output)
     assert same and same[1] == same[2], r.output
     (tmp_path / "bad.png").write_text("not an image")
     r = CliRunner().invoke(app, ["check", str(tmp_path / "spec.yaml"), "--random-weights", "--steps", "1",

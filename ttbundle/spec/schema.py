@@ -245,8 +245,11 @@ class Quality(BaseModel):
     model_config = _model_config()
 
     bf16: QualityTarget | None = None
+    """A package storing bf16 only (weights and KV cache)."""
     bfp8: QualityTarget | None = None
+    """A package whose coarsest storage is bfp8 (weights or KV cache)."""
     bfp4: QualityTarget | None = None
+    """A package storing some weights as bfp4."""
 
 
 class Speculative(BaseModel):
