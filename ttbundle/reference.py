@@ -213,7 +213,7 @@ class LayerwiseModel:
         self.kv_storage = kv_storage
         #: ``weights(key)``: the tensor to load for checkpoint ``key`` instead of the file's, or
         #: None (``check``'s expected run: the checkpoint as a package stores it); its
-        #: ``lm_head_rows()`` the LM head's rows likewise
+        #: ``lm_head_bands()`` the LM head's bands likewise
         self.weights = weights
         try:
             cfg = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
@@ -440,14 +440,14 @@ class LayerwiseModel:
         keys = self._keys(self.head_name) or self._keys(self.embed_name)  # tied: the table once
         plain = len(keys) == 1 and getattr(self.lm_head, "bias", None) is None and \
             self.where[keys[0]][1] in (f"{self.head_name}.weight", f"{self.embed_name}.weight")
-        rows = None if self.weights is None else self.weights.lm_head_rows()
+        bands = None if self.weights is None else self.weights.lm_head_bands()
         with torch.no_grad():
-            if rows is not None:  # the LM head as stored ([vocab, hidden])
-                logits = torch.empty(*x.shape[:-1], rows.shape[0], dtype=x.dtype, device=x.device)
-                for a in range(0, rows.shape[0], HEAD_ROWS):
-                    W = rows[a:a + HEAD_ROWS].to(x.dtype).to(x.device)
-                    logits[..., a:a + W.shape[0]] = torch.nn.functional.linear(x, W)
-                del rows
+            if bands is not None:  # the LM head as stored: bands of its [hidden, vocab] rows
+                logits = None
+                for r0, r1, rows in bands:
+                    part = x[..., r0:r1] @ rows.to(dtype=x.dtype, device=x.device)
+                    logits = part if logits is None else logits.add_(part)
+                    del rows, part
             elif plain:
                 path = str(self.where[keys[0]][0])
                 with safe_open(path, framework="pt") as f:

@@ -158,20 +158,44 @@ class ExpectedWeights:
             if k in self.by_key:
                 self._cache[k] = t
 
-    def lm_head_rows(self):
-        """The LM head as stored, ``[vocab, hidden]`` (rows of the checkpoint's layout), or None
-        where it is stored bf16: the expected side's head reads it (a tied LM head shares its
-        checkpoint tensor with the embedding, which the package stores apart, in bf16)."""
+    #: rows of the LM head's ``[hidden, vocab]`` canonical tensor rounded at a time
+    #: (:meth:`lm_head_bands`): a block-float tile row's exponents do not reach across rows, so
+    #: a band of whole rows rounds as the whole tensor does (bounded memory for a 128k vocabulary)
+    HEAD_BAND = 256
+
+    def lm_head_bands(self):
+        """The LM head as stored, ``(r0, r1, rows)`` bands of its ``[hidden, vocab]`` canonical
+        tensor (``rows``: ``[r1 - r0, vocab]`` float32), or None where it is stored bf16 (the
+        reference reads the checkpoint's own values). A tied LM head shares its checkpoint tensor
+        with the embedding, which the package stores apart, in bf16: the head reads these."""
         name = "lm_head"
         if name not in self.decls or self.weights.dtypes.get(name, "bf16") == "bf16":
             return None
         (_, _, srcs), = [j for j in self.jobs if j[0] == name]
-        import torch
+        decl, units, enc = self.decls[name], self.weights.units[name], self.weights.dtypes[name]
+        tf = self.table[name].transform
+        hidden = decl.dims[0].length
+        whole_rows = all(list(u) == list(range(decl.dims[0].size)) for u in units[0])
+        if tf not in ("t", "id") or len(srcs) != 1 or not whole_rows:
+            return [(0, hidden, self._canonical_stored(name, srcs))]
+        return self._bands(name, srcs, decl, units, enc, tf, hidden)
 
+    def _bands(self, name, srcs, decl, units, enc, tf, hidden):
+        from dataclasses import replace
+        src = self.ck.get(srcs[0][1][0])  # [vocab, hidden] ("t") or [hidden, vocab] ("id")
+        for r0 in range(0, hidden, self.HEAD_BAND):
+            r1 = min(hidden, r0 + self.HEAD_BAND)
+            c = (src[:, r0:r1].t() if tf == "t" else src[r0:r1]).float()
+            dim0 = replace(decl.dims[0], size=r1 - r0, unit=1) if decl.dims[0].unit == 1 else None
+            if dim0 is None:  # rows in units of more than one: round the whole
+                yield 0, hidden, self._canonical_stored(name, srcs)
+                return
+            rows = [[list(range(r1 - r0))] * len(units[0]), units[1]]
+            yield r0, r1, stored_values(c, rows, (dim0, decl.dims[1]), self.devices, enc)
+
+    def _canonical_stored(self, name, srcs):
         from ..families import transforms
         parts = [self.ck.get(ks[0]) for _, ks in srcs]
         c = transforms.apply(self.table[name].transform, parts, self.arch).float()
-        q = stored_values(c, self.weights.units[name], self.decls[name].dims, self.devices,
-                          self.weights.dtypes[name])
-        del c
-        return q.transpose(0, 1).contiguous().to(torch.float32)
+        return stored_values(c, self.weights.units[name], self.decls[name].dims, self.devices,
+                             self.weights.dtypes[name])
