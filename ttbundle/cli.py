@@ -568,6 +568,8 @@ def serve(ctx: typer.Context,
         code = servemod.run(plan, on_ready=ready)
     except TTBundleError as e:
         fail(e)
+    except KeyboardInterrupt:  # a second stop signal while vLLM was being stopped: it is (run's finally)
+        code = 0
     err.print(Text("vLLM stopped"))
     if code:
         raise typer.Exit(code)

@@ -822,6 +822,41 @@ def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
     return proc.returncode
 
 
+_PREFIX = r"(?:\(\S+ pid=\d+\) )?"  # vLLM's prefix on its child processes' lines
+_TRACEBACK = re.compile(_PREFIX + r"Traceback \(most recent call last\):$")
+_EXCEPTION = re.compile(_PREFIX + r"((?:[A-Za-z_]\w*\.)*[A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt|Mismatch))"
+                        r"(?:: (.*))?$")
+_PYDANTIC_DETAIL = re.compile(_PREFIX + r"  (?:Value error, |Assertion failed, )?(.+?)(?: \[type=.*)?$")
+_PYDANTIC_LOC = re.compile(_PREFIX + r"(\S.*)$")
+
+
+def first_exception(text: str) -> str | None:
+    """``Type: message`` of the first traceback in vLLM's output ``text`` (the root cause: what
+    follows is its processes reporting each other's failure) for an error the plugin did not
+    record (vLLM's own: ``-- --gpu-memory-utilization 2``); a pydantic ``ValidationError`` with
+    its first error (``field: message``). None when the output has no traceback."""
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if not _TRACEBACK.match(line):
+            continue
+        for j in range(i + 1, len(lines)):
+            m = _EXCEPTION.match(lines[j])
+            if m is None:
+                continue
+            name, msg = m.group(1).rsplit(".", 1)[-1], (m.group(2) or "").strip()
+            if name == "ValidationError":
+                loc = None
+                for k in range(j + 1, min(j + 8, len(lines))):
+                    d = _PYDANTIC_DETAIL.match(lines[k])
+                    if d and not lines[k].lstrip().startswith("For further information"):
+                        msg += ": " + (f"{loc}: " if loc else "") + d.group(1).strip()
+                        break
+                    loc_m = _PYDANTIC_LOC.match(lines[k])
+                    loc = loc_m.group(1).strip() if loc_m else loc
+            return f"{name}: {msg}" if msg else name
+    return None
+
+
 def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, memory=None,
                  cause_file=None) -> None:
     """Return once vLLM answers /health; raise why when it exits first: the cause the plugin
@@ -839,7 +874,10 @@ def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, m
                 raise TTBundleError(f"vLLM exited with code {proc.returncode} before it was healthy: {cause}")
             why = died(proc, "before it was healthy", memory)
             if why.startswith("vLLM exited with"):
-                why = f"vLLM exited with code {proc.returncode} before it was healthy (its output above says why)"
+                out = getattr(proc, "output", None)
+                first = first_exception(out.text()) if out is not None else None
+                why = f"vLLM exited with code {proc.returncode} before it was healthy" + \
+                    (f"; the first exception in its output: {first}" if first else " (its output above says why)")
             raise TTBundleError(why)
         if healthy(host, port):
             return
@@ -920,18 +958,19 @@ def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_eve
     raises :class:`ServeFailed` when vLLM or its engine dies first (:func:`watch`). A stop before
     vLLM was healthy kills its process group: it never served, and vLLM's start-up answers SIGINT
     with a KeyboardInterrupt traceback per process and defers SIGTERM."""
-    restore = stop_on_signals()
     import tempfile
-    tmp = tempfile.TemporaryDirectory(prefix="ttbundle-serve-")
-    quiet = quiet_logging_config(Path(tmp.name))
-    from ..runtime.cause import ENV as CAUSE_ENV
-    cause_file = Path(tmp.name) / "cause"
-    env = {**plan.env, CAUSE_ENV: str(cause_file)}
-    if quiet is not None:
-        env["VLLM_LOGGING_CONFIG_PATH"] = str(quiet)
-    proc = start(dataclasses.replace(plan, env=env))
-    served = False
-    try:
+
+    restore = stop_on_signals()
+    proc, tmp, served = None, None, False
+    try:  # a stop while vLLM is being set up (its logging configuration imports vLLM: seconds) too
+        tmp = tempfile.TemporaryDirectory(prefix="ttbundle-serve-")
+        quiet = quiet_logging_config(Path(tmp.name))
+        from ..runtime.cause import ENV as CAUSE_ENV
+        cause_file = Path(tmp.name) / "cause"
+        env = {**plan.env, CAUSE_ENV: str(cause_file)}
+        if quiet is not None:
+            env["VLLM_LOGGING_CONFIG_PATH"] = str(quiet)
+        proc = start(dataclasses.replace(plan, env=env))
         wait_healthy(proc, plan.host, plan.port, startup_timeout, plan.memory, cause_file)
         served = True
         mark_healthy(proc)
@@ -940,12 +979,14 @@ def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_eve
         watch(proc, plan.host, plan.port, health_every, memory=plan.memory)
         return 0  # pragma: no cover - watch only returns by raising
     except KeyboardInterrupt:
-        if not served:
+        if proc is not None and not served:
             _kill_group(proc)
         return 0
     finally:
-        stop(proc)
-        tmp.cleanup()
+        if proc is not None:
+            stop(proc)
+        if tmp is not None:
+            tmp.cleanup()
         restore()
 
 

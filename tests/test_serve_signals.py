@@ -1,0 +1,135 @@
+"""`ttbundle serve` (issue 43, after the watchdog and the plugin's recorded causes): a stop signal
+while `serve.run` sets vLLM up (its logging configuration imports vLLM, seconds on a busy host)
+is a clean stop too, and a failed start whose cause the plugin did not record (vLLM's own
+validation) still ends in one line naming it, read from the first traceback in vLLM's output.
+
+A stand-in plays vLLM (tests/test_serve_faults.py has the others); pydantic itself writes the
+tracebacks the parser is checked on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from ttbundle.serving import serve as servemod
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+#: serve.run of a stand-in that would leave a marker if it ever started; vLLM's logging set-up
+#: (serve.quiet_logging_config) made to take 30 s, saying when it begins
+SETUP_DRIVER = textwrap.dedent('''
+    import sys, time
+    from ttbundle.serving import serve
+    def slow_quiet(directory):
+        print("SETTING-UP", flush=True)
+        time.sleep(30)
+    serve.quiet_logging_config = slow_quiet
+    marker, port = sys.argv[1], int(sys.argv[2])
+    plan = serve.ServePlan(".", "tiny", "N150", [sys.executable, "-c", f"open({marker!r}, 'w')"], {},
+                           "127.0.0.1", port)
+    code = serve.run(plan, startup_timeout=60)
+    print(f"RETURNED {code}", flush=True)
+''')
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP])
+def test_a_stop_while_vllm_is_set_up_is_clean(tmp_path, sig):
+    """Was: the signal arrived before run's `try` (while it imported vLLM for its logging
+    configuration): a KeyboardInterrupt traceback, exit 1 (rc 130 for SIGINT)."""
+    (tmp_path / "driver.py").write_text(SETUP_DRIVER)
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    marker = tmp_path / "vllm-started"
+    drv = subprocess.Popen([sys.executable, str(tmp_path / "driver.py"), str(marker), str(_free_port())],
+                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           env=dict(os.environ, TMPDIR=str(tmpdir)),
+                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        assert drv.stdout.readline().strip() == "SETTING-UP", drv.stderr.read()
+        os.kill(drv.pid, sig)
+        out, err = drv.communicate(timeout=20)
+    finally:
+        if drv.poll() is None:
+            drv.kill()
+            drv.communicate()
+    assert drv.returncode == 0 and out.strip() == "RETURNED 0", (drv.returncode, out, err)
+    assert "Traceback" not in err, err
+    assert not marker.exists(), "vLLM was started after the stop"
+    assert not list(tmpdir.iterdir()), "run's temporary directory was left"
+
+
+def _pydantic_traceback(tmp_path, body: str) -> str:
+    """What Python prints for an uncaught pydantic ValidationError raised by ``body``."""
+    code = "import pydantic\nfrom pydantic import Field\n" + textwrap.dedent(body)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "Traceback (most recent call last):" in r.stderr, r.stderr
+    return r.stderr
+
+
+FIELD_ERROR = '''
+    @pydantic.dataclasses.dataclass
+    class CacheConfig:
+        gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)
+    CacheConfig(gpu_memory_utilization=2.0)
+'''
+MODEL_ERROR = '''
+    @pydantic.dataclasses.dataclass
+    class VllmConfig:
+        x: int = 0
+        def __post_init__(self):
+            raise ValueError("max_num_batched_tokens (8) is smaller than max_model_len (256)")
+    VllmConfig()
+'''
+
+
+def test_first_exception_reads_pydantic_field_and_model_errors(tmp_path):
+    field = _pydantic_traceback(tmp_path, FIELD_ERROR)
+    model = _pydantic_traceback(tmp_path, MODEL_ERROR)
+    assert servemod.first_exception(field) == ("ValidationError: 1 validation error for CacheConfig: "
+                                               "gpu_memory_utilization: Input should be less than or equal to 1")
+    assert servemod.first_exception(model) == ("ValidationError: 1 validation error for VllmConfig: "
+                                               "max_num_batched_tokens (8) is smaller than max_model_len (256)")
+    # the first traceback is the cause; vLLM's processes reporting each other's failure come after
+    later = "\nTraceback (most recent call last):\n  File \"x\", line 1\nRuntimeError: Engine core initialization failed"
+    logs = "INFO 12-05 07:57:25 [api_server.py:1] starting\n"
+    assert servemod.first_exception(logs + field + later) == servemod.first_exception(field)
+    # an engine process's lines carry vLLM's prefix
+    prefixed = "\n".join(f"(EngineCore_DP0 pid=123) {x}" for x in field.splitlines())
+    assert servemod.first_exception(prefixed) == servemod.first_exception(field)
+    assert servemod.first_exception(logs + "ERROR something without a traceback\n") is None
+
+
+FAILING = textwrap.dedent('''
+    import pydantic
+    from pydantic import Field
+    print("INFO starting the API server", flush=True)
+    @pydantic.dataclasses.dataclass
+    class CacheConfig:
+        gpu_memory_utilization: float = Field(default=0.92, gt=0, le=1)
+    CacheConfig(gpu_memory_utilization=2.0)
+''')
+
+
+def test_vllms_own_error_is_serves_last_line(tmp_path):
+    """A start that fails in vLLM itself (no cause recorded by the plugin): was `(its output
+    above says why)`; the first exception of its output is on the line."""
+    (tmp_path / "fake.py").write_text(FAILING)
+    plan = servemod.ServePlan(".", "tiny", "N150", [sys.executable, str(tmp_path / "fake.py")], {}, "127.0.0.1",
+                              _free_port())
+    with pytest.raises(servemod.TTBundleError) as ei:
+        servemod.run(plan, startup_timeout=60)
+    assert str(ei.value) == ("vLLM exited with code 1 before it was healthy; the first exception in its output: "
+                             "ValidationError: 1 validation error for CacheConfig: gpu_memory_utilization: Input "
+                             "should be less than or equal to 1")
