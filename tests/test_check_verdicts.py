@@ -152,3 +152,37 @@ def test_the_metric_sees_error_a_massive_channel_hides_from_pcc():
     b = (inp16 + upd.to(torch.bfloat16).float() * (1 + 2 ** -8 * torch.randn(64, 256, generator=g))
          ).to(torch.bfloat16).float()
     assert normalised_error(a, b, inp16, "bf16") < EXEC_BOUNDS["bf16"] / 2
+
+
+def test_the_expected_weights_are_the_package_bytes_of_a_correct_build(tmp_path):
+    """Two independent paths to the same numbers: the converter's shards as the package stores
+    them (read back, reassembled) and check's expected weights (the checkpoint cut and rounded by
+    ``check.expected``), bit for bit, on a sharded bfp8 + bfp4 package; and the rounding in bands
+    of rows on threads equals the whole tensor's."""
+    import ttbundle.check.expected as E
+
+    from ttbundle import blockfloat
+    from ttbundle.build import build
+    from ttbundle.package.load import load_package
+    from ttbundle.weights import load_canonical
+
+    b = stored("llama", "bfp4")
+    b = dataclasses.replace(b, spec=b.spec.model_copy(update={"tokenizer": False}))
+    ckpt = reference.save_random(b, tmp_path / "ckpt", seed=3)
+    b = dataclasses.replace(b, spec=b.spec.model_copy(update={"weights": b.spec.weights.model_copy(
+        update={"source": str(ckpt)})}))
+    pkg = load_package(build(b, "T3K", tmp_path / "out", warmup=False).package)
+    held = pkg.weights.canonical()
+    orig = load_canonical(b.family, b.arch, ckpt)
+    for name in ("wq", "wo", "w1", "w2", "lm_head"):
+        enc = pkg.weights.dtypes[name]
+        c, h = (orig[name][1], held[name][1]) if isinstance(orig[name], list) else (orig[name], held[name])
+        dims = {t.name: t for t in b.family.tensors(b.arch)}[name].dims
+        want = E.stored_values(c.float(), pkg.weights.units[name], dims, pkg.mesh.num_devices, enc)
+        assert enc in ("bfp8", "bfp4") and torch.equal(want, h), name
+    x = torch.randn(3, 200, 96) * torch.logspace(-3, 3, 96)
+    old, E.BAND_VALUES = E.BAND_VALUES, 1000
+    try:
+        assert torch.equal(E._quantize(x, "bfp4"), blockfloat.quantize(x.contiguous(), "bfp4"))
+    finally:
+        E.BAND_VALUES = old

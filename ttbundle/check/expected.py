@@ -30,7 +30,6 @@ def stored_values(c, units_per_dim: list, dims, devices: int, encoding: str):
     exponent per 16 values of a tile row, so the cut matters) and written back."""
     import torch
 
-    from .. import blockfloat
     from ..layout import elements
     from ..package.shards import _scatter
 
@@ -48,10 +47,34 @@ def stored_values(c, units_per_dim: list, dims, devices: int, encoding: str):
             pad = (pos < 0).nonzero().reshape(-1)
             if len(pad):
                 shard = shard.index_fill(k, pad, 0.0)
-        q = blockfloat.quantize(shard.contiguous(), encoding) if encoding != "bf16" else \
-            shard.to(torch.bfloat16).float()
+        q = _quantize(shard, encoding) if encoding != "bf16" else shard.to(torch.bfloat16).float()
         _scatter(out, q, [list(u) for u in sig], dims)
     return out
+
+
+#: values rounded per thread at a time (:func:`_quantize`)
+BAND_VALUES = 1 << 22
+
+
+def _quantize(x, encoding: str):
+    """``blockfloat.quantize`` of ``x`` in bands of rows on one thread per core (numpy releases
+    the GIL): a block-float tile row's exponents do not reach across rows, so bands of whole
+    rows round as the whole does."""
+    import torch
+
+    from .. import blockfloat
+    from ..package.shards import _parallel
+
+    flat = x.reshape(-1, x.shape[-1])
+    out = torch.empty(flat.shape, dtype=torch.float32)
+    step = max(1, BAND_VALUES // max(1, flat.shape[1]))
+    jobs = [(a, min(a + step, flat.shape[0])) for a in range(0, flat.shape[0], step)]
+
+    def one(job):
+        a, z = job
+        out[a:z] = blockfloat.quantize(flat[a:z].contiguous(), encoding)
+    _parallel(one, jobs)
+    return out.reshape(x.shape)
 
 
 def _untranspose(c, sources):
