@@ -205,7 +205,7 @@ def text_tokens(pkg, text: str | None) -> tuple[list[int] | None, str]:
 
     tok = transformers.AutoTokenizer.from_pretrained(str(pkg.dir), local_files_only=True)
     what = "ttbundle/data/quality.txt (public domain)" if text is None else "--text"
-    ids = tok(default_text() if text is None else text)["input_ids"]
+    ids = tok(default_text() if text is None else text, verbose=False)["input_ids"]  # no max-length warning
     return [int(i) for i in ids], what
 
 
