@@ -18,6 +18,17 @@ from ttbundle.serving.demo import build_package
 from ttbundle.serving.serve import healthy
 
 
+def _reap(proc, tree) -> None:
+    """Whatever a failed test left running: serve, and every process of its tree."""
+    if proc.poll() is None:
+        proc.kill()
+    for p in tree:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_real_vllm_quietly(tmp_path):
     pkg = build_package(spec_text("llama"), tmp_path / "packages", "N150")
@@ -84,13 +95,7 @@ def test_sigkill_of_serve_during_vllms_start_up_leaves_no_process(tmp_path):
         time.sleep(1)
         assert not healthy("127.0.0.1", port, 1.0)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for p in tree:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        _reap(proc, tree)
 
 
 def _starting(tmp_path, port, preexec=None):
@@ -136,13 +141,7 @@ def test_a_stop_during_vllms_start_up_is_one_line_and_leaves_no_process(tmp_path
         assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
         assert after[-1] == "vLLM stopped" and len(after) <= 5, text
     finally:
-        if proc.poll() is None:
-            proc.kill()
-        for p in tree:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        _reap(proc, tree)
 
 
 def _serve_until_exit(pkg, tmp_path, *extra) -> tuple[int, list[str]]:
