@@ -23,7 +23,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from pkg_mutations import drop_first, edit_programs  # noqa: E402
 from test_check_package import stored  # noqa: E402
 
-from ttbundle import reference, spec as specmod  # noqa: E402
+from ttbundle import reference  # noqa: E402
 from ttbundle.check import EXEC_BOUNDS, MIN_DECISIVE, normalised_error, pcc, run_check  # noqa: E402
 
 A, B = 7, 11  # the two tokens that tie
