@@ -282,13 +282,13 @@ class EmulatedModel:
                     if mm is not None:
                         h = self._merge_images(program, h, mm)
                     if capture is not None:  # the embedding's output too (None: left split)
-                        capture.append((h[0] if h.stride(0) == 0 else h[0].clone()).reshape(N, Tq, -1)
-                                       if h.shape[-1] == self.dims.hidden_size else None)
+                        capture.append(_device0(h).reshape(N, Tq, -1) if h.shape[-1] == self.dims.hidden_size
+                                       else None)
                 elif kind == "head":
                     logits = out
                 else:
-                    if capture is not None:  # device 0's copy alone (a view of h[0] would hold all D)
-                        capture.append((h[0] if h.stride(0) == 0 else h[0].clone()).reshape(N, Tq, -1))
+                    if capture is not None:
+                        capture.append(_device0(h).reshape(N, Tq, -1))
                     layer += 1
                 # the stage's activations go now, not when the next stage replaces them: a
                 # layer-by-layer caller runs other work (the reference's layer) in between
@@ -578,3 +578,10 @@ class EmulatedModel:
             pos = self.ops.shard_positions(t.dims[0], e_axes, self.policy)
             x = self.ops.take(x, 2, pos)
         return torch.einsum("dtek,dekn->dten", x, W)
+
+
+def _device0(h: torch.Tensor) -> torch.Tensor:
+    """Device 0's copy of ``h`` [D, ...] holding its own memory alone: a view of ``h[0]`` would
+    keep all D devices' storage alive (a stride-0 view of one copy is kept as it is)."""
+    v = h[0]
+    return v if v.untyped_storage().nbytes() <= v.numel() * v.element_size() else v.clone()
