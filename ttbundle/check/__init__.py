@@ -84,8 +84,7 @@ class CheckReport:
     @property
     def quantized(self) -> str | None:
         """The coarsest block-float format the package stores (weights or KV), else None."""
-        fmts = set(self.storage["weights"]) | {self.storage["kv_cache"]}
-        return "bfp4" if "bfp4" in fmts else "bfp8" if "bfp8" in fmts else None
+        return coarsest(self.storage)
 
     @property
     def storage_class(self) -> str:
@@ -436,8 +435,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
                   (MARGIN_SIGMAS * bound * exp_logits.double().std(dim=-1)).tolist(), flips, routing)
     nxt = [seq[q + 1] if q + 1 < len(seq) else -1 for q in idx]
     storage = storage_of(pkg)
-    quantized = "bfp4" if "bfp4" in set(storage["weights"]) | {storage["kv_cache"]} else \
-        "bfp8" if "bfp8" in set(storage["weights"]) | {storage["kv_cache"]} else "bf16"
+    quantized = coarsest(storage) or "bf16"
     q = Quality(**measure(ref_logits, emu_logits, nxt), storage=quantized,
                 targets=targets_for(bundle, quantized), natural_text=ids is not None, text=text_what)
     return CheckReport(bundle.spec.name, pkg.mesh.name, dtype, prompt_len, steps, ex, q, drift=drift,
@@ -499,6 +497,12 @@ def recorded_checkpoint(pkg_dir) -> Path:
             raise InvalidInput(f"{pkg_dir}: {d / r['name']} changed since the package was built (its "
                                f"BLAKE3 digest differs from the manifest's); rebuild, or give --reference DIR")
     return d
+
+
+def coarsest(storage: dict) -> str | None:
+    """The coarsest block-float format of a :func:`storage_of` record (weights or KV), else None."""
+    fmts = set(storage["weights"]) | {storage["kv_cache"]}
+    return "bfp4" if "bfp4" in fmts else "bfp8" if "bfp8" in fmts else None
 
 
 def storage_of(pkg) -> dict:

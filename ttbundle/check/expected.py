@@ -157,16 +157,10 @@ class ExpectedWeights:
     def _compute(self, key: str) -> None:
         import torch
 
-        from ..families import transforms
-
         out: dict = {}
         for name, layer, srcs in self.by_key[key]:
-            parts = [torch.stack([self.ck.get(k) for k in ks]) if "{e}" in pat else self.ck.get(ks[0])
-                     for pat, ks in srcs]
             tf = self.table[name].transform
-            c = transforms.apply(tf, parts, self.arch).float()
-            decl = self.decls[name]
-            q = stored_values(c, self.weights.units[name], decl.dims, self.devices, self.weights.dtypes[name])
+            q = self._canonical_stored(name, srcs)
             # a key fed by several jobs (one fused tensor split into q, k, v) takes each job's part
             current = [torch.stack([out.get(k, self.ck.get(k).float()) for k in ks]) if "{e}" in pat
                        else out.get(ks[0], self.ck.get(ks[0]).float()) for pat, ks in srcs]
@@ -217,8 +211,13 @@ class ExpectedWeights:
             yield r0, r1, stored_values(c, rows, (dim0, decl.dims[1]), self.devices, enc)
 
     def _canonical_stored(self, name, srcs):
+        """Canonical tensor ``name`` from its checkpoint sources (``{e}`` keys stacked, as
+        ``weights.canonical`` reads them), as the package stores it."""
+        import torch
+
         from ..families import transforms
-        parts = [self.ck.get(ks[0]) for _, ks in srcs]
+        parts = [torch.stack([self.ck.get(k) for k in ks]) if "{e}" in pat else self.ck.get(ks[0])
+                 for pat, ks in srcs]
         c = transforms.apply(self.table[name].transform, parts, self.arch).float()
         return stored_values(c, self.weights.units[name], self.decls[name].dims, self.devices,
                              self.weights.dtypes[name])

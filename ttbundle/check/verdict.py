@@ -151,10 +151,8 @@ class Executor:
 
     def first_wrong(self) -> Stage | None:
         """The first stage over its bound (execution order: image, then per step the embedding,
-        layers and head); else the head of the step of the first decisive position whose
-        predictions differ."""
-        bad = next((s for s in self.stages if not self.stage_ok(s)), None)
-        return bad
+        layers and head), or None (a differing decisive prediction is named by :meth:`failure`)."""
+        return next((s for s in self.stages if not self.stage_ok(s)), None)
 
     def failure(self, step_of) -> str | None:
         """Why the verdict fails, in one line; None when it passes."""
