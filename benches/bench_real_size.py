@@ -155,6 +155,25 @@ def hf_forward(src: Path, tokens: int) -> dict:
     return {"load_s": t1 - t0, "forward_s": time.monotonic() - t1}
 
 
+def gemm_floor(tokens: int) -> float:
+    """Seconds of one decoder layer's matrix products over ``tokens`` rows in float32 (q, k, v, o,
+    gate, up, down; torch on every core; the best of two): the compute floor of one side's layer
+    in check, which runs three (the emulated mesh, the expected run, the original checkpoint)."""
+    import torch
+
+    h, i = ARCH["hidden_size"], ARCH["intermediate_size"]
+    kv = h * ARCH["num_key_value_heads"] // ARCH["num_attention_heads"]
+    ws = [torch.randn(o, n) * 0.02 for o, n in ((h, h), (kv, h), (kv, h), (h, h), (i, h), (i, h), (h, i))]
+    x, xi = torch.randn(tokens, h), torch.randn(tokens, i)
+    best = float("inf")
+    for _ in range(2):
+        t = time.monotonic()
+        for w in ws:
+            torch.nn.functional.linear(xi if w.shape[1] == i else x, w)
+        best = min(best, time.monotonic() - t)
+    return best
+
+
 def _numel(shape) -> int:
     n = 1
     for s in shape:
@@ -246,6 +265,12 @@ def one_depth(work: Path, layers: int, check: bool, env: dict, prompt_len: int |
         hf_wall, hf_rss, hf_out = measure([sys.executable, __file__, "--hf-forward", str(src),
                                            "--tokens", str(rep["prompt_len"] + rep["steps"] - 1)], env)
         hf = json.loads(hf_out.splitlines()[-1])
+        floors = {}
+        for n in (rep["prompt_len"] + rep["steps"] - 1, LONG_PROMPT + rep["steps"] - 1):
+            r = subprocess.run([sys.executable, __file__, "--gemm-floor", str(n)], capture_output=True, text=True,
+                               cwd=ROOT, check=True)
+            floors[n] = round(float(r.stdout.split()[-1]), 2)
+        row.update(gemm_floor_s=floors, check_chunk=rep.get("prefill_chunk"))
         row.update(check_prompt=rep["prompt_len"], check_s=round(c_wall, 1), check_rss=c_rss,
                    check_over_reference=round(c_wall / ref_s, 2), check_timings=rep["timings"],
                    check_passed=rep["passed"], hf_forward_s=round(hf["forward_s"], 1),
@@ -253,6 +278,10 @@ def one_depth(work: Path, layers: int, check: bool, env: dict, prompt_len: int |
                    check_over_hf_forward=round(c_wall / hf["forward_s"], 2))
     row["load"] = round(os.getloadavg()[0], 2)
     return row
+
+
+#: check's default prompt before it ran chunks of at most 1024 tokens: the 4096-token chunk + a third
+LONG_PROMPT = 5462
 
 
 def main() -> None:
@@ -263,8 +292,9 @@ def main() -> None:
     ap.add_argument("--work", type=Path, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and packages")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
-    ap.add_argument("--check-prompt-len", type=int, help="check's --prompt-len (default: check's own, "
-                    "the prefill chunk + a third: 5,462 tokens here)")
+    ap.add_argument("--check-prompt-len", type=int, help="check's --prompt-len (default: check's own: "
+                    "a 1,024-token chunk and a 128-token one here)")
+    ap.add_argument("--gemm-floor", type=int, help=argparse.SUPPRESS)
     ap.add_argument("--measure", help=argparse.SUPPRESS)
     ap.add_argument("--make-checkpoint", type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--encode-floor", type=Path, help=argparse.SUPPRESS)
@@ -277,6 +307,9 @@ def main() -> None:
         return
     if args.hf_forward:
         print(json.dumps(hf_forward(args.hf_forward, args.tokens)))
+        return
+    if args.gemm_floor:
+        print(gemm_floor(args.gemm_floor))
         return
     if args.encode_floor:
         print(encode_floor(args.encode_floor))
@@ -335,7 +368,16 @@ def main() -> None:
                   f"{r['check_s']:.1f} s = {r['check_over_hf_forward']:.2f}x one transformers forward over the "
                   f"same tokens ({r['hf_forward_s']:.1f} s; load {r['hf_load_s']:.1f} s, peak RSS "
                   f"{r['hf_rss'] / gib:.2f} GiB); its decoder layers: emulated {t['emulated']:.1f} s, expected "
-                  f"{t['expected']:.1f} s, original {t['original']:.1f} s (of {t['total']:.1f} s)")
+                  f"{t['expected']:.1f} s, original {t['original']:.1f} s (of {t['total']:.1f} s; "
+                  f"chunks of {r['check_chunk']})")
+            L, fl = r["layers"], r["gemm_floor_s"]
+            for n, f in fl.items():
+                print(f"  floor of a decoder layer's products over {n} tokens (fp32, every core): {f:.2f} s a side; "
+                      f"three sides x 32 layers: {3 * 32 * f / 60:.1f} min")
+            per = (t["emulated"] + t["expected"] + t["original"]) / L
+            print(f"  measured per decoder layer (three sides): {per:.1f} s; 32 layers: "
+                  f"{(32 * per + t['outside']) / 60:.1f} min with the rest ({t['outside']:.1f} s); "
+                  f"emulated / original layer: {t['emulated_over_original']}")
     for r in rows:
         print(f"floor, {r['layers']} layers: encoding the bfp8 tensors alone (no I/O, no hash, every core) "
               f"{r['encode_floor_s']:.1f} s = {r['floor_over_reference']:.2f}x the reference")

@@ -196,8 +196,9 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
                                                   "to compare with, a directory or a model id ORG/NAME[@REVISION] "
                                                   "(default: the one it was built from)."),
           seed: int = typer.Option(0, "--seed"),
-          prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens (default: "
-                                                   "a bit over one prefill chunk)."),
+          prompt_len: Optional[int] = typer.Option(None, "--prompt-len", help="Prompt tokens, run in the "
+                                                   "package's own prefill chunks (default: a bit over one chunk of at "
+                                                   "most 1024 tokens; docs/check.md)."),
           device: str = typer.Option("cpu", "--device", help="torch device for both sides (cpu, cuda)."),
           image: Optional[list[Path]] = typer.Option(None, "--image", help="An image file in the prompt "
                                                      "(multimodal models; repeatable, at most "
@@ -263,7 +264,7 @@ def _print_check(report) -> None:
     from rich.table import Table
     ex, q = report.executor, report.quality
     t = Table(title=f"{report.bundle} on {report.mesh}: the emulated mesh vs the expected run ({report.dtype}, "
-              f"prompt {report.prompt_len} tokens, {report.steps} steps; normalised error, bound {ex.bound:g})",
+              f"prompt {report.prompt_len} tokens in chunks of {report.prefill_chunk}, {report.steps} steps; normalised error, bound {ex.bound:g})",
               title_justify="left", show_edge=False)
     for c in ("stage", "prefill error", "worst decode error", "PCC vs original (prefill)"):
         t.add_column(c, justify="right")

@@ -77,9 +77,12 @@ class CheckReport:
     ref_tokens: list = field(default_factory=list)
     emu_tokens: list = field(default_factory=list)
     reference: str = ""
-    #: wall seconds: each side's decoder layers (``emulated`` includes its embedding and head
-    #: stages) and the whole comparison (the recordings and heads included)
+    #: wall seconds: each side's decoder layers (weights read and run; ``emulated`` the mesh's
+    #: own, ``expected``/``original`` transformers'), ``outside`` them (embeddings, heads,
+    #: recordings, judging), ``total``, and ``emulated_over_original`` (the layers' ratio)
     timings: dict = field(default_factory=dict)
+    #: the prefill chunk the prompt ran in (check's default prompt: :func:`default_prompt`)
+    prefill_chunk: int = 0
 
     @property
     def quantized(self) -> str | None:
@@ -143,7 +146,7 @@ class CheckReport:
             "drift": [dict(d) for d in self.drift],
             "prompt": self.prompt, "continuation": self.continuation, "compared_positions": len(self.positions),
             "positions": self.positions, "ref_tokens": self.ref_tokens, "emulated_tokens": self.emu_tokens,
-            "shapes_run": [list(s) for s in sorted(self.shapes_run)],
+            "shapes_run": [list(s) for s in sorted(self.shapes_run)], "prefill_chunk": self.prefill_chunk,
             "storage": self.storage, "quantized": self.quantized, "kv_blocks": self.kv_blocks,
             "timings": self.timings,
         }
@@ -235,10 +238,12 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     kv_dtype = rt.kv_cache_dtype
 
     b = bundle.buckets
-    chunk = b.prefill_chunk or max(b.prefill)
+    chunk = run_chunk = b.prefill_chunk or max(b.prefill)
     ids, text_what = (None, "images") if images else text_tokens(pkg, text)
     if prompt_len is None:
-        prompt_len = min(chunk + chunk // 3 + 1, rt.max_model_len - steps - 1)
+        prompt_len, run_chunk = default_prompt(b, rt.max_model_len, steps)
+        if images:  # an image must lie within one chunk: the package's own
+            run_chunk = chunk
         if ids is not None:
             prompt_len = max(1, min(prompt_len, len(ids) - (steps - 1)))
     if prompt_len < 1 or prompt_len + steps > rt.max_model_len:
@@ -317,13 +322,16 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     # only the KV blocks this prompt and these steps need (block 0 stays unused, as vLLM's null block)
     need = -(-(prompt_len + steps) // rt.kv_block_size)
     runner = Runner(model, num_blocks=need + 1)
+    runner.chunk = run_chunk
     blocks = list(range(1, need + 1))
     stages: list = []
     drift: list = []
     flips: list = []
-    #: seconds per side's decoder layers (the emulated mesh's: the rest of the layer-major run)
-    timings = {"expected": 0.0, "original": 0.0}
+    #: seconds: each side's decoder layers (weights read, run, judged apart), and the rest
+    #: (``outside``: the emulated embedding and head, the judging, the three heads)
+    timings = {"emulated": 0.0, "expected": 0.0, "original": 0.0}
     t_start = time.perf_counter()
+    mark = [t_start]  # when the emulated side's current stage began
 
     def free():
         model.release()  # closes the package's files too: what was read does not stay resident
@@ -373,6 +381,8 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
         def after(stage):
             nonlocal h_ref, prev
             kind, li = stage
+            if li is not None:
+                timings["emulated"] += time.perf_counter() - mark[0]
             free()
             if kind == "embedding":
                 prev = captured()
@@ -406,8 +416,10 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
                                                                      emu[ix[0]:ix[-1] + 1])})
             prev = emu
 
-        out = model.run_layer_major(calls, after_stage=after)
-        timings["emulated"] = time.perf_counter() - t_start - timings["expected"] - timings["original"]
+        def timed(stage):
+            after(stage)
+            mark[0] = time.perf_counter()
+        out = model.run_layer_major(calls, after_stage=timed)
         wanted = set(sel)
         emu_logits = torch.cat([lg[0, [r for r, j in enumerate(c.head_rows) if j in wanted]] if k < n_pre
                                 else lg[:c.rows, 0] for k, (lg, c) in enumerate(zip(out, calls))]).float().cpu()
@@ -442,8 +454,38 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
                        shapes_run=sorted(runner.shapes_run), storage=storage, kv_blocks=runner.kv.num_blocks,
                        continuation=cont, prompt=prompt, positions=idx, ref_tokens=ref_logits.argmax(-1).tolist(),
                        emu_tokens=emu_logits.argmax(-1).tolist(), reference=str(reference_dir),
-                       timings={k: round(v, 2) for k, v in timings.items()}
-                       | {"total": round(time.perf_counter() - t_start, 2)})
+                       timings=_timings(timings, time.perf_counter() - t_start), prefill_chunk=runner.chunk)
+
+
+#: the longest prefill chunk check's *default* prompt runs (docs/check.md, "The default
+#: prompt"): three sides run every decoder layer over the whole prompt in float32, so the
+#: prompt's length sets check's time; chunked prefill (a call reading the KV an earlier call
+#: wrote, in every layer) runs at this chunk as at the package's own, and ``--prompt-len``
+#: longer than this runs the package's own chunking (its chunk program included)
+CHECK_CHUNK = 1024
+
+
+def default_prompt(buckets, max_model_len: int, steps: int) -> tuple[int, int]:
+    """``(tokens, chunk)`` of check's default prompt: a bit over one chunk, so chunked prefill
+    runs. A package chunk up to :data:`CHECK_CHUNK` (or no smaller bucket): that chunk and a
+    third of it more. A longer one: chunks of the largest prefill bucket up to CHECK_CHUNK, and the
+    smallest bucket after it (every call's rows real: no padded rows computed; the chunk
+    twice where it is the smallest bucket)."""
+    chunk = buckets.prefill_chunk or max(buckets.prefill)
+    fit = [x for x in buckets.prefill if x <= CHECK_CHUNK]
+    if chunk <= CHECK_CHUNK or not fit:
+        return max(1, min(chunk + chunk // 3 + 1, max_model_len - steps - 1)), chunk
+    c = max(fit)
+    tail = min(buckets.prefill)  # c itself where no bucket is smaller: two whole chunks
+    return max(1, min(c + tail, max_model_len - steps - 1)), c
+
+
+def _timings(layers: dict, total: float) -> dict:
+    """``check --json``'s ``timings``: each side's decoder layers, the rest and the total (s)."""
+    return {k: round(v, 2) for k, v in layers.items()} | {
+        "outside": round(total - sum(layers.values()), 2), "total": round(total, 2),
+        "emulated_over_original": None if not layers["original"]
+        else round(layers["emulated"] / layers["original"], 2)}
 
 
 def compared_prompt_positions(prompt_len: int) -> list[int]:

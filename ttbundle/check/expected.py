@@ -30,8 +30,7 @@ def stored_values(c, units_per_dim: list, dims, devices: int, encoding: str):
     exponent per 16 values of a tile row, so the cut matters) and written back."""
     import torch
 
-    from ..layout import elements
-    from ..package.shards import _scatter
+    from ..package.shards import _scatter, cut
 
     out = c.clone()
     seen = set()
@@ -42,11 +41,7 @@ def stored_values(c, units_per_dim: list, dims, devices: int, encoding: str):
         seen.add(sig)
         shard = c
         for k, (us, dim) in enumerate(zip(sig, dims)):
-            pos = torch.tensor(elements(list(us), dim.unit), dtype=torch.long)
-            shard = shard.index_select(k, pos.clamp(min=0))
-            pad = (pos < 0).nonzero().reshape(-1)
-            if len(pad):
-                shard = shard.index_fill(k, pad, 0.0)
+            shard = cut(shard, k, us, dim.unit)
         q = _quantize(shard, encoding) if encoding != "bf16" else shard.to(torch.bfloat16).float()
         _scatter(out, q, [list(u) for u in sig], dims)
     return out

@@ -189,11 +189,35 @@ class PackageWeights:
         return self._each(assemble, dtype)
 
 
-def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
-    """Write a device's shard back into global ``g`` (padding positions skipped)."""
+def cut(x, k: int, us, unit: int):
+    """Dim ``k`` of ``x`` restricted to the units ``us`` (``-1``: padding, zeros): a view where
+    ``us`` is one contiguous run (every plan's common case), else a gathered copy."""
     import torch
 
-    from ..layout import elements
+    from ..layout import elements, unit_runs
+    run = unit_runs(us)
+    if run is not None and (run[0] + run[1]) * unit <= x.shape[k]:
+        return x.narrow(k, run[0] * unit, run[1] * unit)
+    pos = torch.tensor(elements(list(us), unit), dtype=torch.long)
+    out = x.index_select(k, pos.clamp(min=0))
+    pad = (pos < 0).nonzero().reshape(-1)
+    return out.index_fill(k, pad, 0.0) if len(pad) else out
+
+
+def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
+    """Write a device's shard back into global ``g`` (padding positions skipped): a copy into a
+    view of ``g`` where every dim's units are one contiguous run."""
+    import torch
+
+    from ..layout import elements, unit_runs
+    runs = [unit_runs(us) for us in units_per_dim]
+    if all(r is not None and (r[0] + r[1]) * d.unit <= g.shape[k]
+           for k, (r, d) in enumerate(zip(runs, dims))):
+        view = g
+        for k, (r, d) in enumerate(zip(runs, dims)):
+            view = view.narrow(k, r[0] * d.unit, r[1] * d.unit)
+        view.copy_(shard)
+        return
     idx = []
     for k, (us, d) in enumerate(zip(units_per_dim, dims)):
         pos = torch.tensor(elements(us, d.unit), dtype=torch.long)
