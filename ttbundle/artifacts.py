@@ -102,25 +102,28 @@ class PackageWriter:
     def _tensorbin(self, weights_key: str) -> None:
         """Per-device .tensorbin caches of the weights just written (or linked)."""
         from .backends.ttnn import cache as ttcache
-        key = ttcache.artifact_key(weights_key)
+        ident = ttcache.identity(self.plan, self.inp.fields, weights_key)
+        key = ttcache.artifact_key(ident)
         old = self.prev_art.get("tensorbin", {})
         if old.get("key") == key and all(self._link(rel) for rel in old.get("files", [])):
             files = old["files"]
             self.res.reused.append("tensorbin")
         else:
-            written = ttcache.write_caches(self.tmp, self.plan, self.bundle.spec.sharding, self.emit)
+            written = ttcache.write_caches(self.tmp, self.plan, self.bundle.spec.sharding, self.emit, ident)
             self.files.update(written)
             self.res.bytes_written += sum(r["size"] for r in written.values())
             files = sorted(written)
             self.res.rebuilt.append("tensorbin")
-        self.artifacts["tensorbin"] = {"key": key, "files": files}
+        self.artifacts["tensorbin"] = {"key": key, "identity": ident, "files": files}
 
     def _kernel_cache(self, keys: dict) -> None:
         """tt-metal's kernel cache for every traced program, where a real SFPI compiler is present
         (``backends/ttnn/kernelcache.py``); else recorded as not filled, with the reason."""
         from .backends.ttnn import kernelcache as kc
         sfpi, python = self.sfpi or kc.status()
+        m = self.plan.mesh  # the programs' keys cover the mesh too; said here so no two chips share one
         key = cache.digest({"programs": sorted(v for k, v in keys.items() if k.startswith("program:")),
+                            "arch": m.chip.arch, "mesh_shape": list(m.shape),
                             "sfpi": sfpi.key(), "ttnn": self.inp.fields.get("ttnn"),
                             "code": cache.code_digest(cache.module_sources([kc.__name__]))})
         old = self.prev_art.get("kernel_cache", {})
