@@ -138,6 +138,8 @@ class PackageWriter:
             self.res.bytes_written += sum(r["size"] for r in files.values())
             self.res.rebuilt.append("kernel_cache")
         self.artifacts["kernel_cache"] = {"key": key, **kc.record(sfpi, files)}
+        if self.artifacts["kernel_cache"]["filled"]:  # the programs whose kernels it holds (both samplings)
+            self.artifacts["kernel_cache"]["programs"] = [lowermod.program_name(p, b) for p, b in self.inp.traces]
         if not self.artifacts["kernel_cache"]["filled"]:
             self.res.warnings.append("kernel cache not pre-filled (the first warm-up on a Tenstorrent host "
                                      f"compiles every kernel): {self.artifacts['kernel_cache']['reason']}")
@@ -246,6 +248,20 @@ class PackageWriter:
             "versions": [(k, str(v)) for k, v in cache.versions().items()],
         }
 
+    def _precompiled(self) -> dict:
+        """What this package brings already compiled, for ``serve --require-precompiled``:
+        ``programs``, every (phase, bucket) lowered here (nothing is lowered at start);
+        ``kernels`` (ttnn builds), the programs whose ttnn kernels the package's kernel cache holds
+        (empty when it was not filled, with ``kernels_missing_reason``). Traces are not files:
+        tt-metal captures them at every start, from kernels that are then compiled or cached."""
+        out = {"programs": sorted(lowermod.program_name(p, b) for p, b in self.inp.traces)}
+        if self.backend == "ttnn":
+            kc = self.artifacts.get("kernel_cache", {})
+            out["kernels"] = sorted(kc.get("programs", [])) if kc.get("filled") else []
+            if not kc.get("filled"):
+                out["kernels_missing_reason"] = kc.get("reason", "no kernel cache")
+        return out
+
     def _manifest(self) -> None:
         b, p, m = self.bundle, self.plan, self.plan.mesh
         bk = b.buckets
@@ -268,6 +284,7 @@ class PackageWriter:
             "key": cache.content_key(self.inp.fields),
             "key_fields": self.inp.fields,
             "artifacts": self.artifacts,
+            "precompiled": self._precompiled(),
             "sources": {"weights": self.inp.weight_records, "tokenizer": self.inp.tokenizer_records},
             "build": {"spec_file": str(Path(b.file).absolute()), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       "changed_fields": self.res.changed_fields, "rebuilt": sorted(self.res.rebuilt),

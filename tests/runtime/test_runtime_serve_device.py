@@ -94,3 +94,76 @@ def test_serve_on_the_device_answers_completions(ttnn_package, monkeypatch, tmp_
         assert "Traceback" not in text, text[-3000:]
     finally:
         stop(proc)
+
+
+# ---- serve --require-precompiled (issue 41, item 4) ------------------------------------------------
+def test_require_precompiled_names_what_would_compile_on_the_device(ttnn_package, runner, monkeypatch):
+    """Built without an SFPI compiler, the package's kernel cache is empty: on a TT device every
+    program's kernels (and the traces captured from them) would compile at start, so
+    `--require-precompiled` is exit 2 before vLLM starts, naming each program and why. The
+    manifest lists what the package brings compiled."""
+    import json
+
+    monkeypatch.setenv(activation.TEST_TTNN, "recording")
+    m = json.loads((ttnn_package / "manifest.json").read_text())
+    pre = m["precompiled"]
+    assert pre["programs"] == sorted(a.split(":", 1)[1] for a in m["artifacts"] if a.startswith("program:"))
+    assert pre["kernels"] == [] and "kernels_missing_reason" in pre
+    r = _command(runner, str(ttnn_package), "--device", "tt", "--require-precompiled")
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())
+    assert "--require-precompiled: tiny-llama-N150 on the tt device would compile" in out
+    assert f"the kernels of {len(pre['programs'])} programs, not in the package's kernel cache (" in out
+    for name in pre["programs"]:
+        assert f" {name} (" in out
+    assert "decode-1 (device/host sampling, 2 traces captured from them)" in out
+    assert "Traceback" not in r.output and "vllm" not in out.split("fix:")[0].lower().replace("--require", "")
+    r = _command(runner, str(ttnn_package), "--device", "tt")  # without the flag it starts (and compiles)
+    assert r.exit_code == 0, r.output
+
+
+def test_require_precompiled_passes_with_a_filled_kernel_cache(tmp_path, runner, monkeypatch):
+    """A package whose build filled the kernel cache for every program (a fake SFPI fill, as in
+    test_ttnn_backend) starts under `--require-precompiled` on the device; a TT_METAL_CACHE of
+    the caller's would replace the package's cache and is refused by name."""
+    from ttbundle.backends.ttnn import kernelcache
+    from ttbundle.serving.demo import build_package
+
+    found = kernelcache.Sfpi(True, "/opt/tenstorrent/sfpi", "riscv-tt-elf-g++ (fake) 15.1.0")
+
+    def fake_fill(python, bundle_yaml, programs, mesh, trace_region_size, dest, emit=None):
+        (dest / "kernels").mkdir(parents=True)
+        (dest / "kernels" / "k.elf").write_bytes(b"\x7fELF" + bytes(60))
+        return kernelcache.digest_files(dest)
+
+    monkeypatch.setattr(kernelcache, "status", lambda env=None: (found, "/py-with-ttnn"))
+    monkeypatch.setattr(kernelcache, "fill", fake_fill)
+    pkg = build_package(spec_text("llama"), tmp_path, "N150", backend="ttnn", warmup=False)
+    monkeypatch.setenv(activation.TEST_TTNN, "recording")
+    monkeypatch.delenv("TT_METAL_CACHE", raising=False)
+    r = _command(runner, str(pkg), "--device", "tt", "--require-precompiled")
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("TT_METAL_CACHE", str(tmp_path / "elsewhere") + "/")
+    r = _command(runner, str(pkg), "--device", "tt", "--require-precompiled")
+    assert r.exit_code == 2 and "TT_METAL_CACHE=" in r.output and "unset it" in " ".join(r.output.split())
+
+
+def test_require_precompiled_on_the_emulated_mesh(make_package, runner, monkeypatch, tmp_path):
+    """On the emulated mesh nothing compiles at start (vLLM's compilation is off there), so a
+    complete package starts; a program the manifest does not list as lowered at build is named."""
+    import json
+    import shutil
+
+    monkeypatch.delenv(activation.TEST_TTNN, raising=False)
+    pkg, _ = make_package("llama", "N150")
+    r = _command(runner, str(pkg), "--device", "emulated", "--require-precompiled")
+    assert r.exit_code == 0, r.output
+    cut = tmp_path / "cut"
+    shutil.copytree(pkg, cut)
+    m = json.loads((cut / "manifest.json").read_text())
+    m["precompiled"]["programs"].remove("prefill-32")
+    (cut / "manifest.json").write_text(json.dumps(m))
+    r = _command(runner, str(cut), "--device", "emulated", "--require-precompiled")
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "on the emulated device would compile before serving" in out, r.output
+    assert "program prefill-32: not lowered at build" in out and "Traceback" not in r.output

@@ -328,11 +328,12 @@ def pick_device(device: str | None) -> str:
 
 def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
                extra: list[str] | None = None, device: str = "emulated",
-               data_parallel_size: int | None = None) -> ServePlan:
+               data_parallel_size: int | None = None, require_precompiled: bool = False) -> ServePlan:
     """The vLLM command line and environment for ``package`` on ``device`` (``pick_device``);
     ``data_parallel_size``: vLLM engine ranks over the package's replicas (also read from
     ``--data-parallel-size`` in ``extra``); ``--max-num-seqs`` is then each engine's lanes x the
-    per-replica max_num_seqs."""
+    per-replica max_num_seqs. ``require_precompiled``: refuse (InvalidInput) a start that would
+    compile anything (``precompiled.require``)."""
     from ..runtime.activation import ENV_EMULATED
     from ..runtime.lanes import LaneError, plan_lanes
     from ..runtime.packages import open_package
@@ -365,6 +366,9 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     if pkg.trace_region_size:
         tt["trace_region_size"] = int(pkg.trace_region_size)
     cfg = _merge({"tt": tt}, user_cfg)
+    if require_precompiled:
+        from . import precompiled
+        precompiled.require(pkg, device, cfg.get("tt") or {}, dict(os.environ))
     memory = emulated_memory(pkg, extra, lanes.lanes, dp) if device == "emulated" else None
     pool = ["--num-gpu-blocks-override", str(memory.blocks)] \
         if memory is not None and memory.chosen != "override" else []
