@@ -559,6 +559,8 @@ def serve(ctx: typer.Context,
     except KeyboardInterrupt as e:  # the build removed its temp dir; a previous package is as it was
         err.print(Text(f"stopped by {servemod.stop_name(e)} before vLLM started; nothing was served"))
         raise typer.Exit(0)
+    for note in plan.notes:
+        err.print(Text(note))
     if print_command:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
         out.print(Text(f"{env} {shlex.join(plan.argv)}"))

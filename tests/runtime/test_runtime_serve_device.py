@@ -167,3 +167,85 @@ def test_require_precompiled_on_the_emulated_mesh(make_package, runner, monkeypa
     out = " ".join(r.output.split())
     assert r.exit_code == 2 and "on the emulated device would compile before serving" in out, r.output
     assert "program prefill-32: not lowered at build" in out and "Traceback" not in r.output
+
+
+# ---- trace_region_size against what the package's traces need (issue 41, item 2) --------------------
+#: ttnn functions that build a memory config on the host (dispatch nothing into a trace)
+HOST_SIDE = {"num_cores_to_corerangeset", "create_sharded_memory_config"}
+
+
+def test_trace_need_counts_what_the_runtime_captures(ttnn_package):
+    """The need is what the TT runtime captures: each traced forward (both sampling variants:
+    the host-sampled fallback is traced too) with the calls the recording double records inside
+    its capture, each trace padded as tt-metal pads it after PR #47122 (total across banks, a
+    trace rounded up to 8 KiB pages on each of the 12 Wormhole banks)."""
+    from ttbundle.backends.ttnn import model as ttmodel, recording, tracebudget
+    from ttbundle.package.load import load_package
+
+    pk = load_package(ttnn_package)
+    tn = tracebudget.trace_need(pk)
+    rec = recording.Recorder(unknown_reads="zeros")
+    runner = ttmodel.open_model(rec.module(), pk, "all", host_fallback=True)
+    runner.ex.on_call = rec.on_call
+    runner.warmup()
+    begin = len(rec.events)
+    runner.capture()
+    per_trace, n = [], None
+    for ev in rec.events[begin:]:
+        if ev.fn == "begin_trace_capture":
+            n = 0
+        elif ev.fn == "end_trace_capture":
+            per_trace.append(n)
+            n = None
+        elif n is not None and ev.capturing and ev.fn.split(".")[-1][:1].islower() and ev.fn not in HOST_SIDE:
+            n += 1  # an op; config objects (MatmulMultiCore...Config, CoreCoord) are host-side
+    assert len(per_trace) == len(runner.traced) == len(tn.traces) == 2 * 9  # 3 prefill + 6 decode, x2
+    assert [t[0] for t in tn.traces] == [k for k in runner.forwards if k in runner.traced]
+    assert [t[1] for t in tn.traces] == per_trace
+    banks = 12  # Wormhole DRAM banks
+    for _, calls, b in tn.traces:
+        unit = 8192 * banks
+        assert b == -(-calls * 8192 // unit) * unit and b - unit < calls * 8192 <= b
+    assert tn.need == sum(t[2] for t in tn.traces) and tn.suggested >= 1.25 * tn.need
+    assert tn.suggested % (1 << 20) == 0
+
+
+def test_a_trace_region_override_below_the_need_is_refused(ttnn_package, runner, monkeypatch, tmp_path):
+    """`--additional-config '{"tt": {"trace_region_size": N}}'` (or the spec's
+    runtime.trace_region_size) below the need: exit 3 before vLLM starts, with the arithmetic;
+    at the need it starts. The plan's own estimate below the need is a warning with the size to
+    pass."""
+    import json
+
+    from ttbundle.backends.ttnn import tracebudget
+    from ttbundle.cli import app
+    from ttbundle.package.load import load_package
+    from ttbundle.serving.demo import build_package
+
+    monkeypatch.setenv(activation.TEST_TTNN, "recording")
+    need = tracebudget.trace_need(load_package(ttnn_package)).need
+
+    def cfg(n):  # after --print-command (_command appends it): vLLM's arguments come after --
+        return ["--print-command", "--", "--additional-config", json.dumps({"tt": {"trace_region_size": n}})]
+
+    r = runner.invoke(app, ["serve", str(ttnn_package), "--device", "tt", *cfg(need - 1)])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 3, r.output
+    assert f"trace_region_size {need - 1:,} B (--additional-config tt.trace_region_size) is below" in out
+    assert f"= {need:,} B, total across the chip's DRAM banks" in out and "1 B short" in out
+    assert "Traceback" not in r.output and "vllm serve" not in r.output
+    r = runner.invoke(app, ["serve", str(ttnn_package), "--device", "tt", *cfg(need)])
+    assert r.exit_code == 0 and "trace_region_size" in r.output and "warning" not in r.output, r.output
+    r = _command(runner, str(ttnn_package), "--device", "tt")  # the plan's estimate: a warning, it starts
+    assert r.exit_code == 0, r.output
+    if load_package(ttnn_package).trace_region_size < need:
+        assert "(the plan's estimate) is below what the package's traces need" in " ".join(r.output.split())
+    r = runner.invoke(app, ["serve", str(ttnn_package), "--device", "emulated", *cfg(1)])  # no traces on the emulated mesh
+    assert r.exit_code == 0, r.output
+    import yaml
+    d = yaml.safe_load(spec_text("llama"))
+    d["runtime"]["trace_region_size"] = 1 << 20
+    spec = yaml.safe_dump(d, sort_keys=False)
+    small = build_package(spec, tmp_path, "N150", backend="ttnn", warmup=False)
+    r = _command(runner, str(small), "--device", "tt")
+    assert r.exit_code == 3 and "(the spec's runtime.trace_region_size) is below" in " ".join(r.output.split())
