@@ -179,7 +179,8 @@ def test_trace_need_counts_what_the_runtime_captures(ttnn_package):
     the host-sampled fallback is traced too) with the calls the recording double records inside
     its capture, each trace padded as tt-metal pads it after PR #47122 (total across banks, a
     trace rounded up to 8 KiB pages on each of the 12 Wormhole banks)."""
-    from ttbundle.backends.ttnn import model as ttmodel, recording, tracebudget
+    from ttbundle.backends.ttnn import model as ttmodel, recording
+    from ttbundle.serving import tracebudget
     from ttbundle.package.load import load_package
 
     pk = load_package(ttnn_package)
@@ -217,7 +218,7 @@ def test_a_trace_region_override_below_the_need_is_refused(ttnn_package, runner,
     pass."""
     import json
 
-    from ttbundle.backends.ttnn import tracebudget
+    from ttbundle.serving import tracebudget
     from ttbundle.cli import app
     from ttbundle.package.load import load_package
     from ttbundle.serving.demo import build_package

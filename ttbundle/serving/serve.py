@@ -399,12 +399,12 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
 
 def check_trace_region(pkg, tt: dict, override: int | None) -> str | None:
     """The trace region the device is opened with against what the package's traces need there
-    (``backends/ttnn/tracebudget``). One the user chose (``--additional-config``'s
+    (``serving/tracebudget``). One the user chose (``--additional-config``'s
     ``tt.trace_region_size``, or the spec's ``runtime.trace_region_size`` the package was built
     with) below the need is :class:`DoesNotFit` (exit 3) before vLLM starts, with the
     arithmetic: ttnn would refuse the first capture that overflows it. The plan's own estimate
     below the need is returned as a warning (the per-op bytes are an estimate; docs/hardware.md)."""
-    from ..backends.ttnn.tracebudget import HEADROOM, trace_need
+    from .tracebudget import HEADROOM, trace_need
 
     rt = pkg.bundle.spec.runtime
     if override is not None:

@@ -10,7 +10,7 @@ populate_mesh_buffer``: ``round_up(size, page_size * banks)``, a page at most 8 
 it once the traces' padded sizes add up to more than ``trace_region_size``.
 
 **The need** of a package on a device is therefore the sum, over every forward the TT runtime
-captures (``model.forward_keys``: each traced bucket in each sampling variant the runtime opens,
+captures (``backends/ttnn/model.forward_keys``: each traced bucket in each sampling variant the runtime opens,
 the host-sampled fallback included, one per MLA chunk start), of its captured calls (the ttnn
 calls its lowering emits, what the recording double records inside that capture) times
 :data:`~ttbundle.plan.memory.TRACE_BYTES_PER_OP`, each rounded up to ``8 KiB x banks``. The bytes
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...plan.memory import TRACE_BYTES_PER_OP
-from ...tiles import round_up
+from ..plan.memory import TRACE_BYTES_PER_OP
+from ..tiles import round_up
 
 #: tt-metal's largest trace buffer page (``kMaxTraceBufPageSize``, PR #47766): the padding unit per bank
 TRACE_PAGE_MAX = 8 * 1024
@@ -63,8 +63,8 @@ def padded(calls: int, banks: int) -> int:
 def trace_need(loaded, sample_on_device_mode: str | None = None, trace_mode: str | None = None) -> TraceNeed:
     """What ``loaded``'s (``package.load.LoadedPackage``) traces need on its mesh's chips with the
     runtime's options (default: the bundle's); lowers every traced forward, as the runtime does."""
-    from .lowering import lower_forward
-    from .model import forward_keys
+    from ..backends.ttnn.lowering import lower_forward
+    from ..backends.ttnn.model import forward_keys
 
     rt = loaded.bundle.spec.runtime
     programs = {k: loaded.program_ir(*k) for k in loaded.programs}
