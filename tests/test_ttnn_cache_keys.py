@@ -24,6 +24,7 @@ import pytest
 from test_build import ckpt, spec_text  # noqa: F401  (ckpt: the shared checkpoint fixture)
 from ttbundle import build as buildmod, spec as specmod, tensorbin
 from ttbundle.backends.ttnn import cache, kernelcache, model as ttmodel, recording
+from ttbundle.package.load import load_package
 from ttbundle.package.names import PackageError
 
 
@@ -88,8 +89,14 @@ def test_renamed_cache_files_under_an_unchanged_key_are_refused(tmp_path, ckpt):
     a.rename(tmp), b.rename(a), tmp.rename(b)
     with pytest.raises(PackageError, match=r"device-000/wq\.0\.tensorbin: sha256 .*not the file the build wrote"):
         open_on_double(pkg)
+    with pytest.raises(PackageError, match=r"device-000/wq\.[01]\.tensorbin: sha256 mismatch"):
+        open_on_double(load_package(pkg, verify=True))  # serve's way: the manifest's sha256, read once
     b.rename(tmp), a.rename(b), tmp.rename(a)  # back as built: loads
     open_on_double(pkg)
+    open_on_double(load_package(pkg, verify=True))  # verified in full: the index is not hashed again
+    idx = json.loads((pkg / cache.INDEX).read_text())
+    assert idx["files"][cache.cache_file(0, "wq.0")] == json.loads((pkg / "manifest.json").read_text())["files"][
+        cache.cache_file(0, "wq.0")]
     shutil.copy(a, a.with_name("wq.layer0.tensorbin"))  # a new naming scheme beside the old, same key
     assert json.loads((pkg / "manifest.json").read_text())["artifacts"]["tensorbin"]["key"] == key_before
     with pytest.raises(PackageError, match=r"wq\.layer0\.tensorbin: not (in the manifest|a file of this cache's index)"):

@@ -263,11 +263,13 @@ def check_identity(pkg: str | Path, idx: dict, expect: dict) -> None:
                                "are never used); rebuild the package")
 
 
-def check_files(pkg: str | Path, idx: dict) -> None:
+def check_files(pkg: str | Path, idx: dict, verified_files: dict | None = None) -> None:
     """Every file the index names (each tensor's ``stored_in`` shards) is listed in its
     ``files``, present, of its size and sha256, and ``tensorbin/`` holds no other file: the cache
     is complete and is what the build wrote (a renamed, truncated or placeholder file is refused,
-    named). Reads every file once."""
+    named). Reads every file once, unless ``verified_files`` (the manifest's ``files`` of a
+    package whose every sha256 was just checked, ``LoadedPackage.verified``) vouches for it: then
+    each index record must equal the manifest's, and nothing is read twice."""
     from ...package.names import PackageError
 
     pkg = Path(pkg)
@@ -287,6 +289,11 @@ def check_files(pkg: str | Path, idx: dict) -> None:
         if p.stat().st_size != rec.get("size"):
             raise PackageError(f"{pkg}: {rel}: {p.stat().st_size} bytes, the index says {rec.get('size')}; "
                                "rebuild the package")
+        if verified_files is not None:
+            if verified_files.get(rel) != rec:
+                raise PackageError(f"{pkg}: {INDEX}: {rel} is recorded as {rec}, the manifest says "
+                                   f"{verified_files.get(rel)}; rebuild the package")
+            continue
         h = hashlib.sha256()
         with open(p, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -331,7 +338,7 @@ def check_installed_ttnn(ttnn, idx: dict) -> None:
 
 
 def check_index(pkg: str | Path, idx: dict, refs: dict, mesh_shape, stored_in: dict | None = None,
-                expect: dict | None = None) -> None:
+                expect: dict | None = None, verified_files: dict | None = None) -> None:
     """The caches hold what the package's programs read (``LoadedPackage.weight_refs``): the
     mesh shape, and per key a weight of the programs in its dtype and per-device shape (as ttnn
     holds it, :func:`.layout.device_shape`), each shard in the file the weights store it in
@@ -363,7 +370,7 @@ def check_index(pkg: str | Path, idx: dict, refs: dict, mesh_shape, stored_in: d
                                + (f"{e.get('tensor')} as {want[1]}{want[0]}" if want else f"no weight {e.get('tensor')!r}")
                                + "; rebuild the package")
     if expect is not None:
-        check_files(pkg, idx)
+        check_files(pkg, idx, verified_files)
 
 
 def load_mesh_weights(ttnn, mesh_device, pkg: str | Path, keys: list[str] | None = None) -> dict:

@@ -61,7 +61,8 @@ def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=No
     bundle = pkg.bundle
     idx = ttcache.read_index(pkg.dir)  # checked whole (identity, every file) before anything loads
     ttcache.check_index(pkg.dir, idx, pkg.weight_refs, pkg.mesh.shape, pkg.weights.stored_in,
-                        expect=ttcache.expected_identity(pkg.manifest))
+                        expect=ttcache.expected_identity(pkg.manifest),
+                        verified_files=pkg.manifest["files"] if pkg.verified else None)
     ttcache.check_installed_ttnn(ttnn, idx)
     if mesh_device is None:
         mesh_device = ttnn.open_mesh_device(ttnn.MeshShape(*pkg.mesh.shape), trace_region_size=pkg.trace_region_size)
