@@ -227,7 +227,7 @@ from test_package import built  # noqa: E402,F401  (the N300 package, built once
 
 MANIFEST_KEYS = ["format", "bundle", "arch", "tt_arch", "main_class", "mesh", "replicas", "buckets",
                  "trace_region_bytes", "trace_region_size", "versions", "spec_sha256", "key", "key_fields",
-                 "artifacts", "sources", "build", "files", "extra"]
+                 "artifacts", "precompiled", "sources", "build", "files", "extra"]
 SUB_KEYS = ["name", "shape", "arch", "devices", "prefill", "decode", "prefill_chunk", "vision", "size",
             "sha256", "count", "ttbundle", "weights", "tokenizer", "config.json", "README.md", "../x", "a.py"]
 manifest_values = st.recursive(

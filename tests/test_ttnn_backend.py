@@ -59,7 +59,11 @@ def test_build_writes_a_tensorbin_per_device_and_tensor(tmp_path, ckpt, mesh):
     tp = {t.name: t for t in p.tensors}
     idx = cache.read_index(pkg)
     D = p.mesh.num_devices
-    assert idx["devices"] == D and idx["mesh"] == {"name": mesh, "shape": list(p.mesh.shape)}
+    assert idx["devices"] == D and idx["mesh"] == {"name": mesh, "shape": list(p.mesh.shape), "arch": p.mesh.chip.arch}
+    # the index lists every file it names with the manifest's sha256 (checked whole before a load)
+    assert {r: m["files"][r] for r in idx["files"]} == idx["files"] and set(idx["files"]) | {cache.INDEX} == \
+        set(m["artifacts"]["tensorbin"]["files"])
+    assert idx["identity"] == m["artifacts"]["tensorbin"]["identity"] and idx["identity"]["arch"] == p.mesh.chip.arch
     keys = set(cache._RawSafetensors(pkg / weight_file(0)).meta["tensors"])
     assert set(idx["tensors"]) == keys
     listed = set(m["artifacts"]["tensorbin"]["files"])

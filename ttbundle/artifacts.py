@@ -102,25 +102,28 @@ class PackageWriter:
     def _tensorbin(self, weights_key: str) -> None:
         """Per-device .tensorbin caches of the weights just written (or linked)."""
         from .backends.ttnn import cache as ttcache
-        key = ttcache.artifact_key(weights_key)
+        ident = ttcache.identity(self.plan, self.inp.fields, weights_key)
+        key = ttcache.artifact_key(ident)
         old = self.prev_art.get("tensorbin", {})
         if old.get("key") == key and all(self._link(rel) for rel in old.get("files", [])):
             files = old["files"]
             self.res.reused.append("tensorbin")
         else:
-            written = ttcache.write_caches(self.tmp, self.plan, self.bundle.spec.sharding, self.emit)
+            written = ttcache.write_caches(self.tmp, self.plan, self.bundle.spec.sharding, self.emit, ident)
             self.files.update(written)
             self.res.bytes_written += sum(r["size"] for r in written.values())
             files = sorted(written)
             self.res.rebuilt.append("tensorbin")
-        self.artifacts["tensorbin"] = {"key": key, "files": files}
+        self.artifacts["tensorbin"] = {"key": key, "identity": ident, "files": files}
 
     def _kernel_cache(self, keys: dict) -> None:
         """tt-metal's kernel cache for every traced program, where a real SFPI compiler is present
         (``backends/ttnn/kernelcache.py``); else recorded as not filled, with the reason."""
         from .backends.ttnn import kernelcache as kc
         sfpi, python = self.sfpi or kc.status()
+        m = self.plan.mesh  # the programs' keys cover the mesh too; said here so no two chips share one
         key = cache.digest({"programs": sorted(v for k, v in keys.items() if k.startswith("program:")),
+                            "arch": m.chip.arch, "mesh_shape": list(m.shape),
                             "sfpi": sfpi.key(), "ttnn": self.inp.fields.get("ttnn"),
                             "code": cache.code_digest(cache.module_sources([kc.__name__]))})
         old = self.prev_art.get("kernel_cache", {})
@@ -135,6 +138,8 @@ class PackageWriter:
             self.res.bytes_written += sum(r["size"] for r in files.values())
             self.res.rebuilt.append("kernel_cache")
         self.artifacts["kernel_cache"] = {"key": key, **kc.record(sfpi, files)}
+        if self.artifacts["kernel_cache"]["filled"]:  # the programs whose kernels it holds (both samplings)
+            self.artifacts["kernel_cache"]["programs"] = [lowermod.program_name(p, b) for p, b in self.inp.traces]
         if not self.artifacts["kernel_cache"]["filled"]:
             self.res.warnings.append("kernel cache not pre-filled (the first warm-up on a Tenstorrent host "
                                      f"compiles every kernel): {self.artifacts['kernel_cache']['reason']}")
@@ -243,6 +248,20 @@ class PackageWriter:
             "versions": [(k, str(v)) for k, v in cache.versions().items()],
         }
 
+    def _precompiled(self) -> dict:
+        """What this package brings already compiled, for ``serve --require-precompiled``:
+        ``programs``, every (phase, bucket) lowered here (nothing is lowered at start);
+        ``kernels`` (ttnn builds), the programs whose ttnn kernels the package's kernel cache holds
+        (empty when it was not filled, with ``kernels_missing_reason``). Traces are not files:
+        tt-metal captures them at every start, from kernels that are then compiled or cached."""
+        out = {"programs": sorted(lowermod.program_name(p, b) for p, b in self.inp.traces)}
+        if self.backend == "ttnn":
+            kc = self.artifacts.get("kernel_cache", {})
+            out["kernels"] = sorted(kc.get("programs", [])) if kc.get("filled") else []
+            if not kc.get("filled"):
+                out["kernels_missing_reason"] = kc.get("reason", "no kernel cache")
+        return out
+
     def _manifest(self) -> None:
         b, p, m = self.bundle, self.plan, self.plan.mesh
         bk = b.buckets
@@ -265,6 +284,7 @@ class PackageWriter:
             "key": cache.content_key(self.inp.fields),
             "key_fields": self.inp.fields,
             "artifacts": self.artifacts,
+            "precompiled": self._precompiled(),
             "sources": {"weights": self.inp.weight_records, "tokenizer": self.inp.tokenizer_records},
             "build": {"spec_file": str(Path(b.file).absolute()), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                       "changed_fields": self.res.changed_fields, "rebuilt": sorted(self.res.rebuilt),

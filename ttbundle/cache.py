@@ -55,6 +55,7 @@ FIELDS = {
     "backend": "build backend (ttnn builds add tensorbin/ weight caches)",
     "speculative.draft": "content key of the speculative draft's package, built into this one (speculative: {method: draft})",
     "kernel_cache": "SFPI compiler that filled tt-metal's kernel cache (ttnn builds; none: not filled)",
+    "code.tensorbin": "tensorbin weight cache code (ttbundle.backends.ttnn.cache and its imports; ttnn builds)",
 }
 WEIGHTS_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "weights", "family_code", "ttbundle",
                 "code.convert", "mesh")
@@ -383,5 +384,7 @@ def backend_fields(inp, backend: str, sfpi_key: str | None = None) -> None:
     before backends existed."""
     if backend != "emulated":
         inp.fields["backend"] = backend
+        # the caches' format and writer: a new one rebuilds them (never an old index read as new)
+        inp.fields["code.tensorbin"] = code_digest(module_sources(["ttbundle.backends.ttnn.cache"]))
         if sfpi_key is not None:
             inp.fields["kernel_cache"] = sfpi_key

@@ -517,7 +517,12 @@ def serve(ctx: typer.Context,
                                        "data-parallel RPC port."),
           require_checked: bool = typer.Option(False, "--require-checked", help="Refuse a package without "
                                                "a passing `ttbundle check` record for its mesh and current "
-                                               "manifest (exit 1).")):
+                                               "manifest (exit 1)."),
+          require_precompiled: bool = typer.Option(False, "--require-precompiled", help="Refuse to start "
+                                                   "(exit 2) if anything would compile first: a program "
+                                                   "not lowered at build, or (--device tt) kernels not in "
+                                                   "the package's kernel cache, and the traces captured "
+                                                   "from them; names each.")):
     """Serve a package with vLLM's OpenAI server on a Tenstorrent device or the emulated mesh;
     Ctrl-C stops it cleanly.
 
@@ -545,7 +550,8 @@ def serve(ctx: typer.Context,
             servemod.check_address(host, port)
         where = servemod.pick_device(device)
         pkg = servemod.resolve(target, mesh, output, progress, "ttnn" if where == "tt" else "emulated")
-        plan = servemod.plan_serve(pkg, host, port, list(ctx.args), where, data_parallel_size)
+        plan = servemod.plan_serve(pkg, host, port, list(ctx.args), where, data_parallel_size,
+                                   require_precompiled=require_precompiled)
         if require_checked:
             rec = servemod.require_checked(plan)
             err.print(Text(f"check record: passed {rec['validation']['date']} ({rec['dtypes']['compute']} compute)"))
@@ -554,6 +560,8 @@ def serve(ctx: typer.Context,
     except KeyboardInterrupt as e:  # the build removed its temp dir; a previous package is as it was
         err.print(Text(f"stopped by {servemod.stop_name(e)} before vLLM started; nothing was served"))
         raise typer.Exit(0)
+    for note in plan.notes:
+        err.print(Text(note))
     if print_command:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in plan.env.items())
         out.print(Text(f"{env} {shlex.join(plan.argv)}"))

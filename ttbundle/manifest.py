@@ -74,6 +74,14 @@ class SourcesRecord(_Strict):
     tokenizer: list[dict[str, Any]] = []
 
 
+class PrecompiledRecord(_Strict):
+    """What the package brings compiled (``serve --require-precompiled``): the programs lowered at
+    build; on ttnn builds the programs whose kernels its kernel cache holds, or why none."""
+    programs: list[str]
+    kernels: Optional[list[str]] = None
+    kernels_missing_reason: Optional[str] = None
+
+
 class Manifest(_Strict):
     """``manifest.json``. Required: what verification and loading read; the rest is optional so
     that a package built before a key existed still reads (its readers default it)."""
@@ -93,6 +101,7 @@ class Manifest(_Strict):
     key: Optional[str] = None
     key_fields: dict[str, Any] = {}
     artifacts: dict[str, dict[str, Any]] = {}
+    precompiled: Optional[PrecompiledRecord] = None
     sources: Optional[SourcesRecord] = None
     build: Optional[BuildRecord] = None
     files: dict[str, FileRecord]

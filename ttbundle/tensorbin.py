@@ -26,6 +26,9 @@ writes a host tensor); multi-device files are read but not written yet.
 
 from __future__ import annotations
 
+#: the ttnn version whose file format this module writes and reads (a cache's identity records it)
+TTNN_VERSION = "0.81.1"
+
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path

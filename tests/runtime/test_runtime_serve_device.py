@@ -94,3 +94,159 @@ def test_serve_on_the_device_answers_completions(ttnn_package, monkeypatch, tmp_
         assert "Traceback" not in text, text[-3000:]
     finally:
         stop(proc)
+
+
+# ---- serve --require-precompiled (issue 41, item 4) ------------------------------------------------
+def test_require_precompiled_names_what_would_compile_on_the_device(ttnn_package, runner, monkeypatch):
+    """Built without an SFPI compiler, the package's kernel cache is empty: on a TT device every
+    program's kernels (and the traces captured from them) would compile at start, so
+    `--require-precompiled` is exit 2 before vLLM starts, naming each program and why. The
+    manifest lists what the package brings compiled."""
+    import json
+
+    monkeypatch.setenv(activation.TEST_TTNN, "recording")
+    m = json.loads((ttnn_package / "manifest.json").read_text())
+    pre = m["precompiled"]
+    assert pre["programs"] == sorted(a.split(":", 1)[1] for a in m["artifacts"] if a.startswith("program:"))
+    assert pre["kernels"] == [] and "kernels_missing_reason" in pre
+    r = _command(runner, str(ttnn_package), "--device", "tt", "--require-precompiled")
+    assert r.exit_code == 2, r.output
+    out = " ".join(r.output.split())
+    assert "--require-precompiled: tiny-llama-N150 on the tt device would compile" in out
+    assert f"the kernels of {len(pre['programs'])} programs, not in the package's kernel cache (" in out
+    for name in pre["programs"]:
+        assert f" {name} (" in out
+    assert "decode-1 (device/host sampling, 2 traces captured from them)" in out
+    assert "Traceback" not in r.output and "vllm" not in out.split("fix:")[0].lower().replace("--require", "")
+    r = _command(runner, str(ttnn_package), "--device", "tt")  # without the flag it starts (and compiles)
+    assert r.exit_code == 0, r.output
+
+
+def test_require_precompiled_passes_with_a_filled_kernel_cache(tmp_path, runner, monkeypatch):
+    """A package whose build filled the kernel cache for every program (a fake SFPI fill, as in
+    test_ttnn_backend) starts under `--require-precompiled` on the device; a TT_METAL_CACHE of
+    the caller's would replace the package's cache and is refused by name."""
+    from ttbundle.backends.ttnn import kernelcache
+    from ttbundle.serving.demo import build_package
+
+    found = kernelcache.Sfpi(True, "/opt/tenstorrent/sfpi", "riscv-tt-elf-g++ (fake) 15.1.0")
+
+    def fake_fill(python, bundle_yaml, programs, mesh, trace_region_size, dest, emit=None):
+        (dest / "kernels").mkdir(parents=True)
+        (dest / "kernels" / "k.elf").write_bytes(b"\x7fELF" + bytes(60))
+        return kernelcache.digest_files(dest)
+
+    monkeypatch.setattr(kernelcache, "status", lambda env=None: (found, "/py-with-ttnn"))
+    monkeypatch.setattr(kernelcache, "fill", fake_fill)
+    pkg = build_package(spec_text("llama"), tmp_path, "N150", backend="ttnn", warmup=False)
+    monkeypatch.setenv(activation.TEST_TTNN, "recording")
+    monkeypatch.delenv("TT_METAL_CACHE", raising=False)
+    r = _command(runner, str(pkg), "--device", "tt", "--require-precompiled")
+    assert r.exit_code == 0, r.output
+    monkeypatch.setenv("TT_METAL_CACHE", str(tmp_path / "elsewhere") + "/")
+    r = _command(runner, str(pkg), "--device", "tt", "--require-precompiled")
+    assert r.exit_code == 2 and "TT_METAL_CACHE=" in r.output and "unset it" in " ".join(r.output.split())
+
+
+def test_require_precompiled_on_the_emulated_mesh(make_package, runner, monkeypatch, tmp_path):
+    """On the emulated mesh nothing compiles at start (vLLM's compilation is off there), so a
+    complete package starts; a program the manifest does not list as lowered at build is named."""
+    import json
+    import shutil
+
+    monkeypatch.delenv(activation.TEST_TTNN, raising=False)
+    pkg, _ = make_package("llama", "N150")
+    r = _command(runner, str(pkg), "--device", "emulated", "--require-precompiled")
+    assert r.exit_code == 0, r.output
+    cut = tmp_path / "cut"
+    shutil.copytree(pkg, cut)
+    m = json.loads((cut / "manifest.json").read_text())
+    m["precompiled"]["programs"].remove("prefill-32")
+    (cut / "manifest.json").write_text(json.dumps(m))
+    r = _command(runner, str(cut), "--device", "emulated", "--require-precompiled")
+    out = " ".join(r.output.split())
+    assert r.exit_code == 2 and "on the emulated device would compile before serving" in out, r.output
+    assert "program prefill-32: not lowered at build" in out and "Traceback" not in r.output
+
+
+# ---- trace_region_size against what the package's traces need (issue 41, item 2) --------------------
+#: ttnn functions that build a memory config on the host (dispatch nothing into a trace)
+HOST_SIDE = {"num_cores_to_corerangeset", "create_sharded_memory_config"}
+
+
+def test_trace_need_counts_what_the_runtime_captures(ttnn_package):
+    """The need is what the TT runtime captures: each traced forward (both sampling variants:
+    the host-sampled fallback is traced too) with the calls the recording double records inside
+    its capture, each trace padded as tt-metal pads it after PR #47122 (total across banks, a
+    trace rounded up to 8 KiB pages on each of the 12 Wormhole banks)."""
+    from ttbundle.backends.ttnn import model as ttmodel, recording
+    from ttbundle.serving import tracebudget
+    from ttbundle.package.load import load_package
+
+    pk = load_package(ttnn_package)
+    tn = tracebudget.trace_need(pk)
+    rec = recording.Recorder(unknown_reads="zeros")
+    runner = ttmodel.open_model(rec.module(), pk, "all", host_fallback=True)
+    runner.ex.on_call = rec.on_call
+    runner.warmup()
+    begin = len(rec.events)
+    runner.capture()
+    per_trace, n = [], None
+    for ev in rec.events[begin:]:
+        if ev.fn == "begin_trace_capture":
+            n = 0
+        elif ev.fn == "end_trace_capture":
+            per_trace.append(n)
+            n = None
+        elif n is not None and ev.capturing and ev.fn.split(".")[-1][:1].islower() and ev.fn not in HOST_SIDE:
+            n += 1  # an op; config objects (MatmulMultiCore...Config, CoreCoord) are host-side
+    assert len(per_trace) == len(runner.traced) == len(tn.traces) == 2 * 9  # 3 prefill + 6 decode, x2
+    assert [t[0] for t in tn.traces] == [k for k in runner.forwards if k in runner.traced]
+    assert [t[1] for t in tn.traces] == per_trace
+    banks = 12  # Wormhole DRAM banks
+    for _, calls, b in tn.traces:
+        unit = 8192 * banks
+        assert b == -(-calls * 8192 // unit) * unit and b - unit < calls * 8192 <= b
+    assert tn.need == sum(t[2] for t in tn.traces) and tn.suggested >= 1.25 * tn.need
+    assert tn.suggested % (1 << 20) == 0
+
+
+def test_a_trace_region_override_below_the_need_is_refused(ttnn_package, runner, monkeypatch, tmp_path):
+    """`--additional-config '{"tt": {"trace_region_size": N}}'` (or the spec's
+    runtime.trace_region_size) below the need: exit 3 before vLLM starts, with the arithmetic;
+    at the need it starts. The plan's own estimate below the need is a warning with the size to
+    pass."""
+    import json
+
+    from ttbundle.serving import tracebudget
+    from ttbundle.cli import app
+    from ttbundle.package.load import load_package
+    from ttbundle.serving.demo import build_package
+
+    monkeypatch.setenv(activation.TEST_TTNN, "recording")
+    need = tracebudget.trace_need(load_package(ttnn_package)).need
+
+    def cfg(n):  # after --print-command (_command appends it): vLLM's arguments come after --
+        return ["--print-command", "--", "--additional-config", json.dumps({"tt": {"trace_region_size": n}})]
+
+    r = runner.invoke(app, ["serve", str(ttnn_package), "--device", "tt", *cfg(need - 1)])
+    out = " ".join(r.output.split())
+    assert r.exit_code == 3, r.output
+    assert f"trace_region_size {need - 1:,} B (--additional-config tt.trace_region_size) is below" in out
+    assert f"= {need:,} B, total across the chip's DRAM banks" in out and "1 B short" in out
+    assert "Traceback" not in r.output and "vllm serve" not in r.output
+    r = runner.invoke(app, ["serve", str(ttnn_package), "--device", "tt", *cfg(need)])
+    assert r.exit_code == 0 and "trace_region_size" in r.output and "warning" not in r.output, r.output
+    r = _command(runner, str(ttnn_package), "--device", "tt")  # the plan's estimate: a warning, it starts
+    assert r.exit_code == 0, r.output
+    if load_package(ttnn_package).trace_region_size < need:
+        assert "(the plan's estimate) is below what the package's traces need" in " ".join(r.output.split())
+    r = runner.invoke(app, ["serve", str(ttnn_package), "--device", "emulated", *cfg(1)])  # no traces on the emulated mesh
+    assert r.exit_code == 0, r.output
+    import yaml
+    d = yaml.safe_load(spec_text("llama"))
+    d["runtime"]["trace_region_size"] = 1 << 20
+    spec = yaml.safe_dump(d, sort_keys=False)
+    small = build_package(spec, tmp_path, "N150", backend="ttnn", warmup=False)
+    r = _command(runner, str(small), "--device", "tt")
+    assert r.exit_code == 3 and "(the spec's runtime.trace_region_size) is below" in " ".join(r.output.split())

@@ -198,7 +198,31 @@ print("RESULT " + json.dumps({"device": first, "again": again, "emulated": ref})
     assert dev[0] == emu[0] and sum(a == b for a, b in zip(dev, emu)) >= 6, got
 
 
-@pytest.mark.skip(reason="not implemented: build --backend ttnn does not fill TT_METAL_CACHE yet (docs/hardware.md)")
-def test_kernel_cache_prefilled_by_the_build(package):
-    """A build on a host with SFPI would compile every traced program into TT_METAL_CACHE so a
-    serving host starts without JIT compilation."""
+def test_kernel_cache_prefilled_by_the_build(package, tmp_path):
+    """A build on a host with SFPI compiles every traced program into the package's
+    ``kernel_cache/``; a serving process pointed at its runtime copy (as the worker points
+    TT_METAL_CACHE) warms up and captures every forward without compiling: tt-metal writes a
+    kernel into TT_METAL_CACHE on a miss, so the copy must hold the same files afterwards."""
+    m = json.loads((package / "manifest.json").read_text())
+    kc = m["artifacts"]["kernel_cache"]
+    if not kc.get("filled"):
+        pytest.skip(f"the build did not fill the kernel cache here: {kc.get('reason')}")
+    got = run("""
+import json, os, sys
+from pathlib import Path
+from ttbundle.backends.ttnn import kernelcache
+pkg = sys.argv[1]
+m = json.loads(Path(pkg, "manifest.json").read_text())
+d = kernelcache.runtime_cache_dir(pkg, m, sys.argv[2])
+os.environ["TT_METAL_CACHE"] = f"{d}/"
+files = lambda: sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+before = files()
+import ttnn
+from ttbundle.backends.ttnn import model as ttmodel
+runner = ttmodel.open_model(ttnn, pkg)
+runner.warmup()
+runner.capture()
+print("RESULT " + json.dumps({"before": before, "after": files()}))
+""", tmp_path, package, tmp_path / "xdg")
+    assert got["before"] and got["after"] == got["before"], sorted(set(got["after"]) - set(got["before"]))[:20]
+

@@ -209,3 +209,52 @@ def test_per_device_files_make_mesh_tensors_and_match_ttnns_mappers(packages, tm
     # embeddings/lm_head over a padded vocab and k/v over replicated KV heads are ttbundle's own
     # splits; everything else is a plain ttnn mapper
     assert got["mapped"] > 0 and got["own"] > 0, got
+
+
+ARCH = """
+import json, sys
+import ttnn
+from ttbundle import mesh as meshmod
+from ttbundle.backends.ttnn import cache
+from ttbundle.package.names import PackageError
+m = meshmod.resolve(sys.argv[1])
+dev = ttnn.open_mesh_device(ttnn.MeshShape(*m.shape))
+out = {"arch": str(dev.arch())}
+cache.check_device_arch(dev, {"identity": {"arch": m.chip.arch}})
+other = "blackhole" if m.chip.arch != "blackhole" else "wormhole_b0"
+try:
+    cache.check_device_arch(dev, {"identity": {"arch": other}})
+    out["refused"] = None
+except PackageError as e:
+    out["refused"] = str(e)
+cache.check_installed_ttnn(ttnn, {"identity": {"ttnn": "0.81.1"}})
+try:
+    cache.check_installed_ttnn(ttnn, {"identity": {"ttnn": "0.80.0"}})
+    out["old"] = None
+except PackageError as e:
+    out["old"] = str(e)
+ttnn.close_mesh_device(dev)
+print("RESULT " + json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mesh", ["N150", "P150"])
+def test_the_mesh_reports_the_chip_arch_the_caches_are_keyed_by(mesh, tmp_path):
+    """What ttnn 0.81.1's ``MeshDevice.arch()`` says on a mock Wormhole and Blackhole chip is
+    the architecture a cache's identity records (``mesh.Chip.arch``): caches of the other one are
+    refused, and so are caches in another ttnn's file format (issue 41: tt-metal #52176)."""
+    spec = importlib.util.find_spec("ttnn")
+    if spec is None:
+        pytest.skip("ttnn is not installed here")
+    if not (Path(spec.origin).parent / "runtime/sfpi/compiler/bin/riscv-tt-elf-g++").exists():
+        pytest.skip("no SFPI stub: mock meshes do not open (scripts/setup_tt.sh)")
+    r = subprocess.run([sys.executable, "-c", ARCH, mesh], cwd=tmp_path, env=mockcluster.mock_env(mesh, tmp_path),
+                       capture_output=True, text=True, timeout=600)
+    line = next((ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert r.returncode == 0 and line, r.stdout[-3000:] + r.stderr[-3000:]
+    got = json.loads(line[len("RESULT "):])
+    want = {"N150": ("Arch.WORMHOLE_B0", "wormhole_b0", "blackhole"), "P150": ("Arch.BLACKHOLE", "blackhole", "wormhole_b0")}
+    arch, mine, other = want[mesh]
+    assert got["arch"] == arch
+    assert f"caches and programs for {other} chips, the mesh opened has {mine} chips" in got["refused"]
+    assert "caches in ttnn 0.80.0's tensorbin format, this host has ttnn 0.81.1" in got["old"]

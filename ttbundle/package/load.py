@@ -30,6 +30,8 @@ class LoadedPackage:
     mesh: object
     weights: PackageWeights
     programs: dict = field(default_factory=dict)  # (phase, bucket) -> relative path
+    #: every file's sha256 was checked against the manifest when it was loaded (``verify=True``)
+    verified: bool = False
     _ir: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -126,7 +128,9 @@ def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
             if rel not in m["files"]:
                 raise PackageError(f"{pkg}: {rel}: missing from the manifest")
             programs[(phase, b)] = rel
-    return assemble(pkg, m, bundle, mesh, programs)
+    loaded = assemble(pkg, m, bundle, mesh, programs)
+    loaded.verified = verify
+    return loaded
 
 
 def assemble(pkg: Path, manifest: dict, bundle, mesh, programs: dict) -> LoadedPackage:

@@ -71,6 +71,7 @@ class ServePlan:
     host: str = "127.0.0.1"
     port: int = 8000
     memory: object = None  # the emulated mesh on this host (``plan.host.HostPlan``); None on a device
+    notes: list = field(default_factory=list)  # one-line warnings printed before vLLM starts
 
     @property
     def url(self) -> str:
@@ -328,11 +329,12 @@ def pick_device(device: str | None) -> str:
 
 def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
                extra: list[str] | None = None, device: str = "emulated",
-               data_parallel_size: int | None = None) -> ServePlan:
+               data_parallel_size: int | None = None, require_precompiled: bool = False) -> ServePlan:
     """The vLLM command line and environment for ``package`` on ``device`` (``pick_device``);
     ``data_parallel_size``: vLLM engine ranks over the package's replicas (also read from
     ``--data-parallel-size`` in ``extra``); ``--max-num-seqs`` is then each engine's lanes x the
-    per-replica max_num_seqs."""
+    per-replica max_num_seqs. ``require_precompiled``: refuse (InvalidInput) a start that would
+    compile anything (``precompiled.require``)."""
     from ..runtime.activation import ENV_EMULATED
     from ..runtime.lanes import LaneError, plan_lanes
     from ..runtime.packages import open_package
@@ -365,6 +367,13 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     if pkg.trace_region_size:
         tt["trace_region_size"] = int(pkg.trace_region_size)
     cfg = _merge({"tt": tt}, user_cfg)
+    notes = []
+    if device == "tt" and pkg.built_for_device:
+        note = check_trace_region(pkg, cfg.get("tt") or {}, (user_cfg.get("tt") or {}).get("trace_region_size"))
+        notes += [note] if note else []
+    if require_precompiled:
+        from . import precompiled
+        precompiled.require(pkg, device, cfg.get("tt") or {}, dict(os.environ))
     memory = emulated_memory(pkg, extra, lanes.lanes, dp) if device == "emulated" else None
     pool = ["--num-gpu-blocks-override", str(memory.blocks)] \
         if memory is not None and memory.chosen != "override" else []
@@ -385,7 +394,35 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     # environment is inherited): with the oneDNN-packed GEMMs a step is ~60 short parallel
     # regions, and shortening the spin to 10,000 cost ~12% of the 16-stream throughput on a
     # quiet host (5 runs) (docs/benchmarks.md); on a host busy with other jobs a short spin helps
-    return ServePlan(pkg.path, pkg.name, pkg.mesh_name, argv, env, host, port, memory)
+    return ServePlan(pkg.path, pkg.name, pkg.mesh_name, argv, env, host, port, memory, notes)
+
+
+def check_trace_region(pkg, tt: dict, override: int | None) -> str | None:
+    """The trace region the device is opened with against what the package's traces need there
+    (``serving/tracebudget``). One the user chose (``--additional-config``'s
+    ``tt.trace_region_size``, or the spec's ``runtime.trace_region_size`` the package was built
+    with) below the need is :class:`DoesNotFit` (exit 3) before vLLM starts, with the
+    arithmetic: ttnn would refuse the first capture that overflows it. The plan's own estimate
+    below the need is returned as a warning (the per-op bytes are an estimate; docs/hardware.md)."""
+    from .tracebudget import HEADROOM, trace_need
+
+    rt = pkg.bundle.spec.runtime
+    if override is not None:
+        size, where = int(override), "--additional-config tt.trace_region_size"
+    elif rt.trace_region_size is not None:
+        size, where = int(rt.trace_region_size), "the spec's runtime.trace_region_size"
+    else:
+        size, where = int(pkg.trace_region_size), "the plan's estimate"
+    tn = trace_need(pkg.loaded, tt.get("sample_on_device_mode"), tt.get("trace_mode"))
+    if size >= tn.need:
+        return None
+    what = (f"{pkg.name}-{pkg.mesh_name}: trace_region_size {size:,} B ({where}) is below what the package's "
+            f"traces need on the device: {tn.arithmetic()}; {tn.need - size:,} B short")
+    fix = f"trace_region_size {tn.suggested:,} (the need + {HEADROOM:.0%} headroom) or more"
+    if where == "the plan's estimate":
+        cfg = json.dumps({"tt": {"trace_region_size": tn.suggested}})
+        return f"warning: {what}; if a capture runs out of it, add -- --additional-config '{cfg}'"
+    raise DoesNotFit(f"{what}; fix: {fix}, or leave it out")
 
 
 def emulated_memory(pkg, extra: list[str], lanes: int = 1, engines: int = 1):

@@ -11,6 +11,18 @@ mesh mapper writes one multi-device file per tensor instead, which needs an open
     tensorbin/device-NNN/<key>.tensorbin     device NNN's shard of tensor <key> (``wq.3``), written
                                              for the first device holding that shard only
 
+**Keys that cannot collide** (tt-metal #52176: Wormhole and Blackhole 4x8 meshes shared one weight
+cache; PR #55795: cache files renamed under an unchanged key; PR #50550: a placeholder tensor
+persisted on a miss). ``index.json`` records the caches' :func:`identity` (chip architecture, mesh
+and its shape, the ttnn version whose file format is written, the converter's and this module's
+source digests, the checkpoint's digest, every tensor's dtype and layout), and the artifact key
+is a digest of it; it also lists every file it names with its sha256 and size. Before anything
+is loaded (:func:`check_index`) the identity is compared with what the package's manifest says
+its programs run on, field by field, and every file is checked present, of its size and sha256,
+and no file it does not list is in ``tensorbin/``: a cache from another chip, a renamed file or a
+placeholder is refused, naming the field or file. Nothing is ever written at load: a missing or
+wrong file is an error, never filled in.
+
 Each file is a single-device host tensor exactly as ``ttnn.dump_tensor`` writes one
 (:mod:`ttbundle.tensorbin`), holding the shape, dtype and layout ttnn keeps the tensor in on
 device (:mod:`.layout`): block floats as the package's own tiles (byte for byte what ttnn
@@ -40,7 +52,7 @@ from ...package.names import weight_file
 from ...package.shards import stored_shape
 from .layout import TILE, device_shape
 
-FORMAT = "ttbundle.tensorbin/2"  # /2: one file per distinct shard (``stored_in``)
+FORMAT = "ttbundle.tensorbin/3"  # /2: one file per distinct shard (``stored_in``); /3: identity, file digests
 DIR = "tensorbin"
 INDEX = f"{DIR}/index.json"
 
@@ -49,10 +61,38 @@ def cache_file(d: int, key: str) -> str:
     return f"{DIR}/device-{d:03d}/{key}.tensorbin"
 
 
-def artifact_key(weights_key: str) -> str:
-    """The caches depend on the weights and on the code that lays them out: this module and every
-    ttbundle module it imports (``cache.module_sources``)."""
-    return digest({"weights": weights_key, "code": code_digest(module_sources([__name__])), "format": FORMAT})
+#: identity fields compared at load with what the manifest says (``code`` and ``tensors`` are in
+#: the key; the tensors are checked one by one against the programs instead)
+CHECKED = ("format", "arch", "mesh", "mesh_shape", "ttnn", "converter", "sources", "weights")
+
+
+def identity(plan, fields: dict, weights_key: str) -> dict:
+    """What the caches are, for their key and their index: ``plan``'s mesh (chip architecture,
+    name, shape), the ttnn version whose ``.tensorbin`` format is written (``tensorbin.TTNN_VERSION``),
+    the converter's source digest (``fields["code.convert"]``), this module's and its imports'
+    (``code``), the checkpoint's digest (``fields["weights"]``), the weights' artifact key, and
+    a digest of every tensor's dtype and layout."""
+    mesh = plan.mesh
+    return {"format": FORMAT, "arch": mesh.chip.arch, "mesh": mesh.name, "mesh_shape": list(mesh.shape),
+            "ttnn": tensorbin.TTNN_VERSION, "converter": fields.get("code.convert"),
+            "code": code_digest(module_sources([__name__])), "sources": fields.get("weights"),
+            "weights": weights_key,
+            "tensors": digest(sorted((t.name, t.dtype, t.layout) for t in plan.tensors))}
+
+
+def expected_identity(manifest: dict) -> dict:
+    """The :data:`CHECKED` fields a package's caches must have: its manifest's mesh (the one its
+    programs were lowered for), key fields and weights key."""
+    m = manifest.get("mesh", {})
+    kf = manifest.get("key_fields", {})
+    return {"format": FORMAT, "arch": m.get("arch"), "mesh": m.get("name"), "mesh_shape": list(m.get("shape", [])),
+            "ttnn": tensorbin.TTNN_VERSION, "converter": kf.get("code.convert"), "sources": kf.get("weights"),
+            "weights": manifest.get("artifacts", {}).get("weights", {}).get("key")}
+
+
+def artifact_key(ident: dict) -> str:
+    """The caches' key: a digest of their whole :func:`identity`."""
+    return digest(ident)
 
 
 # ---- reading a package's device files without torch --------------------------------------------
@@ -150,9 +190,10 @@ def _write_file(path: Path, *chunks: bytes) -> dict:
 
 
 def write_caches(pkg: str | Path, plan, policy=None,
-                 progress: Callable[[dict], None] | None = None) -> dict[str, dict]:
+                 progress: Callable[[dict], None] | None = None, ident: dict | None = None) -> dict[str, dict]:
     """Write ``tensorbin/`` into package directory ``pkg`` (its ``weights/`` already written) for
-    ``plan``. Returns ``{relative path: {"sha256", "size"}}`` of every file written."""
+    ``plan``, its index recording ``ident`` (:func:`identity`) and every file's sha256. Returns
+    ``{relative path: {"sha256", "size"}}`` of every file written."""
     from .mappers import mapper_dims
 
     pkg = Path(pkg)
@@ -189,8 +230,9 @@ def write_caches(pkg: str | Path, plan, policy=None,
     finally:
         for r in readers:
             r.close()
-    doc = {"format": FORMAT, "mesh": {"name": mesh.name, "shape": list(mesh.shape)}, "devices": D,
-           "files": f"{DIR}/device-NNN/<key>.tensorbin", "tensors": index}
+    doc = {"format": FORMAT, "mesh": {"name": mesh.name, "shape": list(mesh.shape), "arch": mesh.chip.arch},
+           "devices": D, "identity": ident or {}, "layout": f"{DIR}/device-NNN/<key>.tensorbin",
+           "files": dict(sorted(files.items())), "tensors": index}
     files[INDEX] = _write_file(pkg / INDEX, (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode())
     return files
 
@@ -208,17 +250,108 @@ def load_host_shards(ttnn, pkg: str | Path, key: str, devices: int, stored_in: l
     return [loaded[s] for s in src]
 
 
-def check_index(pkg: str | Path, idx: dict, refs: dict, mesh_shape, stored_in: dict | None = None) -> None:
+def check_identity(pkg: str | Path, idx: dict, expect: dict) -> None:
+    """The caches are the ones ``expect`` (:func:`expected_identity`) asks for, field by field
+    (:data:`CHECKED`); PackageError naming the first field that differs and both values."""
+    from ...package.names import PackageError
+
+    got = idx.get("identity") or {}
+    for f in CHECKED:
+        if got.get(f) != expect.get(f):
+            raise PackageError(f"{pkg}: {INDEX}: caches for {f} {got.get(f)!r}, this package's programs need "
+                               f"{expect.get(f)!r} (caches of another chip, mesh, ttnn, converter or checkpoint "
+                               "are never used); rebuild the package")
+
+
+def check_files(pkg: str | Path, idx: dict, verified_files: dict | None = None) -> None:
+    """Every file the index names (each tensor's ``stored_in`` shards) is listed in its
+    ``files``, present, of its size and sha256, and ``tensorbin/`` holds no other file: the cache
+    is complete and is what the build wrote (a renamed, truncated or placeholder file is refused,
+    named). Reads every file once, unless ``verified_files`` (the manifest's ``files`` of a
+    package whose every sha256 was just checked, ``LoadedPackage.verified``) vouches for it: then
+    each index record must equal the manifest's, and nothing is read twice."""
+    from ...package.names import PackageError
+
+    pkg = Path(pkg)
+    listed = idx.get("files") or {}
+    need = {cache_file(int(d), key) for key, e in idx.get("tensors", {}).items()
+            for d in set(e.get("stored_in") or [])}
+    for rel in sorted(need - set(listed)):
+        raise PackageError(f"{pkg}: {INDEX}: {rel} is read but not listed with its sha256; rebuild the package")
+    on_disk = {p.relative_to(pkg).as_posix() for p in (pkg / DIR).rglob("*") if p.is_file()} - {INDEX}
+    for rel in sorted(on_disk - set(listed)):
+        raise PackageError(f"{pkg}: {rel}: not a file of this cache's index (renamed, or left by another "
+                           "build); rebuild the package")
+    for rel, rec in sorted(listed.items()):
+        p = pkg / rel
+        if not p.is_file():
+            raise PackageError(f"{pkg}: {rel}: missing (the cache is incomplete); rebuild the package")
+        if p.stat().st_size != rec.get("size"):
+            raise PackageError(f"{pkg}: {rel}: {p.stat().st_size} bytes, the index says {rec.get('size')}; "
+                               "rebuild the package")
+        if verified_files is not None:
+            if verified_files.get(rel) != rec:
+                raise PackageError(f"{pkg}: {INDEX}: {rel} is recorded as {rec}, the manifest says "
+                                   f"{verified_files.get(rel)}; rebuild the package")
+            continue
+        h = hashlib.sha256()
+        with open(p, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                h.update(chunk)
+        if h.hexdigest() != rec.get("sha256"):
+            raise PackageError(f"{pkg}: {rel}: sha256 {h.hexdigest()[:12]}..., the index says "
+                               f"{str(rec.get('sha256'))[:12]}... (not the file the build wrote); rebuild the package")
+
+
+def check_device_arch(mesh_device, idx: dict, pkg: str | Path = "") -> None:
+    """The opened mesh's chips are the architecture the caches (and the programs) were made for
+    (``MeshDevice.arch()``, ``Arch.WORMHOLE_B0`` / ``Arch.BLACKHOLE``): a Wormhole package on a
+    Blackhole mesh of the same shape is refused before a weight loads. A device that does not
+    say (a stand-in) is not checked."""
+    from ...package.names import PackageError
+
+    arch = getattr(mesh_device, "arch", None)
+    if not callable(arch):
+        return
+    a = arch()
+    have = str(getattr(a, "name", str(a).rsplit(".", 1)[-1])).lower()
+    want = (idx.get("identity") or {}).get("arch")
+    if have != want:
+        raise PackageError(f"{pkg}: {INDEX}: caches and programs for {want} chips, the mesh opened has {have} "
+                           f"chips; build the package for a {have} mesh")
+
+
+def check_installed_ttnn(ttnn, idx: dict) -> None:
+    """The ttnn module about to load the caches reads the file format they were written in: the
+    wheel's installed version equals the identity's (a stand-in module is not the wheel)."""
+    import types
+
+    from ...cache import dist_version
+    from ...package.names import PackageError
+
+    if not (isinstance(ttnn, types.ModuleType) and ttnn.__name__ == "ttnn"):
+        return
+    have, want = dist_version("ttnn"), (idx.get("identity") or {}).get("ttnn")
+    if have != want:
+        raise PackageError(f"{INDEX}: caches in ttnn {want}'s tensorbin format, this host has ttnn {have}; "
+                           f"install ttnn {want} or rebuild the package for it")
+
+
+def check_index(pkg: str | Path, idx: dict, refs: dict, mesh_shape, stored_in: dict | None = None,
+                expect: dict | None = None, verified_files: dict | None = None) -> None:
     """The caches hold what the package's programs read (``LoadedPackage.weight_refs``): the
     mesh shape, and per key a weight of the programs in its dtype and per-device shape (as ttnn
     holds it, :func:`.layout.device_shape`), each shard in the file the weights store it in
-    (``stored_in``: ``PackageWeights.stored_in``, checked against the layout at load). Raises
-    PackageError naming the key and both."""
+    (``stored_in``: ``PackageWeights.stored_in``, checked against the layout at load). With
+    ``expect`` (:func:`expected_identity`), also the identity (:func:`check_identity`) and
+    every file (:func:`check_files`). Raises PackageError naming the key and both."""
     from ...package.names import PackageError
 
     if idx.get("format") != FORMAT:
         raise PackageError(f"{pkg}: {INDEX}: format {idx.get('format')!r}, this ttbundle reads {FORMAT}; "
                            "rebuild the package")
+    if expect is not None:
+        check_identity(pkg, idx, expect)
     if stored_in is not None:
         for key, e in idx["tensors"].items():
             if e.get("stored_in") != stored_in.get(key):
@@ -236,6 +369,8 @@ def check_index(pkg: str | Path, idx: dict, refs: dict, mesh_shape, stored_in: d
             raise PackageError(f"{pkg}: {INDEX}: {key} is cached as {got}, the programs read "
                                + (f"{e.get('tensor')} as {want[1]}{want[0]}" if want else f"no weight {e.get('tensor')!r}")
                                + "; rebuild the package")
+    if expect is not None:
+        check_files(pkg, idx, verified_files)
 
 
 def load_mesh_weights(ttnn, mesh_device, pkg: str | Path, keys: list[str] | None = None) -> dict:

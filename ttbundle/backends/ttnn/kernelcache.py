@@ -175,17 +175,49 @@ def record(sfpi: Sfpi, files: dict | None) -> dict:
 
 def runtime_cache_dir(package_dir: str | Path, manifest: dict, base: str | Path | None = None) -> Path | None:
     """A writable copy of the package's kernel cache (tt-metal adds to it on a miss, and the package
-    must stay as its manifest says), made once per package key; None when the build did not fill one."""
+    must stay as its manifest says), one per package content key; None when the build did not fill
+    one. The copy is checked complete before use: every file the package lists, with the
+    manifest's sha256, and nothing else. A copy that differs (a file a run wrote on a miss, a
+    placeholder, a truncated copy) is replaced by a fresh copy, checked the same way: nothing a
+    miss wrote outlives the run that wrote it. A manifest without a content key is refused (no
+    two packages share one directory)."""
+    from ...package.names import PackageError
+
     art = manifest.get("artifacts", {}).get("kernel_cache", {})
     if not art.get("filled"):
         return None
+    if not manifest.get("key"):
+        raise PackageError(f"{package_dir}: manifest has no content key; its kernel cache would share a "
+                           "directory with other packages; rebuild the package")
+    want = {rel[len(CACHE_DIR) + 1:]: manifest["files"][rel]["sha256"] for rel in art.get("files", [])}
     base = Path(base or os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ttbundle" / "tt-metal-cache"
-    dst = base / str(manifest.get("key", "unkeyed"))
-    if not dst.is_dir():
-        tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
-        shutil.copytree(Path(package_dir) / CACHE_DIR, tmp, dirs_exist_ok=True)
-        tmp.rename(dst)
+    dst = base / str(manifest["key"])
+    if dst.is_dir() and _holds(dst, want):
+        return dst
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    for rel in want:
+        (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(Path(package_dir) / CACHE_DIR / rel, tmp / rel)
+    if not _holds(tmp, want):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise PackageError(f"{package_dir}: {CACHE_DIR}/ does not hold the files its manifest lists with their "
+                           "sha256; rebuild the package")
+    if dst.is_dir():
+        old = dst.with_name(dst.name + f".old{os.getpid()}")
+        dst.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    tmp.rename(dst)
     return dst
+
+
+def _holds(root: Path, want: dict[str, str]) -> bool:
+    """``root`` holds exactly the files of ``want`` (relative path -> sha256), each with its digest."""
+    have = {p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink()}
+    if have != set(want):
+        return False
+    return all(hashlib.sha256((root / rel).read_bytes()).hexdigest() == sha for rel, sha in want.items())
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,11 +59,15 @@ def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=No
     says."""
     pkg = package if isinstance(package, LoadedPackage) else load_package(package)
     bundle = pkg.bundle
+    idx = ttcache.read_index(pkg.dir)  # checked whole (identity, every file) before anything loads
+    ttcache.check_index(pkg.dir, idx, pkg.weight_refs, pkg.mesh.shape, pkg.weights.stored_in,
+                        expect=ttcache.expected_identity(pkg.manifest),
+                        verified_files=pkg.manifest["files"] if pkg.verified else None)
+    ttcache.check_installed_ttnn(ttnn, idx)
     if mesh_device is None:
         mesh_device = ttnn.open_mesh_device(ttnn.MeshShape(*pkg.mesh.shape), trace_region_size=pkg.trace_region_size)
+    ttcache.check_device_arch(mesh_device, idx, pkg.dir)
     ex = Executor(ttnn, mesh_device)
-    ttcache.check_index(pkg.dir, ttcache.read_index(pkg.dir), pkg.weight_refs, pkg.mesh.shape,
-                        pkg.weights.stored_in)
     ex.env["weights"].update(ttcache.load_mesh_weights(ttnn, mesh_device, pkg.dir))
     ex.env["kv"] = allocate_kv(ttnn, mesh_device, pkg.kv_cache)
     keys, trace_keys = forward_keys(bundle, {k: pkg.program_ir(*k) for k in pkg.programs},
