@@ -40,6 +40,8 @@ FIELDS = {
     "spec.runtime": "runtime limits (KV cache, trace mode, ...)",
     "spec.card": "name and description",
     "weights": "BLAKE3 of the checkpoint files",
+    "weights.format": "the checkpoint's quantization_config (config.json; quantized checkpoints only)",
+    "weights.adapters": "sha256 of the LoRA adapters' files (weights.adapters; only when given)",
     "tokenizer": "BLAKE3 of the tokenizer files",
     "family_code": "source of the family module and the ttbundle modules it imports",
     "ttbundle": "ttbundle version",
@@ -57,7 +59,7 @@ FIELDS = {
     "kernel_cache": "SFPI compiler that filled tt-metal's kernel cache (ttnn builds; none: not filled)",
 }
 WEIGHTS_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "weights", "family_code", "ttbundle",
-                "code.convert", "mesh")
+                "code.convert", "mesh", "weights.format", "weights.adapters")  # the last two: when present
 PROGRAM_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "spec.runtime", "family_code",
                 "ttbundle", "code.lower", "mesh")
 WARMUP_DEPS = ("code.backend", "torch")
@@ -351,10 +353,38 @@ def compute(bundle, plan, previous: dict | None) -> Inputs:
         "mesh": f"{m.name} {m.rows}x{m.cols} {m.chip.arch}",
     }
     f.update(code_fields())
+    f.update(format_fields(bundle, wdir))
     inp = Inputs(resolved, text, f, wrec, trec, wdir, trace_set(bundle))
     if not inp.pending:
         inp.finish()
     return inp
+
+
+def format_fields(bundle, wdir: Path) -> dict:
+    """What else the converted weights depend on, only where it is there (other packages' keys
+    stay as they were): the checkpoint's ``quantization_config`` and the LoRA adapters' files."""
+    out = {}
+    cfg = wdir / "config.json"
+    if cfg.is_file():
+        try:
+            c = json.loads(cfg.read_text())
+        except (OSError, ValueError):
+            c = None
+        q = c.get("quantization_config") if isinstance(c, dict) else None
+        if q:
+            out["weights.format"] = digest(q)
+    if bundle.spec.weights.adapters:
+        recs = []
+        for p in bundle.spec.weights.adapters:
+            d = bundle.resolve_path(p)
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                f = d / name
+                if not f.is_file():
+                    raise InvalidInput(f"{bundle.file}: weights.adapters: {d} has no {name} (a PEFT LoRA adapter "
+                                       "directory holds adapter_config.json and adapter_model.safetensors)")
+                recs.append([str(d), name, hash_file(f, hashlib.sha256())])
+        out["weights.adapters"] = digest(recs)
+    return out
 
 
 def content_key(fields: dict) -> str:
@@ -366,7 +396,7 @@ def content_key(fields: dict) -> str:
 def artifact_keys(fields: dict, traces) -> dict:
     """Key per artifact: ``weights``, ``program:<phase>-<bucket>``, ``warmup:<phase>-<bucket>``."""
     from .lower import program_name
-    keys = {"weights": digest({k: fields[k] for k in WEIGHTS_DEPS})}
+    keys = {"weights": digest({k: fields[k] for k in WEIGHTS_DEPS if k in fields})}
     for phase, b in traces:
         name = program_name(phase, b)
         pk = digest({**{k: fields[k] for k in PROGRAM_DEPS}, "phase": phase, "bucket": b})

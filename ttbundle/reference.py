@@ -202,7 +202,7 @@ class LayerwiseModel:
     :meth:`head` the final norm, LM head and final logit soft-capping."""
 
     def __init__(self, directory: str | Path, dtype=None, device="cpu", kv_storage: str | None = None,
-                 weights=None):
+                 weights=None, adapters=()):
         import torch
         import transformers
 
@@ -217,8 +217,9 @@ class LayerwiseModel:
         self.weights = weights
         from .weights import Checkpoint
 
-        # the checkpoint as its format decodes it (``formats``): what the build converts
-        self.ck = Checkpoint(self.dir)
+        # the checkpoint as its format decodes it (``formats``), LoRA ``adapters`` merged: what
+        # the build converts
+        self.ck = Checkpoint(self.dir, adapters=adapters)
         try:
             cfg = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
             for c in (cfg, getattr(cfg, "text_config", None)):
@@ -254,8 +255,8 @@ class LayerwiseModel:
         cvt = [c for c in conv if isinstance(c, WeightConverter)]
         meta = self.model.state_dict()
         self.where: dict = {}
-        for k in sorted(self.ck.keys()):  # a decoded tensor has no file of its own (None)
-            f = None if k in self.ck.view.decoded else self.ck.files[k]
+        for k in sorted(self.ck.keys()):  # a decoded or merged tensor has no file of its own (None)
+            f = None if self.ck.derived(k) else self.ck.files[k]
             self.where[k] = (f, rename_source_key(k, ren, cvt, self.model.base_model_prefix, meta)[0])
 
     def _keys(self, prefix: str) -> list:
@@ -278,7 +279,7 @@ class LayerwiseModel:
             sd = {}
             for k in keys:
                 f = self.where[k][0]
-                if f is None:  # decoded from its quantized companions, as the build reads it
+                if f is None:  # decoded / merged as the build reads it
                     sd[k] = self.ck.get(k)
                 else:
                     if f not in handles:
@@ -322,7 +323,7 @@ class LayerwiseModel:
         if key is None:
             raise InvalidInput(f"{self.dir}: the checkpoint has no embedding ({self.embed_name}.weight)")
         uniq = sorted(set(ids))
-        if self.where[key][0] is None:  # a quantized embedding, decoded
+        if self.where[key][0] is None:  # a quantized or adapted embedding
             rows = self.ck.get(key)[uniq].float()
         else:
             with safe_open(str(self.where[key][0]), framework="pt") as h:

@@ -42,7 +42,7 @@ class Checkpoint:
     file is InvalidInput naming it, and every tensor read is checked for NaN/Inf (all
     non-finite tensors are listed, each with its counts)."""
 
-    def __init__(self, directory: str | Path, quantization: dict | None = None):
+    def __init__(self, directory: str | Path, quantization: dict | None = None, adapters=()):
         from .fsutil import read_user_json, user_file
 
         d = Path(directory)
@@ -83,7 +83,9 @@ class Checkpoint:
                 raise InvalidInput(f"{index}: {absent[0]!r} is not in {files[absent[0]].name} "
                                    f"({len(absent)} tensor(s) the index names are missing)")
         self.files = files
-        self._decoded_view(quantization, {k: (self.dtypes[k], shapes[k]) for k in files})
+        stored = {k: (self.dtypes[k], shapes[k]) for k in files}
+        self._decoded_view(quantization, stored)
+        self._merge_adapters(adapters, stored)
 
     def _decoded_view(self, quantization, stored: dict) -> None:
         """The checkpoint as its format decodes it (``formats``): the scheme of its config.json's
@@ -106,6 +108,23 @@ class Checkpoint:
         self.dtypes = {k: "BF16" if k in self.view.decoded else self.raw_dtypes[k]
                        for k in self.view.keys(stored)}
 
+    def _merge_adapters(self, adapters, stored: dict) -> None:
+        """PEFT LoRA adapters (directories) merged into the decoded view as tensors are read
+        (``formats.lora``); every adapter tensor checked against the base first."""
+        from .formats import lora
+
+        self.adapters = [lora.read_adapter(Path(a)) for a in adapters]
+        shapes = {k: (stored[k][1] if k in stored else self.view.decoded[k].shape) for k in self.dtypes}
+        lora.check_against(self.adapters, shapes)
+        #: keys an adapter changes (read merged, float32)
+        self.merged = {k for ad in self.adapters for k in (*ad.deltas, *ad.replaced)}
+        for k in self.merged:
+            self.dtypes[k] = "F32"
+
+    def derived(self, key: str) -> bool:
+        """Whether tensor ``key`` is not a stored tensor as stored (decoded or merged)."""
+        return key in self.view.decoded or key in self.merged
+
     @staticmethod
     def _call(f: Path, fn):
         from safetensors import SafetensorError
@@ -127,6 +146,12 @@ class Checkpoint:
     def get(self, key: str):
         """Tensor ``key`` of the decoded view: a stored tensor as stored, a quantized one decoded
         from its stored companions (bf16)."""
+        if key in self.merged:
+            from .formats import lora
+            return lora.merged(self._decoded(key), key, self.adapters, _read_adapter)
+        return self._decoded(key)
+
+    def _decoded(self, key: str):
         e = self.view.decoded.get(key)
         if e is None:
             return self.stored(key)
@@ -159,6 +184,18 @@ class Checkpoint:
                     bad.append(f"{k} ({self.files[k].name}): {nan:,} NaN, {inf:,} Inf")
         raise InvalidInput(f"{self.dir}: the checkpoint holds non-finite weights in {len(bad)} "
                            "tensor(s); fix or re-export it", [Diagnostic(b, file=str(self.dir)) for b in bad])
+
+
+def _read_adapter(d: Path, key: str):
+    """Tensor ``key`` of adapter directory ``d``, checked finite."""
+    from safetensors import safe_open
+
+    f = Path(d) / "adapter_model.safetensors"
+    with safe_open(str(f), framework="pt") as h:
+        x = h.get_tensor(key)
+    if x.is_floating_point() and nonfinite(x) != (0, 0):
+        raise InvalidInput(f"{f}: {key} holds NaN or Inf values")
+    return x
 
 
 def nonfinite(x) -> tuple[int, int]:
@@ -198,6 +235,12 @@ def check_source_dtypes(family, a, jobs, dtypes: dict[str, str]) -> None:
                            "checkpoint in bf16, fp16 or fp32, or in a quantized format named by config.json's "
                            "quantization_config (docs/build.md#quantized-checkpoints)",
                            [Diagnostic(x) for x in lines[:20]])
+
+
+def bundle_adapters(bundle) -> list[Path]:
+    """The spec's ``weights.adapters`` as directories (relative to the spec, hub snapshots, model
+    ids: ``Bundle.resolve_path``)."""
+    return [bundle.resolve_path(p) for p in bundle.spec.weights.adapters]
 
 
 def spec_quantization(a) -> dict | None:

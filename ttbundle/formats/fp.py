@@ -91,7 +91,8 @@ def dequant_scaled(w, s, rows: int, cols: int, zero=None, g_idx=None):
     wf, rf = w.reshape(-1, out, inp), res.reshape(-1, out, inp)
     sf = s.float().reshape(-1, *s.shape[-2:]) if s.dim() >= 2 else s.float().reshape(1, 1, 1)
     zf = None if zero is None else zero.float().reshape(-1, *zero.shape[-2:])
-    step = max(rows, ROWS // rows * rows) if rows < out else out
+    # a multiple of rows (a chunk starts on a scale's row block), or any size under one row block
+    step = max(rows, ROWS // rows * rows) if rows < out else ROWS
     for e in range(wf.shape[0]):
         se = sf[e if sf.shape[0] > 1 else 0]
         ze = None if zf is None else zf[e if zf.shape[0] > 1 else 0]
@@ -104,7 +105,7 @@ def dequant_scaled(w, s, rows: int, cols: int, zero=None, g_idx=None):
                     return t.reshape(1, 1)
                 if g_idx is not None:
                     return t[r0:r1][:, g_idx.long()]
-                # r0 is a multiple of rows (step is)
+                # r0 is a multiple of rows, or under rows (step)
                 t = t[r0 // rows:cdiv(r1, rows)].repeat_interleave(rows, 0)[:r1 - r0]
                 return t.repeat_interleave(cols, 1)[:, :inp]
             if ze is not None:
