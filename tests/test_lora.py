@@ -131,3 +131,22 @@ def test_adapters_that_do_not_fit_are_exit_2_naming_the_tensor(tmp_path, base, e
     save_file(t, str(a / "adapter_model.safetensors"))
     with pytest.raises(InvalidInput, match=named):
         build(with_adapters(b, src, [a]), "N300", tmp_path / "out", warmup=False)
+
+
+def test_embedding_lora_is_merged_transposed(tmp_path, base):
+    """PEFT's embedding LoRA: ``lora_embedding_A`` [r, vocab], ``lora_embedding_B`` [hidden, r],
+    delta ``(B @ A)^T`` (PEFT's ``Embedding.get_delta_weight``)."""
+    from ttbundle.weights import Checkpoint
+
+    b, src, sd = base
+    V, H = sd["model.embed_tokens.weight"].shape
+    a, bb = torch.randn(2, V), torch.randn(H, 2)
+    d = tmp_path / "emb"
+    d.mkdir()
+    save_file({f"{P}model.embed_tokens.lora_embedding_A": a, f"{P}model.embed_tokens.lora_embedding_B": bb},
+              str(d / "adapter_model.safetensors"))
+    (d / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4,
+                                                       "target_modules": ["embed_tokens"]}))
+    got = Checkpoint(src, adapters=[d]).get("model.embed_tokens.weight")
+    want = sd["model.embed_tokens.weight"].float() + 2.0 * (bb @ a).t()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

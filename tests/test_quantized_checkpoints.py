@@ -96,3 +96,64 @@ def test_unsupported_scheme_at_build_is_exit_2_naming_it(tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(InvalidInput, match=r"config.json: quantization_config.version='exllama' .*not supported"):
         run_check(sourced(b, src), "N300", steps=4, seed=3)
+
+
+# ---- the command line: bad input is exit 2 naming the field or tensor ------------------------------
+def _cli(*args):
+    from typer.testing import CliRunner
+
+    from ttbundle.cli import app
+    r = CliRunner().invoke(app, [str(a) for a in args])
+    assert "Traceback" not in r.output, r.output
+    return r
+
+
+def _spec(tmp_path, src):
+    from test_emulated import COMMON, TINY
+    f = tmp_path / "spec.yaml"
+    f.write_text(TINY["llama"] + COMMON + f"weights: {{source: {src}}}\ntokenizer: false\n")
+    return f
+
+
+def test_build_cli_refuses_an_unsupported_scheme_and_misfit_scales(tmp_path):
+    import json
+    from safetensors.torch import load_file, save_file
+
+    b = dense_tiny("llama")
+    src = write_quantized(b, tmp_path / "ck", "fp8-block")
+    ok = _cli("build", _spec(tmp_path, src), "--mesh", "N150", "-o", tmp_path / "out", "--no-warmup")
+    assert ok.exit_code == 0, ok.output
+    cfg = json.loads((src / "config.json").read_text())
+    (src / "config.json").write_text(json.dumps({**cfg, "quantization_config": {"quant_method": "bitsandbytes"}}))
+    r = _cli("build", _spec(tmp_path, src), "--mesh", "N150", "-o", tmp_path / "out2", "--no-warmup")
+    assert r.exit_code == 2 and "config.json: quantization_config.quant_method='bitsandbytes' is not supported" \
+        in r.output and "awq (GEMM packing" in r.output, r.output
+    (src / "config.json").write_text(json.dumps(cfg))
+    sd = load_file(str(src / "model.safetensors"))
+    k = "model.layers.1.mlp.down_proj.weight_scale_inv"
+    sd[k] = sd[k][:, :-1].contiguous()  # a block short: scales of another block size
+    save_file(sd, str(src / "model.safetensors"))
+    r = _cli("build", _spec(tmp_path, src), "--mesh", "N150", "-o", tmp_path / "out3", "--no-warmup")
+    assert r.exit_code == 2 and f"{k} has shape [8, 15]" in r.output and "weight_block_size [32, 32]" in r.output, \
+        r.output
+    assert not (tmp_path / "out3" / "N150").exists()
+
+
+@pytest.mark.parametrize("qc,code,named", [
+    ({"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"}, 0, None),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": True}, 0, None),
+    ({"quant_method": "bitsandbytes", "load_in_4bit": True}, 2, "quantization_config.quant_method='bitsandbytes'"),
+    ({"quant_method": "gptq", "bits": 3, "group_size": 128}, 2, "quantization_config.bits=3")])
+def test_init_from_a_quantized_config(tmp_path, qc, code, named):
+    import json
+    import transformers
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=8, num_key_value_heads=4).to_dict()
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    cfg["quantization_config"] = qc
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(cfg))
+    r = _cli("init", "--from-hf", tmp_path / "hf", "-o", tmp_path / "s.yaml")
+    assert r.exit_code == code, r.output
+    if named:
+        assert named in r.output and "config.json" in r.output
