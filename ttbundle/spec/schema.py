@@ -70,7 +70,8 @@ class Weights(BaseModel):
 
     source: str | None = None
     """Directory with `*.safetensors` (or `model.safetensors.index.json` for sharded
-    checkpoints; bf16, fp16 or fp32), relative to the spec file, a Hugging Face hub-cache
+    checkpoints; bf16, fp16 or fp32, or a quantized format its `config.json`'s
+    `quantization_config` names: docs/build.md#quantized-checkpoints), relative to the spec file, a Hugging Face hub-cache
     snapshot, or a model id `ORG/NAME[@REVISION]` found in the Hugging Face cache (downloaded
     unless `HF_HUB_OFFLINE=1`; a path that exists wins). Omit for a plan-only spec."""
     dtypes: DtypePolicy = Field(default_factory=DtypePolicy)
