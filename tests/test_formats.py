@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from ttbundle import formats, weights  # noqa: E402
 from ttbundle.errors import InvalidInput  # noqa: E402
-from ttbundle.formats import fp, intpack  # noqa: E402
+from ttbundle.formats import fp  # noqa: E402
 
 
 def stored_of(sd: dict) -> dict:

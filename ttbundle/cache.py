@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import InvalidInput
-from .fsutil import MAX_TOKENIZER_BYTES, TEMPLATE_DIR, hash_file, user_file
+from .fsutil import MAX_TOKENIZER_BYTES, TEMPLATE_DIR, hash_file, read_user_json, user_file
 
 ROOT = Path(__file__).resolve().parent
 # What each field is, for `cache explain`.
@@ -366,10 +366,7 @@ def format_fields(bundle, wdir: Path) -> dict:
     out = {}
     cfg = wdir / "config.json"
     if cfg.is_file():
-        try:
-            c = json.loads(cfg.read_text())
-        except (OSError, ValueError):
-            c = None
+        c = read_user_json(cfg, "config.json", inside=wdir)  # as weights.Checkpoint reads it
         q = c.get("quantization_config") if isinstance(c, dict) else None
         if q:
             out["weights.format"] = digest(q)

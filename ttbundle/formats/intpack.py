@@ -10,7 +10,7 @@ from __future__ import annotations
 from ..errors import InvalidInput
 from ..tiles import cdiv
 from .base import Entry, Scheme, View, bad_shape, companions, unsupported
-from .fp import FP8, dequant_scaled, fp8_view, scale_rule
+from .fp import dequant_scaled, fp8_view, scale_rule
 
 #: AutoAWQ's order of a word's 8 nibbles: nibble i holds column AWQ_ORDER[i] of its 8
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
