@@ -150,3 +150,16 @@ def test_embedding_lora_is_merged_transposed(tmp_path, base):
     got = Checkpoint(src, adapters=[d]).get("model.embed_tokens.weight")
     want = sd["model.embed_tokens.weight"].float() + 2.0 * (bb @ a).t()
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_changed_adapter_rebuilds_the_weights(tmp_path, base):
+    """The adapters' files are in the weights' content key: the same spec over an edited adapter
+    is another package (an unchanged one is left as it was)."""
+    b, src, sd = base
+    a = write_adapter(tmp_path / "a", sd, {"r": 4, "lora_alpha": 8}, save_head=False)
+    first = weight_digests(build(with_adapters(b, src, [a]), "N150", tmp_path / "out", warmup=False).package)
+    again = build(with_adapters(b, src, [a]), "N150", tmp_path / "out", warmup=False)
+    assert weight_digests(again.package) == first
+    cfg = json.loads((a / "adapter_config.json").read_text())
+    (a / "adapter_config.json").write_text(json.dumps({**cfg, "lora_alpha": 16}))
+    assert weight_digests(build(with_adapters(b, src, [a]), "N150", tmp_path / "out", warmup=False).package) != first
