@@ -152,6 +152,7 @@ def test_embedding_lora_is_merged_transposed(tmp_path, base):
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.slow
 def test_a_changed_adapter_rebuilds_the_weights(tmp_path, base):
     """The adapters' files are in the weights' content key: the same spec over an edited adapter
     is another package (an unchanged one is left as it was)."""

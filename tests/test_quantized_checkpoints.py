@@ -76,6 +76,7 @@ def test_dense_schemes_check(tmp_path, scheme):
     assert r.quality.top1 == 1.0 and min(s.pcc for s in r.layers) > 0.9999
 
 
+@pytest.mark.slow
 def test_block_float_storage_of_a_quantized_checkpoint(tmp_path):
     """bfp8 storage of an AWQ checkpoint: the expected side rounds the decoded values as the
     package stores them; a zeroed layer still fails there."""
