@@ -192,7 +192,7 @@ UNSUPPORTED = [
     ("deepseek_v3", {"moe_layer_freq": 2}, "moe_layer_freq"),
     ("deepseek_v3", {"attention_bias": True}, "attention_bias"),
     ("deepseek_v3", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type"),
-    ("deepseek_v3", {"quantization_config": {"quant_method": "awq"}}, "quantization_config.quant_method"),
+    ("deepseek_v3", {"quantization_config": {"quant_method": "hqq"}}, "quantization_config.quant_method"),
     ("gpt_oss", {"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]}, "layer_types"),
     ("gpt_oss", {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1.5e5}}, "rope_type"),
     ("gpt_oss", {"quantization_config": {"quant_method": "bitsandbytes"}}, "quantization_config.quant_method"),
@@ -243,41 +243,20 @@ def test_gate_up_deinterleave_round_trip():
     torch.testing.assert_close(torch.stack(moe.gate_up_deinterleave([x], None).chunk(2, -1), -1).flatten(-2), x)
 
 
-def test_mxfp4_matches_transformers():
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
-
-    torch.manual_seed(0)
-    blocks = torch.randint(0, 256, (2, 6, 3, 16), dtype=torch.uint8)  # [E, N, K/32, 16]
-    scales = torch.randint(120, 134, (2, 6, 3), dtype=torch.uint8)
-    ref = convert_moe_packed_tensors(blocks, scales)  # HF's [E, K, N]
-    torch.testing.assert_close(moe.mxfp4_t([blocks, scales], None), ref, rtol=0, atol=0)
-    torch.testing.assert_close(moe.mxfp4_gate_up([blocks, scales], None), moe.gate_up_deinterleave([ref], None))
-
-
-def test_fp8_block_dequant():
-    a = SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=(128, 128)))
-    torch.manual_seed(0)
-    w = torch.randn(2, 200, 130).to(torch.float8_e4m3fn)  # [E, out, in]: blocks of 128 do not divide
-    s = torch.rand(2, 2, 2) + 0.5  # ceil(200/128) x ceil(130/128) scales
-    ref = w.float().clone()
-    for bi in range(2):
-        for bj in range(2):
-            ref[:, bi * 128:(bi + 1) * 128, bj * 128:(bj + 1) * 128] *= s[:, bi, bj, None, None]
-    torch.testing.assert_close(moe.fp8_block_t([w, s], a), ref.to(torch.bfloat16).transpose(-1, -2))
-
-
-def test_quantized_checkpoints_name_their_scales():
+def test_quantized_checkpoints_read_the_decoded_names():
+    """The name tables read a quantized checkpoint's decoded view (``formats``): the dense names
+    an unquantized checkpoint holds, whatever the spec's quantization_config says."""
     ds = spec.load(BUNDLES / "deepseek-v3.yaml")
+    assert ds.arch.quantization_config is not None
     names = {n.tensor: n for n in ds.family.hf_names(ds.arch)}
-    assert names["experts_w1"].hf == ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",
-                                      "model.layers.{i}.mlp.experts.{e}.gate_proj.weight_scale_inv")
-    assert names["experts_w1"].transform == names["wq_a"].transform == "fp8_block_t"
+    assert names["experts_w1"].hf == ("model.layers.{i}.mlp.experts.{e}.gate_proj.weight",)
+    assert names["experts_w1"].transform == names["wq_a"].transform == "t"
     assert names["router"].transform == "t" and names["lm_head"].hf == ("lm_head.weight",)
     oss = spec.load(BUNDLES / "gpt-oss-20b.yaml")
+    assert oss.arch.quantization_config is not None
     names = {n.tensor: n for n in oss.family.hf_names(oss.arch)}
-    assert names["experts_w13"].hf == ("model.layers.{i}.mlp.experts.gate_up_proj_blocks",
-                                       "model.layers.{i}.mlp.experts.gate_up_proj_scales")
-    assert names["wq"].transform == "t"  # attention stays bf16
+    assert names["experts_w13"].hf == ("model.layers.{i}.mlp.experts.gate_up_proj",)
+    assert names["experts_w13"].transform == "gate_up_deinterleave" and names["wq"].transform == "t"
 
 
 # ---- example bundles at published dims ---------------------------------------------------------------

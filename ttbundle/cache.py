@@ -27,7 +27,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import InvalidInput
-from .fsutil import MAX_TOKENIZER_BYTES, TEMPLATE_DIR, hash_file, user_file
+from .fsutil import MAX_TOKENIZER_BYTES, TEMPLATE_DIR, hash_file, read_user_json, user_file
 
 ROOT = Path(__file__).resolve().parent
 # What each field is, for `cache explain`.
@@ -40,6 +40,8 @@ FIELDS = {
     "spec.runtime": "runtime limits (KV cache, trace mode, ...)",
     "spec.card": "name and description",
     "weights": "BLAKE3 of the checkpoint files",
+    "weights.format": "the checkpoint's quantization_config (config.json; quantized checkpoints only)",
+    "weights.adapters": "sha256 of the LoRA adapters' files (weights.adapters; only when given)",
     "tokenizer": "BLAKE3 of the tokenizer files",
     "family_code": "source of the family module and the ttbundle modules it imports",
     "ttbundle": "ttbundle version",
@@ -58,7 +60,7 @@ FIELDS = {
     "code.tensorbin": "tensorbin weight cache code (ttbundle.backends.ttnn.cache and its imports; ttnn builds)",
 }
 WEIGHTS_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "weights", "family_code", "ttbundle",
-                "code.convert", "mesh")
+                "code.convert", "mesh", "weights.format", "weights.adapters")  # the last two: when present
 PROGRAM_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "spec.runtime", "family_code",
                 "ttbundle", "code.lower", "mesh")
 WARMUP_DEPS = ("code.backend", "torch")
@@ -352,10 +354,35 @@ def compute(bundle, plan, previous: dict | None) -> Inputs:
         "mesh": f"{m.name} {m.rows}x{m.cols} {m.chip.arch}",
     }
     f.update(code_fields())
+    f.update(format_fields(bundle, wdir))
     inp = Inputs(resolved, text, f, wrec, trec, wdir, trace_set(bundle))
     if not inp.pending:
         inp.finish()
     return inp
+
+
+def format_fields(bundle, wdir: Path) -> dict:
+    """What else the converted weights depend on, only where it is there (other packages' keys
+    stay as they were): the checkpoint's ``quantization_config`` and the LoRA adapters' files."""
+    out = {}
+    cfg = wdir / "config.json"
+    if cfg.is_file():
+        c = read_user_json(cfg, "config.json", inside=wdir)  # as weights.Checkpoint reads it
+        q = c.get("quantization_config") if isinstance(c, dict) else None
+        if q:
+            out["weights.format"] = digest(q)
+    if bundle.spec.weights.adapters:
+        recs = []
+        for p in bundle.spec.weights.adapters:
+            d = bundle.resolve_path(p)
+            for name in ("adapter_config.json", "adapter_model.safetensors"):
+                f = d / name
+                if not f.is_file():
+                    raise InvalidInput(f"{bundle.file}: weights.adapters: {d} has no {name} (a PEFT LoRA adapter "
+                                       "directory holds adapter_config.json and adapter_model.safetensors)")
+                recs.append([str(d), name, hash_file(f, hashlib.sha256())])
+        out["weights.adapters"] = digest(recs)
+    return out
 
 
 def content_key(fields: dict) -> str:
@@ -367,7 +394,7 @@ def content_key(fields: dict) -> str:
 def artifact_keys(fields: dict, traces) -> dict:
     """Key per artifact: ``weights``, ``program:<phase>-<bucket>``, ``warmup:<phase>-<bucket>``."""
     from .lower import program_name
-    keys = {"weights": digest({k: fields[k] for k in WEIGHTS_DEPS})}
+    keys = {"weights": digest({k: fields[k] for k in WEIGHTS_DEPS if k in fields})}
     for phase, b in traces:
         name = program_name(phase, b)
         pk = digest({**{k: fields[k] for k in PROGRAM_DEPS}, "phase": phase, "bucket": b})

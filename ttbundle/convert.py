@@ -32,12 +32,13 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
     """Write ``tmp/weights/device_<d>.safetensors`` for every device of ``plan.mesh`` from the
     checkpoint in ``weights_dir``; each file's sha256 and size go into ``files``, byte counts and
     timings into ``res`` (a ``BuildResult``), progress events to ``emit``."""
-    from .weights import Checkpoint, check_source_dtypes, read_plan
+    from .weights import Checkpoint, bundle_adapters, check_source_dtypes, read_plan, spec_quantization
 
     fam, a, mesh = bundle.family, bundle.arch, plan.mesh
     D = mesh.num_devices
     cpu0 = time.thread_time()
-    ck = Checkpoint(weights_dir)  # its files: plain names in weights_dir (weights.shard_name)
+    # decoded as its format says (``formats``); its files: plain names in weights_dir (weights.shard_name)
+    ck = Checkpoint(weights_dir, spec_quantization(a), bundle_adapters(bundle))
     jobs = read_plan(fam, a, ck.keys())
     check_source_dtypes(fam, a, jobs, ck.dtypes)
     tp = {t.name: t for t in plan.tensors}

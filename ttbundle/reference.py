@@ -202,7 +202,7 @@ class LayerwiseModel:
     :meth:`head` the final norm, LM head and final logit soft-capping."""
 
     def __init__(self, directory: str | Path, dtype=None, device="cpu", kv_storage: str | None = None,
-                 weights=None):
+                 weights=None, adapters=()):
         import torch
         import transformers
 
@@ -215,8 +215,16 @@ class LayerwiseModel:
         #: None (``check``'s expected run: the checkpoint as a package stores it); its
         #: ``lm_head_bands()`` the LM head's bands likewise
         self.weights = weights
+        from .weights import Checkpoint
+
+        # the checkpoint as its format decodes it (``formats``), LoRA ``adapters`` merged: what
+        # the build converts
+        self.ck = Checkpoint(self.dir, adapters=adapters)
         try:
             cfg = transformers.AutoConfig.from_pretrained(str(directory), local_files_only=True)
+            for c in (cfg, getattr(cfg, "text_config", None)):
+                if getattr(c, "quantization_config", None) is not None:  # dense weights: no quantizer
+                    del c.quantization_config
             with _params_on_meta():
                 model = auto_class(cfg.model_type).from_config(
                     cfg, dtype=torch.float32, attn_implementation="eager", experts_implementation=EXPERTS)
@@ -232,7 +240,6 @@ class LayerwiseModel:
         self.norm = model.get_submodule(self.layers_name.rpartition(".")[0]).norm
         self.norm_name = names[id(self.norm)]
         self.head_name = names[id(self.lm_head)]
-        self.files = _safetensors_files(self.dir)
         self._index()
 
     def _conversions(self):
@@ -241,7 +248,6 @@ class LayerwiseModel:
 
     def _index(self) -> None:
         """Each checkpoint tensor's file and the model parameter it loads into."""
-        from safetensors import safe_open
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
         conv = self._conversions()
@@ -249,10 +255,9 @@ class LayerwiseModel:
         cvt = [c for c in conv if isinstance(c, WeightConverter)]
         meta = self.model.state_dict()
         self.where: dict = {}
-        for f in self.files:
-            with safe_open(str(f), framework="pt") as h:
-                for k in h.keys():
-                    self.where[k] = (f, rename_source_key(k, ren, cvt, self.model.base_model_prefix, meta)[0])
+        for k in sorted(self.ck.keys()):  # a decoded or merged tensor has no file of its own (None)
+            f = None if self.ck.derived(k) else self.ck.files[k]
+            self.where[k] = (f, rename_source_key(k, ren, cvt, self.model.base_model_prefix, meta)[0])
 
     def _keys(self, prefix: str) -> list:
         return [k for k, (_, r) in self.where.items() if r == prefix or r.startswith(prefix + ".")]
@@ -274,9 +279,12 @@ class LayerwiseModel:
             sd = {}
             for k in keys:
                 f = self.where[k][0]
-                if f not in handles:
-                    handles[f] = safe_open(str(f), framework="pt")
-                sd[k] = handles[f].get_slice(k)
+                if f is None:  # decoded / merged as the build reads it
+                    sd[k] = self.ck.get(k)
+                else:
+                    if f not in handles:
+                        handles[f] = safe_open(str(f), framework="pt")
+                    sd[k] = handles[f].get_slice(k)
                 if self.weights is not None:
                     x = self.weights(k)
                     if x is not None:  # stored values: each exactly a bf16 value
@@ -315,9 +323,12 @@ class LayerwiseModel:
         if key is None:
             raise InvalidInput(f"{self.dir}: the checkpoint has no embedding ({self.embed_name}.weight)")
         uniq = sorted(set(ids))
-        with safe_open(str(self.where[key][0]), framework="pt") as h:
-            s = h.get_slice(key)
-            rows = torch.cat([s[r:r + 1] for r in uniq]).float()
+        if self.where[key][0] is None:  # a quantized or adapted embedding
+            rows = self.ck.get(key)[uniq].float()
+        else:
+            with safe_open(str(self.where[key][0]), framework="pt") as h:
+                s = h.get_slice(key)
+                rows = torch.cat([s[r:r + 1] for r in uniq]).float()
         rows = rows.to(torch.bfloat16).to(torch.float32).to(self.dtype).to(self.device)
         remap = torch.full((self.embed.num_embeddings,), -1, dtype=torch.long, device=self.device)
         remap[torch.tensor(uniq, device=self.device)] = torch.arange(len(uniq), device=self.device)
@@ -438,7 +449,7 @@ class LayerwiseModel:
         finally:
             self.free(self.norm_name)
         keys = self._keys(self.head_name) or self._keys(self.embed_name)  # tied: the table once
-        plain = len(keys) == 1 and getattr(self.lm_head, "bias", None) is None and \
+        plain = len(keys) == 1 and getattr(self.lm_head, "bias", None) is None and self.where[keys[0]][0] and \
             self.where[keys[0]][1] in (f"{self.head_name}.weight", f"{self.embed_name}.weight")
         bands = None if self.weights is None else self.weights.lm_head_bands()
         with torch.no_grad():

@@ -18,15 +18,11 @@ from .families import transforms
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-#: Checkpoint dtypes (safetensors names) a name-table transform reads, per source; any other
-#: transform reads bf16, fp16 or fp32 (the storage dtype decides: conversion casts each value to
-#: the package's bf16, or through float32 to a block float; an integer or fp64 checkpoint is refused).
+#: Checkpoint dtypes (safetensors names) the name tables read: bf16, fp16 or fp32 (the storage
+#: dtype decides: conversion casts each value to the package's bf16, or through float32 to a block
+#: float). A quantized checkpoint is read through its format's decoded view (``formats``), which
+#: gives bf16; an integer, fp8 or fp64 tensor outside it is refused.
 FLOAT_SOURCES = frozenset({"BF16", "F16", "F32"})
-SOURCE_DTYPES = {
-    "fp8_block_t": (frozenset({"F8_E4M3"}), FLOAT_SOURCES),  # DeepSeek fp8 weight, its block scales
-    "mxfp4_gate_up": (frozenset({"U8"}), frozenset({"U8"})),  # GPT-OSS MXFP4 blocks, e8m0 scales
-    "mxfp4_t": (frozenset({"U8"}), frozenset({"U8"})),
-}
 #: dtypes whose values are checked for NaN/Inf as they are read
 CHECKED_FINITE = frozenset({"BF16", "F16", "F32", "F64"})
 FINITE_CHUNK = 1 << 22  # elements per isfinite() pass: bounded scratch memory on big tensors
@@ -46,12 +42,13 @@ class Checkpoint:
     file is InvalidInput naming it, and every tensor read is checked for NaN/Inf (all
     non-finite tensors are listed, each with its counts)."""
 
-    def __init__(self, directory: str | Path):
+    def __init__(self, directory: str | Path, quantization: dict | None = None, adapters=()):
         from .fsutil import read_user_json, user_file
 
         d = Path(directory)
         self.dir = d
         self.dtypes: dict[str, str] = {}
+        shapes: dict[str, tuple] = {}
         index = d / "model.safetensors.index.json"
         if index.exists():
             data = read_user_json(index, "safetensors index", inside=d)
@@ -76,7 +73,8 @@ class Checkpoint:
             with self._safe_open(f) as h:
                 for k in h.keys():
                     listed[k] = f
-                    self.dtypes[k] = self._call(f, lambda: h.get_slice(k).get_dtype())
+                    sl = self._call(f, lambda: h.get_slice(k))
+                    self.dtypes[k], shapes[k] = sl.get_dtype(), tuple(sl.get_shape())
         if files is None:
             files = listed
         else:
@@ -85,6 +83,47 @@ class Checkpoint:
                 raise InvalidInput(f"{index}: {absent[0]!r} is not in {files[absent[0]].name} "
                                    f"({len(absent)} tensor(s) the index names are missing)")
         self.files = files
+        stored = {k: (self.dtypes[k], shapes[k]) for k in files}
+        self._decoded_view(quantization, stored)
+        self._merge_adapters(adapters, stored)
+
+    def _decoded_view(self, quantization, stored: dict) -> None:
+        """The checkpoint as its format decodes it (``formats``): the scheme of its config.json's
+        ``quantization_config`` (without a config.json: ``quantization``, the spec's), its
+        quantized tensors' companions replaced by the dense tensors they decode to (bf16)."""
+        from . import formats
+        from .fsutil import read_user_json
+
+        cfg = self.dir / "config.json"
+        where = str(cfg)
+        if cfg.is_file():
+            c = read_user_json(cfg, "config.json", inside=self.dir)
+            c = c if isinstance(c, dict) else {}
+            quantization = c.get("quantization_config") or (c.get("text_config") or {}).get("quantization_config")
+        else:
+            where = f"{self.dir} (the spec's model.quantization_config)"
+        self.scheme = formats.scheme_of(quantization, where)
+        self.view = self.scheme.view(stored, str(self.dir))
+        self.raw_dtypes = dict(self.dtypes)
+        self.dtypes = {k: "BF16" if k in self.view.decoded else self.raw_dtypes[k]
+                       for k in self.view.keys(stored)}
+
+    def _merge_adapters(self, adapters, stored: dict) -> None:
+        """PEFT LoRA adapters (directories) merged into the decoded view as tensors are read
+        (``formats.lora``); every adapter tensor checked against the base first."""
+        from .formats import lora
+
+        self.adapters = [lora.read_adapter(Path(a)) for a in adapters]
+        shapes = {k: (stored[k][1] if k in stored else self.view.decoded[k].shape) for k in self.dtypes}
+        lora.check_against(self.adapters, shapes)
+        #: keys an adapter changes (read merged, float32)
+        self.merged = {k for ad in self.adapters for k in (*ad.deltas, *ad.replaced)}
+        for k in self.merged:
+            self.dtypes[k] = "F32"
+
+    def derived(self, key: str) -> bool:
+        """Whether tensor ``key`` is not a stored tensor as stored (decoded or merged)."""
+        return key in self.view.decoded or key in self.merged
 
     @staticmethod
     def _call(f: Path, fn):
@@ -101,13 +140,36 @@ class Checkpoint:
         return self._call(f, lambda: safe_open(str(f), framework="pt"))
 
     def keys(self) -> set[str]:
-        return set(self.files)
+        """The checkpoint's tensors as its format decodes them (:meth:`_decoded_view`)."""
+        return set(self.dtypes)
 
     def get(self, key: str):
+        """Tensor ``key`` of the decoded view: a stored tensor as stored, a quantized one decoded
+        from its stored companions (bf16)."""
+        if key in self.merged:
+            from .formats import lora
+            return lora.merged(self._decoded(key), key, self.adapters, _read_adapter)
+        return self._decoded(key)
+
+    def _decoded(self, key: str):
+        e = self.view.decoded.get(key)
+        if e is None:
+            return self.stored(key)
+        x = e.decode([self.stored(k) for k in e.sources])
+        if e.shape is not None and tuple(x.shape) != tuple(e.shape):  # a scheme's bug
+            raise RuntimeError(f"{key}: {e.scheme} decoded shape {list(x.shape)}, expected {list(e.shape)}")
+        nan, inf = nonfinite(x)
+        if nan or inf:
+            raise InvalidInput(f"{self.dir}: {key} decodes ({e.scheme}, from {', '.join(e.sources)}) to {nan:,} NaN "
+                               f"and {inf:,} Inf values; its scales are not finite: fix or re-export the checkpoint")
+        return x
+
+    def stored(self, key: str):
+        """Stored tensor ``key`` as the file holds it."""
         f = self.files[key]
         with self._safe_open(f) as h:
             x = self._call(f, lambda: h.get_tensor(key))
-        if self.dtypes.get(key) in CHECKED_FINITE and nonfinite(x) != (0, 0):
+        if self.raw_dtypes.get(key) in CHECKED_FINITE and nonfinite(x) != (0, 0):
             self.refuse_nonfinite()
         return x
 
@@ -115,13 +177,25 @@ class Checkpoint:
         """Every tensor of the checkpoint with NaN or Inf values, in one error."""
         bad = []
         for k in sorted(self.files):
-            if self.dtypes.get(k) in CHECKED_FINITE:
+            if self.raw_dtypes.get(k) in CHECKED_FINITE:
                 with self._safe_open(self.files[k]) as h:
                     nan, inf = nonfinite(self._call(self.files[k], lambda: h.get_tensor(k)))
                 if nan or inf:
                     bad.append(f"{k} ({self.files[k].name}): {nan:,} NaN, {inf:,} Inf")
         raise InvalidInput(f"{self.dir}: the checkpoint holds non-finite weights in {len(bad)} "
                            "tensor(s); fix or re-export it", [Diagnostic(b, file=str(self.dir)) for b in bad])
+
+
+def _read_adapter(d: Path, key: str):
+    """Tensor ``key`` of adapter directory ``d``, checked finite."""
+    from safetensors import safe_open
+
+    f = Path(d) / "adapter_model.safetensors"
+    with safe_open(str(f), framework="pt") as h:
+        x = h.get_tensor(key)
+    if x.is_floating_point() and nonfinite(x) != (0, 0):
+        raise InvalidInput(f"{f}: {key} holds NaN or Inf values")
+    return x
 
 
 def nonfinite(x) -> tuple[int, int]:
@@ -147,25 +221,33 @@ def nonfinite(x) -> tuple[int, int]:
 
 
 def check_source_dtypes(family, a, jobs, dtypes: dict[str, str]) -> None:
-    """Every checkpoint tensor a read plan uses has a dtype its transform reads (bf16/fp16/fp32, or
-    the quantized formats of the families that read them); lists every offending tensor."""
-    table = {n.tensor: n for n in family.hf_names(a)}
+    """Every checkpoint tensor a read plan uses is bf16, fp16 or fp32 as the checkpoint's format
+    decodes it (quantized tensors decode to bf16); lists every offending tensor."""
     bad = {}
-    for name, _layer, srcs in jobs:
-        allowed = SOURCE_DTYPES.get(table[name].transform)
-        for i, (_pat, keys) in enumerate(srcs):
-            ok = allowed[i] if allowed and i < len(allowed) else FLOAT_SOURCES
+    for _name, _layer, srcs in jobs:
+        for _pat, keys in srcs:
             for k in keys:
-                if dtypes.get(k, "BF16") not in ok:
-                    bad.setdefault(k, (dtypes[k], ok))
+                if dtypes.get(k, "BF16") not in FLOAT_SOURCES:
+                    bad.setdefault(k, dtypes[k])
     if bad:
-        def alternatives(ok):
-            *rest, last = sorted(ok)
-            return f"{', '.join(rest)} or {last}" if rest else last
-        lines = [f"{k}: {dt}, {family.name} reads {alternatives(ok)} here"
-                 for k, (dt, ok) in sorted(bad.items())]
-        raise InvalidInput(f"checkpoint dtypes {family.name} does not read in {len(bad)} tensor(s); "
-                           "save the checkpoint in bf16, fp16 or fp32", [Diagnostic(x) for x in lines[:20]])
+        lines = [f"{k}: {dt}, {family.name} reads BF16, F16 or F32 here" for k, dt in sorted(bad.items())]
+        raise InvalidInput(f"checkpoint dtypes {family.name} does not read in {len(bad)} tensor(s); save the "
+                           "checkpoint in bf16, fp16 or fp32, or in a quantized format named by config.json's "
+                           "quantization_config (docs/build.md#quantized-checkpoints)",
+                           [Diagnostic(x) for x in lines[:20]])
+
+
+def bundle_adapters(bundle) -> list[Path]:
+    """The spec's ``weights.adapters`` as directories (relative to the spec, hub snapshots, model
+    ids: ``Bundle.resolve_path``)."""
+    return [bundle.resolve_path(p) for p in bundle.spec.weights.adapters]
+
+
+def spec_quantization(a) -> dict | None:
+    """The spec's ``model.quantization_config`` (GPT-OSS, DeepSeek), for a checkpoint without a
+    config.json of its own."""
+    q = getattr(a, "quantization_config", None)
+    return q.model_dump(mode="json") if q is not None else None
 
 
 def _expand(key: str, layer: int | None, experts: int | None) -> list[str]:
@@ -250,7 +332,7 @@ def canonical(family, a, get: Callable[[str], object], keys: Iterable[str],
 
 
 def load_canonical(family, a, directory: str | Path) -> dict:
-    ck = Checkpoint(directory)
+    ck = Checkpoint(directory, spec_quantization(a))
     check_source_dtypes(family, a, read_plan(family, a, ck.keys()), ck.dtypes)
     return canonical(family, a, ck.get, ck.keys())
 

@@ -282,13 +282,16 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
 
     # the original: transformers' skeleton of the checkpoint; the expected: the same skeleton
     # loading the checkpoint as the package stores it. One layer materialized at a time.
-    ref = reference.LayerwiseModel(reference_dir, tdtype, device, "bf16" if kv_dtype == "bf16" else None)
+    from ..weights import bundle_adapters
+    adapters = bundle_adapters(bundle)  # the LoRA adapters the build merged (bundle.yaml records them)
+    ref = reference.LayerwiseModel(reference_dir, tdtype, device, "bf16" if kv_dtype == "bf16" else None,
+                                   adapters=adapters)
     # the expected side computes in float32 whatever the emulated side's dtype: it gives the
     # package's numbers as exactly as they can be had, so a stage's error is the emulated
     # side's own rounding (what the compute dtype's bound allows), not the sum of two bf16
     # implementations' (transformers' eager bf16 attention rounds its scores to bf16 first)
     exp = reference.LayerwiseModel(reference_dir, torch.float32, device, kv_ref,
-                                   weights=ExpectedWeights(pkg, reference_dir))
+                                   weights=ExpectedWeights(pkg, reference_dir), adapters=adapters)
     n_layers = len(ref.layers)
     router = bundle.family.hf_router
     routes: dict = {"hf": {}, "emu": {}}  # layer -> [set of experts per token] in sequence order

@@ -108,13 +108,14 @@ class ExpectedWeights:
     key whose tensors are stored as bf16 (the reference's own rounding gives those)."""
 
     def __init__(self, pkg, reference_dir: str | Path):
-        from ..weights import Checkpoint, read_plan
+        from ..weights import Checkpoint, bundle_adapters, read_plan, spec_quantization
 
         bundle = pkg.bundle
         self.family, self.arch = bundle.family, bundle.arch
         self.weights = pkg.weights  # the plan's dtypes and shard units (not the stored bytes)
         self.devices = pkg.mesh.num_devices
-        self.ck = Checkpoint(reference_dir)
+        # decoded and adapters merged as the build reads it
+        self.ck = Checkpoint(reference_dir, spec_quantization(self.arch), bundle_adapters(bundle))
         self.jobs = read_plan(self.family, self.arch, self.ck.keys())
         self.table = {n.tensor: n for n in self.family.hf_names(self.arch)}
         self.decls = {t.name: t for t in self.family.tensors(self.arch)}

@@ -9,14 +9,15 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidInput
 from . import base, moe
 from .base import ArchBase, Dim, Family, HFName, KVEntry, LayerKind, Linear, Local, Norm, Residual, TensorDecl
 
 
 class Fp8Quantization(BaseModel):
     """HF ``quantization_config`` of DeepSeek's published fp8 checkpoints: every Linear weight of the
-    decoder layers is e4m3 with one ``weight_scale_inv`` per block; ttbundle dequantizes on import."""
+    decoder layers is e4m3 with one ``weight_scale_inv`` per block; ttbundle dequantizes on import
+    (``ttbundle.formats``, which reads the checkpoint's own config.json; this record is for a
+    checkpoint without one)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
@@ -194,9 +195,7 @@ class DeepseekV3(Family):
     def hf_names(self, a):
         p, k, L = "model.layers.{i}.", a.dense_layers, a.num_hidden_layers
 
-        def lin(t, key):  # HF Linear weight; fp8 checkpoints add its block scales
-            if a.quantization_config:
-                return HFName(t, (key + ".weight", key + ".weight_scale_inv"), "fp8_block_t")
+        def lin(t, key):  # HF Linear weight (fp8 checkpoints: as ``formats`` decodes it)
             return HFName(t, (key + ".weight",))
 
         mlp = (("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj"))
@@ -250,10 +249,7 @@ class DeepseekV3(Family):
         # q_lora_rank: null means a full-rank q_proj; absent means HF's default
         out = base.hf_fill(config, {**super().from_hf(config), **base.hf_rope(config)}, {"q_lora_rank": 1536})
         q = config.get("quantization_config")
-        if q:
-            if q.get("quant_method") != "fp8" or len(q.get("weight_block_size") or ()) != 2:
-                raise InvalidInput(f"config.json: quantization_config.quant_method={q.get('quant_method')!r} "
-                                   f"(weight_block_size={q.get('weight_block_size')!r}) is not supported by "
-                                   "ttbundle: only block-scaled fp8 (DeepSeek's) or an unquantized checkpoint")
+        if q and q.get("quant_method") == "fp8" and len(q.get("weight_block_size") or ()) == 2:
+            # others: ``formats`` reads them from the checkpoint's config.json
             out["quantization_config"] = {f: q[f] for f in Fp8Quantization.model_fields if f in q}
         return out

@@ -9,7 +9,6 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ..errors import InvalidInput
 from . import base, moe
 from .base import ArchBase, Dim, Family, HFName, LayerKind, Linear, Local, Residual, TensorDecl
 
@@ -18,7 +17,8 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 
 class Mxfp4Quantization(BaseModel):
     """HF ``quantization_config`` of OpenAI's published checkpoints: the routed experts are MXFP4
-    (``*_blocks`` + ``*_scales``); ttbundle dequantizes on import."""
+    (``*_blocks`` + ``*_scales``); ttbundle dequantizes on import (``ttbundle.formats``, which reads
+    the checkpoint's own config.json; this record is for a checkpoint without one)."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, frozen=True)
 
@@ -126,11 +126,8 @@ class GptOss(Family):
               HFName("experts_b2", (e + "down_proj_bias",), "id")]
         if a.attention_bias:
             n.append(HFName("bo", (p + "self_attn.o_proj.bias",), "id"))
-        if a.quantization_config:
-            return n + [HFName("experts_w13", (e + "gate_up_proj_blocks", e + "gate_up_proj_scales"),
-                               "mxfp4_gate_up"),
-                        HFName("experts_w2", (e + "down_proj_blocks", e + "down_proj_scales"), "mxfp4_t")]
-        # HF stores experts [E, in, out] already; gate_up interleaves gate and up columns
+        # HF stores experts [E, in, out] already (MXFP4 checkpoints: as ``formats`` decodes them);
+        # gate_up interleaves gate and up columns
         return n + [HFName("experts_w13", (e + "gate_up_proj",), "gate_up_deinterleave"),
                     HFName("experts_w2", (e + "down_proj",), "id")]
 
@@ -156,10 +153,6 @@ class GptOss(Family):
                        f"layer types other than {', '.join(LAYER_TYPES)}")
         out = {**super().from_hf(config), **base.hf_rope(config)}
         q = config.get("quantization_config")
-        if q:
-            if q.get("quant_method") != "mxfp4":
-                raise InvalidInput(f"config.json: quantization_config.quant_method={q.get('quant_method')!r} "
-                                   "is not supported by ttbundle: only MXFP4 experts (OpenAI's) or an "
-                                   "unquantized checkpoint")
+        if q and q.get("quant_method") == "mxfp4":  # others: ``formats`` reads them from config.json
             out["quantization_config"] = {f: q[f] for f in Mxfp4Quantization.model_fields if f in q}
         return out

@@ -1,6 +1,6 @@
 """Declarations shared by the mixture-of-experts families (DeepSeek-V3, GPT-OSS): routed-expert
-tensors and dataflow, and the named transforms of their HF checkpoint layouts (GPT-OSS's
-interleaved gate_up, MXFP4 experts, DeepSeek's fp8 block-quantized linears).
+tensors and dataflow, and the named transform of GPT-OSS's interleaved gate_up (quantized
+checkpoints, MXFP4 experts and fp8 blocks included, are decoded by ``ttbundle.formats`` first).
 
 Routed experts are one ``[E, in, out]`` tensor per layer; their expert dim is split over every
 mesh device (expert parallel, ``EP``): 1/8 per chip on T3K, 1/32 on a Galaxy.
@@ -54,44 +54,6 @@ def gate_up_deinterleave(src, a):
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1).contiguous()
 
 
-FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-
-
-def mxfp4_dequant(blocks, scales):
-    """OCP MXFP4: ``blocks`` [..., N, G, 16] uint8, two e2m1 values per byte (low nibble first),
-    ``scales`` [..., N, G] uint8 e8m0 exponents (bias 127), one per 32 values -> bf16 [..., N, G*32]."""
-    import torch
-
-    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
-    b = blocks.to(torch.uint8).long()
-    v = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).flatten(-2)  # [..., N, G, 32]
-    v = v * torch.exp2(scales.to(torch.int32).float() - 127).unsqueeze(-1)
-    return v.flatten(-2).to(torch.bfloat16)
-
-
-def mxfp4_gate_up(src, a):
-    """GPT-OSS MXFP4 gate_up (``_blocks``, ``_scales``; rows are [E, 2I] interleaved) -> [E, H, 2I]
-    as ``[gate | up]``."""
-    return gate_up_deinterleave([mxfp4_dequant(*src).transpose(-1, -2)], a)
-
-
-def mxfp4_t(src, a):
-    """GPT-OSS MXFP4 down_proj (``_blocks``, ``_scales``; rows are [E, H]) -> [E, I, H]."""
-    return mxfp4_dequant(*src).transpose(-1, -2).contiguous()
-
-
-def fp8_block_t(src, a):
-    """DeepSeek fp8 (e4m3) Linear ``weight`` [..., out, in] times ``weight_scale_inv``
-    [..., ceil(out/bm), ceil(in/bn)] (one scale per bm x bn block) -> bf16 [..., in, out]."""
-    import torch
-
-    w, s = src
-    bm, bn = a.quantization_config.weight_block_size
-    s = s.float().repeat_interleave(bm, -2).repeat_interleave(bn, -1)[..., :w.shape[-2], :w.shape[-1]]
-    return (w.float() * s).to(torch.bfloat16).transpose(-1, -2).contiguous()
-
-
-TRANSFORMS = {"gate_up_deinterleave": gate_up_deinterleave, "mxfp4_gate_up": mxfp4_gate_up,
-              "mxfp4_t": mxfp4_t, "fp8_block_t": fp8_block_t}
+TRANSFORMS = {"gate_up_deinterleave": gate_up_deinterleave}
 for _name, _fn in TRANSFORMS.items():
     transforms.register(_name, _fn)

@@ -203,6 +203,8 @@ def resolved_spec(bundle, plan) -> dict:
     d["weights"] = {"source": None, "dtypes": {"default": s.weights.dtypes.default,
                                                "tensors": {t.name: t.dtype for t in plan.tensors
                                                            if t.layout == "TILE"}}}
+    if s.weights.adapters:  # merged into the weights; where from, for `check PACKAGE`'s reference
+        d["weights"]["adapters"] = [str(bundle.resolve_path(p).absolute()) for p in s.weights.adapters]
     d["sharding"] = {k: v for k, v in d["sharding"].items() if k != "targets"}
     d.pop("replicas", None)
     if plan.mesh.target_shape:  # this target's split only

@@ -64,6 +64,10 @@ def hf_config_to_arch(config: dict, where: str = "config.json") -> dict:
             if isinstance(cfg, dict) and k in cfg and cfg[k] is not None and not isinstance(cfg[k], dict):
                 raise InvalidInput(f"{where}: {at}: expected a JSON object (or null), got "
                                    f"{json.dumps(cfg[k])[:60]}")
+    # the checkpoint's format, as vLLM detects it (an unsupported scheme: named, with what is read)
+    from .. import formats
+    qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    formats.scheme_of(qc, where)
     wrapper = None
     if "text_config" in config and isinstance(config["text_config"], dict):
         # multimodal wrappers (Gemma 3): the text model's dims live in text_config, the vision

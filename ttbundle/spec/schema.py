@@ -70,11 +70,18 @@ class Weights(BaseModel):
 
     source: str | None = None
     """Directory with `*.safetensors` (or `model.safetensors.index.json` for sharded
-    checkpoints; bf16, fp16 or fp32), relative to the spec file, a Hugging Face hub-cache
+    checkpoints; bf16, fp16 or fp32, or a quantized format its `config.json`'s
+    `quantization_config` names: docs/build.md#quantized-checkpoints), relative to the spec file, a Hugging Face hub-cache
     snapshot, or a model id `ORG/NAME[@REVISION]` found in the Hugging Face cache (downloaded
     unless `HF_HUB_OFFLINE=1`; a path that exists wins). Omit for a plan-only spec."""
     dtypes: DtypePolicy = Field(default_factory=DtypePolicy)
     """Storage dtype per tensor group."""
+    adapters: list[str] = Field(default_factory=list)
+    """PEFT LoRA adapters merged into the checkpoint's weights at conversion, in order: each a
+    directory with `adapter_config.json` and `adapter_model.safetensors` (relative to the spec
+    file, a hub-cache snapshot or a model id, as `source`). `W + (lora_alpha / r) B A` per target
+    module (`use_rslora`: `alpha / sqrt(r)`; `rank_pattern` / `alpha_pattern` honoured),
+    `modules_to_save` replace their tensors; `check` runs transformers on the same merged weights."""
 
 
 class Sharding(BaseModel):

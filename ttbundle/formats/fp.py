@@ -1,0 +1,166 @@
+"""Floating-point quantized formats: OCP MXFP4 (GPT-OSS's experts) and FP8 e4m3 with a scale per
+tensor, per output channel, per group of inputs or per block (DeepSeek's ``weight_scale_inv``,
+compressed-tensors' ``weight_scale``)."""
+
+from __future__ import annotations
+
+from ..errors import InvalidInput
+from ..tiles import cdiv
+from .base import Entry, Scheme, View, bad_shape, companions, unsupported
+
+FP8 = frozenset({"F8_E4M3", "F8_E5M2"})
+
+#: rows of one matrix decoded at a time (bounded float32 scratch on a large matrix)
+ROWS = 1024
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def mxfp4_dequant(blocks, scales):
+    """OCP MXFP4: ``blocks`` [..., N, G, 16] uint8, two e2m1 values per byte (low nibble first),
+    ``scales`` [..., N, G] uint8 e8m0 exponents (bias 127), one per 32 values -> float32
+    [..., N, G*32]."""
+    import torch
+
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32)
+    b = blocks.to(torch.uint8).long()
+    v = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).flatten(-2)  # [..., N, G, 32]
+    v = v * torch.exp2(scales.to(torch.int32).float() - 127).unsqueeze(-1)
+    return v.flatten(-2)
+
+
+def mxfp4_dense(blocks, scales):
+    """The dense tensor of an MXFP4 pair in transformers' layout (``convert_moe_packed_tensors``):
+    [..., G*32, N] bf16, one leading index (expert) decoded at a time."""
+    import torch
+
+    *lead, N, G, _ = blocks.shape
+    out = torch.empty(*lead, G * 32, N, dtype=torch.bfloat16)
+    flat_o, flat_b, flat_s = out.reshape(-1, G * 32, N), blocks.reshape(-1, N, G, 16), scales.reshape(-1, N, G)
+    for e in range(flat_o.shape[0]):
+        flat_o[e].copy_(mxfp4_dequant(flat_b[e], flat_s[e]).transpose(0, 1))
+    return out
+
+
+class Mxfp4(Scheme):
+    """``P_blocks`` + ``P_scales`` -> ``P`` (GPT-OSS: ``experts.gate_up_proj`` [E, H, 2I],
+    ``experts.down_proj`` [E, I, H], as a bf16 GPT-OSS checkpoint stores them)."""
+
+    name = "mxfp4"
+
+    def view(self, stored, where):
+        v = View(self.name)
+        for p, (kb, ks) in companions(stored, ("_blocks", "_scales")).items():
+            (db, sb), (ds, ss) = stored[kb], stored[ks] if ks else (None, None)
+            if ks is None:
+                raise InvalidInput(f"{where}: {kb} has no {p}_scales (MXFP4 stores one e8m0 scale per 32 values)")
+            if db != "U8" or ds != "U8" or len(sb) < 3 or sb[-1] != 16 or tuple(ss) != tuple(sb[:-1]):
+                raise bad_shape(where, kb, sb, f"MXFP4 needs uint8 blocks [..., N, G, 16] and uint8 scales "
+                                f"[..., N, G] ({ks}: {ds} {list(ss)})")
+            shape = tuple(sb[:-3]) + (sb[-2] * 32, sb[-3])
+            v.decoded[p] = Entry((kb, ks), lambda t: mxfp4_dense(*t), shape, self.name)
+        return v
+
+
+def scale_rule(scale_shape, out: int, inp: int, block=None):
+    """How a scale of ``scale_shape`` covers a matrix [out, in] (each leading dim matched):
+    ``(rows per scale, columns per scale)``, or None when it cannot. One value: the tensor;
+    ``block`` (bm, bn): [ceil(out/bm), ceil(in/bn)]; [out, in/g] or [out, 1]: groups of g inputs
+    (a channel: g = in)."""
+    s = tuple(scale_shape)
+    if len(s) == 0 or (len(s) == 1 and s[0] == 1) or (len(s) >= 2 and all(x == 1 for x in s)):
+        return out, inp
+    if len(s) < 2:
+        return None
+    r, c = s[-2], s[-1]
+    if block is not None and (r, c) == (cdiv(out, block[0]), cdiv(inp, block[1])):
+        return tuple(block)
+    if r == out and c >= 1 and inp % c == 0:
+        return 1, inp // c
+    return None
+
+
+def dequant_scaled(w, s, rows: int, cols: int, zero=None, g_idx=None):
+    """``(w - zero) * s`` for a matrix stack ``w`` [..., out, in] (fp8 or integers) whose scale
+    ``s`` (and zero point) holds one value per ``rows`` x ``cols`` block (:func:`scale_rule`), or
+    per (row, g_idx[column]) with ``g_idx``; float32 math, ``ROWS`` rows at a time, bf16 out."""
+    import torch
+
+    *lead, out, inp = w.shape
+    res = torch.empty(*lead, out, inp, dtype=torch.bfloat16)
+    wf, rf = w.reshape(-1, out, inp), res.reshape(-1, out, inp)
+    sf = s.float().reshape(-1, *s.shape[-2:]) if s.dim() >= 2 else s.float().reshape(1, 1, 1)
+    zf = None if zero is None else zero.float().reshape(-1, *zero.shape[-2:])
+    # a multiple of rows (a chunk starts on a scale's row block), or any size under one row block
+    step = max(rows, ROWS // rows * rows) if rows < out else ROWS
+    for e in range(wf.shape[0]):
+        se = sf[e if sf.shape[0] > 1 else 0]
+        ze = None if zf is None else zf[e if zf.shape[0] > 1 else 0]
+        for r0 in range(0, out, step):
+            r1 = min(out, r0 + step)
+            x = wf[e, r0:r1].float()
+
+            def expand(t):
+                if t.numel() == 1:
+                    return t.reshape(1, 1)
+                if g_idx is not None:
+                    return t[r0:r1][:, g_idx.long()]
+                # r0 is a multiple of rows, or under rows (step)
+                t = t[r0 // rows:cdiv(r1, rows)].repeat_interleave(rows, 0)[:r1 - r0]
+                return t.repeat_interleave(cols, 1)[:, :inp]
+            if ze is not None:
+                x -= expand(ze)
+            rf[e, r0:r1] = x * expand(se)
+    return res
+
+
+class Fp8(Scheme):
+    """FP8 Linear weights: ``P.weight`` (e4m3) with ``P.weight_scale_inv`` (blocks of
+    ``weight_block_size``: DeepSeek) or ``P.weight_scale`` (per tensor or channel), for any
+    family; ``P.input_scale`` (static activation scales) is dropped."""
+
+    name = "fp8"
+
+    def __init__(self, block=None, name: str = "fp8"):
+        self.block, self.name = block, name
+
+    @classmethod
+    def from_config(cls, qc: dict, where: str):
+        fmt = str(qc.get("fmt", "e4m3")).lower()
+        if fmt not in ("e4m3", "float8_e4m3fn", "e5m2", "float8_e5m2"):
+            raise unsupported(where, f"fmt={qc.get('fmt')!r} (fp8)")
+        b = qc.get("weight_block_size")
+        if b is not None and (not isinstance(b, (list, tuple)) or len(b) != 2 or
+                              not all(isinstance(x, int) and x > 0 for x in b)):
+            raise InvalidInput(f"{where}: quantization_config.weight_block_size={b!r}: expected [rows, columns] "
+                               "of one scale's block, e.g. [128, 128]")
+        return cls(tuple(b) if b else None, f"fp8 {'block ' + 'x'.join(map(str, b)) if b else 'per-tensor'}")
+
+    def view(self, stored, where):
+        v = View(self.name)
+        fp8_view(v, stored, where, self.block, ("weight_scale_inv", "weight_scale"))
+        return v
+
+
+def fp8_view(v: View, stored: dict, where: str, block, scale_names) -> None:
+    """Every fp8 ``P.weight`` of ``stored`` decoded with its scale (the first of ``scale_names``
+    present) into ``v``; activation scales dropped."""
+    for k, (dt, shape) in stored.items():
+        if k.endswith((".input_scale", ".input_zero_point")):
+            v.dropped.add(k)
+        if dt not in FP8:
+            continue
+        p = k[:-len("weight")] if k.endswith("weight") else None
+        sk = next((p + n for n in scale_names if p is not None and p + n in stored), None)
+        if sk is None:
+            raise InvalidInput(f"{where}: {k} is fp8 ({dt}) with no {' or '.join(p + n for n in scale_names)} "
+                               "beside it: the checkpoint misses its scales")
+        if len(shape) < 2:
+            raise bad_shape(where, k, shape, "an fp8 weight is a matrix [out, in]")
+        rule = scale_rule(stored[sk][1], shape[-2], shape[-1], block)
+        if rule is None:
+            bs = f" for weight_block_size {list(block)}" if block else ""
+            raise bad_shape(where, sk, stored[sk][1], f"it does not cover {k} {list(shape)}{bs} (expected one value, "
+                            f"[out, 1], [out, in/group]" + (f" or [{cdiv(shape[-2], block[0])}, "
+                                                              f"{cdiv(shape[-1], block[1])}]" if block else "") + ")")
+        v.decoded[k] = Entry((k, sk), lambda t, r=rule: dequant_scaled(t[0], t[1], *r), tuple(shape), v.scheme)
