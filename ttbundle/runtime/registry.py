@@ -595,6 +595,27 @@ def _image_only_info(base, processor: str):
     return ImageOnlyInfo
 
 
+def _image_only_dummy(base):
+    """vLLM's dummy-inputs builder ``base`` (what its profiling and multimodal warm-up preprocess)
+    for images only: the images of ``base``'s largest size and nothing else. Qwen3-VL's own also
+    makes a dummy video from the video processor, which the images-only processor has not (its
+    warm-up failed: ``'NoneType' object has no attribute 'size'``)."""
+    key = ("dummy", base)
+    if key in _IMAGE_ONLY:
+        return _IMAGE_ONLY[key]
+
+    class ImageOnlyDummyInputs(base):
+        def get_dummy_mm_data(self, seq_len, mm_counts, mm_options):
+            width, height = self.info.get_image_size_with_most_features()
+            return {"image": self._get_dummy_images(width=width, height=height,
+                                                    num_images=mm_counts.get("image", 0),
+                                                    overrides=(mm_options or {}).get("image"))}
+
+    ImageOnlyDummyInputs.__name__ = ImageOnlyDummyInputs.__qualname__ = "TT" + base.__name__
+    _IMAGE_ONLY[key] = ImageOnlyDummyInputs
+    return ImageOnlyDummyInputs
+
+
 def _multimodal(name: str, part, attrs: dict):
     """``attrs`` plus what vLLM needs to preprocess images with its own processor for the HF
     class the vision ``part`` (a ``VisionPart`` class) names (``VLLM_PROCESSOR``):
@@ -614,10 +635,11 @@ def _multimodal(name: str, part, attrs: dict):
 
     attrs.update(get_placeholder_str=classmethod(get_placeholder_str),
                  embed_multimodal=lambda self, **kw: None)
-    info_cls = getattr(m, info)
+    info_cls, dummy_cls = getattr(m, info), getattr(m, dummy)
     if part.IMAGE_ONLY_PROCESSOR is not None:  # images only (no video processor, no video)
         info_cls = _image_only_info(info_cls, part.IMAGE_ONLY_PROCESSOR)
-    return (getattr(m, proc), info_cls, getattr(m, dummy))
+        dummy_cls = _image_only_dummy(dummy_cls)
+    return (getattr(m, proc), info_cls, dummy_cls)
 
 
 def stub_class(arch: str):
