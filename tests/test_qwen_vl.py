@@ -144,13 +144,20 @@ def _err(text: str) -> str:
     return "\n".join(f"{d.line}: {d.message}" for d in e.value.diagnostics)
 
 
-def test_a_vision_bucket_too_small_for_the_images_is_an_error():
+def test_a_vision_bucket_too_small_for_the_images_is_a_cap_stated_as_a_warning():
     text = TINY_QVL.replace("buckets: [256, 512]}", "buckets: [256, 384]}")
-    msg = _err(text)
-    assert f"{line_of(text, 'vision: {images_per_prompt: 2')}:" in msg
+    b = tiny(text)
+    (w,) = [d for d in b.warnings if d.path == "vision.buckets"]
+    assert w.line == line_of(text, "vision: {images_per_prompt: 2")
     # 4096 pixels / (4 x 2)^2 = 64 merge blocks = 256 patches per image, 2 images = 512
-    assert "largest vision bucket (384 patches) cannot hold images_per_prompt=2" in msg
-    assert "256 patches each, 512 in all" in msg
+    assert "64 merge blocks = 256 patches each) need up to 512 patches, the largest vision bucket holds 384" \
+        in w.message
+    assert "refused (400)" in w.message
+
+
+def test_a_vision_bucket_not_of_whole_merge_blocks_is_an_error():
+    msg = _err(TINY_QVL.replace("buckets: [256, 512]}", "buckets: [256, 510]}"))
+    assert "510 patches is not a multiple of 4" in msg
 
 
 def test_an_image_longer_than_the_prefill_chunk_is_an_error():
