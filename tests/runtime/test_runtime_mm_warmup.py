@@ -41,3 +41,64 @@ def test_vllms_multimodal_warmup_runs_clean(family, tmp_path):
     out = processor.get_dummy_mm_inputs({"image": 1}, cache=None, scheduler_config=None)
     assert set(out["mm_kwargs"]) == {"image"} and len(out["mm_kwargs"]["image"]) == 1
     assert len(out["prompt_token_ids"]) > 1
+
+
+# ---- a package whose largest vision bucket caps a prompt's images ---------------------------------
+#: the tiny Qwen3-VL with images of up to 16384 pixels (256 merge blocks = 1024 patches) in a
+#: bucket of 512 patches: a cap, below the processor's largest image
+CAPPED = TINY_Q3VL.split("vision: {")[0].replace("prefill: [64, 128]", "prefill: [64, 512]").replace(
+    "prefill_chunk: 128", "prefill_chunk: 512") + "vision: {images_per_prompt: 2, min_pixels: 256, " \
+    "max_pixels: 16384, buckets: [256, 512]}\n"
+
+
+def _capped_processor(tmp_path):
+    from ttbundle import spec
+    from ttbundle.package.templates import render_bundle_yaml, resolved_spec
+    from ttbundle.plan.make import make_plan
+
+    bundle = spec.loads(CAPPED, "spec.yaml")
+    assert any("a cap" in d.message for d in bundle.warnings)
+    d = processor_model_dir(bundle, tmp_path)
+    (d / "bundle.yaml").write_text(render_bundle_yaml(resolved_spec(bundle, make_plan(bundle, "N150")), "test"))
+    return bundle, vllm_processor(d, "Qwen3VLForConditionalGeneration", {"image": 2})
+
+
+def test_images_past_the_largest_vision_bucket_are_a_400_naming_the_limit(tmp_path):
+    from vllm.exceptions import VLLMValidationError
+    from vllm.multimodal.processing import TimingContext
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from runtime_helpers import random_image
+
+    bundle, proc = _capped_processor(tmp_path)
+    img = "<|vision_start|><|image_pad|><|vision_end|>"
+    ids = proc.info.ctx.tokenizer.encode(f"<|user|> ba {img} {img} bo <|end|>", add_special_tokens=False)
+
+    def apply(ims):
+        return proc.apply(ProcessorInputs(prompt=ids[:], mm_data_items=proc.info.parse_mm_data({"image": ims})),
+                          TimingContext(enabled=False))
+
+    small = [random_image(1, 40, 56), random_image(2, 64, 32)]  # 35 + 32 merge blocks: within the cap
+    out = apply(small)
+    ref = Qwen2VLImageProcessorPil(**{k: v for k, v in vision_pre(bundle).items()})(images=small, return_tensors="pt")
+    assert out["prompt_token_ids"].count(500) == int(ref["image_grid_thw"].prod(dim=1).sum()) // 4
+    big = [random_image(3, 120, 120), random_image(4, 40, 56)]  # 120x120 -> 15 x 15 blocks = 900 patches
+    with pytest.raises(VLLMValidationError) as e:
+        apply(big)
+    assert "need 1040 patches (225 + 35 soft tokens x 4)" in str(e.value)
+    assert "at most 512 patches per prompt" in str(e.value)
+    # vLLM's budget of one image is the cap's, and its warm-up's dummy image lies within it
+    assert proc.info.get_mm_max_tokens_per_item(512, {"image": 1})["image"] <= 512 // 4 + 2
+    from vllm.renderers.base import BaseRenderer
+    BaseRenderer._warmup_mm_processor(SimpleNamespace(config=SimpleNamespace(scheduler_config=None)), proc, None,
+                                      log_prefix="Multi-modal")
+
+
+def vision_pre(bundle) -> dict:
+    """The package's image processor settings as transformers' class takes them."""
+    from ttbundle import vision
+    pre = vision.preprocessor_config(bundle)
+    keep = ("do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize",
+            "image_mean", "image_std", "size", "patch_size", "temporal_patch_size", "merge_size")
+    return {k: pre[k] for k in keep}
