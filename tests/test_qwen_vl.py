@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -349,3 +350,24 @@ def test_a_gemma_image_longer_than_the_prefill_chunk_is_an_error():
     text = TINY_VL.replace("prefill_chunk: 64", "prefill_chunk: 16").replace("prefill: [64, 128]", "prefill: [16, 64]")
     msg = _err(text)  # 16 soft tokens + begin/end of image = 18 > 16
     assert "one image is 18 tokens" in msg and "use a chunk >= 18" in msg
+
+
+def test_plan_states_the_published_7b_image_cap_with_its_arithmetic():
+    """The published 7B takes the model's own pixel budget (12,845,056 pixels: 16384 merge blocks of
+    28 x 28 pixels, 65,536 patches an image); two such images (131,072 patches) are not one prefill
+    chunk, so the largest bucket (8,160 patches) is a cap: plan states it, with the activations of
+    the vision program each would need."""
+    from ttbundle.lower import summary, lower, vision_cap
+    from ttbundle.plan.make import make_plan
+    from ttbundle.report import vision_cap_line
+
+    b = spec.load(Path(__file__).resolve().parent.parent / "bundles" / "qwen2.5-vl-7b-instruct.yaml")
+    p = make_plan(b, "N300")
+    c = vision_cap(b, p)
+    assert (c["need"], c["cap"], c["largest_image"]) == (2 * 12845056 // 28 ** 2 * 4, 8160, 65536)
+    assert c["need_activation_bytes"] == summary(lower(b, p, "vision", 131072))["activation_bytes"]
+    assert c["need_activation_bytes"] > c["cap_activation_bytes"] > 0
+    assert c["largest_image_tokens"] == 16386 > c["prefill_chunk"] >= c["cap_image_tokens"] == 2042
+    line = vision_cap_line(c)
+    assert "need 131,072 patches" in line and "refused (400)" in line and "holds 8,160 patches" in line
+    assert any("a cap" in w.message for w in b.warnings)
