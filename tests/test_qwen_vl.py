@@ -371,3 +371,10 @@ def test_plan_states_the_published_7b_image_cap_with_its_arithmetic():
     line = vision_cap_line(c)
     assert "need 131,072 patches" in line and "refused (400)" in line and "holds 8,160 patches" in line
     assert any("a cap" in w.message for w in b.warnings)
+
+
+def test_a_largest_bucket_below_the_smallest_image_is_an_error():
+    # min_pixels 1024 / 8^2 = 16 merge blocks = 64 patches: a bucket of 32 holds no image
+    msg = _err(TINY_QVL.replace("min_pixels: 256, max_pixels: 4096, buckets: [256, 512]",
+                                "min_pixels: 1024, max_pixels: 4096, buckets: [32]"))
+    assert "the largest vision bucket (32 patches) holds no image" in msg and "add a bucket of 64" in msg

@@ -336,6 +336,11 @@ def check_settings(b, vs) -> list:
                           f"holds {cap} (a prompt's images are encoded in one call): a request whose images need "
                           f"more is refused (400) naming this limit; add a bucket of {need} to serve every image",
                           "warning"))
+    least = -(-vs.min_pixels // f2) * v.merge_unit  # the smallest image the processor makes, about
+    if vs.buckets and cap < least:
+        d.append(b.locate(at + ("buckets",), f"the largest vision bucket ({cap} patches) holds no image: the "
+                          f"processor enlarges every image to at least min_pixels={vs.min_pixels} (ceil({vs.min_pixels} "
+                          f"/ {v.factor}^2) merge blocks = {least} patches); add a bucket of {least} or more"))
     top = min(per, cap)  # the largest image a request may carry
     per_image = top // v.merge_unit + 2  # vision start, soft tokens, vision end
     d += image_token_budget(b, vs, per_image, f"an image of up to {top} patches (max_pixels={vs.max_pixels}, "
