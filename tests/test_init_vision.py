@@ -187,3 +187,18 @@ def test_a_checkpoint_without_processor_files_gets_the_family_defaults_said_so(t
     r = init_spec(hf, tmp_path / "spec.yaml")
     assert r.bundle.vision.min_pixels == 3136 and r.bundle.vision.image_mean == [0.5, 0.5, 0.5]
     assert any("no preprocessor_config.json" in n for n in r.notes)
+
+
+def test_a_processor_config_holding_the_image_processor_is_read(tmp_path):
+    """transformers 5 may save the image processor inside processor_config.json
+    (``image_processor``) with no preprocessor_config.json: init reads it there."""
+    hf = save_tiny("Qwen2_5_VLForConditionalGeneration", tmp_path / "model")
+    _qwen25(hf)
+    pre = json.loads((hf / "preprocessor_config.json").read_text())
+    (hf / "preprocessor_config.json").unlink()
+    (hf / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2_5_VLProcessor",
+                                                          "image_processor": pre}))
+    r = init_spec(hf, tmp_path / "spec.yaml")
+    assert (r.bundle.vision.min_pixels, r.bundle.vision.max_pixels) == (28 * 28 * 9, 28 * 28 * 200)
+    assert r.bundle.vision.image_mean == [0.4, 0.5, 0.6]
+    assert any("processor_config.json" in n for n in r.notes)
