@@ -102,3 +102,35 @@ def vision_pre(bundle) -> dict:
     keep = ("do_convert_rgb", "do_resize", "resample", "do_rescale", "rescale_factor", "do_normalize",
             "image_mean", "image_std", "size", "patch_size", "temporal_patch_size", "merge_size")
     return {k: pre[k] for k in keep}
+
+
+def test_mistral3_counts_an_images_patches_not_its_row_breaks(tmp_path):
+    """Mistral 3's placeholder holds the [IMG] tokens and a break per row: the cap counts the [IMG]s
+    (soft tokens x 4 patches). Images of up to 64 pixels (8 x 8 merge blocks, 256 patches) in a
+    bucket of 256: one 64x64 image is exactly the cap (64 [IMG] + 8 breaks), two are a 400."""
+    from vllm.exceptions import VLLMValidationError
+    from vllm.multimodal.processing import TimingContext
+    from vllm.multimodal.processing.inputs import ProcessorInputs
+
+    from ttbundle import spec
+    from ttbundle.package.templates import render_bundle_yaml, resolved_spec
+    from ttbundle.plan.make import make_plan
+    from runtime_helpers import random_image
+
+    bundle = spec.loads(TINY_MISTRAL3.replace("buckets: [256, 512]", "buckets: [256]"), "spec.yaml")
+    d = processor_model_dir(bundle, tmp_path)
+    (d / "bundle.yaml").write_text(render_bundle_yaml(resolved_spec(bundle, make_plan(bundle, "N150")), "test"))
+    proc = vllm_processor(d, "Mistral3ForConditionalGeneration", {"image": 2})
+    tok = proc.info.ctx.tokenizer
+
+    def apply(n):
+        ids = tok.encode("<|user|> ba " + "[IMG] " * n + "bo <|end|>", add_special_tokens=False)
+        ims = [random_image(i, 64, 64) for i in range(n)]
+        return proc.apply(ProcessorInputs(prompt=ids, mm_data_items=proc.info.parse_mm_data({"image": ims})),
+                          TimingContext(enabled=False))
+
+    out = apply(1)
+    assert out["prompt_token_ids"].count(500) == 64 and out["prompt_token_ids"].count(501) == 7
+    with pytest.raises(VLLMValidationError, match="need 512 patches .64 . 64 soft tokens x 4.; the package encodes "
+                                                  "at most 256 patches"):
+        apply(2)
