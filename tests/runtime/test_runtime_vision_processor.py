@@ -5,7 +5,10 @@ of 1024 patches caps), through the official `openai` client. The reference is tr
 `Qwen3VLForConditionalGeneration.generate` on the checkpoint with the model's processor made here
 from the same settings by transformers' own `Qwen2VLImageProcessorPil` (not read from the package):
 small, odd-shaped and two-image chats give HF's prompt ids and greedy tokens; an image past the cap
-is a 400 naming the limit, after which the server still answers; vLLM's warm-up logged no failure."""
+is a 400 naming the limit, after which the server still answers; vLLM's warm-up logged no failure.
+The same for a tiny Mistral 3 whose longest edge (48 pixels) is below its encoder's image size and
+whose normalisation is its own, against a PixtralProcessor made here (32x32, 17x250 and 500x640
+images; two images past the cap a 400)."""
 
 from __future__ import annotations
 
@@ -101,3 +104,72 @@ def test_vllms_multimodal_warmup_ran_clean(server):
     log = server.log.read_text(errors="replace")
     assert "Multi-modal warmup completed" in log, log[-2000:]
     assert "warmup failed" not in log
+
+
+# ---- Mistral 3: a longest edge below the encoder's image_size, its own normalisation ----------------
+from spec_helpers import TINY_MISTRAL3  # noqa: E402
+
+M_IMAGE = 500  # TINY_MISTRAL3's image_token_index
+M_EDGE, M_MEAN, M_STD = 48, [0.3, 0.4, 0.5], [0.2, 0.25, 0.3]
+M_SPEC = TINY_MISTRAL3.replace("name: tiny-mistral3", "name: tiny-mistral3-proc").replace(
+    "vision: {images_per_prompt: 2, longest_edge: 64, buckets: [256, 512]}",
+    f"vision: {{images_per_prompt: 2, longest_edge: {M_EDGE}, image_mean: {M_MEAN}, image_std: {M_STD}, "
+    "buckets: [64, 144]}")  # 48 px = 6 merge blocks a side = 144 patches: two such images are past the cap
+
+
+@pytest.fixture(scope="module")
+def mserver(packages_dir, tmp_path_factory):
+    with served_package(M_SPEC, packages_dir, MESH, tmp_path_factory.mktemp("serve-mistral3-proc")) as srv:
+        yield srv
+
+
+def m_hf_greedy(server, text: str, images: list, n: int):
+    """(prompt ids, greedy tokens) of transformers' Mistral 3 with a PixtralProcessor made here from
+    the model's settings (transformers' classes; the tokenizer the package carries)."""
+    import torch
+    import transformers
+
+    from ttbundle import reference
+    from ttbundle.families.mistral3_vision import Mistral3VisionPart
+    from ttbundle.runtime.registry import _pil_image_processors
+
+    if "mm" not in _HF:
+        _pil_image_processors(Mistral3VisionPart)  # no torchvision here: the PIL image processor
+        from transformers.models.pixtral.processing_pixtral import PixtralProcessor
+        _HF["mm"] = transformers.Mistral3ForConditionalGeneration.from_pretrained(
+            str(server.src), dtype=torch.float32).eval()
+        ip = transformers.PixtralImageProcessorPil(size={"longest_edge": M_EDGE}, image_mean=M_MEAN, image_std=M_STD)
+        _HF["mproc"] = PixtralProcessor(image_processor=ip, tokenizer=transformers.AutoTokenizer.from_pretrained(
+            str(server.pkg)), patch_size=4, spatial_merge_size=2, image_token="[IMG]",
+            image_break_token="[IMG_BREAK]", image_end_token="[IMG_END]")
+    m, proc = _HF["mm"], _HF["mproc"]
+    content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
+    rendered = proc.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                  add_generation_prompt=True)
+    r = proc(text=rendered, images=images, return_tensors="pt", add_special_tokens=False)
+    x = r["input_ids"]
+    with torch.no_grad():
+        out = m.generate(x, max_new_tokens=n, do_sample=False, past_key_values=reference.kv_cache(m, "bf16"),
+                         pixel_values=r["pixel_values"], image_sizes=r["image_sizes"])
+    return x[0].tolist(), out[0, x.shape[1]:].tolist()
+
+
+@pytest.mark.parametrize("sizes", [[(32, 32)], [(17, 250)], [(500, 640)]], ids=["32x32", "17x250", "500x640"])
+def test_mistral3_served_images_have_the_models_tokens_and_greedy_tokens(mserver, sizes):
+    ims = [random_image(i + 11, h, w) for i, (h, w) in enumerate(sizes)]
+    r = chat(mserver, message("ba be", *ims))
+    ids, want = m_hf_greedy(mserver, "ba be", ims, 6)
+    assert r.prompt_token_ids == ids and ids.count(M_IMAGE) > 0
+    assert r.choices[0].token_ids == want
+
+
+def test_mistral3_images_past_the_cap_are_a_400_and_the_server_keeps_serving(mserver):
+    with pytest.raises(openai.BadRequestError) as e:  # two images of 6 x 6 merge blocks: 288 patches
+        chat(mserver, message("ba", random_image(1, 48, 48), random_image(2, 300, 300)))
+    assert "at most 144 patches per prompt" in str(e.value)
+    im = random_image(5, 40, 30)
+    r = chat(mserver, message("ba", im), n=3)
+    ids, want = m_hf_greedy(mserver, "ba", [im], 3)
+    assert r.prompt_token_ids == ids and r.choices[0].token_ids == want
+    log = mserver.log.read_text(errors="replace")
+    assert "Multi-modal warmup completed" in log and "warmup failed" not in log
