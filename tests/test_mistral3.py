@@ -147,7 +147,6 @@ def test_default_settings_bound_an_image_to_16_merge_blocks_a_side():
     ("longest_edge: 64, buckets: [256, 512]", None),
     ("longest_edge: 72, buckets: [256, 512]", "longest_edge=72 exceeds the encoder's image_size=64"),
     ("longest_edge: 64, buckets: [256, 510]", "510 patches is not a multiple of 4"),
-    ("longest_edge: 64, buckets: [256]", "the largest vision bucket (256 patches) cannot hold images_per_prompt=2"),
     ("longest_edge: 64, max_pixels: 4096, buckets: [256, 512]", "max_pixels is Qwen2.5-VL's pixel budget"),
 ])
 def test_vision_settings_are_checked(change, msg):
@@ -158,10 +157,19 @@ def test_vision_settings_are_checked(change, msg):
         assert msg in _err(text)
 
 
+def test_a_vision_bucket_smaller_than_the_images_is_a_cap_stated_as_a_warning():
+    """Two images of up to 64 pixels (8 x 8 merge blocks = 256 patches each) in a bucket of 256: a
+    cap (a request needing more patches is refused), said with the arithmetic; the spec loads."""
+    b = tiny(TINY_MISTRAL3.replace("longest_edge: 64, buckets: [256, 512]", "longest_edge: 64, buckets: [256]"))
+    (w,) = [d.message for d in b.warnings if d.path == "vision.buckets"]
+    assert "a cap" in w and "256 patches each) need up to 512 patches, the largest vision bucket holds 256" in w
+    assert "refused (400)" in w
+
+
 def test_an_image_longer_than_a_prefill_chunk_is_an_error():
     text = TINY_MISTRAL3.replace("prefill_chunk: 128", "prefill_chunk: 64")
     # 8 rows of 8 soft tokens + 8 row breaks = 72 tokens > 64
-    assert "an image of longest_edge=64 pixels is up to 72 tokens" in _err(text)
+    assert "an image of up to 256 patches (longest_edge=64, largest bucket 512) is up to 72 tokens" in _err(text)
 
 
 # ---- the published 24B: import and plan --------------------------------------------------------------

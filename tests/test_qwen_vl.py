@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -144,13 +145,20 @@ def _err(text: str) -> str:
     return "\n".join(f"{d.line}: {d.message}" for d in e.value.diagnostics)
 
 
-def test_a_vision_bucket_too_small_for_the_images_is_an_error():
+def test_a_vision_bucket_too_small_for_the_images_is_a_cap_stated_as_a_warning():
     text = TINY_QVL.replace("buckets: [256, 512]}", "buckets: [256, 384]}")
-    msg = _err(text)
-    assert f"{line_of(text, 'vision: {images_per_prompt: 2')}:" in msg
+    b = tiny(text)
+    (w,) = [d for d in b.warnings if d.path == "vision.buckets"]
+    assert w.line == line_of(text, "vision: {images_per_prompt: 2")
     # 4096 pixels / (4 x 2)^2 = 64 merge blocks = 256 patches per image, 2 images = 512
-    assert "largest vision bucket (384 patches) cannot hold images_per_prompt=2" in msg
-    assert "256 patches each, 512 in all" in msg
+    assert "64 merge blocks = 256 patches each) need up to 512 patches, the largest vision bucket holds 384" \
+        in w.message
+    assert "refused (400)" in w.message
+
+
+def test_a_vision_bucket_not_of_whole_merge_blocks_is_an_error():
+    msg = _err(TINY_QVL.replace("buckets: [256, 512]}", "buckets: [256, 510]}"))
+    assert "510 patches is not a multiple of 4" in msg
 
 
 def test_an_image_longer_than_the_prefill_chunk_is_an_error():
@@ -342,3 +350,31 @@ def test_a_gemma_image_longer_than_the_prefill_chunk_is_an_error():
     text = TINY_VL.replace("prefill_chunk: 64", "prefill_chunk: 16").replace("prefill: [64, 128]", "prefill: [16, 64]")
     msg = _err(text)  # 16 soft tokens + begin/end of image = 18 > 16
     assert "one image is 18 tokens" in msg and "use a chunk >= 18" in msg
+
+
+def test_plan_states_the_published_7b_image_cap_with_its_arithmetic():
+    """The published 7B takes the model's own pixel budget (12,845,056 pixels: 16384 merge blocks of
+    28 x 28 pixels, 65,536 patches an image); two such images (131,072 patches) are not one prefill
+    chunk, so the largest bucket (8,160 patches) is a cap: plan states it, with the activations of
+    the vision program each would need."""
+    from ttbundle.lower import summary, lower, vision_cap
+    from ttbundle.plan.make import make_plan
+    from ttbundle.report import vision_cap_line
+
+    b = spec.load(Path(__file__).resolve().parent.parent / "bundles" / "qwen2.5-vl-7b-instruct.yaml")
+    p = make_plan(b, "N300")
+    c = vision_cap(b, p)
+    assert (c["need"], c["cap"], c["largest_image"]) == (2 * 12845056 // 28 ** 2 * 4, 8160, 65536)
+    assert c["need_activation_bytes"] == summary(lower(b, p, "vision", 131072))["activation_bytes"]
+    assert c["need_activation_bytes"] > c["cap_activation_bytes"] > 0
+    assert c["largest_image_tokens"] == 16386 > c["prefill_chunk"] >= c["cap_image_tokens"] == 2042
+    line = vision_cap_line(c)
+    assert "need 131,072 patches" in line and "refused (400)" in line and "holds 8,160 patches" in line
+    assert any("a cap" in w.message for w in b.warnings)
+
+
+def test_a_largest_bucket_below_the_smallest_image_is_an_error():
+    # min_pixels 1024 / 8^2 = 16 merge blocks = 64 patches: a bucket of 32 holds no image
+    msg = _err(TINY_QVL.replace("min_pixels: 256, max_pixels: 4096, buckets: [256, 512]",
+                                "min_pixels: 1024, max_pixels: 4096, buckets: [32]"))
+    assert "the largest vision bucket (32 patches) holds no image" in msg and "add a bucket of 64" in msg

@@ -114,8 +114,9 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
         p = make_plan(bundle, target)
         host = host_plan(bundle, p)
         fx = [] if p.fits else fixes(bundle, p)
-        from .lower import vision_summaries
+        from .lower import vision_cap, vision_summaries
         vision = vision_summaries(bundle, p)
+        cap = vision_cap(bundle, p)
         if svg:
             from .svg import render_plan
             _write_atomic(svg, render_plan(p))
@@ -127,11 +128,15 @@ def plan(spec: Path = typer.Argument(..., help="Bundle spec (YAML)."),
         data["emulated_host"] = host.to_json()
         if vision:
             data["vision_programs"] = vision
+        if cap:
+            data["vision_cap"] = cap
         out.print_json(data=data)
     else:
         report.print_plan(p, out, fx, host)
         if vision:
             report.print_vision(vision, out, bundle.family.vision_part(bundle.arch).BUCKET_UNIT)
+        if cap:
+            out.print(Text(report.vision_cap_line(cap)))
     if not p.fits:
         raise typer.Exit(EXIT_DOES_NOT_FIT)
 

@@ -247,7 +247,8 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
              sharding_notes: dict[str, str], sharding_targets: dict | None = None, group_dtypes: dict[str, str] | None = None,
              dtype_note: str = "", pool_notes: list[str] | None = None,
              kv_dtype: str = "bf16", hf_model: str | None = None, hf_note: str = "",
-             ref: str | None = None, embedding: dict | None = None, task_note: str = "") -> _Ctx:
+             ref: str | None = None, embedding: dict | None = None, task_note: str = "",
+             vision: dict | None = None, vision_note: str = "") -> _Ctx:
     B, W, D, S, K, R = (specmod.BundleSpec, specmod.Weights, specmod.DtypePolicy, specmod.Sharding,
                         specmod.Buckets, specmod.Runtime)
     tensors = family.tensors(arch)
@@ -294,6 +295,10 @@ def _context(*, arch, family, hf_arch: str, cfg: Path, out_dir: Path, hf_dir: Pa
         Entry("task", y("embed"), field_doc(B, "task") + doc_lines(f"init: {task_note}")),
         Entry("embedding", doc=field_doc(B, "embedding"), children=[
             Entry(k, y(v), field_doc(specmod.Embedding, k)) for k, v in embedding.items()])]
+
+    sections["vision"] = [] if vision is None else [  # a multimodal model's images (vision.py)
+        Entry("vision", doc=field_doc(B, "vision") + doc_lines(f"init: {vision_note}"), children=[
+            Entry(k, y(v), field_doc(specmod.Vision, k)) for k, v in vision.items() if v is not None])]
 
     default_plan = family.default_plan(arch)
     plan = []
@@ -435,6 +440,8 @@ def render_spec(hf_dir: str | Path, output: Path, meshes: list[str] | None = Non
     embedding, task_note = init_task(hf_dir, family.name, task)
     if embedding is not None:  # prefill only
         buckets, bucket_notes = dict(buckets, decode=[]), [n for n in bucket_notes if "decode" not in n]
+    vision, vision_notes = init_vision(family.vision_part(arch), hf_dir,
+                                       buckets.get("prefill_chunk") or max(buckets["prefill"]), max_model_len)
     name = name or derive_name(hf_dir, family.name)
     archs = config.get("architectures") or ["?"]
     if hf_model is not None:
@@ -451,7 +458,7 @@ def render_spec(hf_dir: str | Path, output: Path, meshes: list[str] | None = Non
               hf_dir=hf_dir, name=name, meshes=meshes,
               max_model_len=max_model_len, max_num_seqs=max_num_seqs, buckets=buckets,
               bucket_notes=bucket_notes, hf_model=hf_model, hf_note=hf_note, ref=ref,
-              embedding=embedding, task_note=task_note)
+              embedding=embedding, task_note=task_note, vision=vision, vision_note="; ".join(vision_notes))
     choices = DTYPE_CHOICES if weights_dtype is None else (
         (weights_dtype, {}, "bf16", f"{weights_dtype} weights"),)
     tried = []
@@ -476,6 +483,48 @@ def render_spec(hf_dir: str | Path, output: Path, meshes: list[str] | None = Non
     text = _render(_context(**ctx_kw, dtype_note=dtype_note, pool_notes=pool_notes))
     bundle = specmod.loads(text, str(output), base_dir=output.parent)
     return text, bundle, plans, notes
+
+
+def init_vision(part, hf_dir: Path, chunk: int, max_model_len: int) -> tuple[dict | None, list[str]]:
+    """A multimodal model's ``vision:`` settings (None for a text model) as its own image
+    processor makes images (``preprocessor_config.json`` / ``processor_config.json``:
+    ``VisionPart.processor_settings``), every one written out with the family's defaults filled
+    in, and what the spec's comment says of them. The vision bucket holds ``images_per_prompt``
+    images of the largest size the processor makes, or, where one such image's tokens do not
+    fit a prefill ``chunk`` (an image is never split) or the images ``max_model_len``, the most
+    patches that do: a cap, said in the notes, that requests beyond meet as a 400."""
+    if part is None:
+        return None, []
+    got = part.processor_settings(hf_dir)
+    vs = part.settings(specmod.Vision(**got))
+    where = "preprocessor_config.json" if (hf_dir / "preprocessor_config.json").is_file() else "processor_config.json"
+    notes = [f"the image settings of the checkpoint's own processor ({where}: {', '.join(sorted(got))}), so a "
+             "served image has the tokens transformers' processor gives it" if got else
+             "the checkpoint has no preprocessor_config.json: the family's default image settings; copy the "
+             "model's own processor settings here, or images are not what its processor makes of them"]
+    per = part.largest_image(vs)
+    if per is not None:
+        n = vs.images_per_prompt
+
+        def fits(patches: int) -> bool:
+            t = part.prompt_tokens_of(vs, patches)
+            return t <= chunk and n * t < max_model_len
+
+        unit = part.v.merge_unit
+        if not fits(n * per):
+            lo, hi = 0, n * per // unit  # the most merge blocks whose image fits: fits() is monotone
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                lo, hi = (mid, hi) if fits(mid * unit) else (lo, mid - 1)
+            if lo:
+                t = part.prompt_tokens_of(vs, lo * unit)
+                vs = vs.model_copy(update={"buckets": [lo * unit]})
+                notes.append(f"a cap: {n} image(s) of the processor's largest size need {n * per} patches "
+                             f"({part.prompt_tokens_of(vs, per)} prompt tokens each), more than a prefill chunk of "
+                             f"{chunk} tokens or max_model_len={max_model_len} holds; the vision bucket holds "
+                             f"{lo * unit} patches (an image of {t} tokens), and a request whose images need more "
+                             "is refused (400). Raise buckets.prefill_chunk and max_model_len to lift it")
+    return vs.model_dump(mode="json"), notes
 
 
 def _does_not_fit(cfg: Path, meshes: list[str], tried: list, auto: bool) -> "DoesNotFit":
@@ -539,6 +588,7 @@ def _resolve(meshes, output, cfg, kw):
             plans, diags = plans_for(bundle)
             if not diags:
                 notes = [f"buckets: {n}" for n in kw["bucket_notes"]]
+                notes += [f"vision: {kw['vision_note']}"] if kw.get("vision_note") else []
                 if not has_tokenizer(cfg.parent):
                     notes.append(f"no tokenizer in {cfg.parent} (none of tokenizer.json, tokenizer.model, "
                                  "vocab.json): `ttbundle build` refuses the spec until `tokenizer:` names the "

@@ -201,5 +201,27 @@ def vision_summaries(bundle, plan: Plan) -> list[dict]:
     return [summary(lower(bundle, plan, ph, n)) for ph, n in trace_set(bundle) if ph == "vision"]
 
 
+def vision_cap(bundle, plan: Plan) -> dict | None:
+    """Where the largest vision bucket holds fewer patches than ``images_per_prompt`` images of
+    the processor's largest size need (a cap: requests needing more are refused), the arithmetic
+    ``plan`` states: the patches needed and held, each as a vision program's activations per
+    chip, the largest image's prompt tokens against a prefill chunk and ``max_model_len``, and
+    the chip's memory; None without a cap."""
+    vs = bundle.vision
+    part = None if vs is None else bundle.family.vision_part(bundle.arch)
+    per = None if part is None else part.largest_image(vs)
+    if per is None or max(vs.buckets) >= vs.images_per_prompt * per:
+        return None
+    need, cap = vs.images_per_prompt * per, max(vs.buckets)
+    bk = bundle.buckets
+    return {"unit": part.BUCKET_UNIT, "images_per_prompt": vs.images_per_prompt, "largest_image": per,
+            "need": need, "cap": cap,
+            "need_activation_bytes": summary(lower(bundle, plan, "vision", need))["activation_bytes"],
+            "cap_activation_bytes": summary(lower(bundle, plan, "vision", cap))["activation_bytes"],
+            "largest_image_tokens": part.prompt_tokens_of(vs, per), "cap_image_tokens": part.prompt_tokens_of(vs, cap),
+            "prefill_chunk": bk.prefill_chunk or max(bk.prefill), "max_model_len": bundle.spec.runtime.max_model_len,
+            "per_chip_total": plan.memory.total, "dram": plan.memory.dram}
+
+
 __all__ = ["AXES", "FORMAT", "PHASES", "lower", "lower_all", "program_name", "summary", "trace_set", "traced",
-           "vision_summaries"]
+           "vision_cap", "vision_summaries"]

@@ -40,6 +40,18 @@ def print_vision(programs: list[dict], console: Console, unit: str = "images") -
     console.print(t)
 
 
+def vision_cap_line(c: dict) -> str:
+    """``lower.vision_cap``'s arithmetic as one statement."""
+    u = c["unit"]
+    return (f"images capped: {c['images_per_prompt']} image(s) of the processor's largest size need {c['need']:,} {u} "
+            f"({c['largest_image']:,} each, {c['largest_image_tokens']:,} prompt tokens each; a vision program of "
+            f"{c['need']:,} {u} needs {human(c['need_activation_bytes'])} of activations per chip, beside "
+            f"{human(c['per_chip_total'])} of {human(c['dram'])} planned; a prefill chunk holds {c['prefill_chunk']:,} "
+            f"tokens, max_model_len {c['max_model_len']:,}); the largest vision bucket holds {c['cap']:,} {u} "
+            f"({human(c['cap_activation_bytes'])} of activations, an image of up to {c['cap_image_tokens']:,} tokens): "
+            f"a request whose images need more than {c['cap']:,} {u} is refused (400) naming this limit")
+
+
 def host_line(h) -> str:
     """Whether the emulated mesh fits this host (``plan.host.HostPlan``), one line."""
     return f"emulated mesh on this host: {h.verdict()}"

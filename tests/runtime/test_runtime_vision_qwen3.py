@@ -104,3 +104,10 @@ def test_bad_image_input_is_a_4xx_and_the_server_keeps_serving(server):
 
 def test_8_concurrent_image_requests_of_different_sizes_equal_transformers(server):
     assert_concurrent_image_chats(server, image, message, hf_greedy, IMAGE)
+
+
+def test_vllms_multimodal_warmup_ran_clean(server):
+    """vLLM warmed its multimodal processor up at start (images only) without a failure logged."""
+    log = server.log.read_text(errors="replace")
+    assert "Multi-modal warmup completed" in log, log[-2000:]
+    assert "warmup failed" not in log

@@ -20,13 +20,14 @@ replicated (LayerNorm needs whole rows), the projector replicated.
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
 from . import transforms
-from .vision_part import PLAIN, ImageLayout, VisionPart, blocks_of
+from .vision_part import PLAIN, ImageLayout, VisionPart, blocks_of, must_equal, processor_json, unsupported
 
 #: what a vision bucket counts
 BUCKET_UNIT = "images"
@@ -254,9 +255,10 @@ def norms(v: Gemma3Vision) -> dict:
 
 
 # ---- the vision part's functions (Gemma3VisionPart below calls them) ------------------------
-def settings(v: Gemma3Vision, vs):
-    """The spec's ``vision:`` settings as they apply (Gemma 3: as written; buckets count images)."""
-    return vs
+def settings(v: Gemma3Vision, vs, norm: dict | None = None):
+    """The spec's ``vision:`` settings as they apply (Gemma 3: as written but the normalisation
+    ``norm`` the part fills in; buckets count images)."""
+    return vs.model_copy(update=norm) if norm else vs
 
 
 def check_settings(b, vs) -> list:
@@ -284,7 +286,7 @@ def preprocessor_config(v: Gemma3Vision, vs) -> dict:
     return {"image_processor_type": "Gemma3ImageProcessor", "processor_class": "Gemma3Processor",
             "do_convert_rgb": True, "do_resize": True, "size": {"height": v.image_size, "width": v.image_size},
             "resample": 2, "do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True,
-            "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "do_pan_and_scan": False}
+            "image_mean": list(vs.image_mean), "image_std": list(vs.image_std), "do_pan_and_scan": False}
 
 
 def processor_config(v: Gemma3Vision, vs) -> dict:
@@ -373,8 +375,25 @@ class Gemma3VisionPart(VisionPart):
         "transformers.models.gemma3.image_processing_pil_gemma3",
         {"Gemma3ImageProcessor": "Gemma3ImageProcessorPil"})}
 
+    HF_IMAGE_PROCESSOR = "Gemma3ImageProcessorPil"
+    RESAMPLE = 2
+
     def settings(self, vs):
-        return settings(self.v, vs)
+        return settings(self.v, vs, self.normalisation(vs))
+
+    def _processor_settings(self, ip, where, hf_dir):
+        """Nothing of its own (Gemma 3 resizes every image to the encoder's ``image_size``, which
+        the checkpoint's ``size`` must be); pan-and-scan is not served."""
+        v = self.v
+        size = (ip.size.get("height"), ip.size.get("width"))
+        if size != (v.image_size, v.image_size):
+            must_equal(where, "size", {"height": size[0], "width": size[1]}, "vision_config.image_size",
+                       v.image_size)
+        if getattr(ip, "do_pan_and_scan", None):
+            raise unsupported(where, "do_pan_and_scan", True, False)
+        must_equal(str(Path(hf_dir) / "processor_config.json"), "image_seq_length",
+                   processor_json(hf_dir).get("image_seq_length"), "mm_tokens_per_image", v.mm_tokens_per_image)
+        return {}
 
     def check_settings(self, b, vs):
         return check_settings(b, vs)

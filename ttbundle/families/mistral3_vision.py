@@ -31,13 +31,14 @@ intermediate dim over ``cols`` (column then row parallel), the hidden dim and pr
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import patch_grid, qwen2_5_vl_vision as q25
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
-from .vision_part import PLAIN, ImageLayout, VisionPart, blocks_of
+from .vision_part import PLAIN, ImageLayout, VisionPart, blocks_of, must_equal, processor_json, unsupported
 
 NORM_EPS = 1e-5  # Pixtral's RMSNorms (ln_pre, attention_norm, ffn_norm) use a fixed epsilon
 #: Pixtral's image processor normalizes with CLIP's mean and std
@@ -320,11 +321,11 @@ def image_tokens(v: PixtralVision, grid) -> list[int]:
 
 
 # ---- the spec's settings --------------------------------------------------------------------------
-def settings(v: PixtralVision, vs):
+def settings(v: PixtralVision, vs, norm: dict | None = None):
     """The spec's ``vision:`` settings with Mistral 3's defaults: ``longest_edge`` (16 merge blocks
-    per side, at most image_size) and, unless given, one bucket of ``images_per_prompt`` images
-    of the largest size."""
-    upd = {}
+    per side, at most image_size), the normalisation (``norm``: what the part fills in) and,
+    unless given, one bucket of ``images_per_prompt`` images of the largest size."""
+    upd = dict(norm or {})
     if vs.longest_edge is None:
         upd["longest_edge"] = min(v.image_size, DEFAULT_BLOCKS_PER_SIDE * v.factor)
     if "buckets" not in vs.model_fields_set:
@@ -351,16 +352,21 @@ def check_settings(b, vs) -> list:
     side = blocks_per_side(v, vs.longest_edge)
     per = side * side * v.merge_unit
     need = vs.images_per_prompt * per
-    if vs.buckets and max(vs.buckets) < need:
-        d.append(b.locate(at + ("buckets",), f"the largest vision bucket ({max(vs.buckets)} patches) cannot hold "
-                          f"images_per_prompt={vs.images_per_prompt} images of up to longest_edge={vs.longest_edge} "
-                          f"pixels (ceil({vs.longest_edge} / {v.factor}) = {side} merge blocks per side = {per} "
-                          f"patches each, {need} in all): a prompt's images are encoded in one call; add a bucket "
-                          f"of {need}, lower longest_edge or images_per_prompt"))
-    per_image = side * (side + 1)  # a square image: its rows of [IMG] tokens, each closed by a break/end
-    d += image_token_budget(b, vs, per_image, f"an image of longest_edge={vs.longest_edge} pixels is up to "
-                            f"{per_image} tokens ({side} rows of {side} soft tokens + a row break)",
-                            "images_per_prompt or longest_edge", "vision.longest_edge")
+    cap = max(vs.buckets) if vs.buckets else need
+    if cap < need:
+        d.append(b.locate(at + ("buckets",), f"a cap: images_per_prompt={vs.images_per_prompt} images of up to "
+                          f"longest_edge={vs.longest_edge} pixels (ceil({vs.longest_edge} / {v.factor}) = {side} merge "
+                          f"blocks per side = {per} patches each) need up to {need} patches, the largest vision "
+                          f"bucket holds {cap} (a prompt's images are encoded in one call): a request whose images "
+                          f"need more is refused (400) naming this limit; add a bucket of {need} to serve every image",
+                          "warning"))
+    top = min(per, cap)  # the largest image a request may carry, in patches
+    # its rows of [IMG] tokens, each closed by a break / end: at most `side` rows
+    per_image = min(side * (side + 1), top // v.merge_unit + side)
+    d += image_token_budget(b, vs, per_image, f"an image of up to {top} patches (longest_edge={vs.longest_edge}, "
+                            f"largest bucket {cap}) is up to {per_image} tokens (its soft tokens + a break per row "
+                            f"of at most {side})", "images_per_prompt or longest_edge",
+                            "vision.longest_edge or the largest vision bucket")
     return d
 
 
@@ -370,8 +376,8 @@ def preprocessor_config(v: PixtralVision, vs) -> dict:
     scaled to [0, 1] and normalized with CLIP's mean and std."""
     return {"image_processor_type": "PixtralImageProcessor", "processor_class": "PixtralProcessor",
             "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True,
-            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(IMAGE_MEAN),
-            "image_std": list(IMAGE_STD), "size": {"longest_edge": vs.longest_edge},
+            "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(vs.image_mean),
+            "image_std": list(vs.image_std), "size": {"longest_edge": vs.longest_edge},
             "patch_size": {"height": v.patch_size, "width": v.patch_size}}
 
 
@@ -445,11 +451,36 @@ class Mistral3VisionPart(VisionPart):
     PROCESSOR_CLASSES = {"transformers.models.pixtral": ("transformers.models.pixtral.processing_pixtral",
                                                          "PixtralProcessor")}
 
+    IMAGE_MEAN, IMAGE_STD = tuple(IMAGE_MEAN), tuple(IMAGE_STD)
+    HF_IMAGE_PROCESSOR = "PixtralImageProcessorPil"
+
     def settings(self, vs):
-        return settings(self.v, vs)
+        return settings(self.v, vs, self.normalisation(vs))
 
     def check_settings(self, b, vs):
         return check_settings(b, vs)
+
+    def _processor_settings(self, ip, where, hf_dir):
+        """``longest_edge`` (the image processor's ``size``); the patch and merge sizes
+        PixtralProcessor passes (``processor_config.json``) must be the vision config's."""
+        v = self.v
+        proc = processor_json(hf_dir)
+        at = str(Path(hf_dir) / "processor_config.json")
+        must_equal(at, "patch_size", proc.get("patch_size"), "vision_config.patch_size", v.patch_size)
+        must_equal(at, "spatial_merge_size", proc.get("spatial_merge_size"), "spatial_merge_size",
+                   v.spatial_merge_size)
+        edge = ip.size.get("longest_edge") if hasattr(ip.size, "get") else None
+        if not edge:
+            raise unsupported(where, "size", dict(ip.size), {"longest_edge": "N"})
+        return {"longest_edge": int(edge)}
+
+    def largest_image(self, vs):
+        side = blocks_per_side(self.v, vs.longest_edge)
+        return side * side * self.v.merge_unit
+
+    def prompt_tokens_of(self, vs, need):
+        side = blocks_per_side(self.v, vs.longest_edge)  # rows of [IMG], each closed by a break / end
+        return min(side * (side + 1), min(need, self.largest_image(vs)) // self.v.merge_unit + side)
 
     def preprocessor_config(self, vs):
         return preprocessor_config(self.v, vs)

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
 from . import patch_grid, transforms
 from .patch_grid import max_patches, mrope_positions, patch_layout, rope_tables, soft_tokens  # noqa: F401 (q25.*)
-from .vision_part import ImageLayout, PromptPositions, VisionPart, blocks_of
+from .vision_part import ImageLayout, PromptPositions, VisionPart, blocks_of, must_equal
 
 #: what a vision bucket counts
 BUCKET_UNIT = "patches"
@@ -294,10 +294,11 @@ def norms(v: Qwen25Vision) -> dict:
 
 
 # ---- the vision part's functions (Qwen25VisionPart below calls them) -------------------------
-def settings(v: Qwen25Vision, vs):
-    """The spec's ``vision:`` settings with Qwen2.5-VL's defaults filled in: the pixel budget
-    and, unless given, one bucket of ``images_per_prompt`` images of ``max_pixels``."""
-    upd = {}
+def settings(v: Qwen25Vision, vs, norm: dict | None = None):
+    """The spec's ``vision:`` settings with Qwen2.5-VL's defaults filled in: the pixel budget,
+    the normalisation (``norm``: what the part fills in) and, unless given, one bucket of
+    ``images_per_prompt`` images of ``max_pixels``."""
+    upd = dict(norm or {})
     if vs.min_pixels is None:
         upd["min_pixels"] = DEFAULT_MIN_PIXELS
     if vs.max_pixels is None:
@@ -327,16 +328,25 @@ def check_settings(b, vs) -> list:
                               f"use {-(-n // v.merge_unit) * v.merge_unit}"))
     per = max_patches(v, vs.max_pixels)
     need = vs.images_per_prompt * per
-    if vs.buckets and max(vs.buckets) < need:
-        d.append(b.locate(at + ("buckets",), f"the largest vision bucket ({max(vs.buckets)} patches) cannot hold "
-                          f"images_per_prompt={vs.images_per_prompt} images of up to max_pixels={vs.max_pixels} "
-                          f"({vs.max_pixels} // {v.factor}^2 = {per // v.merge_unit} merge blocks = {per} patches "
-                          f"each, {need} in all): a prompt's images are encoded in one call; add a bucket of "
-                          f"{need}, lower max_pixels or images_per_prompt"))
-    per_image = per // v.merge_unit + 2  # vision start, soft tokens, vision end
-    d += image_token_budget(b, vs, per_image, f"an image of max_pixels={vs.max_pixels} is {per_image} tokens "
-                            f"({per // v.merge_unit} soft tokens + vision start/end)", "images_per_prompt or max_pixels",
-                            "vision.max_pixels")
+    cap = max(vs.buckets) if vs.buckets else need
+    if cap < need:
+        d.append(b.locate(at + ("buckets",), f"a cap: images_per_prompt={vs.images_per_prompt} images of up to "
+                          f"max_pixels={vs.max_pixels} ({vs.max_pixels} // {v.factor}^2 = {per // v.merge_unit} "
+                          f"merge blocks = {per} patches each) need up to {need} patches, the largest vision bucket "
+                          f"holds {cap} (a prompt's images are encoded in one call): a request whose images need "
+                          f"more is refused (400) naming this limit; add a bucket of {need} to serve every image",
+                          "warning"))
+    least = -(-vs.min_pixels // f2) * v.merge_unit  # the smallest image the processor makes, about
+    if vs.buckets and cap < least:
+        d.append(b.locate(at + ("buckets",), f"the largest vision bucket ({cap} patches) holds no image: the "
+                          f"processor enlarges every image to at least min_pixels={vs.min_pixels} (ceil({vs.min_pixels} "
+                          f"/ {v.factor}^2) merge blocks = {least} patches); add a bucket of {least} or more"))
+    top = min(per, cap)  # the largest image a request may carry
+    per_image = top // v.merge_unit + 2  # vision start, soft tokens, vision end
+    d += image_token_budget(b, vs, per_image, f"an image of up to {top} patches (max_pixels={vs.max_pixels}, "
+                            f"largest bucket {cap}) is {per_image} tokens ({top // v.merge_unit} soft tokens + "
+                            "vision start/end)", "images_per_prompt or max_pixels",
+                            "vision.max_pixels or the largest vision bucket")
     return d
 
 
@@ -344,11 +354,11 @@ CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
-def preprocessor_config(v: Qwen25Vision, vs, processor: str = "Qwen2_5_VLProcessor", mean=CLIP_MEAN,
-                        std=CLIP_STD) -> dict:
+def preprocessor_config(v: Qwen25Vision, vs, processor: str = "Qwen2_5_VLProcessor") -> dict:
     """HF ``preprocessor_config.json`` of ``Qwen2VLImageProcessor``: sides resized to multiples
-    of patch x merge pixels with the area in [min_pixels, max_pixels], normalized with ``mean``
-    and ``std`` (Qwen2.5-VL: CLIP's); ``processor``: the processor class that carries it."""
+    of patch x merge pixels with the area in [min_pixels, max_pixels], normalized with the
+    spec's ``image_mean`` and ``image_std``; ``processor``: the processor class that carries it."""
+    mean, std = vs.image_mean, vs.image_std
     return {"image_processor_type": "Qwen2VLImageProcessor", "processor_class": processor,
             "do_convert_rgb": True, "do_resize": True, "resample": 3, "do_rescale": True,
             "rescale_factor": 1 / 255, "do_normalize": True, "image_mean": list(mean), "image_std": list(std),
@@ -468,19 +478,39 @@ class Qwen25VisionPart(VisionPart):
     IMAGE_ONLY_PROCESSOR = "Qwen2_5_VLProcessor"
     #: the transformers processor class the package names, and its image processor's mean and std
     PROCESSOR = "Qwen2_5_VLProcessor"
-    IMAGE_MEAN, IMAGE_STD = CLIP_MEAN, CLIP_STD
+    IMAGE_MEAN, IMAGE_STD = tuple(CLIP_MEAN), tuple(CLIP_STD)
+    HF_IMAGE_PROCESSOR = "Qwen2VLImageProcessorPil"
     PIL_PROCESSORS = {"transformers.models.qwen2_vl.image_processing_qwen2_vl": (
         "transformers.models.qwen2_vl.image_processing_pil_qwen2_vl",
         {"Qwen2VLImageProcessor": "Qwen2VLImageProcessorPil", "smart_resize": "smart_resize"})}
 
     def settings(self, vs):
-        return settings(self.v, vs)
+        return settings(self.v, vs, self.normalisation(vs))
 
     def check_settings(self, b, vs):
         return check_settings(b, vs)
 
+    def _processor_settings(self, ip, where, hf_dir):
+        """The pixel budget (transformers' ``size``: shortest_edge = min_pixels, longest_edge =
+        max_pixels, the ``min_pixels`` / ``max_pixels`` keys taking precedence as transformers
+        reads them); the patch, merge and temporal sizes must be the vision config's."""
+        v = self.v
+        for key, got, arch_key, want in (("patch_size", ip.patch_size, "vision_config.patch_size", v.patch_size),
+                                         ("merge_size", ip.merge_size, "vision_config.spatial_merge_size",
+                                          v.spatial_merge_size),
+                                         ("temporal_patch_size", ip.temporal_patch_size,
+                                          "vision_config.temporal_patch_size", v.temporal_patch_size)):
+            must_equal(where, key, got, arch_key, want)
+        return {"min_pixels": int(ip.size["shortest_edge"]), "max_pixels": int(ip.size["longest_edge"])}
+
+    def largest_image(self, vs):
+        return max_patches(self.v, vs.max_pixels)
+
+    def prompt_tokens_of(self, vs, need):
+        return min(need, self.largest_image(vs)) // self.v.merge_unit + 2  # vision start, soft tokens, end
+
     def preprocessor_config(self, vs):
-        return preprocessor_config(self.v, vs, self.PROCESSOR, self.IMAGE_MEAN, self.IMAGE_STD)
+        return preprocessor_config(self.v, vs, self.PROCESSOR)
 
     def processor_config(self, vs):
         return {"processor_class": self.PROCESSOR}

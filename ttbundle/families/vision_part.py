@@ -113,6 +113,14 @@ class VisionPart:
     #: ``PIL_PROCESSORS`` replaces: {package: (module, class name)} (Mistral 3's PixtralProcessor)
     PROCESSOR_CLASSES: ClassVar[dict] = {}
 
+    #: transformers' PIL image processor (by name) that reads a checkpoint's preprocessing
+    HF_IMAGE_PROCESSOR: ClassVar[str] = ""
+    #: the family's processor's normalisation (the spec's ``image_mean`` / ``image_std`` default)
+    IMAGE_MEAN: ClassVar[tuple] = (0.5, 0.5, 0.5)
+    IMAGE_STD: ClassVar[tuple] = (0.5, 0.5, 0.5)
+    #: the resampling filter the package's processor resizes with (PIL's code: 2 bilinear, 3 bicubic)
+    RESAMPLE: ClassVar[int] = 3
+
     def __init__(self, v):
         self.v = v
 
@@ -123,6 +131,42 @@ class VisionPart:
     def settings(self, vs):
         """The spec's ``vision:`` settings with the family's defaults filled in."""
         return vs
+
+    def normalisation(self, vs) -> dict:
+        """``image_mean`` / ``image_std`` the spec leaves out, filled with the family's."""
+        return {k: list(d) for k, d in (("image_mean", self.IMAGE_MEAN), ("image_std", self.IMAGE_STD))
+                if getattr(vs, k) is None}
+
+    def processor_settings(self, hf_dir) -> dict:
+        """The spec's ``vision:`` settings a checkpoint's own image processor gives
+        (``preprocessor_config.json``, or ``processor_config.json``'s ``image_processor``, in
+        ``hf_dir``, read by transformers' processor class): {} where it has none. What the
+        package's processor cannot do as the checkpoint's does (another patch size, filter or
+        scale, pan-and-scan) is an InvalidInput naming the file, the key and both values."""
+        ip, where = load_image_processor(self.HF_IMAGE_PROCESSOR, hf_dir)
+        if ip is None:
+            return {}
+        fixed = {"do_rescale": True, "rescale_factor": 1 / 255, "do_normalize": True, "resample": self.RESAMPLE}
+        for k, want in fixed.items():
+            got = getattr(ip, k, want)
+            if got is not None and (abs(got - want) > 1e-9 if isinstance(want, float) else got != want):
+                raise unsupported(where, k, got, want)
+        out = {"image_mean": [float(x) for x in ip.image_mean], "image_std": [float(x) for x in ip.image_std]}
+        out.update(self._processor_settings(ip, where, hf_dir))
+        return out
+
+    def _processor_settings(self, ip, where: str, hf_dir) -> dict:
+        """The family's own settings of the checkpoint's image processor ``ip``."""
+        raise self._todo("_processor_settings")
+
+    def largest_image(self, vs) -> int | None:
+        """What the largest image the processor makes under ``vs`` counts in ``BUCKET_UNIT``
+        (None: buckets count images, each of one size)."""
+        return None
+
+    def prompt_tokens_of(self, vs, need: int) -> int:
+        """Prompt tokens of the largest image of at most ``need`` (``BUCKET_UNIT``) under ``vs``."""
+        raise self._todo("prompt_tokens_of")
 
     def check_settings(self, b, vs) -> list:
         """Diagnostics for the settings ``vs`` of bundle ``b``."""
@@ -202,6 +246,64 @@ class VisionPart:
         program: ``encode(pixel_values, image_grid_thw=None)``), one call."""
         inputs = self.feature_inputs(features)
         return encode(inputs["pixel_values"], inputs.get("image_grid_thw"))
+
+
+def unsupported(where: str, key: str, got, want):
+    from ..errors import InvalidInput
+    return InvalidInput(f"{where}: {key} is {got!r}, the package's image processor uses {want!r}: images "
+                        "would not be what the model's own processor makes of them; ttbundle does not "
+                        "serve this preprocessing yet")
+
+
+def load_image_processor(cls_name: str, hf_dir):
+    """(transformers' ``cls_name`` from the checkpoint's processor files in ``hf_dir``, the file
+    read) or (None, None) where it has none."""
+    import json
+    from pathlib import Path
+
+    from ..errors import InvalidInput
+
+    d = Path(hf_dir)
+    pre, proc = d / "preprocessor_config.json", d / "processor_config.json"
+    where = pre
+    if not pre.is_file():
+        try:
+            if not proc.is_file() or "image_processor" not in json.loads(proc.read_text(encoding="utf-8")):
+                return None, None
+        except (OSError, ValueError) as e:
+            raise InvalidInput(f"{proc}: cannot read it as JSON ({e})") from None
+        where = proc
+    import transformers
+
+    try:
+        return getattr(transformers, cls_name).from_pretrained(str(d), local_files_only=True), str(where)
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise InvalidInput(f"{where}: transformers' {cls_name} cannot read it ({type(e).__name__}: {e})") from None
+
+
+def processor_json(hf_dir) -> dict:
+    """``processor_config.json`` of ``hf_dir`` ({} where there is none)."""
+    import json
+    from pathlib import Path
+
+    from ..errors import InvalidInput
+
+    p = Path(hf_dir) / "processor_config.json"
+    if not p.is_file():
+        return {}
+    try:
+        d = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise InvalidInput(f"{p}: cannot read it as JSON ({e})") from None
+    return d if isinstance(d, dict) else {}
+
+
+def must_equal(where: str, key: str, got, arch_key: str, want) -> None:
+    """A processor setting that is also an arch dim must be the config's."""
+    from ..errors import InvalidInput
+    if got is not None and got != want:
+        raise InvalidInput(f"{where}: {key} is {got!r} but config.json's {arch_key} is {want!r}; the two "
+                           "files disagree about the model")
 
 
 def blocks_of(prompt_len: int, positions: list[int], image_of: list[int], bidirectional: bool):

@@ -211,6 +211,9 @@ def resolved_spec(bundle, plan) -> dict:
         d["replicas"] = {plan.mesh.name: {"submesh": list(plan.mesh.shape), "count": plan.mesh.replicas}}
     d["sharding"]["plan"] = {n: [_entry(e) for e in sp] for n, sp in plan.specs.items()}
     d["buckets"] = bundle.buckets.model_dump(mode="json")
+    # the image settings as they apply (the family's defaults filled in), every field written: a
+    # default left out would be filled in again on load, by a rule that may read other fields
+    d["vision"] = None if bundle.vision is None else bundle.vision.model_dump(mode="json")
     if d.get("speculative") and d["speculative"].get("method") == "draft":  # the draft's package, inside this one
         from .names import DRAFT_DIR
         d["speculative"]["model"] = f"{DRAFT_DIR}/bundle.yaml"

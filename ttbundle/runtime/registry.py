@@ -595,6 +595,104 @@ def _image_only_info(base, processor: str):
     return ImageOnlyInfo
 
 
+def _image_only_dummy(base):
+    """vLLM's dummy-inputs builder ``base`` (what its profiling and multimodal warm-up preprocess)
+    for images only: the images of ``base``'s largest size and nothing else. Qwen3-VL's own also
+    makes a dummy video from the video processor, which the images-only processor has not (its
+    warm-up failed: ``'NoneType' object has no attribute 'size'``)."""
+    key = ("dummy", base)
+    if key in _IMAGE_ONLY:
+        return _IMAGE_ONLY[key]
+
+    class ImageOnlyDummyInputs(base):
+        def get_dummy_mm_data(self, seq_len, mm_counts, mm_options):
+            width, height = self.info.get_image_size_with_most_features()
+            return {"image": self._get_dummy_images(width=width, height=height,
+                                                    num_images=mm_counts.get("image", 0),
+                                                    overrides=(mm_options or {}).get("image"))}
+
+    ImageOnlyDummyInputs.__name__ = ImageOnlyDummyInputs.__qualname__ = "TT" + base.__name__
+    _IMAGE_ONLY[key] = ImageOnlyDummyInputs
+    return ImageOnlyDummyInputs
+
+
+_CAPS: dict = {}
+
+
+def package_cap(model_dir) -> tuple | None:
+    """(the vision part, the image settings, the most patches a prompt's images may have: the
+    largest vision bucket) of the package at ``model_dir``, for a part whose buckets count patches;
+    None where the directory holds no package (``bundle.yaml``) or buckets count images."""
+    key = str(model_dir)
+    if key not in _CAPS:
+        _CAPS[key] = None
+        if (Path(model_dir) / "bundle.yaml").is_file():
+            from ..package.load import read_bundle
+            b = read_bundle(model_dir)
+            part = b.family.vision_part(b.arch)
+            if part is not None and part.largest_image(b.vision) is not None:
+                _CAPS[key] = (part, b.vision, max(b.vision.buckets))
+    return _CAPS[key]
+
+
+def _capped(proc_cls, info_cls):
+    """vLLM's processor and processing info for a package whose largest vision bucket caps a
+    prompt's images (``vision.buckets``; the spec says where it is below the largest images):
+    vLLM's budgets (the most tokens an image takes, its dummy image for warm-up and profiling)
+    are those of an image within the cap, and a request whose images need more patches than the
+    package encodes is refused with a 400 naming the limit, never resized to something else."""
+    key = ("capped", proc_cls, info_cls)
+    if key in _IMAGE_ONLY:
+        return _IMAGE_ONLY[key]
+
+    class CappedInfo(info_cls):
+        def _tt_cap(self):
+            return package_cap(self.ctx.model_config.model)
+
+        def get_mm_max_tokens_per_item(self, seq_len, mm_counts):
+            out = super().get_mm_max_tokens_per_item(seq_len, mm_counts)
+            cap = self._tt_cap()
+            if out is None or cap is None or "image" not in out:
+                return out
+            part, vs, most = cap
+            return {**out, "image": min(out["image"], part.prompt_tokens_of(vs, most))}
+
+        def get_image_size_with_most_features(self, *args, **kwargs):
+            size = super().get_image_size_with_most_features(*args, **kwargs)
+            cap = self._tt_cap()
+            if cap is None:
+                return size
+            part, vs, most = cap
+            import math
+            v = part.v
+            blocks = min(part.largest_image(vs), most) // v.merge_unit
+            side = math.isqrt(blocks) * v.factor  # a square image of at most that many merge blocks
+            if size.width * size.height <= side * side:
+                return size
+            return type(size)(width=side, height=side)
+
+    class CappedProcessor(proc_cls):
+        def apply(self, *args, **kwargs):
+            out = super().apply(*args, **kwargs)
+            cap = self.info._tt_cap() if hasattr(self.info, "_tt_cap") else None
+            if cap is not None:
+                part, vs, most = cap
+                soft = [p.get_num_embeds() for p in out["mm_placeholders"].get("image", [])]
+                need = sum(soft) * part.v.merge_unit
+                if need > most:
+                    from vllm.exceptions import VLLMValidationError
+                    raise VLLMValidationError(
+                        f"this request's images need {need} patches ({' + '.join(map(str, soft))} soft tokens x "
+                        f"{part.v.merge_unit}); the package encodes at most {most} patches per prompt (its largest "
+                        "vision bucket, vision.buckets): send smaller or fewer images", parameter="messages")
+            return out
+
+    CappedInfo.__name__ = CappedInfo.__qualname__ = "Capped" + info_cls.__name__
+    CappedProcessor.__name__ = CappedProcessor.__qualname__ = "Capped" + proc_cls.__name__
+    _IMAGE_ONLY[key] = (CappedProcessor, CappedInfo)
+    return _IMAGE_ONLY[key]
+
+
 def _multimodal(name: str, part, attrs: dict):
     """``attrs`` plus what vLLM needs to preprocess images with its own processor for the HF
     class the vision ``part`` (a ``VisionPart`` class) names (``VLLM_PROCESSOR``):
@@ -614,10 +712,14 @@ def _multimodal(name: str, part, attrs: dict):
 
     attrs.update(get_placeholder_str=classmethod(get_placeholder_str),
                  embed_multimodal=lambda self, **kw: None)
-    info_cls = getattr(m, info)
+    info_cls, dummy_cls = getattr(m, info), getattr(m, dummy)
     if part.IMAGE_ONLY_PROCESSOR is not None:  # images only (no video processor, no video)
         info_cls = _image_only_info(info_cls, part.IMAGE_ONLY_PROCESSOR)
-    return (getattr(m, proc), info_cls, getattr(m, dummy))
+        dummy_cls = _image_only_dummy(dummy_cls)
+    proc_cls = getattr(m, proc)
+    if part.BUCKET_UNIT == "patches":  # a prompt's images are capped by the largest vision bucket
+        proc_cls, info_cls = _capped(proc_cls, info_cls)
+    return (proc_cls, info_cls, dummy_cls)
 
 
 def stub_class(arch: str):

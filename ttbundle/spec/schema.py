@@ -191,16 +191,24 @@ class Vision(BaseModel):
     likewise; default: the patches of `images_per_prompt` images of `max_pixels`, or of
     `longest_edge` squared)."""
     min_pixels: int | None = Field(default=None, gt=0)
-    """Qwen2.5-VL: the image processor enlarges a smaller image to at least this many pixels
-    (default 3136 = 56 x 56)."""
+    """Qwen2.5-VL and Qwen3-VL: the image processor enlarges a smaller image to at least this many
+    pixels (default 3136 = 56 x 56; `ttbundle init` writes the checkpoint's)."""
     max_pixels: int | None = Field(default=None, gt=0)
-    """Qwen2.5-VL: the image processor shrinks a larger image to at most this many pixels, which
-    bounds one image's patches (max_pixels / patch_size^2) and soft tokens (a quarter of them);
-    default: 256 soft tokens' worth (200704 = 256 x 28 x 28 pixels at 14-pixel patches)."""
+    """Qwen2.5-VL and Qwen3-VL: the image processor shrinks a larger image to at most this many
+    pixels, which bounds one image's patches (max_pixels / patch_size^2) and soft tokens (a
+    quarter of them); default: 256 soft tokens' worth (200704 = 256 x 28 x 28 pixels at 14-pixel
+    patches; `ttbundle init` writes the checkpoint's)."""
     longest_edge: int | None = Field(default=None, gt=0)
     """Mistral 3: the image processor shrinks an image whose longer side exceeds this many pixels
     (aspect kept), then rounds both sides up to merge blocks (patch_size x spatial_merge_size);
     at most the encoder's image_size; default: 16 merge blocks (448 pixels at 14-pixel patches)."""
+    image_mean: list[float] | None = Field(default=None, min_length=3, max_length=3)
+    """The image processor's per-channel (RGB) mean, subtracted after scaling to [0, 1]; default:
+    the family's processor's (Gemma 3 and Qwen3-VL 0.5, Qwen2.5-VL and Mistral 3 CLIP's). `ttbundle
+    init` writes the checkpoint's (`preprocessor_config.json`)."""
+    image_std: list[float] | None = Field(default=None, min_length=3, max_length=3)
+    """The image processor's per-channel (RGB) standard deviation (divides after the mean);
+    default: the family's processor's, as `image_mean`."""
 
 
 class Embedding(BaseModel):
