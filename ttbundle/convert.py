@@ -38,7 +38,7 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
     D = mesh.num_devices
     cpu0 = time.thread_time()
     ck = Checkpoint(weights_dir)  # its files: plain names in weights_dir (weights.shard_name)
-    jobs = read_plan(fam, a, ck.keys())
+    jobs = read_plan(fam, a, ck.keys(), locate=bundle.locate)
     check_source_dtypes(fam, a, jobs, ck.dtypes)
     tp = {t.name: t for t in plan.tensors}
     decls = {t.name: t for t in fam.tensors(a)}

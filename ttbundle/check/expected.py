@@ -120,7 +120,7 @@ class ExpectedWeights:
         self.weights = pkg.weights  # the plan's dtypes and shard units (not the stored bytes)
         self.devices = pkg.mesh.num_devices
         self.ck = Checkpoint(reference_dir)
-        self.jobs = read_plan(self.family, self.arch, self.ck.keys())
+        self.jobs = read_plan(self.family, self.arch, self.ck.keys(), locate=bundle.locate)
         self.table = {n.tensor: n for n in self.family.hf_names(self.arch)}
         self.decls = {t.name: t for t in self.family.tensors(self.arch)}
         # checkpoint key -> the quantized canonical tensors it feeds ((name, layer) jobs)
