@@ -1,4 +1,4 @@
-"""DeepSeek-V3, GPT-OSS and Qwen3 MoE on the emulated mesh against Hugging Face transformers: greedy tokens
+"""DeepSeek-V3, GPT-OSS, Qwen3 MoE and Qwen2 MoE on the emulated mesh against Hugging Face transformers: greedy tokens
 and every token's expert choice in fp32, the bf16 PCC bound, the MLA latent cache, the routing and
 expert kernels against HF's own modules, and a dropped expert all-reduce caught."""
 
@@ -16,6 +16,7 @@ from pkg_mutations import drop_first, edit_programs  # noqa: E402
 from test_emulated import COMMON, MESHES  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss  # noqa: E402
+from transformers.models.qwen2_moe import modeling_qwen2_moe as hf_q2  # noqa: E402
 from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_q3  # noqa: E402
 
 from ttbundle import reference, spec
@@ -31,7 +32,8 @@ from ttbundle.families import moe  # noqa: E402
 # vocab 512. DeepSeek: a dense first layer, q and KV low-rank, yarn with mscale, 4 groups of 2
 # experts (top-2 groups, top-2 experts). GPT-OSS: sliding/full layers (window 16 < the prompt),
 # YaRN, SwiGLU limit 1.0 so that the clamps act on random weights. Qwen3 MoE: a dense first layer
-# (mlp_only_layers), q/k norm, top-2 of 8 experts renormalized.
+# (mlp_only_layers), q/k norm, top-2 of 8 experts renormalized. Qwen2 MoE: q/k/v biases, top-2 not
+# renormalized, a sigmoid-gated shared expert.
 TINY = {
     "deepseek_v3": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -50,6 +52,10 @@ TINY = {
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
         num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=1024, rope_theta=1e6),
+    "qwen2_moe": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=1024, rope_theta=1e6),
 }
 # The default plan splits experts over all devices (32 on TG); 8 experts go over TG's 8 rows
 # instead (replicated over cols: the Combine's partial sum is reduced over rows only).
@@ -57,12 +63,15 @@ EXPERTS_ON_ROWS = {
     "deepseek_v3": ("experts_w1", "experts_w3", "experts_w2"),
     "gpt_oss": ("experts_w13", "experts_w2", "experts_b13", "experts_b2"),
     "qwen3_moe": ("experts_w1", "experts_w3", "experts_w2"),
+    "qwen2_moe": ("experts_w1", "experts_w3", "experts_w2"),
 }
 FAMILIES = sorted(TINY)
 ROUTERS = {"deepseek_v3": (hf_ds.DeepseekV3TopkRouter, "group_topk"),
            "gpt_oss": (hf_oss.GptOssTopKRouter, "topk_softmax"),
-           "qwen3_moe": (hf_q3.Qwen3MoeTopKRouter, "softmax_topk")}
-EXPERTS = {"deepseek_v3": "n_routed_experts", "gpt_oss": "num_local_experts", "qwen3_moe": "num_experts"}
+           "qwen3_moe": (hf_q3.Qwen3MoeTopKRouter, "softmax_topk"),
+           "qwen2_moe": (hf_q2.Qwen2MoeTopKRouter, "softmax_topk")}
+EXPERTS = {"deepseek_v3": "n_routed_experts", "gpt_oss": "num_local_experts", "qwen3_moe": "num_experts",
+           "qwen2_moe": "num_experts"}
 
 
 def tiny(family: str, model: dict | None = None, default_plan: bool = False):

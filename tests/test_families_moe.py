@@ -47,6 +47,10 @@ CONFIGS = {  # 8 heads and 8 experts so that T3K (1x8) splits both
     "qwen3_moe": ("Qwen3Moe", dict(
         TINY, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_key_value_heads=2,
         head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])),
+    # q/k/v biases, a sigmoid-gated shared expert
+    "qwen2_moe": ("Qwen2Moe", dict(
+        TINY, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_hidden_layers=2, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)),
 }
 
 
@@ -166,6 +170,8 @@ def test_hf_config_gives_valid_arch(hf, tmp_path):
         # HF's layer_types (sliding on even layers) -> per-layer window
         assert [bool(hf.family.layer_traits(a, i)) for i in range(a.num_hidden_layers)] == \
             [t == "sliding_attention" for t in hf.config.layer_types]
+    elif a.family == "qwen2_moe":
+        assert a.num_experts == 8 and a.qkv_bias and a.shared_expert_intermediate_size == 48 and not a.norm_topk_prob
     elif a.family == "qwen3_moe":  # transformers 5 writes num_experts as num_local_experts
         assert "num_local_experts" in hf.config.to_dict() and a.num_experts == 8
         assert a.mlp_only_layers == (0,) and a.dense_layers == 1 and a.norm_topk_prob

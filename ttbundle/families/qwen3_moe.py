@@ -55,6 +55,9 @@ class Qwen3Moe(Family):
     summary = "Qwen3-30B-A3B / 235B-A22B: Qwen3 attention (q/k norm), softmax top-k MoE"
     hf_keys = Family.hf_keys + ("moe_intermediate_size", "num_experts", "num_experts_per_tok",
                                 "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers", "attention_bias")
+    #: Qwen3MoeConfig's defaults for the keys a config.json may omit
+    hf_defaults = {"intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128,
+                   "num_experts_per_tok": 8}
 
     def tensors(self, a):
         L, k = a.num_hidden_layers, a.dense_layers
@@ -122,15 +125,13 @@ class Qwen3Moe(Family):
 
     def from_hf(self, config):
         reject_sliding(config)
-        base.reject_hf(config, "attention_bias", lambda v: not v, "no published Qwen3 MoE has q/k/v/o biases")
+        base.reject_hf(config, "attention_bias", lambda v: not v, "no published Qwen MoE has q/k/v/o attention_bias")
         base.reject_hf(config, "decoder_sparse_step", lambda v: v == 1,
                        "only every layer MoE (decoder_sparse_step=1, dense layers listed in mlp_only_layers) "
                        "is implemented")
         if "num_experts" not in config and "num_local_experts" in config:  # transformers 5's to_dict
             config = {**config, "num_experts": config["num_local_experts"]}
-        # Qwen3MoeConfig's defaults for the keys a config.json may omit
-        out = base.hf_import(self, config, {"intermediate_size": 6144, "moe_intermediate_size": 768,
-                                            "num_experts": 128, "num_experts_per_tok": 8})
+        out = base.hf_import(self, config, self.hf_defaults)
         if out.get("mlp_only_layers") is not None and not isinstance(out["mlp_only_layers"], list):
             raise InvalidInput(f"config.json: mlp_only_layers={out['mlp_only_layers']!r}: expected a list of "
                                "layer indices")

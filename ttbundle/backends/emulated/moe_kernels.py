@@ -162,10 +162,17 @@ def combine(ctx: Ctx, layer: int, eo, acts: dict):
     return torch.einsum("dteh,dte->dth", eo.float(), w.float()).to(eo.dtype)
 
 
+def sigmoid_gate(ctx: Ctx, layer: int, x, g):
+    """Qwen2 MoE's shared expert output x [D, T, N] scaled per token by ``sigmoid(g)``, g [D, T, 1]
+    its gate logit (HF: ``F.sigmoid(shared_expert_gate(x)) * shared_expert(x)``)."""
+    return x * torch.sigmoid(g)
+
+
 def out_bias(ctx: Ctx, layer: int, x):
     """Output-projection bias ``bo`` added after the projection's all-reduce (sharded like x)."""
     return x + ctx.weights("bo", layer)[:, None, :]
 
 
 MOE_KERNELS = {"mla_attention": mla_attention, "group_topk": group_topk, "topk_softmax": topk_softmax,
-               "softmax_topk": softmax_topk, "clamped_swiglu": clamped_swiglu, "combine": combine, "out_bias": out_bias}
+               "softmax_topk": softmax_topk, "clamped_swiglu": clamped_swiglu, "combine": combine, "out_bias": out_bias,
+               "sigmoid_gate": sigmoid_gate}

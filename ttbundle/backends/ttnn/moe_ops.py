@@ -205,5 +205,16 @@ def _combine(lw: Lowerer, st: Step) -> None:
     lw.call("reshape", T(s), [1, 1, rows, lw.shapes[src][3]], out=st.out.name, shape=(1, 1, rows, lw.shapes[src][3]))
 
 
+def _sigmoid_gate(lw: Lowerer, st: Step) -> None:
+    """Qwen2 MoE's shared expert output [.., rows, N] times sigmoid of its per-token gate logit
+    [.., rows, 1] (broadcast over the width)."""
+    x, g = (a.name for a in st.ins)
+    for name, shp in ((a.name, a.shape) for a in st.ins):
+        lw.shapes.setdefault(name, tt_shape(shp))
+    s = lw.call("sigmoid", T(g), out=f"{g}.s", shape=lw.shapes[g], memory_config=DRAM)
+    lw.call("multiply", T(x), T(s), out=st.out.name, shape=lw.shapes[x], memory_config=DRAM)
+
+
 OPS = {"mla_attention": _mla_attention, "clamped_swiglu": _clamped_swiglu, "topk_softmax": _topk_softmax,
-       "softmax_topk": _softmax_topk, "group_topk": _group_topk, "combine": _combine}
+       "softmax_topk": _softmax_topk, "group_topk": _group_topk, "combine": _combine,
+       "sigmoid_gate": _sigmoid_gate}
