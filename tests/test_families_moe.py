@@ -295,7 +295,8 @@ def test_quantized_checkpoints_name_their_scales():
 
 
 # ---- example bundles at published dims ---------------------------------------------------------------
-PUBLISHED = {"deepseek-v3": 671.0e9, "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9}
+PUBLISHED = {"deepseek-v3": 671.0e9, "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9, "qwen1.5-moe-a2.7b": 14.3e9,
+             "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235.1e9}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
