@@ -402,3 +402,15 @@ def test_qwen3_moe_checks_name_the_field(tmp_path, model, field, says):
         tiny_bundle(get("qwen3_moe").arch_model.model_validate(arch), tmp_path)
     assert [d.path for d in e.value.diagnostics] == [f"model.{field}"]
     assert says in str(e.value.diagnostics[0])
+
+
+def test_qwen2_moe_config_import():
+    """Qwen1.5-MoE's published config.json has no qkv_bias (HF's default: biases); one that says
+    false declares no bias tensors; a sparse step other than 1 is refused naming the field."""
+    d = hf_config("qwen2_moe").to_dict()
+    a = get("qwen2_moe").arch_model.model_validate(spec.hf_config_to_arch({k: v for k, v in d.items() if k != "qkv_bias"}))
+    assert a.qkv_bias and {"bq", "bk", "bv", "shared_gate"} <= {t.name for t in get("qwen2_moe").tensors(a)}
+    a = get("qwen2_moe").arch_model.model_validate(spec.hf_config_to_arch({**d, "qkv_bias": False}))
+    assert not {"bq", "bk", "bv"} & {t.name for t in get("qwen2_moe").tensors(a)}
+    with pytest.raises(InvalidInput, match="decoder_sparse_step"):
+        spec.hf_config_to_arch({**d, "decoder_sparse_step": 2})
