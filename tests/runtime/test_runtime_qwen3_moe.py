@@ -1,7 +1,7 @@
-"""Qwen3 MoE served end to end: `ttbundle serve`'s vLLM command (vLLM's own OpenAI server) on a
-tiny qwen3_moe package built for T3K (8 experts, one per chip, top-2 renormalized), driven by the
-official `openai` client; greedy tokens equal transformers `generate` on the checkpoint the
-package was built from (transformers' own Qwen3MoeForCausalLM)."""
+"""Qwen3 MoE and Qwen2 MoE served end to end: `ttbundle serve`'s vLLM command (vLLM's own OpenAI
+server) on a tiny package built for T3K (8 experts, one per chip, top-2; Qwen2 MoE adds its gated
+shared expert), driven by the official `openai` client; greedy tokens equal transformers
+`generate` on the checkpoint the package was built from (transformers' own classes)."""
 
 from __future__ import annotations
 
@@ -16,15 +16,19 @@ openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.slow
 
 
-def test_served_greedy_tokens_equal_transformers(make_package, tmp_path):
+ARCH = {"qwen3_moe": "Qwen3MoeForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+
+
+@pytest.mark.parametrize("family", sorted(ARCH))
+def test_served_greedy_tokens_equal_transformers(make_package, tmp_path, family):
     import json
 
     from transformers import AutoTokenizer
 
     from ttbundle.serving.demo import words
 
-    pkg, src = make_package("qwen3_moe", "T3K")
-    assert json.loads((src / "config.json").read_text())["architectures"] == ["Qwen3MoeForCausalLM"]
+    pkg, src = make_package(family, "T3K")
+    assert json.loads((src / "config.json").read_text())["architectures"] == [ARCH[family]]
     tok = AutoTokenizer.from_pretrained(str(src))
     w = words(300)
     with serving(pkg, tmp_path) as plan:
