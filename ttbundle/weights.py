@@ -200,11 +200,11 @@ def _expert_count(decls: dict, table: dict, keymap: dict, a, locate) -> None:
         pat = pats[0].replace("{i}", str(layer))
         rx = re.compile(re.escape(pat).replace(re.escape("{e}"), r"(\d+)") + "$")
         found = {int(m.group(1)) for k in keymap if (m := rx.match(k))}
-        if found == set(range(dim.size)):
+        if not found or found == set(range(dim.size)):  # none at all: the missing key's error names it
             continue
-        n = max(found) + 1 if found else 0
+        n = max(found) + 1
         stores = f"{len(found)} experts ({pat.replace('{e}', '0')} .. {pat.replace('{e}', str(n - 1))})" \
-            if found == set(range(n)) and n else f"{len(found)} experts (indices {sorted(found)[:8]})"
+            if found == set(range(n)) else f"{len(found)} experts (indices {sorted(found)[:8]})"
         msg = (f"the checkpoint stores {stores} for {name} of layer {layer}, but {dim.name}={dim.size}: "
                f"make {dim.name} the checkpoint's expert count, or use the checkpoint this model came with")
         if locate:
