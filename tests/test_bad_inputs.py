@@ -327,3 +327,29 @@ def test_a_path_component_over_255_bytes_is_one_line_exit_2(tmp_path, ckpt, runn
     lines = r.output.strip().splitlines()
     assert len(lines) == 1 and "file name too long: a path component of" in lines[0] and "(at most 255)" in lines[0]
     assert list(tmp_path.glob("*.yaml")) == []  # nothing half-written
+
+
+# ---- an MoE checkpoint whose expert count is not its config's -----------------------------------
+@pytest.mark.parametrize("declared", [4, 16])
+def test_expert_count_that_disagrees_with_the_checkpoint_is_a_located_error(tmp_path, runner, declared):
+    """A Qwen3 MoE checkpoint of 8 experts per layer under a spec that says ``declared``: exit 2
+    at the spec's num_experts line, saying both counts, before anything is written."""
+    import yaml
+
+    from ttbundle import reference
+    from test_emulated_moe import tiny as moe_tiny
+
+    src = reference.save_random(moe_tiny("qwen3_moe"), tmp_path / "ckpt", seed=1)
+    doc = moe_tiny("qwen3_moe").spec.model_dump(mode="json", exclude_none=True)
+    doc["model"]["num_experts"] = declared
+    doc["model"]["num_experts_per_tok"] = 2
+    doc.update(weights={"source": str(src)}, tokenizer=False, targets=["N150"])
+    doc.pop("sharding", None)
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(doc, sort_keys=False))
+    line = next(i for i, s in enumerate(spec.read_text().splitlines(), 1) if s.strip().startswith("num_experts:"))
+    r = _cli(runner, "build", spec, "--mesh", "N150", "-o", tmp_path / "out")
+    assert r.exit_code == 2, r.output
+    assert f"spec.yaml:{line}" in r.output and "model.num_experts" in r.output, r.output
+    assert f"stores 8 experts" in r.output and f"num_experts={declared}" in r.output, r.output
+    assert not (tmp_path / "out" / "N150").exists() or not any((tmp_path / "out" / "N150").iterdir())

@@ -726,6 +726,10 @@ FAMILIES = {
     "gpt_oss": """model: {family: gpt_oss, vocab_size: 128, hidden_size: 64, intermediate_size: 32, num_hidden_layers: 3,
   num_attention_heads: 8, num_key_value_heads: 2, head_dim: 16, num_local_experts: 8, num_experts_per_tok: 2,
   sliding_window: 16, max_position_embeddings: 2048}""",
+    # experts stacked from per-expert keys (transformers 5 fuses them in memory), q/k norm, a dense first layer
+    "qwen3_moe": """model: {family: qwen3_moe, vocab_size: 128, hidden_size: 64, intermediate_size: 96, num_hidden_layers: 3,
+  num_attention_heads: 8, num_key_value_heads: 2, head_dim: 16, moe_intermediate_size: 32, num_experts: 8,
+  num_experts_per_tok: 2, norm_topk_prob: true, mlp_only_layers: [0], max_position_embeddings: 2048}""",
 }
 
 

@@ -16,10 +16,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from pkg_mutations import drop_first, edit_programs, flip_byte, rehash
+from pkg_mutations import drop_first, edit_programs, edit_tensor, flip_byte, rehash
 from spec_helpers import SMOL, smol_spec
 from test_emulated import TINY as DENSE, tiny as dense_tiny
-from test_emulated_moe import TINY as MOE, tiny as moe_tiny
+from test_emulated_moe import TINY as MOE, moe_layers, tiny as moe_tiny
 
 from ttbundle import layout, mesh as meshmod, spec as specmod
 from ttbundle.package.names import weight_file
@@ -95,6 +95,47 @@ def test_one_flipped_bfp8_exponent_byte_fails_and_names_its_layer():
     d = r.diverging()
     assert d.layer == 1 and d.step == "prefill", d
     assert all(s.pcc > 0.999 for s in r.layers if s.layer == 0)  # layer 0 is untouched
+
+
+# ---- MoE packages: an expert's bug named at its layer, whatever the storage -----------------------
+def _dropped_expert_all_reduce(b):
+    """The Combine's all-reduce over the expert-parallel axes dropped in every MoE program: wrong
+    from the first MoE layer on."""
+    kind = b.family.layers(b.arch)[-1].name
+
+    def hook(pkg):
+        assert edit_programs(pkg, kind, drop_first(
+            lambda s: s.get("collective") == "all_reduce" and s["act"] == "moe_out"))
+    return hook, moe_layers(b)[0]
+
+
+def _zeroed_expert(b):
+    """Device 0's first routed expert of the last layer zeroed (its down projection): the tokens
+    routed to it lose its share there; every earlier layer is untouched."""
+    last = b.arch.num_hidden_layers - 1
+
+    def hook(pkg):
+        assert edit_tensor(pkg, f"experts_w2.{last}", lambda t, d: t.index_fill(0, torch.tensor([0]), 0.0)
+                           if d == 0 else t)
+    return hook, last
+
+
+@pytest.mark.parametrize("mutation", [_dropped_expert_all_reduce, _zeroed_expert], ids=["all_reduce", "expert"])
+@pytest.mark.parametrize("storage", ["bf16", "bfp8"])
+@pytest.mark.parametrize("family", sorted(MOE))
+def test_moe_mutation_fails_at_its_layer(family, storage, mutation):
+    """bf16 compute (routing near-ties excused only where the two sides chose differently) on
+    bf16 or bfp8 weights and KV cache: the mutated package fails, named at the mutated layer at
+    prefill, every earlier layer passing."""
+    b = moe_tiny(family) if storage == "bf16" else stored(family, storage)
+    hook, layer = mutation(b)
+    r = run_check(b, "T3K", steps=4, dtype="bf16", random_weights=True, seed=3, package_hook=hook)
+    assert not r.passed and not r.executor.passed
+    bad = r.executor.first_wrong()
+    assert bad is not None and (bad.step, bad.stage, bad.layer) == ("prefill", "layer", layer), \
+        r.executor.failure(r.step_of)
+    before = [s for s in r.executor.stages if s.step == "prefill" and s.stage in ("embed", "layer") and s.layer < layer]
+    assert before and all(r.executor.stage_ok(s) for s in before)
 
 
 # ---- heads that do not divide the mesh: SmolLM2's 9 query / 3 KV heads ---------------------------

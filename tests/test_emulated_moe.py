@@ -1,4 +1,4 @@
-"""DeepSeek-V3 and GPT-OSS on the emulated mesh against Hugging Face transformers: greedy tokens
+"""DeepSeek-V3, GPT-OSS, Qwen3 MoE and Qwen2 MoE on the emulated mesh against Hugging Face transformers: greedy tokens
 and every token's expert choice in fp32, the bf16 PCC bound, the MLA latent cache, the routing and
 expert kernels against HF's own modules, and a dropped expert all-reduce caught."""
 
@@ -16,6 +16,8 @@ from pkg_mutations import drop_first, edit_programs  # noqa: E402
 from test_emulated import COMMON, MESHES  # noqa: E402
 from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf_ds  # noqa: E402
 from transformers.models.gpt_oss import modeling_gpt_oss as hf_oss  # noqa: E402
+from transformers.models.qwen2_moe import modeling_qwen2_moe as hf_q2  # noqa: E402
+from transformers.models.qwen3_moe import modeling_qwen3_moe as hf_q3  # noqa: E402
 
 from ttbundle import reference, spec
 from ttbundle.plan.make import make_plan
@@ -29,7 +31,9 @@ from ttbundle.families import moe  # noqa: E402
 # Tiny configs whose dims divide N150, N300, T3K and TG (8x4): hidden 64, 8 heads, 8 experts,
 # vocab 512. DeepSeek: a dense first layer, q and KV low-rank, yarn with mscale, 4 groups of 2
 # experts (top-2 groups, top-2 experts). GPT-OSS: sliding/full layers (window 16 < the prompt),
-# YaRN, SwiGLU limit 1.0 so that the clamps act on random weights.
+# YaRN, SwiGLU limit 1.0 so that the clamps act on random weights. Qwen3 MoE: a dense first layer
+# (mlp_only_layers), q/k norm, top-2 of 8 experts renormalized. Qwen2 MoE: q/k/v biases, top-2 not
+# renormalized, a sigmoid-gated shared expert.
 TINY = {
     "deepseek_v3": dict(
         vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
@@ -44,16 +48,30 @@ TINY = {
         swiglu_limit=1.0, max_position_embeddings=1024,
         rope_scaling=dict(rope_type="yarn", factor=8.0, original_max_position_embeddings=128, beta_fast=32,
                           beta_slow=1, truncate=False)),
+    "qwen3_moe": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=3,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, mlp_only_layers=[0], max_position_embeddings=1024, rope_theta=1e6),
+    "qwen2_moe": dict(
+        vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+        num_experts=8, num_experts_per_tok=2, max_position_embeddings=1024, rope_theta=1e6),
 }
 # The default plan splits experts over all devices (32 on TG); 8 experts go over TG's 8 rows
 # instead (replicated over cols: the Combine's partial sum is reduced over rows only).
 EXPERTS_ON_ROWS = {
     "deepseek_v3": ("experts_w1", "experts_w3", "experts_w2"),
     "gpt_oss": ("experts_w13", "experts_w2", "experts_b13", "experts_b2"),
+    "qwen3_moe": ("experts_w1", "experts_w3", "experts_w2"),
+    "qwen2_moe": ("experts_w1", "experts_w3", "experts_w2"),
 }
 FAMILIES = sorted(TINY)
 ROUTERS = {"deepseek_v3": (hf_ds.DeepseekV3TopkRouter, "group_topk"),
-           "gpt_oss": (hf_oss.GptOssTopKRouter, "topk_softmax")}
+           "gpt_oss": (hf_oss.GptOssTopKRouter, "topk_softmax"),
+           "qwen3_moe": (hf_q3.Qwen3MoeTopKRouter, "softmax_topk"),
+           "qwen2_moe": (hf_q2.Qwen2MoeTopKRouter, "softmax_topk")}
+EXPERTS = {"deepseek_v3": "n_routed_experts", "gpt_oss": "num_local_experts", "qwen3_moe": "num_experts",
+           "qwen2_moe": "num_experts"}
 
 
 def tiny(family: str, model: dict | None = None, default_plan: bool = False):
@@ -140,7 +158,7 @@ def test_fp32_greedy_tokens_and_expert_choices_identical_to_hf(family, mesh, rou
     assert ("prefill", 64) in r.shapes_run and ("decode", 1) in r.shapes_run
     hf, emu = expert_sets(rec, b, r)
     assert hf == emu  # every token, every MoE layer, prefill and all 31 decode steps
-    experts = b.arch.n_routed_experts if family == "deepseek_v3" else b.arch.num_local_experts
+    experts = getattr(b.arch, EXPERTS[family])
     for li in range(len(hf[0])):  # the routing varies: most experts see tokens in every layer
         used = set().union(*hf[0][li], *(step[li][0] for step in hf[1:]))
         assert len(used) >= experts - 2, (li, used)
@@ -151,7 +169,7 @@ def test_default_expert_parallel_plan_on_tg(family, routing):
     # 32 experts: one per TG device under the family's default plan (experts over rows x cols)
     rec = routing(family)
     model = {"n_routed_experts": 32, "n_group": 8, "topk_group": 4, "num_experts_per_tok": 4} \
-        if family == "deepseek_v3" else {"num_local_experts": 32, "num_experts_per_tok": 4}
+        if family == "deepseek_v3" else {EXPERTS[family]: 32, "num_experts_per_tok": 4}
     b = tiny(family, model, default_plan=True)
     p = make_plan(b, "TG")
     assert all(t.device_shape[0] == 1 for t in p.tensors if t.group == "experts")
@@ -326,3 +344,22 @@ def test_cli_check_bf16_reports_expert_choices(family, tmp_path, runner):
     res = runner.invoke(app, ["check", str(path), "--mesh", "T3K", "--dtype", "bf16", "--steps", "4",
                               "--random-weights"])
     assert res.exit_code == 0 and "expert choices:" in res.output, res.output
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_topk_matches_hf_router(norm, dtype):
+    """Qwen3 MoE routing against HF's own router module: the chosen experts and their weights
+    (softmax over every expert in fp32, top-k, renormalized or not, in the logits' dtype)."""
+    torch.manual_seed(0)
+    b = tiny("qwen3_moe", {"norm_topk_prob": norm, "num_experts_per_tok": 3})
+    cfg = reference.hf_config(b)
+    router = hf_q3.Qwen3MoeTopKRouter(cfg).to(dtype)
+    x = torch.randn(50, cfg.hidden_size, dtype=dtype)
+    with torch.no_grad():
+        router.weight.normal_()
+        logits, w, idx = router(x)
+    ref = torch.zeros(50, 8).scatter(1, idx, w.float())
+    ours = moe_kernels.softmax_topk(_ctx(b.family.traits(b.arch), {}), 0, logits[None])
+    torch.testing.assert_close(ours[0], ref, rtol=0, atol=0)
+    assert torch.allclose(ours[0].sum(-1), torch.ones(50), atol=1e-2) == norm  # renormalized or not

@@ -1,9 +1,10 @@
-"""MoE families (DeepSeek-V3, GPT-OSS) against Hugging Face's own models built from tiny configs
+"""MoE families (DeepSeek-V3, GPT-OSS, Qwen3 MoE) against Hugging Face's own models built from tiny configs
 with random weights: parameter counts, checkpoint names and shapes, expert math, config import,
 unsupported features, and the expert-parallel plan."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections import Counter
@@ -42,6 +43,14 @@ CONFIGS = {  # 8 heads and 8 experts so that T3K (1x8) splits both
     "gpt_oss": ("GptOss", dict(
         TINY, intermediate_size=32, num_hidden_layers=3, num_key_value_heads=2, head_dim=16,
         num_local_experts=8, num_experts_per_tok=2, sliding_window=16)),
+    # a dense first layer (mlp_only_layers), then MoE layers
+    "qwen3_moe": ("Qwen3Moe", dict(
+        TINY, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3, num_key_value_heads=2,
+        head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[0])),
+    # q/k/v biases, a sigmoid-gated shared expert
+    "qwen2_moe": ("Qwen2Moe", dict(
+        TINY, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        num_hidden_layers=2, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)),
 }
 
 
@@ -161,6 +170,11 @@ def test_hf_config_gives_valid_arch(hf, tmp_path):
         # HF's layer_types (sliding on even layers) -> per-layer window
         assert [bool(hf.family.layer_traits(a, i)) for i in range(a.num_hidden_layers)] == \
             [t == "sliding_attention" for t in hf.config.layer_types]
+    elif a.family == "qwen2_moe":
+        assert a.num_experts == 8 and a.qkv_bias and a.shared_expert_intermediate_size == 48 and not a.norm_topk_prob
+    elif a.family == "qwen3_moe":  # transformers 5 writes num_experts as num_local_experts
+        assert "num_local_experts" in hf.config.to_dict() and a.num_experts == 8
+        assert a.mlp_only_layers == (0,) and a.dense_layers == 1 and a.norm_topk_prob
     else:  # MLA has no KV heads / head_dim: HF's defaults (128 heads, head_dim = rope dim) are dropped
         assert "num_key_value_heads" not in d and "head_dim" not in d
         assert a.n_routed_experts == 8 and a.first_k_dense_replace == hf.config.first_k_dense_replace
@@ -260,7 +274,8 @@ def test_quantized_checkpoints_read_the_decoded_names():
 
 
 # ---- example bundles at published dims ---------------------------------------------------------------
-PUBLISHED = {"deepseek-v3": 671.0e9, "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9}
+PUBLISHED = {"deepseek-v3": 671.0e9, "gpt-oss-20b": 20.9e9, "gpt-oss-120b": 116.8e9, "qwen1.5-moe-a2.7b": 14.3e9,
+             "qwen3-30b-a3b": 30.5e9, "qwen3-235b-a22b": 235.1e9}
 
 
 @pytest.mark.parametrize("name", list(PUBLISHED))
@@ -310,3 +325,71 @@ GPT_OSS_20B_CONFIG = {
 def test_published_config_imports_to_the_example_bundle(config, bundle):
     b = spec.load(BUNDLES / f"{bundle}.yaml")
     assert b.family.arch_model.model_validate(spec.hf_config_to_arch(config)) == b.arch
+
+
+# ---- Qwen3 MoE: the published config.json files (tests/data/<model>/config.json) ----------------------
+# Each with the mesh it is planned for and its parameter count as Keras Hub's presets publish it
+# (an independent count: qwen3_moe_30b_a3b_en, qwen3_moe_235b_a22b_en).
+DATA = Path(__file__).resolve().parent / "data"
+QWEN3_MOE = {"qwen3-30b-a3b": ("T3K", 30_532_122_624), "qwen3-235b-a22b": ("TG", 235_093_634_560)}
+
+
+@pytest.mark.parametrize("name", list(QWEN3_MOE))
+def test_published_qwen3_moe_config_inits_to_a_spec_that_fits(name, tmp_path, runner):
+    from ttbundle.cli import app
+
+    mesh, params = QWEN3_MOE[name]
+    out = tmp_path / "spec.yaml"
+    r = runner.invoke(app, ["init", "--from-hf", str(DATA / name), "-o", str(out), "--mesh", mesh])
+    assert r.exit_code == 0, r.output
+    b = spec.load(out)
+    assert b.family.name == "qwen3_moe" and b.arch.norm_topk_prob and b.arch.dense_layers == 0
+    assert sum(math.prod(t.shape) * t.count for t in b.family.tensors(b.arch)) == params
+    p = make_plan(b, mesh)
+    assert p.fits, p.memory
+    experts = [t for t in p.tensors if t.group == "experts"]
+    assert len(experts) == 3
+    for t in experts:  # 128 experts: 16 per T3K chip, 4 per Galaxy chip, each expert whole
+        assert t.device_shape == [128 // p.mesh.num_devices, *t.shape[1:]], t.name
+    # the example bundle under bundles/ has the published dims and fits its targets
+    ex = spec.load(BUNDLES / f"{name}.yaml")
+    assert ex.arch == b.arch and mesh in ex.spec.targets
+    for target in ex.spec.targets:
+        assert make_plan(ex, target).fits, target
+
+
+def test_qwen3_moe_config_layouts_and_unsupported_settings():
+    cfg = json.loads((DATA / "qwen3-30b-a3b" / "config.json").read_text())
+    a = spec.hf_config_to_arch(cfg)
+    # transformers 5 writes num_experts as num_local_experts; both import alike
+    renamed = {**{k: v for k, v in cfg.items() if k != "num_experts"}, "num_local_experts": 128}
+    assert spec.hf_config_to_arch(renamed) == a
+    for change, field in (({"decoder_sparse_step": 2}, "decoder_sparse_step"),
+                          ({"use_sliding_window": True}, "use_sliding_window"),
+                          ({"attention_bias": True}, "attention_bias")):
+        with pytest.raises(InvalidInput, match=field):
+            spec.hf_config_to_arch({**cfg, **change})
+
+
+@pytest.mark.parametrize("model, field, says", [
+    ({"num_experts_per_tok": 9}, "num_experts_per_tok", "exceeds num_experts=8"),
+    ({"mlp_only_layers": [1]}, "mlp_only_layers", "not the leading layers"),
+    ({"mlp_only_layers": [0, 3]}, "mlp_only_layers", "outside 0..2")])
+def test_qwen3_moe_checks_name_the_field(tmp_path, model, field, says):
+    arch = spec.hf_config_to_arch({**hf_config("qwen3_moe").to_dict(), **model})
+    with pytest.raises(InvalidInput) as e:
+        tiny_bundle(get("qwen3_moe").arch_model.model_validate(arch), tmp_path)
+    assert [d.path for d in e.value.diagnostics] == [f"model.{field}"]
+    assert says in str(e.value.diagnostics[0])
+
+
+def test_qwen2_moe_config_import():
+    """Qwen1.5-MoE's published config.json has no qkv_bias (HF's default: biases); one that says
+    false declares no bias tensors; a sparse step other than 1 is refused naming the field."""
+    d = hf_config("qwen2_moe").to_dict()
+    a = get("qwen2_moe").arch_model.model_validate(spec.hf_config_to_arch({k: v for k, v in d.items() if k != "qkv_bias"}))
+    assert a.qkv_bias and {"bq", "bk", "bv", "shared_gate"} <= {t.name for t in get("qwen2_moe").tensors(a)}
+    a = get("qwen2_moe").arch_model.model_validate(spec.hf_config_to_arch({**d, "qkv_bias": False}))
+    assert not {"bq", "bk", "bv"} & {t.name for t in get("qwen2_moe").tensors(a)}
+    with pytest.raises(InvalidInput, match="decoder_sparse_step"):
+        spec.hf_config_to_arch({**d, "decoder_sparse_step": 2})

@@ -749,7 +749,8 @@ def test_padded_heads_forward_equals_the_emulated_backend(mesh, tmp_path):
 
 
 @pytest.mark.parametrize("family,storage,rel", [("qwen3", "bfp8", 0.03), ("llama", "bfp4", 0.03),
-                                                ("gpt_oss", "bfp8", 0.03), ("deepseek_v3", "bfp8", 0.06)])
+                                                ("gpt_oss", "bfp8", 0.03), ("deepseek_v3", "bfp8", 0.06),
+                                                ("qwen3_moe", "bfp8", 0.03), ("qwen2_moe", "bfp8", 0.06)])
 def test_block_float_forward_equals_the_emulated_backend(family, storage, rel, tmp_path):
     """Block-float weights and a bfp8 KV cache: the double decodes the package's tensorbin tiles
     and rounds the cache writes to bfp8 as the emulated backend does (T3K). GPT-OSS adds MoE
@@ -757,7 +758,11 @@ def test_block_float_forward_equals_the_emulated_backend(family, storage, rel, t
     routing constants of two buckets sharing one name, so one shape); DeepSeek-V3 adds MLA and
     interleaved rope (it found the rope tables of ``rotary_embedding_llama`` in rotate-half
     order). DeepSeek's group routing runs in bf16 on device (the lowering says why), so a near
-    tie may pick another expert than the fp32 reference: a wider bound there."""
+    tie may pick another expert than the fp32 reference: a wider bound there. Qwen3 MoE adds
+    the softmax top-k routing (renormalized), q/k norm and a dense first layer; Qwen2 MoE the
+    sigmoid-gated shared expert (a width-1 gate projection), its routing in bf16 on device too
+    (one decode position measured 3.2% off at seed 3; with every expert chosen, top-8 of 8, the
+    same model is within 3% everywhere: a selection near-tie, so DeepSeek's wider bound)."""
     from test_check_package import stored
     pkg = random_package(stored(family, storage), "T3K", tmp_path)
     assert forward_differences(pkg, [5, 17, 99, 3, 250, 42, 7], 3, rel=rel) == []

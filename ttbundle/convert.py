@@ -39,7 +39,7 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
     cpu0 = time.thread_time()
     # decoded as its format says (``formats``); its files: plain names in weights_dir (weights.shard_name)
     ck = Checkpoint(weights_dir, spec_quantization(a), bundle_adapters(bundle))
-    jobs = read_plan(fam, a, ck.keys())
+    jobs = read_plan(fam, a, ck.keys(), locate=bundle.locate)
     check_source_dtypes(fam, a, jobs, ck.dtypes)
     tp = {t.name: t for t in plan.tensors}
     decls = {t.name: t for t in fam.tensors(a)}

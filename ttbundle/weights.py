@@ -271,18 +271,44 @@ def renamed(family, keys: Iterable[str], a=None) -> dict[str, str]:
     return out
 
 
-def read_plan(family, a, keys: Iterable[str], aliases: dict[str, set[str]] | None = None
+def _expert_count(decls: dict, table: dict, keymap: dict, a, locate) -> None:
+    """The experts a checkpoint stores one key each (``{e}``) are as many as the architecture
+    declares: else an error saying both counts and the field to change, before any other."""
+    for name, t in decls.items():
+        pats = [k for k in table[name].hf if "{e}" in k]
+        if not pats or t.layers is None or t.layers[0] >= t.layers[1]:
+            continue
+        layer, dim = t.layers[0], t.dims[0]
+        pat = pats[0].replace("{i}", str(layer))
+        rx = re.compile(re.escape(pat).replace(re.escape("{e}"), r"(\d+)") + "$")
+        found = {int(m.group(1)) for k in keymap if (m := rx.match(k))}
+        if not found or found == set(range(dim.size)):  # none at all: the missing key's error names it
+            continue
+        n = max(found) + 1
+        stores = f"{len(found)} experts ({pat.replace('{e}', '0')} .. {pat.replace('{e}', str(n - 1))})" \
+            if found == set(range(n)) else f"{len(found)} experts (indices {sorted(found)[:8]})"
+        msg = (f"the checkpoint stores {stores} for {name} of layer {layer}, but {dim.name}={dim.size}: "
+               f"make {dim.name} the checkpoint's expert count, or use the checkpoint this model came with")
+        if locate:
+            raise InvalidInput(f"{dim.name} disagrees with the checkpoint", [locate(("model", dim.name), msg)])
+        raise InvalidInput(f"{dim.name} disagrees with the checkpoint: {msg}")
+
+
+def read_plan(family, a, keys: Iterable[str], aliases: dict[str, set[str]] | None = None, locate=None
               ) -> list[tuple[str, int | None, list[tuple[str, list[str]]]]]:
     """What to read for each canonical tensor, checked both ways before anything is read:
     ``(tensor, layer, [(hf key pattern, [checkpoint keys])])`` in declaration order. A missing
-    tensor or a checkpoint tensor no entry consumes is an error naming it. ``aliases`` maps a
-    key to the keys sharing its storage (tied weights in a state_dict count as one)."""
+    tensor or a checkpoint tensor no entry consumes is an error naming it; so is a per-expert
+    checkpoint whose expert count is not the architecture's (located with ``locate(path,
+    message)``, a bundle's ``locate``, when given). ``aliases`` maps a key to the keys sharing
+    its storage (tied weights in a state_dict count as one)."""
     keymap = renamed(family, keys, a)
     decls = {t.name: t for t in family.tensors(a)}
     table = {n.tensor: n for n in family.hf_names(a)}
     if set(table) != set(decls):  # a family bug, not a user error
         raise RuntimeError(f"{family.name}: name table and tensors disagree: "
                            f"{sorted(set(table) ^ set(decls))}")
+    _expert_count(decls, table, keymap, a, locate)
     jobs, used = [], set()
     for name, t in decls.items():
         entry = table[name]

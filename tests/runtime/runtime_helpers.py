@@ -23,6 +23,12 @@ _DIMS = dict(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_
 TINY_ARCH = {
     "llama": dict(_DIMS, family="llama"),
     "qwen3": dict(_DIMS, family="qwen3", head_dim=16),
+    # served alone (test_runtime_qwen3_moe), not in CASES: 8 experts, top-2, one per T3K chip (Qwen2
+    # MoE: q/k/v biases, not renormalized, a gated shared expert)
+    "qwen3_moe": dict(_DIMS, family="qwen3_moe", head_dim=16, moe_intermediate_size=64, num_experts=8,
+                      num_experts_per_tok=2, norm_topk_prob=True),
+    "qwen2_moe": dict(_DIMS, family="qwen2_moe", moe_intermediate_size=64, shared_expert_intermediate_size=128,
+                      num_experts=8, num_experts_per_tok=2),
     "gemma3": dict(_DIMS, family="gemma3", num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=24,
                    sliding_window=16, sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4),
 }

@@ -138,7 +138,7 @@ def test_the_runtimes_own_ttnn_calls_bind(ttnn, tmp_path):
 VALIDATE = {"N150": ["gemma-3-27b", "gpt-oss-20b", "llama-3.1-8b", "mistral-7b-v0.3", "qwen2.5-7b", "qwen3-8b"],
             # one MoE layer of each fits a Blackhole; so does Gemma 2's softcapped attention, whose K/V
             # gathered from the paged cache (32 decode rows x 8K tokens, 1 GiB) does not fit an N150
-            "P150": ["deepseek-v3", "gemma-2-9b", "gpt-oss-120b"],
+            "P150": ["deepseek-v3", "gemma-2-9b", "gpt-oss-120b", "qwen1.5-moe-a2.7b", "qwen3-30b-a3b"],
             "N300": ["llama-3.1-8b", "qwen3-8b"],
             # the dense families on 8 chips (tensor-parallel attention and MLP, gathered logits); not
             # yet: Gemma 2 (ttnn's softcap is Blackhole-only), the MoE families (an all_reduce over

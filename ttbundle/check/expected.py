@@ -116,7 +116,7 @@ class ExpectedWeights:
         self.devices = pkg.mesh.num_devices
         # decoded and adapters merged as the build reads it
         self.ck = Checkpoint(reference_dir, spec_quantization(self.arch), bundle_adapters(bundle))
-        self.jobs = read_plan(self.family, self.arch, self.ck.keys())
+        self.jobs = read_plan(self.family, self.arch, self.ck.keys(), locate=bundle.locate)
         self.table = {n.tensor: n for n in self.family.hf_names(self.arch)}
         self.decls = {t.name: t for t in self.family.tensors(self.arch)}
         # checkpoint key -> the quantized canonical tensors it feeds ((name, layer) jobs)

@@ -12,8 +12,10 @@ from .llama import Llama
 from .mistral import Mistral
 from .mistral3 import Mistral3
 from .qwen2 import Qwen2
+from .qwen2_moe import Qwen2Moe
 from .qwen2_5_vl import Qwen25VL
 from .qwen3 import Qwen3
+from .qwen3_moe import Qwen3Moe
 from .qwen3_vl import Qwen3VL
 
 _FAMILIES: dict[str, Family] = {}
@@ -25,7 +27,7 @@ def register(family: Family) -> None:
     _FAMILIES[family.name] = family
 
 
-for _f in (Llama(), Qwen2(), Qwen3(), Mistral(), Gemma2(), Gemma3(), DeepseekV3(), GptOss(), Qwen25VL(),
+for _f in (Llama(), Qwen2(), Qwen3(), Mistral(), Gemma2(), Gemma3(), DeepseekV3(), GptOss(), Qwen3Moe(), Qwen2Moe(), Qwen25VL(),
            Qwen3VL(), Mistral3()):
     register(_f)
 

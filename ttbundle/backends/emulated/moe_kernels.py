@@ -124,6 +124,17 @@ def topk_softmax(ctx: Ctx, layer: int, scores):
     return _dense(torch.softmax(top, dim=-1, dtype=top.dtype), idx, logits.shape[-1]).float()
 
 
+def softmax_topk(ctx: Ctx, layer: int, scores):
+    """Qwen MoE routing (HF ``Qwen3MoeTopKRouter``): softmax over every expert's logit in float32,
+    top-k, the chosen probabilities renormalized to sum 1 (``norm_topk_prob``), cast to the
+    logits' dtype as HF hands them to its experts."""
+    m = ctx.traits["moe"]
+    top, idx = torch.softmax(scores, dim=-1, dtype=torch.float32).topk(m["top_k"], dim=-1)
+    if m.get("norm_topk_prob"):
+        top = top / top.sum(dim=-1, keepdim=True)
+    return _dense(top.to(scores.dtype), idx, scores.shape[-1]).float()
+
+
 # ---- experts ----------------------------------------------------------------------------------
 def clamped_swiglu(ctx: Ctx, layer: int, gu):
     """GPT-OSS experts' activation on [D, T, E_local, 2I] laid out [gate | up] (``experts_b13``
@@ -151,10 +162,17 @@ def combine(ctx: Ctx, layer: int, eo, acts: dict):
     return torch.einsum("dteh,dte->dth", eo.float(), w.float()).to(eo.dtype)
 
 
+def sigmoid_gate(ctx: Ctx, layer: int, x, g):
+    """Qwen2 MoE's shared expert output x [D, T, N] scaled per token by ``sigmoid(g)``, g [D, T, 1]
+    its gate logit (HF: ``F.sigmoid(shared_expert_gate(x)) * shared_expert(x)``)."""
+    return x * torch.sigmoid(g)
+
+
 def out_bias(ctx: Ctx, layer: int, x):
     """Output-projection bias ``bo`` added after the projection's all-reduce (sharded like x)."""
     return x + ctx.weights("bo", layer)[:, None, :]
 
 
 MOE_KERNELS = {"mla_attention": mla_attention, "group_topk": group_topk, "topk_softmax": topk_softmax,
-               "clamped_swiglu": clamped_swiglu, "combine": combine, "out_bias": out_bias}
+               "softmax_topk": softmax_topk, "clamped_swiglu": clamped_swiglu, "combine": combine, "out_bias": out_bias,
+               "sigmoid_gate": sigmoid_gate}

@@ -127,6 +127,25 @@ def _topk_softmax(lw: Lowerer, st: Step) -> None:
     dense_route(lw, "route.p", "route.i", s[3], st.out.name)
 
 
+def _softmax_topk(lw: Lowerer, st: Step) -> None:
+    """Qwen MoE: softmax over every expert's logit, top-k of the probabilities, renormalized to
+    sum 1 (``norm_topk_prob``). Routing in bf16 on device (HF's softmax is fp32): ties between
+    near-equal experts may break differently."""
+    (x,) = (a.name for a in st.ins)
+    lw.shapes.setdefault(x, tt_shape(st.ins[0].shape))
+    s = lw.shapes[x]
+    k = int(lw.traits["moe"]["top_k"])
+    xb = lw.call("typecast", T(x), BF16, out="rt.x", shape=s)
+    lw.call("softmax", T(xb), 3, out="rt.p", shape=s, memory_config=DRAM)
+    lw.call("topk", T("rt.p"), k, 3, True, True, out=("rt.tv", "rt.ti"), shape=(*s[:3], k))
+    lw.shapes["rt.tv"] = lw.shapes["rt.ti"] = (*s[:3], k)
+    w = "rt.tv"
+    if lw.traits["moe"].get("norm_topk_prob"):
+        tot = lw.call("sum", T(w), 3, True, out="rt.sum", shape=(*s[:3], 1), memory_config=DRAM)
+        w = lw.call("divide", T(w), T(tot), out="rt.wn", shape=(*s[:3], k), memory_config=DRAM)
+    dense_route(lw, w, "rt.ti", s[3], st.out.name)
+
+
 def _group_topk(lw: Lowerer, st: Step) -> None:
     """DeepSeek-V3 noaux_tc: sigmoid scores; choose on scores + bias within the top groups (by
     the sum of each group's two best); weights the raw scores, renormalized, scaled."""
@@ -186,5 +205,16 @@ def _combine(lw: Lowerer, st: Step) -> None:
     lw.call("reshape", T(s), [1, 1, rows, lw.shapes[src][3]], out=st.out.name, shape=(1, 1, rows, lw.shapes[src][3]))
 
 
+def _sigmoid_gate(lw: Lowerer, st: Step) -> None:
+    """Qwen2 MoE's shared expert output [.., rows, N] times sigmoid of its per-token gate logit
+    [.., rows, 1] (broadcast over the width)."""
+    x, g = (a.name for a in st.ins)
+    for name, shp in ((a.name, a.shape) for a in st.ins):
+        lw.shapes.setdefault(name, tt_shape(shp))
+    s = lw.call("sigmoid", T(g), out=f"{g}.s", shape=lw.shapes[g], memory_config=DRAM)
+    lw.call("multiply", T(x), T(s), out=st.out.name, shape=lw.shapes[x], memory_config=DRAM)
+
+
 OPS = {"mla_attention": _mla_attention, "clamped_swiglu": _clamped_swiglu, "topk_softmax": _topk_softmax,
-       "group_topk": _group_topk, "combine": _combine}
+       "softmax_topk": _softmax_topk, "group_topk": _group_topk, "combine": _combine,
+       "sigmoid_gate": _sigmoid_gate}
