@@ -12,7 +12,16 @@ once per call (:func:`grouped`): with all their rows at once, or once where thei
 same bits.
 
 ``TTBUNDLE_EMULATED_GEMM`` (documented in docs/runtime.md): ``auto`` (default: oneDNN where torch
-has it, on the CPU, in float32) or ``torch`` (torch's ``bmm`` on the plain tensor)."""
+has it, on the CPU, in float32) or ``torch`` (torch's ``bmm`` on the plain tensor).
+
+Batch invariance (issue 38): by default a row's last bits may depend on how many rows share its
+call: oneDNN (and MKL) pick another kernel for one row than for several (a one-row decode is a
+matrix-vector product), so a sequence decoded alone and the same sequence in a bucket of 32 can
+differ in the last bits, as vLLM's default kernels do. ``VLLM_BATCH_INVARIANT=1`` (vLLM's switch
+of the same name, read the same way) keeps every row count on one kernel: a one-row product runs
+as two rows (the row twice) and takes the first, so a row's result is the same bits at any batch
+size (:func:`batch_invariant`; attention's side is ``kernels.attention``'s). Weights are held once
+either way."""
 
 from __future__ import annotations
 
@@ -24,6 +33,8 @@ from ...errors import InvalidInput
 from ...package.shards import SharedStack
 
 ENV = "TTBUNDLE_EMULATED_GEMM"
+#: vLLM's batch-invariant mode switch (``vllm.envs.VLLM_BATCH_INVARIANT``: an integer, 0 or 1)
+INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 #: the row count oneDNN's reorder is told to expect (a decode bucket); any row count works
 ROWS_HINT = 16
 #: a model reading one stage at a time (``LazyWeights``) packs matmul weights up to this many
@@ -43,6 +54,19 @@ def packs(dtype: torch.dtype, device: torch.device) -> bool:
     return (mode == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def batch_invariant() -> bool:
+    """Whether ``VLLM_BATCH_INVARIANT`` asks for batch-invariant results (read as vLLM reads it:
+    an integer, nonzero = on; unset or empty = off)."""
+    raw = os.environ.get(INVARIANT_ENV, "").strip()
+    if not raw:
+        return False
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise InvalidInput(f"environment variable {INVARIANT_ENV}={raw!r}: expected 0 or 1 (1: every batch size "
+                           f"on one kernel, bitwise repeatable rows); unset it for the default") from None
 
 
 def shards_of(W) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -171,6 +195,8 @@ def _pack(w_nk: torch.Tensor):
 
 
 def _linear(rows: torch.Tensor, packed) -> torch.Tensor:
+    if rows.shape[0] == 1 and batch_invariant():  # the several-row kernel, as in any bucket
+        return torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1).contiguous(), packed, None, "none", [], "")[:1]
     return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
 
 
@@ -199,6 +225,8 @@ def matmul(x: torch.Tensor, W) -> torch.Tensor:
     every device holds its own."""
     if isinstance(W, Packed):
         return W.matmul(x)
+    if x.shape[1] == 1 and x.dim() == 3 and batch_invariant():  # one row: the several-row kernel
+        return matmul(x.expand(-1, 2, -1).contiguous(), W)[:, :1]
     distinct, group = shards_of(W)
     if distinct.shape[0] != x.shape[0]:
         return grouped(x, group, distinct.shape[-1], lambda g, rows: rows @ distinct[g])
