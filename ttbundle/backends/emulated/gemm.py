@@ -1,27 +1,30 @@
 """How the emulated mesh holds and multiplies its dense matmul weights on this host.
 
-A decode step is mostly weight GEMMs of a few rows. On x86 CPUs torch's ``matmul`` calls MKL's
-sgemm, which on some CPUs (seen here: AMD EPYC) runs several times below what the cores and memory
-allow; oneDNN's inner-product kernel with the weight reordered once into its blocked layout (what
-``torch.compile``'s CPU weight prepacking does) reaches the memory bound for 16 rows. So a dense
-``[D, K, N]`` weight is kept as oneDNN-packed matrices, one per distinct shard (devices that
-hold the same shard share one copy, ``package.shards.stack_shards``): the same values, fp32 products
-accumulated in fp32 (a different summation order than MKL's, as any two GEMMs), and each row's
-result independent of the other rows in the call. A shard several devices hold is multiplied
-once per call (:func:`grouped`): with all their rows at once, or once where their rows are the
-same bits.
+A decode step is mostly weight GEMMs of a few rows. A dense ``[D, K, N]`` weight is held as
+:class:`Packed`: ``[N, K]`` matrices (a linear layer's layout), one per distinct shard (devices
+that hold the same shard share one copy, ``package.shards.stack_shards``), or the shards side by
+side as one. A shard several devices hold is multiplied once per call (:func:`grouped`): with all
+their rows at once, or once where their rows are the same bits.
 
-``TTBUNDLE_EMULATED_GEMM`` (documented in docs/runtime.md): ``auto`` (default: oneDNN where torch
-has it, on the CPU, in float32) or ``torch`` (torch's ``bmm`` on the plain tensor).
+``TTBUNDLE_EMULATED_GEMM`` (documented in docs/runtime.md):
+
+* ``auto`` (default, float32 on the CPU where torch has oneDNN): plain contiguous ``[N, K]``
+  matrices, multiplied by MKL (``F.linear``: transformers' own kernel, at any row count). On the
+  Intel host measured in issue 38 this was 0.86x the blocked oneDNN kernel's step at one row and
+  0.73x at 32 rows (interleaved, load ~10).
+* ``packed``: the matrices reordered once into oneDNN's blocked layout (what ``torch.compile``'s
+  CPU weight prepacking does), multiplied by oneDNN's inner product: the faster one where MKL's
+  sgemm runs well below the memory bound (seen on an AMD EPYC host, sessions 5-6).
+* ``torch``: torch's ``bmm`` on the plain ``[D, K, N]`` tensor.
 
 Batch invariance (issue 38): by default a row's last bits may depend on how many rows share its
-call: oneDNN (and MKL) pick another kernel for one row than for several (a one-row decode is a
-matrix-vector product), so a sequence decoded alone and the same sequence in a bucket of 32 can
-differ in the last bits, as vLLM's default kernels do. ``VLLM_BATCH_INVARIANT=1`` (vLLM's switch
-of the same name, read the same way) keeps every row count on one kernel: a one-row product runs
-as two rows (the row twice) and takes the first, so a row's result is the same bits at any batch
-size (:func:`batch_invariant`; attention's side is ``kernels.attention``'s). Weights are held once
-either way."""
+call (MKL and oneDNN choose kernels and blockings by the row count), as with vLLM's default
+kernels; tokens stay transformers'. ``VLLM_BATCH_INVARIANT=1`` (vLLM's switch of the same name,
+read the same way) keeps every row count on one kernel: oneDNN's inner product on the held
+weight (plain or blocked: the same bits, and a row's bits the same at 2 rows and more, tested),
+a one-row product run as two rows (the row twice, the first kept): a row's result is the same
+bits at any batch size (:func:`batch_invariant`; attention's side is ``kernels.attention``'s).
+Weights are held once either way."""
 
 from __future__ import annotations
 
@@ -46,14 +49,21 @@ MERGE_BYTES = 512 << 20
 
 
 def packs(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether dense weights of this dtype on this device are held oneDNN-packed."""
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "torch"):
-        raise InvalidInput(f"environment variable {ENV}={mode!r}: expected 'auto' (oneDNN-packed weights "
-                           f"where torch has oneDNN) or 'torch' (torch's bmm); unset it for the default")
-    return (mode == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32
+    """Whether dense weights of this dtype on this device are held as :class:`Packed` (plain
+    ``[N, K]`` or oneDNN-blocked, per ``TTBUNDLE_EMULATED_GEMM``)."""
+    mode = _mode()
+    return (mode != "torch" and torch.device(device).type == "cpu" and dtype == torch.float32
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _mode() -> str:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "packed", "torch"):
+        raise InvalidInput(f"environment variable {ENV}={mode!r}: expected 'auto' (plain weights: MKL's kernel "
+                           f"for one row, oneDNN's for several), 'packed' (oneDNN's blocked weight layout) or "
+                           f"'torch' (torch's bmm); unset it for the default")
+    return mode
 
 
 def batch_invariant() -> bool:
@@ -127,16 +137,17 @@ def grouped(x: torch.Tensor, group: tuple, n_out: int, mm) -> torch.Tensor:
 
 
 class Packed:
-    """A dense weight ``[D, K, N]`` held oneDNN-packed, one copy per distinct shard (devices
+    """A dense weight ``[D, K, N]`` held as ``[N, K]`` matrices (plain, or oneDNN-blocked: :func:`_pack`), one copy per distinct shard (devices
     sharing one copy, :func:`shards_of`, share it), in one of two layouts:
 
     * **merged** (where there are several distinct shards): the shards side by side along N, one
       packed ``[G * N, K]`` matrix. Where every device's rows are the same (a column-split
       weight after its input was gathered or reduced: the usual tensor-parallel case), one call
-      multiplies those rows by every shard at once; one oneDNN call instead of ``G``, which is
+      multiplies those rows by every shard at once; one GEMM call instead of ``G``, which is
       what a one-row step on many emulated devices is made of. Each output element is the same
       dot product over the same ``K`` as in a per-shard call (bit for bit, tested).
-    * **per shard**: one packed ``[N, K]`` matrix per distinct shard, for rows that differ per
+    * **per shard**: one ``[N, K]`` matrix per distinct shard (plain: one ``[G, N, K]`` tensor, one
+      batched product where each device holds its own), for rows that differ per
       device (a row-split weight: each device multiplies its own slice of the input).
 
     A weight starts merged (up to ``MERGE_BYTES`` in all, else per shard); the first call whose
@@ -151,7 +162,7 @@ class Packed:
         if distinct.shape[0] > 1 and distinct.numel() * distinct.element_size() <= MERGE_BYTES:
             self.merged = _pack(distinct.transpose(1, 2).reshape(-1, distinct.shape[1]))
         else:
-            self.per_shard = [_pack(s.t()) for s in distinct]
+            self.per_shard = _pack_shards(distinct)
 
     def dim(self) -> int:
         return len(self.shape)
@@ -181,23 +192,49 @@ class Packed:
                 if self.group != tuple(range(G)):
                     y = y.index_select(1, torch.tensor(self.group, device=y.device))
                 return y.transpose(0, 1).contiguous().view(*x.shape[:-1], N)
-            self.per_shard = [_pack(s.t()) for s in self._distinct()]
+            self.per_shard = _pack_shards(self._distinct())
             self.merged = None
+        if (isinstance(self.per_shard, torch.Tensor) and self.group == tuple(range(D)) and D > 1
+                and not batch_invariant()):
+            # every device its own plain shard ([D, N, K]): one batched MKL product for all of
+            # them (a row-split weight on T3K: one call where there were eight)
+            x3 = x.reshape(D, -1, K)
+            return torch.bmm(x3, self.per_shard.transpose(1, 2)).view(*x.shape[:-1], N)
 
         def one(g, rows):
             return _linear(rows, self.per_shard[g])
         return grouped(x, self.group, N, one)
 
 
+def _pack_shards(distinct: torch.Tensor):
+    """Distinct shards ``[G, K, N]`` held per shard: plain, one ``[G, N, K]`` tensor (its slices
+    are the shards' matrices, and one batched product reads them all); blocked, a list."""
+    if _mode() == "packed":
+        return [_pack(s.t()) for s in distinct]
+    return distinct.transpose(1, 2).contiguous()
+
+
 def _pack(w_nk: torch.Tensor):
-    """``[N, K]`` reordered into oneDNN's blocked layout for its inner-product kernel."""
-    return torch.ops.mkldnn._reorder_linear_weight(w_nk.contiguous(), ROWS_HINT)
+    """``[N, K]`` as the GEMM reads it: plain and contiguous (``auto``: what both MKL's one-row
+    kernel and oneDNN's several-row kernel take as is), or reordered into oneDNN's blocked
+    layout (``packed``)."""
+    if _mode() == "packed":
+        return torch.ops.mkldnn._reorder_linear_weight(w_nk.contiguous(), ROWS_HINT)
+    return w_nk.contiguous()
 
 
-def _linear(rows: torch.Tensor, packed) -> torch.Tensor:
-    if rows.shape[0] == 1 and batch_invariant():  # the several-row kernel, as in any bucket
-        return torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1).contiguous(), packed, None, "none", [], "")[:1]
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+def _linear(rows: torch.Tensor, w) -> torch.Tensor:
+    """``rows [M, K] @ w.T`` for a weight as :func:`_pack` holds it. A plain weight (``auto``):
+    MKL's kernel (``F.linear``, transformers' own, so the same GEMM as its decode at any batch
+    size), whose row results depend on the row count; with ``VLLM_BATCH_INVARIANT`` oneDNN's
+    inner product instead, on the same plain weight (a row's bits the same at 2 rows and more,
+    tested, and on the blocked layout too), a single row run twice. A blocked weight
+    (``packed``): oneDNN's, likewise."""
+    if w.is_mkldnn or batch_invariant():
+        if rows.shape[0] == 1 and batch_invariant():  # the several-row kernel, as in any bucket
+            return torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1).contiguous(), w, None, "none", [], "")[:1]
+        return torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
+    return torch.nn.functional.linear(rows, w)
 
 
 def hold(weights: dict, matmul_only: set, dtype: torch.dtype, device) -> dict:
