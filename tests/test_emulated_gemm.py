@@ -66,19 +66,20 @@ def test_with_the_batch_invariant_switch_a_rows_result_does_not_depend_on_the_ot
 
 
 @needs_onednn
-def test_by_default_the_plain_weight_is_transformers_kernel(monkeypatch):
-    # auto: MKL's F.linear on the plain [N, K] weight, at one row and at several (what
-    # transformers' decode computes), bit for bit
+def test_by_default_one_row_is_transformers_kernel_and_several_the_blocked_layouts_bits(monkeypatch):
+    # auto: MKL's F.linear on the plain [N, K] weight for one row (transformers' decode kernel),
+    # bit for bit; several rows: oneDNN on the plain weight, the blocked layout's bits
     monkeypatch.delenv(gemm.ENV, raising=False)
     monkeypatch.delenv(gemm.INVARIANT_ENV, raising=False)
     w = torch.randn(512, 2816)
     W = gemm.Packed(w.t().contiguous()[None])
     x = torch.randn(1, 32, 2816)
-    for n in (1, 32):
-        assert torch.equal(gemm.matmul(x[:, :n].contiguous(), W)[0], torch.nn.functional.linear(x[0, :n], w))
+    assert torch.equal(gemm.matmul(x[:, :1].contiguous(), W)[0], torch.nn.functional.linear(x[0, :1], w))
+    monkeypatch.setenv(gemm.ENV, "packed")
+    blocked = gemm.Packed(w.t().contiguous()[None])
+    assert torch.equal(gemm.matmul(x, W), gemm.matmul(x, blocked))
 
 
-@needs_onednn
 def test_dense_gives_back_the_exact_weight():
     W = torch.randn(2, 40, 24).bfloat16().float()
     assert torch.equal(gemm.Packed(W).dense(), W)

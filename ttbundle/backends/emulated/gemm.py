@@ -9,21 +9,21 @@ their rows at once, or once where their rows are the same bits.
 ``TTBUNDLE_EMULATED_GEMM`` (documented in docs/runtime.md):
 
 * ``auto`` (default, float32 on the CPU where torch has oneDNN): plain contiguous ``[N, K]``
-  matrices, multiplied by MKL (``F.linear``: transformers' own kernel, at any row count). On the
-  Intel host measured in issue 38 this was 0.86x the blocked oneDNN kernel's step at one row and
-  0.73x at 32 rows (interleaved, load ~10).
+  matrices; one row multiplied by MKL's matrix-vector kernel (``F.linear``: transformers' own
+  one-row kernel), several rows by oneDNN's inner product (on the plain matrix the same bits as
+  on its blocked layout). On the Intel host measured in issue 38 a one-row N150 step took 0.86x
+  the blocked layout's time (interleaved, load ~8); at 32 rows oneDNN on the plain matrix took
+  1.0-1.09x the blocked layout's, MKL 1.15x (interleaved, 1 and 2 threads, load ~5).
 * ``packed``: the matrices reordered once into oneDNN's blocked layout (what ``torch.compile``'s
   CPU weight prepacking does), multiplied by oneDNN's inner product: the faster one where MKL's
   sgemm runs well below the memory bound (seen on an AMD EPYC host, sessions 5-6).
 * ``torch``: torch's ``bmm`` on the plain ``[D, K, N]`` tensor.
 
 Batch invariance (issue 38): by default a row's last bits may depend on how many rows share its
-call (MKL and oneDNN choose kernels and blockings by the row count), as with vLLM's default
-kernels; tokens stay transformers'. ``VLLM_BATCH_INVARIANT=1`` (vLLM's switch of the same name,
-read the same way) keeps every row count on one kernel: oneDNN's inner product on the held
-weight (plain or blocked: the same bits, and a row's bits the same at 2 rows and more, tested),
-a one-row product run as two rows (the row twice, the first kept): a row's result is the same
-bits at any batch size (:func:`batch_invariant`; attention's side is ``kernels.attention``'s).
+call (one row takes another kernel than several), as with vLLM's default kernels; tokens stay
+transformers'. ``VLLM_BATCH_INVARIANT=1`` (vLLM's switch of the same name, read the same way)
+keeps every row count on one kernel: oneDNN's inner product, a one-row product run as two rows
+(the row twice, the first kept): a row's result is the same bits at any batch size (:func:`batch_invariant`; attention's side is ``kernels.attention``'s).
 Weights are held once either way."""
 
 from __future__ import annotations
@@ -194,11 +194,12 @@ class Packed:
                 return y.transpose(0, 1).contiguous().view(*x.shape[:-1], N)
             self.per_shard = _pack_shards(self._distinct())
             self.merged = None
+        x3 = x.reshape(D, -1, K)
         if (isinstance(self.per_shard, torch.Tensor) and self.group == tuple(range(D)) and D > 1
-                and not batch_invariant()):
-            # every device its own plain shard ([D, N, K]): one batched MKL product for all of
-            # them (a row-split weight on T3K: one call where there were eight)
-            x3 = x.reshape(D, -1, K)
+                and x3.shape[1] == 1 and not batch_invariant()):
+            # one row per device, each its own plain shard ([D, N, K]): one batched MKL product
+            # for all of them, the one-row kernel's kind (a T3K one-row step's row-split weight:
+            # one call where there were eight); several rows stay on oneDNN, shard by shard
             return torch.bmm(x3, self.per_shard.transpose(1, 2)).view(*x.shape[:-1], N)
 
         def one(g, rows):
@@ -224,17 +225,17 @@ def _pack(w_nk: torch.Tensor):
 
 
 def _linear(rows: torch.Tensor, w) -> torch.Tensor:
-    """``rows [M, K] @ w.T`` for a weight as :func:`_pack` holds it. A plain weight (``auto``):
-    MKL's kernel (``F.linear``, transformers' own, so the same GEMM as its decode at any batch
-    size), whose row results depend on the row count; with ``VLLM_BATCH_INVARIANT`` oneDNN's
-    inner product instead, on the same plain weight (a row's bits the same at 2 rows and more,
-    tested, and on the blocked layout too), a single row run twice. A blocked weight
-    (``packed``): oneDNN's, likewise."""
-    if w.is_mkldnn or batch_invariant():
-        if rows.shape[0] == 1 and batch_invariant():  # the several-row kernel, as in any bucket
+    """``rows [M, K] @ w.T`` for a weight as :func:`_pack` holds it. Several rows: oneDNN's inner
+    product (on a plain weight the blocked layout's bits, and a row's bits the same at any row
+    count from 2 up, tested). One row on a plain weight (``auto``): MKL's matrix-vector kernel
+    (``F.linear``, transformers' own one-row kernel), unless ``VLLM_BATCH_INVARIANT`` asks for
+    one path at every batch size: then the row runs twice through the several-row kernel."""
+    if rows.shape[0] == 1:
+        if batch_invariant():  # the several-row kernel, as in any bucket
             return torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1).contiguous(), w, None, "none", [], "")[:1]
-        return torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
-    return torch.nn.functional.linear(rows, w)
+        if not w.is_mkldnn:
+            return torch.nn.functional.linear(rows, w)
+    return torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
 
 
 def hold(weights: dict, matmul_only: set, dtype: torch.dtype, device) -> dict:
