@@ -49,16 +49,37 @@ def test_packed_matmul_of_expert_rows_and_a_strided_input():
 
 
 @needs_onednn
-def test_a_rows_result_does_not_depend_on_the_other_rows():
-    # decode steps batch any sequences together; a token must not change with its neighbours
-    W = gemm.Packed(torch.randn(1, 1024, 512))
-    x = torch.randn(1, 32, 1024)
+@pytest.mark.parametrize("mode", ["auto", "packed"])
+def test_with_the_batch_invariant_switch_a_rows_result_does_not_depend_on_the_other_rows(monkeypatch, mode):
+    # decode steps batch any sequences together; with VLLM_BATCH_INVARIANT a row's bits must not
+    # change with its neighbours (by default they may: issue 38's decision)
+    monkeypatch.setenv(gemm.ENV, mode)
+    monkeypatch.setenv(gemm.INVARIANT_ENV, "1")
+    W = gemm.Packed(torch.randn(1, 2816, 512))
+    x = torch.randn(1, 32, 2816)
     full = gemm.matmul(x, W)
     for n in (1, 5, 16):
         assert torch.equal(gemm.matmul(x[:, :n], W), full[:, :n])
+    # the blocked layout and the plain one give the same bits on the invariant path
+    monkeypatch.setenv(gemm.ENV, "packed" if mode == "auto" else "auto")
+    assert torch.equal(gemm.matmul(x, gemm.Packed(W.dense())), full)
 
 
 @needs_onednn
+def test_by_default_one_row_is_transformers_kernel_and_several_the_blocked_layouts_bits(monkeypatch):
+    # auto: MKL's F.linear on the plain [N, K] weight for one row (transformers' decode kernel),
+    # bit for bit; several rows: oneDNN on the plain weight, the blocked layout's bits
+    monkeypatch.delenv(gemm.ENV, raising=False)
+    monkeypatch.delenv(gemm.INVARIANT_ENV, raising=False)
+    w = torch.randn(512, 2816)
+    W = gemm.Packed(w.t().contiguous()[None])
+    x = torch.randn(1, 32, 2816)
+    assert torch.equal(gemm.matmul(x[:, :1].contiguous(), W)[0], torch.nn.functional.linear(x[0, :1], w))
+    monkeypatch.setenv(gemm.ENV, "packed")
+    blocked = gemm.Packed(w.t().contiguous()[None])
+    assert torch.equal(gemm.matmul(x, W), gemm.matmul(x, blocked))
+
+
 def test_dense_gives_back_the_exact_weight():
     W = torch.randn(2, 40, 24).bfloat16().float()
     assert torch.equal(gemm.Packed(W).dense(), W)
@@ -71,7 +92,7 @@ def test_the_switch_and_a_bad_value(monkeypatch):
     held = gemm.hold({"w": W}, {"w"}, torch.float32, "cpu")
     assert held["w"] is W
     monkeypatch.setenv(gemm.ENV, "fast")
-    with pytest.raises(InvalidInput, match="TTBUNDLE_EMULATED_GEMM='fast': expected 'auto'.*or 'torch'"):
+    with pytest.raises(InvalidInput, match="TTBUNDLE_EMULATED_GEMM='fast': expected 'auto'.*'packed'.*or 'torch'"):
         gemm.packs(torch.float32, torch.device("cpu"))
     monkeypatch.delenv(gemm.ENV)
     # never packed: other dtypes, other devices

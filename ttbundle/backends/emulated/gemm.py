@@ -1,18 +1,30 @@
 """How the emulated mesh holds and multiplies its dense matmul weights on this host.
 
-A decode step is mostly weight GEMMs of a few rows. On x86 CPUs torch's ``matmul`` calls MKL's
-sgemm, which on some CPUs (seen here: AMD EPYC) runs several times below what the cores and memory
-allow; oneDNN's inner-product kernel with the weight reordered once into its blocked layout (what
-``torch.compile``'s CPU weight prepacking does) reaches the memory bound for 16 rows. So a dense
-``[D, K, N]`` weight is kept as oneDNN-packed matrices, one per distinct shard (devices that
-hold the same shard share one copy, ``package.shards.stack_shards``): the same values, fp32 products
-accumulated in fp32 (a different summation order than MKL's, as any two GEMMs), and each row's
-result independent of the other rows in the call. A shard several devices hold is multiplied
-once per call (:func:`grouped`): with all their rows at once, or once where their rows are the
-same bits.
+A decode step is mostly weight GEMMs of a few rows. A dense ``[D, K, N]`` weight is held as
+:class:`Packed`: ``[N, K]`` matrices (a linear layer's layout), one per distinct shard (devices
+that hold the same shard share one copy, ``package.shards.stack_shards``), or the shards side by
+side as one. A shard several devices hold is multiplied once per call (:func:`grouped`): with all
+their rows at once, or once where their rows are the same bits.
 
-``TTBUNDLE_EMULATED_GEMM`` (documented in docs/runtime.md): ``auto`` (default: oneDNN where torch
-has it, on the CPU, in float32) or ``torch`` (torch's ``bmm`` on the plain tensor)."""
+``TTBUNDLE_EMULATED_GEMM`` (documented in docs/runtime.md):
+
+* ``auto`` (default, float32 on the CPU where torch has oneDNN): plain contiguous ``[N, K]``
+  matrices; one row multiplied by MKL's matrix-vector kernel (``F.linear``: transformers' own
+  one-row kernel), several rows by oneDNN's inner product (on the plain matrix the same bits as
+  on its blocked layout). On the Intel host measured in issue 38 a one-row N150 step took 0.86x
+  the blocked layout's time (interleaved, load ~8); at 32 rows oneDNN on the plain matrix took
+  1.0-1.09x the blocked layout's, MKL 1.15x (interleaved, 1 and 2 threads, load ~5).
+* ``packed``: the matrices reordered once into oneDNN's blocked layout (what ``torch.compile``'s
+  CPU weight prepacking does), multiplied by oneDNN's inner product: the faster one where MKL's
+  sgemm runs well below the memory bound (seen on an AMD EPYC host, sessions 5-6).
+* ``torch``: torch's ``bmm`` on the plain ``[D, K, N]`` tensor.
+
+Batch invariance (issue 38): by default a row's last bits may depend on how many rows share its
+call (one row takes another kernel than several), as with vLLM's default kernels; tokens stay
+transformers'. ``VLLM_BATCH_INVARIANT=1`` (vLLM's switch of the same name, read the same way)
+keeps every row count on one kernel: oneDNN's inner product, a one-row product run as two rows
+(the row twice, the first kept): a row's result is the same bits at any batch size (:func:`batch_invariant`; attention's side is ``kernels.attention``'s).
+Weights are held once either way."""
 
 from __future__ import annotations
 
@@ -24,6 +36,8 @@ from ...errors import InvalidInput
 from ...package.shards import SharedStack
 
 ENV = "TTBUNDLE_EMULATED_GEMM"
+#: vLLM's batch-invariant mode switch (``vllm.envs.VLLM_BATCH_INVARIANT``: an integer, 0 or 1)
+INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
 #: the row count oneDNN's reorder is told to expect (a decode bucket); any row count works
 ROWS_HINT = 16
 #: a model reading one stage at a time (``LazyWeights``) packs matmul weights up to this many
@@ -35,14 +49,34 @@ MERGE_BYTES = 512 << 20
 
 
 def packs(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether dense weights of this dtype on this device are held oneDNN-packed."""
-    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "torch"):
-        raise InvalidInput(f"environment variable {ENV}={mode!r}: expected 'auto' (oneDNN-packed weights "
-                           f"where torch has oneDNN) or 'torch' (torch's bmm); unset it for the default")
-    return (mode == "auto" and torch.device(device).type == "cpu" and dtype == torch.float32
+    """Whether dense weights of this dtype on this device are held as :class:`Packed` (plain
+    ``[N, K]`` or oneDNN-blocked, per ``TTBUNDLE_EMULATED_GEMM``)."""
+    mode = _mode()
+    return (mode != "torch" and torch.device(device).type == "cpu" and dtype == torch.float32
             and torch.backends.mkldnn.is_available()
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+
+def _mode() -> str:
+    mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
+    if mode not in ("auto", "packed", "torch"):
+        raise InvalidInput(f"environment variable {ENV}={mode!r}: expected 'auto' (plain weights: MKL's kernel "
+                           f"for one row, oneDNN's for several), 'packed' (oneDNN's blocked weight layout) or "
+                           f"'torch' (torch's bmm); unset it for the default")
+    return mode
+
+
+def batch_invariant() -> bool:
+    """Whether ``VLLM_BATCH_INVARIANT`` asks for batch-invariant results (read as vLLM reads it:
+    an integer, nonzero = on; unset or empty = off)."""
+    raw = os.environ.get(INVARIANT_ENV, "").strip()
+    if not raw:
+        return False
+    try:
+        return bool(int(raw))
+    except ValueError:
+        raise InvalidInput(f"environment variable {INVARIANT_ENV}={raw!r}: expected 0 or 1 (1: every batch size "
+                           f"on one kernel, bitwise repeatable rows); unset it for the default") from None
 
 
 def shards_of(W) -> tuple[torch.Tensor, tuple[int, ...]]:
@@ -103,16 +137,17 @@ def grouped(x: torch.Tensor, group: tuple, n_out: int, mm) -> torch.Tensor:
 
 
 class Packed:
-    """A dense weight ``[D, K, N]`` held oneDNN-packed, one copy per distinct shard (devices
+    """A dense weight ``[D, K, N]`` held as ``[N, K]`` matrices (plain, or oneDNN-blocked: :func:`_pack`), one copy per distinct shard (devices
     sharing one copy, :func:`shards_of`, share it), in one of two layouts:
 
     * **merged** (where there are several distinct shards): the shards side by side along N, one
       packed ``[G * N, K]`` matrix. Where every device's rows are the same (a column-split
       weight after its input was gathered or reduced: the usual tensor-parallel case), one call
-      multiplies those rows by every shard at once; one oneDNN call instead of ``G``, which is
+      multiplies those rows by every shard at once; one GEMM call instead of ``G``, which is
       what a one-row step on many emulated devices is made of. Each output element is the same
       dot product over the same ``K`` as in a per-shard call (bit for bit, tested).
-    * **per shard**: one packed ``[N, K]`` matrix per distinct shard, for rows that differ per
+    * **per shard**: one ``[N, K]`` matrix per distinct shard (plain: one ``[G, N, K]`` tensor, one
+      batched product where each device holds its own), for rows that differ per
       device (a row-split weight: each device multiplies its own slice of the input).
 
     A weight starts merged (up to ``MERGE_BYTES`` in all, else per shard); the first call whose
@@ -127,7 +162,7 @@ class Packed:
         if distinct.shape[0] > 1 and distinct.numel() * distinct.element_size() <= MERGE_BYTES:
             self.merged = _pack(distinct.transpose(1, 2).reshape(-1, distinct.shape[1]))
         else:
-            self.per_shard = [_pack(s.t()) for s in distinct]
+            self.per_shard = _pack_shards(distinct)
 
     def dim(self) -> int:
         return len(self.shape)
@@ -157,21 +192,50 @@ class Packed:
                 if self.group != tuple(range(G)):
                     y = y.index_select(1, torch.tensor(self.group, device=y.device))
                 return y.transpose(0, 1).contiguous().view(*x.shape[:-1], N)
-            self.per_shard = [_pack(s.t()) for s in self._distinct()]
+            self.per_shard = _pack_shards(self._distinct())
             self.merged = None
+        x3 = x.reshape(D, -1, K)
+        if (isinstance(self.per_shard, torch.Tensor) and self.group == tuple(range(D)) and D > 1
+                and x3.shape[1] == 1 and not batch_invariant()):
+            # one row per device, each its own plain shard ([D, N, K]): one batched MKL product
+            # for all of them, the one-row kernel's kind (a T3K one-row step's row-split weight:
+            # one call where there were eight); several rows stay on oneDNN, shard by shard
+            return torch.bmm(x3, self.per_shard.transpose(1, 2)).view(*x.shape[:-1], N)
 
         def one(g, rows):
             return _linear(rows, self.per_shard[g])
         return grouped(x, self.group, N, one)
 
 
+def _pack_shards(distinct: torch.Tensor):
+    """Distinct shards ``[G, K, N]`` held per shard: plain, one ``[G, N, K]`` tensor (its slices
+    are the shards' matrices, and one batched product reads them all); blocked, a list."""
+    if _mode() == "packed":
+        return [_pack(s.t()) for s in distinct]
+    return distinct.transpose(1, 2).contiguous()
+
+
 def _pack(w_nk: torch.Tensor):
-    """``[N, K]`` reordered into oneDNN's blocked layout for its inner-product kernel."""
-    return torch.ops.mkldnn._reorder_linear_weight(w_nk.contiguous(), ROWS_HINT)
+    """``[N, K]`` as the GEMM reads it: plain and contiguous (``auto``: what both MKL's one-row
+    kernel and oneDNN's several-row kernel take as is), or reordered into oneDNN's blocked
+    layout (``packed``)."""
+    if _mode() == "packed":
+        return torch.ops.mkldnn._reorder_linear_weight(w_nk.contiguous(), ROWS_HINT)
+    return w_nk.contiguous()
 
 
-def _linear(rows: torch.Tensor, packed) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(rows, packed, None, "none", [], "")
+def _linear(rows: torch.Tensor, w) -> torch.Tensor:
+    """``rows [M, K] @ w.T`` for a weight as :func:`_pack` holds it. Several rows: oneDNN's inner
+    product (on a plain weight the blocked layout's bits, and a row's bits the same at any row
+    count from 2 up, tested). One row on a plain weight (``auto``): MKL's matrix-vector kernel
+    (``F.linear``, transformers' own one-row kernel), unless ``VLLM_BATCH_INVARIANT`` asks for
+    one path at every batch size: then the row runs twice through the several-row kernel."""
+    if rows.shape[0] == 1:
+        if batch_invariant():  # the several-row kernel, as in any bucket
+            return torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1).contiguous(), w, None, "none", [], "")[:1]
+        if not w.is_mkldnn:
+            return torch.nn.functional.linear(rows, w)
+    return torch.ops.mkldnn._linear_pointwise(rows, w, None, "none", [], "")
 
 
 def hold(weights: dict, matmul_only: set, dtype: torch.dtype, device) -> dict:
@@ -199,6 +263,8 @@ def matmul(x: torch.Tensor, W) -> torch.Tensor:
     every device holds its own."""
     if isinstance(W, Packed):
         return W.matmul(x)
+    if x.shape[1] == 1 and x.dim() == 3 and batch_invariant():  # one row: the several-row kernel
+        return matmul(x.expand(-1, 2, -1).contiguous(), W)[:, :1]
     distinct, group = shards_of(W)
     if distinct.shape[0] != x.shape[0]:
         return grouped(x, group, distinct.shape[-1], lambda g, rows: rows @ distinct[g])

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ...tables import mrope_cos_sin, rope_cos_sin
+from . import gemm
 
 
 # ---- rope -------------------------------------------------------------------------------------
@@ -214,6 +215,14 @@ def _context(ctx: Ctx, cache, N: int, S: int, dtype: torch.dtype | None = None):
     if getattr(ctx, "context_blocks", None) is not None:
         bs = ctx.block_size
         runs = _runs(ctx)
+        if (runs is not None and N == 1 and len(runs) == 1 and dtype == cache.dtype
+                and not gemm.batch_invariant()):
+            # one sequence whose context is one run of consecutive blocks (a one-row decode, a
+            # prefill chunk): the cache's own slots, viewed, are the matmuls' operand; nothing
+            # copied (the several-row path's gather is another kernel's input: its last bits
+            # may differ, within the attention tolerance; VLLM_BATCH_INVARIANT keeps the gather)
+            _, b0, count, _ = runs[0]
+            return cache[:, :, b0 * bs:(b0 + count) * bs].unsqueeze(2)
         if runs is not None:
             out = torch.empty(D, kvh, N, S, hd, dtype=dtype, device=cache.device)
             for n, b0, count, j0 in runs:
