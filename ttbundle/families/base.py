@@ -567,6 +567,29 @@ def hf_import(family: Family, config: dict, defaults: dict | None = None) -> dic
     return hf_fill(config, {**Family.from_hf(family, config), **hf_rope(config)}, defaults or {})
 
 
+def vision_cap(b, at: tuple, vs, merge_unit: int, per: int, image: str) -> tuple[list, int]:
+    """Diagnostics of a merging vision part's buckets, for every such family, and the cap: each
+    bucket a multiple of ``merge_unit`` patches, and ``images_per_prompt`` images of up to ``per``
+    patches (``image`` says how many pixels make that) held by the largest bucket, or a warning
+    stating the cap (a prompt's images are encoded in one call; beyond the cap a 400). Returns
+    (diagnostics, the cap in patches)."""
+    d = []
+    for i, n in enumerate(vs.buckets):
+        if n > 0 and n % merge_unit:
+            d.append(b.locate(at + ("buckets", i), f"{n} patches is not a multiple of {merge_unit} "
+                              f"(spatial_merge_size^2: patches merge {merge_unit} to a soft token); "
+                              f"use {-(-n // merge_unit) * merge_unit}"))
+    need = vs.images_per_prompt * per
+    cap = max(vs.buckets) if vs.buckets else need
+    if cap < need:
+        d.append(b.locate(at + ("buckets",), f"a cap: images_per_prompt={vs.images_per_prompt} images of up to "
+                          f"{image} = {per} patches each) need up to {need} patches, the largest vision bucket "
+                          f"holds {cap} (a prompt's images are encoded in one call): a request whose images need "
+                          f"more is refused (400) naming this limit; add a bucket of {need} to serve every image",
+                          "warning"))
+    return d, cap
+
+
 def image_token_budget(b, vs, per_image: int, image: str, fewer: str, smaller: str | None = None) -> list:
     """Diagnostics of a vision part's prompt budget, for every vision family: one image's
     ``per_image`` tokens (``image`` says what they are) must fit one prefill chunk (an image is

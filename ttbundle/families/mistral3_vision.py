@@ -37,7 +37,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from . import patch_grid, qwen2_5_vl_vision as q25
-from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
+from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget, vision_cap
 from .vision_part import PLAIN, ImageLayout, VisionPart, blocks_of, must_equal, processor_json, unsupported
 
 NORM_EPS = 1e-5  # Pixtral's RMSNorms (ln_pre, attention_norm, ffn_norm) use a fixed epsilon
@@ -344,22 +344,11 @@ def check_settings(b, vs) -> list:
     if vs.longest_edge > v.image_size:
         d.append(b.locate(at + ("longest_edge",), f"longest_edge={vs.longest_edge} exceeds the encoder's "
                           f"image_size={v.image_size} (vLLM's Pixtral has rope tables up to it); lower it"))
-    for i, n in enumerate(vs.buckets):
-        if n > 0 and n % v.merge_unit:
-            d.append(b.locate(at + ("buckets", i), f"{n} patches is not a multiple of {v.merge_unit} "
-                              f"(spatial_merge_size^2: patches merge {v.merge_unit} to a soft token); "
-                              f"use {-(-n // v.merge_unit) * v.merge_unit}"))
     side = blocks_per_side(v, vs.longest_edge)
     per = side * side * v.merge_unit
-    need = vs.images_per_prompt * per
-    cap = max(vs.buckets) if vs.buckets else need
-    if cap < need:
-        d.append(b.locate(at + ("buckets",), f"a cap: images_per_prompt={vs.images_per_prompt} images of up to "
-                          f"longest_edge={vs.longest_edge} pixels (ceil({vs.longest_edge} / {v.factor}) = {side} merge "
-                          f"blocks per side = {per} patches each) need up to {need} patches, the largest vision "
-                          f"bucket holds {cap} (a prompt's images are encoded in one call): a request whose images "
-                          f"need more is refused (400) naming this limit; add a bucket of {need} to serve every image",
-                          "warning"))
+    cap_d, cap = vision_cap(b, at, vs, v.merge_unit, per, f"longest_edge={vs.longest_edge} pixels (ceil("
+                            f"{vs.longest_edge} / {v.factor}) = {side} merge blocks per side")
+    d += cap_d
     top = min(per, cap)  # the largest image a request may carry, in patches
     # its rows of [IMG] tokens, each closed by a break / end: at most `side` rows
     per_image = min(side * (side + 1), top // v.merge_unit + side)

@@ -32,7 +32,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget
+from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget, vision_cap
 from . import patch_grid, transforms
 from .patch_grid import max_patches, mrope_positions, patch_layout, rope_tables, soft_tokens  # noqa: F401 (q25.*)
 from .vision_part import ImageLayout, PromptPositions, VisionPart, blocks_of, must_equal
@@ -321,21 +321,10 @@ def check_settings(b, vs) -> list:
         return d
     if vs.min_pixels > vs.max_pixels:
         d.append(b.locate(at + ("min_pixels",), f"min_pixels={vs.min_pixels} exceeds max_pixels={vs.max_pixels}"))
-    for i, n in enumerate(vs.buckets):
-        if n > 0 and n % v.merge_unit:
-            d.append(b.locate(at + ("buckets", i), f"{n} patches is not a multiple of {v.merge_unit} "
-                              f"(spatial_merge_size^2: patches merge {v.merge_unit} to a soft token); "
-                              f"use {-(-n // v.merge_unit) * v.merge_unit}"))
     per = max_patches(v, vs.max_pixels)
-    need = vs.images_per_prompt * per
-    cap = max(vs.buckets) if vs.buckets else need
-    if cap < need:
-        d.append(b.locate(at + ("buckets",), f"a cap: images_per_prompt={vs.images_per_prompt} images of up to "
-                          f"max_pixels={vs.max_pixels} ({vs.max_pixels} // {v.factor}^2 = {per // v.merge_unit} "
-                          f"merge blocks = {per} patches each) need up to {need} patches, the largest vision bucket "
-                          f"holds {cap} (a prompt's images are encoded in one call): a request whose images need "
-                          f"more is refused (400) naming this limit; add a bucket of {need} to serve every image",
-                          "warning"))
+    cap_d, cap = vision_cap(b, at, vs, v.merge_unit, per, f"max_pixels={vs.max_pixels} ({vs.max_pixels} // "
+                            f"{v.factor}^2 = {per // v.merge_unit} merge blocks")
+    d += cap_d
     least = -(-vs.min_pixels // f2) * v.merge_unit  # the smallest image the processor makes, about
     if vs.buckets and cap < least:
         d.append(b.locate(at + ("buckets",), f"the largest vision bucket ({cap} patches) holds no image: the "
