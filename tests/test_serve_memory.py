@@ -303,3 +303,20 @@ def test_an_engine_its_api_server_left_unreaped_is_reaped_by_serve(tmp_path):
         assert f"(pid {engine[0]}) was killed by signal 9 (SIGKILL) before it was healthy (vLLM exit code 0)" in msg
     finally:
         servemod.stop(proc)
+
+
+def test_an_engine_killed_before_serve_saw_it_is_still_named(tmp_path):
+    """The engine dies before serve's first sample (its name never seen, as when it is killed in
+    its first half second): serve still finds it among its orphans in vLLM's process group and
+    reads the signal from its status (the race behind a CI failure of the real-vLLM test)."""
+    script = tmp_path / "fake_vllm.py"
+    script.write_text(ORPHAN.replace("time.sleep(1.0)", "pass"))
+    plan = servemod.ServePlan(tmp_path, "x", "N150", [sys.executable, str(script)], {}, "127.0.0.1", _port())
+    proc = servemod.start(plan)
+    try:
+        proc.wait(60)  # no sample: serve never saw the engine alive
+        assert not [p for p in proc.names if p != proc.pid]
+        msg = servemod.died(proc, "before it was healthy")
+        assert "was killed by signal 9 (SIGKILL) before it was healthy (vLLM exit code 0)" in msg, msg
+    finally:
+        servemod.stop(proc)

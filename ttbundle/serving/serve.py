@@ -734,6 +734,26 @@ def _become_subreaper() -> None:
         pass
 
 
+def _orphans(pgid: int) -> list[int]:
+    """Ended processes of vLLM's process group ``pgid`` that are now this process's children
+    (zombies: :func:`_become_subreaper`), whether or not a sample saw them alive (an engine
+    killed within its first half second)."""
+    out, me = [], os.getpid()
+    try:
+        entries = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return out
+    for d in entries:
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if fields[0] == b"Z" and int(fields[1]) == me and int(fields[2]) == pgid:
+                out.append(int(d))
+        except (OSError, IndexError, ValueError):
+            continue
+    return out
+
+
 def noted_signal(proc: subprocess.Popen) -> tuple[str, int] | None:
     """``(process, signal)`` of the first of vLLM's child processes a signal ended: as vLLM's
     process noted it when it read the child's exit code (``activation.note_child_signals``), or
@@ -748,7 +768,9 @@ def noted_signal(proc: subprocess.Popen) -> tuple[str, int] | None:
         if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
             pid = int(parts[0])
             return f"{proc.names.get(pid, '')} (pid {pid})".lstrip(), int(parts[1])
-    for pid, name in sorted(getattr(proc, "names", {}).items()):  # (a process seen with its name)
+    names = dict(getattr(proc, "names", {}))  # the processes seen with their names, and
+    names.update({pid: "" for pid in _orphans(proc.pid) if pid not in names})  # ones never seen
+    for pid, name in sorted(names.items()):
         if pid == proc.pid:
             continue
         try:
