@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from . import __version__, cache, lower as lowermod, warmup
+from .errors import DoesNotFit
 from .fsutil import MAX_TOKENIZER_BYTES, fault as _fault, read_user_bytes
 from .manifest import MANIFEST, METADATA
 from .package.names import FORMAT, module_name, tt_arch
@@ -262,6 +263,21 @@ class PackageWriter:
                 out["kernels_missing_reason"] = kc.get("reason", "no kernel cache")
         return out
 
+    def _trace_region(self) -> dict:
+        """What the shipped programs' traces need (``tracebudget``, counted from the programs as
+        written) against the region the plan reserved (``build.device_plan``); a reservation below
+        the need would fail the first capture on the device, so it is refused here."""
+        from . import tracebudget
+
+        rt = self.bundle.spec.runtime
+        tn = tracebudget.trace_need(self.bundle, self.plan.mesh, self._written_programs())
+        size = self.plan.trace_region_size
+        if tn.traces and size < tn.need:
+            raise DoesNotFit(f"{self.bundle.spec.name}: the trace region planned, {size:,} B, is below what its "
+                             f"programs' traces need: {tn.arithmetic()}; {tn.need - size:,} B short")
+        source = "spec" if rt.trace_region_size is not None else "need + headroom"
+        return tracebudget.record(tn, size, source, rt.sample_on_device_mode, rt.trace_mode)
+
     def _manifest(self) -> None:
         b, p, m = self.bundle, self.plan, self.plan.mesh
         bk = b.buckets
@@ -279,6 +295,7 @@ class PackageWriter:
                         **({"verify": verify_buckets(b)} if verify_buckets(b) else {})},
             "trace_region_bytes": p.memory.trace_region,  # the DRAM it costs (per-bank rounding)
             "trace_region_size": p.trace_region_size,  # what the mesh is opened with
+            **({"trace_region": self._trace_region()} if self.backend == "ttnn" else {}),
             "versions": cache.versions(),
             "spec_sha256": self.inp.fields["spec"],
             "key": cache.content_key(self.inp.fields),

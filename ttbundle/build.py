@@ -114,6 +114,32 @@ def _check_output_dir(out: Path) -> None:
                            "on disk")
 
 
+def device_plan(bundle, mesh: str, backend: str) -> Plan:
+    """The plan a package is built with. For ``backend="ttnn"`` with traced programs, its trace
+    region is the traces' need as the ttnn lowering counts it (``tracebudget``: the programs of a
+    first plan, lowered as the TT runtime lowers them) plus :data:`~.tracebudget.HEADROOM`, not
+    the first plan's op-count estimate; the spec's ``runtime.trace_region_size``, when given, is
+    kept and refused (:class:`DoesNotFit`, at its line) below the need. The KV pool ``auto``
+    sizes is then what is left beside that region. The emulated backend traces nothing."""
+    from . import tracebudget
+
+    plan = make_plan(bundle, mesh)
+    if backend != "ttnn" or not any(lowermod.traced(bundle, ph) for ph, _ in lowermod.trace_set(bundle)):
+        return plan
+    tn = tracebudget.trace_need(bundle, plan.mesh, lowermod.lower_all(bundle, plan))
+    own = bundle.spec.runtime.trace_region_size
+    if own is not None:
+        if own < tn.need:
+            d = bundle.locate(("runtime", "trace_region_size"), "")
+            at = f"{d.file}:{d.line}: " if d.file and d.line is not None else ""
+            raise DoesNotFit(f"{at}runtime.trace_region_size {own:,} B is below what {bundle.spec.name}'s traces "
+                             f"need on {plan.mesh.describe()}: {tn.arithmetic()}; {tn.need - own:,} B short; fix: "
+                             f"{tn.suggested:,} (the need + {tracebudget.HEADROOM:.0%} headroom) or more, or "
+                             "leave it out (the build sizes it)")
+        return plan
+    return make_plan(bundle, mesh, trace_region_size=tn.suggested)
+
+
 @_os_errors
 def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, force: bool = False,
           warmup: bool = True, progress: Progress | None = None, backend: str = "emulated") -> BuildResult:
@@ -125,7 +151,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         raise InvalidInput(f"unknown backend {backend!r}; one of {', '.join(BACKENDS)}")
     t0 = time.monotonic()
     emit = progress or (lambda e: None)
-    plan = make_plan(bundle, mesh)
+    plan = device_plan(bundle, mesh, backend)
     if not plan.fits:
         raise DoesNotFit(f"{bundle.spec.name} does not fit {plan.mesh.describe()}: "
                          f"{shortfall(plan.memory)} (see `ttbundle plan --mesh {mesh}`)")
@@ -239,10 +265,10 @@ def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
         raise InvalidInput(f"{pkg}: was built from {b.get('spec_file')!r}, which is not there now; "
                            "pass --spec SPEC")
     bundle = specmod.load(spec_file)
-    plan = make_plan(bundle, m["mesh"]["name"])
-    inp = cache.compute(bundle, plan, m)
     rec = m.get("key_fields", {})
     backend = rec.get("backend", "emulated")  # what it was built with: not a change by itself
+    plan = device_plan(bundle, m["mesh"]["name"], backend)
+    inp = cache.compute(bundle, plan, m)
     sfpi = None
     if "kernel_cache" in rec:
         sfpi = _sfpi("ttnn")[0].key()

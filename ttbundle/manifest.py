@@ -82,6 +82,21 @@ class PrecompiledRecord(_Strict):
     kernels_missing_reason: Optional[str] = None
 
 
+class TraceRegionRecord(_Strict):
+    """ttnn builds: the region the mesh is opened with (``size``, also ``trace_region_size``),
+    where it came from (``need + headroom`` or ``spec``), and the shipped programs' traces' need
+    under the named serving options (``tracebudget.record``)."""
+    size: int = Field(ge=0)
+    source: str
+    need: int = Field(ge=0)
+    headroom: float
+    traces: int = Field(ge=0)
+    captured_calls: int = Field(ge=0)
+    sample_on_device_mode: str
+    trace_mode: str
+    semantics: str
+
+
 class Manifest(_Strict):
     """``manifest.json``. Required: what verification and loading read; the rest is optional so
     that a package built before a key existed still reads (its readers default it)."""
@@ -96,6 +111,7 @@ class Manifest(_Strict):
     buckets: BucketsRecord
     trace_region_bytes: Optional[int] = Field(default=None, ge=0)
     trace_region_size: Optional[int] = Field(default=None, ge=0)
+    trace_region: Optional[TraceRegionRecord] = None
     versions: dict[str, Optional[str]]
     spec_sha256: Optional[str] = Field(default=None, pattern=SHA256)
     key: Optional[str] = None

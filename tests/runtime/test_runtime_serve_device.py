@@ -180,11 +180,11 @@ def test_trace_need_counts_what_the_runtime_captures(ttnn_package):
     its capture, each trace padded as tt-metal pads it after PR #47122 (total across banks, a
     trace rounded up to 8 KiB pages on each of the 12 Wormhole banks)."""
     from ttbundle.backends.ttnn import model as ttmodel, recording
-    from ttbundle.serving import tracebudget
+    from ttbundle import tracebudget
     from ttbundle.package.load import load_package
 
     pk = load_package(ttnn_package)
-    tn = tracebudget.trace_need(pk)
+    tn = tracebudget.package_need(pk)
     rec = recording.Recorder(unknown_reads="zeros")
     runner = ttmodel.open_model(rec.module(), pk, "all", host_fallback=True)
     runner.ex.on_call = rec.on_call
@@ -218,13 +218,13 @@ def test_a_trace_region_override_below_the_need_is_refused(ttnn_package, runner,
     pass."""
     import json
 
-    from ttbundle.serving import tracebudget
+    from ttbundle import tracebudget
     from ttbundle.cli import app
     from ttbundle.package.load import load_package
     from ttbundle.serving.demo import build_package
 
     monkeypatch.setenv(activation.TEST_TTNN, "recording")
-    need = tracebudget.trace_need(load_package(ttnn_package)).need
+    need = tracebudget.package_need(load_package(ttnn_package)).need
 
     def cfg(n):  # after --print-command (_command appends it): vLLM's arguments come after --
         return ["--print-command", "--", "--additional-config", json.dumps({"tt": {"trace_region_size": n}})]
@@ -237,16 +237,42 @@ def test_a_trace_region_override_below_the_need_is_refused(ttnn_package, runner,
     assert "Traceback" not in r.output and "vllm serve" not in r.output
     r = runner.invoke(app, ["serve", str(ttnn_package), "--device", "tt", *cfg(need)])
     assert r.exit_code == 0 and "trace_region_size" in r.output and "warning" not in r.output, r.output
-    r = _command(runner, str(ttnn_package), "--device", "tt")  # the plan's estimate: a warning, it starts
-    assert r.exit_code == 0, r.output
-    if load_package(ttnn_package).trace_region_size < need:
-        assert "(the plan's estimate) is below what the package's traces need" in " ".join(r.output.split())
+    r = _command(runner, str(ttnn_package), "--device", "tt")  # the package's own size: the need + headroom
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
     r = runner.invoke(app, ["serve", str(ttnn_package), "--device", "emulated", *cfg(1)])  # no traces on the emulated mesh
     assert r.exit_code == 0, r.output
     import yaml
     d = yaml.safe_load(spec_text("llama"))
     d["runtime"]["trace_region_size"] = 1 << 20
     spec = yaml.safe_dump(d, sort_keys=False)
-    small = build_package(spec, tmp_path, "N150", backend="ttnn", warmup=False)
-    r = _command(runner, str(small), "--device", "tt")
-    assert r.exit_code == 3 and "(the spec's runtime.trace_region_size) is below" in " ".join(r.output.split())
+    from ttbundle.errors import DoesNotFit
+    with pytest.raises(DoesNotFit) as ei:  # refused at build, at the spec's line, with the arithmetic
+        build_package(spec, tmp_path, "N150", backend="ttnn", warmup=False)
+    msg = " ".join(str(ei.value).split())
+    assert f"runtime.trace_region_size {1 << 20:,} B is below what" in msg and ".yaml:" in msg
+    assert f"= {need:,} B, total across the chip's DRAM banks" in msg
+    assert not list((tmp_path / "N150").glob("*/manifest.json"))  # nothing half-written
+    d["runtime"]["trace_region_size"] = need  # at the need it builds, and serve opens the mesh with it
+    spec = yaml.safe_dump(d, sort_keys=False)
+    ok = build_package(spec, tmp_path / "ok", "N150", backend="ttnn", warmup=False)
+    assert load_package(ok).trace_region_size == need
+    r = _command(runner, str(ok), "--device", "tt")
+    assert r.exit_code == 0 and "warning" not in r.output, r.output
+
+
+def test_a_ttnn_package_opens_its_mesh_with_the_traces_need(ttnn_package, monkeypatch):
+    """The one owner of the size (``tracebudget``): a ttnn build reserves the need of its
+    programs' traces (as the recording double captures them) plus the headroom, records it, and
+    the TT runtime opens the mesh with that size; the first plan's op-count estimate is below it
+    (what the runtime used to be opened with)."""
+    from ttbundle import tracebudget
+    from ttbundle.package.load import load_package
+    from ttbundle.plan.make import make_plan
+
+    pk = load_package(ttnn_package)
+    tn = tracebudget.package_need(pk)
+    rec = pk.manifest["trace_region"]
+    assert rec["need"] == tn.need and rec["size"] == pk.trace_region_size == tn.suggested
+    assert rec["source"] == "need + headroom" and rec["traces"] == len(tn.traces)
+    assert make_plan(pk.bundle, pk.mesh.name).trace_region_size < tn.need  # the estimate it replaces
+    assert pk.manifest["trace_region_bytes"] >= tn.suggested  # the DRAM the plan gave up for it

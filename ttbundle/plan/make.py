@@ -108,11 +108,15 @@ def kv_blocks(bundle, mesh: Mesh | str) -> int:
     return make_plan(bundle, mesh).kv["num_blocks"]
 
 
-def make_plan(bundle, mesh: Mesh | str, draft_bundle=None) -> Plan:
+def make_plan(bundle, mesh: Mesh | str, draft_bundle=None, trace_region_size: int | None = None) -> Plan:
     """The plan of ``bundle`` on ``mesh`` (a target name: on one replica's submesh when the spec
     splits it, ``target_mesh``). Raises InvalidInput listing every divisibility error.
     ``draft_bundle``: speculative decoding's draft, already loaded (a package's, from the draft
-    package inside it), instead of the spec file ``speculative.model`` names."""
+    package inside it), instead of the spec file ``speculative.model`` names.
+    ``trace_region_size``: the region to reserve, as the ttnn lowering counts the traces' need
+    (``build.device_plan``, ``tracebudget``); else the spec's ``runtime.trace_region_size``, else
+    an estimate from the programs' op counts (:data:`~.memory.TRACE_BYTES_PER_OP` per op: below
+    what the lowered traces capture, so a ttnn build replaces it)."""
     if isinstance(mesh, str):
         mesh = target_mesh(bundle, mesh)
     fam, a, s = bundle.family, bundle.arch, bundle.spec
@@ -167,7 +171,8 @@ def make_plan(bundle, mesh: Mesh | str, draft_bundle=None) -> Plan:
     # the vision forwards are traced with the prefills (one per vision bucket, its own op count)
     vision_trace_ops = sum(len(steps) * count for _, count, steps in vision) * len(bundle.vision.buckets) \
         if vision and rt.trace_mode == "all" else 0
-    trace_size = rt.trace_region_size if rt.trace_region_size is not None else \
+    trace_size = trace_region_size if trace_region_size is not None else \
+        rt.trace_region_size if rt.trace_region_size is not None else \
         _round_up((num_traces * ops_per_forward + vision_trace_ops) * TRACE_BYTES_PER_OP, 1 << 20)
     trace = trace_region_dram(trace_size, mesh) if trace_size else 0
 

@@ -399,29 +399,43 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
 
 def check_trace_region(pkg, tt: dict, override: int | None) -> str | None:
     """The trace region the device is opened with against what the package's traces need there
-    (``serving/tracebudget``). One the user chose (``--additional-config``'s
-    ``tt.trace_region_size``, or the spec's ``runtime.trace_region_size`` the package was built
-    with) below the need is :class:`DoesNotFit` (exit 3) before vLLM starts, with the
-    arithmetic: ttnn would refuse the first capture that overflows it. The plan's own estimate
-    below the need is returned as a warning (the per-op bytes are an estimate; docs/hardware.md)."""
-    from .tracebudget import HEADROOM, trace_need
+    (``tracebudget``): the need the build recorded (manifest ``trace_region``), recounted only
+    when the serving options trace other forwards (``tt.sample_on_device_mode``,
+    ``tt.trace_mode``) or the package predates the record. One the user chose
+    (``--additional-config``'s ``tt.trace_region_size``, or the spec's
+    ``runtime.trace_region_size`` the package was built with) below the need is
+    :class:`DoesNotFit` (exit 3) before vLLM starts, with the arithmetic: ttnn would refuse the
+    first capture that overflows it. The package's own size below the need (an older package, or
+    options that trace more) is returned as a warning with the size to pass."""
+    from .. import tracebudget
 
+    rec = pkg.loaded.manifest.get("trace_region")
     rt = pkg.bundle.spec.runtime
     if override is not None:
         size, where = int(override), "--additional-config tt.trace_region_size"
-    elif rt.trace_region_size is not None:
-        size, where = int(rt.trace_region_size), "the spec's runtime.trace_region_size"
+    elif (rec or {}).get("source") == "spec" or (rec is None and rt.trace_region_size is not None):
+        size, where = int(pkg.trace_region_size), "the spec's runtime.trace_region_size"
     else:
-        size, where = int(pkg.trace_region_size), "the plan's estimate"
-    tn = trace_need(pkg.loaded, tt.get("sample_on_device_mode"), tt.get("trace_mode"))
-    if size >= tn.need:
+        size, where = int(pkg.trace_region_size), "the package's"
+    modes = (tt.get("sample_on_device_mode") or (rec or {}).get("sample_on_device_mode"),
+             tt.get("trace_mode") or (rec or {}).get("trace_mode"))
+    if rec is not None and modes == (rec.get("sample_on_device_mode"), rec.get("trace_mode")):
+        need, arithmetic, suggested = int(rec["need"]), None, None
+    else:
+        tn = tracebudget.package_need(pkg.loaded, tt.get("sample_on_device_mode"), tt.get("trace_mode"))
+        need, arithmetic, suggested = tn.need, tn.arithmetic(), tn.suggested
+    if size >= need:
         return None
+    if arithmetic is None:
+        tn = tracebudget.package_need(pkg.loaded, *modes)
+        arithmetic, suggested = tn.arithmetic(), tn.suggested
     what = (f"{pkg.name}-{pkg.mesh_name}: trace_region_size {size:,} B ({where}) is below what the package's "
-            f"traces need on the device: {tn.arithmetic()}; {tn.need - size:,} B short")
-    fix = f"trace_region_size {tn.suggested:,} (the need + {HEADROOM:.0%} headroom) or more"
-    if where == "the plan's estimate":
-        cfg = json.dumps({"tt": {"trace_region_size": tn.suggested}})
-        return f"warning: {what}; if a capture runs out of it, add -- --additional-config '{cfg}'"
+            f"traces need on the device: {arithmetic}; {need - size:,} B short")
+    fix = f"trace_region_size {suggested:,} (the need + {tracebudget.HEADROOM:.0%} headroom) or more"
+    if where == "the package's":
+        cfg = json.dumps({"tt": {"trace_region_size": suggested}})
+        return (f"warning: {what} (rebuild it: the build sizes the region from the traces' need); if a capture "
+                f"runs out of it, add -- --additional-config '{cfg}'")
     raise DoesNotFit(f"{what}; fix: {fix}, or leave it out")
 
 

@@ -143,7 +143,7 @@ class Runtime(BaseModel):
     not yet the ttnn lowering, which then runs 1); a batch with a row sampled on the host runs
     one token a step. vLLM sees it as that many tokens scheduled a step (every one accepted)."""
     trace_region_size: int | None = Field(default=None, gt=0)
-    """Bytes reserved for captured traces; default: ttbundle's estimate (see `plan`)."""
+    """Bytes reserved for captured traces; default: a ttnn build's count of the traces' need + 25% (`plan` shows an op-count estimate). Below the need: refused at build."""
     max_tokens_all_users: Annotated[int, Field(gt=0)] | Literal["auto"] | None = None
     """KV cache pool (Tenstorrent's name): tokens of KV cache shared by all sequences. vLLM gets
     ceil((max_tokens_all_users + kv_block_size x max_num_seqs) / kv_block_size) blocks and

@@ -1,4 +1,9 @@
-"""What a package's traces need of the trace region, under the ttnn it targets (0.81.1).
+"""What a package's traces need of the trace region, under the ttnn it targets (0.81.1): the one
+owner of the size a ttnn package opens its mesh with. ``build --backend ttnn`` plans with it
+(``build.device_plan``: the need of the programs a first plan lowers, plus :data:`HEADROOM`, is
+the region the final plan reserves and the manifest records, beside the need of the programs that
+ship); ``serve --device tt`` reads the record and recomputes only for serving options that change
+which forwards are traced.
 
 **Semantics.** Since tt-metal PR #47122 ``trace_region_size`` is the *total* trace budget of a
 chip, across its DRAM banks (before, it was reserved per bank while the capture check treated it
@@ -24,8 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..plan.memory import TRACE_BYTES_PER_OP
-from ..tiles import round_up
+from .plan.memory import TRACE_BYTES_PER_OP
+from .tiles import round_up
 
 #: tt-metal's largest trace buffer page (``kMaxTraceBufPageSize``, PR #47766): the padding unit per bank
 TRACE_PAGE_MAX = 8 * 1024
@@ -60,23 +65,39 @@ def padded(calls: int, banks: int) -> int:
     return round_up(calls * TRACE_BYTES_PER_OP, TRACE_PAGE_MAX * banks) if calls else 0
 
 
-def trace_need(loaded, sample_on_device_mode: str | None = None, trace_mode: str | None = None) -> TraceNeed:
-    """What ``loaded``'s (``package.load.LoadedPackage``) traces need on its mesh's chips with the
-    runtime's options (default: the bundle's); lowers every traced forward, as the runtime does."""
-    from ..backends.ttnn.lowering import lower_forward
-    from ..backends.ttnn.model import forward_keys
+def trace_need(bundle, mesh, programs: dict, sample_on_device_mode: str | None = None,
+               trace_mode: str | None = None) -> TraceNeed:
+    """What the traces of ``programs`` ((phase, bucket) -> typed program) need on each chip of
+    ``mesh`` with the runtime's options (default: the bundle's): every traced forward the TT
+    runtime opens (``backends.ttnn.model.forward_keys``, the host-sampled fallback included)
+    lowered as the runtime lowers it, its captured calls counted."""
+    from .backends.ttnn.lowering import lower_forward
+    from .backends.ttnn.model import forward_keys
 
-    rt = loaded.bundle.spec.runtime
-    programs = {k: loaded.program_ir(*k) for k in loaded.programs}
-    keys, traced = forward_keys(loaded.bundle, programs, sample_on_device_mode or rt.sample_on_device_mode,
+    rt = bundle.spec.runtime
+    keys, traced = forward_keys(bundle, programs, sample_on_device_mode or rt.sample_on_device_mode,
                                 host_fallback=True, trace_mode=trace_mode or rt.trace_mode)
-    banks = loaded.mesh.chip.dram_banks
+    banks = mesh.chip.dram_banks
     out = TraceNeed(banks)
     for key in keys:
         if key not in traced:
             continue
         phase, b, sampling, start = key
-        fw = lower_forward(loaded.bundle, loaded.mesh, programs[phase, b], sampling, chunk_start=start)
+        fw = lower_forward(bundle, mesh, programs[phase, b], sampling, chunk_start=start)
         n = sum(1 for _ in fw.calls())
         out.traces.append((key, n, padded(n, banks)))
     return out
+
+
+def package_need(loaded, sample_on_device_mode: str | None = None, trace_mode: str | None = None) -> TraceNeed:
+    """:func:`trace_need` of a built package (``package.load.LoadedPackage``): its own programs."""
+    programs = {k: loaded.program_ir(*k) for k in loaded.programs}
+    return trace_need(loaded.bundle, loaded.mesh, programs, sample_on_device_mode, trace_mode)
+
+
+def record(tn: TraceNeed, size: int, source: str, sample_on_device_mode: str, trace_mode: str) -> dict:
+    """The manifest's ``trace_region`` record: the size the mesh is opened with, where it came
+    from, the need of the shipped programs and the options it was counted for."""
+    return {"size": size, "source": source, "need": tn.need, "headroom": HEADROOM, "traces": len(tn.traces),
+            "captured_calls": sum(t[1] for t in tn.traces), "sample_on_device_mode": sample_on_device_mode,
+            "trace_mode": trace_mode, "semantics": SEMANTICS}
