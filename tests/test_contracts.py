@@ -124,3 +124,88 @@ def test_each_rule_has_one_definition():
             if re.search(pattern, text, re.M):
                 where[pattern].add(f.relative_to(ROOT).as_posix())
     assert where == {p: {owner} | NOT_YET.get(p, set()) for p, owner in ONE_OWNER.items()}
+
+
+# module-level UPPER_CASE constants written as literals (numbers, strings, containers of them,
+# arithmetic such as ``64 << 20``): one name in two modules is one idea written twice (BAND_BYTES
+# was in convert and package/shards, ELEM_BYTES in plan/memory and tensorbin) unless the name
+# means each module's own thing, listed here with what it is; those must still differ in value
+PER_MODULE_NAMES = {
+    "FORMAT": "each file format's version string (package, program, warm-up record, tensorbin)",
+    "DIR": "each artifact's directory in a package (tensorbin/, warmup/)",
+    "ENV": "each module's environment variable",
+    "PREFIX": "LoRA's key prefix; serve's log-line prefix pattern",
+    "HOOKED": "the marker attribute of each vLLM patch",
+    "DTYPES": "tensorbin's ttnn DataType numbers; backends/ttnn/layout's ttnn dtype names",
+    "CHAT_TEMPLATE": "each demo family's chat template",
+    # a vision family's own facts (families/*_vision.py)
+    "BIDIRECTIONAL_IMAGES": "", "BUCKET_UNIT": "", "HF_VISION_KEYS": "", "HF_WRAPPER_KEYS": "",
+    "NORM_EPS": "", "TOKENIZER_TOKENS": "", "PLAN": "",
+}
+# the same name and value in several modules, not yet given one owner: name -> those modules
+# (vision families, being moved to one module per encoder by issue 40 item 3: two encoders'
+# sharding plan; the Qwen vision configs' norm eps, beside QwenVisionBase's shared settings)
+SAME_VALUE_NOT_YET: dict[str, set[str]] = {
+    "PLAN": {"ttbundle/families/gemma3_vision.py", "ttbundle/families/qwen3_vl_vision.py"},
+    "NORM_EPS": {"ttbundle/families/qwen2_5_vl_vision.py", "ttbundle/families/qwen3_vl_vision.py"},
+}
+
+
+def literal_constants(path: Path) -> dict[str, object]:
+    """``NAME = literal`` at a module's top level (a leading underscore dropped from the name)."""
+    import ast
+    import re
+    out = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        try:
+            v = ast.literal_eval(value)
+        except ValueError:
+            if not isinstance(value, ast.BinOp) or not all(
+                    isinstance(n, (ast.BinOp, ast.Constant, ast.operator)) for n in ast.walk(value)):
+                continue
+            v = eval(compile(ast.Expression(value), str(path), "eval"), {"__builtins__": {}})
+        for t in targets:
+            if isinstance(t, ast.Name) and re.fullmatch(r"_?[A-Z][A-Z0-9_]*", t.id):
+                out[t.id.lstrip("_")] = v
+    return out
+
+
+def test_each_literal_constant_has_one_definition():
+    by_name: dict[str, dict[str, object]] = {}
+    for f in sorted((ROOT / "ttbundle").rglob("*.py")):
+        for name, v in literal_constants(f).items():
+            by_name.setdefault(name, {})[f.relative_to(ROOT).as_posix()] = v
+    twice = {n: sorted(w) for n, w in by_name.items() if len(w) > 1 and n not in PER_MODULE_NAMES}
+    assert twice == {}, "one constant written in several modules: give it one owner and import it"
+    same = {}
+    for n, w in by_name.items():
+        for a in w:
+            alike = {b for b in w if b != a and w[b] == w[a]}
+            if alike:
+                same.setdefault(n, set()).update(alike | {a})
+    assert same == SAME_VALUE_NOT_YET
+
+
+def test_the_constant_finder_reads_literals_and_their_arithmetic(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("A = 64 << 20\n_B: dict = {'x': 1}\nc = 3\nD = f(1)\nE = TILE * 2\n")
+    assert literal_constants(f) == {"A": 64 << 20, "B": {"x": 1}}
+
+
+def test_block_float_tile_sizes_are_written_once():
+    """A bfp8 tile's 1,088 bytes and a bfp4 tile's 576 come from ``blockfloat.Format.tile_bytes``
+    (the format's bits); no module writes the numbers (plan/memory's TILE_BYTES did)."""
+    import tokenize
+    found = []
+    for f in sorted((ROOT / "ttbundle").rglob("*.py")):
+        with open(f, encoding="utf-8") as fh:
+            for tok in tokenize.generate_tokens(fh.readline):
+                if tok.type == tokenize.NUMBER and tok.string.replace("_", "") in ("1088", "576"):
+                    found.append(f"{f.relative_to(ROOT).as_posix()}:{tok.start[0]}")
+    assert found == []

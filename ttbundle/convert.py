@@ -21,7 +21,7 @@ from .errors import InvalidInput
 from .fsutil import fault as _fault
 from .package.names import WEIGHTS_FORMAT, tensor_key, weight_file
 from .package.shardfile import ShardFile, ST_DTYPE, encoded_nbytes
-from .package.shards import stored_shape, trim_heap
+from .package.shards import BAND_BYTES, stored_shape, trim_heap
 from .layout import axes_of
 
 TRANSPOSE_BLOCK = 64  # source rows per step when cutting a transposed shard
@@ -297,9 +297,6 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
             x.index_fill_(k, where, 0)
         yield x.view(torch.uint8).numpy(), devices, x if pool is not None else None
         del x
-
-
-BAND_BYTES = 64 << 20  # bytes of one band of a block-float shard being encoded
 
 
 def _encode_bands(v, pads, dtype: str):

@@ -1,11 +1,14 @@
 """Tile and block arithmetic every stage shares, one definition each: the tile edge (32: a ttnn
 tile is 32x32; prefill buckets, KV blocks and TILE-layout tensors pad to it), ceil-division,
-rounding up, the KV blocks that hold a sequence, and the bucket a size pads to. No imports: any
-module may use it."""
+rounding up, the KV blocks that hold a sequence, the bucket a size pads to, and the bytes of one
+element of each dense dtype (a block float's tile is ``blockfloat.Format.tile_bytes``). No imports:
+any module may use it."""
 
 from __future__ import annotations
 
 TILE = 32
+#: bytes per element of the dense dtypes (on device, in a package, in a ``.tensorbin``)
+ELEM_BYTES = {"bf16": 2, "f32": 4, "uint32": 4, "uint8": 1, "uint16": 2, "int32": 4}
 
 
 def cdiv(a: int, b: int) -> int:

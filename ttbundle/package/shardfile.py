@@ -12,6 +12,9 @@ import os
 import struct
 from pathlib import Path
 
+from .. import blockfloat
+from ..tiles import ELEM_BYTES
+
 #: the safetensors dtype a shard of each encoding is stored as (block floats: raw tile bytes)
 ST_DTYPE = {"bf16": "BF16", "bfp8": "U8", "bfp4": "U8"}
 
@@ -19,9 +22,8 @@ ST_DTYPE = {"bf16": "BF16", "bfp8": "U8", "bfp4": "U8"}
 def encoded_nbytes(shape: list[int], dtype: str) -> int:
     """Bytes of one shard in the file: bf16 elements, or whole block-float tiles."""
     if dtype == "bf16":
-        return math.prod(shape) * 2
-    from ..plan.memory import TILE_BYTES, tile_pages
-    return tile_pages(shape) * TILE_BYTES[dtype]
+        return math.prod(shape) * ELEM_BYTES["bf16"]
+    return blockfloat.encoded_bytes(shape, dtype)
 
 
 WRITE_PIECE = 1 << 19

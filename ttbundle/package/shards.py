@@ -229,7 +229,8 @@ def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
     g[tuple(idx)] = shard
 
 
-#: a large tensor is read and decoded this many bytes (of float32) at a time (PackageWeights.stack)
+#: bytes of one band: a large tensor is read and decoded this many bytes (of float32) at a time
+#: (PackageWeights.stack), and a block-float shard encoded as much at a time (convert)
 BAND_BYTES = 64 << 20
 
 

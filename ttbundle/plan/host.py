@@ -30,6 +30,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..tiles import ELEM_BYTES
 from .pool import choose_pool, pool_blocks, pool_tokens
 
 #: the share of the available memory (after weights, activations and runtime) ``auto`` gives the
@@ -46,7 +47,7 @@ RUNTIME_BYTES = 2 << 30
 #: attention scores (the emulated attention computes them 128 MiB at a time) and temporaries
 SCRATCH_BYTES = 256 << 20
 #: bytes of an element of the emulated mesh's compute dtype (float32)
-HOST_ELEM_BYTES = 4
+HOST_ELEM_BYTES = ELEM_BYTES["f32"]
 MEMINFO = Path("/proc/meminfo")
 
 
