@@ -8,13 +8,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..blockfloat import FORMATS
 from ..mesh import Mesh
-from ..tiles import ELEM_BYTES, TILE, cdiv as _cdiv, round_up as _round_up
+from ..tiles import ELEM_BYTES, TILE, cdiv as _cdiv, round_up as _round_up, tile_bytes
 
-#: bytes of one 32x32 tile: dense dtypes' elements, block floats' ``Format.tile_bytes``
-TILE_BYTES = {**{d: TILE * TILE * ELEM_BYTES[d] for d in ("bf16", "f32")},
-              **{name: f.tile_bytes for name, f in FORMATS.items()}}
+#: bytes of one 32x32 tile of each dtype a plan stores (``tiles.tile_bytes``)
+TILE_BYTES = {d: tile_bytes(d) for d in ("bf16", "bfp8", "bfp4", "f32")}
 ACT_BYTES = 2  # activations are bf16 on device
 TRACE_BYTES_PER_OP = 8 * 1024  # dispatch commands + runtime args per captured op (estimate)
 # ttnn carves the trace region out of the top of every DRAM bank when the mesh opens: each bank
