@@ -209,3 +209,83 @@ def test_block_float_tile_sizes_are_written_once():
                 if tok.type == tokenize.NUMBER and tok.string.replace("_", "") in ("1088", "576"):
                     found.append(f"{f.relative_to(ROOT).as_posix()}:{tok.start[0]}")
     assert found == []
+
+
+# ttbundle's own modules are imported at module level (docs/architecture.md, "Imports inside
+# functions"). A function imports one only where loading it costs what the importer's other users
+# must not pay, listed here: file -> the ttbundle modules it may import inside a function. The
+# CLI: `ttbundle --help` loads none of the stages (0.2 s; spec/plan/build/check bring pydantic's
+# models and numpy, 0.6-1.4 s more). check and warmup: the emulated backend brings torch (3-4 s),
+# which check.record (`ls`, `serve --require-checked`) and the build's other steps do without.
+LAZY_OWN = {
+    "ttbundle/cli.py": {
+        "ttbundle.build", "ttbundle.buckets", "ttbundle.check", "ttbundle.check.record",
+        "ttbundle.init", "ttbundle.lower", "ttbundle.mockcluster", "ttbundle.package.verify",
+        "ttbundle.plan.advice", "ttbundle.plan.host", "ttbundle.plan.make", "ttbundle.plan.validate",
+        "ttbundle.report", "ttbundle.runtime.packages", "ttbundle.runtime.registry",
+        "ttbundle.serving.launch", "ttbundle.serving.serve", "ttbundle.spec", "ttbundle.svg",
+        "ttbundle.warmref", "ttbundle.warmup",
+    },
+    "ttbundle/check/__init__.py": {"ttbundle.backends.emulated", "ttbundle.backends.emulated.kernel_table"},
+    "ttbundle/warmup.py": {"ttbundle.backends.emulated"},
+}
+# not yet converted: the modules issue 40's items 1-3 rework (the plugin, the launchers, the
+# backends, the package loader, the program and cache modules, the vision families)
+LAZY_OWN_NOT_YET = ("ttbundle/runtime/", "ttbundle/serving/", "ttbundle/backends/",
+                    "ttbundle/package/load.py", "ttbundle/program.py", "ttbundle/cache.py",
+                    "ttbundle/manifest.py", "ttbundle/vision.py", "ttbundle/families/*vision*.py")
+
+
+def function_level_own_imports(path: Path, root: Path = ROOT) -> dict[str, list[int]]:
+    """The ttbundle modules ``path`` imports inside a function body -> the lines; ``from P import
+    x`` counts as ``P.x`` where that is a module, else as ``P``."""
+    import ast
+    pkg = path.relative_to(root).parts[:-1]  # the package a relative import starts from
+    out: dict[str, list[int]] = {}
+
+    def is_module(parts) -> bool:
+        p = root.joinpath(*parts)
+        return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+    def visit(node, in_function: bool):
+        for ch in ast.iter_child_nodes(node):
+            if in_function and isinstance(ch, ast.ImportFrom):
+                base = (pkg[:len(pkg) - ch.level + 1] if ch.level else ()) + tuple(
+                    ch.module.split(".") if ch.module else ())
+                if base[:1] == ("ttbundle",):
+                    for a in ch.names:
+                        mod = base + (a.name,) if is_module(base + (a.name,)) else base
+                        out.setdefault(".".join(mod), []).append(ch.lineno)
+            elif in_function and isinstance(ch, ast.Import):
+                for a in ch.names:
+                    if a.name.split(".")[0] == "ttbundle":
+                        out.setdefault(a.name, []).append(ch.lineno)
+            visit(ch, in_function or isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return out
+
+
+def test_ttbundle_modules_are_imported_at_module_level():
+    from fnmatch import fnmatch
+    found = {}
+    for f in sorted((ROOT / "ttbundle").rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        if any(rel.startswith(p) or fnmatch(rel, p) for p in LAZY_OWN_NOT_YET):
+            continue
+        extra = {m: lines for m, lines in function_level_own_imports(f).items()
+                 if m not in LAZY_OWN.get(rel, set())}
+        if extra:
+            found[rel] = extra
+    assert found == {}, "import ttbundle's modules at module level (or list why not in LAZY_OWN)"
+
+
+def test_the_lazy_import_finder_resolves_relative_imports(tmp_path):
+    (tmp_path / "ttbundle" / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "a.py", "sub/__init__.py", "sub/b.py"):
+        (tmp_path / "ttbundle" / f).write_text("")
+    f = tmp_path / "ttbundle" / "sub" / "c.py"
+    f.write_text("from . import b\nimport json\n\ndef g():\n    from .. import a\n    from .b import x\n"
+                 "    import ttbundle.sub\n    import torch\n    return lambda: __import__('os')\n")
+    assert function_level_own_imports(f, tmp_path) == {
+        "ttbundle.a": [5], "ttbundle.sub.b": [6], "ttbundle.sub": [7]}

@@ -19,6 +19,10 @@ from .package.templates import hf_config_json, metadata_json, render_adapter, re
 from .plan.make import replica_json
 from .speculative import verify_buckets
 from .program import Program
+from . import vision
+from .backends.ttnn import cache as ttcache, kernelcache as kc
+from .package.names import DRAFT_DIR
+from .package.verify import read_manifest
 
 
 class PackageWriter:
@@ -79,9 +83,6 @@ class PackageWriter:
         manifest too, so ``package.verify`` checks it like any other file."""
         import hashlib
 
-        from .package.names import DRAFT_DIR
-        from .package.verify import read_manifest
-
         src = Path(draft.package)
         m = read_manifest(src)
         files = {rel: {"sha256": r["sha256"], "size": r["size"]} for rel, r in m["files"].items()}
@@ -101,7 +102,6 @@ class PackageWriter:
 
     def _tensorbin(self, weights_key: str) -> None:
         """Per-device .tensorbin caches of the weights just written (or linked)."""
-        from .backends.ttnn import cache as ttcache
         ident = ttcache.identity(self.plan, self.inp.fields, weights_key)
         key = ttcache.artifact_key(ident)
         old = self.prev_art.get("tensorbin", {})
@@ -119,7 +119,6 @@ class PackageWriter:
     def _kernel_cache(self, keys: dict) -> None:
         """tt-metal's kernel cache for every traced program, where a real SFPI compiler is present
         (``backends/ttnn/kernelcache.py``); else recorded as not filled, with the reason."""
-        from .backends.ttnn import kernelcache as kc
         sfpi, python = self.sfpi or kc.status()
         m = self.plan.mesh  # the programs' keys cover the mesh too; said here so no two chips share one
         key = cache.digest({"programs": sorted(v for k, v in keys.items() if k.startswith("program:")),
@@ -208,7 +207,6 @@ class PackageWriter:
         self._write(f"{mod}.py", render_adapter(b.spec.name, plan.mesh.name, self.hf_arch, cls,
                                                 __version__).encode())
         self._write("config.json", hf_config_json(b).encode())
-        from . import vision
         for rel, data in vision.package_files(b).items():  # what vLLM's image processor reads
             self._write(rel, data)
         self._write("bundle.yaml", self.inp.bundle_yaml.encode())

@@ -23,6 +23,9 @@ from .package.names import WEIGHTS_FORMAT, tensor_key, weight_file
 from .package.shardfile import ShardFile, ST_DTYPE, encoded_nbytes
 from .package.shards import BAND_BYTES, stored_shape, trim_heap
 from .layout import axes_of
+from . import blockfloat
+from .families import transforms
+from .weights import Checkpoint, bundle_adapters, check_source_dtypes, read_plan, spec_quantization
 
 TRANSPOSE_BLOCK = 64  # source rows per step when cutting a transposed shard
 WRITER_THREADS = None  # threads that write + sha256 device files (None: one per usable core)
@@ -32,8 +35,6 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
     """Write ``tmp/weights/device_<d>.safetensors`` for every device of ``plan.mesh`` from the
     checkpoint in ``weights_dir``; each file's sha256 and size go into ``files``, byte counts and
     timings into ``res`` (a ``BuildResult``), progress events to ``emit``."""
-    from .weights import Checkpoint, bundle_adapters, check_source_dtypes, read_plan, spec_quantization
-
     fam, a, mesh = bundle.family, bundle.arch, plan.mesh
     D = mesh.num_devices
     cpu0 = time.thread_time()
@@ -158,8 +159,6 @@ def _read_canonical(ck, tf: str, a, decl, layer, sources, dtype: str):
     ``t``/``id`` of a single source stay a view of the source (mmap); other transforms run on
     the source dtype and are materialized. Returns (_Canon, bytes read)."""
     import torch
-
-    from .families import transforms
 
     where = f"{decl.name}{'' if layer is None else f' (layer {layer})'}"
     if _is_view(tf, sources):
@@ -310,8 +309,6 @@ def _encode_bands(v, pads, dtype: str):
 
     import numpy as np
     import torch
-
-    from . import blockfloat
 
     shape = list(v.shape)
     h, w = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from .errors import InvalidInput
 from .mesh import PRESETS
+from .fsutil import write_text_atomic
 
 _UPI = {"n150": 0x18, "n300": 0x14, "p150": 0x40, "p100": 0x36}
 # Tensix rows harvested, as tt-umd expects per board (it warns otherwise): one on an N150, two
@@ -143,7 +144,6 @@ def descriptor(mesh_name: str) -> str:
 
 def write(mesh_name: str, path: str | Path) -> Path:
     """Write the descriptor of ``mesh_name`` to ``path`` (atomically); returns the path."""
-    from .fsutil import write_text_atomic
     text = descriptor(mesh_name)
     p = Path(path)
     write_text_atomic(p, text)

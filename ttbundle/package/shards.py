@@ -9,6 +9,8 @@ import json
 from pathlib import Path
 
 from .names import PackageError, tensor_key, weight_file
+from .. import blockfloat, layout
+from ..layout import elements, unit_runs
 
 
 class SharedStack:
@@ -79,7 +81,6 @@ class PackageWeights:
     them (the header's ``stored_in``), read and decoded once, and shared."""
 
     def __init__(self, pkg: Path, bundle, mesh, refs: dict):
-        from .. import layout
         self.pkg, self.bundle, self.mesh, self.refs = pkg, bundle, mesh, refs
         self.decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
         self.dtypes = {n: r.dtype for n, r in refs.items()}
@@ -194,7 +195,6 @@ def cut(x, k: int, us, unit: int):
     ``us`` is one contiguous run (every plan's common case), else a gathered copy."""
     import torch
 
-    from ..layout import elements, unit_runs
     run = unit_runs(us)
     if run is not None and (run[0] + run[1]) * unit <= x.shape[k]:
         return x.narrow(k, run[0] * unit, run[1] * unit)
@@ -209,7 +209,6 @@ def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
     view of ``g`` where every dim's units are one contiguous run."""
     import torch
 
-    from ..layout import elements, unit_runs
     runs = [unit_runs(us) for us in units_per_dim]
     if all(r is not None and (r[0] + r[1]) * d.unit <= g.shape[k]
            for k, (r, d) in enumerate(zip(runs, dims))):
@@ -256,7 +255,6 @@ def _decode_into(handle, key: str, info: dict, out) -> None:
             r1 = min(stored0, r0 + per)
             jobs.append((out[:, r0:r1] if flip else out[r0:r1], r0, r1, info))
     else:
-        from .. import blockfloat
 
         h, w = shape[-2], shape[-1]
         mats = out.reshape(-1, h, w)
@@ -301,10 +299,6 @@ def _decode(t, info: dict):
     enc = info.get("encoding", "bf16")
     if enc == "bf16":
         return t.transpose(-1, -2) if info.get("transposed") else t
-    try:
-        from .. import blockfloat
-    except ImportError:
-        raise PackageError(f"package holds {enc} weights but ttbundle.blockfloat is not available") from None
     return blockfloat.decode(t.numpy().tobytes(), info["shape"], enc)
 
 

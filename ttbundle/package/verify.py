@@ -16,6 +16,8 @@ from ..fsutil import hash_file
 from ..manifest import MANIFEST, METADATA
 from .names import CHECK_RECORD_BYTES, CHECKS_DIR, DRAFT_DIR, FORMATS, IDENT, SAFE_NAME, PackageError, module_name
 from .templates import check_adapter_source
+from .. import manifest as schema
+from ..fsutil import strict_json
 
 
 def sha256_file(path: Path) -> str:
@@ -26,9 +28,6 @@ def read_manifest(pkg: Path) -> dict:
     """The package's manifest, read strictly (``ttbundle.manifest``): a regular file of at most
     ``manifest.MAX_BYTES``, JSON without duplicate keys, every key known and of its type, every
     listed path inside the package. PackageError naming the file and the field."""
-    from .. import manifest as schema
-    from ..fsutil import strict_json
-
     p = Path(pkg) / MANIFEST
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from ..tiles import ELEM_BYTES
 from .pool import choose_pool, pool_blocks, pool_tokens
+from .. import layout
 
 #: the share of the available memory (after weights, activations and runtime) ``auto`` gives the
 #: emulated KV pool: the emulated mesh decodes a few streams at a time (tens of tokens a second on
@@ -183,8 +184,6 @@ class HostPlan:
 
 def host_weights(bundle, plan) -> int:
     """The weights the emulated mesh holds: each distinct shard once, float32."""
-    from .. import layout
-
     decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
     mesh, policy = plan.mesh, bundle.spec.sharding
     total = 0
