@@ -289,3 +289,17 @@ def test_the_lazy_import_finder_resolves_relative_imports(tmp_path):
                  "    import ttbundle.sub\n    import torch\n    return lambda: __import__('os')\n")
     assert function_level_own_imports(f, tmp_path) == {
         "ttbundle.a": [5], "ttbundle.sub.b": [6], "ttbundle.sub": [7]}
+
+
+def test_the_architecture_doc_draws_the_pipeline_contract():
+    """docs/architecture.md's drawing of which code imports which lists pyproject's layers, top
+    to bottom (a layer written ``a : b`` holds modules that do not import each other)."""
+    import re
+    import tomllib
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["id"] == "pipeline")["layers"]
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = doc[doc.index("Which code imports which"):].split("```")[1]
+    drawn = [re.split(r"\s{2,}", line.strip())[0] for line in block.strip().splitlines()]
+    assert [[m.strip() for m in layer.split(":")] for layer in drawn] == \
+        [[m.strip().removeprefix("ttbundle.") for m in layer.split(":")] for layer in layers]
