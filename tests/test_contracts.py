@@ -303,3 +303,25 @@ def test_the_architecture_doc_draws_the_pipeline_contract():
     drawn = [re.split(r"\s{2,}", line.strip())[0] for line in block.strip().splitlines()]
     assert [[m.strip() for m in layer.split(":")] for layer in drawn] == \
         [[m.strip().removeprefix("ttbundle.") for m in layer.split(":")] for layer in layers]
+
+
+def test_the_standard_library_is_imported_at_module_level():
+    """Inside functions only costly or optional third-party modules (docs/architecture.md's
+    table); the standard library's are cheap, imported at the top (the modules converted)."""
+    import ast
+    import sys
+    from fnmatch import fnmatch
+    found = []
+    for f in sorted((ROOT / "ttbundle").rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        if any(rel.startswith(p) or fnmatch(rel, p) for p in LAZY_OWN_NOT_YET):
+            continue
+        for fn in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for n in ast.walk(fn):
+                names = ([n.module] if isinstance(n, ast.ImportFrom) and not n.level else
+                         [a.name for a in n.names] if isinstance(n, ast.Import) else [])
+                if any(x.split(".")[0] in sys.stdlib_module_names for x in names):
+                    found.append(f"{rel}:{n.lineno}")
+    assert sorted(set(found)) == []

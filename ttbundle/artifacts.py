@@ -5,6 +5,7 @@ inode, same mtime), so a changed bucket rewrites one program and a no-op build w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -59,7 +60,6 @@ class PackageWriter:
 
     def _write(self, rel: str, data: bytes) -> None:
         """Write a small file, or link the previous one when the bytes are the same."""
-        import hashlib
         sha = hashlib.sha256(data).hexdigest()
         old = self.prev_files.get(rel)
         if old and old["sha256"] == sha and self._link(rel):
@@ -81,8 +81,6 @@ class PackageWriter:
         """The draft's package (``speculative: {method: draft}``) copied whole into ``DRAFT_DIR``
         (hard links where the file system allows), every file of it listed in this package's
         manifest too, so ``package.verify`` checks it like any other file."""
-        import hashlib
-
         src = Path(draft.package)
         m = read_manifest(src)
         files = {rel: {"sha256": r["sha256"], "size": r["size"]} for rel, r in m["files"].items()}

@@ -26,6 +26,7 @@ callback as plain dict events (the CLI draws bars with ``progress`` or prints JS
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import threading
@@ -87,8 +88,6 @@ def _os_errors(fn):
     """``build`` with an OSError (no space left, read-only, permission, ...) turned into a
     TTBundleError naming the path and saying that the previous package was not touched (every
     write goes to a temp dir that replaces the package only once complete)."""
-    import functools
-
     @functools.wraps(fn)
     def wrapper(bundle, mesh, out_dir, **kw):
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -534,8 +535,6 @@ def serve(ctx: typer.Context,
     vLLM's arguments come from the package (max_model_len, max_num_seqs, block size, dtype,
     --additional-config with trace_region_size); add more after `--`, e.g.
     `ttbundle serve demo -- --max-num-seqs 8`. Exit 0 after Ctrl-C; non-zero with a one-line reason when vLLM or its engine dies."""
-    import shlex
-
     from .serving import serve as servemod
     servemod.stop_on_signals()  # from here on: the build and vLLM's start-up stop on them too
     try:

@@ -8,11 +8,14 @@ whatever it (transitively) imports is what a package's weights depend on."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -304,9 +307,6 @@ def _encode_bands(v, pads, dtype: str):
     for a bf16 source, which blockfloat encodes from its bits, else float32), the bands on one
     thread per usable core, so a shard never exists whole in float32: tiles are row-local, so the
     bands' tiles are the shard's (``blockfloat.row_band``)."""
-    import itertools
-    from concurrent.futures import ThreadPoolExecutor
-
     import numpy as np
     import torch
 
@@ -369,7 +369,6 @@ class _WriteBehind:
     read and cut; ``put`` blocks while more than ``cap`` bytes are waiting."""
 
     def __init__(self, cap: int):
-        import collections
         self.cap, self.pending = cap, 0
         self.q: collections.deque = collections.deque()
         self.cv = threading.Condition()

@@ -24,6 +24,7 @@ the wheel are offered (tests/tt/test_mockcluster_ttnn.py opens each mesh); other
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -155,7 +156,6 @@ def mock_env(mesh_name: str, workdir: str | Path, base: dict | None = None) -> d
     (written to ``workdir``), and everything ttnn writes kept in ``workdir`` (the JIT cache
     ``TT_METAL_CACHE`` with its trailing slash, OpenMPI's ``TMPDIR``). Run the process with
     ``cwd=workdir`` too: ttnn writes ``generated/`` into the working directory."""
-    import os
     w = Path(workdir).absolute()
     (w / "tmp").mkdir(parents=True, exist_ok=True)
     desc = write(mesh_name, w / f"{mesh_name}.yaml")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 from pathlib import Path
 
@@ -164,8 +166,6 @@ def _params_on_meta():
     """A context in which every parameter a module registers goes to the ``meta`` device (no
     memory, no init) while buffers stay real (rotary tables, embedding scales): transformers'
     skeleton of a model of any size."""
-    import contextlib
-
     import torch
 
     @contextlib.contextmanager
@@ -557,7 +557,6 @@ def _layers(model):
 
 
 def _safetensors_files(d: Path) -> list[Path]:
-    import json
 
     index = d / "model.safetensors.index.json"
     if index.is_file():

@@ -20,7 +20,9 @@ schedules the proposals (``scheduled_spec_decode_tokens``) and takes back the re
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 from .errors import Diagnostic, InvalidInput
@@ -165,9 +167,6 @@ def check(b, load=None) -> list[Diagnostic]:
 def _not_a_spec_file(path: Path) -> str | None:
     """Why ``path`` cannot be a draft's spec file (missing, a directory, a device or FIFO, a name
     the file system refuses), or None."""
-    import errno
-    import stat
-
     try:
         st = os.stat(path)
     except FileNotFoundError:

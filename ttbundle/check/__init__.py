@@ -28,6 +28,8 @@ first; ``check PACKAGE`` keeps a record in it (``check.record``).
 
 from __future__ import annotations
 
+import dataclasses
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -170,9 +172,6 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
     random instance of the architecture, saved (bf16) beside it. ``checkpoint_hook(dir)`` runs
     before the build (tests plant outliers in the checkpoint there), ``package_hook(pkg_dir)``
     between the build and the check (tests mutate the package there)."""
-    import dataclasses
-    import tempfile
-
     if dtype not in ("fp32", "bf16"):
         raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
     with tempfile.TemporaryDirectory(prefix="ttbundle-check-") as tmp:

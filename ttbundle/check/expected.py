@@ -18,6 +18,7 @@ reference already applies; bf16-stored tensors are left to it (the same values).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import InvalidInput
@@ -191,7 +192,6 @@ class ExpectedWeights:
         return self._bands(name, srcs, decl, units, enc, tf, hidden)
 
     def _bands(self, name, srcs, decl, units, enc, tf, hidden):
-        from dataclasses import replace
         src = self.ck.get(srcs[0][1][0])  # [vocab, hidden] ("t") or [hidden, vocab] ("id")
         for r0 in range(0, hidden, self.HEAD_BAND):
             r1 = min(hidden, r0 + self.HEAD_BAND)

@@ -8,6 +8,7 @@ runs the package's numbers (the executor verdict)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
 from ..spec import DEFAULT_QUALITY
 
 #: metrics where larger is better (the rest: smaller is better)
@@ -103,5 +104,4 @@ def targets_for(bundle, storage: str) -> dict:
 
 def default_text() -> str:
     """The public-domain text shipped with ttbundle (``ttbundle/data/quality.txt``)."""
-    from importlib import resources
     return resources.files("ttbundle").joinpath("data", "quality.txt").read_text(encoding="utf-8")

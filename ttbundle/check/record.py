@@ -15,6 +15,7 @@ import datetime
 import hashlib
 import json
 import os
+import subprocess
 from pathlib import Path
 from .. import __version__, cache
 from ..manifest import MANIFEST
@@ -50,7 +51,6 @@ def checkpoint_key(reference_dir) -> dict:
 
 def _git_sha() -> str | None:
     """ttbundle's own commit where it runs from a git checkout (else None)."""
-    import subprocess
     root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         return None

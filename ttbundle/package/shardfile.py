@@ -4,6 +4,7 @@ it goes) and the bytes each shard takes in it (:func:`encoded_nbytes`)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
@@ -33,7 +34,6 @@ WRITEBACK_EVERY = 16 << 20
 @functools.cache
 def _sync_file_range():
     """libc's ``sync_file_range`` (Linux), or None."""
-    import ctypes
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):

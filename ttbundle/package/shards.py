@@ -5,7 +5,11 @@ by band (:data:`BAND_BYTES`); and :func:`trim_heap`, which hands freed pages bac
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .names import PackageError, tensor_key, weight_file
@@ -273,9 +277,6 @@ def _decode_into(handle, key: str, info: dict, out) -> None:
 
 def _parallel(fn, jobs: list) -> None:
     """``fn`` over ``jobs`` on one thread per usable core (numpy and torch release the GIL)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
     n = min(len(jobs), len(os.sched_getaffinity(0)), 8)
     if n <= 1:
         for j in jobs:
@@ -306,9 +307,6 @@ def trim_heap() -> None:
     """Hand the heap's freed pages back to the system (glibc's ``malloc_trim``): a layer's
     tensors, once freed, would otherwise stay resident as fragments of the heap, and the peak
     would grow with the layer count. A no-op where the C library has none."""
-    import ctypes
-    import ctypes.util
-
     global _LIBC
     if _LIBC is None:
         try:

@@ -6,9 +6,12 @@ verdict); and the adapter imported from its checked bytes by path (:func:`load_a
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 from ..errors import InvalidInput
@@ -251,10 +254,6 @@ def load_adapter(pkg: str | Path, m: dict, metadata: dict | None = None):
     read once, checked against the manifest's sha256 and the adapter whitelist
     (:func:`check_adapter_source`), then compiled and run as a fresh module. Nothing is looked up
     on ``sys.path`` and no bytecode is read or written."""
-    import importlib.machinery
-    import importlib.util
-    import sys
-
     pkg = Path(pkg)
     mod, cls = adapter_of(pkg, m, metadata)
     rel = f"{mod}.py"
