@@ -124,3 +124,204 @@ def test_each_rule_has_one_definition():
             if re.search(pattern, text, re.M):
                 where[pattern].add(f.relative_to(ROOT).as_posix())
     assert where == {p: {owner} | NOT_YET.get(p, set()) for p, owner in ONE_OWNER.items()}
+
+
+# module-level UPPER_CASE constants written as literals (numbers, strings, containers of them,
+# arithmetic such as ``64 << 20``): one name in two modules is one idea written twice (BAND_BYTES
+# was in convert and package/shards, ELEM_BYTES in plan/memory and tensorbin) unless the name
+# means each module's own thing, listed here with what it is; those must still differ in value
+PER_MODULE_NAMES = {
+    "FORMAT": "each file format's version string (package, program, warm-up record, tensorbin)",
+    "DIR": "each artifact's directory in a package (tensorbin/, warmup/)",
+    "ENV": "each module's environment variable",
+    "PREFIX": "LoRA's key prefix; serve's log-line prefix pattern",
+    "HOOKED": "the marker attribute of each vLLM patch",
+    "DTYPES": "tensorbin's ttnn DataType numbers; backends/ttnn/layout's ttnn dtype names",
+    "CHAT_TEMPLATE": "each demo family's chat template",
+    # a vision family's own facts (families/*_vision.py)
+    "BIDIRECTIONAL_IMAGES": "", "BUCKET_UNIT": "", "HF_VISION_KEYS": "", "HF_WRAPPER_KEYS": "",
+    "NORM_EPS": "", "TOKENIZER_TOKENS": "", "PLAN": "",
+}
+# the same name and value in several modules, not yet given one owner: name -> those modules
+# (vision families, being moved to one module per encoder by issue 40 item 3: two encoders'
+# sharding plan; the Qwen vision configs' norm eps, beside QwenVisionBase's shared settings)
+SAME_VALUE_NOT_YET: dict[str, set[str]] = {
+    "PLAN": {"ttbundle/families/gemma3_vision.py", "ttbundle/families/qwen3_vl_vision.py"},
+    "NORM_EPS": {"ttbundle/families/qwen2_5_vl_vision.py", "ttbundle/families/qwen3_vl_vision.py"},
+}
+
+
+def literal_constants(path: Path) -> dict[str, object]:
+    """``NAME = literal`` at a module's top level (a leading underscore dropped from the name)."""
+    import ast
+    import re
+    out = {}
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        try:
+            v = ast.literal_eval(value)
+        except ValueError:
+            if not isinstance(value, ast.BinOp) or not all(
+                    isinstance(n, (ast.BinOp, ast.Constant, ast.operator)) for n in ast.walk(value)):
+                continue
+            v = eval(compile(ast.Expression(value), str(path), "eval"), {"__builtins__": {}})
+        for t in targets:
+            if isinstance(t, ast.Name) and re.fullmatch(r"_?[A-Z][A-Z0-9_]*", t.id):
+                out[t.id.lstrip("_")] = v
+    return out
+
+
+def test_each_literal_constant_has_one_definition():
+    by_name: dict[str, dict[str, object]] = {}
+    for f in sorted((ROOT / "ttbundle").rglob("*.py")):
+        for name, v in literal_constants(f).items():
+            by_name.setdefault(name, {})[f.relative_to(ROOT).as_posix()] = v
+    twice = {n: sorted(w) for n, w in by_name.items() if len(w) > 1 and n not in PER_MODULE_NAMES}
+    assert twice == {}, "one constant written in several modules: give it one owner and import it"
+    same = {}
+    for n, w in by_name.items():
+        for a in w:
+            alike = {b for b in w if b != a and w[b] == w[a]}
+            if alike:
+                same.setdefault(n, set()).update(alike | {a})
+    assert same == SAME_VALUE_NOT_YET
+
+
+def test_the_constant_finder_reads_literals_and_their_arithmetic(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("A = 64 << 20\n_B: dict = {'x': 1}\nc = 3\nD = f(1)\nE = TILE * 2\n")
+    assert literal_constants(f) == {"A": 64 << 20, "B": {"x": 1}}
+
+
+def test_block_float_tile_sizes_are_written_once():
+    """A bfp8 tile's 1,088 bytes and a bfp4 tile's 576 come from ``blockfloat.Format.tile_bytes``
+    (the format's bits); no module writes the numbers (plan/memory's TILE_BYTES did)."""
+    import tokenize
+    found = []
+    for f in sorted((ROOT / "ttbundle").rglob("*.py")):
+        with open(f, encoding="utf-8") as fh:
+            for tok in tokenize.generate_tokens(fh.readline):
+                if tok.type == tokenize.NUMBER and tok.string.replace("_", "") in ("1088", "576"):
+                    found.append(f"{f.relative_to(ROOT).as_posix()}:{tok.start[0]}")
+    assert found == []
+
+
+# ttbundle's own modules are imported at module level (docs/architecture.md, "Imports inside
+# functions"). A function imports one only where loading it costs what the importer's other users
+# must not pay, listed here: file -> the ttbundle modules it may import inside a function. The
+# CLI: `ttbundle --help` loads none of the stages (0.2 s; spec/plan/build/check bring pydantic's
+# models and numpy, 0.6-1.4 s more). check and warmup: the emulated backend brings torch (3-4 s),
+# which check.record (`ls`, `serve --require-checked`) and the build's other steps do without.
+LAZY_OWN = {
+    "ttbundle/cli.py": {
+        "ttbundle.build", "ttbundle.buckets", "ttbundle.check", "ttbundle.check.record",
+        "ttbundle.init", "ttbundle.lower", "ttbundle.mockcluster", "ttbundle.package.verify",
+        "ttbundle.plan.advice", "ttbundle.plan.host", "ttbundle.plan.make", "ttbundle.plan.validate",
+        "ttbundle.report", "ttbundle.runtime.packages", "ttbundle.runtime.registry",
+        "ttbundle.serving.launch", "ttbundle.serving.serve", "ttbundle.spec", "ttbundle.svg",
+        "ttbundle.warmref", "ttbundle.warmup",
+    },
+    "ttbundle/check/__init__.py": {"ttbundle.backends.emulated", "ttbundle.backends.emulated.kernel_table"},
+    "ttbundle/warmup.py": {"ttbundle.backends.emulated"},
+}
+# not yet converted: the modules issue 40's items 1-3 rework (the plugin, the launchers, the
+# backends, the package loader, the program and cache modules, the vision families)
+LAZY_OWN_NOT_YET = ("ttbundle/runtime/", "ttbundle/serving/", "ttbundle/backends/",
+                    "ttbundle/package/load.py", "ttbundle/program.py", "ttbundle/cache.py",
+                    "ttbundle/manifest.py", "ttbundle/vision.py", "ttbundle/families/*vision*.py")
+
+
+def function_level_own_imports(path: Path, root: Path = ROOT) -> dict[str, list[int]]:
+    """The ttbundle modules ``path`` imports inside a function body -> the lines; ``from P import
+    x`` counts as ``P.x`` where that is a module, else as ``P``."""
+    import ast
+    pkg = path.relative_to(root).parts[:-1]  # the package a relative import starts from
+    out: dict[str, list[int]] = {}
+
+    def is_module(parts) -> bool:
+        p = root.joinpath(*parts)
+        return p.with_suffix(".py").is_file() or (p / "__init__.py").is_file()
+
+    def visit(node, in_function: bool):
+        for ch in ast.iter_child_nodes(node):
+            if in_function and isinstance(ch, ast.ImportFrom):
+                base = (pkg[:len(pkg) - ch.level + 1] if ch.level else ()) + tuple(
+                    ch.module.split(".") if ch.module else ())
+                if base[:1] == ("ttbundle",):
+                    for a in ch.names:
+                        mod = base + (a.name,) if is_module(base + (a.name,)) else base
+                        out.setdefault(".".join(mod), []).append(ch.lineno)
+            elif in_function and isinstance(ch, ast.Import):
+                for a in ch.names:
+                    if a.name.split(".")[0] == "ttbundle":
+                        out.setdefault(a.name, []).append(ch.lineno)
+            visit(ch, in_function or isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)))
+
+    visit(ast.parse(path.read_text(encoding="utf-8")), False)
+    return out
+
+
+def test_ttbundle_modules_are_imported_at_module_level():
+    from fnmatch import fnmatch
+    found = {}
+    for f in sorted((ROOT / "ttbundle").rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        if any(rel.startswith(p) or fnmatch(rel, p) for p in LAZY_OWN_NOT_YET):
+            continue
+        extra = {m: lines for m, lines in function_level_own_imports(f).items()
+                 if m not in LAZY_OWN.get(rel, set())}
+        if extra:
+            found[rel] = extra
+    assert found == {}, "import ttbundle's modules at module level (or list why not in LAZY_OWN)"
+
+
+def test_the_lazy_import_finder_resolves_relative_imports(tmp_path):
+    (tmp_path / "ttbundle" / "sub").mkdir(parents=True)
+    for f in ("__init__.py", "a.py", "sub/__init__.py", "sub/b.py"):
+        (tmp_path / "ttbundle" / f).write_text("")
+    f = tmp_path / "ttbundle" / "sub" / "c.py"
+    f.write_text("from . import b\nimport json\n\ndef g():\n    from .. import a\n    from .b import x\n"
+                 "    import ttbundle.sub\n    import torch\n    return lambda: __import__('os')\n")
+    assert function_level_own_imports(f, tmp_path) == {
+        "ttbundle.a": [5], "ttbundle.sub.b": [6], "ttbundle.sub": [7]}
+
+
+def test_the_architecture_doc_draws_the_pipeline_contract():
+    """docs/architecture.md's drawing of which code imports which lists pyproject's layers, top
+    to bottom (a layer written ``a : b`` holds modules that do not import each other)."""
+    import re
+    import tomllib
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["id"] == "pipeline")["layers"]
+    doc = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = doc[doc.index("Which code imports which"):].split("```")[1]
+    drawn = [re.split(r"\s{2,}", line.strip())[0] for line in block.strip().splitlines()]
+    assert [[m.strip() for m in layer.split(":")] for layer in drawn] == \
+        [[m.strip().removeprefix("ttbundle.") for m in layer.split(":")] for layer in layers]
+
+
+def test_the_standard_library_is_imported_at_module_level():
+    """Inside functions only costly or optional third-party modules (docs/architecture.md's
+    table); the standard library's are cheap, imported at the top (the modules converted)."""
+    import ast
+    import sys
+    from fnmatch import fnmatch
+    found = []
+    for f in sorted((ROOT / "ttbundle").rglob("*.py")):
+        rel = f.relative_to(ROOT).as_posix()
+        if any(rel.startswith(p) or fnmatch(rel, p) for p in LAZY_OWN_NOT_YET):
+            continue
+        for fn in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for n in ast.walk(fn):
+                names = ([n.module] if isinstance(n, ast.ImportFrom) and not n.level else
+                         [a.name for a in n.names] if isinstance(n, ast.Import) else [])
+                if any(x.split(".")[0] in sys.stdlib_module_names for x in names):
+                    found.append(f"{rel}:{n.lineno}")
+    assert sorted(set(found)) == []

@@ -5,6 +5,7 @@ inode, same mtime), so a changed bucket rewrites one program and a no-op build w
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,6 +21,10 @@ from .package.templates import hf_config_json, metadata_json, render_adapter, re
 from .plan.make import replica_json
 from .speculative import verify_buckets
 from .program import Program
+from . import vision
+from .backends.ttnn import cache as ttcache, kernelcache as kc
+from .package.names import DRAFT_DIR
+from .package.verify import read_manifest
 
 
 class PackageWriter:
@@ -56,7 +61,6 @@ class PackageWriter:
 
     def _write(self, rel: str, data: bytes) -> None:
         """Write a small file, or link the previous one when the bytes are the same."""
-        import hashlib
         sha = hashlib.sha256(data).hexdigest()
         old = self.prev_files.get(rel)
         if old and old["sha256"] == sha and self._link(rel):
@@ -78,11 +82,6 @@ class PackageWriter:
         """The draft's package (``speculative: {method: draft}``) copied whole into ``DRAFT_DIR``
         (hard links where the file system allows), every file of it listed in this package's
         manifest too, so ``package.verify`` checks it like any other file."""
-        import hashlib
-
-        from .package.names import DRAFT_DIR
-        from .package.verify import read_manifest
-
         src = Path(draft.package)
         m = read_manifest(src)
         files = {rel: {"sha256": r["sha256"], "size": r["size"]} for rel, r in m["files"].items()}
@@ -102,7 +101,6 @@ class PackageWriter:
 
     def _tensorbin(self, weights_key: str) -> None:
         """Per-device .tensorbin caches of the weights just written (or linked)."""
-        from .backends.ttnn import cache as ttcache
         ident = ttcache.identity(self.plan, self.inp.fields, weights_key)
         key = ttcache.artifact_key(ident)
         old = self.prev_art.get("tensorbin", {})
@@ -120,7 +118,6 @@ class PackageWriter:
     def _kernel_cache(self, keys: dict) -> None:
         """tt-metal's kernel cache for every traced program, where a real SFPI compiler is present
         (``backends/ttnn/kernelcache.py``); else recorded as not filled, with the reason."""
-        from .backends.ttnn import kernelcache as kc
         sfpi, python = self.sfpi or kc.status()
         m = self.plan.mesh  # the programs' keys cover the mesh too; said here so no two chips share one
         key = cache.digest({"programs": sorted(v for k, v in keys.items() if k.startswith("program:")),
@@ -209,7 +206,6 @@ class PackageWriter:
         self._write(f"{mod}.py", render_adapter(b.spec.name, plan.mesh.name, self.hf_arch, cls,
                                                 __version__).encode())
         self._write("config.json", hf_config_json(b).encode())
-        from . import vision
         for rel, data in vision.package_files(b).items():  # what vLLM's image processor reads
             self._write(rel, data)
         self._write("bundle.yaml", self.inp.bundle_yaml.encode())

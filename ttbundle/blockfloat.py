@@ -31,9 +31,8 @@ from functools import lru_cache
 import numpy as np
 
 from .errors import InvalidInput
-from .tiles import TILE
+from .tiles import BLOCK_FLOAT_CODE_BITS, FACE, TILE, tile_bytes as _tile_bytes
 
-FACE = 16
 FACE_ROWS = (TILE // FACE) ** 2 * FACE  # 64 shared exponents per tile
 CHUNK_TILES = 256  # tiles per vectorized step (1 MB of float32): temporaries stay in cache
 
@@ -52,12 +51,12 @@ class Format:
 
     @property
     def tile_bytes(self) -> int:
-        return FACE_ROWS + TILE * TILE * self.code_bits // 8
+        return _tile_bytes(self.name)  # FACE_ROWS exponent bytes + TILE * TILE codes
 
 
 FORMATS = {
-    "bfp8": Format("bfp8", "bfloat8_b", 7),
-    "bfp4": Format("bfp4", "bfloat4_b", 3),
+    "bfp8": Format("bfp8", "bfloat8_b", BLOCK_FLOAT_CODE_BITS["bfp8"] - 1),
+    "bfp4": Format("bfp4", "bfloat4_b", BLOCK_FLOAT_CODE_BITS["bfp4"] - 1),
 }
 
 

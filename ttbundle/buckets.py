@@ -26,6 +26,7 @@ from xml.sax.saxutils import escape
 
 from .errors import InvalidInput
 from .tiles import TILE, pick, round_up
+from .fsutil import read_user_text
 
 LENGTH_KEYS = ("length", "prompt_len", "prompt_length", "prompt_tokens", "input_tokens", "tokens", "len")
 COUNT_KEYS = ("count", "n", "requests", "freq", "frequency", "weight")
@@ -40,8 +41,6 @@ def read_lengths(path: str | Path) -> dict[int, float]:
     """``{length: count}`` from a CSV (``length[,count]`` rows, header optional; named columns
     ``length``/``prompt_tokens``/... and ``count``/``n``/...) or JSONL (one integer or one object
     with such keys per line). Errors name ``file:line``."""
-    from .fsutil import read_user_text
-
     path = Path(path)
     text = read_user_text(path, "lengths file", max_bytes=256 << 20)
     first = next((ln.strip() for ln in text.splitlines() if ln.strip()), "")

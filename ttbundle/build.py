@@ -26,6 +26,7 @@ callback as plain dict events (the CLI draws bars with ``progress`` or prints JS
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import shutil
 import threading
@@ -46,6 +47,9 @@ from .plan.make import Plan, make_plan
 from .plan.memory import shortfall
 from .txn import (STATE_DIR, _check_replaceable, _fsync_dir, _Lock, _recover, _swap, _tag,  # noqa: F401
                   lock_unless_read_only)
+from .backends.ttnn import kernelcache
+from .fsutil import read_user_text
+from .speculative import draft_path, draft_spec_text
 
 BACKENDS = ("emulated", "ttnn")  # ttnn: + per-device .tensorbin weight caches
 # rough rates for `--dry-run` estimates on a CPU builder
@@ -84,8 +88,6 @@ def _os_errors(fn):
     """``build`` with an OSError (no space left, read-only, permission, ...) turned into a
     TTBundleError naming the path and saying that the previous package was not touched (every
     write goes to a temp dir that replaces the package only once complete)."""
-    import functools
-
     @functools.wraps(fn)
     def wrapper(bundle, mesh, out_dir, **kw):
         try:
@@ -155,7 +157,6 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     if not plan.fits:
         raise DoesNotFit(f"{bundle.spec.name} does not fit {plan.mesh.describe()}: "
                          f"{shortfall(plan.memory)} (see `ttbundle plan --mesh {mesh}`)")
-    _check_dtypes(plan)
     if backend == "ttnn" and bundle.family.ttnn_unlowered:
         raise InvalidInput(f"not yet: --backend ttnn for {bundle.family.name}: the ttnn backend has no lowering "
                            f"for its {bundle.family.ttnn_unlowered}; build the emulated package")
@@ -221,9 +222,6 @@ def _build_draft(bundle, mesh: str, out_dir, **kw) -> BuildResult | None:
     Always an emulated package: speculative decoding runs on the emulated mesh only. Built
     with a verify program per decode bucket (``speculative.draft_spec_text``: the proposer's
     catch-up). Its progress is not reported (its `done` event is not the target's)."""
-    from .fsutil import read_user_text
-    from .speculative import draft_path, draft_spec_text
-
     path = draft_path(bundle)
     if path is None:
         return None
@@ -247,7 +245,6 @@ def _sfpi(backend: str):
     """ttnn builds: (SFPI found on this host, the Python with ttnn that fills the kernel cache)."""
     if backend != "ttnn":
         return None
-    from .backends.ttnn import kernelcache
     return kernelcache.status()
 
 
@@ -288,18 +285,6 @@ def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
             "fields": rows, "would_rebuild": redo,
             "last_build": {"changed_fields": b.get("changed_fields", []), "rebuilt": b.get("rebuilt", []),
                            "reused": b.get("reused", []), "finished": b.get("finished")}}
-
-
-def _check_dtypes(plan: Plan) -> None:
-    block = sorted({t.dtype for t in plan.tensors if t.dtype != "bf16"})
-    if block:
-        try:
-            from . import blockfloat  # noqa: F401
-        except ImportError:
-            names = [t.name for t in plan.tensors if t.dtype != "bf16"]
-            raise InvalidInput(f"not yet: {'/'.join(block)} weights ({', '.join(names[:4])}"
-                               f"{', ...' if len(names) > 4 else ''}) need ttbundle.blockfloat, which "
-                               "is not in this ttbundle yet; build with bf16 (weights.dtypes) for now") from None
 
 
 def _previous(pkg: Path) -> dict | None:

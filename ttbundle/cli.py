@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Optional
@@ -13,8 +14,11 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from . import __version__
+from . import __version__, hub
 from .errors import EXIT_DOES_NOT_FIT, InvalidInput, TTBundleError
+from .fsutil import read_user_text, write_text_atomic
+from .mesh import PRESETS
+from .progress import ConsoleProgress, print_results
 
 class _Group(typer.core.TyperGroup):
     """The command group: a path the file system refuses for its length is the user's input,
@@ -53,7 +57,6 @@ def fail(e: TTBundleError) -> None:
 
 
 def _write_atomic(path: Path, text: str) -> None:
-    from .fsutil import write_text_atomic
     write_text_atomic(path, text)
 
 
@@ -223,13 +226,12 @@ def check(target: Path = typer.Argument(..., help="A bundle spec (YAML), or a bu
 
     Exit 0 when both pass, 1 when either fails (the message says which, and the first wrong
     stage and step or the missed metric), 2 for bad input."""
-    from . import hub, spec as specmod
+    from . import spec as specmod
     from .check import check_package, recorded_checkpoint, run_check
     from .runtime.packages import is_package
     try:
         text = None
         if text_file is not None:
-            from .fsutil import read_user_text
             text = read_user_text(text_file, "text file (--text)")
         if is_package(target):
             if mesh is not None or random_weights:
@@ -329,7 +331,6 @@ def build(spec: Path = typer.Argument(..., help="Bundle spec (YAML) with weights
     from . import spec as specmod
     from .build import build as run_build
     from .plan.validate import targets
-    from .progress import ConsoleProgress, print_results
     results = []
     try:
         bundle = specmod.load(spec)
@@ -534,14 +535,11 @@ def serve(ctx: typer.Context,
     vLLM's arguments come from the package (max_model_len, max_num_seqs, block size, dtype,
     --additional-config with trace_region_size); add more after `--`, e.g.
     `ttbundle serve demo -- --max-num-seqs 8`. Exit 0 after Ctrl-C; non-zero with a one-line reason when vLLM or its engine dies."""
-    import shlex
-
     from .serving import serve as servemod
     servemod.stop_on_signals()  # from here on: the build and vLLM's start-up stop on them too
     try:
         progress = None
         if Path(target).suffix in (".yaml", ".yml"):
-            from .progress import ConsoleProgress
             progress = ConsoleProgress(err, prefix="build: ")
         if print_launch:
             from .serving import launch
@@ -607,7 +605,6 @@ def schema(output: Optional[Path] = typer.Option(None, "-o", "--output", help="W
 def meshes(as_json: bool = typer.Option(False, "--json")):
     """Mesh presets (MESH_DEVICE names) with chip facts."""
     from rich.table import Table
-    from .mesh import PRESETS
     rows = [{"name": m.name, "shape": list(m.shape), "devices": m.num_devices, "arch": m.chip.arch,
              "dram_bytes_per_chip": m.chip.dram_bytes, "l1_bytes_per_chip": m.chip.l1_bytes,
              "topology": m.topology, "hosts": m.hosts, "note": m.note} for m in PRESETS.values()]

@@ -8,11 +8,14 @@ whatever it (transitively) imports is what a package's weights depend on."""
 
 from __future__ import annotations
 
+import collections
+import itertools
 import json
 import math
 import os
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,8 +24,11 @@ from .errors import InvalidInput
 from .fsutil import fault as _fault
 from .package.names import WEIGHTS_FORMAT, tensor_key, weight_file
 from .package.shardfile import ShardFile, ST_DTYPE, encoded_nbytes
-from .package.shards import stored_shape, trim_heap
+from .package.shards import BAND_BYTES, stored_shape, trim_heap
 from .layout import axes_of
+from . import blockfloat
+from .families import transforms
+from .weights import Checkpoint, bundle_adapters, check_source_dtypes, read_plan, spec_quantization
 
 TRANSPOSE_BLOCK = 64  # source rows per step when cutting a transposed shard
 WRITER_THREADS = None  # threads that write + sha256 device files (None: one per usable core)
@@ -32,8 +38,6 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
     """Write ``tmp/weights/device_<d>.safetensors`` for every device of ``plan.mesh`` from the
     checkpoint in ``weights_dir``; each file's sha256 and size go into ``files``, byte counts and
     timings into ``res`` (a ``BuildResult``), progress events to ``emit``."""
-    from .weights import Checkpoint, bundle_adapters, check_source_dtypes, read_plan, spec_quantization
-
     fam, a, mesh = bundle.family, bundle.arch, plan.mesh
     D = mesh.num_devices
     cpu0 = time.thread_time()
@@ -158,8 +162,6 @@ def _read_canonical(ck, tf: str, a, decl, layer, sources, dtype: str):
     ``t``/``id`` of a single source stay a view of the source (mmap); other transforms run on
     the source dtype and are materialized. Returns (_Canon, bytes read)."""
     import torch
-
-    from .families import transforms
 
     where = f"{decl.name}{'' if layer is None else f' (layer {layer})'}"
     if _is_view(tf, sources):
@@ -299,22 +301,14 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
         del x
 
 
-BAND_BYTES = 64 << 20  # bytes of one band of a block-float shard being encoded
-
-
 def _encode_bands(v, pads, dtype: str):
     """The block-float tiles of shard ``v`` (device order, any strides; ``pads``: (dim, indices)
     zeroed), encoded a band of whole tile rows at a time (copies of at most ``BAND_BYTES``, in bf16
     for a bf16 source, which blockfloat encodes from its bits, else float32), the bands on one
     thread per usable core, so a shard never exists whole in float32: tiles are row-local, so the
     bands' tiles are the shard's (``blockfloat.row_band``)."""
-    import itertools
-    from concurrent.futures import ThreadPoolExecutor
-
     import numpy as np
     import torch
-
-    from . import blockfloat
 
     shape = list(v.shape)
     h, w = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
@@ -375,7 +369,6 @@ class _WriteBehind:
     read and cut; ``put`` blocks while more than ``cap`` bytes are waiting."""
 
     def __init__(self, cap: int):
-        import collections
         self.cap, self.pending = cap, 0
         self.q: collections.deque = collections.deque()
         self.cv = threading.Condition()

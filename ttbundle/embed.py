@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 
 from .errors import Diagnostic, InvalidInput
+from .fsutil import read_user_json
 
 #: families whose packages ttbundle can serve as embedding models, with the pooling their published
 #: embedding checkpoints use: Qwen3-Embedding, and e5-mistral-7b-instruct / SFR-Embedding-Mistral
@@ -54,8 +55,6 @@ def sentence_transformers_pooling(hf_dir: Path) -> dict | None:
     ``modules.json`` (its ``Pooling`` module's folder, e.g. ``1_Pooling/config.json``, and whether a
     ``Normalize`` module follows), or None when ``hf_dir`` is not one. A pooling mode ttbundle does
     not have (max, weighted mean, ...) is InvalidInput naming it."""
-    from .fsutil import read_user_json
-
     modules = Path(hf_dir) / "modules.json"
     if not modules.is_file():
         return None

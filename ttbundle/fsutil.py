@@ -12,6 +12,7 @@ import tempfile
 from pathlib import Path
 
 from .errors import InvalidInput, TTBundleError
+from .hub import snapshot_of
 
 
 def _umask() -> int:
@@ -87,8 +88,6 @@ def input_root(directory: str | Path) -> Path:
     directory itself, or, for a Hugging Face hub-cache snapshot (``models--ORG--NAME/snapshots/
     REV``, every file a symlink to ``../../blobs/HASH``), that repo's ``models--ORG--NAME``
     folder (``hub.snapshot_of``) and nothing outside it."""
-    from .hub import snapshot_of
-
     root = Path(directory).resolve()
     snap = snapshot_of(root)
     return snap.folder if snap is not None else root

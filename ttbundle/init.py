@@ -28,6 +28,10 @@ from .plan.sharding import replicate_undividable
 from .errors import Diagnostic, InvalidInput, TTBundleError
 from .families.base import GROUPS
 from .fsutil import TEMPLATE_DIR, read_user_json, write_text_atomic
+from .embed import init_task
+from .errors import DoesNotFit
+from .package.names import TOKENIZER_MODEL_FILES, has_tokenizer as makes_one
+from .report import human
 
 TEMPLATE = "spec.yaml.j2"
 DEFAULT_MESH = "N150"
@@ -66,7 +70,6 @@ class InitResult:
 
     def summary(self) -> list[str]:
         """One line per target: fits, or does not fit with the command that explains why."""
-        from .report import human
         lines = []
         for t, p in self.plans.items():
             m = p.memory
@@ -196,7 +199,6 @@ def has_weights(d: Path) -> bool:
 
 def has_tokenizer(d: Path) -> bool:
     """Whether ``d`` has a tokenizer ``build`` accepts (``package.names.has_tokenizer``'s rule)."""
-    from .package.names import TOKENIZER_MODEL_FILES, has_tokenizer as makes_one
     return makes_one({n for n in TOKENIZER_MODEL_FILES if (d / n).is_file()})
 
 
@@ -436,7 +438,6 @@ def render_spec(hf_dir: str | Path, output: Path, meshes: list[str] | None = Non
         raise InvalidInput(f"--max-num-seqs {max_num_seqs}: must be between 1 and {top} (the "
                            "largest decode batch a trace is captured for)")
     buckets, bucket_notes = adjust_buckets(buckets0, max_model_len, max_num_seqs)
-    from .embed import init_task
     embedding, task_note = init_task(hf_dir, family.name, task)
     if embedding is not None:  # prefill only
         buckets, bucket_notes = dict(buckets, decode=[]), [n for n in bucket_notes if "decode" not in n]
@@ -470,7 +471,6 @@ def render_spec(hf_dir: str | Path, output: Path, meshes: list[str] | None = Non
             break
     else:
         raise _does_not_fit(cfg, meshes, tried, weights_dtype is None)
-    from .report import human
     pool_notes = [f"auto on {m} is {p.kv['max_tokens_all_users']:,} tokens ({p.kv['num_blocks']:,} "
                   f"blocks, {human(p.kv['bytes'])} per chip)" for m, p in plans.items()]
     dtype_note = ""
@@ -530,8 +530,6 @@ def init_vision(part, hf_dir: Path, chunk: int, max_model_len: int) -> tuple[dic
 def _does_not_fit(cfg: Path, meshes: list[str], tried: list, auto: bool) -> "DoesNotFit":
     """Exit 3: per mesh that does not fit, the per-chip arithmetic at the smallest dtype tried,
     and the fixes (each checked by re-planning)."""
-    from .errors import DoesNotFit
-    from .report import human
     label, bundle, plans = tried[-1]
     diags = []
     for m, p in plans.items():

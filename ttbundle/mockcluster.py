@@ -24,11 +24,13 @@ the wheel are offered (tests/tt/test_mockcluster_ttnn.py opens each mesh); other
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InvalidInput
 from .mesh import PRESETS
+from .fsutil import write_text_atomic
 
 _UPI = {"n150": 0x18, "n300": 0x14, "p150": 0x40, "p100": 0x36}
 # Tensix rows harvested, as tt-umd expects per board (it warns otherwise): one on an N150, two
@@ -143,7 +145,6 @@ def descriptor(mesh_name: str) -> str:
 
 def write(mesh_name: str, path: str | Path) -> Path:
     """Write the descriptor of ``mesh_name`` to ``path`` (atomically); returns the path."""
-    from .fsutil import write_text_atomic
     text = descriptor(mesh_name)
     p = Path(path)
     write_text_atomic(p, text)
@@ -155,7 +156,6 @@ def mock_env(mesh_name: str, workdir: str | Path, base: dict | None = None) -> d
     (written to ``workdir``), and everything ttnn writes kept in ``workdir`` (the JIT cache
     ``TT_METAL_CACHE`` with its trailing slash, OpenMPI's ``TMPDIR``). Run the process with
     ``cwd=workdir`` too: ttnn writes ``generated/`` into the working directory."""
-    import os
     w = Path(workdir).absolute()
     (w / "tmp").mkdir(parents=True, exist_ok=True)
     desc = write(mesh_name, w / f"{mesh_name}.yaml")

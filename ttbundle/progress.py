@@ -3,6 +3,7 @@ depends on it, so editing it rebuilds nothing."""
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -22,7 +23,6 @@ class ConsoleProgress:
     LINE_EVERY_S = 10.0
 
     def __init__(self, console, prefix: str = "", clock=None):
-        import time
 
         self.console, self.prefix = console, prefix
         self.clock = clock or time.monotonic

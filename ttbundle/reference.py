@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 from pathlib import Path
 
 from .errors import InvalidInput
+from . import blockfloat
+from .weights import Checkpoint
 
 # MoE experts as the modeling file writes them (a loop over the chosen experts), not transformers'
 # default batched grouped_mm: the reference is the plain implementation
@@ -143,7 +147,6 @@ def kv_cache(model, storage: str | None = None):
     def store(x):
         if storage == "bf16":
             return x.to(torch.bfloat16).to(x.dtype)
-        from . import blockfloat
         q = blockfloat.quantize(x.detach().float().cpu().reshape(-1, x.shape[-1]), storage)
         return q.reshape(x.shape).to(device=x.device, dtype=x.dtype)
 
@@ -163,8 +166,6 @@ def _params_on_meta():
     """A context in which every parameter a module registers goes to the ``meta`` device (no
     memory, no init) while buffers stay real (rotary tables, embedding scales): transformers'
     skeleton of a model of any size."""
-    import contextlib
-
     import torch
 
     @contextlib.contextmanager
@@ -215,7 +216,6 @@ class LayerwiseModel:
         #: None (``check``'s expected run: the checkpoint as a package stores it); its
         #: ``lm_head_bands()`` the LM head's bands likewise
         self.weights = weights
-        from .weights import Checkpoint
 
         # the checkpoint as its format decodes it (``formats``), LoRA ``adapters`` merged: what
         # the build converts
@@ -557,7 +557,6 @@ def _layers(model):
 
 
 def _safetensors_files(d: Path) -> list[Path]:
-    import json
 
     index = d / "model.safetensors.index.json"
     if index.is_file():

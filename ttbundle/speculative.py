@@ -20,12 +20,16 @@ schedules the proposals (``scheduled_spec_decode_tokens``) and takes back the re
 
 from __future__ import annotations
 
+import errno
 import os
+import stat
 from pathlib import Path
 
 from .errors import Diagnostic, InvalidInput
 from .manifest import MANIFEST
 from .tiles import TILE, round_up
+from . import mesh as meshmod
+from .tiles import blocks_per_seq
 
 #: methods ttbundle serves
 METHODS = ("ngram", "draft")
@@ -100,7 +104,6 @@ def draft_kv_blocks(bundle, draft) -> int:
     """The draft's KV blocks on the target's mesh (one owner: the plan counts them, the draft
     proposer allocates them): every one of the target's ``max_num_seqs`` sequences at the
     target's ``max_model_len`` in the draft's blocks, plus vLLM's null block 0."""
-    from .tiles import blocks_per_seq
     rt = bundle.spec.runtime
     return rt.max_num_seqs * blocks_per_seq(rt.max_model_len, draft.spec.runtime.kv_block_size) + 1
 
@@ -164,9 +167,6 @@ def check(b, load=None) -> list[Diagnostic]:
 def _not_a_spec_file(path: Path) -> str | None:
     """Why ``path`` cannot be a draft's spec file (missing, a directory, a device or FIFO, a name
     the file system refuses), or None."""
-    import errno
-    import stat
-
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -251,8 +251,6 @@ def _split_differences(b, dr, path, at) -> list[Diagnostic]:
     """The draft runs beside each replica of the target (its own copy and KV region per lane):
     it must split every target into the same submeshes (``replicas:``) as this bundle, so its
     package is built for the replica's mesh (the plan counts it there, ``plan.make.draft_memory``)."""
-    from . import mesh as meshmod
-
     out = []
     for name in dict.fromkeys(list(b.spec.replicas) + list(dr.spec.replicas)):
         target = meshmod.try_resolve(name)

@@ -38,7 +38,6 @@ from .errors import InvalidInput
 # TensorSpec.tensor_layout.data_type
 DTYPES = {"bf16": 0, "f32": 1, "uint32": 2, "bfp8": 3, "bfp4": 4, "uint8": 5, "uint16": 6, "int32": 7}
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
-ELEM_BYTES = {"bf16": 2, "f32": 4, "uint32": 4, "uint8": 1, "uint16": 2, "int32": 4}
 _ROW_MAJOR, _TILE = 1, 2  # PageConfig union types
 _INLINE_FILE_STORAGE = 1  # TensorBuffer union type
 _TILE_ALIGNMENT = [32, 32]

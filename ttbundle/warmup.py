@@ -71,6 +71,8 @@ from . import lower as lowermod
 from .errors import WarmupMismatch
 from .plan.make import Plan
 from .warmref import FORMAT, FP32_RTOL, check_model, references, run, stage_count, summarize
+from .package.load import assemble, load_package
+from .package.names import DRAFT_DIR
 
 Progress = Callable[[dict], None]
 
@@ -102,8 +104,6 @@ def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list
     weights in float32; per program a record for the manifest and the reference
     (``{"record": ..., "reference": ...}``; the reference goes to :func:`reference_file`)."""
     import torch
-
-    from .package.load import assemble
 
     parts = assemble(pkg_dir, {}, bundle, plan.mesh,
                      {k: f"programs/{lowermod.program_name(*k)}.json" for k in lowermod.trace_set(bundle)})
@@ -146,9 +146,6 @@ def verify_package(pkg: str | Path, dtypes=("float32",), log=None) -> dict:
     the emulated backend, layer by layer, compared with the build's references; a speculative
     draft's package inside it (``package.names.DRAFT_DIR``) too, its programs named
     ``draft/<program>``. ``{dtype: {program: diff}}``."""
-    from .package.load import load_package
-    from .package.names import DRAFT_DIR
-
     loaded = load_package(Path(pkg))
     refs = references(Path(pkg), loaded.manifest)
     out = {}

@@ -13,6 +13,9 @@ from typing import Callable, Iterable
 
 from .errors import Diagnostic, InvalidInput
 from .families import transforms
+from . import formats
+from .formats import lora
+from .fsutil import read_user_json, user_file
 
 # HF buffers that are not weights (recomputed from the config).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -43,8 +46,6 @@ class Checkpoint:
     non-finite tensors are listed, each with its counts)."""
 
     def __init__(self, directory: str | Path, quantization: dict | None = None, adapters=()):
-        from .fsutil import read_user_json, user_file
-
         d = Path(directory)
         self.dir = d
         self.dtypes: dict[str, str] = {}
@@ -91,9 +92,6 @@ class Checkpoint:
         """The checkpoint as its format decodes it (``formats``): the scheme of its config.json's
         ``quantization_config`` (without a config.json: ``quantization``, the spec's), its
         quantized tensors' companions replaced by the dense tensors they decode to (bf16)."""
-        from . import formats
-        from .fsutil import read_user_json
-
         cfg = self.dir / "config.json"
         where = str(cfg)
         if cfg.is_file():
@@ -111,8 +109,6 @@ class Checkpoint:
     def _merge_adapters(self, adapters, stored: dict) -> None:
         """PEFT LoRA adapters (directories) merged into the decoded view as tensors are read
         (``formats.lora``); every adapter tensor checked against the base first."""
-        from .formats import lora
-
         self.adapters = [lora.read_adapter(Path(a)) for a in adapters]
         shapes = {k: (stored[k][1] if k in stored else self.view.decoded[k].shape) for k in self.dtypes}
         lora.check_against(self.adapters, shapes)
@@ -147,7 +143,6 @@ class Checkpoint:
         """Tensor ``key`` of the decoded view: a stored tensor as stored, a quantized one decoded
         from its stored companions (bf16)."""
         if key in self.merged:
-            from .formats import lora
             return lora.merged(self._decoded(key), key, self.adapters, _read_adapter)
         return self._decoded(key)
 

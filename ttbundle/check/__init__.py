@@ -28,6 +28,8 @@ first; ``check PACKAGE`` keeps a record in it (``check.record``).
 
 from __future__ import annotations
 
+import dataclasses
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,15 @@ from ..errors import InvalidInput
 
 from .quality import Quality, default_text, measure, targets_for
 from .verdict import EXEC_BOUNDS, HEAD_BOUNDS, MARGIN_SIGMAS, MIN_DECISIVE, STAGE_ORDER, Executor, Stage, normalised_error, pcc
+from .. import cache, reference, vision
+from ..build import build
+from ..package.load import load_package
+from ..package.names import has_tokenizer
+from ..package.shards import trim_heap
+from ..package.verify import read_manifest
+from ..vision import vision_bucket
+from ..weights import bundle_adapters
+from .expected import ExpectedWeights
 
 __all__ = ["CheckReport", "Executor", "Quality", "Stage", "EXEC_BOUNDS", "HEAD_BOUNDS", "MARGIN_SIGMAS", "MIN_DECISIVE",
            "check_package", "run_check", "pcc", "normalised_error", "recorded_checkpoint"]
@@ -161,12 +172,6 @@ def run_check(bundle, mesh: str, steps: int = 32, dtype: str = "fp32", random_we
     random instance of the architecture, saved (bf16) beside it. ``checkpoint_hook(dir)`` runs
     before the build (tests plant outliers in the checkpoint there), ``package_hook(pkg_dir)``
     between the build and the check (tests mutate the package there)."""
-    import dataclasses
-    import tempfile
-
-    from .. import reference
-    from ..build import build
-
     if dtype not in ("fp32", "bf16"):
         raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
     with tempfile.TemporaryDirectory(prefix="ttbundle-check-") as tmp:
@@ -195,8 +200,6 @@ def text_tokens(pkg, text: str | None) -> tuple[list[int] | None, str]:
     """The check's text as token ids with the package's own tokenizer (``text`` None: the shipped
     public-domain text, :func:`quality.default_text`), and what it was; (None, why) for a package
     without a tokenizer (token ids only: the prompt is then random tokens)."""
-    from ..package.names import has_tokenizer
-
     names = [p.name for p in Path(pkg.dir).iterdir()]
     if not has_tokenizer(names):
         if text is not None:
@@ -223,11 +226,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     the whole sequence, for the quality verdict."""
     import torch
 
-    from .. import reference
     from ..backends.emulated import EmulatedModel, Runner
-    from ..package.load import load_package
-    from ..package.shards import trim_heap
-    from .expected import ExpectedWeights
 
     if dtype not in ("fp32", "bf16"):
         raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
@@ -260,7 +259,6 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     mm, inputs, rope, delta = None, None, None, 0
     part = bundle.family.vision_part(bundle.arch)  # the family's vision part owns what differs
     if images:
-        from .. import vision
         inputs = {k: x.to(tdtype) if x.is_floating_point() else x
                   for k, x in vision.image_inputs(bundle, images).items()}
         prompt, mm = vision.prompt_with_images(bundle, prompt, len(images), chunk, inputs)
@@ -282,7 +280,6 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
 
     # the original: transformers' skeleton of the checkpoint; the expected: the same skeleton
     # loading the checkpoint as the package stores it. One layer materialized at a time.
-    from ..weights import bundle_adapters
     adapters = bundle_adapters(bundle)  # the LoRA adapters the build merged (bundle.yaml records them)
     ref = reference.LayerwiseModel(reference_dir, tdtype, device, "bf16" if kv_dtype == "bf16" else None,
                                    adapters=adapters)
@@ -359,7 +356,6 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
         if mm is not None:  # the package's vision program against transformers' image features
             mm["embeds"] = model.encode_images(inputs["pixel_values"].to(device), inputs.get("image_grid_thw"))
             free()
-            from ..vision import vision_bucket
             vb, _ = vision_bucket(part, sorted(b for ph, b in model.programs if ph == "vision"),
                                   inputs["pixel_values"], inputs.get("image_grid_thw"))
             runner.shapes_run.add(("vision", vb))
@@ -522,9 +518,6 @@ def recorded_checkpoint(pkg_dir) -> Path:
     """The checkpoint a package was built from, as its manifest records it (``sources.weights``),
     if it is still there unchanged: the build's own test (``cache.source_records``: a digest is
     reused while size, mtime and inode match, else the file is hashed again with BLAKE3)."""
-    from .. import cache
-    from ..package.verify import read_manifest
-
     pkg_dir = Path(pkg_dir)
     recs = (read_manifest(pkg_dir).get("sources") or {}).get("weights") or []
     if not recs:

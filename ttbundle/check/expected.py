@@ -18,9 +18,14 @@ reference already applies; bf16-stored tensors are left to it (the same values).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import InvalidInput
+from .. import blockfloat
+from ..families import transforms
+from ..package.shards import _parallel, _scatter, cut
+from ..weights import Checkpoint, bundle_adapters, read_plan, spec_quantization
 
 
 def stored_values(c, units_per_dim: list, dims, devices: int, encoding: str):
@@ -29,8 +34,6 @@ def stored_values(c, units_per_dim: list, dims, devices: int, encoding: str):
     -1 for padding) cut, padded with zeros, rounded (``blockfloat.quantize``: one shared
     exponent per 16 values of a tile row, so the cut matters) and written back."""
     import torch
-
-    from ..package.shards import _scatter, cut
 
     out = c.clone()
     seen = set()
@@ -56,9 +59,6 @@ def _quantize(x, encoding: str):
     the GIL): a block-float tile row's exponents do not reach across rows, so bands of whole
     rows round as the whole does."""
     import torch
-
-    from .. import blockfloat
-    from ..package.shards import _parallel
 
     flat = x.reshape(-1, x.shape[-1])
     out = torch.empty(flat.shape, dtype=torch.float32)
@@ -108,8 +108,6 @@ class ExpectedWeights:
     key whose tensors are stored as bf16 (the reference's own rounding gives those)."""
 
     def __init__(self, pkg, reference_dir: str | Path):
-        from ..weights import Checkpoint, bundle_adapters, read_plan, spec_quantization
-
         bundle = pkg.bundle
         self.family, self.arch = bundle.family, bundle.arch
         self.weights = pkg.weights  # the plan's dtypes and shard units (not the stored bytes)
@@ -194,7 +192,6 @@ class ExpectedWeights:
         return self._bands(name, srcs, decl, units, enc, tf, hidden)
 
     def _bands(self, name, srcs, decl, units, enc, tf, hidden):
-        from dataclasses import replace
         src = self.ck.get(srcs[0][1][0])  # [vocab, hidden] ("t") or [hidden, vocab] ("id")
         for r0 in range(0, hidden, self.HEAD_BAND):
             r1 = min(hidden, r0 + self.HEAD_BAND)
@@ -211,7 +208,6 @@ class ExpectedWeights:
         ``weights.canonical`` reads them), as the package stores it."""
         import torch
 
-        from ..families import transforms
         parts = [torch.stack([self.ck.get(k) for k in ks]) if "{e}" in pat else self.ck.get(ks[0])
                  for pat, ks in srcs]
         c = transforms.apply(self.table[name].transform, parts, self.arch).float()

@@ -8,6 +8,8 @@ runs the package's numbers (the executor verdict)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from importlib import resources
+from ..spec import DEFAULT_QUALITY
 
 #: metrics where larger is better (the rest: smaller is better)
 HIGHER_IS_BETTER = ("top1", "top5")
@@ -93,7 +95,6 @@ def measure(original, package, next_tokens) -> dict:
 def targets_for(bundle, storage: str) -> dict:
     """The spec's quality targets for ``storage`` (``quality.<storage>``: the metrics it sets),
     else ``spec.DEFAULT_QUALITY``'s."""
-    from ..spec import DEFAULT_QUALITY
     declared = bundle.spec.quality
     t = None if declared is None else getattr(declared, storage)
     if t is None:
@@ -103,5 +104,4 @@ def targets_for(bundle, storage: str) -> dict:
 
 def default_text() -> str:
     """The public-domain text shipped with ttbundle (``ttbundle/data/quality.txt``)."""
-    from importlib import resources
     return resources.files("ttbundle").joinpath("data", "quality.txt").read_text(encoding="utf-8")

@@ -15,14 +15,19 @@ import datetime
 import hashlib
 import json
 import os
+import subprocess
 from pathlib import Path
+from .. import __version__, cache
+from ..manifest import MANIFEST
+from ..package.load import load_package
+from ..package.names import CHECKS_DIR, CHECK_RECORD_BYTES
+from ..reference import _safetensors_files
 
 SCHEMA = "ttbundle.check-record/1"
 
 
 def manifest_digest(pkg_dir) -> str:
     """The sha256 of the package's ``manifest.json``: what a record is bound to."""
-    from ..manifest import MANIFEST
     return hashlib.sha256((Path(pkg_dir) / MANIFEST).read_bytes()).hexdigest()
 
 
@@ -32,8 +37,6 @@ def checkpoint_key(reference_dir) -> dict:
     digest while size, mtime and inode match)."""
     import blake3
 
-    from .. import cache
-    from ..reference import _safetensors_files
     d = Path(reference_dir)
     files = _safetensors_files(d)
     recs = cache.source_records(files, None, d)
@@ -48,7 +51,6 @@ def checkpoint_key(reference_dir) -> dict:
 
 def _git_sha() -> str | None:
     """ttbundle's own commit where it runs from a git checkout (else None)."""
-    import subprocess
     root = Path(__file__).resolve().parents[2]
     if not (root / ".git").exists():
         return None
@@ -64,9 +66,6 @@ def make_record(report, pkg_dir, reference_dir) -> dict:
     ``pkg_dir`` against ``reference_dir``)."""
     import torch
     import transformers
-
-    from .. import __version__
-    from ..package.load import load_package
 
     pkg = load_package(pkg_dir, verify=False)
     m = pkg.mesh
@@ -91,7 +90,6 @@ def make_record(report, pkg_dir, reference_dir) -> dict:
 
 def write_record(pkg_dir, record: dict) -> Path:
     """``checks/<compute dtype>.json`` in the package, written to a temporary name and renamed."""
-    from ..package.names import CHECKS_DIR
     d = Path(pkg_dir) / CHECKS_DIR
     d.mkdir(exist_ok=True)
     path = d / f"{record['dtypes']['compute']}.json"
@@ -107,7 +105,6 @@ def write_record(pkg_dir, record: dict) -> Path:
 def records(pkg_dir) -> list[dict]:
     """The package's check records that are bound to its current manifest (newest first); a
     record of another manifest (the package was rebuilt since) or unreadable is left out."""
-    from ..package.names import CHECK_RECORD_BYTES, CHECKS_DIR
     d = Path(pkg_dir) / CHECKS_DIR
     if not d.is_dir():
         return []

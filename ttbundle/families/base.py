@@ -9,6 +9,7 @@ by mesh axis cols=8``.
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -194,8 +195,6 @@ class RopeScaling(BaseModel):
 def _lists_as_tuples(cls, data):
     """Strict models take a YAML or JSON list for a tuple field (strict mode alone refuses it);
     the items stay strict."""
-    import typing
-
     if not isinstance(data, dict):
         return data
     out = dict(data)

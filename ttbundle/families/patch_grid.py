@@ -6,12 +6,13 @@ positions. One owner for these rules; the vision parts call them with their sett
 
 from __future__ import annotations
 
+from .base import Dim
+
 
 def encoder_dims(v, text_hidden: int, heads: str = "num_heads", text: str = "vision.out_hidden_size") -> dict:
     """The dims a patch-grid encoder's weights are declared in (``base.Dim``), each named by the
     spec key that sets it: hidden, attention heads (``heads``: the family's key), MLP, a patch's
     pixels, a merge block's features and a soft token's width (``text``)."""
-    from .base import Dim
     return {"hid": Dim("vision.hidden_size", v.hidden_size),
             "heads": Dim(f"vision.{heads}", getattr(v, heads), v.head_dim),
             "inter": Dim("vision.intermediate_size", v.intermediate_size),

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InvalidInput
+from ..fsutil import read_user_json
 
 PREFIX = "base_model.model."
 #: adapter_config.json settings whose other values ttbundle cannot merge
@@ -69,8 +70,6 @@ def _targeted(targets, module: str) -> bool:
 def read_adapter(d: Path) -> Adapter:
     """An adapter directory read (its config and tensor shapes; no values)."""
     from safetensors import safe_open
-
-    from ..fsutil import read_user_json
 
     d = Path(d)
     cfg_path, model = d / "adapter_config.json", d / "adapter_model.safetensors"

@@ -4,6 +4,7 @@ it goes) and the bytes each shard takes in it (:func:`encoded_nbytes`)."""
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
@@ -12,6 +13,9 @@ import os
 import struct
 from pathlib import Path
 
+from .. import blockfloat
+from ..tiles import ELEM_BYTES
+
 #: the safetensors dtype a shard of each encoding is stored as (block floats: raw tile bytes)
 ST_DTYPE = {"bf16": "BF16", "bfp8": "U8", "bfp4": "U8"}
 
@@ -19,9 +23,8 @@ ST_DTYPE = {"bf16": "BF16", "bfp8": "U8", "bfp4": "U8"}
 def encoded_nbytes(shape: list[int], dtype: str) -> int:
     """Bytes of one shard in the file: bf16 elements, or whole block-float tiles."""
     if dtype == "bf16":
-        return math.prod(shape) * 2
-    from ..plan.memory import TILE_BYTES, tile_pages
-    return tile_pages(shape) * TILE_BYTES[dtype]
+        return math.prod(shape) * ELEM_BYTES["bf16"]
+    return blockfloat.encoded_bytes(shape, dtype)
 
 
 WRITE_PIECE = 1 << 19
@@ -31,7 +34,6 @@ WRITEBACK_EVERY = 16 << 20
 @functools.cache
 def _sync_file_range():
     """libc's ``sync_file_range`` (Linux), or None."""
-    import ctypes
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
     except (OSError, AttributeError):

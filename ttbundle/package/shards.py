@@ -5,10 +5,16 @@ by band (:data:`BAND_BYTES`); and :func:`trim_heap`, which hands freed pages bac
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
+import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from .names import PackageError, tensor_key, weight_file
+from .. import blockfloat, layout
+from ..layout import elements, unit_runs
 
 
 class SharedStack:
@@ -79,7 +85,6 @@ class PackageWeights:
     them (the header's ``stored_in``), read and decoded once, and shared."""
 
     def __init__(self, pkg: Path, bundle, mesh, refs: dict):
-        from .. import layout
         self.pkg, self.bundle, self.mesh, self.refs = pkg, bundle, mesh, refs
         self.decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
         self.dtypes = {n: r.dtype for n, r in refs.items()}
@@ -194,7 +199,6 @@ def cut(x, k: int, us, unit: int):
     ``us`` is one contiguous run (every plan's common case), else a gathered copy."""
     import torch
 
-    from ..layout import elements, unit_runs
     run = unit_runs(us)
     if run is not None and (run[0] + run[1]) * unit <= x.shape[k]:
         return x.narrow(k, run[0] * unit, run[1] * unit)
@@ -209,7 +213,6 @@ def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
     view of ``g`` where every dim's units are one contiguous run."""
     import torch
 
-    from ..layout import elements, unit_runs
     runs = [unit_runs(us) for us in units_per_dim]
     if all(r is not None and (r[0] + r[1]) * d.unit <= g.shape[k]
            for k, (r, d) in enumerate(zip(runs, dims))):
@@ -229,7 +232,8 @@ def _scatter(g, shard, units_per_dim: list[list[int]], dims) -> None:
     g[tuple(idx)] = shard
 
 
-#: a large tensor is read and decoded this many bytes (of float32) at a time (PackageWeights.stack)
+#: bytes of one band: a large tensor is read and decoded this many bytes (of float32) at a time
+#: (PackageWeights.stack), and a block-float shard encoded as much at a time (convert)
 BAND_BYTES = 64 << 20
 
 
@@ -255,7 +259,6 @@ def _decode_into(handle, key: str, info: dict, out) -> None:
             r1 = min(stored0, r0 + per)
             jobs.append((out[:, r0:r1] if flip else out[r0:r1], r0, r1, info))
     else:
-        from .. import blockfloat
 
         h, w = shape[-2], shape[-1]
         mats = out.reshape(-1, h, w)
@@ -274,9 +277,6 @@ def _decode_into(handle, key: str, info: dict, out) -> None:
 
 def _parallel(fn, jobs: list) -> None:
     """``fn`` over ``jobs`` on one thread per usable core (numpy and torch release the GIL)."""
-    import os
-    from concurrent.futures import ThreadPoolExecutor
-
     n = min(len(jobs), len(os.sched_getaffinity(0)), 8)
     if n <= 1:
         for j in jobs:
@@ -300,10 +300,6 @@ def _decode(t, info: dict):
     enc = info.get("encoding", "bf16")
     if enc == "bf16":
         return t.transpose(-1, -2) if info.get("transposed") else t
-    try:
-        from .. import blockfloat
-    except ImportError:
-        raise PackageError(f"package holds {enc} weights but ttbundle.blockfloat is not available") from None
     return blockfloat.decode(t.numpy().tobytes(), info["shape"], enc)
 
 
@@ -311,9 +307,6 @@ def trim_heap() -> None:
     """Hand the heap's freed pages back to the system (glibc's ``malloc_trim``): a layer's
     tensors, once freed, would otherwise stay resident as fragments of the heap, and the peak
     would grow with the layer count. A no-op where the C library has none."""
-    import ctypes
-    import ctypes.util
-
     global _LIBC
     if _LIBC is None:
         try:

@@ -14,6 +14,8 @@ import re
 from ..errors import InvalidInput, TTBundleError
 from ..fsutil import TEMPLATE_DIR
 from .names import RUNTIME_CLASS, PackageError, identifier, tt_arch
+from .. import reference
+from .names import DRAFT_DIR
 
 
 class _Checked(str):
@@ -183,7 +185,6 @@ def metadata_json(arch: str, main_class: str) -> str:
 
 def hf_config_json(bundle) -> str:
     """config.json: the arch's HF config (transformers' full dict) with the TT-prefixed arch."""
-    from .. import reference
     cfg = json.loads(reference.hf_config(bundle).to_json_string(use_diff=False))
     cfg["architectures"] = [tt_arch(bundle.family.hf_architecture(bundle.arch))]
     cfg["torch_dtype"] = "bfloat16"
@@ -215,7 +216,6 @@ def resolved_spec(bundle, plan) -> dict:
     # default left out would be filled in again on load, by a rule that may read other fields
     d["vision"] = None if bundle.vision is None else bundle.vision.model_dump(mode="json")
     if d.get("speculative") and d["speculative"].get("method") == "draft":  # the draft's package, inside this one
-        from .names import DRAFT_DIR
         d["speculative"]["model"] = f"{DRAFT_DIR}/bundle.yaml"
     return {k: v for k, v in d.items() if v is not None}
 

@@ -6,9 +6,12 @@ verdict); and the adapter imported from its checked bytes by path (:func:`load_a
 from __future__ import annotations
 
 import hashlib
+import importlib.machinery
+import importlib.util
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 from ..errors import InvalidInput
@@ -16,6 +19,8 @@ from ..fsutil import hash_file
 from ..manifest import MANIFEST, METADATA
 from .names import CHECK_RECORD_BYTES, CHECKS_DIR, DRAFT_DIR, FORMATS, IDENT, SAFE_NAME, PackageError, module_name
 from .templates import check_adapter_source
+from .. import manifest as schema
+from ..fsutil import strict_json
 
 
 def sha256_file(path: Path) -> str:
@@ -26,9 +31,6 @@ def read_manifest(pkg: Path) -> dict:
     """The package's manifest, read strictly (``ttbundle.manifest``): a regular file of at most
     ``manifest.MAX_BYTES``, JSON without duplicate keys, every key known and of its type, every
     listed path inside the package. PackageError naming the file and the field."""
-    from .. import manifest as schema
-    from ..fsutil import strict_json
-
     p = Path(pkg) / MANIFEST
     try:
         fd = os.open(p, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
@@ -252,10 +254,6 @@ def load_adapter(pkg: str | Path, m: dict, metadata: dict | None = None):
     read once, checked against the manifest's sha256 and the adapter whitelist
     (:func:`check_adapter_source`), then compiled and run as a fresh module. Nothing is looked up
     on ``sys.path`` and no bytecode is read or written."""
-    import importlib.machinery
-    import importlib.util
-    import sys
-
     pkg = Path(pkg)
     mod, cls = adapter_of(pkg, m, metadata)
     rel = f"{mod}.py"

@@ -30,7 +30,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..tiles import ELEM_BYTES
 from .pool import choose_pool, pool_blocks, pool_tokens
+from .. import layout
 
 #: the share of the available memory (after weights, activations and runtime) ``auto`` gives the
 #: emulated KV pool: the emulated mesh decodes a few streams at a time (tens of tokens a second on
@@ -46,7 +48,7 @@ RUNTIME_BYTES = 2 << 30
 #: attention scores (the emulated attention computes them 128 MiB at a time) and temporaries
 SCRATCH_BYTES = 256 << 20
 #: bytes of an element of the emulated mesh's compute dtype (float32)
-HOST_ELEM_BYTES = 4
+HOST_ELEM_BYTES = ELEM_BYTES["f32"]
 MEMINFO = Path("/proc/meminfo")
 
 
@@ -182,8 +184,6 @@ class HostPlan:
 
 def host_weights(bundle, plan) -> int:
     """The weights the emulated mesh holds: each distinct shard once, float32."""
-    from .. import layout
-
     decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
     mesh, policy = plan.mesh, bundle.spec.sharding
     total = 0

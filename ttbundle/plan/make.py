@@ -17,6 +17,7 @@ from .memory import TRACE_BYTES_PER_OP, Memory, tensor_bytes, trace_region_dram
 from .pool import choose_pool
 from .propagate import Collective, _Tracer, _seen_by_attention, vision_steps
 from .sharding import TensorPlan, _shard_tensors, target_mesh
+from ..spec import load
 
 @dataclass
 class Plan:
@@ -231,7 +232,6 @@ def draft_memory(bundle, mesh: Mesh, draft=None) -> dict:
     if path is None:
         return {"bytes": 0}
     if draft is None:
-        from ..spec import load
 
         draft = load(path)
     dp = make_plan(draft, mesh)

@@ -9,10 +9,10 @@ import math
 from dataclasses import dataclass
 
 from ..mesh import Mesh
-from ..tiles import TILE, cdiv as _cdiv, round_up as _round_up
+from ..tiles import ELEM_BYTES, TILE, cdiv as _cdiv, round_up as _round_up, tile_bytes
 
-TILE_BYTES = {"bf16": 2048, "bfp8": 1088, "bfp4": 576, "f32": 4096}
-ELEM_BYTES = {"bf16": 2, "f32": 4}
+#: bytes of one 32x32 tile of each dtype a plan stores (``tiles.tile_bytes``)
+TILE_BYTES = {d: tile_bytes(d) for d in ("bf16", "bfp8", "bfp4", "f32")}
 ACT_BYTES = 2  # activations are bf16 on device
 TRACE_BYTES_PER_OP = 8 * 1024  # dispatch commands + runtime args per captured op (estimate)
 # ttnn carves the trace region out of the top of every DRAM bank when the mesh opens: each bank

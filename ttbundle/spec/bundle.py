@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import Diagnostic, InvalidInput
 from .schema import Buckets, BundleSpec, Embedding, Vision
+from .. import hub
 
 
 @dataclass
@@ -58,7 +59,6 @@ class Bundle:
     def resolve_path(self, p: str | None, download: bool = True) -> Path | None:
         """A spec path (``from_hf``, ``weights.source``, ``tokenizer``): relative to the spec's
         directory, or a model id ``ORG/NAME[@REVISION]`` in the Hugging Face cache (``hub.resolve``)."""
-        from .. import hub
         return None if p is None else hub.resolve(p, self.base_dir, download).path
 
 

@@ -7,6 +7,8 @@ from ..errors import Diagnostic, InvalidInput
 from ..tiles import TILE, round_up
 from .bundle import Bundle
 from .schema import DECODE_TRACE_SIZES
+from .. import embed, speculative
+from ..hub import NotCached
 
 
 def check(b: Bundle, load=None) -> list[Diagnostic]:
@@ -154,7 +156,6 @@ def check(b: Bundle, load=None) -> list[Diagnostic]:
         d.append(b.locate(("model", "hidden_size"), f"hidden_size={a.hidden_size} is not divisible by "
                           f"num_attention_heads={a.num_attention_heads}; set head_dim"))
     # paths
-    from ..hub import NotCached
     for key, p in (("weights.source", s.weights.source), ("tokenizer", s.tokenizer)):
         if p is None or p is False:
             continue
@@ -176,7 +177,6 @@ def check(b: Bundle, load=None) -> list[Diagnostic]:
                               "model id ORG/NAME[@REVISION] in the Hugging Face cache)"))
     d += b.family.check(a, b)
     d += _check_vision(b)
-    from .. import embed, speculative
     d += embed.check(b)
     d += speculative.check(b, load)  # load: spec.load.load, for a draft's spec (passed in: no cycle)
     return d

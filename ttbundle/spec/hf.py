@@ -8,11 +8,11 @@ from pathlib import Path
 
 from .. import families
 from ..errors import InvalidInput
+from .. import formats
+from ..fsutil import read_user_json
 
 
 def import_hf(d: Path) -> dict:
-    from ..fsutil import read_user_json
-
     try:
         cfg = d / "config.json" if d.is_dir() or not d.suffix else d
     except OSError as e:  # a path too long to stat
@@ -65,7 +65,6 @@ def hf_config_to_arch(config: dict, where: str = "config.json") -> dict:
                 raise InvalidInput(f"{where}: {at}: expected a JSON object (or null), got "
                                    f"{json.dumps(cfg[k])[:60]}")
     # the checkpoint's format, as vLLM detects it (an unsupported scheme: named, with what is read)
-    from .. import formats
     qc = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     formats.scheme_of(qc, where)
     wrapper = None

@@ -15,11 +15,11 @@ from .checks import check
 from .hf import import_hf
 from .messages import loc_path, pydantic_message
 from .schema import BundleSpec
+from .. import hub
+from ..fsutil import read_user_text
 
 
 def load(path: str | Path) -> Bundle:
-    from ..fsutil import read_user_text
-
     path = Path(path)
     return loads(read_user_text(path, "spec file"), str(path), base_dir=path.parent)
 
@@ -34,7 +34,6 @@ def loads(text: str, file: str = "<spec>", base_dir: Path | None = None) -> Bund
     hf_arch = None
     if "from_hf" in data and "model" not in data and isinstance(data["from_hf"], str):
         try:
-            from .. import hub
             hf_arch = import_hf(hub.resolve(data["from_hf"], base_dir).path)
         except InvalidInput as e:
             diags.append(locate(file, positions, ("from_hf",), e.message))

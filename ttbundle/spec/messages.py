@@ -3,6 +3,8 @@ the document it points at, a hint for a misspelt key."""
 
 from __future__ import annotations
 
+import difflib
+import typing
 from typing import Annotated, Union
 
 from pydantic import BaseModel
@@ -59,7 +61,6 @@ def _get(data, path: tuple):
 
 def _fields_at(loc: tuple, data) -> list[str]:
     """Field names of the model that holds the key at ``loc`` (pydantic's loc), or []."""
-    import typing
     model = BundleSpec
     path = loc_path(loc, data)[:-1]
     for i, seg in enumerate(path):
@@ -84,7 +85,6 @@ def _fields_at(loc: tuple, data) -> list[str]:
 
 
 def _key_hint(loc: tuple, data) -> str:
-    import difflib
     key, fields = loc[-1], _fields_at(loc, data)
     close = difflib.get_close_matches(str(key), fields, n=1, cutoff=0.6)
     if close:
