@@ -12,7 +12,7 @@ import shutil
 import time
 from pathlib import Path
 
-from . import __version__, cache, lower as lowermod, warmup
+from . import __version__, cache, lower as lowermod, tracebudget, warmup
 from .errors import DoesNotFit
 from .fsutil import MAX_TOKENIZER_BYTES, fault as _fault, read_user_bytes
 from .manifest import MANIFEST, METADATA
@@ -263,8 +263,6 @@ class PackageWriter:
         """What the shipped programs' traces need (``tracebudget``, counted from the programs as
         written) against the region the plan reserved (``build.device_plan``); a reservation below
         the need would fail the first capture on the device, so it is refused here."""
-        from . import tracebudget
-
         rt = self.bundle.spec.runtime
         tn = tracebudget.trace_need(self.bundle, self.plan.mesh, self._written_programs())
         size = self.plan.trace_region_size

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from . import cache, lower as lowermod, spec as specmod, warmref, warmup
+from . import cache, lower as lowermod, spec as specmod, tracebudget, warmref, warmup
 from .artifacts import PackageWriter
 from .convert import convert
 from .errors import DoesNotFit, InvalidInput, TTBundleError
@@ -123,8 +123,6 @@ def device_plan(bundle, mesh: str, backend: str) -> Plan:
     the first plan's op-count estimate; the spec's ``runtime.trace_region_size``, when given, is
     kept and refused (:class:`DoesNotFit`, at its line) below the need. The KV pool ``auto``
     sizes is then what is left beside that region. The emulated backend traces nothing."""
-    from . import tracebudget
-
     plan = make_plan(bundle, mesh)
     if backend != "ttnn" or not any(lowermod.traced(bundle, ph) for ph, _ in lowermod.trace_set(bundle)):
         return plan
@@ -168,7 +166,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     if dry_run:
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
-        _backend_field(inp, backend, sfpi)
+        _backend_field(inp, backend, sfpi, plan)
         _draft_field(inp, draft)
         _hash_sources(inp, emit)
         _describe(bundle, plan, inp, prev, res)
@@ -186,7 +184,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         _check_replaceable(pkg)
         prev = _previous(pkg)
         inp = cache.compute(bundle, plan, prev)
-        _backend_field(inp, backend, sfpi)
+        _backend_field(inp, backend, sfpi, plan)
         _draft_field(inp, draft)
         if prev is not None and inp.pending:
             _hash_sources(inp, emit)  # decide no-op vs rebuild on content, not on mtimes
@@ -236,9 +234,14 @@ def _draft_field(inp, draft: BuildResult | None) -> None:
         inp.fields["speculative.draft"] = draft.key
 
 
-def _backend_field(inp, backend: str, sfpi=None) -> None:
+def _backend_field(inp, backend: str, sfpi=None, plan=None) -> None:
     """The backend's key fields (``cache.backend_fields``; ``cache explain`` adds the same)."""
-    cache.backend_fields(inp, backend, sfpi[0].key() if sfpi else None)
+    cache.backend_fields(inp, backend, sfpi[0].key() if sfpi else None, _traced_region(plan, backend))
+
+
+def _traced_region(plan, backend: str) -> int | None:
+    """A ttnn build's trace region (``device_plan``): a key field of its programs."""
+    return plan.trace_region_size if plan is not None and backend == "ttnn" else None
 
 
 def _sfpi(backend: str):
@@ -269,7 +272,7 @@ def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
     sfpi = None
     if "kernel_cache" in rec:
         sfpi = _sfpi("ttnn")[0].key()
-    cache.backend_fields(inp, backend, sfpi)
+    cache.backend_fields(inp, backend, sfpi, _traced_region(plan, backend))
     # the draft's key as a build now would compute it (a dry run of the draft's own build)
     _draft_field(inp, _build_draft(bundle, m["mesh"]["name"], pkg.absolute().parent.parent, dry_run=True))
     cache.fill_digests(inp.weight_records + inp.tokenizer_records)

@@ -57,12 +57,13 @@ FIELDS = {
     "backend": "build backend (ttnn builds add tensorbin/ weight caches)",
     "speculative.draft": "content key of the speculative draft's package, built into this one (speculative: {method: draft})",
     "kernel_cache": "SFPI compiler that filled tt-metal's kernel cache (ttnn builds; none: not filled)",
+    "trace_region_size": "the trace region a ttnn build reserves (the traces' need + headroom, tracebudget): the KV pool is what is left beside it",
     "code.tensorbin": "tensorbin weight cache code (ttbundle.backends.ttnn.cache and its imports; ttnn builds)",
 }
 WEIGHTS_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "weights", "family_code", "ttbundle",
                 "code.convert", "mesh", "weights.format", "weights.adapters")  # the last two: when present
 PROGRAM_DEPS = ("spec.model", "spec.sharding", "spec.dtypes", "spec.runtime", "family_code",
-                "ttbundle", "code.lower", "mesh")
+                "ttbundle", "code.lower", "mesh", "trace_region_size")  # the last: ttnn builds
 WARMUP_DEPS = ("code.backend", "torch")
 
 
@@ -397,14 +398,14 @@ def artifact_keys(fields: dict, traces) -> dict:
     keys = {"weights": digest({k: fields[k] for k in WEIGHTS_DEPS if k in fields})}
     for phase, b in traces:
         name = program_name(phase, b)
-        pk = digest({**{k: fields[k] for k in PROGRAM_DEPS}, "phase": phase, "bucket": b})
+        pk = digest({**{k: fields[k] for k in PROGRAM_DEPS if k in fields}, "phase": phase, "bucket": b})
         keys[f"program:{name}"] = pk
         keys[f"warmup:{name}"] = digest({"program": pk, "weights": keys["weights"],
                                          **{k: fields[k] for k in WARMUP_DEPS}})
     return keys
 
 
-def backend_fields(inp, backend: str, sfpi_key: str | None = None) -> None:
+def backend_fields(inp, backend: str, sfpi_key: str | None = None, trace_region_size: int | None = None) -> None:
     """A ttnn build is a different package (it adds tensorbin/ and maybe kernel_cache/): its key
     says so, and which SFPI compiler filled the kernel cache (``none``: not filled; a host that
     gains SFPI rebuilds it). Emulated builds add no field, so their keys are what they were
@@ -415,3 +416,5 @@ def backend_fields(inp, backend: str, sfpi_key: str | None = None) -> None:
         inp.fields["code.tensorbin"] = code_digest(module_sources(["ttbundle.backends.ttnn.cache"]))
         if sfpi_key is not None:
             inp.fields["kernel_cache"] = sfpi_key
+        if trace_region_size:  # the plan's KV pool (in every program) is what is left beside it
+            inp.fields["trace_region_size"] = trace_region_size

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .backends.ttnn.lowering import lower_forward
+from .backends.ttnn.model import forward_keys
 from .plan.memory import TRACE_BYTES_PER_OP
 from .tiles import round_up
 
@@ -71,9 +73,6 @@ def trace_need(bundle, mesh, programs: dict, sample_on_device_mode: str | None =
     ``mesh`` with the runtime's options (default: the bundle's): every traced forward the TT
     runtime opens (``backends.ttnn.model.forward_keys``, the host-sampled fallback included)
     lowered as the runtime lowers it, its captured calls counted."""
-    from .backends.ttnn.lowering import lower_forward
-    from .backends.ttnn.model import forward_keys
-
     rt = bundle.spec.runtime
     keys, traced = forward_keys(bundle, programs, sample_on_device_mode or rt.sample_on_device_mode,
                                 host_fallback=True, trace_mode=trace_mode or rt.trace_mode)
