@@ -98,3 +98,19 @@ def test_streamed_package_is_the_whole_stack_package(tmp_path, monkeypatch, fami
     assert a.keys() == w.keys() and len(a) >= 1
     for k in a:
         assert a[k] == w[k], k
+
+
+def test_reference_skeleton_allocates_no_parameter(tmp_path):
+    """check's reference skeleton (``reference.LayerwiseModel``) of a block-FP8 DeepSeek-V3: no
+    tensor of a parameter's size is allocated while transformers builds it (issue 37: the fused
+    float32 experts of a real-size layer, 30 GB, were allocated before they moved to ``meta``)."""
+    from ttbundle import reference
+
+    b = _bundle(tmp_path, "deepseek_v3")
+    seen = Largest()
+    with seen:
+        m = reference.LayerwiseModel(b.spec.weights.source)
+    experts = [p for n, p in m.model.named_parameters() if n.endswith("experts.gate_up_proj")]
+    assert experts and all(p.device.type == "meta" for p in m.model.parameters())
+    # the largest real tensor is smaller than one expert's matrix: buffers (rotary tables) only
+    assert seen.nbytes < EXPERT * 4, seen.what
