@@ -277,12 +277,18 @@ def one_depth(work: Path, model: str, layers: int, check: bool, env: dict, mesh:
                timings=done["timings"])
     if check:
         try:
+            # exit 1 (a failed verdict) keeps its report: the exit code is the last line of stdout
             with Watchdog():
-                c_wall, c_rss, c_out = measure(tt + ["check", done["package"], "--steps", "2", "--json",
-                                                     "--no-record"], env)
-            rep = json.loads(c_out)
+                c_wall, c_rss, c_out = measure(["sh", "-c", '"$@"; echo "$?"', "sh"] + tt + [
+                    "check", done["package"], "--steps", "2", "--json", "--no-record"], env)
+            body, _, rc = c_out.rstrip().rpartition("\n")
+            if rc.strip() not in ("0", "1"):
+                raise SystemExit(f"check exited {rc.strip()}:\n{body[-2000:]}")
+            rep = json.loads(body)
             row.update(check_s=round(c_wall, 1), check_rss=c_rss, check_passed=rep["passed"],
-                       check_prompt=rep.get("prompt_len"))
+                       check_prompt=rep.get("prompt_len"), check_exit=int(rc),
+                       check_failure=None if rep["passed"] else str(rep.get("failure") or rep.get("verdict"))[:500],
+                       check_timings=rep.get("timings"))
         except SystemExit as e:  # a failed check keeps the build's figures and says why
             row.update(check_failed=str(e)[-2000:])
     row["load"] = round(os.getloadavg()[0], 2)
