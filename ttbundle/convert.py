@@ -84,21 +84,29 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
         total = sum(e[3] for es in entries for e in es)
         emit({"event": "phase", "phase": "weights", "total": len(jobs), "total_bytes": total,
                    "unit": "tensors"})
-        # one tensor's distinct shards may wait for the writers while the next one is read
-        cap = max(encoded_nbytes(tp[n].device_shape, tp[n].dtype) * D for n, _, _ in jobs)
+        # expert stacks are read, cut and written a few experts at a time (``_ExpertStream``)
+        streams = {i: st for i, (n, _l, srcs) in enumerate(jobs)
+                   if (st := _ExpertStream.plan(transform[n], decls[n], srcs, units[n], D, tp[n])) is not None}
+        # one tensor's (one expert chunk's) distinct shards may wait for the writers while the next is read
+        cap = max(streams[i].cap if i in streams else encoded_nbytes(tp[n].device_shape, tp[n].dtype) * D
+                  for i, (n, _, _) in enumerate(jobs))
         # write + sha256 is most of the work: one thread per core, each owning whole device files
         nbg = max(1, min(D, WRITER_THREADS or len(os.sched_getaffinity(0))))
         bg = [_WriteBehind(cap) for _ in range(nbg)]
         pool = _BufferPool(2 * cap)
         for i, (name, layer, sources) in enumerate(jobs):
             t = tp[name]
-            c, nread = _read_canonical(ck, transform[name], a, decls[name], layer, sources, t.dtype)
-            res.bytes_read += nread
             key = tensor_key(name, layer)
-            written = 0
             keep = bool(layout[key].get("transposed"))
-            for buf, devices, handle in _device_shards(c, units[name], decls[name].dims, D, t.dtype, pool,
-                                                       keep_source_order=keep):
+            if i in streams:
+                parts = streams[i].shards(ck, a, decls[name], layer, sources, pool, keep)
+            else:
+                c, nread = _read_canonical(ck, transform[name], a, decls[name], layer, sources, t.dtype)
+                res.bytes_read += nread
+                parts = _device_shards(c, units[name], decls[name].dims, D, t.dtype, pool, keep_source_order=keep)
+                del c
+            written = 0
+            for buf, devices, handle in parts:
                 n = memoryview(buf).nbytes
                 d = layout[key]["stored_in"][devices[0]]  # the one file that stores it
                 if d != devices[0]:
@@ -109,7 +117,9 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
                     bg[j].put(targets, buf, n, done)
                 written += n
                 del buf, handle
-            del c
+            del parts
+            if i in streams:
+                res.bytes_read += streams[i].nread
             res.bytes_written += written
             emit({"event": "advance", "phase": "weights", "item": key, "i": i + 1,
                        "n": len(jobs), "bytes": written})
@@ -245,60 +255,166 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
     floats, then encoded). A pooled buffer goes back to ``pool`` once written. With
     ``keep_source_order`` (bf16 only, see :func:`_stored_transposed`) a shard stays in the
     source's element order: a contiguous cut is yielded as a view of the source, zero copies."""
-    import torch
-
     held: dict[int, list[int]] = {}
     for d, first in enumerate(layoutmod.holders(units_per_dim, D)):
         held.setdefault(first, []).append(d)
-    host = torch.bfloat16 if dtype == "bf16" else torch.float32
     for first, devices in held.items():
         sig = tuple(tuple(u[first]) for u in units_per_dim)
-        v, pads = c.base, []
-        for k, (units, dim) in enumerate(zip(sig, dims)):
-            if len(units) == dim.size and units == tuple(range(dim.size)):
-                continue
-            sk = c.dim(k)
-            run = layoutmod.unit_runs(units)
-            if run is not None:
-                v = v.narrow(sk, run[0] * dim.unit, run[1] * dim.unit)
-                continue
-            pos = torch.tensor(layoutmod.elements(units, dim.unit), dtype=torch.long)
-            v = v.index_select(sk, pos.clamp(min=0))
-            if bool((pos < 0).any()):
-                pads.append((k, (pos < 0).nonzero().reshape(-1)))
-        if keep_source_order:
-            if dtype != "bf16":
-                raise RuntimeError(f"source order is kept for bf16 shards only, not {dtype}")
-            if not pads and v.is_contiguous() and v.dtype == torch.bfloat16:
-                yield v.reshape(-1).view(torch.uint8).numpy(), devices, None
-                del v
-                continue
-            x = pool.take(tuple(v.shape), host) if pool is not None else torch.empty(v.shape, dtype=host)
-            x.copy_(v)
-            del v
-            for k, where in pads:
-                x.index_fill_(c.dim(k), where, 0)
-            yield x.view(torch.uint8).numpy(), devices, x if pool is not None else None
-            del x
+        buf, handle = _cut(c, sig, dims, dtype, pool, keep_source_order)
+        yield buf, devices, handle
+        del buf, handle
+
+
+def _cut(c: _Canon, sig, dims, dtype: str, pool, keep_source_order: bool):
+    """One device shard of ``c`` (``sig``: per dim, the units it holds): (bytes-like, pooled
+    buffer or None), see :func:`_device_shards`."""
+    import torch
+
+    host = torch.bfloat16 if dtype == "bf16" else torch.float32
+    v, pads = c.base, []
+    for k, (units, dim) in enumerate(zip(sig, dims)):
+        if len(units) == dim.size and units == tuple(range(dim.size)):
             continue
-        shape = tuple(v.transpose(-1, -2).shape if c.swap else v.shape)
+        sk = c.dim(k)
+        run = layoutmod.unit_runs(units)
+        if run is not None:
+            v = v.narrow(sk, run[0] * dim.unit, run[1] * dim.unit)
+            continue
+        pos = torch.tensor(layoutmod.elements(units, dim.unit), dtype=torch.long)
+        v = v.index_select(sk, pos.clamp(min=0))
+        if bool((pos < 0).any()):
+            pads.append((k, (pos < 0).nonzero().reshape(-1)))
+    if keep_source_order:
         if dtype != "bf16":
-            data = _encode_bands(v.transpose(-1, -2) if c.swap else v, pads, dtype)
-            del v
-            yield data, devices, None
-            continue
-        x = pool.take(shape, host) if pool is not None else torch.empty(shape, dtype=host)
-        if c.swap and v.shape[-2] > 16 * TRANSPOSE_BLOCK:
-            # blocks of source rows (output columns): ~2x faster than one big strided copy
-            for r in range(0, v.shape[-2], TRANSPOSE_BLOCK):
-                x[..., r:r + TRANSPOSE_BLOCK].copy_(v[..., r:r + TRANSPOSE_BLOCK, :].transpose(-1, -2))
-        else:
-            x.copy_(v.transpose(-1, -2) if c.swap else v)
+            raise RuntimeError(f"source order is kept for bf16 shards only, not {dtype}")
+        if not pads and v.is_contiguous() and v.dtype == torch.bfloat16:
+            return v.reshape(-1).view(torch.uint8).numpy(), None
+        x = pool.take(tuple(v.shape), host) if pool is not None else torch.empty(v.shape, dtype=host)
+        x.copy_(v)
         del v
         for k, where in pads:
-            x.index_fill_(k, where, 0)
-        yield x.view(torch.uint8).numpy(), devices, x if pool is not None else None
+            x.index_fill_(c.dim(k), where, 0)
+        return x.view(torch.uint8).numpy(), x if pool is not None else None
+    shape = tuple(v.transpose(-1, -2).shape if c.swap else v.shape)
+    if dtype != "bf16":
+        data = _encode_bands(v.transpose(-1, -2) if c.swap else v, pads, dtype)
+        return data, None
+    x = pool.take(shape, host) if pool is not None else torch.empty(shape, dtype=host)
+    if c.swap and v.shape[-2] > 16 * TRANSPOSE_BLOCK:
+        # blocks of source rows (output columns): ~2x faster than one big strided copy
+        for r in range(0, v.shape[-2], TRANSPOSE_BLOCK):
+            x[..., r:r + TRANSPOSE_BLOCK].copy_(v[..., r:r + TRANSPOSE_BLOCK, :].transpose(-1, -2))
+    else:
+        x.copy_(v.transpose(-1, -2) if c.swap else v)
+    del v
+    for k, where in pads:
+        x.index_fill_(k, where, 0)
+    return x.view(torch.uint8).numpy(), x if pool is not None else None
+
+
+#: canonical bytes (bf16) of the experts one step of an expert stack's conversion reads, decodes
+#: and cuts (at least one expert): the memory bound of a MoE layer's conversion
+EXPERT_CHUNK_BYTES = 128 << 20
+#: name-table transforms that act on each expert alone (on the trailing dims): an expert stack
+#: read through one of them converts expert by expert
+EXPERT_WISE = frozenset({"t", "id", "gate_up_deinterleave"})
+
+
+class _ExpertStream:
+    """An expert stack ``[E, ...]`` converted a chunk of experts at a time: each chunk decoded
+    from the checkpoint alone (``Checkpoint.get_rows`` of a stacked tensor, or its experts' own
+    tensors), transformed, and cut into the pieces of every device shard holding some of its
+    experts; a device shard is the concatenation of its experts' pieces in expert order (the
+    expert dim is the outermost, in bf16 and in block-float tiles alike), appended to its file
+    piece by piece. Memory: a chunk and its pieces, never the layer's stack."""
+
+    def __init__(self, tf, held, n, cap, per_expert, dtype, dims):
+        self.tf, self.held, self.n, self.cap = tf, held, n, cap
+        self.per_expert, self.dtype, self.dims, self.nread = per_expert, dtype, dims, 0
+
+    @classmethod
+    def plan(cls, tf: str, decl, sources, units_per_dim, D: int, t):
+        """The stream of one canonical tensor, or None where it converts whole: not an expert
+        stack of an expert-wise transform, or a device holding its experts out of order or padded."""
+        if decl.group != "experts" or len(decl.shape) < 3 or tf not in EXPERT_WISE or len(sources) != 1:
+            return None
+        held: dict = {}
+        for d, first in enumerate(layoutmod.holders(units_per_dim, D)):
+            held.setdefault(first, []).append(d)
+        E, plans = decl.shape[0], []
+        for first, devices in held.items():
+            sig = tuple(tuple(u[first]) for u in units_per_dim)
+            pos = layoutmod.elements(sig[0], decl.dims[0].unit)
+            if not pos or min(pos) < 0 or pos != sorted(set(pos)):
+                return None
+            plans.append((devices, pos, sig[1:]))
+        per_expert = math.prod(decl.shape[1:]) * 2
+        n = max(1, min(E, EXPERT_CHUNK_BYTES // per_expert))
+        piece = encoded_nbytes(t.device_shape, t.dtype) // len(plans[0][1])  # one expert of one shard
+        cap = max(piece * sum(sum(1 for p in pos if e0 <= p < e0 + n) for _d, pos, _s in plans)
+                  for e0 in range(0, E, n))
+        return cls(tf, plans, n, cap, piece, t.dtype, decl.dims)
+
+    def _chunk(self, ck, a, decl, layer, sources, e0: int, e1: int) -> _Canon:
+        import torch
+
+        from .families import transforms
+
+        pattern, keys = sources[0]
+        if _is_view(self.tf, sources):
+            x = ck.get_rows(keys[0], e0, e1)
+            c = _Canon(x, self.tf == "t" and x.dim() >= 2)
+            shape = tuple(x.shape)
+            if c.swap:
+                shape = shape[:-2] + (shape[-1], shape[-2])
+        else:
+            if "{e}" in pattern:
+                ts = [ck.get(k) for k in keys[e0:e1]]
+                x = torch.stack(ts)
+                del ts
+            else:
+                x = ck.get_rows(keys[0], e0, e1)
+            c = _Canon(transforms.apply(self.tf, [x], a))
+            shape = tuple(c.base.shape)
+        self.nread += x.numel() * x.element_size()
         del x
+        want = (e1 - e0,) + tuple(decl.shape[1:])
+        if shape != want:
+            where = f"{decl.name}{'' if layer is None else f' (layer {layer})'}"
+            raise InvalidInput(f"{where}: checkpoint gives shape {[decl.shape[0]] + list(shape[1:])} "
+                               f"(experts {e0}..{e1 - 1}: {list(shape)}), the architecture says {list(decl.shape)}")
+        return c
+
+    def shards(self, ck, a, decl, layer, sources, pool, keep: bool):
+        """Yield (bytes-like, [devices], pooled buffer or None): each chunk's piece of each device
+        shard, chunks in expert order."""
+        import torch
+
+        from .families.base import Dim
+
+        self.nread = 0
+        E = decl.shape[0]
+        for e0 in range(0, E, self.n):
+            e1 = min(E, e0 + self.n)
+            c = self._chunk(ck, a, decl, layer, sources, e0, e1)
+            for devices, pos, rest in self.held:
+                sel = [p - e0 for p in pos if e0 <= p < e1]
+                if not sel:
+                    continue
+                base = c.base
+                if sel != list(range(sel[0], sel[0] + len(sel))):
+                    base = base.index_select(0, torch.tensor(sel, dtype=torch.long))
+                elif len(sel) != e1 - e0:
+                    base = base.narrow(0, sel[0], len(sel))
+                sub = _Canon(base, c.swap)
+                dims = (Dim(self.dims[0].name, len(sel)),) + tuple(self.dims[1:])
+                buf, handle = _cut(sub, (tuple(range(len(sel))),) + rest, dims, self.dtype, pool, keep)
+                if memoryview(buf).nbytes != self.per_expert * len(sel):
+                    raise RuntimeError(f"{decl.name}: experts {sel[0] + e0}.. cut to {memoryview(buf).nbytes} B, "
+                                       f"expected {self.per_expert * len(sel)} B")
+                yield buf, devices, handle
+                del buf, handle, sub, base
+            del c
 
 
 def _encode_bands(v, pads, dtype: str):

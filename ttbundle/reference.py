@@ -165,8 +165,20 @@ class _Recorded(Exception):
 def _params_on_meta():
     """A context in which every parameter a module registers goes to the ``meta`` device (no
     memory, no init) while buffers stay real (rotary tables, embedding scales): transformers'
-    skeleton of a model of any size."""
+    skeleton of a model of any size. Parameters are made from ``torch.empty`` (``nn.Linear``,
+    ``nn.Embedding``, the fused experts' ``[E, ...]`` stacks): inside it ``torch.empty`` makes
+    meta tensors, so a parameter is never allocated, not even before it moves to ``meta`` (the
+    fused float32 experts of a DeepSeek-V3 layer are 30 GB); buffers are computed (``arange``,
+    ``zeros`` ...) and stay real."""
     import torch
+    from torch.overrides import TorchFunctionMode
+
+    class EmptyOnMeta(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.empty and kwargs.get("device") in (None, "cpu", torch.device("cpu")):
+                kwargs = {**kwargs, "device": "meta"}
+            return func(*args, **kwargs)
 
     @contextlib.contextmanager
     def ctx():
@@ -179,7 +191,8 @@ def _params_on_meta():
                 module._parameters[name] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
         torch.nn.Module.register_parameter = on_meta
         try:
-            yield
+            with EmptyOnMeta():
+                yield
         finally:
             torch.nn.Module.register_parameter = register
     return ctx()

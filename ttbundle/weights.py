@@ -159,6 +159,44 @@ class Checkpoint:
                                f"and {inf:,} Inf values; its scales are not finite: fix or re-export the checkpoint")
         return x
 
+    def get_rows(self, key: str, r0: int, r1: int):
+        """Rows ``r0:r1`` of tensor ``key``'s leading dim (a stacked expert tensor [E, ...]: experts
+        ``r0:r1``) as :meth:`get` gives them, decoding only those rows: a quantized stack's
+        companions that share its leading dim are read for those rows only (MXFP4 blocks and
+        scales, a stacked fp8 weight and its block scales); a per-tensor scale whole."""
+        if key in self.merged:  # a LoRA-merged tensor: merged whole (adapters are small models)
+            return self.get(key)[r0:r1]
+        e = self.view.decoded.get(key)
+        if e is None:
+            return self._stored_rows(key, r0, r1)
+        lead = e.shape[0] if e.shape else None
+        srcs = []
+        for k in e.sources:
+            sh = self._stored_shape(k)
+            srcs.append(self._stored_rows(k, r0, r1) if len(sh) >= 3 and sh[0] == lead else self.stored(k))
+        x = e.decode(srcs)
+        want = (r1 - r0,) + tuple(e.shape[1:])
+        if tuple(x.shape) != want:  # a scheme's bug
+            raise RuntimeError(f"{key}[{r0}:{r1}]: {e.scheme} decoded shape {list(x.shape)}, expected {list(want)}")
+        nan, inf = nonfinite(x)
+        if nan or inf:
+            raise InvalidInput(f"{self.dir}: {key} decodes ({e.scheme}, from {', '.join(e.sources)}) to {nan:,} NaN "
+                               f"and {inf:,} Inf values; its scales are not finite: fix or re-export the checkpoint")
+        return x
+
+    def _stored_shape(self, key: str) -> tuple:
+        f = self.files[key]
+        with self._safe_open(f) as h:
+            return tuple(self._call(f, lambda: h.get_slice(key)).get_shape())
+
+    def _stored_rows(self, key: str, r0: int, r1: int):
+        f = self.files[key]
+        with self._safe_open(f) as h:
+            x = self._call(f, lambda: h.get_slice(key)[r0:r1])
+        if self.raw_dtypes.get(key) in CHECKED_FINITE and nonfinite(x) != (0, 0):
+            self.refuse_nonfinite()
+        return x
+
     def stored(self, key: str):
         """Stored tensor ``key`` as the file holds it."""
         f = self.files[key]

@@ -73,7 +73,7 @@ class ShardFile:
         self.f = os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "wb")
         self.h = hashlib.sha256()
         self.size = self.synced = 0
-        self.i = 0
+        self.i = self.part = 0  # the tensor being written, its bytes written so far
         self._put(struct.pack("<Q", len(raw)) + raw)
 
     def _put(self, buf) -> None:
@@ -93,12 +93,19 @@ class ShardFile:
             self.synced = self.size
 
     def write(self, name: str, buf) -> None:
+        """Append ``buf`` to tensor ``name``: its whole bytes, or the next piece of them (an
+        expert stack is written a few experts at a time); the next tensor starts once they are
+        all written."""
+        if self.i >= len(self.order):
+            raise RuntimeError(f"{self.path}: every tensor is written, got more for {name}")
         want, nbytes = self.order[self.i]
         got = memoryview(buf).nbytes
-        if name != want or got != nbytes:
-            raise RuntimeError(f"{self.path}: expected {want} ({nbytes} B), got {name} ({got} B)")
+        if name != want or self.part + got > nbytes:
+            raise RuntimeError(f"{self.path}: expected {want} ({nbytes - self.part} B more), got {name} ({got} B)")
         self._put(buf)
-        self.i += 1
+        self.part += got
+        if self.part == nbytes:
+            self.i, self.part = self.i + 1, 0
 
     def close(self) -> tuple[str, int]:
         if self.i != len(self.order):
