@@ -28,6 +28,7 @@ from .package.shards import BAND_BYTES, stored_shape, trim_heap
 from .layout import axes_of
 from . import blockfloat
 from .families import transforms
+from .families.base import Dim
 from .weights import Checkpoint, bundle_adapters, check_source_dtypes, read_plan, spec_quantization
 
 TRANSPOSE_BLOCK = 64  # source rows per step when cutting a transposed shard
@@ -358,8 +359,6 @@ class _ExpertStream:
     def _chunk(self, ck, a, decl, layer, sources, e0: int, e1: int) -> _Canon:
         import torch
 
-        from .families import transforms
-
         pattern, keys = sources[0]
         if _is_view(self.tf, sources):
             x = ck.get_rows(keys[0], e0, e1)
@@ -389,8 +388,6 @@ class _ExpertStream:
         """Yield (bytes-like, [devices], pooled buffer or None): each chunk's piece of each device
         shard, chunks in expert order."""
         import torch
-
-        from .families.base import Dim
 
         self.nread = 0
         E = decl.shape[0]
