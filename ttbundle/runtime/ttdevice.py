@@ -36,9 +36,10 @@ back (``model_runner._decode_lanes``), so the lanes' device time overlaps.
 **Async decode** (``read_from_device=False``): the trace is enqueued, the readback of its sampled
 ids enqueued right behind it (``from_device(blocking=False)`` and an event, as Tenstorrent's
 ``read_decode_output(async_read=True)``), and :meth:`read_decode_output` waits for the event. The
-next decode's rows take their input token from that output on the device (``feed_rows``), which
-only the timing device models so far: on ttnn it is not lowered, so ``capabilities.async_decode``
-is False there and vLLM's async scheduling is turned off.
+next decode's rows take their input token from that output on the device: every device-sampled
+decode trace gathers them from the runner's last sampled ids (``backends/ttnn/feed``; the host
+passes the ``feed_rows`` index, :meth:`TTDeviceModel._feed`), and the timing device models the
+same (``feed_rows``). So async decode and several tokens a step are on here as on the emulated mesh.
 """
 
 from __future__ import annotations
