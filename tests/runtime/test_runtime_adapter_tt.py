@@ -83,7 +83,7 @@ def test_adapter_runs_the_ttnn_path_on_a_mesh_device(ttnn_package, monkeypatch):
     # prefix caching and chunked prefill from it): the spec's values, ttnn.sampling's 32 candidates
     caps = cls.model_capabilities
     assert caps["supports_sample_on_device"] is True and caps["max_device_top_k"] == 32
-    assert caps["supports_prefix_caching"] is False and caps["supports_async_decode"] is False
+    assert caps["supports_prefix_caching"] is False and caps["supports_async_decode"] is True  # the feed is lowered
     assert caps["supports_chunked_prefill"] is (pkg.bundle.buckets.prefill_chunk is not None)
 
     monkeypatch.setenv(ttdevice.TEST_TTNN_ENV, "recording")
@@ -159,7 +159,7 @@ def test_the_adapter_class_opens_its_package_once_per_build(ttnn_package, tmp_pa
     bundle = specmod.load(pkg_dir / "bundle.yaml")
     rt = bundle.spec.runtime
     caps = cls.model_capabilities
-    assert caps == model_capabilities(bundle, device=True) and caps["supports_async_decode"] is False
+    assert caps == model_capabilities(bundle, device=True) and caps["supports_async_decode"] is True
     tokens = cls.get_max_tokens_all_users(max_num_seqs=rt.max_num_seqs)
     blocks = real(pkg_dir).kv_blocks
     assert -(-(tokens + rt.kv_block_size * rt.max_num_seqs) // rt.kv_block_size) == blocks

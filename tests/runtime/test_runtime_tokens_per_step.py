@@ -287,16 +287,19 @@ def test_tokens_per_step_rule():
         tokens_per_step(b, device=False, requested=9)
 
 
-def test_a_device_without_the_on_device_feed_runs_one_token_a_step(monkeypatch):
+def test_a_device_runs_the_declared_tokens_a_step(monkeypatch):
+    """ttnn lowers the feed (backends/ttnn/feed: a gather inside the decode trace), so a device
+    runs what the package declares, as the emulated mesh and the timing device do."""
     from ttbundle import spec
     from ttbundle.runtime.capabilities import model_capabilities, tokens_per_step
 
     b = spec.loads(declared(spec_text("llama"), 8))
-    monkeypatch.delenv("TTBUNDLE_DEVICE_MODEL", raising=False)  # ttnn: the feed is not lowered
-    assert tokens_per_step(b, device=True) == 1
-    assert model_capabilities(b, device=True)["output_tokens_per_step"] == 1
+    monkeypatch.delenv("TTBUNDLE_DEVICE_MODEL", raising=False)  # ttnn
+    assert tokens_per_step(b, device=True) == 8
+    assert model_capabilities(b, device=True)["output_tokens_per_step"] == 8
     assert model_capabilities(b, device=False)["output_tokens_per_step"] == 8
-    monkeypatch.setenv("TTBUNDLE_DEVICE_MODEL", "timing:2ms")  # the timing device models the feed
+    assert tokens_per_step(b, device=True, sample_mode="off") == 1
+    monkeypatch.setenv("TTBUNDLE_DEVICE_MODEL", "timing:2ms")
     assert tokens_per_step(b, device=True) == 8
 
 

@@ -44,7 +44,8 @@ def run_case(pkg: str, case: dict) -> dict:
     serving = rec.events[n_setup:]
     res = {
         "tokens": [list(o.outputs[0].token_ids) for o in outs],
-        "steps": [{"phase": s.phase, "rows": s.rows, "lanes": s.lanes, "buckets": s.buckets} for s in runner.step_log],
+        "steps": [{"phase": s.phase, "rows": s.rows, "lanes": s.lanes, "buckets": s.buckets, "at": s.at}
+                  for s in runner.step_log],
         "opened": [list(e.args[0].args) for e in opened],
         "submeshes": [[list(d.shape), list(d.origin)] for d in (r.ex.device for r in model.lane_runners)],
         "lane_of_kv": [ln.kv.lane for ln in runner.lanes.lanes],

@@ -13,16 +13,13 @@ ASYNC_DECODE = True
 
 
 def async_decode(device: bool) -> bool:
-    """Whether decode N+1 may be submitted before step N is read back. The emulated mesh: yes. A
-    device: only where a decode's sampled ids can feed the next decode's token input on the
-    device (``feed_rows``): the timing device (``timing.py``) models it; on ttnn that gather is not
-    lowered yet, so no."""
-    if not device:
-        return ASYNC_DECODE
-    import os
-
-    from .timing import ENV
-    return ASYNC_DECODE and bool(os.environ.get(ENV))
+    """Whether decode N+1 may be submitted before step N is read back: where a decode's sampled
+    ids feed the next decode's token input on the device. The emulated mesh gathers them on its
+    tensors; the ttnn lowering does it inside every device-sampled decode trace
+    (``backends/ttnn/feed``: a gather into the token input, a copy of the sampled ids); the
+    timing device models it (``feed_rows``). So yes on both (``device`` is kept for the callers
+    that ask per platform)."""
+    return ASYNC_DECODE
 
 
 def device_seeds(device: bool) -> bool:

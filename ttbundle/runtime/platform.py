@@ -190,9 +190,8 @@ def configure(vllm_config, emulated: bool) -> None:
     if per_step > 1:
         logger.info("ttbundle: up to %d tokens a decode step (the decode replayed, fed on the device)", per_step)
     elif declared > 1 and opts.output_tokens_per_step != 1:
-        logger.info("ttbundle: one token a decode step though the package declares %d (it needs a device that "
-                    "feeds sampled ids on the device, sampling on the device and no speculative decoding: "
-                    "capabilities.tokens_per_step)", declared)
+        logger.info("ttbundle: one token a decode step though the package declares %d (it needs sampling on the "
+                    "device and no speculative decoding: capabilities.tokens_per_step)", declared)
     spec_rows = max(per_step, 1 + (vllm_config.speculative_config.num_speculative_tokens
                                    if vllm_config.speculative_config is not None else 0))  # a decode's rows
     sc.max_num_batched_tokens = max(max(bk.prefill), sc.max_num_seqs * spec_rows, chunk)

@@ -36,9 +36,10 @@ back (``model_runner._decode_lanes``), so the lanes' device time overlaps.
 **Async decode** (``read_from_device=False``): the trace is enqueued, the readback of its sampled
 ids enqueued right behind it (``from_device(blocking=False)`` and an event, as Tenstorrent's
 ``read_decode_output(async_read=True)``), and :meth:`read_decode_output` waits for the event. The
-next decode's rows take their input token from that output on the device (``feed_rows``), which
-only the timing device models so far: on ttnn it is not lowered, so ``capabilities.async_decode``
-is False there and vLLM's async scheduling is turned off.
+next decode's rows take their input token from that output on the device: every device-sampled
+decode trace gathers them from the runner's last sampled ids (``backends/ttnn/feed``; the host
+passes the ``feed_rows`` index, :meth:`TTDeviceModel._feed`), and the timing device models the
+same (``feed_rows``). So async decode and several tokens a step are on here as on the emulated mesh.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from collections import deque
 
 import torch
 
+from ..backends.ttnn.feed import FEED_INPUT
 from .capabilities import device_seeds
 from .interface import MeshModel
 from .sampling import DeviceSampling
@@ -231,6 +233,9 @@ class TTDeviceModel(MeshModel):
         self.model_capabilities = model_capabilities(self.bundle, device=True)
         self._sampling_cache: dict = {}  # lane -> (DeviceSampling, rows, its host inputs) of its last decode
         self._page_cache: dict = {}  # (lane, decode key) -> (page table given, its host array)
+        #: decodes whose fed rows took their tokens on the device / read back first (tests, logs)
+        self.feeds = {"device": 0, "host": 0}
+        self._feed_cache: dict = {}  # (runner, decode key) -> (feed rows, the feed_rows input made of them)
         self._steady: dict = {}  # (lane, decode key) -> (tokens, its host array, prev_rows, its host array)
         self._mask_free: dict = {}  # forward key -> True when it reads no mask / M-RoPE input
         self._decode_keys: dict = {}  # (bucket, mode) -> forward key, checked once after seal
@@ -557,14 +562,48 @@ class TTDeviceModel(MeshModel):
             if cached is None or cached[0] is not sampling_params or cached[1] != R:
                 self._sampling_cache[lane] = cached = (sampling_params, R, self._sampling_inputs(sampling_params, R))
             host.update(cached[2])
-        if prev_rows is not None:  # the device feeds the previous step's ids into this one's tokens
-            self.ttnn.feed_rows(runner.inputs[key]["tokens"], prev_output.out["next_tokens"], rows)
+        fed = FEED_INPUT in fw.inputs  # a device-sampled decode: its trace gathers the fed tokens
+        if fed:
+            host["tokens"], host[FEED_INPUT], on_device = self._feed(runner, key, R, host["tokens"], rows,
+                                                                     prev_output)
+        elif prev_rows is not None:
+            raise ValueError(f"decode {key} samples on the host: it has no token feed (prev_rows given)")
+        if prev_rows is not None and DEVICE is not None and (not fed or on_device):
+            self.ttnn.feed_rows(runner.inputs[key]["tokens"], prev_output.out["next_tokens"], rows)  # its model
         handle = DecodeOutput(self._run(key, host, lane), B, sampling_params is not None, runner=runner)
+        if fed:  # this step's ids are in the runner's feed tensor now, for the next decode of R rows
+            runner.feed_owner[R] = handle
         if not read_from_device:
             if handle.tokens:  # async decode: the readback queued right behind the trace, and its event
                 handle.pending = self._queue_read(runner, handle.out["next_tokens"])
             return handle
         return self.process_decode_output_host(self.read_decode_output(handle), is_tokens=handle.tokens)
+
+    def _feed(self, runner, key, R: int, toks, rows, prev_output):
+        """(tokens, ``feed_rows`` input, fed on the device) of a decode of ``R`` rows whose rows
+        ``i`` with ``rows[i] >= 0`` take row ``rows[i]`` of ``prev_output``'s sampled ids
+        (``backends/ttnn/feed``). On the device when ``prev_output`` is the decode that last
+        wrote the runner's feed ids for ``R`` rows (async decode, several tokens a step: the step
+        just before); otherwise its ids are read back and written with the tokens (a synchronous
+        step, as without the feed). The index arrays are reused while ``rows`` is the same array,
+        so an unchanged feed map is not copied again."""
+        import numpy as np
+
+        from ..backends.ttnn.feed import feed_index
+        if rows is None:
+            return toks, feed_index(R), False
+        if runner.feed_owner.get(R) is prev_output:
+            cached = self._feed_cache.get((id(runner), key))
+            if cached is None or cached[0] is not rows:
+                self._feed_cache[id(runner), key] = cached = (rows, feed_index(R, rows))
+            self.feeds["device"] += 1
+            return toks, cached[1], True
+        self.feeds["host"] += 1
+        ids = np.asarray(self.read_decode_output(prev_output).host).reshape(-1)
+        take = rows >= 0
+        out = np.array(toks, copy=True).reshape(-1)
+        out[take] = ids[rows[take]]
+        return out.reshape(toks.shape), feed_index(R), False
 
     def read_decode_output(self, tt_out: DecodeOutput, async_read: bool = True) -> DecodeOutput:
         """The decode's output read back to the host (token ids or logits)."""

@@ -151,6 +151,10 @@ class Forward:
     gaps: list[str] = field(default_factory=list)  # what this lowering knowingly leaves out
     # the weights the calls read, as ttnn holds them: name -> (held shape, dtype, layout)
     weights: dict = field(default_factory=dict)
+    # persistent device tensors one runner keeps across its forwards and steps, zero-filled when
+    # it prepares (never written from the host): name -> (shape, dtype, layout). The decode feed's
+    # last sampled ids (:mod:`.feed`) is one: each device-sampled decode writes it, the next reads it
+    state: dict = field(default_factory=dict)
 
     def calls(self):
         """(layer index, call) in execution order."""

@@ -13,6 +13,7 @@ and outputs are never dropped by a forward.
 from __future__ import annotations
 
 from .calls import Call, Forward, resolve, resolve_attr
+from .feed import FEED_INPUT, feed_index
 from .layout import ttnn_dtype, ttnn_layout
 
 
@@ -77,7 +78,7 @@ class Executor:
 
 
 def keep_names(fw: Forward) -> set[str]:
-    return set(fw.inputs) | {c.name for c in fw.consts} | set(fw.outputs)
+    return set(fw.inputs) | {c.name for c in fw.consts} | set(fw.outputs) | set(fw.state)
 
 
 # ---- model setup (hardware path) ------------------------------------------------------------------
@@ -345,6 +346,8 @@ def decode_inputs(fw: Forward, token: int, position: int) -> dict:
     ins["page_table"][0] = np.arange(blocks, dtype=np.int32)
     ins.update(mask_inputs(fw, ins["cur_pos"][:, None]))
     ins.update(_greedy(fw, B))
+    if FEED_INPUT in fw.inputs:  # the token feed (device sampling): every row keeps its written token
+        ins[FEED_INPUT] = feed_index(B)
     return ins
 
 

@@ -27,6 +27,7 @@ from ...mesh import Mesh
 from ...program import Op, Program, Step
 from . import configs, mesh_ops, moe_ops, text_ops, vision_ops
 from .calls import Forward, Layer, T
+from .feed import add_feed
 from .emitter import DECODE_LIKE, DRAM, SAMPLING, TOPK, Lowerer, program_policy, samplings, tt_dim, tt_shape
 from .inputs import (chunk_starts, image_mask, image_prefill, inputs_of, mask_input, merge_images,
                      mrope_position_input, static_prefill_start, static_start, vision_mask_input,
@@ -129,8 +130,11 @@ def lower_forward(bundle, mesh: Mesh, program: Program, sampling: str = "device"
         for k in ("top_k", "top_p", "temperature"):
             lw.inputs.pop(k)
     weights = {n: (tuple(device_shape(t.device_shape, t.layout)), t.dtype, t.layout) for n, t in lw.tensors.items()}
-    return Forward(program.phase, program.bucket, program.rows, lw.inputs, layers, outputs,
-                   list(lw.setup.values()), list(lw.consts.values()), lw.gaps, weights)
+    fw = Forward(program.phase, program.bucket, program.rows, lw.inputs, layers, outputs,
+                 list(lw.setup.values()), list(lw.consts.values()), lw.gaps, weights)
+    if program.phase == "decode" and sampling == "device":  # the next decode's tokens from this one's ids
+        fw = add_feed(fw)
+    return fw
 
 
 __all__ = ["DECODE_LIKE", "OPS", "SAMPLING", "TOPK", "chunk_starts", "collective_calls", "device_shape", "image_mask",

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from . import layout
+from . import feed, layout
 from .calls import Attr, Call, New, W, resolve
 from .device import Executor, allocate
 
@@ -158,10 +158,14 @@ def _stand_in(ttnn, ex: Executor, c: Call, layer):
         mem = resolve(ttnn, kw["memory_config"], ex.env, layer)
     if c.fn in ("argmax", "sampling"):
         dtype = "uint32"
+    if c.fn == "sampling":  # ttnn.sampling writes uint32 ROW_MAJOR ids (its documented output)
+        lay = "ROW_MAJOR"
     if c.fn == "to_layout":
         lay = "ROW_MAJOR" if "ROW_MAJOR" in c.args[1].path else "TILE"
     if c.fn in ("embedding", "linear", "matmul", "transpose", "concat", "rms_norm") or c.op == "setup" and c.fn == "add":
         lay = "TILE" if c.fn != "add" else lay
+    if c.op == feed.OP and c.fn == "concat":  # the token feed's: ids, as its (uint32 ROW_MAJOR) inputs are
+        dtype, lay = "uint32", "ROW_MAJOR"
     shape = c.shape or (1, 1, 32, 32)
     return ttnn.allocate_tensor_on_device(ttnn.Shape(list(shape)), layout.ttnn_dtype(ttnn, dtype),
                                           layout.ttnn_layout(ttnn, lay), ex.device, mem)
@@ -186,6 +190,8 @@ def validate(ttnn, device, program, fw) -> Validation:
     for cst in fw.consts:
         ex.env[cst.name] = allocate(ttnn, device, cst.shape, cst.dtype, cst.layout)
     for n, (shape, dtype, lay) in fw.inputs.items():
+        ex.env[n] = allocate(ttnn, device, shape, dtype, lay)
+    for n, (shape, dtype, lay) in fw.state.items():  # a runner's persistent tensors (the token feed's ids)
         ex.env[n] = allocate(ttnn, device, shape, dtype, lay)
     res = Validation()
 

@@ -333,6 +333,10 @@ class Recorder:
         expect, self._expect = self._expect, None
         base = FakeTensor(f"spec{expect}" if expect is not None else key, shape=expect, rec=self,
                           n_out=MULTI_OUT.get(path, 2), device=dev)
+        if path == "copy":  # ttnn.copy(a, b): b is written in place, nothing returned
+            outs = [t for t in args[1:2] if isinstance(t, FakeTensor)]
+            self._schedule(lambda: self._copy(args))
+            return None
         if path in IN_PLACE:
             outs = [t for t in args[:1] if isinstance(t, FakeTensor)]
         elif path in MULTI_OUT:
@@ -352,6 +356,18 @@ class Recorder:
             thunk()
         else:
             self._replays[self.capturing.n].append(thunk)
+
+    def _copy(self, args) -> None:
+        """``ttnn.copy(a, b)``: ``b`` takes ``a``'s values (equal shapes, as ttnn requires)."""
+        src, dst = args[0], args[1]
+        if src.data is None:
+            dst.data, dst.why = None, f"depends on {src.sig[:48]}: {src.why}"
+            return
+        if dst.shape is not None and tuple(src.data[0].shape) != tuple(dst.shape):
+            self.op_errors.append(f"ttnn.copy: shapes {tuple(src.data[0].shape)} and {tuple(dst.shape)} differ")
+            dst.data, dst.why = None, "ttnn.copy of another shape"
+            return
+        dst.data = [np.array(a, dtype=numerics.INTS.get(dst.dtype, a.dtype)) for a in src.data]
 
     def _inputs_known(self, args, kwargs) -> None:
         for t in _walk(list(args) + list(kwargs.values())):

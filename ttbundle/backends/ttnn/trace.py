@@ -40,6 +40,20 @@ def _dummy(name: str, shape, dtype: str):
                                        "f32": np.float32}[dtype])
 
 
+def allocate_state(ttnn, device, forwards) -> dict:
+    """The runner's persistent state tensors (``Forward.state``), one per name for every forward
+    that declares it, zero-filled on ``device``; a name declared with two specs is refused."""
+    from .layout import ttnn_dtype, ttnn_layout
+    specs: dict = {}
+    for fw in forwards:
+        for name, spec in fw.state.items():
+            if specs.setdefault(name, spec) != spec:
+                raise ValueError(f"state tensor {name!r} declared as {specs[name]} and as {spec}")
+    return {name: ttnn.full(list(shape), 0, dtype=ttnn_dtype(ttnn, dtype), layout=ttnn_layout(ttnn, layout),
+                            device=device, memory_config=ttnn.DRAM_MEMORY_CONFIG)
+            for name, (shape, dtype, layout) in specs.items()}
+
+
 class TraceRunner:
     """The forwards of one model on one mesh, keyed by ``(phase, bucket)``."""
 
@@ -50,6 +64,9 @@ class TraceRunner:
             raise ValueError(f"traced buckets without a forward: {sorted(unknown)}")
         self.stage = "new"
         self.inputs: dict[tuple, dict] = {}
+        self.state: dict = {}  # Forward.state: persistent tensors every forward of this runner shares
+        # decode rows -> the device-sampled decode output that last wrote its feed ids (.feed)
+        self.feed_owner: dict = {}
         self.warm: set[tuple] = set()
         self.traces: dict[tuple, tuple] = {}  # key -> (trace id, outputs)
         self._drops = {k: liveness(list(fw.calls()), keep_names(fw)) for k, fw in forwards.items()}
@@ -72,6 +89,8 @@ class TraceRunner:
         for key, fw in self.forwards.items():
             self.inputs[key] = {n: allocate(self.ttnn, dev, shape, dtype, layout)
                                 for n, (shape, dtype, layout) in fw.inputs.items()}
+        self.state = allocate_state(self.ttnn, dev, self.forwards.values())
+        self.ex.env.update(self.state)
         seen = set()
         for fw in self.forwards.values():
             todo = [(layer, c) for layer, c in fw.setup if c.out not in seen]
