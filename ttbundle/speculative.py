@@ -74,6 +74,19 @@ def vllm_config(bundle, draft_dir=None) -> dict | None:
             "prompt_lookup_min": s.prompt_lookup_min, "prompt_lookup_max": s.prompt_lookup_max}
 
 
+def recorded_config(serving, draft_dir=None) -> dict | None:
+    """:func:`vllm_config` as a package recorded it (``serving``: its manifest's
+    ``ServingRecord``), with ``model`` the draft package inside it (``draft_dir``) for ``draft``:
+    what ``serve`` passes and the platform checks, read from the package, not its spec."""
+    cfg = serving.speculative
+    if cfg is None:
+        return None
+    out = dict(cfg)
+    if out["method"] == VLLM_METHOD["draft"] and draft_dir is not None:
+        out["model"] = str(Path(draft_dir).absolute())
+    return out
+
+
 def draft_path(bundle) -> Path | None:
     """The draft bundle's spec file (``speculative.model``, relative to the spec), or None."""
     s = of(bundle)

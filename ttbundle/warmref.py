@@ -11,8 +11,8 @@ import math
 import time
 from pathlib import Path
 
-from . import lower as lowermod
 from .errors import WarmupMismatch
+from .program import program_name
 
 FORMAT = "ttbundle.warmup/2"
 OLD_FORMATS = ("ttbundle.warmup/1",)  # refused: rebuild
@@ -199,7 +199,7 @@ def check_model(model, bundle, pkg_dir: Path, manifest: dict, dtype: str, log=No
     program file must be the one the reference was recorded with."""
     refs = references(pkg_dir, manifest)
     for (phase, b), ref in refs.items():
-        name = lowermod.program_name(phase, b)
+        name = program_name(phase, b)
         prog = Path(pkg_dir) / f"programs/{name}.json"
         try:
             sha = hashlib.sha256(prog.read_bytes()).hexdigest()
@@ -215,7 +215,7 @@ def check_model(model, bundle, pkg_dir: Path, manifest: dict, dtype: str, log=No
     got = run(model, bundle, sorted(refs))
     out = {}
     for key in sorted(refs):
-        name = lowermod.program_name(*key)
+        name = program_name(*key)
         out[name] = compare(name, refs[key], summarize(*got[key]), dtype, rtol)
     if log is not None:
         log(f"warm-up references ({dtype}, tolerance {rtol:.2g} x rms): {len(out)} programs ok, max difference "

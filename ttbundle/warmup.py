@@ -70,6 +70,7 @@ from typing import Callable
 from . import lower as lowermod
 from .errors import WarmupMismatch
 from .plan.make import Plan
+from .program import program_name
 from .warmref import FORMAT, FP32_RTOL, check_model, references, run, stage_count, summarize
 
 Progress = Callable[[dict], None]
@@ -106,7 +107,7 @@ def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list
     from .package.load import assemble
 
     parts = assemble(pkg_dir, {}, bundle, plan.mesh,
-                     {k: f"programs/{lowermod.program_name(*k)}.json" for k in lowermod.trace_set(bundle)})
+                     {k: f"programs/{program_name(*k)}.json" for k in lowermod.trace_set(bundle)})
     model = stage_model(parts, RECORDED, todo)
     n = stage_count(model, todo)
     emit({"event": "phase", "phase": "warmup", "total": n, "unit": "stages"})
@@ -124,7 +125,7 @@ def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list
     parts.weights.close()
     out = []
     for phase, b in todo:
-        name = lowermod.program_name(phase, b)
+        name = program_name(phase, b)
         logits, labels = got[(phase, b)]
         if not bool(torch.isfinite(logits).all()):
             raise WarmupMismatch(f"warm-up of {name} ({RECORDED}): non-finite logits")
@@ -149,7 +150,7 @@ def verify_package(pkg: str | Path, dtypes=("float32",), log=None) -> dict:
     from .package.load import load_package
     from .package.names import DRAFT_DIR
 
-    loaded = load_package(Path(pkg))
+    loaded = load_package(Path(pkg), against_spec=True)
     refs = references(Path(pkg), loaded.manifest)
     out = {}
     for dt in dtypes:  # one model alive at a time

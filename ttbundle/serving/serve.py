@@ -251,9 +251,9 @@ def speculative_args(pkg, extra: list[str]) -> list[str]:
     one that agrees is passed as given. A draft (``speculative: {method: draft}``) is vLLM's
     ``draft_model`` with ``model`` the draft package inside this one."""
     from ..package.names import DRAFT_DIR
-    from ..speculative import disagreements, vllm_config as package_config
+    from ..speculative import disagreements, recorded_config
 
-    pc = package_config(pkg.bundle, Path(pkg.path) / DRAFT_DIR)
+    pc = recorded_config(pkg.serving, Path(pkg.path) / DRAFT_DIR)
     given = _flag_value(extra, "--speculative-config", "-sc")
     if given is None:
         return [] if pc is None else ["--speculative-config", json.dumps(pc, separators=(",", ":"))]
@@ -345,7 +345,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         raise InvalidInput(f"{pkg.path}: built for the emulated mesh only (no tensorbin/ weight caches); "
                            f"for --device tt build it with `ttbundle build --backend ttnn`, or serve it "
                            "with --device emulated")
-    rt = pkg.bundle.spec.runtime
+    rt = pkg.serving  # what the build recorded (manifest ``serving``), not bundle.yaml
     extra = list(extra or [])
     token_ids_only = _tokenizer_mode(pkg, extra)
     check_extra(extra)
@@ -381,7 +381,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         "serve", str(pkg.path),
         "--host", host, "--port", str(port),
         "--served-model-name", pkg.name,
-        "--max-model-len", str(rt.max_model_len),
+        "--max-model-len", str(pkg.dims.max_model_len),
         "--max-num-seqs", str(lanes.engine_seqs),
         "--block-size", str(rt.kv_block_size),
         "--dtype", "float32" if device == "emulated" else "bfloat16",

@@ -66,9 +66,9 @@ def trace_need(loaded, sample_on_device_mode: str | None = None, trace_mode: str
     from ..backends.ttnn.lowering import lower_forward
     from ..backends.ttnn.model import forward_keys
 
-    rt = loaded.bundle.spec.runtime
+    rt = loaded.serving
     programs = {k: loaded.program_ir(*k) for k in loaded.programs}
-    keys, traced = forward_keys(loaded.bundle, programs, sample_on_device_mode or rt.sample_on_device_mode,
+    keys, traced = forward_keys(loaded, programs, sample_on_device_mode or rt.sample_on_device_mode,
                                 host_fallback=True, trace_mode=trace_mode or rt.trace_mode)
     banks = loaded.mesh.chip.dram_banks
     out = TraceNeed(banks)
