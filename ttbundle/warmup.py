@@ -105,9 +105,11 @@ def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list
     import torch
 
     from .package.load import assemble
+    from .package.speccheck import check_spec
 
     parts = assemble(pkg_dir, {}, bundle, plan.mesh,
                      {k: f"programs/{program_name(*k)}.json" for k in lowermod.trace_set(bundle)})
+    check_spec(parts)  # what the build wrote against its spec (serving trusts it, never re-checks)
     model = stage_model(parts, RECORDED, todo)
     n = stage_count(model, todo)
     emit({"event": "phase", "phase": "warmup", "total": n, "unit": "stages"})
@@ -147,10 +149,10 @@ def verify_package(pkg: str | Path, dtypes=("float32",), log=None) -> dict:
     the emulated backend, layer by layer, compared with the build's references; a speculative
     draft's package inside it (``package.names.DRAFT_DIR``) too, its programs named
     ``draft/<program>``. ``{dtype: {program: diff}}``."""
-    from .package.load import load_package
     from .package.names import DRAFT_DIR
+    from .package.speccheck import load_checked
 
-    loaded = load_package(Path(pkg), against_spec=True)
+    loaded = load_checked(Path(pkg))
     refs = references(Path(pkg), loaded.manifest)
     out = {}
     for dt in dtypes:  # one model alive at a time

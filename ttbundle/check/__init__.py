@@ -225,14 +225,14 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
 
     from .. import reference
     from ..backends.emulated import EmulatedModel, Runner
-    from ..package.load import load_package
     from ..package.shards import trim_heap
+    from ..package.speccheck import load_checked
     from .expected import ExpectedWeights
 
     if dtype not in ("fp32", "bf16"):
         raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
     tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    pkg = load_package(pkg_dir, verify=True, against_spec=True)
+    pkg = load_checked(pkg_dir, verify=True)
     bundle = pkg.bundle
     rt = bundle.spec.runtime
     kv_dtype = rt.kv_cache_dtype

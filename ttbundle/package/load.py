@@ -12,7 +12,7 @@ from pathlib import Path
 
 from .names import WEIGHTS_FORMATS, PackageError, weight_file
 from .shards import PackageWeights
-from .verify import check_spec, verify_package
+from .verify import verify_package
 
 
 @dataclass
@@ -54,7 +54,7 @@ class LoadedPackage:
     def dims(self):
         """The model's sizes (``traits.Dims``: hidden, vocab, layers, KV heads, head width, RMSNorm
         eps, max_model_len), as the programs record them: one record, the same in every program
-        (checked at load against bundle.yaml). The runtime and both backends size things by
+        (checked against bundle.yaml by ``speccheck.check_spec``: build, check, cache verify). The runtime and both backends size things by
         this, never by bundle.yaml's arch or ``runtime.max_model_len``."""
         return self.program_ir(*min(self.programs)).dims
 
@@ -136,20 +136,20 @@ def read_bundle(pkg: str | Path):
     return specmod.loads(text, str(pkg / "bundle.yaml"), base_dir=pkg)
 
 
-def load_package(pkg: str | Path, verify: bool = False, against_spec: bool = False) -> LoadedPackage:
+def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
     """Read a package: manifest (and every file's sha256 when ``verify``), the resolved spec, its
-    programs (the weights each reads, checked against the weight files' headers). With
-    ``against_spec`` (``check``, ``cache verify``; the build checks what it writes) the programs and
-    the manifest's serving facts are also checked against bundle.yaml (``verify.check_spec``: the
-    spec resolved again, no plan made); serving does not re-derive anything from the spec."""
+    programs (the weights each reads, checked against the weight files' headers). Nothing is
+    re-derived from the spec: the check of the programs and the manifest's serving facts against
+    bundle.yaml is ``speccheck.check_spec`` (the build, ``check PACKAGE``, ``cache verify``)."""
     from ..program import program_name
-    from ..plan.sharding import target_mesh
+    from .. import mesh as meshmod
 
     pkg = Path(pkg)
     m = verify_package(pkg, full=verify)
     serving_of(pkg, m)  # an older package is refused here, before anything reads it
     bundle = read_bundle(pkg)
-    mesh = target_mesh(bundle, m["mesh"]["name"])  # one replica's submesh when split
+    # one replica's submesh when split (``plan.sharding.target_mesh``'s rule, without the planner)
+    mesh = meshmod.replica_mesh(meshmod.resolve(m["mesh"]["name"]), bundle.spec.replicas)
     if list(mesh.shape) != list(m["mesh"].get("shape", mesh.shape)) or \
             mesh.replicas != (m.get("replicas") or {}).get("count", 1):
         raise PackageError(f"{pkg}: manifest says mesh {m['mesh'].get('shape')} x "
@@ -163,23 +163,20 @@ def load_package(pkg: str | Path, verify: bool = False, against_spec: bool = Fal
             if rel not in m["files"]:
                 raise PackageError(f"{pkg}: {rel}: missing from the manifest")
             programs[(phase, b)] = rel
-    loaded = assemble(pkg, m, bundle, mesh, programs, against_spec=against_spec)
+    loaded = assemble(pkg, m, bundle, mesh, programs)
     loaded.verified = verify
     return loaded
 
 
-def assemble(pkg: Path, manifest: dict, bundle, mesh, programs: dict, against_spec: bool = True) -> LoadedPackage:
+def assemble(pkg: Path, manifest: dict, bundle, mesh, programs: dict) -> LoadedPackage:
     """A package's parts read back (``programs``: (phase, bucket) -> relative path), the weight
-    headers checked against the programs, and (``against_spec``) the programs and the manifest
-    against the spec (``verify.check_spec``); ``build`` warms its temp directory up with it
-    before the manifest exists."""
+    headers checked against the programs; ``build`` warms its temp directory up with it before
+    the manifest exists (and checks it against the spec, ``speccheck.check_spec``)."""
     loaded = LoadedPackage(Path(pkg), manifest, bundle, mesh, None, dict(programs))
     if not programs:
         raise PackageError(f"{pkg}: no programs")
     refs = _weight_refs(loaded)
     _check_arch(Path(pkg), bundle, mesh, refs)
-    if against_spec:
-        check_spec(loaded, refs)
     loaded.weights = PackageWeights(Path(pkg), bundle, mesh, refs)
     _check_headers(loaded.weights)
     return loaded
