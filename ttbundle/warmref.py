@@ -40,13 +40,16 @@ def real_rows(phase: str, b: int) -> int:
 
 
 # ---- the fixed input ---------------------------------------------------------------------------------
-def fixed_input(bundle, phase: str, b: int) -> dict:
-    """The fixed input of program (phase, b): tensors for ``EmulatedModel.stages`` (the real
-    rows only), the KV blocks it needs, and the rows recorded (``(n, t)`` pairs, labels)."""
+def fixed_input(program) -> dict:
+    """The fixed input of ``program`` (a ``program.Program``, its phase and bucket): tensors for
+    ``EmulatedModel.stages`` (the real rows only), the KV blocks it needs (in the program's block
+    size), and the rows recorded (``(n, t)`` pairs, labels). The build records with it and the
+    runtime checks with it, so it reads the program, never the spec."""
     import torch
 
-    vocab = bundle.arch.vocab_size
-    bs = bundle.spec.runtime.kv_block_size
+    phase, b = program.phase, program.bucket
+    vocab = program.dims.vocab_size
+    bs = int(program.kv_cache["block_size"])
     if phase == "prefill":
         r = real_rows(phase, b)
         nblk = -(-r // bs)
@@ -98,7 +101,7 @@ def run(model, bundle, programs: list, after_stage=None) -> dict:
     for members in groups.values():
         calls, inputs = [], []
         for phase, b, prog in members:
-            x = fixed_input(bundle, phase, b)
+            x = fixed_input(prog)
             kv = model.allocate_kv_cache(x["num_blocks"], x["block_size"])
             calls.append(model.stages(prog, x["tokens"], x["positions"], x["valid"], x["page_table"], kv))
             inputs.append(x)

@@ -16,7 +16,7 @@ import yaml
 from runtime_helpers import greedy, run_engine, spec_text
 
 K = 2  # not the tests' usual 3: the engine must get it from the package
-DECODE = [2, 6]  # not the tests' usual buckets
+DECODE = [2, 8]  # not the tests' usual buckets
 NGRAM = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 PATTERN = [10, 11, 12, 13, 14, 15, 16]
 
@@ -85,8 +85,14 @@ def test_bucket_and_k_reach_the_engine_from_the_package_not_the_spec(facts_packa
     for name in ("rows_per_seq", "vllm_config", "verify_buckets", "draft_kv_blocks"):
         monkeypatch.setattr(speculative, name, refused)
 
+    # the KV pool as `ttbundle serve` passes it: the package's own blocks (on the emulated mesh
+    # without an override the worker sizes the pool for this host with ``Package.host_plan``,
+    # which plans the package from its spec: the one runtime path that still does, docs/runtime.md)
+    from ttbundle.package.load import load_package
+    blocks = int(load_package(facts_package).kv_cache["num_blocks"])
     prompts = [{"prompt_token_ids": PATTERN * 6}, {"prompt_token_ids": [(7 * i + 3) % 500 + 8 for i in range(40)]}]
-    outs, metrics, steps, runner = run_engine(facts_package, dict(NGRAM), [(prompts, greedy(24))])
+    outs, metrics, steps, runner = run_engine(facts_package, dict(NGRAM), [(prompts, greedy(24))],
+                                              num_gpu_blocks_override=blocks)
     assert reads == []
     assert all(len(o) == 24 for o in outs[0])
     verify = [s for s in steps if s.phase == "verify"]
