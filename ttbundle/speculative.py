@@ -1,7 +1,9 @@
 """Speculative decoding (the spec's ``speculative:``): its rules, its verify programs' shape and
 the ``--speculative-config`` vLLM gets. One owner for all three (``spec.check`` calls
-:func:`check`; ``lower`` and ``plan`` take :func:`verify_rows`; ``serve`` and the platform take
-:func:`vllm_config` and :func:`disagreements`).
+:func:`check`; ``lower`` and ``plan`` take :func:`verify_rows`; the build records :func:`vllm_config`
+and :func:`rows_per_seq` in the package (``package.facts``), and ``serve`` and the platform read them
+back with :func:`recorded_config` and compare with :func:`disagreements`: nothing after lowering
+calls the spec readers here).
 
 ``method: draft``: another bundle (``model:``, a spec path relative to this spec) proposes. It
 must load and validate, share this bundle's tokenizer (the same vocabulary, token for token),
