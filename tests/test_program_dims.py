@@ -97,8 +97,9 @@ def test_a_package_whose_programs_and_bundle_yaml_disagree_on_a_size_is_refused(
         d["dims"]["max_model_len"] = 512
         p.write_text(json.dumps(d))
         rehash(pkg, f"programs/{p.name}")
+    from ttbundle.package.speccheck import load_checked
     with pytest.raises(PackageError, match=r"dims disagree with bundle.yaml: max_model_len 512 \(bundle.yaml: 256\)"):
-        load_package(pkg)
+        load_checked(pkg)  # the build, check and cache verify; serving reads the programs' dims
 
 
 def test_the_backends_read_the_programs_sizes_not_bundle_yamls(monkeypatch, tmp_path):

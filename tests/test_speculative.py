@@ -202,9 +202,10 @@ def test_stochastic_acceptance_keeps_the_target_distribution(temperature, top_k,
 def test_capabilities_declare_ngram_speculation_on_both_meshes(load):
     """n-gram speculation on the emulated mesh and on a device (the verify programs lowered to
     ttnn: tests/test_ttnn_verify_double.py, tests/runtime/test_runtime_tt_speculative.py)."""
+    from ttbundle.package.facts import of_bundle
     from ttbundle.runtime.capabilities import model_capabilities
 
-    b, plain = load(spec_text(NGRAM)), load(spec_text())
+    b, plain = of_bundle(load(spec_text(NGRAM))), of_bundle(load(spec_text()))
     for device in (False, True):
         caps = model_capabilities(b, device=device)
         assert caps["supports_spec_decode"] is True and caps["spec_requirements"]["num_speculative_tokens"] == 3
@@ -222,7 +223,8 @@ def test_the_platform_takes_ngram_on_a_device_and_refuses_a_draft_model_there(lo
     from ttbundle.runtime.platform import _configure_speculative
 
     b = load(spec_text(NGRAM))
-    pkg = SimpleNamespace(bundle=b, path=tmp_path, name="tiny", mesh_name="N150")
+    from ttbundle.package.facts import of_bundle
+    pkg = SimpleNamespace(bundle=b, serving=of_bundle(b).serving, path=tmp_path, name="tiny", mesh_name="N150")
 
     def config(**kw):
         return SimpleNamespace(speculative_config=SimpleNamespace(**dict(NGRAM["speculative"], model=None, **kw)))

@@ -237,7 +237,9 @@ def test_a_draft_model_speculates_on_the_emulated_mesh_only(spec_dir):
     from ttbundle.runtime.capabilities import model_capabilities
 
     _write(spec_dir)
-    b = spec.load(spec_dir / SPEC_FILE)
+    from ttbundle.package.facts import of_bundle
+
+    b = of_bundle(spec.load(spec_dir / SPEC_FILE))
     assert model_capabilities(b, device=False)["supports_spec_decode"] is True
     assert model_capabilities(b, device=True)["supports_spec_decode"] is False
     assert model_capabilities(b, device=True)["spec_requirements"] == {}

@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from test_build import ckpt, spec_text  # noqa: F401  (ckpt: the shared checkpoint fixture)
 from ttbundle import build as buildmod, layout, mesh as meshmod, mockcluster, spec as specmod, tensorbin
+from ttbundle.package.facts import of_bundle
 from ttbundle.layout import axes_of
 from ttbundle.plan.make import make_plan
 from ttbundle.plan.memory import tensor_bytes
@@ -635,19 +636,20 @@ def test_mla_prefill_is_lowered_per_chunk_start():
     chunk = bundle.buckets.prefill_chunk or max(bundle.buckets.prefill)
     b = min(bundle.buckets.prefill)
     prog = lowermod.lower(bundle, p, "prefill", b)
-    starts = lowering.chunk_starts(bundle, prog)
+    facts = of_bundle(bundle)  # what its manifest records (the buckets)
+    starts = lowering.chunk_starts(facts, prog)
     assert starts == list(range(0, bundle.spec.runtime.max_model_len, chunk)) and len(starts) > 1
-    assert lowering.chunk_starts(bundle, lowermod.lower(bundle, p, "decode", 1)) == [0]
+    assert lowering.chunk_starts(facts, lowermod.lower(bundle, p, "decode", 1)) == [0]
     for start in (0, starts[-1]):
         fw = lowering.lower_forward(bundle, p.mesh, prog, chunk_start=start)
         mla = [c for _, c in fw.calls() if c.fn == "transformer.chunked_flash_mla_prefill"]
         assert mla and {c.args[4] for c in mla} == {start} and fw.gaps == []
-    assert lowering.static_start(bundle, prog, starts[1]) == starts[1]
+    assert lowering.static_start(facts, prog, starts[1]) == starts[1]
     with pytest.raises(ValueError, match="chunks start at multiples"):
-        lowering.static_start(bundle, prog, starts[1] + 32)
+        lowering.static_start(facts, prog, starts[1] + 32)
     llama = specmod.load(BUNDLES / "llama-3.1-8b.yaml")  # dynamic start: one forward for every start
     lp = lowermod.lower(llama, make_plan(llama, llama.spec.targets[0]), "prefill", 1024)
-    assert lowering.chunk_starts(llama, lp) == [0] and lowering.static_start(llama, lp, 2048) == 0
+    assert lowering.chunk_starts(of_bundle(llama), lp) == [0] and lowering.static_start(of_bundle(llama), lp, 2048) == 0
 
 
 def test_a_later_prefill_chunk_writes_its_own_blocks():

@@ -623,9 +623,10 @@ def _swap_w1(d):  # w1 row-parallel instead of column-parallel: a placement the 
 ])
 def test_a_package_whose_spec_and_programs_disagree_is_refused(t3k_package, tmp_path, where, edit, needle):
     """bundle.yaml and the programs edited apart (the manifest re-hashed, as a rebuilt file
-    would be): the ttnn path refuses the package at load, naming the program, the weight (or the
-    KV field), both values and the bundle.yaml line, instead of running one and describing the
-    other."""
+    would be): the package's check against its spec (``speccheck.load_checked``: the build,
+    ``check PACKAGE``, ``cache verify``; serving no longer re-resolves the spec at every load)
+    refuses it, naming the program, the weight (or the KV field), both values and the bundle.yaml
+    line, instead of running one and describing the other."""
     import re
 
     from pkg_mutations import edit_bundle_yaml, edit_program_json
@@ -635,8 +636,9 @@ def test_a_package_whose_spec_and_programs_disagree_is_refused(t3k_package, tmp_
         edit_bundle_yaml(pkg, edit)
     else:
         assert edit_program_json(pkg, edit) == len(list((pkg / "programs").glob("*.json")))
+    from ttbundle.package.speccheck import load_checked
     with pytest.raises(PackageError) as e:
-        ttmodel.open_model(recording.Recorder().module(), pkg, "all")
+        load_checked(pkg)
     msg = str(e.value)
     assert needle in msg, msg
     assert re.search(r"programs/(prefill|decode)-\d+\.json \(and its \d+ other program", msg), msg

@@ -243,7 +243,7 @@ def test_layer_by_layer_warm_up_equals_whole_forward_on_the_recorded_rows(family
     whole = EmulatedModel.from_package(loaded)
     refs = warmref.references(loaded.dir, loaded.manifest)
     for phase, b in progs:
-        x = warmref.fixed_input(loaded.bundle, phase, b)
+        x = warmref.fixed_input(loaded.program_ir(phase, b))
         kv = whole.allocate_kv_cache(x["num_blocks"], x["block_size"])
         with torch.no_grad():
             out = whole.forward(whole.program(phase, b), x["tokens"], x["positions"], x["valid"],

@@ -16,11 +16,11 @@ from . import __version__, cache, lower as lowermod, tracebudget, warmup
 from .errors import DoesNotFit
 from .fsutil import MAX_TOKENIZER_BYTES, fault as _fault, read_user_bytes
 from .manifest import MANIFEST, METADATA
+from .package.facts import buckets_record, serving_record
 from .package.names import FORMAT, module_name, tt_arch
 from .package.templates import hf_config_json, metadata_json, render_adapter, render_readme
 from .plan.make import replica_json
-from .speculative import verify_buckets
-from .program import Program
+from .program import Program, program_name
 from . import vision
 from .backends.ttnn import cache as ttcache, kernelcache as kc
 from .package.names import DRAFT_DIR
@@ -137,7 +137,7 @@ class PackageWriter:
             self.res.rebuilt.append("kernel_cache")
         self.artifacts["kernel_cache"] = {"key": key, **kc.record(sfpi, files)}
         if self.artifacts["kernel_cache"]["filled"]:  # the programs whose kernels it holds (both samplings)
-            self.artifacts["kernel_cache"]["programs"] = [lowermod.program_name(p, b) for p, b in self.inp.traces]
+            self.artifacts["kernel_cache"]["programs"] = [program_name(p, b) for p, b in self.inp.traces]
         if not self.artifacts["kernel_cache"]["filled"]:
             self.res.warnings.append("kernel cache not pre-filled (the first warm-up on a Tenstorrent host "
                                      f"compiles every kernel): {self.artifacts['kernel_cache']['reason']}")
@@ -147,7 +147,7 @@ class PackageWriter:
         linked): what the kernel-cache fill runs, nothing re-lowered."""
         out = {}
         for phase, b in self.inp.traces:
-            rel = f"programs/{lowermod.program_name(phase, b)}.json"
+            rel = f"programs/{program_name(phase, b)}.json"
             out[(phase, b)] = Program.from_json(json.loads((self.tmp / rel).read_text(encoding="utf-8")), rel)
         return out
 
@@ -156,7 +156,7 @@ class PackageWriter:
         traces = self.inp.traces
         self.emit({"event": "phase", "phase": "programs", "total": len(traces), "unit": "traces"})
         for i, (phase, b) in enumerate(traces):
-            name = lowermod.program_name(phase, b)
+            name = program_name(phase, b)
             rel = f"programs/{name}.json"
             art = f"program:{name}"
             reused = self.prev_art.get(art, {}).get("key") == keys[art] and self._link(rel)
@@ -175,7 +175,7 @@ class PackageWriter:
         start and in ``cache verify``)."""
         todo, records = [], {}
         for phase, b in self.inp.traces:
-            art = f"warmup:{lowermod.program_name(phase, b)}"
+            art = f"warmup:{program_name(phase, b)}"
             old = self.prev_art.get(art)
             if old and old.get("key") == keys[art] and old.get("ran") and old.get("reference") \
                     and self._link(old["reference"]):
@@ -188,12 +188,12 @@ class PackageWriter:
         if todo:
             ran = warmup._warm(self.bundle, self.plan, self.tmp, todo, self.emit)
             for (phase, b), out in zip(todo, ran):
-                art = f"warmup:{lowermod.program_name(phase, b)}"
+                art = f"warmup:{program_name(phase, b)}"
                 rec = out["record"]
                 self._write(rec["reference"], warmup.reference_bytes(out["reference"]))
                 records[art] = {"key": keys[art], **rec, "files": [rec["reference"]]}
                 self.res.rebuilt.append(art)
-                self.res.warmed.append(lowermod.program_name(phase, b))
+                self.res.warmed.append(program_name(phase, b))
         self.artifacts.update(records)
 
     # -- small files ---------------------------------------------------------------------------
@@ -218,7 +218,7 @@ class PackageWriter:
         b, p, m = self.bundle, self.plan, self.plan.mesh
         progs = []
         for phase, bk in self.inp.traces:
-            name = lowermod.program_name(phase, bk)
+            name = program_name(phase, bk)
             prog = Program.from_json(json.loads((self.tmp / f"programs/{name}.json").read_text()), name)
             s = lowermod.summary(prog)
             w = self.artifacts.get(f"warmup:{name}", {})
@@ -251,7 +251,7 @@ class PackageWriter:
         ``kernels`` (ttnn builds), the programs whose ttnn kernels the package's kernel cache holds
         (empty when it was not filled, with ``kernels_missing_reason``). Traces are not files:
         tt-metal captures them at every start, from kernels that are then compiled or cached."""
-        out = {"programs": sorted(lowermod.program_name(p, b) for p, b in self.inp.traces)}
+        out = {"programs": sorted(program_name(p, b) for p, b in self.inp.traces)}
         if self.backend == "ttnn":
             kc = self.artifacts.get("kernel_cache", {})
             out["kernels"] = sorted(kc.get("programs", [])) if kc.get("filled") else []
@@ -274,7 +274,6 @@ class PackageWriter:
 
     def _manifest(self) -> None:
         b, p, m = self.bundle, self.plan, self.plan.mesh
-        bk = b.buckets
         manifest = {
             "format": FORMAT,
             "bundle": b.spec.name,
@@ -283,10 +282,8 @@ class PackageWriter:
             "main_class": self.main_class,
             "mesh": {"name": m.name, "shape": list(m.shape), "arch": m.chip.arch, "devices": m.num_devices},
             **({"replicas": replica_json(m, b.spec.runtime.max_num_seqs)} if m.target_shape else {}),
-            "buckets": {"prefill": list(bk.prefill), "decode": list(bk.decode),
-                        "prefill_chunk": bk.prefill_chunk,
-                        **({"vision": list(b.vision.buckets)} if b.vision is not None else {}),
-                        **({"verify": verify_buckets(b)} if verify_buckets(b) else {})},
+            "buckets": buckets_record(b),
+            "serving": serving_record(b, (p.draft or {}).get("kv_blocks")),
             "trace_region_bytes": p.memory.trace_region,  # the DRAM it costs (per-bank rounding)
             "trace_region_size": p.trace_region_size,  # what the mesh is opened with
             **({"trace_region": self._trace_region()} if self.backend == "ttnn" else {}),

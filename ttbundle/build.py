@@ -45,6 +45,7 @@ from .package.names import PackageError, package_path, weight_file
 from .package.verify import read_manifest
 from .plan.make import Plan, make_plan
 from .plan.memory import shortfall
+from .program import program_name
 from .txn import (STATE_DIR, _check_replaceable, _fsync_dir, _Lock, _recover, _swap, _tag,  # noqa: F401
                   lock_unless_read_only)
 from .backends.ttnn import kernelcache
@@ -165,7 +166,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
     draft = _build_draft(bundle, mesh, out_dir, dry_run=dry_run, force=force, warmup=warmup)
     if dry_run:
         prev = _previous(pkg)
-        inp = cache.compute(bundle, plan, prev)
+        inp = cache.compute(bundle, plan, prev, lowermod.trace_set(bundle))
         _backend_field(inp, backend, sfpi, plan)
         _draft_field(inp, draft)
         _hash_sources(inp, emit)
@@ -183,7 +184,7 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
             _recover(state, pkg)
         _check_replaceable(pkg)
         prev = _previous(pkg)
-        inp = cache.compute(bundle, plan, prev)
+        inp = cache.compute(bundle, plan, prev, lowermod.trace_set(bundle))
         _backend_field(inp, backend, sfpi, plan)
         _draft_field(inp, draft)
         if prev is not None and inp.pending:
@@ -268,7 +269,7 @@ def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
     rec = m.get("key_fields", {})
     backend = rec.get("backend", "emulated")  # what it was built with: not a change by itself
     plan = device_plan(bundle, m["mesh"]["name"], backend)
-    inp = cache.compute(bundle, plan, m)
+    inp = cache.compute(bundle, plan, m, lowermod.trace_set(bundle))
     sfpi = None
     if "kernel_cache" in rec:
         sfpi = _sfpi("ttnn")[0].key()
@@ -332,7 +333,7 @@ def _describe(bundle, plan: Plan, inp, prev: dict | None, res: BuildResult) -> N
         flops = s["flops_per_device"] * plan.mesh.num_devices * warmref.real_rows(phase, b) / max(1, s["rows"])
         s["warmup_seconds_est"] = round(flops / EST_EMULATED_FLOPS, 3)
         total_flops += flops
-        s["rebuild"] = f"program:{lowermod.program_name(phase, b)}" in res.rebuilt
+        s["rebuild"] = f"program:{program_name(phase, b)}" in res.rebuilt
         res.traces.append(s)
     src = sum(r["size"] for r in inp.weight_records)
     out_bytes = sum(t.bytes_per_copy * t.count for t in plan.tensors)  # per device, allocator-rounded

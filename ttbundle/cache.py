@@ -318,10 +318,11 @@ class Inputs:
         return any(r["blake3"] is None for r in self.weight_records + self.tokenizer_records)
 
 
-def compute(bundle, plan, previous: dict | None) -> Inputs:
-    """Key inputs of ``bundle`` on ``plan.mesh``; source digests come from ``previous``'s stat
-    cache where possible (``Inputs.pending`` says whether any file still needs hashing)."""
-    from .lower import trace_set
+def compute(bundle, plan, previous: dict | None, traces: list) -> Inputs:
+    """Key inputs of ``bundle`` on ``plan.mesh``, whose programs are ``traces`` ((phase, bucket)
+    pairs, ``lower.trace_set``: the build passes them, this module does not lower); source digests
+    come from ``previous``'s stat cache where possible (``Inputs.pending`` says whether any file
+    still needs hashing)."""
     from .package.templates import render_bundle_yaml, resolved_spec
 
     s = bundle.spec
@@ -356,7 +357,7 @@ def compute(bundle, plan, previous: dict | None) -> Inputs:
     }
     f.update(code_fields())
     f.update(format_fields(bundle, wdir))
-    inp = Inputs(resolved, text, f, wrec, trec, wdir, trace_set(bundle))
+    inp = Inputs(resolved, text, f, wrec, trec, wdir, list(traces))
     if not inp.pending:
         inp.finish()
     return inp
@@ -394,7 +395,7 @@ def content_key(fields: dict) -> str:
 
 def artifact_keys(fields: dict, traces) -> dict:
     """Key per artifact: ``weights``, ``program:<phase>-<bucket>``, ``warmup:<phase>-<bucket>``."""
-    from .lower import program_name
+    from .program import program_name
     keys = {"weights": digest({k: fields[k] for k in WEIGHTS_DEPS if k in fields})}
     for phase, b in traces:
         name = program_name(phase, b)

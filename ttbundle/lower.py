@@ -55,10 +55,6 @@ def traced(bundle, phase: str) -> bool:
     return mode == "all" or (mode == "decode_only" and phase in ("decode", "verify"))
 
 
-def program_name(phase: str, bucket: int) -> str:
-    return f"{phase}-{bucket}"
-
-
 # ---- lowering ------------------------------------------------------------------------------------
 def lower(bundle, plan: Plan, phase: str, bucket: int, traits=None) -> Program:
     """The static per-device program of ``bundle`` on ``plan.mesh`` for one (phase, bucket).
@@ -144,7 +140,8 @@ def lower(bundle, plan: Plan, phase: str, bucket: int, traits=None) -> Program:
                   "block_size": plan.kv["block_size"], "entries": [dict(e) for e in plan.kv["entries"]]},
         totals=tot, memory=mem, layers=tuple(layers), weights=weights,
         policy=Policy.of(policy).to_json(), traits=traits, layer_traits=layer_traits,
-        dims=Dims.of_arch(a, rt.max_model_len))
+        dims=Dims.of_arch(a, rt.max_model_len),
+        rows_per_seq=rows_per_seq(bundle) if phase == "verify" else 0)
 
 
 def _op_step(op, specs: dict, dims: dict, decls: dict, tplan: dict, act, lead: int, context: int) -> Step:
@@ -223,5 +220,5 @@ def vision_cap(bundle, plan: Plan) -> dict | None:
             "per_chip_total": plan.memory.total, "dram": plan.memory.dram}
 
 
-__all__ = ["AXES", "FORMAT", "PHASES", "lower", "lower_all", "program_name", "summary", "trace_set", "traced",
+__all__ = ["AXES", "FORMAT", "PHASES", "lower", "lower_all", "summary", "trace_set", "traced",
            "vision_cap", "vision_summaries"]

@@ -50,6 +50,22 @@ class BucketsRecord(_Strict):
     verify: Optional[list[int]] = None  # speculative decoding: a verify program per decode bucket
 
 
+class ServingRecord(_Strict):
+    """The serving facts the runtime and the backends read (``LoadedPackage.serving``), written at
+    build from the resolved spec (:func:`ttbundle.package.facts.serving_record`, the one place
+    they are derived) and never re-derived from bundle.yaml after lowering. ``package.verify``
+    (``ttbundle verify``, ``check``) refuses a package whose record disagrees with its spec."""
+    task: str  # "generate" or "embed"
+    max_num_seqs: int = Field(ge=1)  # sequences one replica decodes at once
+    kv_block_size: int = Field(ge=1)  # tokens per KV block (vLLM's --block-size)
+    output_tokens_per_step: int = Field(ge=1)  # decode tokens a host step may feed on the device
+    sample_on_device_mode: str  # where sampling runs by default: off, decode_only, all
+    trace_mode: str  # which programs are traced: none, decode_only, all
+    rows_per_seq: int = Field(ge=0)  # rows of one sequence in a verify program: k + 1 (0: no speculative)
+    speculative: Optional[dict[str, Any]] = None  # vLLM's --speculative-config (``speculative.vllm_config``)
+    draft_kv_blocks: Optional[int] = Field(default=None, ge=1)  # method draft: the draft's KV blocks
+
+
 class ReplicasRecord(_Strict):
     count: int = Field(ge=1)
     submesh: list[int]
@@ -109,6 +125,7 @@ class Manifest(_Strict):
     mesh: MeshRecord
     replicas: Optional[ReplicasRecord] = None
     buckets: BucketsRecord
+    serving: Optional[ServingRecord] = None  # absent: built before it was recorded (load refuses it)
     trace_region_bytes: Optional[int] = Field(default=None, ge=0)
     trace_region_size: Optional[int] = Field(default=None, ge=0)
     trace_region: Optional[TraceRegionRecord] = None

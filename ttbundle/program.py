@@ -127,10 +127,13 @@ class Program:
     #: the model's sizes beyond the steps' shapes (``traits.Dims``: hidden, vocab, layers, KV
     #: heads and head width, RMSNorm eps, max_model_len)
     dims: Dims | None = None
+    #: a verify program (speculative decoding): rows of one sequence, its last token and the k
+    #: proposals (``speculative.rows_per_seq``); 0 for the other phases
+    rows_per_seq: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.phase}-{self.bucket}"
+        return program_name(self.phase, self.bucket)
 
     def steps(self):
         """(layer kind, step index, step) for every step, in order."""
@@ -152,6 +155,7 @@ class Program:
             "policy": self.policy,
             "traits": self.traits.to_json(), "layer_traits": [lt.to_json() for lt in self.layer_traits],
             "dims": None if self.dims is None else self.dims.to_json(),
+            **({"rows_per_seq": self.rows_per_seq} if self.phase == "verify" else {}),
             "weights": {n: {"spec": [list(e) for e in w.spec], "device_shape": list(w.device_shape),
                             "dtype": w.dtype, "layers": None if w.layers is None else list(w.layers)}
                         for n, w in sorted(self.weights.items())},
@@ -176,11 +180,29 @@ class Program:
                        int(d["context"]), bool(d["traced"]), int(d["trace_region_bytes"]), d["kv_cache"],
                        d["totals"], d["memory"], layers, weights, d.get("policy", {}),
                        Traits.of(d["traits"], "traits"), _layer_traits(d["layer_traits"]),
-                       Dims.of(d["dims"], "dims"))
+                       Dims.of(d["dims"], "dims"), _rows_per_seq(d))
         except (ProgramError, TraitsError) as e:
             raise ProgramError(f"{where}: {e}") from None
         except (KeyError, TypeError, ValueError, AttributeError) as e:
             raise ProgramError(f"{where}: not a valid {FORMAT} program ({type(e).__name__}: {e})") from None
+
+
+def _rows_per_seq(d: dict) -> int:
+    """A verify program's rows per sequence (recorded since the runtime stopped re-reading the spec)."""
+    if d["phase"] != "verify":
+        return 0
+    if "rows_per_seq" not in d:
+        raise ProgramError("a verify program without rows_per_seq (written by an older ttbundle); rebuild the package")
+    n = d["rows_per_seq"]
+    if not isinstance(n, int) or isinstance(n, bool) or n < 2:
+        raise ProgramError(f"rows_per_seq {n!r}: a verify program has 2 or more rows per sequence")
+    return n
+
+
+def program_name(phase: str, bucket: int) -> str:
+    """A program's name in a package (``programs/<name>.json``, artifact keys, the manifest's
+    ``precompiled.programs``): ``<phase>-<bucket>``."""
+    return f"{phase}-{bucket}"
 
 
 def _layer_traits(items) -> tuple[LayerTraits, ...]:
@@ -353,4 +375,4 @@ def _step_from(d: dict, where: str) -> Step:
                 flops=int(d.get("flops", 0)))
 
 
-__all__ = ["ENTRY", "FORMAT", "Activation", "LayerProgram", "Op", "Program", "ProgramError", "Step", "WeightRef", "verify"]
+__all__ = ["ENTRY", "FORMAT", "Activation", "LayerProgram", "Op", "Program", "ProgramError", "Step", "WeightRef", "program_name", "verify"]

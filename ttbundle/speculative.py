@@ -1,7 +1,9 @@
 """Speculative decoding (the spec's ``speculative:``): its rules, its verify programs' shape and
 the ``--speculative-config`` vLLM gets. One owner for all three (``spec.check`` calls
-:func:`check`; ``lower`` and ``plan`` take :func:`verify_rows`; ``serve`` and the platform take
-:func:`vllm_config` and :func:`disagreements`).
+:func:`check`; ``lower`` and ``plan`` take :func:`verify_rows`; the build records :func:`vllm_config`
+and :func:`rows_per_seq` in the package (``package.facts``), and ``serve`` and the platform read them
+back with :func:`recorded_config` and compare with :func:`disagreements`: nothing after lowering
+calls the spec readers here).
 
 ``method: draft``: another bundle (``model:``, a spec path relative to this spec) proposes. It
 must load and validate, share this bundle's tokenizer (the same vocabulary, token for token),
@@ -76,6 +78,19 @@ def vllm_config(bundle, draft_dir=None) -> dict | None:
         return out
     return {"method": s.method, "num_speculative_tokens": s.num_speculative_tokens,
             "prompt_lookup_min": s.prompt_lookup_min, "prompt_lookup_max": s.prompt_lookup_max}
+
+
+def recorded_config(serving, draft_dir=None) -> dict | None:
+    """:func:`vllm_config` as a package recorded it (``serving``: its manifest's
+    ``ServingRecord``), with ``model`` the draft package inside it (``draft_dir``) for ``draft``:
+    what ``serve`` passes and the platform checks, read from the package, not its spec."""
+    cfg = serving.speculative
+    if cfg is None:
+        return None
+    out = dict(cfg)
+    if out["method"] == VLLM_METHOD["draft"] and draft_dir is not None:
+        out["model"] = str(Path(draft_dir).absolute())
+    return out
 
 
 def draft_path(bundle) -> Path | None:

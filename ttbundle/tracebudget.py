@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 from .backends.ttnn.lowering import lower_forward
 from .backends.ttnn.model import forward_keys
+from .package.facts import of_bundle
 from .plan.memory import TRACE_BYTES_PER_OP
 from .tiles import round_up
 
@@ -68,13 +69,15 @@ def padded(calls: int, banks: int) -> int:
 
 
 def trace_need(bundle, mesh, programs: dict, sample_on_device_mode: str | None = None,
-               trace_mode: str | None = None) -> TraceNeed:
+               trace_mode: str | None = None, facts=None) -> TraceNeed:
     """What the traces of ``programs`` ((phase, bucket) -> typed program) need on each chip of
-    ``mesh`` with the runtime's options (default: the bundle's): every traced forward the TT
-    runtime opens (``backends.ttnn.model.forward_keys``, the host-sampled fallback included)
-    lowered as the runtime lowers it, its captured calls counted."""
-    rt = bundle.spec.runtime
-    keys, traced = forward_keys(bundle, programs, sample_on_device_mode or rt.sample_on_device_mode,
+    ``mesh`` with the runtime's options (default: the package's serving facts, ``facts``: a
+    ``LoadedPackage``, or at build :func:`package.facts.of_bundle` of ``bundle``): every traced
+    forward the TT runtime opens (``backends.ttnn.model.forward_keys``, the host-sampled fallback
+    included) lowered as the runtime lowers it, its captured calls counted."""
+    facts = facts if facts is not None else of_bundle(bundle)
+    rt = facts.serving
+    keys, traced = forward_keys(facts, programs, sample_on_device_mode or rt.sample_on_device_mode,
                                 host_fallback=True, trace_mode=trace_mode or rt.trace_mode)
     banks = mesh.chip.dram_banks
     out = TraceNeed(banks)
@@ -91,7 +94,7 @@ def trace_need(bundle, mesh, programs: dict, sample_on_device_mode: str | None =
 def package_need(loaded, sample_on_device_mode: str | None = None, trace_mode: str | None = None) -> TraceNeed:
     """:func:`trace_need` of a built package (``package.load.LoadedPackage``): its own programs."""
     programs = {k: loaded.program_ir(*k) for k in loaded.programs}
-    return trace_need(loaded.bundle, loaded.mesh, programs, sample_on_device_mode, trace_mode)
+    return trace_need(loaded.bundle, loaded.mesh, programs, sample_on_device_mode, trace_mode, facts=loaded)
 
 
 def record(tn: TraceNeed, size: int, source: str, sample_on_device_mode: str, trace_mode: str) -> dict:

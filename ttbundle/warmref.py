@@ -11,8 +11,8 @@ import math
 import time
 from pathlib import Path
 
-from . import lower as lowermod
 from .errors import WarmupMismatch
+from .program import program_name
 
 FORMAT = "ttbundle.warmup/2"
 OLD_FORMATS = ("ttbundle.warmup/1",)  # refused: rebuild
@@ -40,13 +40,16 @@ def real_rows(phase: str, b: int) -> int:
 
 
 # ---- the fixed input ---------------------------------------------------------------------------------
-def fixed_input(bundle, phase: str, b: int) -> dict:
-    """The fixed input of program (phase, b): tensors for ``EmulatedModel.stages`` (the real
-    rows only), the KV blocks it needs, and the rows recorded (``(n, t)`` pairs, labels)."""
+def fixed_input(program) -> dict:
+    """The fixed input of ``program`` (a ``program.Program``, its phase and bucket): tensors for
+    ``EmulatedModel.stages`` (the real rows only), the KV blocks it needs (in the program's block
+    size), and the rows recorded (``(n, t)`` pairs, labels). The build records with it and the
+    runtime checks with it, so it reads the program, never the spec."""
     import torch
 
-    vocab = bundle.arch.vocab_size
-    bs = bundle.spec.runtime.kv_block_size
+    phase, b = program.phase, program.bucket
+    vocab = program.dims.vocab_size
+    bs = int(program.kv_cache["block_size"])
     if phase == "prefill":
         r = real_rows(phase, b)
         nblk = -(-r // bs)
@@ -98,7 +101,7 @@ def run(model, bundle, programs: list, after_stage=None) -> dict:
     for members in groups.values():
         calls, inputs = [], []
         for phase, b, prog in members:
-            x = fixed_input(bundle, phase, b)
+            x = fixed_input(prog)
             kv = model.allocate_kv_cache(x["num_blocks"], x["block_size"])
             calls.append(model.stages(prog, x["tokens"], x["positions"], x["valid"], x["page_table"], kv))
             inputs.append(x)
@@ -199,7 +202,7 @@ def check_model(model, bundle, pkg_dir: Path, manifest: dict, dtype: str, log=No
     program file must be the one the reference was recorded with."""
     refs = references(pkg_dir, manifest)
     for (phase, b), ref in refs.items():
-        name = lowermod.program_name(phase, b)
+        name = program_name(phase, b)
         prog = Path(pkg_dir) / f"programs/{name}.json"
         try:
             sha = hashlib.sha256(prog.read_bytes()).hexdigest()
@@ -215,7 +218,7 @@ def check_model(model, bundle, pkg_dir: Path, manifest: dict, dtype: str, log=No
     got = run(model, bundle, sorted(refs))
     out = {}
     for key in sorted(refs):
-        name = lowermod.program_name(*key)
+        name = program_name(*key)
         out[name] = compare(name, refs[key], summarize(*got[key]), dtype, rtol)
     if log is not None:
         log(f"warm-up references ({dtype}, tolerance {rtol:.2g} x rms): {len(out)} programs ok, max difference "

@@ -70,8 +70,10 @@ from typing import Callable
 from . import lower as lowermod
 from .errors import WarmupMismatch
 from .plan.make import Plan
+from .program import program_name
 from .warmref import FORMAT, FP32_RTOL, check_model, references, run, stage_count, summarize
-from .package.load import assemble, load_package
+from .package.load import assemble
+from .package.speccheck import check_spec, load_checked
 from .package.names import DRAFT_DIR
 
 Progress = Callable[[dict], None]
@@ -106,7 +108,8 @@ def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list
     import torch
 
     parts = assemble(pkg_dir, {}, bundle, plan.mesh,
-                     {k: f"programs/{lowermod.program_name(*k)}.json" for k in lowermod.trace_set(bundle)})
+                     {k: f"programs/{program_name(*k)}.json" for k in lowermod.trace_set(bundle)})
+    check_spec(parts)  # what the build wrote against its spec (serving trusts it, never re-checks)
     model = stage_model(parts, RECORDED, todo)
     n = stage_count(model, todo)
     emit({"event": "phase", "phase": "warmup", "total": n, "unit": "stages"})
@@ -124,7 +127,7 @@ def _warm(bundle, plan: Plan, pkg_dir: Path, todo: list, emit: Progress) -> list
     parts.weights.close()
     out = []
     for phase, b in todo:
-        name = lowermod.program_name(phase, b)
+        name = program_name(phase, b)
         logits, labels = got[(phase, b)]
         if not bool(torch.isfinite(logits).all()):
             raise WarmupMismatch(f"warm-up of {name} ({RECORDED}): non-finite logits")
@@ -146,7 +149,7 @@ def verify_package(pkg: str | Path, dtypes=("float32",), log=None) -> dict:
     the emulated backend, layer by layer, compared with the build's references; a speculative
     draft's package inside it (``package.names.DRAFT_DIR``) too, its programs named
     ``draft/<program>``. ``{dtype: {program: diff}}``."""
-    loaded = load_package(Path(pkg))
+    loaded = load_checked(Path(pkg))
     refs = references(Path(pkg), loaded.manifest)
     out = {}
     for dt in dtypes:  # one model alive at a time

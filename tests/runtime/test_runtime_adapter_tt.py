@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from runtime_helpers import spec_text
+from ttbundle.package.facts import of_bundle
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7]
 STEPS = 3
@@ -159,7 +160,7 @@ def test_the_adapter_class_opens_its_package_once_per_build(ttnn_package, tmp_pa
     bundle = specmod.load(pkg_dir / "bundle.yaml")
     rt = bundle.spec.runtime
     caps = cls.model_capabilities
-    assert caps == model_capabilities(bundle, device=True) and caps["supports_async_decode"] is True
+    assert caps == model_capabilities(of_bundle(bundle), device=True) and caps["supports_async_decode"] is True
     tokens = cls.get_max_tokens_all_users(max_num_seqs=rt.max_num_seqs)
     blocks = real(pkg_dir).kv_blocks
     assert -(-(tokens + rt.kv_block_size * rt.max_num_seqs) // rt.kv_block_size) == blocks

@@ -205,4 +205,4 @@ def test_lanes_refuse_a_pool_smaller_than_every_sequence_at_full_length(packages
     from ttbundle.runtime.lanes import check_pool
     from ttbundle.runtime.packages import open_package
     p = open_package(pkg)
-    check_pool(p.bundle, p.kv_blocks, 1)  # DP 8: one lane per engine, vLLM's accounting is the lane's
+    check_pool(p, p.kv_blocks, 1)  # DP 8: one lane per engine, vLLM's accounting is the lane's

@@ -277,7 +277,9 @@ def test_tokens_per_step_rule():
     from ttbundle import spec
     from ttbundle.runtime.capabilities import tokens_per_step
 
-    b = spec.loads(declared(spec_text("llama"), 8))
+    from ttbundle.package.facts import of_bundle
+
+    b = of_bundle(spec.loads(declared(spec_text("llama"), 8)))
     assert tokens_per_step(b, device=False) == 8
     assert tokens_per_step(b, device=False, requested=3) == 3
     assert tokens_per_step(b, device=False, sample_mode="off") == 1
@@ -293,8 +295,10 @@ def test_a_device_runs_the_declared_tokens_a_step(monkeypatch):
     from ttbundle import spec
     from ttbundle.runtime.capabilities import model_capabilities, tokens_per_step
 
-    b = spec.loads(declared(spec_text("llama"), 8))
-    monkeypatch.delenv("TTBUNDLE_DEVICE_MODEL", raising=False)  # ttnn
+    from ttbundle.package.facts import of_bundle
+
+    b = of_bundle(spec.loads(declared(spec_text("llama"), 8)))
+    monkeypatch.delenv("TTBUNDLE_DEVICE_MODEL", raising=False)  # ttnn: the feed is lowered (backends/ttnn/feed)
     assert tokens_per_step(b, device=True) == 8
     assert model_capabilities(b, device=True)["output_tokens_per_step"] == 8
     assert model_capabilities(b, device=False)["output_tokens_per_step"] == 8

@@ -324,7 +324,8 @@ def test_model_capabilities_follow_the_spec():
     import yaml
 
     doc = yaml.safe_load(spec_text("llama"))
-    b = specmod.loads(yaml.safe_dump(doc), "spec.yaml")
+    from ttbundle.package.facts import of_bundle
+    b = of_bundle(specmod.loads(yaml.safe_dump(doc), "spec.yaml"))
     dev, emu = model_capabilities(b, device=True), model_capabilities(b, device=False, vocab_size=512)
     assert TOPK == 32 and dev["max_device_top_k"] == 32 and emu["max_device_top_k"] == 512
     assert device_top_k(dev, 512) == 32 and device_top_k(emu, 512) is None
@@ -338,7 +339,7 @@ def test_model_capabilities_follow_the_spec():
     doc["runtime"]["sample_on_device_mode"] = "off"
     doc["buckets"].pop("prefill_chunk")
     doc["runtime"]["max_model_len"] = 128
-    b = specmod.loads(yaml.safe_dump(doc), "spec.yaml")
+    b = of_bundle(specmod.loads(yaml.safe_dump(doc), "spec.yaml"))
     caps = model_capabilities(b)
     assert not caps["supports_sample_on_device"] and not caps["supports_chunked_prefill"]
 

@@ -40,9 +40,9 @@ from .quality import Quality, default_text, measure, targets_for
 from .verdict import EXEC_BOUNDS, HEAD_BOUNDS, MARGIN_SIGMAS, MIN_DECISIVE, STAGE_ORDER, Executor, Stage, normalised_error, pcc
 from .. import cache, reference, vision
 from ..build import build
-from ..package.load import load_package
 from ..package.names import has_tokenizer
 from ..package.shards import trim_heap
+from ..package.speccheck import load_checked
 from ..package.verify import read_manifest
 from ..vision import vision_bucket
 from ..weights import bundle_adapters
@@ -231,7 +231,7 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
     if dtype not in ("fp32", "bf16"):
         raise InvalidInput(f"--dtype {dtype!r}: use fp32 or bf16")
     tdtype = torch.float32 if dtype == "fp32" else torch.bfloat16
-    pkg = load_package(pkg_dir, verify=True)
+    pkg = load_checked(pkg_dir, verify=True)
     bundle = pkg.bundle
     rt = bundle.spec.runtime
     kv_dtype = rt.kv_cache_dtype

@@ -54,7 +54,7 @@ class LoadedPackage:
     def dims(self):
         """The model's sizes (``traits.Dims``: hidden, vocab, layers, KV heads, head width, RMSNorm
         eps, max_model_len), as the programs record them: one record, the same in every program
-        (checked at load against bundle.yaml). The runtime and both backends size things by
+        (checked against bundle.yaml by ``speccheck.check_spec``: build, check, cache verify). The runtime and both backends size things by
         this, never by bundle.yaml's arch or ``runtime.max_model_len``."""
         return self.program_ir(*min(self.programs)).dims
 
@@ -89,12 +89,43 @@ class LoadedPackage:
         return dict(self.weights.refs)
 
     @property
+    def serving(self):
+        """The serving facts the build recorded (manifest ``serving``, a ``manifest.ServingRecord``:
+        max_num_seqs, the KV block size, tokens per step, sample and trace modes, the verify rows
+        per sequence, the speculative config, the draft's KV blocks): what the runtime and the
+        backends read, never bundle.yaml. A package built before they were recorded is refused
+        with a rebuild hint (nothing falls back on the spec)."""
+        if "_serving" not in self._ir:
+            self._ir["_serving"] = serving_of(self.dir, self.manifest)
+        return self._ir["_serving"]
+
+    @property
+    def buckets(self):
+        """The programs' buckets as the manifest records them (``manifest.BucketsRecord``:
+        ``prefill``, ``decode``, ``prefill_chunk``, ``vision``, ``verify``)."""
+        from ..manifest import BucketsRecord
+        if "_buckets" not in self._ir:
+            self._ir["_buckets"] = BucketsRecord.model_validate(self.manifest["buckets"])
+        return self._ir["_buckets"]
+
+    @property
     def trace_region_size(self) -> int:
         """Bytes to open the mesh's trace region with (``open_mesh_device(trace_region_size=)``):
         the size the build planned (manifest ``trace_region_size``). A manifest written before it
         was recorded gives ``trace_region_bytes``, the DRAM that size costs (a little more)."""
         m = self.manifest
         return int(m.get("trace_region_size", m.get("trace_region_bytes")) or 0)
+
+
+def serving_of(pkg, manifest: dict):
+    """The manifest's ``serving`` record, typed; a package built before it was recorded is refused:
+    rebuild it (``ttbundle build`` reuses every artifact whose key is unchanged)."""
+    from ..manifest import ServingRecord
+    rec = manifest.get("serving")
+    if rec is None:
+        raise PackageError(f"{pkg}: manifest.json has no serving record (built by an older ttbundle, which "
+                           "left the runtime to re-read bundle.yaml); rebuild the package with `ttbundle build`")
+    return ServingRecord.model_validate(rec)
 
 
 def read_bundle(pkg: str | Path):
@@ -107,14 +138,18 @@ def read_bundle(pkg: str | Path):
 
 def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
     """Read a package: manifest (and every file's sha256 when ``verify``), the resolved spec, its
-    programs (the weights each reads, checked against the weight files' headers)."""
-    from ..lower import program_name
-    from ..plan.sharding import target_mesh
+    programs (the weights each reads, checked against the weight files' headers). Nothing is
+    re-derived from the spec: the check of the programs and the manifest's serving facts against
+    bundle.yaml is ``speccheck.check_spec`` (the build, ``check PACKAGE``, ``cache verify``)."""
+    from ..program import program_name
+    from .. import mesh as meshmod
 
     pkg = Path(pkg)
     m = verify_package(pkg, full=verify)
+    serving_of(pkg, m)  # an older package is refused here, before anything reads it
     bundle = read_bundle(pkg)
-    mesh = target_mesh(bundle, m["mesh"]["name"])  # one replica's submesh when split
+    # one replica's submesh when split (``plan.sharding.target_mesh``'s rule, without the planner)
+    mesh = meshmod.replica_mesh(meshmod.resolve(m["mesh"]["name"]), bundle.spec.replicas)
     if list(mesh.shape) != list(m["mesh"].get("shape", mesh.shape)) or \
             mesh.replicas != (m.get("replicas") or {}).get("count", 1):
         raise PackageError(f"{pkg}: manifest says mesh {m['mesh'].get('shape')} x "
@@ -136,13 +171,12 @@ def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
 def assemble(pkg: Path, manifest: dict, bundle, mesh, programs: dict) -> LoadedPackage:
     """A package's parts read back (``programs``: (phase, bucket) -> relative path), the weight
     headers checked against the programs; ``build`` warms its temp directory up with it before
-    the manifest exists."""
+    the manifest exists (and checks it against the spec, ``speccheck.check_spec``)."""
     loaded = LoadedPackage(Path(pkg), manifest, bundle, mesh, None, dict(programs))
     if not programs:
         raise PackageError(f"{pkg}: no programs")
     refs = _weight_refs(loaded)
     _check_arch(Path(pkg), bundle, mesh, refs)
-    _check_spec(loaded, refs)
     loaded.weights = PackageWeights(Path(pkg), bundle, mesh, refs)
     _check_headers(loaded.weights)
     return loaded
@@ -161,67 +195,6 @@ def _check_arch(pkg: Path, bundle, mesh, refs: dict) -> None:
         if want != list(refs[n].device_shape):
             raise PackageError(f"{pkg}: bundle.yaml's model gives {n} {want} per device, the programs "
                                f"{list(refs[n].device_shape)}: the package is inconsistent; rebuild it")
-
-
-def _check_spec(loaded: LoadedPackage, refs: dict) -> None:
-    """bundle.yaml (the spec the package says it was built from) and the programs (what runs)
-    agree: every program's mesh is the package's, and every weight's PartitionSpec and dtype and
-    the KV cache's dtype and block size are what the spec resolves to (``plan.sharding.resolved_plan``,
-    ``plan.sharding.tensor_dtype``; no plan is made). A disagreement names the program, the weight, both
-    values and the bundle.yaml line; nothing at run time re-derives a layout, so a package whose
-    programs and spec disagree would run one and describe the other."""
-    from ..layout import axes_of
-    from ..plan.sharding import resolved_plan, tensor_dtype
-    from ..traits import Dims
-
-    pkg, bundle, mesh = loaded.dir, loaded.bundle, loaded.mesh
-    first = min(loaded.programs)
-    others = len(loaded.programs) - 1
-    where = f"{pkg}: {loaded.programs[first]}" + (f" (and its {others} other program(s), which agree with it)"
-                                                  if others else "")
-    for key in sorted(loaded.programs):
-        p = loaded.program_ir(*key)
-        if list(p.mesh.get("shape", ())) != list(mesh.shape) or p.mesh.get("name") != mesh.name:
-            raise PackageError(f"{pkg}: {loaded.programs[key]}: program for mesh {p.mesh.get('name')} "
-                               f"{p.mesh.get('shape')}, the package is for {mesh.describe()}; rebuild it")
-
-    def at(path: tuple) -> str:
-        d = bundle.locate(path, "")
-        return f"{d.file}:{d.line}" if d.file and d.line is not None else str(d.file or "bundle.yaml")
-
-    def show(spec) -> str:
-        return "[" + ", ".join("null" if not e else e[0] if len(e) == 1 else "[" + ", ".join(e) + "]"
-                               for e in spec) + "]"
-
-    specs, origin = resolved_plan(bundle, mesh.name)
-    decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
-    for n, ref in sorted(refs.items()):
-        want = tuple(axes_of(e) for e in specs[n])
-        if want != tuple(ref.spec):
-            src = origin[n] or ("sharding", "plan")
-            raise PackageError(
-                f"{where}: weight {n} is split {show(ref.spec)} (PartitionSpec), bundle.yaml says "
-                f"{show(want)} ({at(src)}: {'.'.join(map(str, src))}): the programs and the spec disagree, "
-                "and the programs are what runs; rebuild the package from its spec")
-        dt = tensor_dtype(bundle.spec, decls[n])
-        if dt != ref.dtype:
-            path = ("weights", "dtypes", "tensors", n)
-            raise PackageError(f"{where}: weight {n} is {ref.dtype}, bundle.yaml says {dt} ({at(path)}): the "
-                               "programs and the spec disagree; rebuild the package from its spec")
-    want_dims = Dims.of_arch(bundle.arch, bundle.spec.runtime.max_model_len)
-    for key in sorted(loaded.programs):
-        got = loaded.program_ir(*key).dims
-        if got != want_dims:
-            bad = [f"{k} {got.get(k)} (bundle.yaml: {want_dims.get(k)})" for k in want_dims if got.get(k) != want_dims.get(k)]
-            raise PackageError(f"{pkg}: {loaded.programs[key]}: the program's dims disagree with bundle.yaml: "
-                               f"{', '.join(bad)}: the programs are what runs; rebuild the package from its spec")
-    kv, rt = loaded.kv_cache, bundle.spec.runtime
-    for what, field_, got, want in (("dtype", "kv_cache_dtype", kv.get("dtype"), rt.kv_cache_dtype),
-                                    ("block size", "kv_block_size", kv.get("block_size"), rt.kv_block_size)):
-        if got != want:
-            raise PackageError(f"{where}: KV cache {what} {got}, bundle.yaml says {want} "
-                               f"({at(('runtime', field_))}: runtime.{field_}): the programs and the spec "
-                               "disagree; rebuild the package from its spec")
 
 
 def _weight_refs(loaded: LoadedPackage) -> dict:

@@ -41,7 +41,7 @@ class _ClassCapabilities:
         d = cls.package_dir
         if d is None:
             return {}
-        return model_capabilities(_opened(d).bundle, device=True)
+        return model_capabilities(_opened(d), device=True)
 
 
 def _opened(package_dir: str):
@@ -81,19 +81,20 @@ class BundleModel(MeshModel):
     #: a seeded request samples on the emulated mesh with its own generator
     seeded_on_device = device_seeds(device=False)
 
-    def __init__(self, bundle, model: EmulatedModel, trace_mode: str = "all"):
-        """``model``: the package's programs and weight shards on the emulated mesh
+    def __init__(self, package, model: EmulatedModel, trace_mode: str = "all"):
+        """``package``: the opened package (``packages.Package``: its manifest's buckets and
+        serving facts); ``model``: its programs and weight shards on the emulated mesh
         (``EmulatedModel.from_package``)."""
-        self.bundle = bundle
+        self.package, self.bundle = package, package.bundle
         self.model = model
-        b = bundle.buckets
+        b = package.buckets
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
         self.vocab_size = model.dims.vocab_size
         self.trace_mode = trace_mode
         self.warmed: set[tuple[str, int]] = set()
         self.sealed = False  # after warm-up: only warmed shapes may run
         self.programs_run: dict[tuple[str, int], int] = {}
-        self.model_capabilities = model_capabilities(bundle, device=False, vocab_size=model.dims.vocab_size)
+        self.model_capabilities = model_capabilities(package, device=False, vocab_size=model.dims.vocab_size)
 
     # -- Tenstorrent's constructor -------------------------------------------------------------
     @classmethod
@@ -108,7 +109,7 @@ class BundleModel(MeshModel):
         from ..plan.pool import pool_tokens
 
         pkg = _opened(cls.package_dir)
-        return pool_tokens(pkg.bundle.spec.runtime, pkg.kv_blocks, max_num_seqs)
+        return pool_tokens(pkg.serving, pkg.kv_blocks, max_num_seqs)
 
     @classmethod
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len,
@@ -134,14 +135,14 @@ class BundleModel(MeshModel):
         if isinstance(mesh_device, meshmod.Mesh) and tuple(mesh_device.shape) != tuple(pkg.loaded.mesh.shape):
             raise ValueError(f"{pkg.name}: built for {pkg.loaded.mesh.describe()}, handed a "
                              f"{mesh_device.describe()} mesh")
-        decode = pkg.bundle.buckets.decode  # none for task: embed (prefill only)
+        decode = pkg.buckets.decode  # none for task: embed (prefill only)
         if (decode and max_batch_size > max(decode)) or max_seq_len > pkg.dims.max_model_len:
             raise ValueError(f"{pkg.name}: max_batch_size={max_batch_size} / max_seq_len={max_seq_len} "
-                             f"exceed the package's decode buckets {pkg.bundle.buckets.decode} / "
+                             f"exceed the package's decode buckets {pkg.buckets.decode} / "
                              f"max_model_len={pkg.dims.max_model_len}")
         # every lane runs the same programs on the same (read-only) weight shards: the lanes'
         # own state is their KV cache region (``allocate_kv_cache`` once per lane)
-        model = cls(pkg.bundle, pkg.emulated_model(dtype), trace_mode=trace_mode)
+        model = cls(pkg, pkg.emulated_model(dtype), trace_mode=trace_mode)
         model.tt_data_parallel = tt_data_parallel
         return model
 
@@ -211,7 +212,7 @@ class BundleModel(MeshModel):
             thw = image_grid_thw[0] if isinstance(image_grid_thw, (list, tuple)) else image_grid_thw
             from .images import prompt_inputs
             if self.model.vision_part is None:
-                raise ValueError(f"pixel_values for {self.bundle.spec.name}, a text-only model (no vision part)")
+                raise ValueError(f"pixel_values for {self.package.name}, a text-only model (no vision part)")
             mm, pos = prompt_inputs(self.model.vision_part, tokens[0, :n].tolist(), px, thw, self.encode_images, S)
             if not pos.plain and rope_positions is None:  # M-RoPE: the positions the images give
                 rope_positions = pos.chunk(0, n, S)["rope_positions"]
@@ -318,7 +319,7 @@ class BundleModel(MeshModel):
         from .sampling import accept
         from .speculation import verify_batch
 
-        valid, positions, n = verify_batch(self.bundle, self.decode_buckets, tokens, start_pos, num_tokens)
+        valid, positions, n = verify_batch(self.package.serving.rows_per_seq, self.decode_buckets, tokens, start_pos, num_tokens)
         program = self._program("verify", tokens.shape[0])
         logits = self.model.forward(program, tokens.clamp(min=0), positions, valid, page_table, kv_cache)
         if sampling_params is None:
@@ -344,8 +345,7 @@ class BundleModel(MeshModel):
             tokens, positions = torch.zeros(1, n, dtype=torch.long), torch.arange(n)[None, :]
             pt, last = self._null_table(1, kv_cache, n), [n - 1]
         elif phase == "verify":  # n sequences of k + 1 rows
-            from ..speculative import rows_per_seq
-            K1 = rows_per_seq(self.bundle)
+            K1 = self.package.serving.rows_per_seq
             tokens, positions = torch.zeros(n, K1, dtype=torch.long), torch.arange(K1).repeat(n, 1)
             pt, last = self._null_table(n, kv_cache, K1), None
         else:
@@ -441,4 +441,4 @@ def _on_device(pkg, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data
     opts = TTOptions(trace_mode=trace_mode, optimizations=optimizations)
     return TTDeviceModel.initialize_vllm_model(
         hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel, optimizations, package=pkg,
-        options=opts, sample_mode=opts.sample_mode(pkg.bundle.spec.runtime.sample_on_device_mode))
+        options=opts, sample_mode=opts.sample_mode(pkg.serving.sample_on_device_mode))

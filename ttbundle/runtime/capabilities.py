@@ -1,5 +1,5 @@
-"""``model_capabilities``: what a package's model tells a plugin it supports, derived from its
-spec. Tenstorrent's plugin reads this dict on the model class before building the model (to
+"""``model_capabilities``: what a package's model tells a plugin it supports, derived from the
+serving facts its manifest records (``LoadedPackage.serving``, ``.buckets``). Tenstorrent's plugin reads this dict on the model class before building the model (to
 decide sampling, async scheduling, prefix caching and chunked prefill, and to refuse launches
 that ask for more); ttbundle's own runner reads the same dict (``max_device_top_k``) from the
 model it built, so one function decides both.
@@ -38,7 +38,7 @@ def packed_prefill(device: bool) -> bool:
     return not device
 
 
-def tokens_per_step(bundle, device: bool, requested: int | None = None, sample_mode: str = "all",
+def tokens_per_step(facts, device: bool, requested: int | None = None, sample_mode: str = "all",
                     speculative: bool = False) -> int:
     """Tokens a decode step produces per host round trip (the one rule the platform, the
     scheduler and the runner use): the spec's ``runtime.output_tokens_per_step``, or fewer when
@@ -46,7 +46,7 @@ def tokens_per_step(bundle, device: bool, requested: int | None = None, sample_m
     feed a step's sampled ids into the next (``async_decode``), where sampling is on the host
     (``sample_mode`` off) or with vLLM's speculative decoding (both schedule several tokens a
     step). Asking for more than the package declares is refused (``ValueError``)."""
-    declared = bundle.spec.runtime.output_tokens_per_step
+    declared = facts.serving.output_tokens_per_step
     if requested is not None and requested > declared:
         raise ValueError(f"output_tokens_per_step={requested} exceeds the package's "
                          f"runtime.output_tokens_per_step={declared}; ask for at most {declared} "
@@ -57,16 +57,17 @@ def tokens_per_step(bundle, device: bool, requested: int | None = None, sample_m
     return k
 
 
-def serving_tokens_per_step(bundle, options, device: bool, vllm_config) -> int:
+def serving_tokens_per_step(facts, options, device: bool, vllm_config) -> int:
     """:func:`tokens_per_step` of an engine: the ``tt`` options (``output_tokens_per_step``, the
     sampling mode) and vLLM's config (speculative decoding) it was started with."""
-    return tokens_per_step(bundle, device, options.output_tokens_per_step,
-                           options.sample_mode(bundle.spec.runtime.sample_on_device_mode),
+    return tokens_per_step(facts, device, options.output_tokens_per_step,
+                           options.sample_mode(facts.serving.sample_on_device_mode),
                            vllm_config.speculative_config is not None)
 
 
-def model_capabilities(bundle, device: bool = True, vocab_size: int | None = None) -> dict:
-    """The capabilities of ``bundle``'s model on a Tenstorrent device (``device``: the ttnn
+def model_capabilities(facts, device: bool = True, vocab_size: int | None = None) -> dict:
+    """The capabilities of a package's model (``facts``: its ``serving`` and ``buckets`` records, a
+    runtime ``Package``, a ``LoadedPackage`` or ``package.facts.of_bundle``) on a Tenstorrent device (``device``: the ttnn
     lowering's programs) or on the emulated mesh. ``vocab_size``: the package's
     (``Package.dims``, as its programs record it; None: no bound on the emulated mesh).
 
@@ -82,10 +83,9 @@ def model_capabilities(bundle, device: bool = True, vocab_size: int | None = Non
       acceptance on the host), a draft model (``method: draft``) on the emulated mesh only.
     """
     from ..backends.ttnn.lowering import TOPK
-    from ..speculative import vllm_config as speculative_config
 
-    rt, bk = bundle.spec.runtime, bundle.buckets
-    spec = speculative_config(bundle)
+    rt, bk = facts.serving, facts.buckets
+    spec = rt.speculative
     speculates = spec is not None and (not device or spec["method"] == "ngram")
     return {
         "supports_sample_on_device": rt.sample_on_device_mode != "off",
@@ -97,7 +97,7 @@ def model_capabilities(bundle, device: bool = True, vocab_size: int | None = Non
         "supports_async_decode": async_decode(device),
         "supports_packed_prefill": packed_prefill(device),
         # decode tokens per host step: the decode program replayed, sampled ids fed on the device
-        "output_tokens_per_step": tokens_per_step(bundle, device, sample_mode=rt.sample_on_device_mode),
+        "output_tokens_per_step": tokens_per_step(facts, device, sample_mode=rt.sample_on_device_mode),
         "supports_device_seeds": device_seeds(device),
         # speculative decoding (the spec's ``speculative:``): both run the verify programs; a
         # device proposes with n-grams only (the draft model runs beside the emulated mesh)

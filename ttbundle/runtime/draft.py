@@ -51,38 +51,39 @@ class DraftProposer:
     def __init__(self, package, k: int, max_model_len: int, dtype=torch.float32, lanes: int = 1):
         from ..package.names import DRAFT_DIR
         from ..package.verify import load_adapter
-        from ..speculative import draft_kv_blocks, rows_per_seq
         from .packages import open_package
 
         # verified with the target (package.verify checks the draft's files as the target's)
         self.package = open_package(package.path / DRAFT_DIR, check_hashes=False)
-        draft = self.package.bundle
         self.k, self.max_model_len, self.dtype = k, max_model_len, dtype
-        rt = package.bundle.spec.runtime
+        rt = package.serving  # the target's recorded facts
         cls = load_adapter(self.package.path, self.package.manifest, self.package.metadata)
-        self.model = cls.initialize_vllm_model(None, self.package.loaded.mesh, max(draft.buckets.decode),
+        self.model = cls.initialize_vllm_model(None, self.package.loaded.mesh, max(self.package.buckets.decode),
                                                max_model_len, 1, None, package=self.package, dtype=dtype,
                                                trace_mode="none")
         a = self.package.dims  # the draft's programs' sizes
         self.block_size = int(self.package.loaded.kv_cache["block_size"])  # the draft programs' KV layout
         self.blocks_per_seq = blocks_per_seq(max_model_len, self.block_size)
         self.num_slots = rt.max_num_seqs
-        blocks = draft_kv_blocks(package.bundle, draft)
+        blocks = rt.draft_kv_blocks  # the plan's count (``speculative.draft_kv_blocks``), recorded at build
+        if blocks is None:
+            raise ValueError(f"{package.path}: the manifest records no draft KV blocks (serving.draft_kv_blocks) "
+                             "for its draft; rebuild the package")
         # one KV region per lane (``runtime.lanes``: each lane is a replica of its own, the draft
         # beside the target on its submesh): a request's draft KV lives in its lane's
         self.kvs = [self.model.allocate_kv_cache((blocks, a.num_kv_heads, self.block_size, a.head_dim), dtype,
                                                  a.num_hidden_layers) for _ in range(lanes)]
-        bk = draft.buckets
+        bk = self.package.buckets
         self.prefill_buckets, self.decode_buckets = list(bk.prefill), list(bk.decode)
         self.chunk = bk.prefill_chunk or max(bk.prefill)
         # its verify programs' rows per sequence (k + 1: ``speculative.draft_spec_text``); 0: a
         # draft built without them catches up with decode steps
-        rows = rows_per_seq(draft)
+        rows = self.package.serving.rows_per_seq
         self.catch_up_rows = rows if rows == k + 1 else 0
         self.slots: dict[str, _Slot] = {}
         self.proposed = 0  # proposals made (for logs and benches)
         logger.info("ttbundle: draft %s proposes %d tokens per step (KV of %d blocks x %d tokens%s)",
-                    draft.spec.name, k, blocks, self.block_size, f" per lane, {lanes} lanes" if lanes > 1 else "")
+                    self.package.name, k, blocks, self.block_size, f" per lane, {lanes} lanes" if lanes > 1 else "")
 
     # -- vLLM's engine asks for proposals after every step -----------------------------------------
     def check_references(self, log=None) -> dict:

@@ -162,12 +162,12 @@ def dp_rank_of(vllm_config) -> int:
 
 def plan_lanes_for(vllm_config, package, options) -> LanePlan:
     """The lanes of this engine from vLLM's config, the package and the ``tt`` options."""
-    return plan_lanes(package.loaded.mesh, package.bundle.spec.runtime.max_num_seqs,
+    return plan_lanes(package.loaded.mesh, package.serving.max_num_seqs,
                       dp_size_of(vllm_config), getattr(options, "tt_data_parallel_size", None),
                       dp_rank_of(vllm_config), f"{package.name}-{package.mesh_name}")
 
 
-def check_pool(bundle, have: int, lanes: int, name: str = "package") -> None:
+def check_pool(package, have: int, lanes: int, name: str = "package") -> None:
     """With lanes, each lane's KV region is the plan's pool, but vLLM accounts (and preempts) over
     the engine's whole pool: a lane could run out while another has room. Until the scheduler
     accounts per lane, a pool smaller than every sequence at full length is refused with lanes.
@@ -176,12 +176,12 @@ def check_pool(bundle, have: int, lanes: int, name: str = "package") -> None:
 
     if lanes <= 1:
         return
-    rt = bundle.spec.runtime
-    full = rt.max_num_seqs * rt.max_model_len
+    rt, max_model_len = package.serving, package.dims.max_model_len  # what the build recorded
+    full = rt.max_num_seqs * max_model_len
     need = pool_blocks(rt, full)
     if have < need:
         raise LaneError(f"{name}: {lanes} lanes need each lane's KV pool to hold every sequence at full "
-                        f"length (max_num_seqs={rt.max_num_seqs} x max_model_len={rt.max_model_len} = "
+                        f"length (max_num_seqs={rt.max_num_seqs} x max_model_len={max_model_len} = "
                         f"{full} tokens, {need} blocks); the plan's pool is {have} blocks: vLLM's "
                         "preemption does not see lanes yet. Set runtime.max_tokens_all_users to "
                         f"{full} (if it fits), or lower max_num_seqs or max_model_len, or serve with "

@@ -90,10 +90,10 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         self.max_blocks = blocks_per_seq(self.max_model_len, self.block_size)
         self.dims = package.dims  # the programs' sizes (KV spec, logits), not bundle.yaml's arch
         self.vocab_size = self.dims.vocab_size
-        b = self.bundle.buckets
+        b = package.buckets  # the manifest's (what the programs were lowered for)
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
         self.chunk = b.prefill_chunk or max(b.prefill)
-        self.sample_mode = options.sample_mode(self.bundle.spec.runtime.sample_on_device_mode)
+        self.sample_mode = options.sample_mode(package.serving.sample_on_device_mode)
         self.requests: dict[str, ReqState] = {}
         self.mesh_model: MeshModel | None = None  # the package's model (runtime.interface: the one protocol)
         self.model = None  # an nn.Module for vLLM's hooks (it walks .modules()); holds mesh_model
@@ -124,7 +124,7 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         self._spec: dict = {}  # this step's scheduled proposals, req_id -> [token ids]
         self._drafts = None  # DraftTokenIds for the next step (take_draft_token_ids)
         from .capabilities import serving_tokens_per_step
-        self.tokens_per_step = serving_tokens_per_step(self.bundle, options, tt is not None, vllm_config)
+        self.tokens_per_step = serving_tokens_per_step(package, options, tt is not None, vllm_config)
 
     # -- set-up ---------------------------------------------------------------------------------
     def load_model(self):
@@ -409,11 +409,9 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         (``sampling.accept``). Host sampling (a row needs the logits, or the phase samples on
         the host) never comes here: :meth:`_decode` runs the plain decode program, every
         proposal is rejected and vLLM's sampler draws one token per row, as without speculation."""
-        from ..speculative import rows_per_seq
-
         B = len(states)
         bucket = pick(self.decode_buckets, B)
-        K1 = rows_per_seq(self.bundle)
+        K1 = self.package.serving.rows_per_seq
         tokens = torch.zeros(bucket, K1, dtype=torch.long)
         pos = torch.full((bucket,), -1, dtype=torch.long)
         n = torch.zeros(bucket, dtype=torch.long)

@@ -32,7 +32,7 @@ class Package:
 
     @property
     def name(self) -> str:
-        return self.bundle.spec.name
+        return self.manifest["bundle"]
 
     @property
     def arch(self) -> str:
@@ -43,6 +43,18 @@ class Package:
     def trace_region_size(self) -> int:
         """The trace region the package's mesh is opened with (``LoadedPackage.trace_region_size``)."""
         return self.loaded.trace_region_size
+
+    @property
+    def serving(self):
+        """The serving facts the build recorded (``LoadedPackage.serving``: max_num_seqs, KV block
+        size, tokens per step, sample and trace modes, verify rows per sequence, the speculative
+        config, the draft's KV blocks): the runtime reads these, never bundle.yaml's."""
+        return self.loaded.serving
+
+    @property
+    def buckets(self):
+        """The programs' buckets (``LoadedPackage.buckets``, the manifest's record)."""
+        return self.loaded.buckets
 
     @property
     def built_for_device(self) -> bool:

@@ -157,7 +157,7 @@ def configure(vllm_config, emulated: bool) -> None:
         _fail(f"--dtype {str(mc.dtype).removeprefix('torch.')} is not supported; use float32 "
               "(token-identical to transformers on the emulated mesh) or bfloat16")
 
-    rt, bk = pkg.bundle.spec.runtime, pkg.bundle.buckets
+    rt, bk = pkg.serving, pkg.buckets
     longest = pkg.dims.max_model_len  # the programs' (their rope tables and page tables)
     if mc.max_model_len > longest:
         logger.warning("ttbundle: max_model_len %d capped to the package's %d", mc.max_model_len, longest)
@@ -175,7 +175,7 @@ def configure(vllm_config, emulated: bool) -> None:
     # chunked prefill already does (tested against transformers). On the device path a prefill
     # that starts on a cached block has not been exercised, so it stays off there.
     from .capabilities import model_capabilities
-    caps = model_capabilities(pkg.bundle, device=not emulated, vocab_size=pkg.dims.vocab_size)
+    caps = model_capabilities(pkg, device=not emulated, vocab_size=pkg.dims.vocab_size)
     # with lanes a cached block would live in one lane's KV region only: off
     cc.enable_prefix_caching = bool(cc.enable_prefix_caching) and caps["supports_prefix_caching"] \
         and lanes.lanes == 1
@@ -183,10 +183,10 @@ def configure(vllm_config, emulated: bool) -> None:
     sc.enable_chunked_prefill = True
     from .capabilities import serving_tokens_per_step
     try:  # decode tokens per host step: scheduled as that many tokens a request
-        per_step = serving_tokens_per_step(pkg.bundle, opts, not emulated, vllm_config)
+        per_step = serving_tokens_per_step(pkg, opts, not emulated, vllm_config)
     except ValueError as e:
         _fail(str(e))
-    declared = pkg.bundle.spec.runtime.output_tokens_per_step
+    declared = pkg.serving.output_tokens_per_step
     if per_step > 1:
         logger.info("ttbundle: up to %d tokens a decode step (the decode replayed, fed on the device)", per_step)
     elif declared > 1 and opts.output_tokens_per_step != 1:
@@ -269,9 +269,9 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
     pc = vllm_config.parallel_config
     dp = dp_size_of(vllm_config)
     try:
-        lp = plan_lanes(pkg.loaded.mesh, pkg.bundle.spec.runtime.max_num_seqs, dp,
+        lp = plan_lanes(pkg.loaded.mesh, pkg.serving.max_num_seqs, dp,
                         opts.tt_data_parallel_size, 0, f"package {pkg.name}-{pkg.mesh_name}")
-        check_pool(pkg.bundle, pkg.kv_blocks, lp.lanes, f"package {pkg.name}-{pkg.mesh_name}")
+        check_pool(pkg, pkg.kv_blocks, lp.lanes, f"package {pkg.name}-{pkg.mesh_name}")
     except LaneError as e:
         _fail(str(e))
     if dp > 1:
@@ -298,7 +298,7 @@ def _configure_speculative(vllm_config, pkg, emulated: bool) -> None:
     from pathlib import Path
 
     from ..package.names import DRAFT_DIR
-    from ..speculative import disagreements, of, vllm_config as package_config
+    from ..speculative import disagreements, recorded_config
 
     sc = vllm_config.speculative_config
     if sc is None:
@@ -314,7 +314,7 @@ def _configure_speculative(vllm_config, pkg, emulated: bool) -> None:
         _fail(f"--speculative-config method {sc.method!r} on a Tenstorrent device is not implemented yet "
               "(the draft model runs beside the emulated mesh only); serve it on the emulated mesh, or "
               "speculate with `ngram` (a package built with `speculative: {method: ngram}`)")
-    pc = package_config(pkg.bundle, pkg.path / DRAFT_DIR)
+    pc = recorded_config(pkg.serving, pkg.path / DRAFT_DIR)
     if sc.method == "draft_model":
         given = {"method": sc.method, "num_speculative_tokens": sc.num_speculative_tokens,
                  "model": str(Path(sc.model).absolute()) if sc.model else None}

@@ -28,22 +28,23 @@ from .model_runner import TTModelRunner
 from .runner_state import Step
 
 
-def is_embed(bundle) -> bool:
-    return getattr(bundle.spec, "task", "generate") == "embed"
+def is_embed(package) -> bool:
+    """A ``task: embed`` package (its manifest's ``serving.task``)."""
+    return package.serving.task == "embed"
 
 
 def supported_tasks(package) -> tuple[str, ...]:
     """What the worker tells vLLM it serves."""
-    return ("embed",) if is_embed(package.bundle) else ("generate",)
+    return ("embed",) if is_embed(package) else ("generate",)
 
 
 def runner_class(package):
-    return EmbedRunner if is_embed(package.bundle) else TTModelRunner
+    return EmbedRunner if is_embed(package) else TTModelRunner
 
 
 def serve_args(bundle, extra: list[str]) -> list[str]:
     """vLLM arguments ``ttbundle serve`` adds for an embedding package (unless ``extra`` gives them)."""
-    if not is_embed(bundle):
+    if getattr(bundle.spec, "task", "generate") != "embed":  # the launcher's spec (before a package is opened)
         return []
     from ..embed import pooling_config_json
     out = []
@@ -59,7 +60,7 @@ def configure(pkg, vllm_config, emulated: bool, fail, scheduler: str) -> None:
     ``scheduler``: its synchronous scheduler class, given so this module does not import it)."""
     mc, sc, cc = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
     runner = getattr(mc, "runner_type", "generate")
-    if not is_embed(pkg.bundle):
+    if not is_embed(pkg):
         if runner == "pooling":
             fail(f"package {pkg.name} is a generative model (task: generate); --runner pooling needs a "
                  "package built with `task: embed`")

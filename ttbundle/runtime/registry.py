@@ -189,7 +189,7 @@ def entry_of(path: Path, check_hashes: bool = True) -> Entry:
     from .packages import open_package
 
     pkg = open_package(path, check_hashes)
-    b = pkg.bundle.buckets
+    b = pkg.buckets
     return Entry(pkg.name, pkg.mesh_name, pkg.arch, pkg.path, list(b.prefill), list(b.decode),
                  pkg.bundle.spec.description, pkg.bundle.spec.hf_model or "",
                  manifest_digest(pkg.manifest))

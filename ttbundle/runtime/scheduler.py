@@ -75,7 +75,7 @@ class PhaseScheduler(Scheduler):
         from .packages import open_package
 
         pkg = open_package(self.vllm_config.model_config.model, check_hashes=False)
-        b = pkg.bundle.buckets
+        b = pkg.buckets
         opts = parse(self.vllm_config.additional_config)
         from .activation import HARDWARE, active_platform
         from .capabilities import packed_prefill
@@ -83,8 +83,8 @@ class PhaseScheduler(Scheduler):
         self.configure(list(b.prefill), b.prefill_chunk or max(b.prefill), list(b.decode),
                        opts.max_prefill_steps_between_decodes, packed=packed_prefill(device=device))
         from .capabilities import device_top_k, model_capabilities, serving_tokens_per_step
-        k = serving_tokens_per_step(pkg.bundle, opts, device, self.vllm_config)
-        caps = model_capabilities(pkg.bundle, device=device, vocab_size=pkg.dims.vocab_size)
+        k = serving_tokens_per_step(pkg, opts, device, self.vllm_config)
+        caps = model_capabilities(pkg, device=device, vocab_size=pkg.dims.vocab_size)
         self.configure_tokens_per_step(k, device_top_k(caps, pkg.dims.vocab_size), caps["supports_device_seeds"])
 
     def configure_tokens_per_step(self, k: int, max_device_top_k: int | None = None,

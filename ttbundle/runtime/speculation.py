@@ -77,19 +77,18 @@ def proposer_for(vllm_config, package=None, dtype=None, lanes: int = 1):
     return NgramProposer(sc, vllm_config.model_config.max_model_len)
 
 
-def verify_batch(bundle, decode_buckets, tokens, start_pos, num_tokens):
+def verify_batch(rows_per_seq: int, decode_buckets, tokens, start_pos, num_tokens):
     """A verify step's rows (``MeshModel.verify_forward``'s arguments) as both meshes run them:
     ``(valid [B, k + 1], positions [B, k + 1], n [B])``, row ``j`` of sequence ``i`` at
     ``start_pos[i] + j`` while ``j < num_tokens[i]`` (else invalid, at 0; a sequence at -1 is a
-    padding row). A batch not padded to a decode bucket of ``k + 1`` rows per sequence is refused."""
+    padding row). A batch not padded to a decode bucket of ``k + 1`` rows per sequence
+    (``rows_per_seq``, the package's ``serving.rows_per_seq``) is refused."""
     import torch
 
-    from ..speculative import rows_per_seq
-
     B, K1 = tokens.shape
-    if B not in decode_buckets or K1 != rows_per_seq(bundle):
+    if B not in decode_buckets or K1 != rows_per_seq:
         raise ValueError(f"verify runs a batch padded to a decode bucket {list(decode_buckets)} of "
-                         f"{rows_per_seq(bundle)} rows per sequence (speculative.num_speculative_tokens"
+                         f"{rows_per_seq} rows per sequence (speculative.num_speculative_tokens"
                          f" + 1), got tokens {list(tokens.shape)}")
     ar = torch.arange(K1)[None, :]
     n = torch.as_tensor(num_tokens, dtype=torch.long).reshape(-1)

@@ -218,7 +218,7 @@ class TTDeviceModel(MeshModel):
         self.lane_runners = list(lane_runners or [runner])
         self._kv_given = 0  # lanes' KV handles handed out (allocate_kv_cache), in lane order
         self.bundle = package.bundle
-        b = self.bundle.buckets
+        b = package.buckets  # the manifest's (what the programs were lowered for)
         self.prefill_buckets, self.decode_buckets = list(b.prefill), list(b.decode)
         self.trace_mode, self.sample_mode = trace_mode, sample_mode
         self.block_size = int(package.loaded.kv_cache["block_size"])  # the programs' KV layout
@@ -230,7 +230,7 @@ class TTDeviceModel(MeshModel):
         self.replays: deque[tuple] = deque(maxlen=self.replays_kept)
         self.replay_count = 0
         from .capabilities import model_capabilities
-        self.model_capabilities = model_capabilities(self.bundle, device=True)
+        self.model_capabilities = model_capabilities(package, device=True)
         self._sampling_cache: dict = {}  # lane -> (DeviceSampling, rows, its host inputs) of its last decode
         self._page_cache: dict = {}  # (lane, decode key) -> (page table given, its host array)
         #: decodes whose fed rows took their tokens on the device / read back first (tests, logs)
@@ -256,7 +256,7 @@ class TTDeviceModel(MeshModel):
 
         package = package or open_package(Path(hf_config._name_or_path))
         options = options or TTOptions(optimizations=optimizations)
-        sample_mode = sample_mode or options.sample_mode(package.bundle.spec.runtime.sample_on_device_mode)
+        sample_mode = sample_mode or options.sample_mode(package.serving.sample_on_device_mode)
 
         if not (package.path / "tensorbin" / "index.json").is_file():
             raise InvalidInput(f"{package.path}: no tensorbin/ weight caches; a Tenstorrent device runs packages "
@@ -306,7 +306,7 @@ class TTDeviceModel(MeshModel):
                 self.programs_run[(phase, bucket)] += 1
                 return key
         from ..backends.ttnn.lowering import static_start
-        key = (phase, bucket, mode, static_start(self.bundle, self.package.loaded.program_ir(phase, bucket), start))
+        key = (phase, bucket, mode, static_start(self.package.loaded, self.package.loaded.program_ir(phase, bucket), start))
         if key not in self.runner.forwards:
             raise ValueError(f"no {mode}-sampling forward for {phase} bucket {bucket}")
         traced = key in self.runner.traced
@@ -389,7 +389,7 @@ class TTDeviceModel(MeshModel):
             from .images import prompt_inputs, request_pixels
             part = self.bundle.family.vision_part(self.bundle.arch)
             if part is None:
-                raise ValueError(f"pixel_values for {self.bundle.spec.name}, a text-only model (no vision part)")
+                raise ValueError(f"pixel_values for {self.package.name}, a text-only model (no vision part)")
             px = request_pixels(pixel_values, N, p0)
             thw = image_grid_thw
             mm, pos = prompt_inputs(part, tokens[0, :n].tolist(), px,
@@ -485,7 +485,7 @@ class TTDeviceModel(MeshModel):
         from .sampling import accept
         from .speculation import verify_batch
 
-        valid, positions, n = verify_batch(self.bundle, self.decode_buckets, tokens, start_pos, num_tokens)
+        valid, positions, n = verify_batch(self.package.serving.rows_per_seq, self.decode_buckets, tokens, start_pos, num_tokens)
         B, K1 = tokens.shape
         key = self._key("verify", B, None)
         lane = self._lane(kv_cache)  # with lanes: the lane (submesh) these sequences run on

@@ -41,7 +41,7 @@ def listed(manifest: dict) -> dict:
 def would_compile(pkg, device: str, tt_options: dict, env: dict) -> list[str]:
     """What a start of ``pkg`` (``runtime.packages.Package``) on ``device`` with the plugin options
     ``tt_options`` (``--additional-config``'s ``tt``) would compile; [] when nothing."""
-    from ..lower import program_name
+    from ..program import program_name
 
     pre = listed(pkg.manifest)
     programs = {k: pkg.loaded.program_ir(*k) for k in pkg.loaded.programs}
@@ -51,8 +51,8 @@ def would_compile(pkg, device: str, tt_options: dict, env: dict) -> list[str]:
         return out
     from ..backends.ttnn.model import forward_keys
 
-    rt = pkg.bundle.spec.runtime
-    keys, traced = forward_keys(pkg.bundle, programs, tt_options.get("sample_on_device_mode") or
+    rt = pkg.serving
+    keys, traced = forward_keys(pkg.loaded, programs, tt_options.get("sample_on_device_mode") or
                                 rt.sample_on_device_mode, host_fallback=True,
                                 trace_mode=tt_options.get("trace_mode") or rt.trace_mode)
     have = set(pre.get("kernels", []))

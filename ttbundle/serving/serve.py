@@ -251,9 +251,9 @@ def speculative_args(pkg, extra: list[str]) -> list[str]:
     one that agrees is passed as given. A draft (``speculative: {method: draft}``) is vLLM's
     ``draft_model`` with ``model`` the draft package inside this one."""
     from ..package.names import DRAFT_DIR
-    from ..speculative import disagreements, vllm_config as package_config
+    from ..speculative import disagreements, recorded_config
 
-    pc = package_config(pkg.bundle, Path(pkg.path) / DRAFT_DIR)
+    pc = recorded_config(pkg.serving, Path(pkg.path) / DRAFT_DIR)
     given = _flag_value(extra, "--speculative-config", "-sc")
     if given is None:
         return [] if pc is None else ["--speculative-config", json.dumps(pc, separators=(",", ":"))]
@@ -345,7 +345,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         raise InvalidInput(f"{pkg.path}: built for the emulated mesh only (no tensorbin/ weight caches); "
                            f"for --device tt build it with `ttbundle build --backend ttnn`, or serve it "
                            "with --device emulated")
-    rt = pkg.bundle.spec.runtime
+    rt = pkg.serving  # what the build recorded (manifest ``serving``), not bundle.yaml
     extra = list(extra or [])
     token_ids_only = _tokenizer_mode(pkg, extra)
     check_extra(extra)
@@ -381,7 +381,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         "serve", str(pkg.path),
         "--host", host, "--port", str(port),
         "--served-model-name", pkg.name,
-        "--max-model-len", str(rt.max_model_len),
+        "--max-model-len", str(pkg.dims.max_model_len),
         "--max-num-seqs", str(lanes.engine_seqs),
         "--block-size", str(rt.kv_block_size),
         "--dtype", "float32" if device == "emulated" else "bfloat16",
@@ -405,15 +405,14 @@ def check_trace_region(pkg, tt: dict, override: int | None) -> str | None:
     (``--additional-config``'s ``tt.trace_region_size``, or the spec's
     ``runtime.trace_region_size`` the package was built with) below the need is
     :class:`DoesNotFit` (exit 3) before vLLM starts, with the arithmetic: ttnn would refuse the
-    first capture that overflows it. The package's own size below the need (an older package, or
-    options that trace more) is returned as a warning with the size to pass."""
+    first capture that overflows it. The package's own size below the need (options that trace
+    more) is returned as a warning with the size to pass."""
     from .. import tracebudget
 
     rec = pkg.loaded.manifest.get("trace_region")
-    rt = pkg.bundle.spec.runtime
     if override is not None:
         size, where = int(override), "--additional-config tt.trace_region_size"
-    elif (rec or {}).get("source") == "spec" or (rec is None and rt.trace_region_size is not None):
+    elif (rec or {}).get("source") == "spec":
         size, where = int(pkg.trace_region_size), "the spec's runtime.trace_region_size"
     else:
         size, where = int(pkg.trace_region_size), "the package's"
@@ -434,8 +433,7 @@ def check_trace_region(pkg, tt: dict, override: int | None) -> str | None:
     fix = f"trace_region_size {suggested:,} (the need + {tracebudget.HEADROOM:.0%} headroom) or more"
     if where == "the package's":
         cfg = json.dumps({"tt": {"trace_region_size": suggested}})
-        return (f"warning: {what} (rebuild it: the build sizes the region from the traces' need); if a capture "
-                f"runs out of it, add -- --additional-config '{cfg}'")
+        return f"warning: {what}; if a capture runs out of it, add -- --additional-config '{cfg}'"
     raise DoesNotFit(f"{what}; fix: {fix}, or leave it out")
 
 

@@ -13,7 +13,6 @@ rope positions named here), and the static chunk starts of an MLA prefill.
 from __future__ import annotations
 
 from ... import tiles
-from ...speculative import rows_per_seq
 from ...program import Program
 from .calls import T
 from .layout import TILE
@@ -89,7 +88,7 @@ def inputs_of(program: Program, bundle) -> dict:
             ins["cur_pos"] = ((B,), "int32", "ROW_MAJOR")
         else:  # verify: each row group's positions and the sequences' pages (``text_ops.row_groups``)
             ins.update({verify_pos_input(j): ((program.bucket,), "int32", "ROW_MAJOR")
-                        for j in range(rows_per_seq(bundle))})
+                        for j in range(program.rows_per_seq)})
             ins[VERIFY_PAGES] = ((program.bucket, blocks_per_seq), "int32", "ROW_MAJOR")
     else:
         ins["page_table"] = ((1, blocks_per_seq), "int32", "ROW_MAJOR")
@@ -142,23 +141,25 @@ def static_prefill_start(program) -> bool:
     return program.traits.mla is not None
 
 
-def chunk_starts(bundle, program) -> list[int]:
+def chunk_starts(package, program) -> list[int]:
     """The chunk starts ``program``'s forward must be lowered for: ``[0]`` unless the start is
-    static (MLA prefill), then every multiple of the prefill chunk below max_model_len for a
-    bucket that can hold a chunk (the scheduler starts chunks only there)."""
+    static (MLA prefill), then every multiple of the prefill chunk (``package.buckets``, the
+    manifest's) below max_model_len for a bucket that can hold a chunk (the scheduler starts
+    chunks only there)."""
     bucket = program.bucket
     if program.phase != "prefill" or not static_prefill_start(program):
         return [0]
-    b = bundle.buckets
+    b = package.buckets
     chunk = b.prefill_chunk or max(b.prefill)
     if bucket > chunk:
         return [0]
     return list(range(0, program.dims.max_model_len, chunk))
 
 
-def static_start(bundle, program, start: int) -> int:
-    """The start part of a forward key for a chunk at ``start`` of ``program``."""
-    starts = chunk_starts(bundle, program)
+def static_start(package, program, start: int) -> int:
+    """The start part of a forward key for a chunk at ``start`` of ``program`` (``package``: its
+    ``buckets``, a ``LoadedPackage``)."""
+    starts = chunk_starts(package, program)
     if starts == [0]:
         return 0
     if start not in starts:

@@ -17,16 +17,17 @@ from .lowering import chunk_starts, lower_forward
 from .trace import TraceRunner
 
 
-def forward_keys(bundle, programs: dict, sample_on_device_mode: str = "all", host_fallback: bool = False,
+def forward_keys(package, programs: dict, sample_on_device_mode: str = "all", host_fallback: bool = False,
                  trace_mode: str | None = None) -> tuple[list[tuple], set]:
     """Every forward a model needs, keyed ``(phase, bucket, sampling, start)``, and the traced ones,
-    for the package's ``programs`` ((phase, bucket) -> its typed program, ``LoadedPackage.program_ir``).
+    for the package's ``programs`` ((phase, bucket) -> its typed program, ``LoadedPackage.program_ir``;
+    ``package``: the ``LoadedPackage``, whose manifest's ``serving`` and ``buckets`` it reads).
     ``sampling`` is "device" where ``sample_on_device_mode`` allows it, "host" otherwise, and also
     "host" everywhere with ``host_fallback`` (batches whose requests need logits); ``start`` is
     the static chunk start of an MLA prefill (``inputs.chunk_starts``), else 0. ``trace_mode``:
-    the serving option (default: the bundle's runtime.trace_mode). A verify program (speculative
+    the serving option (default: the package's ``serving.trace_mode``). A verify program (speculative
     decoding) has one forward, host-sampled (``lowering.samplings``), traced as decode is."""
-    mode = trace_mode or bundle.spec.runtime.trace_mode
+    mode = trace_mode or package.serving.trace_mode
     keys, traced = [], set()
     for phase, b in programs:
         if phase == "verify":  # speculative decoding: every row's logits back (acceptance on the
@@ -42,7 +43,7 @@ def forward_keys(bundle, programs: dict, sample_on_device_mode: str = "all", hos
         on_device = sample_on_device_mode == "all" or (sample_on_device_mode == "decode_only" and phase == "decode")
         modes = (["device"] if on_device else []) + (["host"] if host_fallback or not on_device else [])
         for sampling in modes:
-            for start in chunk_starts(bundle, programs[phase, b]):
+            for start in chunk_starts(package, programs[phase, b]):
                 keys.append((phase, b, sampling, start))
                 if mode == "all" or (mode == "decode_only" and phase == "decode"):
                     traced.add(keys[-1])
@@ -70,7 +71,7 @@ def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=No
     ex = Executor(ttnn, mesh_device)
     ex.env["weights"].update(ttcache.load_mesh_weights(ttnn, mesh_device, pkg.dir))
     ex.env["kv"] = allocate_kv(ttnn, mesh_device, pkg.kv_cache)
-    keys, trace_keys = forward_keys(bundle, {k: pkg.program_ir(*k) for k in pkg.programs},
+    keys, trace_keys = forward_keys(pkg, {k: pkg.program_ir(*k) for k in pkg.programs},
                                     sample_on_device_mode, host_fallback, trace_mode)
     forwards = {}
     for key in keys:

@@ -19,7 +19,6 @@ from .calls import KV, Attr, Const, New, T, W
 from .layout import TILE, device_shape
 from .emitter import BF16, DRAM, F32, RM, TILE_L, TOPK, U32, Lowerer, add_bias, filled, vector_view, f32, tt_shape
 from .inputs import VERIFY_PAGES, image_mask, mask_input, mrope_position_input, verify_pos_input
-from ...speculative import rows_per_seq
 
 
 def _embedding(lw: Lowerer, st: Step) -> None:
@@ -206,7 +205,7 @@ def row_groups(lw: Lowerer, x: str, out: str, fn) -> str | None:
     if lw.phase != "verify":
         return fn(x, out, T("cur_pos"), T("page_table"))
     s = lw.shapes[x]
-    B, K1, R = lw.prog.bucket, rows_per_seq(lw.bundle), lw.rows
+    B, K1, R = lw.prog.bucket, lw.prog.rows_per_seq, lw.rows
     parts = []
     for j in range(K1):
         xj = lw.call("slice", T(x), [0, j * B, 0, 0], [1, (j + 1) * B, s[2], s[3]], [1, 1, 1, 1], out=f"{x}.g{j}",
