@@ -1,11 +1,11 @@
 """What an emulated mesh costs as it grows: the same checkpoint on N150, N300, T3K and TG.
 
 One checkpoint (a published 7B model's dims, Mistral-7B-v0.3 by default, ``--layers 1``, random
-bf16 weights; ``--arch smollm2-135m --layers 30``: the issue's 135M model) on every mesh, each figure from its own process, all in one run, with ratios vs
+bf16 weights (``--dtype``: their storage; ``--compute``: check's compute dtype); ``--arch smollm2-135m --layers 30``: the issue's 135M model) on every mesh, each figure from its own process, all in one run, with ratios vs
 N150 (issue 27's targets: check's peak memory on T3K and TG <= 1.3x N150's, its wall time <= 2x
 N150's; a TG package <= 1.2x the N150 package's bytes):
 
-* ``check``: ``ttbundle check SPEC --mesh M --random-weights --steps S`` (build to a temporary
+* ``check``: ``ttbundle check SPEC --mesh M --random-weights --steps S --dtype C`` (build to a temporary
   package, transformers reference, the package on the emulated mesh): wall seconds and the
   process's peak RSS;
 * ``package``: ``ttbundle build SPEC --mesh M --no-warmup`` from one saved random checkpoint:
@@ -16,7 +16,7 @@ N150's; a TG package <= 1.2x the N150 package's bytes):
 
 The host is shared: the 1-minute load average is printed before and after every figure.
 
-    python benches/bench_mesh_scale.py [--arch mistral-7b] [--layers 1] [--steps 8]
+    python benches/bench_mesh_scale.py [--arch mistral-7b] [--layers 1] [--steps 8] [--compute fp32]
                                        [--meshes N150,N300,T3K,TG] [--only check,package,decode]
                                        [--pythonpath OTHER_CHECKOUT] [--json]
 """
@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--decode-steps", type=int, default=5)
     ap.add_argument("--dtype", default="bf16", help="weights storage (bf16, bfp8)")
+    ap.add_argument("--compute", default="fp32", help="check's compute dtype (its --dtype: fp32, bf16)")
     ap.add_argument("--meshes", default=",".join(MESHES))
     ap.add_argument("--only", default="check,package,decode")
     ap.add_argument("--json", action="store_true")
@@ -137,7 +138,8 @@ def main() -> None:
     ARCH, TREE = ARCHS[args.arch], args.pythonpath
     meshes, only = args.meshes.split(","), set(args.only.split(","))
     ttb = [sys.executable, "-m", "ttbundle.cli"]
-    res: dict = {"arch": args.arch, "tree": TREE, "layers": args.layers, "dtype": args.dtype, "steps": args.steps,
+    res: dict = {"arch": args.arch, "tree": TREE, "layers": args.layers, "dtype": args.dtype, "compute": args.compute,
+                 "steps": args.steps,
                  "cpus": len(os.sched_getaffinity(0)), "meshes": {m: {} for m in meshes}}
     with tempfile.TemporaryDirectory(prefix="bench-mesh-") as tmp:
         tmp = Path(tmp)
@@ -147,7 +149,7 @@ def main() -> None:
             for m in meshes:
                 before = load()
                 wall, peak, _ = timed(ttb + ["check", str(spec), "--mesh", m, "--random-weights",
-                                             "--steps", str(args.steps), "--json"], env())
+                                             "--steps", str(args.steps), "--dtype", args.compute, "--json"], env())
                 res["meshes"][m]["check"] = {"wall_s": round(wall, 1), "peak_rss": peak, "load": [before, load()]}
                 print(f"check {m}: {wall:.1f} s, peak RSS {peak / 2**30:.2f} GiB (load {before} -> {load()})",
                       file=sys.stderr)
