@@ -1,23 +1,26 @@
 """What an emulated mesh costs as it grows: the same checkpoint on N150, N300, T3K and TG.
 
 One checkpoint (a published 7B model's dims, Mistral-7B-v0.3 by default, ``--layers 1``, random
-bf16 weights; ``--arch smollm2-135m --layers 30``: the issue's 135M model) on every mesh, each figure from its own process, all in one run, with ratios vs
+bf16 weights (``--dtype``: their storage; ``--compute``: check's compute dtype); ``--arch smollm2-135m --layers 30``: the issue's 135M model) on every mesh, each figure from its own process, all in one run, with ratios vs
 N150 (issue 27's targets: check's peak memory on T3K and TG <= 1.3x N150's, its wall time <= 2x
 N150's; a TG package <= 1.2x the N150 package's bytes):
 
-* ``check``: ``ttbundle check SPEC --mesh M --random-weights --steps S`` (build to a temporary
+* ``check``: ``ttbundle check SPEC --mesh M --random-weights --steps S --dtype C`` (build to a temporary
   package, transformers reference, the package on the emulated mesh): wall seconds and the
   process's peak RSS;
 * ``package``: ``ttbundle build SPEC --mesh M --no-warmup`` from one saved random checkpoint:
   bytes of ``weights/`` (and of the whole package);
+* ``checkpkg``: ``ttbundle check PACKAGE --steps S --dtype C`` on that package (the executor and
+  quality verdicts without the build in the process, whose peak can hide the emulated side's):
+  wall seconds and peak RSS;
 * ``decode``: the built package loaded on the emulated mesh (``EmulatedModel.from_package``,
   float32), a 32-token prefill per row, then decode steps of a full decode bucket: RSS after
   the load, peak RSS, median milliseconds per step.
 
 The host is shared: the 1-minute load average is printed before and after every figure.
 
-    python benches/bench_mesh_scale.py [--arch mistral-7b] [--layers 1] [--steps 8]
-                                       [--meshes N150,N300,T3K,TG] [--only check,package,decode]
+    python benches/bench_mesh_scale.py [--arch mistral-7b] [--layers 1] [--steps 8] [--compute fp32]
+                                       [--meshes N150,N300,T3K,TG] [--only check,package,checkpkg,decode]
                                        [--pythonpath OTHER_CHECKOUT] [--json]
 """
 
@@ -129,6 +132,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--decode-steps", type=int, default=5)
     ap.add_argument("--dtype", default="bf16", help="weights storage (bf16, bfp8)")
+    ap.add_argument("--compute", default="fp32", help="check's compute dtype (its --dtype: fp32, bf16)")
     ap.add_argument("--meshes", default=",".join(MESHES))
     ap.add_argument("--only", default="check,package,decode")
     ap.add_argument("--json", action="store_true")
@@ -137,7 +141,8 @@ def main() -> None:
     ARCH, TREE = ARCHS[args.arch], args.pythonpath
     meshes, only = args.meshes.split(","), set(args.only.split(","))
     ttb = [sys.executable, "-m", "ttbundle.cli"]
-    res: dict = {"arch": args.arch, "tree": TREE, "layers": args.layers, "dtype": args.dtype, "steps": args.steps,
+    res: dict = {"arch": args.arch, "tree": TREE, "layers": args.layers, "dtype": args.dtype, "compute": args.compute,
+                 "steps": args.steps,
                  "cpus": len(os.sched_getaffinity(0)), "meshes": {m: {} for m in meshes}}
     with tempfile.TemporaryDirectory(prefix="bench-mesh-") as tmp:
         tmp = Path(tmp)
@@ -147,11 +152,11 @@ def main() -> None:
             for m in meshes:
                 before = load()
                 wall, peak, _ = timed(ttb + ["check", str(spec), "--mesh", m, "--random-weights",
-                                             "--steps", str(args.steps), "--json"], env())
+                                             "--steps", str(args.steps), "--dtype", args.compute, "--json"], env())
                 res["meshes"][m]["check"] = {"wall_s": round(wall, 1), "peak_rss": peak, "load": [before, load()]}
                 print(f"check {m}: {wall:.1f} s, peak RSS {peak / 2**30:.2f} GiB (load {before} -> {load()})",
                       file=sys.stderr)
-        if only & {"package", "decode"}:
+        if only & {"package", "decode", "checkpkg"}:
             ckpt = tmp / "ckpt"
             subprocess.run([sys.executable, "-c", "import sys; from ttbundle import reference, spec; "
                             "reference.save_random(spec.load(sys.argv[1]), sys.argv[2], 0)", str(spec), str(ckpt)],
@@ -167,6 +172,13 @@ def main() -> None:
                 res["meshes"][m]["package"] = {"weights_bytes": w, "package_bytes": total,
                                                "files": len(list((pkg / "weights").iterdir()))}
                 print(f"package {m}: weights {w / 2**20:.1f} MiB, package {total / 2**20:.1f} MiB", file=sys.stderr)
+                if "checkpkg" in only:  # the same check on the built package: no build in the process
+                    before = load()
+                    wall, peak, _ = timed(ttb + ["check", str(pkg), "--steps", str(args.steps), "--dtype",
+                                                 args.compute, "--json"], env())
+                    res["meshes"][m]["checkpkg"] = {"wall_s": round(wall, 1), "peak_rss": peak, "load": [before, load()]}
+                    print(f"check PACKAGE {m}: {wall:.1f} s, peak RSS {peak / 2**30:.2f} GiB (load {before} -> {load()})",
+                          file=sys.stderr)
                 if "decode" in only:
                     before = load()
                     _, peak, text = timed([sys.executable, "-c", DECODE, str(pkg), str(args.decode_steps)], env())
@@ -181,7 +193,8 @@ def main() -> None:
     ratios: dict = {}
     for m, r in res["meshes"].items():
         q = {}
-        for what, key in (("check", "wall_s"), ("check", "peak_rss"), ("package", "weights_bytes"),
+        for what, key in (("check", "wall_s"), ("check", "peak_rss"), ("checkpkg", "wall_s"), ("checkpkg", "peak_rss"),
+                          ("package", "weights_bytes"),
                           ("decode", "step_ms"), ("decode", "peak_rss")):
             if what in r and what in base and base[what][key]:
                 q[f"{what}.{key}"] = round(r[what][key] / base[what][key], 2)
@@ -201,6 +214,14 @@ def main() -> None:
         print(f"| {m} | {c.get('wall_s', '-')} | {gib(c.get('peak_rss'))} | "
               f"{p.get('weights_bytes', 0) / 2**20:.0f} | {d.get('step_ms', 0):.1f} | {gib(d.get('peak_rss'))} | "
               f"{', '.join(str(ratios[m].get(k, '-')) for k in cols)} | {ld[0]} |")
+
+    if any("checkpkg" in r for r in res["meshes"].values()):
+        print("\n| mesh | check PACKAGE s | its peak GiB | ratios vs N150 (s, peak) | load |\n|---|---|---|---|---|")
+        for m, r in res["meshes"].items():
+            c = r.get("checkpkg", {})
+            print(f"| {m} | {c.get('wall_s', '-')} | {c.get('peak_rss', 0) / 2**30:.2f} | "
+                  f"{ratios[m].get('checkpkg.wall_s', '-')}, {ratios[m].get('checkpkg.peak_rss', '-')} | "
+                  f"{(c.get('load') or ['-'])[0]} |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from ttbundle.package.names import PackageError, WEIGHTS_FORMAT, weight_file
 from ttbundle.package.shards import SharedStack
 from ttbundle.package.verify import verify_package
 from ttbundle.backends.emulated import EmulatedModel, gemm
+from ttbundle.backends.emulated.replication import Classes
 from ttbundle.build import build
 from ttbundle.check import run_check
 
@@ -342,7 +343,7 @@ def test_activations_are_dropped_after_their_last_read(qwen3):
     most, between = {}, []
 
     def observe(kind, i, acts):
-        live = [n for n, x in acts.items() if isinstance(x, torch.Tensor) and n != "tokens"]
+        live = [n for n, x in acts.items() if isinstance(x, (torch.Tensor, Classes)) and n != "tokens"]
         most[kind] = max(most.get(kind, 0), len(live))
         if kind == "decoder" and i == len(tg.programs[("prefill", 64)].layers[1].steps) - 1:
             between.append(sorted(live))

@@ -36,7 +36,7 @@ class Mistral3(Mistral):
                       (r"^language_model\.lm_head\.", "lm_head."), (r"^model\.vision_tower\.", "vision_tower."),
                       (r"^model\.multi_modal_projector\.", "multi_modal_projector."))
     hf_ignored = (r"^(vision_tower|multi_modal_projector)\.",)
-    # ttnn: the vision program is lowered (backends/ttnn/vision_ops); the TT device path refuses its
+    # ttnn: the vision program is lowered (backends/ttnn/vision/mistral3.py); the TT device path refuses its
     # images until the device runner fills the host-made rope and mask inputs (as for Qwen2.5-VL)
 
     def ignored(self, a):

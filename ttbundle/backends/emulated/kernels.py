@@ -322,19 +322,4 @@ def swiglu(ctx: Ctx, layer: int, g, u):
     return activation(ctx.traits["act"], g) * u
 
 
-def deepstack(ctx: Ctx, layer: int, h):
-    """DeepStack (Qwen3-VL): zeros but at the image tokens' rows of a prefill carrying images,
-    where text layer ``layer`` < the DeepStack count adds that set of the images' features
-    (``ctx.vision["deepstack"]`` [image rows, sets x hidden], beside the soft tokens)."""
-    out = torch.zeros_like(h)
-    ds = ctx.vision
-    if ds is None or "deepstack" not in ds:
-        return out
-    H = h.shape[-1]
-    if (layer + 1) * H > ds["deepstack"].shape[-1]:
-        return out
-    out[:, ds["mask"]] = ds["deepstack"][:, layer * H:(layer + 1) * H].to(h.dtype)[None]
-    return out
-
-
-KERNELS = {"attention": attention, "swiglu": swiglu, "deepstack": deepstack}  # the whole table: kernel_table.KERNELS
+KERNELS = {"attention": attention, "swiglu": swiglu}  # the whole table: kernel_table.KERNELS

@@ -62,20 +62,27 @@ class MeshOps:
         return x.contiguous()
 
     # -- collectives ---------------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...]) -> torch.Tensor:
-        """Sum over the devices of each group along ``axes``; every member gets the sum."""
+    def all_reduce(self, x: torch.Tensor, axes: tuple[str, ...], devices: slice | None = None) -> torch.Tensor:
+        """Sum over the devices of each group along ``axes``; every member gets the sum.
+        ``devices``: only those devices' results (``[n, ...]``; a slice of the device dim): the
+        sums are computed once per group either way, and no copy is made for the others."""
         g = x.view(self.R, self.C, *x.shape[1:])
         dims = tuple(AXES.index(a) for a in axes)
-        return g.sum(dim=dims, keepdim=True).expand_as(g).reshape(x.shape)
+        s = g.sum(dim=dims, keepdim=True)
+        if devices is not None:
+            idx = torch.arange(self.D, device=x.device)[devices]
+            return s.expand_as(g)[idx // self.C, idx % self.C]
+        return s.expand_as(g).reshape(x.shape)
 
     def all_gather(self, x: torch.Tensor, axes: tuple[str, ...], dim: int, feature: Dim | None = None,
-                   policy=None) -> torch.Tensor:
+                   policy=None, devices: slice | None = None) -> torch.Tensor:
         """Concatenate dim ``dim`` (of ``x``, counting the device dim) over ``axes`` in group
-        order (``layout.group_of``); every member of a group gets the result.
+        order (``layout.group_of``); every member of a group gets the result (``devices``: only
+        those devices' results, ``[n, ...]``, as :meth:`all_reduce`).
 
         With ``feature`` (the gathered dim's declaration) the result is put back in global order:
         padding dropped and replicated shards (KV heads) taken once (``layout.gather_index``)."""
-        out = self._concat(x, axes, dim)
+        out = self._concat(x, axes, dim, devices)
         if feature is None:
             return out
         key = ("gather", feature, axes_of(axes), layout.policy_key(policy))
@@ -86,7 +93,7 @@ class MeshOps:
         inv = self._index_cache[key]
         return out if inv is None else out.index_select(dim, inv)
 
-    def _concat(self, x: torch.Tensor, axes: tuple[str, ...], dim: int) -> torch.Tensor:
+    def _concat(self, x: torch.Tensor, axes: tuple[str, ...], dim: int, devices: slice | None = None) -> torch.Tensor:
         key = ("groups", axes_of(axes))
         if key not in self._index_cache:
             gs = layout.groups(self.mesh, axes)
@@ -98,5 +105,5 @@ class MeshOps:
         parts = x.index_select(0, gs.reshape(-1)).view(G, n, *x.shape[1:])  # [G, n, ...]
         # concatenate the n members along dim (dim counts the device dim: in parts it is dim + 1)
         full = torch.cat(parts.unbind(1), dim=dim)  # [G, ..., n * L, ...]
-        return full.index_select(0, member_of)
+        return full.index_select(0, member_of if devices is None else member_of[devices])
 

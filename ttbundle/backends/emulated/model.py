@@ -28,7 +28,7 @@ from .kernel_table import KERNELS
 from .kernels import Ctx, _writes, rms_norm, softcap
 from .lazy import LazyWeights, _packed_names
 from .meshops import MeshOps
-from .replication import Replication, Varies, drops
+from .replication import Classes, Replication, Varies, drops
 from .state import KVCache, Stages, kv_store
 
 
@@ -364,10 +364,14 @@ class EmulatedModel:
             op = st.op
             out = st.out.name if st.out is not None else None
             if op is Op.ALL_REDUCE or op is Op.ALL_GATHER:
-                x = acts[st.act]
-                y = (ops.all_reduce(x, st.axes) if op is Op.ALL_REDUCE
-                     else ops.all_gather(x, st.axes, st.dim + 1, st.feature, self.policy))
+                x = _full(acts[st.act])
                 out, y_v = st.act, rep.after_collective(v(st.act), st.axes)
+                # only the representatives' results of what the collective leaves alike (rep.spread)
+                sl = rep.reps(y_v)
+                y = (ops.all_reduce(x, st.axes, sl) if op is Op.ALL_REDUCE
+                     else ops.all_gather(x, st.axes, st.dim + 1, st.feature, self.policy, sl))
+                x = None
+                y = rep.spread(y, y_v)
             elif op is Op.EMBEDDING:
                 y, y_v = self._embed(acts["tokens"], st.w), self._varies(st.w, None)
                 if st.out.name == "h" and self.traits.get("embed_scale"):
@@ -377,8 +381,8 @@ class EmulatedModel:
             elif op is Op.RMS_NORM:
                 y, y_v = self._once(lambda w, c, x: self._norm(x, st.w, layer, w), [acts[st.ins[0].name]],
                                     v(st.ins[0].name), ctx, layer)
-            elif op is Op.MATMUL:
-                y = self._linear(acts[st.ins[0].name], st, layer)
+            elif op is Op.MATMUL:  # each device's own rows: a Classes input as every device's copy
+                y = self._linear(_full(acts[st.ins[0].name]), st, layer)
                 y_v = v(st.ins[0].name) | self._varies(st.w, layer)
             elif op is Op.LOCAL:
                 fn = self.kernels.get(st.kernel)
@@ -393,10 +397,11 @@ class EmulatedModel:
                 y, y_v = self._once(lambda w, c, h, r: h + r, [acts["h"], acts[n]], v("h") | v(n), ctx, layer)
             elif op is Op.LOGITS:
                 # what forward returns is device 0's: the others' copies are never read
-                x = acts[st.ins[0].name][:1]
+                x = rep.pick(acts[st.ins[0].name], slice(0, 1))
                 result = softcap(x.float(), self.traits.get("final_softcap")).to(self.dtype)
                 out = None
             elif op is Op.COMBINE:
+                acts.update({n: _full(x) for n, x in acts.items() if isinstance(x, Classes)})
                 y, y_v = self.kernels["combine"](ctx, layer, acts[st.ins[0].name], acts), rep.all
             else:  # pragma: no cover
                 raise ProgramMismatch(f"{program.name}: {kind} step {i}: unknown op {op}")
@@ -414,6 +419,9 @@ class EmulatedModel:
                 var.pop(name, None)
             if self.observe is not None:
                 self.observe(kind, i, acts)
+        for name in keep:  # what the caller reads: every device's copy
+            if isinstance(acts.get(name), Classes):
+                acts[name] = acts[name].full()
         return result
 
     def _dead(self, steps, keep) -> list:
@@ -447,7 +455,7 @@ class EmulatedModel:
             sub, held = self._on(sl, varies, ctx, layer)
             before = {k: c._version for k, c in held.items()}
             try:
-                y = fn(sub.weights, sub, *(x[sl] for x in xs))
+                y = fn(sub.weights, sub, *(rep.pick(x, sl) for x in xs))
             except Varies:
                 pass
             else:
@@ -456,9 +464,9 @@ class EmulatedModel:
                     _, wslots = _writes(ctx)
                     for k in written:
                         c = held[k]
-                        c[:, :, wslots] = rep.spread(c[sl][:, :, wslots], varies)
+                        c[:, :, wslots] = _full(rep.spread(c[sl][:, :, wslots], varies))
                 return rep.spread(y, varies), varies
-        return fn(self.weight, ctx, *xs), rep.all
+        return fn(self.weight, ctx, *(_full(x) for x in xs)), rep.all
 
     def _on(self, sl: slice, varies: frozenset, ctx: Ctx, layer):
         """``ctx`` restricted to the devices ``sl`` (each standing for its class of a value
@@ -578,6 +586,11 @@ class EmulatedModel:
             pos = self.ops.shard_positions(t.dims[0], e_axes, self.policy)
             x = self.ops.take(x, 2, pos)
         return torch.einsum("dtek,dekn->dten", x, W)
+
+
+def _full(x):
+    """An activation as every device's copy ``[D, ...]`` (:class:`~.replication.Classes`: a copy)."""
+    return x.full() if isinstance(x, Classes) else x
 
 
 def _device0(h: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,15 @@ module is the one owner of that reasoning for the executor (``model.EmulatedMode
   so a dropped or misplaced collective leaves an axis varying, the steps after it run on every
   device, and the numbers come out wrong as they would on the mesh.
 
+* :class:`Classes`: a value that varies over one axis of a two-axis mesh held as one copy per
+  class (``[C, ...]`` for ``cols``: row 0's devices; ``[R, ...]`` for ``rows``: column 0's),
+  not the ``[D, ...]`` tensor no strided view can express (an ``expand`` over one axis of the
+  device dim cannot be flattened into it): q, k, v, g, u after their ``all_reduce`` over TG's
+  rows, attention's and SwiGLU's outputs. Steps that run per class read it as it is
+  (:meth:`Replication.pick`); a reader that needs every device's copy (a matmul whose weight
+  differs per device, a kernel handed every activation) gets :meth:`Classes.full`, a copy held
+  for that step only. Without it TG held 8 copies of each (one per row).
+
 * :func:`drops`: per step of a layer program, the activations whose last read it is, so the
   executor holds only live ``[D, ...]`` values (the rest of a layer's activations were held to
   the layer's end: several GB on TG at a 512-row prefill).
@@ -42,6 +51,24 @@ from ...program import Op
 class Varies(Exception):
     """A step's weights (or per-device indices) differ among devices its inputs say are alike:
     the step runs on every device instead."""
+
+
+class Classes:
+    """``[D, ...]`` held as ``y`` ``[n, ...]``, one copy per class of devices alike but along
+    ``varies`` (one axis of a two-axis mesh): device ``d``'s value is ``y[d % C]`` (``cols``) or
+    ``y[d // C]`` (``rows``); ``y`` is what :meth:`Replication.reps` selects."""
+
+    def __init__(self, y: torch.Tensor, varies: frozenset, rep: "Replication"):
+        self.y, self.varies, self.rep = y, varies, rep
+        self.shape = (rep.D, *y.shape[1:])
+        self.dtype, self.device = y.dtype, y.device
+
+    def full(self) -> torch.Tensor:
+        """Every device's copy, ``[D, ...]`` (a copy of ``y`` per device)."""
+        R, C, rest = self.rep.R, self.rep.C, self.y.shape[1:]
+        if self.varies == {"cols"}:
+            return self.y.unsqueeze(0).expand(R, C, *rest).reshape(self.rep.D, *rest)
+        return self.y.unsqueeze(1).expand(R, C, *rest).reshape(self.rep.D, *rest)
 
 
 class Replication:
@@ -84,22 +111,30 @@ class Replication:
             return slice(0, self.C)  # row 0's devices
         return slice(0, self.D, self.C)  # column 0's devices
 
-    def spread(self, y: torch.Tensor, varies: frozenset) -> torch.Tensor:
-        """``y`` computed on :meth:`reps` back to ``[D, ...]``: one copy viewed D times where it
-        varies over nothing, else each class's rows repeated over the axis it does not vary on."""
-        rest = y.shape[1:]
+    def spread(self, y: torch.Tensor, varies: frozenset):
+        """``y`` computed on :meth:`reps` as every device's value: ``[D, ...]`` as it is, one copy
+        viewed D times where it varies over nothing, else :class:`Classes` (one copy per class)."""
         if y.shape[0] == self.D:
             return y
         if y.shape[0] == 1:
-            return y.expand(self.D, *rest)
-        if varies == {"cols"}:
-            return y.unsqueeze(0).expand(self.R, self.C, *rest).reshape(self.D, *rest)
-        return y.unsqueeze(1).expand(self.R, self.C, *rest).reshape(self.D, *rest)
+            return y.expand(self.D, *y.shape[1:])
+        return Classes(y, varies, self)
+
+    def pick(self, x, sl: slice | None) -> torch.Tensor:
+        """The devices ``sl`` of ``x`` (``[D, ...]`` or :class:`Classes`; None: every device)."""
+        if not isinstance(x, Classes):
+            return x if sl is None else x[sl]
+        if sl is not None and sl == self.reps(x.varies):
+            return x.y
+        if sl == slice(0, 1):  # device 0: the first class's copy
+            return x.y[:1]
+        full = x.full()
+        return full if sl is None else full[sl]
 
     def share(self, x: torch.Tensor, varies: frozenset) -> torch.Tensor:
         """``x [D, ...]`` held once where it varies over nothing (device 0's copy, viewed D times;
         the other copies are the same values, so they are dropped), else as it is."""
-        if varies or x.shape[0] < 2 or x.stride(0) == 0:
+        if varies or isinstance(x, Classes) or x.shape[0] < 2 or x.stride(0) == 0:
             return x
         return x[:1].expand(x.shape)
 

@@ -8,7 +8,7 @@ Host side (runs anywhere; what can be checked without a device):
 * :mod:`.mappers` — PartitionSpecs as ttnn mesh mappers, where ttnn's mappers can express them;
 * :mod:`.calls` — a lowered op as data: ttnn function names and arguments;
 * :mod:`.lowering` / :mod:`.configs` — every program op kind -> ttnn calls with program configs (the op
-  lowerings in :mod:`.text_ops`, :mod:`.moe_ops`, :mod:`.vision_ops`, :mod:`.mesh_ops` on :mod:`.emitter`;
+  lowerings in :mod:`.text_ops`, :mod:`.moe_ops`, :mod:`.vision` (one module per encoder), :mod:`.mesh_ops` on :mod:`.emitter`;
   a forward's inputs in :mod:`.inputs`);
 * :mod:`.handover` — programs handed to a ttnn process (kernel-cache fill, mockcheck) as a package lays them out;
 * :mod:`.introspect` — those calls checked against the installed wheel's signatures;

@@ -11,7 +11,8 @@ use), split as the emulated kernels are:
 * :mod:`.emitter` — the lowerer of one program, the 4-D shape convention, setup weight views;
 * :mod:`.text_ops` — embedding, norms, matmuls, rope, attention, MLP, residual, the head;
 * :mod:`.moe_ops` — DeepSeek's MLA and the mixture-of-experts ops;
-* :mod:`.vision_ops` — the vision encoders (SigLIP, Qwen2.5-VL's, Qwen3-VL's) and DeepStack;
+* :mod:`.vision` — one module per vision encoder, named after its family (``vision/gemma3.py``,
+  ``qwen2_5_vl``, ``qwen3_vl`` with DeepStack, ``mistral3``), registered in :data:`ENCODERS`;
 * :mod:`.mesh_ops` — collectives and partitions;
 * :mod:`.inputs` — the forward's input declarations and MLA's static chunk starts.
 
@@ -25,7 +26,7 @@ from typing import Callable
 from ... import layout  # noqa: F401  (tests mutate layout's gather order through lowering.layout)
 from ...mesh import Mesh
 from ...program import Op, Program, Step
-from . import configs, mesh_ops, moe_ops, text_ops, vision_ops
+from . import configs, mesh_ops, moe_ops, text_ops
 from .calls import Forward, Layer, T
 from .feed import add_feed
 from .emitter import DECODE_LIKE, DRAM, SAMPLING, TOPK, Lowerer, program_policy, samplings, tt_dim, tt_shape
@@ -34,6 +35,7 @@ from .inputs import (chunk_starts, image_mask, image_prefill, inputs_of, mask_in
                      VISION_HOST_INPUTS)
 from .layout import TILE, device_shape
 from .mesh_ops import collective_calls, partition_calls
+from .vision import _common, gemma3, mistral3, qwen2_5_vl, qwen3_vl
 
 
 def _table(*parts: dict) -> dict:
@@ -47,7 +49,10 @@ def _table(*parts: dict) -> dict:
     return out
 
 
-OPS: dict[str, Callable[[Lowerer, Step], None]] = _table(text_ops.OPS, moe_ops.OPS, vision_ops.OPS, mesh_ops.OPS)
+#: family name -> the module of its vision encoder's lowerings (``vision/<family name>.py``)
+ENCODERS = {m.__name__.rpartition(".")[2]: m for m in (gemma3, mistral3, qwen2_5_vl, qwen3_vl)}
+OPS: dict[str, Callable[[Lowerer, Step], None]] = _table(text_ops.OPS, moe_ops.OPS, _common.OPS,
+                                                            *(m.OPS for m in ENCODERS.values()), mesh_ops.OPS)
 
 
 def step_kind(st: Step) -> str:
