@@ -378,17 +378,6 @@ def test_cache_explain_names_changed_fields(tmp_path, ckpt, runner):
 
 
 # ---- refused inputs ----------------------------------------------------------------------------------
-def test_block_float_dtypes_are_not_yet_without_blockfloat(tmp_path, ckpt, monkeypatch):
-    import ttbundle
-    monkeypatch.setitem(sys.modules, "ttbundle.blockfloat", None)  # as if the module did not exist
-    monkeypatch.delattr(ttbundle, "blockfloat", raising=False)
-    spec = tmp_path / "s.yaml"
-    spec.write_text(spec_text(ckpt).replace(f"  source: {ckpt}\n", f"  source: {ckpt}\n  dtypes: {{mlp: bfp8}}\n"))
-    with pytest.raises(InvalidInput, match="not yet: bfp8 weights .*w1.*ttbundle.blockfloat"):
-        buildmod.build(specmod.load(spec), "N150", tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
 def test_block_float_shards_are_device_tiles(tmp_path, ckpt):
     """bfp8/bfp4 shards hold Tenstorrent tiles (1,088 / 576 B each) of each device's own shard,
     and read back as the values the device computes with (blockfloat.quantize of the shard)."""

@@ -57,7 +57,7 @@ def test_producers_dependencies_are_what_they_import():
     deps = {k: rel(cache.module_sources(m)) for k, m in cache.PRODUCERS.items()}
     # weights: the conversion, the block-float encoder it calls lazily, the package format
     assert {"convert.py", "blockfloat.py", "package/shardfile.py", "package/names.py", "package/shards.py",
-            "weights.py", "plan/memory.py"} <= deps["code.convert"]
+            "weights.py", "tiles.py"} <= deps["code.convert"]
     # the weights do not depend on the lowering: the package's reader (package/load.py, which
     # imports lower) is not the writer's (when the package was one module, it was)
     assert not {"lower.py", "package/load.py"} & deps["code.convert"]
