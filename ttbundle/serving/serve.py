@@ -700,28 +700,37 @@ def start(plan: ServePlan, log=None) -> subprocess.Popen:
     return proc
 
 
+def _group_stats(pgid: int):
+    """``(pid, /proc/PID/stat fields after the name)`` of each process of process group ``pgid``
+    now (Linux ``/proc``; fields[0] is the state, [1] the parent, [2] the group)."""
+    try:
+        entries = [d for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return
+    for d in entries:
+        try:
+            with open(f"/proc/{d}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if len(fields) > 21 and int(fields[2]) == pgid:
+                yield int(d), fields
+        except (OSError, IndexError, ValueError):
+            continue
+
+
 def group_processes(pgid: int) -> dict[int, tuple[str, int]]:
     """The processes of process group ``pgid`` now: pid -> (name, resident bytes) (Linux
     ``/proc``; the name is the command line's first word, which vLLM sets to ``VLLM::EngineCore``
     for its engine; empty elsewhere)."""
     out = {}
     page = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
-    try:
-        entries = [d for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:
-        return out
-    for d in entries:
+    for pid, fields in _group_stats(pgid):
         try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if len(fields) <= 21 or int(fields[2]) != pgid:
-                continue
-            with open(f"/proc/{d}/cmdline", "rb") as f:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
                 words = f.read().split(b"\0")
-        except (OSError, IndexError, ValueError):
+        except OSError:
             continue
         name = words[0].decode(errors="replace").strip() if words else ""
-        out[int(d)] = (Path(name.split()[0]).name if name else "", int(fields[21]) * page)
+        out[pid] = (Path(name.split()[0]).name if name else "", int(fields[21]) * page)
     return out
 
 
@@ -750,20 +759,8 @@ def _orphans(pgid: int) -> list[int]:
     """Ended processes of vLLM's process group ``pgid`` that are now this process's children
     (zombies: :func:`_become_subreaper`), whether or not a sample saw them alive (an engine
     killed within its first half second)."""
-    out, me = [], os.getpid()
-    try:
-        entries = [d for d in os.listdir("/proc") if d.isdigit()]
-    except OSError:
-        return out
-    for d in entries:
-        try:
-            with open(f"/proc/{d}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if fields[0] == b"Z" and int(fields[1]) == me and int(fields[2]) == pgid:
-                out.append(int(d))
-        except (OSError, IndexError, ValueError):
-            continue
-    return out
+    me = os.getpid()
+    return [pid for pid, fields in _group_stats(pgid) if fields[0] == b"Z" and int(fields[1]) == me]
 
 
 def noted_signal(proc: subprocess.Popen) -> tuple[str, int] | None:
