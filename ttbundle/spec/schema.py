@@ -139,9 +139,9 @@ class Runtime(BaseModel):
     """Tokens a decode step may produce per host round trip (Tenstorrent's
     `model_capabilities["output_tokens_per_step"]`): the decode program replayed that many times
     in one engine step, each replay's sampled ids fed into the next on the device, read back
-    once. Needs sampling on the device and a device that feeds sampled ids (the emulated mesh;
-    not yet the ttnn lowering, which then runs 1); a batch with a row sampled on the host runs
-    one token a step. vLLM sees it as that many tokens scheduled a step (every one accepted)."""
+    once. Needs sampling on the device and a device that feeds sampled ids (the emulated mesh,
+    and the ttnn lowering's token feed: verified on the recording double and in mock mode); a
+    batch with a row sampled on the host runs one token a step. vLLM sees it as that many tokens scheduled a step (every one accepted)."""
     trace_region_size: int | None = Field(default=None, gt=0)
     """Bytes reserved for captured traces; default: a ttnn build's count of the traces' need + 25% (`plan` shows an op-count estimate). Below the need: refused at build."""
     max_tokens_all_users: Annotated[int, Field(gt=0)] | Literal["auto"] | None = None
