@@ -540,7 +540,12 @@ def serve(ctx: typer.Context,
     try:
         progress = None
         if Path(target).suffix in (".yaml", ".yml"):
-            progress = ConsoleProgress(err, prefix="build: ")
+            shown = ConsoleProgress(err, prefix="build: ")
+
+            def stoppable(e):  # a stop the build's imports swallowed stops it at its next step
+                servemod.raise_swallowed()
+                shown(e)
+            progress = stoppable
         if print_launch:
             from .serving import launch
             lp = launch.launch_plan(target, mesh, data_parallel_size,

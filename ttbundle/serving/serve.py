@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -935,6 +936,7 @@ def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, m
 
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
+        raise_swallowed()
         _sample(proc)
         if proc.poll() is not None:
             cause = read(cause_file) if cause_file else None
@@ -996,21 +998,45 @@ def stop_name(e: BaseException) -> str:
     return signal.Signals(e.signum).name if isinstance(e, Stopped) else "SIGINT (Ctrl-C)"
 
 
+#: stops whose exception Python swallowed (:func:`stop_on_signals`), for :func:`raise_swallowed`
+_SWALLOWED: list[BaseException] = []
+
+
 def stop_on_signals():
     """Ctrl-C, SIGTERM and SIGHUP (a closed terminal or ssh session) raise KeyboardInterrupt
     (:class:`Stopped` for the last two) wherever the program is: the build, vLLM's start-up, serving;
-    Ctrl-C too when the process started with SIGINT ignored (``cmd &`` in a script). Returns a
+    Ctrl-C too when the process started with SIGINT ignored (``cmd &`` in a script). A signal that
+    lands where Python ignores exceptions (a weakref callback or ``__del__``, e.g. an import's
+    module lock: "Exception ignored in ...") would be lost: it is kept, unprinted, for
+    :func:`raise_swallowed`, which the build's progress and the wait for vLLM call. Returns a
     function that puts the previous handlers back."""
     def on_term(signum, frame):
         raise Stopped(signum)
 
+    def unraisable(u):
+        if isinstance(u.exc_value, KeyboardInterrupt):
+            _SWALLOWED.append(u.exc_value)
+        else:
+            hook(u)
+
     old = {sig: signal.signal(sig, h) for sig, h in ((signal.SIGINT, signal.default_int_handler),
                                                       (signal.SIGTERM, on_term), (signal.SIGHUP, on_term))}
+    hook, sys.unraisablehook = sys.unraisablehook, unraisable
 
     def restore():
         for sig, h in old.items():
             signal.signal(sig, h)
+        sys.unraisablehook = hook
     return restore
+
+
+def raise_swallowed() -> None:
+    """Raise, in the main thread, a stop signal's exception that Python swallowed since
+    :func:`stop_on_signals` (once)."""
+    if _SWALLOWED and threading.current_thread() is threading.main_thread():
+        e = _SWALLOWED[0]
+        _SWALLOWED.clear()
+        raise e
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
