@@ -519,12 +519,15 @@ def test_programs_handed_over_to_a_ttnn_process_read_back_as_lowered(tmp_path):
     from ttbundle import __version__
     from ttbundle.backends.ttnn import handover
     from ttbundle.program import ProgramError
+    from ttbundle.ttnnproc import handed_over
     bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
     p = make_plan(bundle, "N300")
     progs = lowermod.lower_all(bundle, p)
     yml = render_bundle_yaml(resolved_spec(bundle, p), __version__)
     d = handover.write(tmp_path / "h", yml, progs)
-    got_bundle, mesh, got = handover.read(d)
+    mesh, got = handover.read(d)
+    got_bundle, mesh2, got2 = handed_over(d)  # the process's entry point adds the loader's bundle
+    assert (mesh2, got2) == (mesh, got)
     assert got == progs and list(got) == list(progs)
     assert (mesh.name, mesh.shape, mesh.chip) == (p.mesh.name, p.mesh.shape, p.mesh.chip)
     assert got_bundle.arch == bundle.arch and got_bundle.spec.runtime == bundle.spec.runtime
