@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import InvalidInput, TTBundleError
+from ..kvpool import HostFacts, host_pool
 from ..manifest import MANIFEST, METADATA
 
 
@@ -76,18 +77,12 @@ class Package:
 
     def host_plan(self, lanes: int = 1, engines: int = 1, override_blocks: int | None = None,
                   available: int | None = None):
-        """The package on the emulated mesh of this host (``plan.host.host_plan``: its KV pool,
-        ``auto`` sized for the host's available memory, and the expected peak), from the plan of
-        its bundle on its mesh (a speculative draft: the draft package inside it)."""
-        from ..package.names import DRAFT_DIR
-        from ..plan.host import host_plan
-        from ..plan.make import make_plan
-
-        draft = None
-        if (self.path / DRAFT_DIR / MANIFEST).exists():
-            draft = open_package(self.path / DRAFT_DIR, check_hashes=False).bundle
-        plan = make_plan(self.bundle, self.mesh_name, draft_bundle=draft)
-        return host_plan(self.bundle, plan, available, lanes, engines, override_blocks)
+        """The package on the emulated mesh of this host (``kvpool.host_pool``: its KV pool,
+        ``auto`` sized for the host's available memory, and the expected peak), from the facts
+        its build recorded (``kvpool.HostFacts.of_package``: manifest ``serving.host``, the
+        programs' dims and KV pool); nothing is re-planned."""
+        facts = HostFacts.of_package(self.serving, self.dims.max_model_len, self.kv_blocks)
+        return host_pool(facts, available, lanes, engines, override_blocks)
 
     def emulated_model(self, dtype=None, device="cpu"):
         """The package on the emulated mesh: its programs on its own weight shards."""

@@ -71,7 +71,7 @@ class ServePlan:
     env: dict = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 8000
-    memory: object = None  # the emulated mesh on this host (``plan.host.HostPlan``); None on a device
+    memory: object = None  # the emulated mesh on this host (``kvpool.HostPlan``); None on a device
     notes: list = field(default_factory=list)  # one-line warnings printed before vLLM starts
 
     @property
@@ -444,8 +444,8 @@ def emulated_memory(pkg, extra: list[str], lanes: int = 1, engines: int = 1):
     the host has available (the spec's ``max_tokens_all_users``, ``--num-gpu-blocks-override``
     among the extra arguments, or ``auto``'s least: one ``max_model_len`` sequence) is
     :class:`DoesNotFit` (exit 3) with the arithmetic and what would fit."""
-    from ..plan.host import gib
-    from ..plan.pool import pool_tokens
+    from ..kvpool import gib
+    from ..kvpool import pool_tokens
 
     override = _int_flag(extra, "--num-gpu-blocks-override")
     m = pkg.host_plan(lanes=lanes, engines=engines, override_blocks=override)
@@ -823,10 +823,10 @@ def signal_name(signum: int) -> str:
 
 def killed_note(signum: int, proc: subprocess.Popen, memory=None) -> str:
     """For SIGKILL (what the kernel's OOM killer sends): the memory arithmetic (the expected
-    peak, ``memory``: ``plan.host.HostPlan``) and what vLLM's processes were seen holding."""
+    peak, ``memory``: ``kvpool.HostPlan``) and what vLLM's processes were seen holding."""
     if signum != signal.SIGKILL:
         return ""
-    from ..plan.host import gib
+    from ..kvpool import gib
 
     note = "; SIGKILL is what the kernel's OOM killer sends when memory runs out (`dmesg` says whether it did)"
     if memory is not None:
@@ -930,7 +930,7 @@ def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, m
                  cause_file=None) -> None:
     """Return once vLLM answers /health; raise why when it exits first: the cause the plugin
     recorded in ``cause_file`` (``runtime.cause``: an option refused, a warm-up mismatch), else
-    :func:`died` (``memory``: the emulated mesh's :class:`~ttbundle.plan.host.HostPlan` for a
+    :func:`died` (``memory``: the emulated mesh's :class:`~ttbundle.kvpool.HostPlan` for a
     SIGKILL's arithmetic)."""
     from ..runtime.cause import read
 
