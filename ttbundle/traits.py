@@ -52,11 +52,23 @@ class _Record(Mapping):
             object.__setattr__(self, "_set_fields", keys)
         return keys
 
+    def _values(self) -> dict:
+        # the mapping as a plain dict, made once (the record is frozen): ``get`` on it is a dict
+        # lookup, where Mapping.get went through __getitem__ and a KeyError per absent trait
+        d = self.__dict__.get("_set_values")
+        if d is None:
+            d = {k: (v.value if isinstance(v, enum.Enum) else v) for k in self._keys() for v in (getattr(self, k),)}
+            object.__setattr__(self, "_set_values", d)
+        return d
+
     def __getitem__(self, key):
-        if not isinstance(key, str) or key not in self._keys():
-            raise KeyError(key)
-        v = getattr(self, key)
-        return v.value if isinstance(v, enum.Enum) else v
+        return self._values()[key]
+
+    def get(self, key, default=None):
+        return self._values().get(key, default)
+
+    def __contains__(self, key) -> bool:
+        return key in self._values()
 
     def __iter__(self):
         return iter(self._keys())

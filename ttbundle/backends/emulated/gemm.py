@@ -184,11 +184,14 @@ class Packed:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x [D, ..., K] @ W -> [D, ..., N]``, each device's rows with its own shard."""
         D, K, N = x.shape[0], x.shape[-1], self.shape[-1]
+        invariant = batch_invariant()  # read once a call (an environment read per product added up)
+        if D == 1 and self.per_shard is not None:  # one device (N150): its one matrix, no grouping
+            return _linear(x.reshape(-1, K), self.per_shard[0], invariant).view(*x.shape[:-1], N)
         if self.merged is not None:
             x3 = x.reshape(D, -1, K)
             if same_rows(x3):
                 M, G = x3.shape[1], max(self.group) + 1
-                y = _linear(x3[0], self.merged).view(M, G, N)
+                y = _linear(x3[0], self.merged, invariant).view(M, G, N)
                 if self.group != tuple(range(G)):
                     y = y.index_select(1, torch.tensor(self.group, device=y.device))
                 return y.transpose(0, 1).contiguous().view(*x.shape[:-1], N)
@@ -196,14 +199,14 @@ class Packed:
             self.merged = None
         x3 = x.reshape(D, -1, K)
         if (isinstance(self.per_shard, torch.Tensor) and self.group == tuple(range(D)) and D > 1
-                and x3.shape[1] == 1 and not batch_invariant()):
+                and x3.shape[1] == 1 and not invariant):
             # one row per device, each its own plain shard ([D, N, K]): one batched MKL product
             # for all of them, the one-row kernel's kind (a T3K one-row step's row-split weight:
             # one call where there were eight); several rows stay on oneDNN, shard by shard
             return torch.bmm(x3, self.per_shard.transpose(1, 2)).view(*x.shape[:-1], N)
 
         def one(g, rows):
-            return _linear(rows, self.per_shard[g])
+            return _linear(rows, self.per_shard[g], invariant)
         return grouped(x, self.group, N, one)
 
 
@@ -224,14 +227,14 @@ def _pack(w_nk: torch.Tensor):
     return w_nk.contiguous()
 
 
-def _linear(rows: torch.Tensor, w) -> torch.Tensor:
+def _linear(rows: torch.Tensor, w, invariant: bool | None = None) -> torch.Tensor:
     """``rows [M, K] @ w.T`` for a weight as :func:`_pack` holds it. Several rows: oneDNN's inner
     product (on a plain weight the blocked layout's bits, and a row's bits the same at any row
     count from 2 up, tested). One row on a plain weight (``auto``): MKL's matrix-vector kernel
     (``F.linear``, transformers' own one-row kernel), unless ``VLLM_BATCH_INVARIANT`` asks for
     one path at every batch size: then the row runs twice through the several-row kernel."""
     if rows.shape[0] == 1:
-        if batch_invariant():  # the several-row kernel, as in any bucket
+        if batch_invariant() if invariant is None else invariant:  # the several-row kernel, as in any bucket
             return torch.ops.mkldnn._linear_pointwise(rows.expand(2, -1).contiguous(), w, None, "none", [], "")[:1]
         if not w.is_mkldnn:
             return torch.nn.functional.linear(rows, w)

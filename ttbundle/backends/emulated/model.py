@@ -54,6 +54,7 @@ class EmulatedModel:
         self.device = self.ops.device
         self.rep = Replication(self.ops.R, self.ops.C)
         self._drops: dict = {}
+        self._varies_of: dict = {}  # (weight, layer) -> the mesh axes it varies over (_varies)
         #: called as ``observe(kind, step index, acts)`` after every step (tests: what is live)
         self.observe = None
         self.programs: dict[tuple[str, int], Program] = dict(programs)
@@ -434,11 +435,16 @@ class EmulatedModel:
 
     def _varies(self, name: str, layer) -> frozenset:
         """The mesh axes weight ``name`` varies over: where its held shards differ, or its spec
-        splits it (a matmul's device takes its slice of the input along those)."""
-        W = self._held(name, layer)
-        group = W.group if isinstance(W, gemm.Packed) else gemm.shards_of(W)[1]
-        split = frozenset(a for dim in range(len(self.refs[name].spec)) for a in self._split(name, dim))
-        return self.rep.of_group(group) | split
+        splits it (a matmul's device takes its slice of the input along those). Worked out once
+        per (weight, layer): which devices share a shard is the package's, not the step's."""
+        key = (name, layer)
+        got = self._varies_of.get(key)
+        if got is None:
+            W = self._held(name, layer)
+            group = W.group if isinstance(W, gemm.Packed) else gemm.shards_of(W)[1]
+            split = frozenset(a for dim in range(len(self.refs[name].spec)) for a in self._split(name, dim))
+            got = self._varies_of[key] = self.rep.of_group(group) | split
+        return got
 
     def _once(self, fn, xs: list, varies: frozenset, ctx: Ctx, layer):
         """``fn(weight, ctx, *xs)`` (a per-device computation on ``[n, ...]`` inputs, reading
