@@ -12,9 +12,13 @@ and outputs are never dropped by a forward.
 
 from __future__ import annotations
 
+from ...families.base import RopeScaling
 from .calls import Call, Forward, resolve, resolve_attr
 from .feed import FEED_INPUT, feed_index
+from .inputs import (VERIFY_PAGES, VISION_POS_INTERP, VISION_ROPE, deepstack_input, verify_pos_input,
+                     vision_mask_input)
 from .layout import ttnn_dtype, ttnn_layout
+from .lowering import mrope_position_input
 
 
 def liveness(calls: list[tuple[int | None, Call]], keep: set[str]) -> list[list[str]]:
@@ -141,7 +145,6 @@ def _rope_table(c):
 
     from ...tables import mrope_rows, rope_cos_sin
     p = dict(c.params)
-    from ...families.base import RopeScaling
     scaling = RopeScaling.model_validate_json(p["scaling"]) if p.get("scaling") else None  # the layer's
     cos, sin = rope_cos_sin(torch.arange(c.shape[0]), p["head_dim"], p["theta"], scaling, torch.float32)
     t = cos if c.kind == "rope_cos" else sin
@@ -195,7 +198,6 @@ def rope_position_inputs(fw: Forward, qpos, rope_positions=None) -> dict:
     those ``rope_positions`` gives: a decode batch [3, B, 1] in a forward of more rows) take 0."""
     import numpy as np
 
-    from .lowering import mrope_position_input
     names = [mrope_position_input(r) for r in range(3)]
     if names[0] not in fw.inputs:
         return {}
@@ -219,7 +221,6 @@ def vision_inputs(fw: Forward, patches, meta: dict | None) -> dict:
     is a ValueError naming it."""
     import numpy as np
 
-    from .inputs import VISION_POS_INTERP, VISION_ROPE, vision_mask_input
     shape = fw.inputs["patches"][0]
     out = {"patches": np.asarray(patches, dtype=np.float32).reshape(shape)}
     rows = shape[2]
@@ -257,7 +258,6 @@ def image_inputs(fw: Forward, mm: dict | None) -> dict:
     features each): set k goes to ``inputs.deepstack_input(k)`` at the same rows."""
     import numpy as np
 
-    from .inputs import deepstack_input
     shape = fw.inputs["mm_keep"][0]
     sets: list[str] = []
     while deepstack_input(len(sets)) in fw.inputs:
@@ -361,8 +361,6 @@ def verify_inputs(fw: Forward, tokens, positions, page_table) -> dict:
     ``verify_pos.<j>`` holds group ``j``'s positions and ``verify_pages`` the sequences' pages
     (``inputs.verify_pos_input``)."""
     import numpy as np
-
-    from .inputs import VERIFY_PAGES, verify_pos_input
 
     tokens, positions = np.asarray(tokens), np.asarray(positions, np.int64)
     B, K1 = tokens.shape

@@ -40,12 +40,17 @@ Multi-chip meshes (N300, T3K), as measured on ttnn 0.81.1's mock:
 
 from __future__ import annotations
 
+import json
+import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-from . import feed, layout
+from ... import mesh as meshmod
+from . import feed, handover, layout
 from .calls import Attr, Call, New, W, resolve
 from .device import Executor, allocate
+from .introspect import check_call
+from .lowering import lower_forward, samplings
 
 BUILD_MARKERS = ("build failed", "trisc", "brisc", "ncrisc", "erisc", "sfpi", "riscv", "jit build",
                  "Failed to generate binaries", "compile")
@@ -110,7 +115,6 @@ def check_by_signature(ttnn, ex: Executor, c: Call, layer) -> list[str]:
     """Problems with collective ``c`` that ttnn's host checks would have seen had the fabric been
     up: the call's binding to the wheel's signature, then the lowering's per-device output shape
     against the arithmetic of the collective on the input ttnn holds (empty: none)."""
-    from .introspect import check_call
     problems = check_call(ttnn, c)
     if problems:
         return problems
@@ -246,14 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     wrote: ``bundle.yaml`` + ``programs/``) on preset ``MESH``, each program as it is (the tests
     hand over programs with each decoder layer kind once: ``tests/handover_helpers.py``); one ``RESULT {json}``
     line per program."""
-    import json
-    import sys
-
     import ttnn
-
-    from ... import mesh as meshmod
-    from . import handover
-    from .lowering import lower_forward, samplings
 
     args = sys.argv[1:] if argv is None else argv
     mesh_name, dirs = args[0], args[1:]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from .calls import Forward
 from .device import Executor, allocate, keep_names, liveness
+from .layout import ttnn_dtype, ttnn_layout
 
 STAGES = ("new", "prepared", "warm", "captured")
 
@@ -43,7 +44,6 @@ def _dummy(name: str, shape, dtype: str):
 def allocate_state(ttnn, device, forwards) -> dict:
     """The runner's persistent state tensors (``Forward.state``), one per name for every forward
     that declares it, zero-filled on ``device``; a name declared with two specs is refused."""
-    from .layout import ttnn_dtype, ttnn_layout
     specs: dict = {}
     for fw in forwards:
         for name, spec in fw.state.items():
@@ -109,7 +109,6 @@ class TraceRunner:
         ttnn, dev = self.ttnn, self.ex.device
         specs = self._write_specs.get(key)
         if specs is None:
-            from .layout import ttnn_dtype, ttnn_layout
             specs = self._write_specs[key] = [(n, ttnn_dtype(ttnn, d), ttnn_layout(ttnn, lay))
                                               for n, (_, d, lay) in fw.inputs.items()]
         last = self._written.setdefault(key, {})
