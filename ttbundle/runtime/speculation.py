@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from .draft import DraftProposer
+
 
 def propose_ngram(tokens, min_n: int, max_n: int, k: int, max_model_len: int) -> list[int]:
     """Up to ``k`` proposed tokens after ``tokens`` (a sequence's prompt and outputs): find the
@@ -71,7 +73,6 @@ def proposer_for(vllm_config, package=None, dtype=None, lanes: int = 1):
     if sc is None:
         return None
     if sc.method == "draft_model":
-        from .draft import DraftProposer
         return DraftProposer(package, int(sc.num_speculative_tokens), vllm_config.model_config.max_model_len,
                              dtype, lanes)
     return NgramProposer(sc, vllm_config.model_config.max_model_len)

@@ -32,6 +32,7 @@ take no modeled time. Its weights are the double's: nothing numeric is computed 
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
@@ -275,6 +276,5 @@ class TimingTTNN:
 
 def from_env():
     """The TimingDevice ``TTBUNDLE_DEVICE_MODEL`` selects, or None."""
-    import os
     spec = os.environ.get(ENV)
     return TimingDevice(parse(spec)) if spec else None
