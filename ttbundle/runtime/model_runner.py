@@ -38,6 +38,7 @@ import os
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
 from .. import warmref
@@ -421,7 +422,6 @@ class TTModelRunner(AsyncDecode, LaneDecode):
                          [bucket], "")
 
     def _page_table(self, states: list[ReqState], rows: int) -> torch.Tensor:
-        import numpy as np
         pt = np.zeros((rows, self.max_blocks), dtype=np.int64)  # block 0: vLLM's null block
         for i, st in enumerate(states):
             b = st.block_ids[:self.max_blocks]

@@ -10,6 +10,7 @@ import logging
 import os
 from pathlib import Path
 
+import psutil
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
@@ -58,7 +59,6 @@ class EmulatedMeshPlatform(Platform):
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
-        import psutil
         return psutil.virtual_memory().total
 
     @classmethod

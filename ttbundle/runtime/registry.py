@@ -34,6 +34,8 @@ import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 from .. import __version__, families
 from ..errors import Diagnostic, InvalidInput, TTBundleError
 from ..families import vision_class_of
@@ -110,8 +112,6 @@ def parse_registry_doc(text: str, where) -> tuple[list[Path], dict[str, str]]:
     whose packages are then all unregistered): a duplicate key, an unknown key, a value of another
     type is InvalidInput naming the file and the field (never a traceback, never a string read one
     character at a time)."""
-    from pydantic import BaseModel, ConfigDict, ValidationError
-
     class Registry(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
         dirs: list[str] = []

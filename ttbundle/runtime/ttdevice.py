@@ -50,6 +50,7 @@ import time
 from collections import deque
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..backends.ttnn import device as ttdev, inputs as ttinputs, recording
@@ -332,7 +333,6 @@ class TTDeviceModel(MeshModel):
         """``ttnn.sampling``'s inputs. Rows with top_k above TOPK or none never come here from
         ttbundle's runner (``sampling.host_reasons`` with ``max_device_top_k``); from another
         caller they are cut to TOPK candidates, as ttnn.sampling does."""
-        import numpy as np
         if s is None:
             return {}
         temp = np.asarray(torch.as_tensor(s.temperature, dtype=torch.float32)).reshape(-1)
@@ -367,8 +367,6 @@ class TTDeviceModel(MeshModel):
         program is enqueued with its readback right behind it (a later replay of the same trace on
         this submesh overwrites its outputs) and a handle returned for :meth:`read_prefill_output`:
         the runner enqueues every chunk of a step before reading any, so lanes prefill side by side."""
-        import numpy as np
-
         N, S = tokens.shape
         if N != 1 or S not in self.prefill_buckets:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
@@ -412,7 +410,6 @@ class TTDeviceModel(MeshModel):
 
     def _queued(self, pending: tuple):
         """What a :meth:`_queue_read` read back, once its event has passed (device 0's copy)."""
-        import numpy as np
         host_t, event = pending
         self.ttnn.event_synchronize(event)
         return np.asarray(self.ttnn.get_device_tensors(host_t)[0].to_numpy())
@@ -421,7 +418,6 @@ class TTDeviceModel(MeshModel):
         """A prefill chunk's result (what :meth:`prefill_forward` returns), read back: the
         sampled id [1] or the last real row's logits [1, V] (and the M-RoPE deltas where the
         call made them)."""
-        import numpy as np
         if handle.pending is not None:  # enqueued: wait for its readback's event
             data = self._queued(handle.pending)
         else:
@@ -446,8 +442,6 @@ class TTDeviceModel(MeshModel):
         metadata, as for the emulated backend; ``device.vision_inputs`` writes them), on the
         mesh (its trace replayed where ``trace_mode`` is ``all``), read back to the host for the
         prefill that merges them (as Tenstorrent's models pass vision embeddings into prefill)."""
-        import numpy as np
-
         part = self.bundle.family.vision_part(self.bundle.arch)
         bucket, inputs = vision_bucket(part, self.vision_buckets, pixel_values, image_grid_thw)
         key = self._key("vision", bucket, None)
@@ -469,8 +463,6 @@ class TTDeviceModel(MeshModel):
         row's logits come back, and with ``sampling_params`` acceptance runs on the host
         (``sampling.accept``, vLLM's rejection rule). Returns logits [B, k + 1, V] or the
         accepted tokens [B, k + 1] (-1 past each sequence's last)."""
-        import numpy as np
-
         valid, positions, n = verify_batch(self.package.serving.rows_per_seq, self.decode_buckets, tokens, start_pos, num_tokens)
         B, K1 = tokens.shape
         key = self._key("verify", B, None)
@@ -497,8 +489,6 @@ class TTDeviceModel(MeshModel):
         ``start_pos[i] + rope_deltas[i]``; neither: the cache positions. (No ``torch.no_grad``
         here, unlike the other forwards: the step is host arrays and device calls, no torch op,
         and entering the context costs microseconds per lane per step, issue 25.)"""
-        import numpy as np
-
         B = tokens.shape[0]
         if tokens.shape[1] != 1 or B not in self.decode_buckets:
             raise ValueError(f"decode runs a batch padded to a bucket {self.decode_buckets}, "
@@ -572,8 +562,6 @@ class TTDeviceModel(MeshModel):
         just before); otherwise its ids are read back and written with the tokens (a synchronous
         step, as without the feed). The index arrays are reused while ``rows`` is the same array,
         so an unchanged feed map is not copied again."""
-        import numpy as np
-
         if rows is None:
             return toks, feed_index(R), False
         if runner.feed_owner.get(R) is prev_output:
@@ -591,7 +579,6 @@ class TTDeviceModel(MeshModel):
 
     def read_decode_output(self, tt_out: DecodeOutput, async_read: bool = True) -> DecodeOutput:
         """The decode's output read back to the host (token ids or logits)."""
-        import numpy as np
         if tt_out.pending is not None:  # enqueued at submit: wait for its event
             return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, self._queued(tt_out.pending), tt_out.runner)
         name = _output_name(tt_out.tokens)
@@ -601,7 +588,6 @@ class TTDeviceModel(MeshModel):
 
     def process_decode_output_host(self, tt_out: DecodeOutput, is_tokens: bool | None = None) -> torch.Tensor:
         """Token ids [B] (device sampling) or logits [B, V] (host sampling), B the padded batch."""
-        import numpy as np
         if tt_out.host is None:
             tt_out = self.read_decode_output(tt_out)
         B = tt_out.rows

@@ -50,6 +50,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from .. import spec as specmod, tracebudget
 from ..build import build
 from ..check.record import passing, records
@@ -147,8 +149,6 @@ def _trusts_remote_code(arg: str) -> bool:
 def _config_file_trusts(extra: list[str]) -> str | None:
     """The ``--config FILE`` (vLLM's YAML of arguments) among ``extra`` that turns
     trust-remote-code on, else None (an unreadable file is left to vLLM)."""
-    import yaml
-
     for i, a in enumerate(extra):
         path = extra[i + 1] if a == "--config" and i + 1 < len(extra) else \
             a.split("=", 1)[1] if a.startswith("--config=") else None

@@ -22,6 +22,8 @@ double in tests/test_ttnn_backend.py checks the order on this exact code.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .calls import Forward
 from .device import Executor, allocate, keep_names, liveness
 from .layout import ttnn_dtype, ttnn_layout
@@ -35,7 +37,6 @@ class OrderError(RuntimeError):
 
 def _dummy(name: str, shape, dtype: str):
     """Warm-up inputs: position 0, an all-zero page table, greedy sampling (k = 1, p = 1, t = 1)."""
-    import numpy as np
     fill = 1 if name in ("top_k", "top_p", "temperature") else 0
     return np.full(shape, fill, dtype={"uint32": np.uint32, "int32": np.int32, "bf16": np.float32,
                                        "f32": np.float32}[dtype])
