@@ -42,18 +42,18 @@ import numpy as np
 import torch
 
 from .. import warmref
+from ..families.vision_part import decode_rope
 from ..package.verify import load_adapter
+from ..tiles import blocks_per_seq
+from .capabilities import async_decode, device_top_k, packed_prefill, serving_tokens_per_step
 from .images import chunk_inputs, request_state
+from .interface import MeshModel
 from .lanes import Lanes, plan_lanes_for
 from .phases import is_decode, pack_prefill, pick
-from .capabilities import async_decode, device_top_k, packed_prefill, serving_tokens_per_step
-from .interface import MeshModel
 from .runner_async import AsyncDecode, AsyncDecodeOutput
 from .runner_lanes import LaneDecode
 from .runner_state import DecodeBatch, InFlight, ReqState, Step
 from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons, host_sampled
-from ..families.vision_part import decode_rope
-from ..tiles import blocks_per_seq
 from .speculation import proposer_for
 from .ttdevice import TTDeviceModel
 
