@@ -58,7 +58,7 @@ def smallest_programs(bundle, plan) -> dict:
 
 def hand_over(spec_paths, mesh_name: str, out: Path, changes: dict | None = None) -> list[str]:
     """For each spec (with top-level ``changes``): its smallest programs on ``mesh_name`` handed
-    over in ``out/<spec stem>`` (what ``python -m ttbundle.backends.ttnn.mockcheck MESH DIR...``
+    over in ``out/<spec stem>`` (what ``python -m ttbundle.ttnnproc mockcheck MESH DIR...``
     reads)."""
     dirs = []
     for path in spec_paths:

@@ -345,6 +345,27 @@ def test_chunking_does_not_change_results(fmt, monkeypatch):
     assert np.array_equal(bf.quantize(x, fmt), q)
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("shape", [(64, 96), (33, 17), (3, 40, 70), (1, 5), (96, 2000)])
+@pytest.mark.parametrize("chunk", [2, 256])
+def test_the_transposed_decode_is_the_decode_transposed(fmt, shape, chunk, monkeypatch):
+    """``decode_array_t`` (the emulated GEMM's [N, K] read) gives :func:`decode_array`'s values
+    bit for bit, matrices transposed: padding, zeros of both signs, Inf/NaN, tiny values."""
+    x = np.random.default_rng(5).standard_normal(shape).astype(np.float32) * 0.02
+    flat = x.reshape(-1)
+    flat[::13] = 0.0
+    flat[1::29] = -0.0
+    flat[2::31] = 1e-30
+    flat[3] = np.inf
+    flat[4] = np.nan
+    data = bf.encode(x, fmt)
+    monkeypatch.setattr(bf, "CHUNK_TILES", chunk)
+    t = bf.decode_array_t(data, shape, fmt)
+    ref = np.swapaxes(bf.decode_array(data, shape, fmt), -1, -2)
+    assert t.flags.c_contiguous and t.shape == ref.shape
+    assert np.array_equal(t.view(np.uint32), ref.view(np.uint32))
+
+
 # ---- errors ------------------------------------------------------------------------------------
 def test_errors():
     with pytest.raises(ValueError, match="unknown block-float format 'bfp2'"):

@@ -1,7 +1,7 @@
 """The architecture as checks (docs/architecture.md): the import contracts in pyproject.toml
-(``[tool.importlinter]``: the pipeline's layers, the vLLM plugin apart from the build, the two
-backends independent, no backend importing spec/plan/lower, no cycles between siblings) run by
-import-linter, and no import cycle between any two of ttbundle's modules (grimp's graph: every
+(``[tool.importlinter]``: the pipeline's layers, the vLLM plugin apart from the build and the
+planner, the two backends independent, no backend reaching spec/plan/lower, no cycles between
+siblings; every one counting indirect imports) run by import-linter, and no import cycle between any two of ttbundle's modules (grimp's graph: every
 import statement, lazy ones inside functions included)."""
 
 from __future__ import annotations
@@ -22,6 +22,32 @@ def test_the_checked_package_is_this_checkout():
 
 def test_import_contracts_hold():
     assert lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True) == 0
+
+
+def test_every_contract_counts_indirect_imports():
+    """No contract is relaxed to direct imports only (``allow_indirect_imports``): the plugin
+    reaches neither the compiler stages (``lower``, ``plan``) nor the build through any module,
+    and no backend reaches ``spec``, ``plan`` or ``lower`` (docs/architecture.md, "Import
+    contracts")."""
+    import tomllib
+    contracts = {c["id"]: c for c in
+                 tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"]}
+    assert [i for i, c in contracts.items() if c.get("allow_indirect_imports")] == []
+    assert {"ttbundle.lower", "ttbundle.plan", "ttbundle.build"} <= set(contracts["plugin-not-build"]["forbidden_modules"])
+    assert contracts["plugin-not-build"]["source_modules"] == ["ttbundle.runtime"]
+    backends = set(contracts["backends-not-compiler"]["forbidden_modules"]) | \
+        set(contracts["backends-not-spec"]["forbidden_modules"])
+    assert backends == {"ttbundle.spec", "ttbundle.plan", "ttbundle.lower"}
+
+
+def test_the_plugin_and_the_backends_reach_no_compiler_stage():
+    """The same as the contracts, read from grimp's graph (every import, those inside functions
+    too), so a contract edited out of pyproject.toml would still be caught."""
+    g = grimp.build_graph("ttbundle", cache_dir=None)
+    for src, stages in (("ttbundle.runtime", ("ttbundle.plan", "ttbundle.lower")),
+                        ("ttbundle.backends", ("ttbundle.spec", "ttbundle.plan", "ttbundle.lower"))):
+        for dst in stages:
+            assert g.find_shortest_chains(importer=src, imported=dst, as_packages=True) == set(), (src, dst)
 
 
 def cycles(graph) -> list[list[str]]:
@@ -239,14 +265,8 @@ LAZY_OWN = {
     # at module level vLLM fails with "cannot import name 'current_platform'"
     "ttbundle/runtime/platform.py": {"ttbundle.runtime.model_runner", "ttbundle.runtime.pooling"},
     # the emulated backend brings torch (3-4 s): the launchers (`serve`, `launch`) and the
-    # registry (`ls`, `register`) open packages and never run one. plan.host, plan.make and
-    # package.load: the plugin's imports of plan and the loader that issue 40's item 2 removes
-    # (another branch edits these lines; the entries go with them)
-    "ttbundle/runtime/packages.py": {"ttbundle.backends.emulated", "ttbundle.plan.host",
-                                     "ttbundle.plan.make", "ttbundle.package.load"},
-    "ttbundle/runtime/adapter.py": {"ttbundle.plan.pool"},  # issue 40 item 2, as above
-    "ttbundle/runtime/lanes.py": {"ttbundle.plan.pool"},  # issue 40 item 2, as above
-    "ttbundle/runtime/worker.py": {"ttbundle.plan.host"},  # issue 40 item 2, as above
+    # registry (`ls`, `register`) open packages and never run one
+    "ttbundle/runtime/packages.py": {"ttbundle.backends.emulated"},
     # pooling imports the model runner (torch and vLLM, ~5 s): `launch` (serve.resolve) and a
     # `serve` refused before its plan do without them
     "ttbundle/serving/serve.py": {"ttbundle.runtime.pooling"},

@@ -173,3 +173,34 @@ def test_a_weight_over_the_merge_limit_is_packed_per_shard(monkeypatch):
     assert P.merged is None and len(P.per_shard) == 3
     x = torch.randn(1, 2, 64).expand(3, -1, -1)
     torch.testing.assert_close(gemm.matmul(x, P), torch.bmm(x, W), rtol=1e-5, atol=1e-4)
+
+
+class _Handle:
+    """A weights file's handle as ``package.shards`` reads it (``get_tensor``), over bytes."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def get_tensor(self, key):
+        return torch.frombuffer(bytearray(self.data), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("fmt", ["bfp8", "bfp4"])
+def test_a_block_float_matrix_is_read_straight_into_the_gemm_layout(fmt, monkeypatch):
+    """A packed matmul weight read transposed (``stack(nk=True)``): the decoder's values, in
+    band jobs, held by :class:`gemm.Packed` with no copy (its plain matrix is the read tensor)."""
+    import numpy as np
+    from ttbundle import blockfloat
+    from ttbundle.package import shards
+    x = np.random.default_rng(0).standard_normal((200, 300)).astype(np.float32)
+    data = blockfloat.encode(x, fmt)
+    monkeypatch.setattr(shards, "BAND_BYTES", 4 * 200 * 32 * 2)  # two tile columns a band: 5 jobs
+    nk = torch.empty(1, 300, 200)
+    out = nk.transpose(1, 2)
+    shards._decode_into(_Handle(data), "w", {"encoding": fmt, "shape": [200, 300]}, out[0])
+    assert torch.equal(out[0], blockfloat.decode(data, [200, 300], fmt))
+    monkeypatch.setenv(gemm.ENV, "auto")
+    p = gemm.Packed(out)
+    assert p.per_shard.data_ptr() == nk.data_ptr()  # held as read: no transpose copy
+    rows = torch.randn(1, 3, 200)
+    assert torch.equal(p.matmul(rows), gemm.Packed(out.contiguous()).matmul(rows))

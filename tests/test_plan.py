@@ -21,7 +21,7 @@ from ttbundle.plan import advice
 from ttbundle.plan.advice import pool_diagnostic
 from ttbundle.plan.make import check_mesh, kv_blocks, make_plan
 from ttbundle.plan.memory import tensor_bytes
-from ttbundle.plan.pool import pool_blocks, pool_tokens
+from ttbundle.kvpool import pool_blocks, pool_tokens
 from ttbundle.errors import InvalidInput
 
 TILE = 32

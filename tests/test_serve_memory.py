@@ -3,7 +3,7 @@ host's available memory (a stated share after weights, activations and runtime, 
 device's pool), `serve` prints the pool and the expected peak before vLLM starts and refuses a
 pool that cannot fit with the arithmetic, `plan` and `validate` say whether the emulated mesh fits
 this host, and when vLLM's engine dies of a signal `serve` names it (SIGKILL: with the memory
-arithmetic). The host's memory is injected (``plan.host.available_memory``)."""
+arithmetic). The host's memory is injected (``kvpool.available_memory``)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import pytest
 from spec_helpers import TINY, dump
 from ttbundle import spec
 from ttbundle.errors import DoesNotFit, TTBundleError
+from ttbundle import kvpool
 from ttbundle.plan import host as hostmod
 from ttbundle.plan.make import make_plan
 from ttbundle.serving import serve as servemod
@@ -63,7 +64,7 @@ def smol(tmp_path):
 
 
 def _fake_memory(monkeypatch, n: int) -> None:
-    monkeypatch.setattr(hostmod, "available_memory", lambda: n)
+    monkeypatch.setattr(kvpool, "available_memory", lambda: n)
 
 
 def test_auto_on_an_emulated_n300_is_sized_for_the_host(smol, monkeypatch):
@@ -75,13 +76,13 @@ def test_auto_on_an_emulated_n300_is_sized_for_the_host(smol, monkeypatch):
     _fake_memory(monkeypatch, 16 * GiB)
     h = hostmod.host_plan(b, p)
     assert h.kv_bytes_per_block == SMOL_KV_PER_BLOCK and h.weights == SMOL_WEIGHTS
-    assert h.runtime == hostmod.RUNTIME_BYTES and h.activations > 0
-    left = 16 * GiB - SMOL_WEIGHTS - h.activations - hostmod.RUNTIME_BYTES
-    blocks = int(hostmod.HOST_KV_SHARE * left) // SMOL_KV_PER_BLOCK  # the largest that fits the share
+    assert h.runtime == kvpool.RUNTIME_BYTES and h.activations > 0
+    left = 16 * GiB - SMOL_WEIGHTS - h.activations - kvpool.RUNTIME_BYTES
+    blocks = int(kvpool.HOST_KV_SHARE * left) // SMOL_KV_PER_BLOCK  # the largest that fits the share
     assert h.chosen == "auto" and h.blocks == blocks < 8224
     assert h.tokens == blocks * 32 - 32 * 32
-    assert h.kv <= hostmod.HOST_KV_SHARE * left < h.kv + SMOL_KV_PER_BLOCK
-    assert h.fits and h.peak == SMOL_WEIGHTS + h.activations + hostmod.RUNTIME_BYTES + blocks * SMOL_KV_PER_BLOCK
+    assert h.kv <= kvpool.HOST_KV_SHARE * left < h.kv + SMOL_KV_PER_BLOCK
+    assert h.fits and h.peak == SMOL_WEIGHTS + h.activations + kvpool.RUNTIME_BYTES + blocks * SMOL_KV_PER_BLOCK
     # a large host: the device's pool, never more
     big = hostmod.host_plan(b, p, available=1 << 40)
     assert big.blocks == 8224 and big.tokens == 32 * 8192 and big.fits
@@ -94,11 +95,11 @@ def test_auto_on_an_emulated_n300_is_sized_for_the_host(smol, monkeypatch):
 def test_the_host_reading_is_memavailable(tmp_path, monkeypatch):
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       24683792 kB\nMemFree:  1 kB\nMemAvailable:   12345678 kB\n")
-    monkeypatch.setattr(hostmod, "MEMINFO", meminfo)
-    monkeypatch.setattr(hostmod, "_cgroup_room", lambda: None)
-    assert hostmod.available_memory() == 12345678 * 1024
-    monkeypatch.setattr(hostmod, "_cgroup_room", lambda: 1000)  # a container's limit is less
-    assert hostmod.available_memory() == 1000
+    monkeypatch.setattr(kvpool, "MEMINFO", meminfo)
+    monkeypatch.setattr(kvpool, "_cgroup_room", lambda: None)
+    assert kvpool.available_memory() == 12345678 * 1024
+    monkeypatch.setattr(kvpool, "_cgroup_room", lambda: 1000)  # a container's limit is less
+    assert kvpool.available_memory() == 1000
 
 
 def _pkg(bundle, name="smol-135m", mesh="N300"):
@@ -160,6 +161,85 @@ def test_serve_passes_the_host_pool_to_vllm_and_prints_it_first(tmp_path, monkey
     i = next(i for i, x in enumerate(lines) if x.startswith("emulated mesh on this host: KV pool"))
     assert lines[i + 1].startswith("starting vLLM")
     assert f"({want.blocks:,} blocks" in lines[i] and "expected peak" in lines[i] and "64.00 GiB available" in lines[i]
+
+
+# the plugin's emulated pool against the plan's: an auto pool on two meshes, an explicit pool, an
+# embedding bundle (one max_model_len prefill)
+PLUGIN_CASES = {
+    "auto-N150": ("N150", {}),
+    "auto-T3K": ("T3K", {}),
+    "spec-N300": ("N300", {"runtime": {"max_model_len": 2048, "max_num_seqs": 32, "max_tokens_all_users": 5000}}),
+    "embed-N300": ("N300", {"task": "embed", "model": {**TINY["model"], "family": "mistral"}, "buckets": {"prefill": [128, 512]},
+                            "runtime": {"max_model_len": 512, "max_num_seqs": 8}}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PLUGIN_CASES))
+def test_the_plugins_emulated_pool_is_the_plans(tmp_path, monkeypatch, case):
+    """The vLLM plugin (``Package.host_plan``) sizes the emulated mesh's pool from what the build
+    recorded (manifest ``serving.host``, the programs' dims and pool) and imports no ``plan``; for
+    hosts from the largest to too small, with lanes, engines and an override, its pool, peak and
+    wording are those of ``plan.host.host_plan`` of the spec's own plan."""
+    from ttbundle.runtime.packages import open_package
+    from ttbundle.serving.demo import build_package
+
+    mesh, over = PLUGIN_CASES[case]
+    text = dump({**TINY, "targets": [mesh], "tokenizer": False, **over})
+    pkg = open_package(build_package(text, tmp_path / "pk", mesh, warmup=False))
+    b = spec.loads(text, "t.yaml")
+    p = make_plan(b, mesh)
+    assert pkg.loaded.serving.host.weights > 0 and pkg.kv_blocks == p.kv["num_blocks"]
+    big = hostmod.host_plan(b, p, available=1 << 40)
+    # hosts where auto takes the device's pool, a share of what is left, one sequence, nothing fits
+    avails = [1 << 40, big.fixed + int(3.5 * big.kv_bytes_per_block / kvpool.HOST_KV_SHARE) + big.kv,
+              big.fixed + int((p.kv["num_blocks"] // 2) * big.kv_bytes_per_block / kvpool.HOST_KV_SHARE),
+              big.fixed + big.kv_bytes_per_block, 1 << 30]
+    monkeypatch.setattr(kvpool, "available_memory", lambda: avails[2])
+    seen = set()
+    for avail in avails + [None]:
+        for lanes, engines, override in ((1, 1, None), (2, 1, None), (1, 2, None), (1, 1, 7)):
+            got = pkg.host_plan(lanes=lanes, engines=engines, override_blocks=override, available=avail)
+            want = hostmod.host_plan(b, p, available=avail, lanes=lanes, engines=engines, override_blocks=override)
+            assert (got.to_json(), got.pool_line(), got.verdict()) == \
+                (want.to_json(), want.pool_line(), want.verdict()), (avail, lanes, engines, override)
+            seen.add((want.chosen, want.why[:24], want.fits))
+    # the hosts above reach several of the rule's branches (auto's four, each pool fitting or not)
+    assert len(seen) >= (6 if case.startswith("auto") else 3), seen
+
+
+def test_a_package_without_the_host_facts_is_refused_with_a_rebuild_hint(tmp_path):
+    from ttbundle.package.load import load_package
+    from ttbundle.package.names import PackageError
+    from ttbundle.serving.demo import build_package
+
+    pkg = build_package(dump({**TINY, "tokenizer": False}), tmp_path / "pk", "N150", warmup=False)
+    m = json.loads((pkg / "manifest.json").read_text())
+    assert set(m["serving"]["host"]) == set(kvpool.HOST_RECORD)
+    del m["serving"]["host"]
+    (pkg / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PackageError, match=r"no host facts .*rebuild the package with `ttbundle build`"):
+        load_package(pkg)
+
+
+def test_host_facts_that_disagree_with_the_spec_are_refused_by_the_checks(tmp_path):
+    """``speccheck`` counts the host facts from a plan of bundle.yaml on the package's mesh: a
+    manifest whose weights were edited is refused, naming the field and both values."""
+    from ttbundle.package.names import PackageError
+    from ttbundle.package.speccheck import load_checked
+    from ttbundle.serving.demo import build_package
+
+    text = dump({**TINY, "targets": ["N300"], "tokenizer": False})
+    pkg = build_package(text, tmp_path / "pk", "N300", warmup=False)
+    load_checked(pkg)
+    m = json.loads((pkg / "manifest.json").read_text())
+    b = spec.loads(text, "t.yaml")
+    want = hostmod.host_facts(b, make_plan(b, "N300")).weights
+    assert m["serving"]["host"]["weights"] == want
+    m["serving"]["host"]["weights"] = want // 2
+    (pkg / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(PackageError, match=r"serving facts disagree with bundle.yaml: host .*'weights': "
+                                           rf"{want // 2}.*'weights': {want}"):
+        load_checked(pkg)
 
 
 def test_plan_and_validate_say_whether_the_emulated_mesh_fits_this_host(smol, monkeypatch, runner):

@@ -519,12 +519,15 @@ def test_programs_handed_over_to_a_ttnn_process_read_back_as_lowered(tmp_path):
     from ttbundle import __version__
     from ttbundle.backends.ttnn import handover
     from ttbundle.program import ProgramError
+    from ttbundle.ttnnproc import handed_over
     bundle = specmod.load(BUNDLES / "llama-3.1-8b.yaml")
     p = make_plan(bundle, "N300")
     progs = lowermod.lower_all(bundle, p)
     yml = render_bundle_yaml(resolved_spec(bundle, p), __version__)
     d = handover.write(tmp_path / "h", yml, progs)
-    got_bundle, mesh, got = handover.read(d)
+    mesh, got = handover.read(d)
+    got_bundle, mesh2, got2 = handed_over(d)  # the process's entry point adds the loader's bundle
+    assert (mesh2, got2) == (mesh, got)
     assert got == progs and list(got) == list(progs)
     assert (mesh.name, mesh.shape, mesh.chip) == (p.mesh.name, p.mesh.shape, p.mesh.chip)
     assert got_bundle.arch == bundle.arch and got_bundle.spec.runtime == bundle.spec.runtime
@@ -538,6 +541,34 @@ def test_programs_handed_over_to_a_ttnn_process_read_back_as_lowered(tmp_path):
     f.write_text(json.dumps(prog))
     with pytest.raises(ProgramError, match=r"decode-1\.json: .*(no earlier step|collective missing)"):
         handover.read(d)
+
+
+def test_the_ttnn_processes_run_handed_over_programs_on_the_double(tmp_path, monkeypatch, capsys):
+    """``python -m ttbundle.ttnnproc kernelcache|mockcheck`` (what the build and the mock-mesh
+    tests start): the handed-over bundle.yaml read by the package loader, every program lowered
+    and run once through ttnn's calls, here the recording double standing in for ttnn (it reports
+    no compute grid: the mock mesh's 8x8 is given)."""
+    import sys
+
+    from spec_helpers import TINY, dump
+    from ttbundle import __version__, lower as lowermod, ttnnproc
+    from ttbundle.backends.ttnn import handover
+    bundle = specmod.loads(dump({**TINY, "targets": ["N300"], "tokenizer": False}), "t.yaml")
+    p = make_plan(bundle, "N300")
+    progs = {k: lowermod.lower(bundle, p, *k) for k in (("prefill", min(bundle.buckets.prefill)), ("decode", 1))}
+    d = handover.write(tmp_path / "h", render_bundle_yaml(resolved_spec(bundle, p), __version__), progs)
+    monkeypatch.setitem(sys.modules, "ttnn", recording.Recorder(unknown_reads="zeros").module())
+    monkeypatch.setattr(ttnnproc, "worker_grid", lambda device: (8, 8))
+    assert ttnnproc.main(["kernelcache", str(d), "N300"]) == 0
+    ran = capsys.readouterr().out.splitlines()
+    assert sorted(ln.split(":")[0] for ln in ran) == sorted(
+        f"{ph}-{b} {s}" for ph, b in progs for s in lowering.samplings(ph)), ran
+    assert all(ln.endswith("refused []") for ln in ran), ran
+    assert ttnnproc.main(["mockcheck", "N300", str(d)]) == 0
+    results = [json.loads(ln[7:]) for ln in capsys.readouterr().out.splitlines() if ln.startswith("RESULT ")]
+    assert {(r["phase"], r["bucket"]) for r in results} == set(progs)
+    assert all(r["calls"] > 0 and not r["refused"] for r in results), results
+    assert ttnnproc.main(["lower"]) == 2 and "usage" in capsys.readouterr().err
 
 
 def test_a_handed_over_program_runs_on_the_mesh_it_records():

@@ -38,7 +38,8 @@ def build(tmp: Path, ckpt: Path, mesh: str) -> Path:
 
 def open_on_double(pkg: Path):
     rec = recording.Recorder(unknown_reads="zeros")
-    return ttmodel.open_model(rec.module(), pkg, "all", host_fallback=True), rec
+    pk = pkg if hasattr(pkg, "program_ir") else load_package(pkg)  # a directory, or a package loaded
+    return ttmodel.open_model(rec.module(), pk, "all", host_fallback=True), rec
 
 
 def test_a_wormhole_cache_is_refused_on_a_blackhole_mesh_of_the_same_shape(tmp_path, ckpt):
@@ -61,7 +62,7 @@ def test_a_wormhole_cache_is_refused_on_a_blackhole_mesh_of_the_same_shape(tmp_p
         tt = rec.module()
         dev = tt.open_mesh_device(tt.MeshShape(8, 4))
         dev.arch = lambda: Arch(arch)
-        ttmodel.open_model(tt, pkg, "all", dev, host_fallback=True)
+        ttmodel.open_model(tt, load_package(pkg), "all", dev, host_fallback=True)
         return rec
 
     opened_on(wh, "WORMHOLE_B0")

@@ -494,10 +494,10 @@ def forward_differences(pkg: Path, prompt: list[int], steps: int, rel: float = 0
     from ttbundle.package.load import LoadedPackage, load_package
     from ttbundle.backends.emulated import EmulatedModel, Runner
     rec = recording.Recorder()
-    r = ttmodel.open_model(rec.module(), pkg, "all", host_fallback=True)
+    pk = load_package(pkg)
+    r = ttmodel.open_model(rec.module(), pk, "all", host_fallback=True)
     r.warmup()
     r.capture()
-    pk = load_package(pkg)
     emu = Runner(EmulatedModel.from_package(pk, dtype=torch.float32))  # its programs as typed IR
     blocks = list(range(emu.max_blocks))
     bs, V = pk.bundle.spec.runtime.kv_block_size, pk.bundle.arch.vocab_size
@@ -669,6 +669,7 @@ def test_tensorbin_caches_that_disagree_with_the_programs_are_refused(t3k_packag
     the programs' is refused at open, naming the key and both (before, the caches were loaded as
     the index said)."""
     from pkg_mutations import edit_json
+    from ttbundle.package.load import load_package
     from ttbundle.package.names import PackageError
     pkg = _mutated(t3k_package, tmp_path)
 
@@ -677,7 +678,7 @@ def test_tensorbin_caches_that_disagree_with_the_programs_are_refused(t3k_packag
     edit_json(pkg, "tensorbin/index.json", bfp8)
     with pytest.raises(PackageError, match=r"tensorbin/index.json: wq.0 is cached as bfp8\[.*\], the programs "
                                            r"read wq as bf16\["):
-        ttmodel.open_model(recording.Recorder().module(), pkg, "all")
+        ttmodel.open_model(recording.Recorder().module(), load_package(pkg), "all")
 
 
 def test_the_lowering_follows_the_programs_kv_record_not_the_spec():

@@ -19,6 +19,7 @@ from .manifest import MANIFEST, METADATA
 from .package.facts import buckets_record, serving_record
 from .package.names import FORMAT, module_name, tt_arch
 from .package.templates import hf_config_json, metadata_json, render_adapter, render_readme
+from .plan.host import host_facts
 from .plan.make import replica_json
 from .program import Program, program_name
 from . import vision
@@ -283,7 +284,7 @@ class PackageWriter:
             "mesh": {"name": m.name, "shape": list(m.shape), "arch": m.chip.arch, "devices": m.num_devices},
             **({"replicas": replica_json(m, b.spec.runtime.max_num_seqs)} if m.target_shape else {}),
             "buckets": buckets_record(b),
-            "serving": serving_record(b, (p.draft or {}).get("kv_blocks")),
+            "serving": serving_record(b, (p.draft or {}).get("kv_blocks"), host_facts(b, p).record()),
             "trace_region_bytes": p.memory.trace_region,  # the DRAM it costs (per-bank rounding)
             "trace_region_size": p.trace_region_size,  # what the mesh is opened with
             **({"trace_region": self._trace_region()} if self.backend == "ttnn" else {}),

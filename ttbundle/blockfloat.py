@@ -389,6 +389,52 @@ def decode_array(data, shape, fmt: str | Format) -> np.ndarray:
     return out.reshape(shape)
 
 
+def decode_columns_t(tiles: np.ndarray, h: int, w: int, fmt: str | Format, c0: int, c1: int,
+                     out: np.ndarray) -> None:
+    """Tile columns ``[c0, c1)`` of one ``[h, w]`` matrix, decoded transposed: ``out`` (float32,
+    C-contiguous ``[min(32*c1, w) - 32*c0, h]``) gets rows ``32*c0 ...`` of the matrix's
+    transpose, the values :func:`decode_array` gives. ``tiles`` is the matrix's encoded bytes
+    (``[num_tiles, tile_bytes]``, as :func:`encode` writes them). A matrix held as ``[N, K]``
+    (the emulated GEMM's layout) is decoded so with no float32 transpose after it: a tile's
+    32x32 codes are regrouped while they are in cache, and each output row is written whole."""
+    f = get_format(fmt)
+    ht, wt = -(-h // TILE), -(-w // TILE)
+    grid = tiles.reshape(ht, wt, f.tile_bytes)
+    table = _value_table(f.name).reshape(-1)
+    step = max(1, CHUNK_TILES * 4 // ht)  # tile columns per vectorized step
+    for a in range(c0, c1, step):
+        z = min(c1, a + step)
+        shared, code = _unpack(np.ascontiguousarray(grid[:, a:z]).reshape(-1, f.tile_bytes), f)
+        c = code.reshape(ht, z - a, 2, 2, FACE, FACE).transpose(1, 3, 5, 0, 2, 4)  # [wt, fc, col, ht, fr, row]
+        e = shared.reshape(ht, z - a, 2, 2, FACE).transpose(1, 3, 0, 2, 4)[:, :, None]
+        idx = np.left_shift(e, np.uint16(f.code_bits), dtype=np.uint16, order="C")
+        idx = np.bitwise_or(idx, c, dtype=np.uint16, order="C").reshape((z - a) * TILE, ht * TILE)
+        r0, r1 = (a - c0) * TILE, min((z - c0) * TILE, out.shape[0])
+        if idx.shape == (r1 - r0, h):
+            table.take(idx, out=out[r0:r1])
+        else:  # padding: the last tile column or tile row is partial
+            out[r0:r1] = table.take(idx[: r1 - r0, :h])
+
+
+def decode_array_t(data, shape, fmt: str | Format) -> np.ndarray:
+    """:func:`decode_array` with each matrix's last two dims swapped: float32 ``[*lead, W, H]``
+    (C-contiguous), the same values (:func:`decode_columns_t`)."""
+    f = get_format(fmt)
+    shape = tuple(int(s) for s in shape)
+    lead, h, w = _dims(shape)
+    expected = encoded_bytes(shape, f)
+    buf = np.frombuffer(data, np.uint8)
+    if buf.size != expected:
+        raise InvalidInput(f"{f.name} data for shape {list(shape)}: expected {num_tiles(shape)} tiles x "
+                           f"{f.tile_bytes} B = {expected} B, got {buf.size} B")
+    per = -(-h // TILE) * -(-w // TILE)
+    tiles = buf.reshape(lead, per, f.tile_bytes)
+    out = np.empty((lead, w, h), np.float32)
+    for b in range(lead):
+        decode_columns_t(tiles[b], h, w, f, 0, -(-w // TILE), out[b])
+    return out.reshape(*shape[:-2], w, h)
+
+
 def decode(data, shape, fmt: str | Format):
     """float32 ``torch.Tensor`` of ``shape`` from :func:`encode`'s bytes."""
     import torch

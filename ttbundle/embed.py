@@ -5,7 +5,7 @@ An embedding bundle is a model whose prompts are prefilled and whose final hidde
 the model's final norm) are pooled into one vector per prompt (``Embedding.pooling``: the last
 token's, the mean, or the first token's) and optionally L2-normalized, as sentence-transformers'
 ``Pooling`` and ``Normalize`` modules do. It runs prefill programs only: no decode bucket, and a
-KV pool for one ``max_model_len`` prefill (``plan.pool.choose_pool``). vLLM serves it with its pooling
+KV pool for one ``max_model_len`` prefill (``kvpool.choose_pool``). vLLM serves it with its pooling
 runner (``--runner pooling``, ``/v1/embeddings``); the plugin's side is ``runtime/pooling.py``.
 """
 

@@ -50,6 +50,17 @@ class BucketsRecord(_Strict):
     verify: Optional[list[int]] = None  # speculative decoding: a verify program per decode bucket
 
 
+class HostRecord(_Strict):
+    """The emulated mesh of the package on a host, per engine, as the build's plan counts it
+    (``plan.host.host_facts``, ``kvpool.HOST_RECORD``): what ``kvpool.host_pool`` sizes the
+    emulated KV pool for a host's memory from, beside the serving settings, the programs' dims
+    and KV pool; the vLLM plugin reads it and never plans."""
+    max_tokens_all_users: Optional[int] = Field(ge=1)  # the spec's pool; null: auto
+    weights: int = Field(ge=0)  # float32 bytes: every distinct shard once, the draft's
+    activations: int = Field(ge=0)  # float32 bytes: one layer's, K and V context, scratch
+    kv_bytes_per_block: int = Field(ge=1)  # float32 bytes of one KV block, every device and layer
+
+
 class ServingRecord(_Strict):
     """The serving facts the runtime and the backends read (``LoadedPackage.serving``), written at
     build from the resolved spec (:func:`ttbundle.package.facts.serving_record`, the one place
@@ -64,6 +75,7 @@ class ServingRecord(_Strict):
     rows_per_seq: int = Field(ge=0)  # rows of one sequence in a verify program: k + 1 (0: no speculative)
     speculative: Optional[dict[str, Any]] = None  # vLLM's --speculative-config (``speculative.vllm_config``)
     draft_kv_blocks: Optional[int] = Field(default=None, ge=1)  # method draft: the draft's KV blocks
+    host: Optional[HostRecord] = None  # the emulated mesh on a host (absent: built before; load refuses it)
 
 
 class ReplicasRecord(_Strict):

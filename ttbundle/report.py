@@ -53,7 +53,7 @@ def vision_cap_line(c: dict) -> str:
 
 
 def host_line(h) -> str:
-    """Whether the emulated mesh fits this host (``plan.host.HostPlan``), one line."""
+    """Whether the emulated mesh fits this host (``kvpool.HostPlan``), one line."""
     return f"emulated mesh on this host: {h.verdict()}"
 
 

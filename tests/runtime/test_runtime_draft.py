@@ -303,3 +303,34 @@ def test_vllm_data_parallel_2_draft_on_every_rank(draft_packages, tmp_path, monk
         assert {lane // 4 for lane in verify_lanes} == {0, 1}  # both ranks verified proposals
     finally:
         stop(proc)
+
+
+def test_a_tampered_draft_kv_block_count_is_refused_by_the_checks(draft_packages, tmp_path):
+    """``speccheck`` counts the draft's KV blocks from the target's bundle.yaml and the draft
+    package's (``speculative.draft_kv_blocks``), not from the manifest it checks: an edited
+    ``serving.draft_kv_blocks`` is refused, naming both values; the package as built passes, and
+    its emulated host pool counts the draft as the plan does."""
+    from ttbundle import speculative
+    from ttbundle.package.load import read_bundle
+    from ttbundle.package.names import PackageError
+    from ttbundle.package.speccheck import load_checked
+    from ttbundle.plan.host import host_plan
+    from ttbundle.plan.make import make_plan
+    from ttbundle.runtime.packages import open_package
+
+    pkg, _ = draft_packages("self")
+    loaded = load_checked(pkg)
+    want = speculative.draft_kv_blocks(loaded.bundle, read_bundle(pkg / "draft"))
+    assert loaded.serving.draft_kv_blocks == want
+    plan = make_plan(loaded.bundle, "N150")
+    assert plan.memory.draft > 0
+    assert open_package(pkg).host_plan(available=64 << 30).to_json() == \
+        host_plan(loaded.bundle, plan, available=64 << 30).to_json()
+    copy = tmp_path / "pkg"
+    shutil.copytree(pkg, copy)
+    m = json.loads((copy / "manifest.json").read_text())
+    m["serving"]["draft_kv_blocks"] = want + 1
+    (copy / "manifest.json").write_text(json.dumps(m, indent=1))
+    with pytest.raises(PackageError, match=rf"serving facts disagree with bundle.yaml: draft_kv_blocks {want + 1} "
+                                           rf"\(bundle.yaml: {want}\)"):
+        load_checked(copy)

@@ -61,12 +61,12 @@ def test_worker_asks_vllm_for_the_pools_blocks_unless_overridden(override, devic
     (here the spec's explicit pool, which fits a large host: the same blocks)."""
     from types import SimpleNamespace
 
-    from ttbundle import spec
+    from ttbundle import kvpool, spec
     from ttbundle.plan import host
     from ttbundle.plan.make import kv_blocks, make_plan
     from ttbundle.runtime.worker import TTWorker
 
-    monkeypatch.setattr(host, "available_memory", lambda: 1 << 40)
+    monkeypatch.setattr(kvpool, "available_memory", lambda: 1 << 40)
     bundle = spec.loads(pool_spec(), "pool.yaml")
     per_block = 12345
     plan = make_plan(bundle, "N150")
@@ -84,10 +84,10 @@ def test_worker_asks_vllm_for_the_pools_blocks_unless_overridden(override, devic
 
 def test_the_emulated_worker_sizes_an_auto_pool_for_the_host(monkeypatch):
     """``vllm serve PACKAGE`` on the emulated mesh, no override, ``auto``: the host's pool
-    (``plan.host``), fewer blocks than the device's on a small host."""
+    (``kvpool.host_pool``), fewer blocks than the device's on a small host."""
     from types import SimpleNamespace
 
-    from ttbundle import spec
+    from ttbundle import kvpool, spec
     from ttbundle.plan import host
     from ttbundle.plan.make import make_plan
     from ttbundle.runtime.worker import TTWorker
@@ -97,9 +97,9 @@ def test_the_emulated_worker_sizes_an_auto_pool_for_the_host(monkeypatch):
     bundle = spec.loads(text, "pool.yaml")
     plan = make_plan(bundle, "N150")
     big = host.host_plan(bundle, plan, available=1 << 40)
-    avail = big.fixed + int(100.5 * big.kv_bytes_per_block / host.HOST_KV_SHARE)  # the share: 100 blocks
-    monkeypatch.setattr(host, "available_memory", lambda: avail)
-    monkeypatch.setattr(host, "own_rss", lambda: 0)
+    avail = big.fixed + int(100.5 * big.kv_bytes_per_block / kvpool.HOST_KV_SHARE)  # the share: 100 blocks
+    monkeypatch.setattr(kvpool, "available_memory", lambda: avail)
+    monkeypatch.setattr(kvpool, "own_rss", lambda: 0)
     want = host.host_plan(bundle, plan, available=avail)
     assert want.chosen == "auto" and want.blocks == 100 < plan.kv["num_blocks"]
     fake = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks_override=None),

@@ -179,7 +179,7 @@ from ttbundle.backends.ttnn import device, model as ttmodel
 from ttbundle.package import load_package
 pkg = load_package(sys.argv[1])
 prompt = [(7 * j + 3) % 500 for j in range(40)]
-runner = ttmodel.open_model(ttnn, sys.argv[1])
+runner = ttmodel.open_model(ttnn, pkg)
 runner.warmup()
 runner.capture()
 bs = pkg.bundle.spec.runtime.kv_block_size
@@ -219,7 +219,8 @@ files = lambda: sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is
 before = files()
 import ttnn
 from ttbundle.backends.ttnn import model as ttmodel
-runner = ttmodel.open_model(ttnn, pkg)
+from ttbundle.package.load import load_package
+runner = ttmodel.open_model(ttnn, load_package(pkg))
 runner.warmup()
 runner.capture()
 print("RESULT " + json.dumps({"before": before, "after": files()}))

@@ -1,7 +1,7 @@
 """Speculative decoding's verify programs against ttnn's own op validation on mock chips: real
 bundles given ``speculative: {method: ngram, num_speculative_tokens: 3}``, their smallest decode
 program and every verify program (each decoder layer kind once) planned and lowered here, handed
-over, and run by ``python -m ttbundle.backends.ttnn.mockcheck`` on a mock N150 and a mock T3K (as
+over, and run by ``python -m ttbundle.ttnnproc mockcheck`` on a mock N150 and a mock T3K (as
 test_lowering_coverage_ttnn does for prefill and decode). The verify forward is decode's lowering
 over ``B x (k + 1)`` rows with host sampling (every row's logits back), its KV writes and
 attention run per group of the sequences' row ``j`` (``k + 1`` decode batches of ``B`` rows): the
@@ -50,7 +50,7 @@ def test_verify_programs_pass_ttnn_op_validation_on_a_mock_mesh(mesh, tmp_path):
         progs = {k: one_layer_per_kind(lowermod.lower(bundle, plan, *k)) for k in keys}
         dirs.append(str(handover.write(tmp_path / "programs" / Path(path).stem, yml, progs)))
         handed |= {(dirs[-1], b) for ph, b in keys if ph == "verify"}
-    r = subprocess.run([sys.executable, "-m", "ttbundle.backends.ttnn.mockcheck", mesh, *dirs], cwd=tmp_path,
+    r = subprocess.run([sys.executable, "-m", "ttbundle.ttnnproc", "mockcheck", mesh, *dirs], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=900)
     results = [json.loads(ln[7:]) for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
@@ -65,8 +65,9 @@ def test_verify_programs_pass_ttnn_op_validation_on_a_mock_mesh(mesh, tmp_path):
     # what was validated: the verify forward writes each cache k + 1 times where decode writes it
     # once (one row of each sequence per call), and its head returns logits (no sampling call)
     from ttbundle.backends.ttnn.lowering import lower_forward
+    from ttbundle.ttnnproc import handed_over
     for d in dirs:
-        bundle, pmesh, progs = handover.read(d)
+        bundle, pmesh, progs = handed_over(d)
         fws = {k: lower_forward(bundle, pmesh, p, "host" if k[0] == "verify" else "device") for k, p in progs.items()}
         writes = {k: sum(c.fn == "experimental.paged_update_cache" for _, c in fw.calls()) for k, fw in fws.items()}
         (dec,) = [k for k in fws if k[0] == "decode"]
@@ -77,7 +78,7 @@ def test_verify_programs_pass_ttnn_op_validation_on_a_mock_mesh(mesh, tmp_path):
 
 
 def test_the_kernel_cache_fill_runs_the_verify_programs_host_sampled(tmp_path):
-    """``python -m ttbundle.backends.ttnn.kernelcache DIR MESH`` (what ``build --backend ttnn`` runs
+    """``python -m ttbundle.ttnnproc kernelcache DIR MESH`` (what ``build --backend ttnn`` runs
     to fill the kernel cache) runs a verify program once, host-sampled, its calls accepted by the
     mock chip; decode in both sampling variants."""
     import importlib.util
@@ -91,7 +92,7 @@ def test_the_kernel_cache_fill_runs_the_verify_programs_host_sampled(tmp_path):
     env = mockcluster.mock_env("N150", tmp_path)
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
     (d,) = hand_over([str(BUNDLES / "llama-3.1-8b.yaml")], "N150", tmp_path / "programs", NGRAM)
-    r = subprocess.run([sys.executable, "-m", "ttbundle.backends.ttnn.kernelcache", d, "N150"], cwd=tmp_path,
+    r = subprocess.run([sys.executable, "-m", "ttbundle.ttnnproc", "kernelcache", d, "N150"], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     runs = [ln.split(":")[0] for ln in r.stdout.splitlines() if " calls, refused " in ln]

@@ -51,7 +51,7 @@ def test_vision_programs_pass_ttnn_op_validation_on_a_mock_chip(mesh, tmp_path):
     env = mockcluster.mock_env(mesh, tmp_path)
     from handover_helpers import hand_over
     dirs = hand_over(specs, mesh, tmp_path / "programs")  # planned and lowered here, not in the backend
-    r = subprocess.run([sys.executable, "-m", "ttbundle.backends.ttnn.mockcheck", mesh, *dirs], cwd=tmp_path,
+    r = subprocess.run([sys.executable, "-m", "ttbundle.ttnnproc", "mockcheck", mesh, *dirs], cwd=tmp_path,
                        env=env, capture_output=True, text=True, timeout=900)
     results = [json.loads(ln[7:]) for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and len(results) == 3 * len(specs), r.stdout[-3000:] + r.stderr[-3000:]

@@ -12,10 +12,11 @@ from .. import speculative
 from ..manifest import BucketsRecord, ServingRecord
 
 
-def serving_record(bundle, draft_kv_blocks: int | None = None) -> dict:
+def serving_record(bundle, draft_kv_blocks: int | None = None, host: dict | None = None) -> dict:
     """``manifest.json``'s ``serving`` for ``bundle`` (a resolved ``spec.Bundle``);
     ``draft_kv_blocks``: the plan's count of the draft's KV blocks (``speculative.draft_kv_blocks``)
-    where the spec says ``speculative: {method: draft}``."""
+    where the spec says ``speculative: {method: draft}``; ``host``: the emulated mesh's facts the
+    plan counts (``plan.host.host_facts(bundle, plan).record()``; a package always has them)."""
     rt = bundle.spec.runtime
     spec_cfg = speculative.vllm_config(bundle)  # without the draft's path: the runtime adds it
     return {
@@ -28,6 +29,7 @@ def serving_record(bundle, draft_kv_blocks: int | None = None) -> dict:
         "rows_per_seq": speculative.rows_per_seq(bundle),
         **({"speculative": spec_cfg} if spec_cfg is not None else {}),
         **({"draft_kv_blocks": draft_kv_blocks} if draft_kv_blocks else {}),
+        **({"host": host} if host is not None else {}),
     }
 
 

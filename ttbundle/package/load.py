@@ -126,6 +126,10 @@ def serving_of(pkg, manifest: dict):
     if rec is None:
         raise PackageError(f"{pkg}: manifest.json has no serving record (built by an older ttbundle, which "
                            "left the runtime to re-read bundle.yaml); rebuild the package with `ttbundle build`")
+    if rec.get("host") is None:
+        raise PackageError(f"{pkg}: manifest.json's serving record has no host facts (serving.host: what the "
+                           "emulated mesh holds on a host, recorded since the vLLM plugin stopped re-planning "
+                           "the package); rebuild the package with `ttbundle build`")
     return ServingRecord.model_validate(rec)
 
 

@@ -104,6 +104,10 @@ class PackageWeights:
         handles, metas = self._open()
         return {key: self._read(self.source(d, key), key) for key in (names or metas[d])}
 
+    def local_shape(self, name: str, layer: int | None = None) -> list[int]:
+        """One device's shape of tensor ``name`` (of ``layer``), from the files' headers."""
+        return [int(s) for s in self._open()[1][0][tensor_key(name, layer)]["shape"]]
+
     def source(self, d: int, key: str) -> int:
         """The device whose file stores device ``d``'s shard of ``key`` (itself, or the first
         device holding the same shard: ``stored_in``, checked at load)."""
@@ -139,12 +143,17 @@ class PackageWeights:
         one = {s: self._read(s, key).to(dtype or torch.float32) for s in dict.fromkeys(src)}
         return [one[s] for s in src]
 
-    def stack(self, name: str, layer: int | None = None, dtype=None, device="cpu"):
+    def stack(self, name: str, layer: int | None = None, dtype=None, device="cpu", nk: bool = False):
         """One tensor (of ``layer``) as the emulated mesh holds it: ``[D, *local]``, each
         device's shard exactly as its file holds it (the values of :meth:`shards`), one copy per
         distinct stored shard (``stored_in``, :func:`held_as`), each read band by band straight
         into one preallocated tensor (:data:`BAND_BYTES`): a large tensor never exists whole in
-        another dtype or as a second copy. What a layer-by-layer reader loads."""
+        another dtype or as a second copy. What a layer-by-layer reader loads.
+
+        ``nk`` (a matrix, ``[D, K, N]``): the same values held with the last two dims swapped in
+        memory (a ``[D, N, K]`` tensor, returned as its transposed view), what the emulated GEMM
+        multiplies by: block-float tiles are decoded into that order directly
+        (``blockfloat.decode_columns_t``), so no float32 transpose follows."""
         import torch
 
         handles, metas = self._open()
@@ -152,7 +161,10 @@ class PackageWeights:
         shape = [int(s) for s in metas[0][key]["shape"]]
         src = [self.source(d, key) for d in range(len(handles))]
         firsts = list(dict.fromkeys(src))
-        out = torch.empty([len(firsts)] + shape, dtype=dtype or torch.float32)
+        if nk and len(shape) == 2:
+            out = torch.empty([len(firsts), shape[1], shape[0]], dtype=dtype or torch.float32).transpose(1, 2)
+        else:
+            out = torch.empty([len(firsts)] + shape, dtype=dtype or torch.float32)
         for i, s in enumerate(firsts):
             _decode_into(handles[s], key, metas[s][key], out[i])
         return held_as(out.to(device), [firsts.index(s) for s in src])
@@ -245,6 +257,10 @@ def _decode_into(handle, key: str, info: dict, out) -> None:
     decodes them)."""
     enc = info.get("encoding", "bf16")
     shape = [int(s) for s in info["shape"]]
+    if enc != "bf16" and len(shape) == 2 and not out.is_contiguous() and out.t().is_contiguous() \
+            and out.dtype.is_floating_point and out.dtype.itemsize == 4:
+        _decode_into_t(handle.get_tensor(key).numpy(), shape, enc, out.t().numpy())
+        return
     if out.numel() * 4 <= BAND_BYTES or len(shape) < 2:
         out.copy_(_decode(handle.get_tensor(key), info).reshape(out.shape))
         return
@@ -272,6 +288,22 @@ def _decode_into(handle, key: str, info: dict, out) -> None:
     def one(job):
         dst, a, z, inf = job
         dst.copy_(_decode(sl[a:z], inf))
+    _parallel(one, jobs)
+
+
+def _decode_into_t(data, shape: list, enc: str, out_t) -> None:
+    """A block-float matrix ``shape`` = ``[K, N]`` (its encoded bytes, ``data``) into ``out_t``,
+    its transpose ``[N, K]`` (float32, C-contiguous numpy over the held tensor), in bands of
+    output rows (:data:`BAND_BYTES`) decoded on one thread per core."""
+    h, w = shape
+    tiles = data.reshape(-1, blockfloat.tile_bytes(enc))
+    wt = -(-w // blockfloat.TILE)
+    per = max(1, BAND_BYTES // (4 * h * blockfloat.TILE))  # tile columns per band
+    jobs = [(c0, min(wt, c0 + per)) for c0 in range(0, wt, per)]
+
+    def one(job):
+        c0, c1 = job
+        blockfloat.decode_columns_t(tiles, h, w, enc, c0, c1, out_t[c0 * blockfloat.TILE: c1 * blockfloat.TILE])
     _parallel(one, jobs)
 
 

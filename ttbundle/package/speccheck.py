@@ -2,19 +2,22 @@
 resolves to (:func:`check_spec`; :func:`load_checked` loads a package and checks it). Run where a
 package is made or judged (the build's warm-up, ``check PACKAGE``, ``cache verify``), never when
 one is served: the runtime trusts the verified package and reads its programs and manifest, so
-nothing it imports re-resolves a spec (this module imports ``plan.sharding``; ``load`` and
-``verify`` do not import it)."""
+nothing it imports re-resolves a spec (this module imports ``plan``; ``load`` and ``verify`` do
+not import it)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from .. import speculative
 from ..layout import axes_of
+from ..plan.host import host_facts
+from ..plan.make import make_plan
 from ..plan.sharding import resolved_plan, tensor_dtype
 from ..traits import Dims
 from .facts import buckets_record, serving_record
-from .load import load_package
-from .names import PackageError
+from .load import load_package, read_bundle
+from .names import DRAFT_DIR, PackageError
 
 
 def load_checked(pkg: str | Path, verify: bool = False):
@@ -24,6 +27,23 @@ def load_checked(pkg: str | Path, verify: bool = False):
     return loaded
 
 
+def _planned(loaded) -> tuple[int | None, dict]:
+    """The serving facts of ``loaded`` that its plan counts, from its spec: the draft's KV blocks
+    (``speculative.draft_kv_blocks`` of bundle.yaml and the draft package's bundle.yaml, method
+    draft) and the emulated mesh's host facts (``plan.host.host_facts`` of the plan on the
+    package's mesh, with that draft)."""
+    bundle, pkg = loaded.bundle, loaded.dir
+    draft = None
+    if speculative.draft_path(bundle) is not None:
+        try:
+            draft = read_bundle(pkg / DRAFT_DIR)
+        except OSError as e:
+            raise PackageError(f"{pkg}: {DRAFT_DIR}/bundle.yaml: unreadable ({e}); rebuild the package") from None
+    plan = make_plan(bundle, loaded.manifest["mesh"]["name"], draft_bundle=draft)
+    blocks = speculative.draft_kv_blocks(bundle, draft) if draft is not None else None
+    return blocks, host_facts(bundle, plan).record()
+
+
 def check_spec(loaded, refs: dict | None = None) -> None:
     """bundle.yaml (the spec the package says it was built from) and the programs (what runs)
     agree: every program's mesh is the package's, and every weight's PartitionSpec and dtype and
@@ -31,7 +51,9 @@ def check_spec(loaded, refs: dict | None = None) -> None:
     ``plan.sharding.tensor_dtype``; no plan is made). A disagreement names the program, the weight, both
     values and the bundle.yaml line; nothing at run time re-derives a layout, so a package whose
     programs and spec disagree would run one and describe the other. The manifest's serving facts
-    and buckets (what the runtime reads, ``package.facts``) must be what the spec gives too.
+    and buckets (what the runtime reads, ``package.facts``) must be what the spec gives too: the
+    ones its plan counts (the draft's KV blocks, the emulated mesh's host facts) from a plan of
+    bundle.yaml on the package's mesh (:func:`_planned`).
     ``loaded``: a ``load.LoadedPackage`` (``refs``: its weights, default ``loaded.weight_refs``)."""
     refs = loaded.weight_refs if refs is None else refs
     pkg, bundle, mesh = loaded.dir, loaded.bundle, loaded.mesh
@@ -83,7 +105,7 @@ def check_spec(loaded, refs: dict | None = None) -> None:
                                f"({at(('runtime', field_))}: runtime.{field_}): the programs and the spec "
                                "disagree; rebuild the package from its spec")
     if loaded.manifest.get("serving") is not None:  # the build checks its parts before the manifest exists
-        want = serving_record(bundle, loaded.manifest["serving"].get("draft_kv_blocks"))
+        want = serving_record(bundle, *_planned(loaded))
         got = loaded.manifest["serving"]
         bad = [f"{k} {got.get(k)!r} (bundle.yaml: {want.get(k)!r})" for k in sorted(set(want) | set(got))
                if got.get(k) != want.get(k)]

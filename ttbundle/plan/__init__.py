@@ -14,8 +14,10 @@ build on each other:
 - ``sharding``: the resolved PartitionSpecs, ``target_mesh``, each device's shards and the
   divisibility diagnostics;
 - ``propagate``: activation sharding propagation (the collectives, the steps ``lower`` reads);
-- ``pool``: the KV pool (blocks from tokens and back, ``choose_pool``);
-- ``make``: ``make_plan`` -> ``Plan``, ``kv_blocks``, ``check_mesh``;
+- ``make``: ``make_plan`` -> ``Plan``, ``kv_blocks``, ``check_mesh`` (the KV pool's rule,
+  ``choose_pool``, is ``ttbundle.kvpool``'s, which the vLLM plugin reads too);
+- ``host``: the emulated mesh of a plan on this host (``host_facts``, recorded in a package;
+  ``host_plan``, through ``kvpool.host_pool``);
 - ``advice``: what would make a plan that does not fit fit (``fixes``, ``pool_diagnostic``);
 - ``validate``: ``ttbundle validate``'s checks: a spec planned on each target, every problem at
   once, and the wording of a target it does not fit (the CLI only prints them).

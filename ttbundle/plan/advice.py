@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from .. import mesh as meshmod
 from ..errors import Diagnostic, InvalidInput
+from ..kvpool import gib as _gib, pool_blocks, pool_tokens
 from ..mesh import Mesh
 from .make import Plan, make_plan
-from .memory import _gib
-from .pool import pool_blocks, pool_tokens
+
 
 def largest_pool(bundle, mesh: Mesh) -> int | None:
     """The largest explicit ``max_tokens_all_users`` (whole blocks) with which ``bundle`` fits

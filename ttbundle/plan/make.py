@@ -14,7 +14,7 @@ from ..mesh import Mesh
 from ..speculative import draft_kv_blocks, draft_path, rows_per_seq, verify_buckets, verify_rows
 from ..tiles import TILE, round_up as _round_up
 from .memory import TRACE_BYTES_PER_OP, Memory, tensor_bytes, trace_region_dram
-from .pool import choose_pool
+from ..kvpool import choose_pool
 from .propagate import Collective, _Tracer, _seen_by_attention, vision_steps
 from .sharding import TensorPlan, _shard_tensors, target_mesh
 from ..spec import load

@@ -94,6 +94,3 @@ def tensor_bytes(shape: list[int], dtype: str, layout: str, mesh: Mesh) -> int:
         return dram_bytes(_cdiv(shape[0], TILE), TILE * ELEM_BYTES[dtype], mesh)
     return dram_bytes(math.prod(shape[:-1]), shape[-1] * ELEM_BYTES[dtype], mesh)
 
-
-def _gib(n: float) -> str:
-    return f"{n / (1 << 30):.2f} GiB"

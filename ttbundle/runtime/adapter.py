@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .. import mesh as meshmod
+from .. import kvpool, mesh as meshmod
 from ..backends.emulated import EmulatedModel
 from ..backends.emulated.state import KVCache
 from ..tiles import blocks_per_seq
@@ -112,10 +112,8 @@ class BundleModel(MeshModel):
         at ``max_num_seqs`` (default: the spec's)."""
         if cls.package_dir is None:
             raise ValueError("get_max_tokens_all_users: not a package's adapter (no package_dir)")
-        from ..plan.pool import pool_tokens
-
         pkg = _opened(cls.package_dir)
-        return pool_tokens(pkg.serving, pkg.kv_blocks, max_num_seqs)
+        return kvpool.pool_tokens(pkg.serving, pkg.kv_blocks, max_num_seqs)
 
     @classmethod
     def initialize_vllm_model(cls, hf_config, mesh_device, max_batch_size, max_seq_len,

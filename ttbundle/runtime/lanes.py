@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .. import kvpool
+
 #: top-level ``additional_config`` key (outside the user's ``"tt"`` section) where the platform
 #: records vLLM's data-parallel size for the engine processes (vLLM resets it to 1 in each
 #: independent rank; ``parallel_config.data_parallel_index`` keeps the rank)
@@ -172,13 +174,11 @@ def check_pool(package, have: int, lanes: int, name: str = "package") -> None:
     the engine's whole pool: a lane could run out while another has room. Until the scheduler
     accounts per lane, a pool smaller than every sequence at full length is refused with lanes.
     ``have``: the package's recorded pool, in blocks per lane (``Package.kv_blocks``)."""
-    from ..plan.pool import pool_blocks
-
     if lanes <= 1:
         return
     rt, max_model_len = package.serving, package.dims.max_model_len  # what the build recorded
     full = rt.max_num_seqs * max_model_len
-    need = pool_blocks(rt, full)
+    need = kvpool.pool_blocks(rt, full)
     if have < need:
         raise LaneError(f"{name}: {lanes} lanes need each lane's KV pool to hold every sequence at full "
                         f"length (max_num_seqs={rt.max_num_seqs} x max_model_len={max_model_len} = "

@@ -15,8 +15,9 @@ from pathlib import Path
 
 from .. import __version__
 from ..errors import InvalidInput, TTBundleError
+from ..kvpool import HostFacts, host_pool
 from ..manifest import MANIFEST, METADATA
-from ..package.names import DRAFT_DIR
+from ..package.load import load_package
 from ..package.verify import adapter_of, verify_package as verify
 
 
@@ -79,17 +80,12 @@ class Package:
 
     def host_plan(self, lanes: int = 1, engines: int = 1, override_blocks: int | None = None,
                   available: int | None = None):
-        """The package on the emulated mesh of this host (``plan.host.host_plan``: its KV pool,
-        ``auto`` sized for the host's available memory, and the expected peak), from the plan of
-        its bundle on its mesh (a speculative draft: the draft package inside it)."""
-        from ..plan.host import host_plan
-        from ..plan.make import make_plan
-
-        draft = None
-        if (self.path / DRAFT_DIR / MANIFEST).exists():
-            draft = open_package(self.path / DRAFT_DIR, check_hashes=False).bundle
-        plan = make_plan(self.bundle, self.mesh_name, draft_bundle=draft)
-        return host_plan(self.bundle, plan, available, lanes, engines, override_blocks)
+        """The package on the emulated mesh of this host (``kvpool.host_pool``: its KV pool,
+        ``auto`` sized for the host's available memory, and the expected peak), from the facts
+        its build recorded (``kvpool.HostFacts.of_package``: manifest ``serving.host``, the
+        programs' dims and KV pool); nothing is re-planned."""
+        facts = HostFacts.of_package(self.serving, self.dims.max_model_len, self.kv_blocks)
+        return host_pool(facts, available, lanes, engines, override_blocks)
 
     def emulated_model(self, dtype=None, device="cpu"):
         """The package on the emulated mesh: its programs on its own weight shards."""
@@ -130,8 +126,6 @@ def is_package(path: str | Path) -> bool:
 
 def open_package(path: str | Path, check_hashes: bool = True) -> Package:
     """Verify and open a package directory (raises TTBundleError naming what is wrong)."""
-    from ..package.load import load_package
-
     d = Path(path).absolute()
     if not d.is_dir():
         raise InvalidInput(f"{d}: not a package directory")

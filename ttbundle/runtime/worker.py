@@ -15,6 +15,7 @@ import time
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from .. import kvpool
 from ..backends.ttnn import kernelcache
 from . import ttdevice
 from .activation import HARDWARE, active_platform
@@ -95,7 +96,8 @@ class TTWorker(WorkerBase):
         ``--num-gpu-blocks-override`` says otherwise (``ttbundle serve`` passes the emulated mesh's
         pool for this host that way); vLLM preempts when they run out. On the emulated mesh
         without an override (``vllm serve PACKAGE``), the pool ``Package.host_plan`` gives this
-        host (``plan.host``: ``auto`` takes a share of the available memory, at most the plan's)."""
+        host (``kvpool.host_pool`` of the facts the build recorded: ``auto`` takes a share of the
+        available memory, at most the package's pool)."""
         override = self.cache_config.num_gpu_blocks_override
         lanes = self.model_runner.lane_plan.lanes
         if override:
@@ -109,9 +111,7 @@ class TTWorker(WorkerBase):
     def _host_blocks(self, lanes: int) -> int:
         """The emulated pool for this host, from inside the engine: what it already holds (its
         resident bytes: runtime, weights) counts as available, since the host plan counts it."""
-        from ..plan.host import available_memory, own_rss
-
-        m = self.package.host_plan(lanes=lanes, available=available_memory() + own_rss())
+        m = self.package.host_plan(lanes=lanes, available=kvpool.available_memory() + kvpool.own_rss())
         logger.info("ttbundle: emulated mesh on this host: %s", m.pool_line())
         if not m.fits:
             logger.warning("ttbundle: the emulated mesh's expected peak exceeds this host's available memory")

@@ -56,10 +56,9 @@ from .. import spec as specmod, tracebudget
 from ..build import build
 from ..check.record import passing, records
 from ..errors import DoesNotFit, InvalidInput, TTBundleError
+from ..kvpool import gib, pool_tokens
 from ..mesh import spec_target
 from ..package.names import DRAFT_DIR, has_tokenizer
-from ..plan.host import gib
-from ..plan.pool import pool_tokens
 from ..runtime.activation import CHILD_SIGNALS, ENV_EMULATED, tt_hardware_missing
 from ..runtime.cause import ENV as CAUSE_ENV, read
 from ..runtime.lanes import LaneError, plan_lanes
@@ -91,7 +90,7 @@ class ServePlan:
     env: dict = field(default_factory=dict)
     host: str = "127.0.0.1"
     port: int = 8000
-    memory: object = None  # the emulated mesh on this host (``plan.host.HostPlan``); None on a device
+    memory: object = None  # the emulated mesh on this host (``kvpool.HostPlan``); None on a device
     notes: list = field(default_factory=list)  # one-line warnings printed before vLLM starts
 
     @property
@@ -808,7 +807,7 @@ def signal_name(signum: int) -> str:
 
 def killed_note(signum: int, proc: subprocess.Popen, memory=None) -> str:
     """For SIGKILL (what the kernel's OOM killer sends): the memory arithmetic (the expected
-    peak, ``memory``: ``plan.host.HostPlan``) and what vLLM's processes were seen holding."""
+    peak, ``memory``: ``kvpool.HostPlan``) and what vLLM's processes were seen holding."""
     if signum != signal.SIGKILL:
         return ""
 
@@ -914,7 +913,7 @@ def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, m
                  cause_file=None) -> None:
     """Return once vLLM answers /health; raise why when it exits first: the cause the plugin
     recorded in ``cause_file`` (``runtime.cause``: an option refused, a warm-up mismatch), else
-    :func:`died` (``memory``: the emulated mesh's :class:`~ttbundle.plan.host.HostPlan` for a
+    :func:`died` (``memory``: the emulated mesh's :class:`~ttbundle.kvpool.HostPlan` for a
     SIGKILL's arithmetic)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:

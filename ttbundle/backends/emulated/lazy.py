@@ -37,11 +37,15 @@ class LazyWeights:
         key = (name, layer)
         W = self.held.get(key)
         if W is None:
-            W = self.source.stack(name, layer, self._dtype, self._device)
+            shape = self.source.local_shape(name, layer)
+            packed = (self._packs and name in self._pack and len(shape) == 2
+                      and math.prod(shape) * self._dtype.itemsize <= gemm.PACK_BYTES)
+            # a matrix to be packed is read as the GEMM holds it ([N, K] in memory): no transpose after
+            W = self.source.stack(name, layer, self._dtype, self._device, nk=packed)
             # unmap the files: the pages a tensor was read from would otherwise stay resident
             # (counted in the process's RSS) until the stage ends, a vocabulary table's ~1 GB
             self.source.close()
-            if self._packs and name in self._pack and math.prod(W.shape[1:]) * W.dtype.itemsize <= gemm.PACK_BYTES:
+            if packed:
                 W = gemm.hold_one(W, self._dtype)
             self.held[key] = W
         return W

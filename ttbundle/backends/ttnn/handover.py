@@ -2,11 +2,12 @@
 ``programs/<phase>-<bucket>.json``), so a built package is one too.
 
 The kernel-cache fill (:mod:`.kernelcache`) and the mock validation (:mod:`.mockcheck`) run in a
-process of their own (one mock cluster per process); the build, or a test, hands them the
-programs ``lower`` produced, written by :func:`write`, and they read them back with :func:`read`:
-the typed ``program.Program`` of each (phase, bucket), type-checked (``Program.verify``) as a
-package load does, and the resolved spec the package holds (``bundle.yaml``, through the package
-loader). Nothing here plans or lowers: a process that gets no programs runs nothing.
+process of their own (one mock cluster per process, ``ttbundle/ttnnproc.py``); the build, or a
+test, hands them the programs ``lower`` produced, written by :func:`write`, and they read them
+back with :func:`read`: the typed ``program.Program`` of each (phase, bucket), type-checked
+(``Program.verify``) as a package load does, and their mesh. The resolved spec beside them
+(``bundle.yaml``) is the package loader's to read (``ttnnproc.handed_over``): no backend imports
+it. Nothing here plans or lowers: a process that gets no programs runs nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ import json
 from pathlib import Path
 
 from ... import mesh as meshmod
-from ...package.load import read_bundle
 from ...program import Program, ProgramError
 
 PROGRAMS = "programs"
@@ -41,12 +41,11 @@ def mesh_of(program: Program) -> meshmod.Mesh:
     return mesh if tuple(mesh.shape) == shape else meshmod.split(mesh, shape)
 
 
-def read(src: str | Path) -> tuple[object, meshmod.Mesh, dict]:
-    """(the bundle of ``src/bundle.yaml``, the programs' mesh (:func:`mesh_of`), ``{(phase,
-    bucket): Program}`` of ``src/programs/``), programs in (phase, bucket) order; a program that
-    does not verify, or programs for different meshes, are a ``ProgramError`` naming the file."""
+def read(src: str | Path) -> tuple[meshmod.Mesh, dict]:
+    """(the programs' mesh (:func:`mesh_of`), ``{(phase, bucket): Program}`` of ``src/programs/``),
+    programs in (phase, bucket) order; a program that does not verify, or programs for different
+    meshes, are a ``ProgramError`` naming the file."""
     src = Path(src)
-    bundle = read_bundle(src)
     files = sorted((src / PROGRAMS).glob("*.json"))
     if not files:
         raise ProgramError(f"{src}/{PROGRAMS}: no programs")
@@ -59,7 +58,7 @@ def read(src: str | Path) -> tuple[object, meshmod.Mesh, dict]:
     if len(meshes) != 1:
         raise ProgramError(f"{src}/{PROGRAMS}: programs for different meshes: {sorted(meshes)}")
     order = {"prefill": 0, "decode": 1, "verify": 2, "vision": 3}
-    return bundle, mesh_of(next(iter(out.values()))), dict(sorted(out.items(), key=lambda kv: (order.get(kv[0][0], 4), kv[0][1])))
+    return mesh_of(next(iter(out.values()))), dict(sorted(out.items(), key=lambda kv: (order.get(kv[0][0], 4), kv[0][1])))
 
 
 __all__ = ["PROGRAMS", "mesh_of", "read", "write"]

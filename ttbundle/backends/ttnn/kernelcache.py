@@ -15,7 +15,7 @@ stub (it answers ``--version`` so a mock mesh opens, and compiles nothing) does 
 
 Filling runs every traced (phase, bucket) once through ttnn's own calls on the package's mesh
 (real chips if present, else a mock cluster), in a Python that has ttnn (this one, or
-``TTBUNDLE_TTNN_PYTHON``): ``python -m ttbundle.backends.ttnn.kernelcache DIR MESH SIZE``, ``DIR``
+``TTBUNDLE_TTNN_PYTHON``): ``python -m ttbundle.ttnnproc kernelcache DIR MESH SIZE`` (:data:`PROCESS`), ``DIR``
 holding the package's programs and ``bundle.yaml`` as the build hands them over (``handover``):
 nothing re-plans or re-lowers. Nothing of this has run here: no machine of this project has SFPI (docs/hardware.md).
 """
@@ -32,18 +32,19 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ... import mesh as meshmod, mockcluster
+from ... import mockcluster
 from ...errors import TTBundleError
 from ...package.names import PackageError
 from . import handover
-from .lowering import lower_forward, samplings
-from .mockcheck import validate
 
 CACHE_DIR = "kernel_cache"
 COMPILERS = ("compiler/bin/riscv-tt-elf-g++", "compiler/bin/riscv32-tt-elf-g++")
 SYSTEM_SFPI = Path("/opt/tenstorrent/sfpi")
 PYTHON_ENV = "TTBUNDLE_TTNN_PYTHON"
 _PROBE = "int ttbundle_probe(int x) { return x + 1; }\n"
+#: the filling process's module and command (``ttbundle/ttnnproc.py``: it loads the handed-over
+#: bundle.yaml, which no backend does, and runs the programs)
+PROCESS = ("ttbundle.ttnnproc", "kernelcache")
 
 
 @dataclass
@@ -161,7 +162,7 @@ def fill(python: str, bundle_yaml: str, programs: dict, mesh_name: str, trace_re
         env["TT_METAL_CACHE"] = f"{dest}/"
         handed = handover.write(Path(work) / "programs-in", bundle_yaml, programs)
         emit({"event": "phase", "phase": "kernel_cache", "total": 1, "unit": "runs"})
-        r = subprocess.run([python, "-m", "ttbundle.backends.ttnn.kernelcache", str(handed), mesh_name,
+        r = subprocess.run([python, "-m", *PROCESS, str(handed), mesh_name,
                             str(int(trace_region_size or 0))], cwd=work, env=env, capture_output=True, text=True)
         if r.returncode != 0:
             raise TTBundleError(f"filling the kernel cache failed: {(r.stderr or r.stdout)[-2000:]}")
@@ -221,31 +222,5 @@ def _holds(root: Path, want: dict[str, str]) -> bool:
     return all(hashlib.sha256((root / rel).read_bytes()).hexdigest() == sha for rel, sha in want.items())
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``DIR MESH [TRACE_REGION_SIZE]``: every program handed over in ``DIR`` (``handover``: the
-    package's ``bundle.yaml`` and ``programs/``; a built package is one), both sampling variants,
-    once through ttnn's calls on preset ``MESH``."""
-    import ttnn
-
-    args = sys.argv[1:] if argv is None else argv
-    src, mesh_name = args[:2]
-    trace_region_size = int(args[2]) if len(args) > 2 else 0
-    bundle, pmesh, programs = handover.read(src)
-    mesh = meshmod.resolve(mesh_name)
-    device = ttnn.open_mesh_device(ttnn.MeshShape(*mesh.shape), trace_region_size=trace_region_size)
-    try:
-        for (phase, b), prog in programs.items():
-            for sampling in samplings(phase):
-                fw = lower_forward(bundle, pmesh, prog, sampling)
-                r = validate(ttnn, device, prog, fw)
-                print(f"{phase}-{b} {sampling}: {r.calls} calls, refused {sorted(r.refused)}", flush=True)
-    finally:
-        ttnn.close_mesh_device(device)
-    return 0
-
-
 __all__ = ["CACHE_DIR", "Sfpi", "candidates", "compiles", "detect", "digest_files", "fill", "record",
            "runtime_cache_dir", "status", "ttnn_python"]
-
-if __name__ == "__main__":
-    raise SystemExit(main())

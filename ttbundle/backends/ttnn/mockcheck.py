@@ -40,17 +40,13 @@ Multi-chip meshes (N300, T3K), as measured on ttnn 0.81.1's mock:
 
 from __future__ import annotations
 
-import json
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ... import mesh as meshmod
-from . import feed, handover, layout
+from . import feed, layout
 from .calls import Attr, Call, New, W, resolve
 from .device import Executor, allocate
 from .introspect import check_call
-from .lowering import lower_forward, samplings
 
 BUILD_MARKERS = ("build failed", "trisc", "brisc", "ncrisc", "erisc", "sfpi", "riscv", "jit build",
                  "Failed to generate binaries", "compile")
@@ -242,37 +238,3 @@ def validate(ttnn, device, program, fw) -> Validation:
 
 
 __all__ = ["Validation", "check_by_signature", "open_mesh", "validate", "worker_grid"]
-
-
-# ---- a process per mock cluster: python -m ttbundle.backends.ttnn.mockcheck MESH DIR... ----------
-def main(argv: list[str] | None = None) -> int:
-    """Validate the programs handed over in each ``DIR`` (a package, or what ``handover.write``
-    wrote: ``bundle.yaml`` + ``programs/``) on preset ``MESH``, each program as it is (the tests
-    hand over programs with each decoder layer kind once: ``tests/handover_helpers.py``); one ``RESULT {json}``
-    line per program."""
-    import ttnn
-
-    args = sys.argv[1:] if argv is None else argv
-    mesh_name, dirs = args[0], args[1:]
-    mesh = meshmod.resolve(mesh_name)
-    device = open_mesh(ttnn, mesh)
-    grid = worker_grid(device)
-    try:
-        for path in dirs:
-            bundle, pmesh, programs = handover.read(path)
-            for (phase, bucket), prog in programs.items():
-                fw = lower_forward(bundle, pmesh, prog, samplings(phase)[0], grid=grid)  # verify: host
-                r = validate(ttnn, device, prog, fw)
-                print("RESULT " + json.dumps({"dir": path, "mesh": mesh_name, "phase": phase, "bucket": bucket,
-                                              "calls": r.calls, "grid": list(grid),
-                                              "accepted": sum(r.accepted.values()),
-                                              "by_signature": dict(r.by_signature),
-                                              "refused_calls": sum(r.refusals.values()),
-                                              "refused": {fn: list(v) for fn, v in r.refused.items()}}), flush=True)
-    finally:
-        ttnn.close_mesh_device(device)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -10,7 +10,6 @@ that executor): neither imports the other's user.
 
 from __future__ import annotations
 
-from ...package.load import LoadedPackage, load_package
 from . import cache as ttcache
 from .device import Executor, allocate_kv, make_const
 from .lowering import chunk_starts, lower_forward
@@ -53,12 +52,15 @@ def forward_keys(package, programs: dict, sample_on_device_mode: str = "all", ho
 def open_model(ttnn, package, sample_on_device_mode: str = "all", mesh_device=None, *,
                host_fallback: bool = False, trace_mode: str | None = None):
     """The package's model on a mesh, ready for ``warmup()`` (hardware; see module docstring).
-    ``package``: its directory, or a ``package.load.LoadedPackage``. Everything comes from the
+    ``package``: the ``package.load.LoadedPackage`` its caller loaded (the backend loads no
+    package: the loader reads bundle.yaml, which no backend imports). Everything comes from the
     package as built, nothing is re-planned: its mesh and trace region (manifest), its
     ``tensorbin/`` weights, its KV cache record and its programs, each lowered as it is (the
     weights' PartitionSpecs and shapes it records). Forwards are keyed as :func:`forward_keys`
     says."""
-    pkg = package if isinstance(package, LoadedPackage) else load_package(package)
+    if not hasattr(package, "program_ir"):
+        raise TypeError(f"open_model takes a loaded package (package.load.load_package), not {package!r}")
+    pkg = package
     bundle = pkg.bundle
     idx = ttcache.read_index(pkg.dir)  # checked whole (identity, every file) before anything loads
     ttcache.check_index(pkg.dir, idx, pkg.weight_refs, pkg.mesh.shape, pkg.weights.stored_in,
