@@ -23,11 +23,16 @@ import json
 import os
 import sys
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 from . import __version__
 from .errors import InvalidInput
 from .fsutil import MAX_TOKENIZER_BYTES, TEMPLATE_DIR, hash_file, read_user_json, user_file
+from .package.names import TOKENIZER_FILES, TOKENIZER_MODEL_FILES, has_tokenizer
+from .package.templates import render_bundle_yaml, resolved_spec
+from .program import program_name
+from .weights import shard_name
 
 ROOT = Path(__file__).resolve().parent
 # What each field is, for `cache explain`.
@@ -76,7 +81,6 @@ def digest(obj) -> str:
 
 
 def dist_version(name: str) -> str | None:
-    from importlib import metadata
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
@@ -205,7 +209,6 @@ def weight_files(directory: Path) -> list[Path]:
             names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise InvalidInput(f"{index}: not a safetensors index ({e})") from None
-        from .weights import shard_name
         for n in names:
             shard_name(index, n)
         missing = [n for n in names if not (d / n).is_file()]
@@ -230,8 +233,6 @@ def check_tokenizer(bundle) -> None:
     """A package serves text only with a tokenizer: InvalidInput (at the spec's ``tokenizer:``)
     when the tokenizer directory has none of ``package.names.TOKENIZER_MODEL_FILES``, unless the spec
     says ``tokenizer: false`` (token ids only)."""
-    from .package.names import TOKENIZER_MODEL_FILES, has_tokenizer
-
     if bundle.spec.tokenizer is False or bundle.spec.weights.source is None:
         return  # token ids only; no checkpoint: `compute` says weights.source is missing
     d = tokenizer_dir(bundle)
@@ -248,7 +249,6 @@ def check_tokenizer(bundle) -> None:
 
 
 def tokenizer_files(bundle) -> list[Path]:
-    from .package.names import TOKENIZER_FILES
     d = tokenizer_dir(bundle)
     if d is None:
         return []
@@ -323,8 +323,6 @@ def compute(bundle, plan, previous: dict | None, traces: list) -> Inputs:
     pairs, ``lower.trace_set``: the build passes them, this module does not lower); source digests
     come from ``previous``'s stat cache where possible (``Inputs.pending`` says whether any file
     still needs hashing)."""
-    from .package.templates import render_bundle_yaml, resolved_spec
-
     s = bundle.spec
     if s.weights.source is None:
         raise InvalidInput(f"{bundle.file}: weights.source is not set; `ttbundle build` converts a "
@@ -395,7 +393,6 @@ def content_key(fields: dict) -> str:
 
 def artifact_keys(fields: dict, traces) -> dict:
     """Key per artifact: ``weights``, ``program:<phase>-<bucket>``, ``warmup:<phase>-<bucket>``."""
-    from .program import program_name
     keys = {"weights": digest({k: fields[k] for k in WEIGHTS_DEPS if k in fields})}
     for phase, b in traces:
         name = program_name(phase, b)

@@ -8,6 +8,7 @@ same image processor, so both sides of the comparison see the same ``pixel_value
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from .errors import InvalidInput
@@ -51,8 +52,6 @@ def processor_config(bundle) -> dict:
 
 def package_files(bundle) -> dict[str, bytes]:
     """The files a multimodal package carries for vLLM's processor ({} for a text model)."""
-    import json
-
     if bundle.family.vision_part(bundle.arch) is None:
         return {}
     dump = lambda d: (json.dumps(d, indent=2, sort_keys=True) + "\n").encode()  # noqa: E731

@@ -36,6 +36,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ..errors import InvalidInput
 from . import patch_grid, qwen2_5_vl_vision as q25
 from .base import Dim, HFName, Linear, Local, Norm, Residual, TensorDecl, image_token_budget, vision_cap
 from .vision_part import PLAIN, ImageLayout, VisionPart, blocks_of, must_equal, processor_json, unsupported
@@ -142,8 +143,6 @@ TOKEN_KEYS = ("image_token_index", "image_break_token_index", "image_end_token_i
 def from_hf(config: dict) -> dict | None:
     """The ``vision`` arch fields of a ``Mistral3ForConditionalGeneration`` config.json (None
     without a vision_config). ``head_dim`` must be hidden / heads (HF's Pixtral computes it)."""
-    from ..errors import InvalidInput
-
     vc = config.get("vision_config")
     if not isinstance(vc, dict):
         return None

@@ -14,8 +14,12 @@ and :meth:`VisionPart.encode_features`). The runtime keeps the per-request state
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import ClassVar
+
+from ..errors import InvalidInput
 
 
 # ---- positions ---------------------------------------------------------------------------------
@@ -249,7 +253,6 @@ class VisionPart:
 
 
 def unsupported(where: str, key: str, got, want):
-    from ..errors import InvalidInput
     return InvalidInput(f"{where}: {key} is {got!r}, the package's image processor uses {want!r}: images "
                         "would not be what the model's own processor makes of them; ttbundle does not "
                         "serve this preprocessing yet")
@@ -258,11 +261,6 @@ def unsupported(where: str, key: str, got, want):
 def load_image_processor(cls_name: str, hf_dir):
     """(transformers' ``cls_name`` from the checkpoint's processor files in ``hf_dir``, the file
     read) or (None, None) where it has none."""
-    import json
-    from pathlib import Path
-
-    from ..errors import InvalidInput
-
     d = Path(hf_dir)
     pre, proc = d / "preprocessor_config.json", d / "processor_config.json"
     where = pre
@@ -283,11 +281,6 @@ def load_image_processor(cls_name: str, hf_dir):
 
 def processor_json(hf_dir) -> dict:
     """``processor_config.json`` of ``hf_dir`` ({} where there is none)."""
-    import json
-    from pathlib import Path
-
-    from ..errors import InvalidInput
-
     p = Path(hf_dir) / "processor_config.json"
     if not p.is_file():
         return {}
@@ -300,7 +293,6 @@ def processor_json(hf_dir) -> dict:
 
 def must_equal(where: str, key: str, got, arch_key: str, want) -> None:
     """A processor setting that is also an arch dim must be the config's."""
-    from ..errors import InvalidInput
     if got is not None and got != want:
         raise InvalidInput(f"{where}: {key} is {got!r} but config.json's {arch_key} is {want!r}; the two "
                            "files disagree about the model")

@@ -10,6 +10,10 @@ import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import mesh as meshmod, spec as specmod
+from ..layout import holders, local_len
+from ..manifest import BucketsRecord, ServingRecord
+from ..program import Program, ProgramError, program_name
 from .names import WEIGHTS_FORMATS, PackageError, weight_file
 from .shards import PackageWeights
 from .verify import verify_package
@@ -64,7 +68,6 @@ class LoadedPackage:
 
     def program_ir(self, phase: str, bucket: int):
         """The (phase, bucket) program as the typed IR (``program.Program``)."""
-        from ..program import Program, ProgramError
         key = (phase, bucket)
         if key not in self._ir:
             try:
@@ -103,7 +106,6 @@ class LoadedPackage:
     def buckets(self):
         """The programs' buckets as the manifest records them (``manifest.BucketsRecord``:
         ``prefill``, ``decode``, ``prefill_chunk``, ``vision``, ``verify``)."""
-        from ..manifest import BucketsRecord
         if "_buckets" not in self._ir:
             self._ir["_buckets"] = BucketsRecord.model_validate(self.manifest["buckets"])
         return self._ir["_buckets"]
@@ -120,7 +122,6 @@ class LoadedPackage:
 def serving_of(pkg, manifest: dict):
     """The manifest's ``serving`` record, typed; a package built before it was recorded is refused:
     rebuild it (``ttbundle build`` reuses every artifact whose key is unchanged)."""
-    from ..manifest import ServingRecord
     rec = manifest.get("serving")
     if rec is None:
         raise PackageError(f"{pkg}: manifest.json has no serving record (built by an older ttbundle, which "
@@ -134,7 +135,6 @@ def serving_of(pkg, manifest: dict):
 
 def read_bundle(pkg: str | Path):
     """The resolved spec a package directory holds (``bundle.yaml``), loaded."""
-    from .. import spec as specmod
     pkg = Path(pkg)
     text = (pkg / "bundle.yaml").read_text(encoding="utf-8")
     return specmod.loads(text, str(pkg / "bundle.yaml"), base_dir=pkg)
@@ -145,9 +145,6 @@ def load_package(pkg: str | Path, verify: bool = False) -> LoadedPackage:
     programs (the weights each reads, checked against the weight files' headers). Nothing is
     re-derived from the spec: the check of the programs and the manifest's serving facts against
     bundle.yaml is ``speccheck.check_spec`` (the build, ``check PACKAGE``, ``cache verify``)."""
-    from ..program import program_name
-    from .. import mesh as meshmod
-
     pkg = Path(pkg)
     m = verify_package(pkg, full=verify)
     serving_of(pkg, m)  # an older package is refused here, before anything reads it
@@ -189,7 +186,6 @@ def assemble(pkg: Path, manifest: dict, bundle, mesh, programs: dict) -> LoadedP
 def _check_arch(pkg: Path, bundle, mesh, refs: dict) -> None:
     """bundle.yaml's model declares exactly the weights the programs read, each of the
     per-device shape ``layout`` gives its dims under the programs' PartitionSpec."""
-    from ..layout import local_len
     decls = {t.name: t for t in bundle.family.tensors(bundle.arch)}
     if set(decls) != set(refs):
         raise PackageError(f"{pkg}: bundle.yaml declares tensors {sorted(set(decls) ^ set(refs))} the "
@@ -219,7 +215,6 @@ def _check_headers(w: PackageWeights) -> None:
     and says where each shard is stored: a ``stored_in`` entry names, per device, a device
     holding the same units (``layout.holders``) whose own entry names itself, and a file holds
     exactly the tensors stored in it. Format 1 files (no ``stored_in``) hold every shard."""
-    from ..layout import holders
     pkg, refs, mesh = w.pkg, w.refs, w.mesh
     D = mesh.num_devices
     want = {n: (list(r.device_shape), r.dtype) for n, r in refs.items()}

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from importlib.metadata import entry_points
+from multiprocessing import popen_fork
 from pathlib import Path
 
 ENV_EMULATED = "TTBUNDLE_EMULATED"
@@ -40,7 +42,6 @@ def tt_hardware_missing() -> str | None:
         return "no Tenstorrent device on this host (/dev/tenstorrent is missing)"
     if importlib.util.find_spec("ttnn") is None:
         return "ttnn is not installed (pip install ttnn; it drives the device)"
-    from importlib.metadata import entry_points
     if [e for e in entry_points(group="vllm.platform_plugins") if e.name == "tt"]:
         return ("Tenstorrent's own vLLM plugin is installed and owns the device: serve the package with "
                 "it (`vllm serve PACKAGE`; the package's adapter runs there)")
@@ -101,8 +102,6 @@ def note_child_signals(path: str) -> None:
     ``PID SIGNAL``, once, when vLLM reads the child's exit code. vLLM's own message does not
     always carry it (``Failed core proc(s): {}`` when it looked before the child was reaped); so
     ``serve`` can say which signal ended the engine (the kernel's OOM killer sends SIGKILL)."""
-    from multiprocessing import popen_fork
-
     cls = popen_fork.Popen
     if getattr(cls, "_ttbundle_notes", None) == path:
         return

@@ -20,15 +20,21 @@ from pathlib import Path
 
 import torch
 
-from .. import kvpool
+from .. import kvpool, mesh as meshmod
 from ..backends.emulated import EmulatedModel
 from ..backends.emulated.state import KVCache
 from ..tiles import blocks_per_seq
 from ..families.vision_part import decode_rope
 from ..vision import vision_bucket
+from . import packages
 from .capabilities import device_seeds, model_capabilities
+from .images import prompt_inputs, request_pixels
 from .interface import MeshModel
-from .sampling import DeviceSampling, sample_on_device
+from .options import TTOptions
+from .phases import TILE
+from .sampling import DeviceSampling, accept, sample_on_device
+from .speculation import verify_batch
+from .ttdevice import TTDeviceModel
 
 logger = logging.getLogger("vllm.ttbundle.adapter")
 
@@ -61,8 +67,7 @@ def _opened(package_dir: str):
 
 @functools.lru_cache(maxsize=8)
 def _open_once(package_dir: str, ident):
-    from .packages import open_package
-    return open_package(Path(package_dir))
+    return packages.open_package(Path(package_dir))
 
 
 class BundleModel(MeshModel):
@@ -119,10 +124,7 @@ class BundleModel(MeshModel):
         (``ttdevice.TTDeviceModel``: its tensorbin weights, compile warm-up, traces) on that
         mesh, with Tenstorrent's default options and ``optimizations``. The package:
         ``package``, else the class's ``package_dir``, else the directory vLLM was given."""
-        from .. import mesh as meshmod
-        from .packages import open_package
-
-        pkg = package or open_package(Path(cls.package_dir or hf_config._name_or_path))
+        pkg = package or packages.open_package(Path(cls.package_dir or hf_config._name_or_path))
         if mesh_device is not None and not isinstance(mesh_device, meshmod.Mesh):
             return _on_device(pkg, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel,
                               optimizations, trace_mode)
@@ -206,10 +208,8 @@ class BundleModel(MeshModel):
         p0 = 0 if start_pos is None else int(start_pos[0])
         deltas = None
         if mm is None and pixel_values is not None:
-            from .images import request_pixels
             px = request_pixels(pixel_values, N, p0)
             thw = image_grid_thw[0] if isinstance(image_grid_thw, (list, tuple)) else image_grid_thw
-            from .images import prompt_inputs
             if self.model.vision_part is None:
                 raise ValueError(f"pixel_values for {self.package.name}, a text-only model (no vision part)")
             mm, pos = prompt_inputs(self.model.vision_part, tokens[0, :n].tolist(), px, thw, self.encode_images, S)
@@ -238,8 +238,6 @@ class BundleModel(MeshModel):
         is an empty sequence (nothing written, its output ignored). Each sequence attends to its
         own context only (the attention kernel's per-sequence paged context, as in decode).
         Returns each sequence's last real token's logits [N, V] or sampled ids [N]."""
-        from .phases import TILE
-
         N, R = tokens.shape
         S = N * R
         lens = torch.as_tensor(list(prompt_lens), dtype=torch.long)
@@ -315,9 +313,6 @@ class BundleModel(MeshModel):
         rewritten by the next step (later positions are masked until then). Returns logits
         [B, k + 1, V] (host sampling) or, with ``sampling_params``, the accepted tokens
         [B, k + 1], -1 past each sequence's last (``sampling.accept``)."""
-        from .sampling import accept
-        from .speculation import verify_batch
-
         valid, positions, n = verify_batch(self.package.serving.rows_per_seq, self.decode_buckets, tokens, start_pos, num_tokens)
         program = self._program("verify", tokens.shape[0])
         logits = self.model.forward(program, tokens.clamp(min=0), positions, valid, page_table, kv_cache)
@@ -354,7 +349,6 @@ class BundleModel(MeshModel):
             logits = self.model.forward(program, tokens, positions, positions >= 0, pt, kv_cache, last=last)[:, 0]
         self._finish(logits, None)
         if can_sample_on_device and phase == "verify":
-            from .sampling import accept
             with torch.no_grad():
                 full = self.model.forward(program, tokens, positions, positions >= 0, pt, kv_cache)
             accept(full, tokens[:, 1:], torch.full((n,), tokens.shape[1] - 1),
@@ -430,9 +424,6 @@ class BundleModel(MeshModel):
 def _on_device(pkg, hf_config, mesh_device, max_batch_size, max_seq_len, tt_data_parallel, optimizations,
                trace_mode):
     """The package on a ttnn mesh device (Tenstorrent's plugin calling the generated adapter)."""
-    from .options import TTOptions
-    from .ttdevice import TTDeviceModel
-
     got = tuple(mesh_device.shape) if hasattr(mesh_device, "shape") else None
     if got is not None and got != tuple(pkg.loaded.mesh.shape):
         raise ValueError(f"{pkg.name}: built for {pkg.loaded.mesh.describe()}, handed a "

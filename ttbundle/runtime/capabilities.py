@@ -7,6 +7,8 @@ model it built, so one function decides both.
 
 from __future__ import annotations
 
+from ..backends.ttnn.lowering import TOPK
+
 #: split decode submit / readback (vLLM's async scheduling): ``decode_forward(read_from_device=False,
 #: prev_output=, prev_rows=)`` and ``read_decode_output`` (model_runner's submit / collect)
 ASYNC_DECODE = True
@@ -82,8 +84,6 @@ def model_capabilities(facts, device: bool = True, vocab_size: int | None = None
       ``ngram`` on both (a device runs the lowered verify forwards, every row's logits back,
       acceptance on the host), a draft model (``method: draft``) on the emulated mesh only.
     """
-    from ..backends.ttnn.lowering import TOPK
-
     rt, bk = facts.serving, facts.buckets
     spec = rt.speculative
     speculates = spec is not None and (not device or spec["method"] == "ngram")

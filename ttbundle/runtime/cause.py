@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 import os
 
+from ..errors import InvalidInput, TTBundleError
+
 ENV = "TTBUNDLE_CAUSE_FILE"
 
 
@@ -34,8 +36,6 @@ def record(message: str) -> None:
 def recorded():
     """Record a ttbundle error raised inside (with its class name when it says more, e.g.
     ``WarmupMismatch``), then let it go on."""
-    from ..errors import InvalidInput, TTBundleError
-
     try:
         yield
     except TTBundleError as e:

@@ -31,7 +31,12 @@ from dataclasses import dataclass
 
 import torch
 
+from .. import warmref
+from ..package.names import DRAFT_DIR
+from ..package.verify import load_adapter
 from ..tiles import blocks_per_seq, pick
+from . import packages
+from .phases import pack_prefill
 
 logger = logging.getLogger("vllm.ttbundle.draft")
 
@@ -49,12 +54,8 @@ class DraftProposer:
     whose spec says ``speculative: {method: draft}``), ``k`` per request and step."""
 
     def __init__(self, package, k: int, max_model_len: int, dtype=torch.float32, lanes: int = 1):
-        from ..package.names import DRAFT_DIR
-        from ..package.verify import load_adapter
-        from .packages import open_package
-
         # verified with the target (package.verify checks the draft's files as the target's)
-        self.package = open_package(package.path / DRAFT_DIR, check_hashes=False)
+        self.package = packages.open_package(package.path / DRAFT_DIR, check_hashes=False)
         self.k, self.max_model_len, self.dtype = k, max_model_len, dtype
         rt = package.serving  # the target's recorded facts
         cls = load_adapter(self.package.path, self.package.manifest, self.package.metadata)
@@ -88,8 +89,6 @@ class DraftProposer:
     # -- vLLM's engine asks for proposals after every step -----------------------------------------
     def check_references(self, log=None) -> dict:
         """The draft's programs against the references its build recorded (``warmref``)."""
-        from .. import warmref
-
         pkg = self.package
         dt = str(self.dtype).removeprefix("torch.")
         return warmref.check_model(self.model.model, pkg.bundle, pkg.path, pkg.manifest, dt, log=log)
@@ -233,8 +232,6 @@ class DraftProposer:
     def _prefill(self, work, which: list[int], kv) -> dict[int, int]:
         """Prefill the requests ``which`` from their ``computed`` to their end, in chunks of the
         draft's ``prefill_chunk`` (packed several to a call, ``phases.pack_prefill``)."""
-        from .phases import pack_prefill
-
         first: dict[int, int] = {}
         todo = list(which)
         while todo:

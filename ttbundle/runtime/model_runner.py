@@ -38,17 +38,24 @@ import os
 import time
 from collections import deque
 
+import numpy as np
 import torch
 
-from .phases import is_decode, pick
-from .capabilities import device_top_k
+from .. import warmref
+from ..families.vision_part import decode_rope
+from ..package.verify import load_adapter
+from ..tiles import blocks_per_seq
+from .capabilities import async_decode, device_top_k, packed_prefill, serving_tokens_per_step
+from .images import chunk_inputs, request_state
 from .interface import MeshModel
+from .lanes import Lanes, plan_lanes_for
+from .phases import is_decode, pack_prefill, pick
 from .runner_async import AsyncDecode, AsyncDecodeOutput
 from .runner_lanes import LaneDecode
 from .runner_state import DecodeBatch, InFlight, ReqState, Step
 from .sampling import DeviceSampling, HostSampler, PromptLogprobs, host_reasons, host_sampled
-from ..families.vision_part import decode_rope
-from ..tiles import blocks_per_seq
+from .speculation import proposer_for
+from .ttdevice import TTDeviceModel
 
 logger = logging.getLogger("vllm.ttbundle.model_runner")
 
@@ -57,7 +64,6 @@ def async_decode_supported(emulated: bool) -> bool:
     """Whether decode steps may be submitted before the previous one is read back, so vLLM's
     async scheduling can stay on (``capabilities.async_decode``: the one flag the models'
     ``model_capabilities["supports_async_decode"]`` report too)."""
-    from .capabilities import async_decode
     return async_decode(device=not emulated)
 
 
@@ -66,8 +72,6 @@ def model_class(package):
     """The class ``vllm_metadata.json`` names (``module:Class``), which must be the package's own
     adapter: imported from its verified file by path (``package.verify.load_adapter``), never through
     ``sys.path``, no bytecode read or written."""
-    from ..package.verify import load_adapter
-
     try:
         return load_adapter(package.path, package.manifest, package.metadata)
     except (ImportError, AttributeError) as e:
@@ -113,24 +117,19 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         # opened once, when the runner starts (an empty log: no step yet), line-buffered: each
         # step's line is written whole
         self._log_file = open(self._log_path, "a", buffering=1) if self._log_path else None
-        from .lanes import plan_lanes_for
         self.lane_plan = plan_lanes_for(vllm_config, package, options)  # replicas / DP / lanes
         self.lanes = None  # runtime.lanes.Lanes when this engine drives more than one replica
         self._lane_batches: dict[int, DecodeBatch] = {}  # lane -> its persistent decode batch
-        from .capabilities import packed_prefill
         self.packed_prefill = packed_prefill(device=tt is not None)  # several prompts per prefill call
-        from .speculation import proposer_for
         self.proposer = proposer_for(vllm_config, package, self.dtype, self.lane_plan.lanes)  # or None
         self._spec: dict = {}  # this step's scheduled proposals, req_id -> [token ids]
         self._drafts = None  # DraftTokenIds for the next step (take_draft_token_ids)
-        from .capabilities import serving_tokens_per_step
         self.tokens_per_step = serving_tokens_per_step(package, options, tt is not None, vllm_config)
 
     # -- set-up ---------------------------------------------------------------------------------
     def load_model(self):
         t0 = time.perf_counter()
         if self.tt is not None:
-            from .ttdevice import TTDeviceModel
             ttnn, mesh_device = self.tt
             self.mesh_model = TTDeviceModel.initialize_vllm_model(
                 self.vllm_config.model_config.hf_config, mesh_device,
@@ -169,7 +168,6 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         a = self.dims
         lp = self.lane_plan
         if lp.lanes > 1:  # one region per lane: vLLM's pool is lanes x the per-lane formula
-            from .lanes import Lanes
             per = num_blocks // lp.lanes
             kvs = [self.mesh_model.allocate_kv_cache((per, a.num_kv_heads, self.block_size, a.head_dim),
                                                      self.dtype, a.num_hidden_layers) for _ in range(lp.lanes)]
@@ -207,8 +205,6 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         """Each program on its fixed input against the reference the build recorded
         (``ttbundle.warmref``): a package whose weights or programs are not what was built fails
         here, naming the program and row, before the server reports healthy."""
-        from .. import warmref
-
         pkg = self.package
         dt = str(self.dtype).removeprefix("torch.")
         done = warmref.check_model(self.mesh_model.model, pkg.bundle, pkg.path, pkg.manifest, dt,
@@ -273,7 +269,6 @@ class TTModelRunner(AsyncDecode, LaneDecode):
     def _request_images(self, st: ReqState, features) -> None:
         """A new request's images and its prompt's positions, as the family's vision part lays
         them out (``runtime.images.request_state``)."""
-        from .images import request_state
         st.images, st.positions = request_state(self.bundle.family.vision_part(self.bundle.arch), features,
                                                 st.prompt)
 
@@ -427,7 +422,6 @@ class TTModelRunner(AsyncDecode, LaneDecode):
                          [bucket], "")
 
     def _page_table(self, states: list[ReqState], rows: int) -> torch.Tensor:
-        import numpy as np
         pt = np.zeros((rows, self.max_blocks), dtype=np.int64)  # block 0: vLLM's null block
         for i, st in enumerate(states):
             b = st.block_ids[:self.max_blocks]
@@ -456,8 +450,6 @@ class TTModelRunner(AsyncDecode, LaneDecode):
         the scheduler sized the step with), per KV cache (lanes): each call runs one prefill
         program on several sequences (``prefill_forward`` with tokens [N, R]); a call of one
         sequence is the plain per-prompt call. Returns (sampled per request, bucket per row)."""
-        from .phases import pack_prefill
-
         out, bucket_of, calls = {}, {}, []
         groups: dict = {}
         for st, n in rows:
@@ -508,7 +500,6 @@ class TTModelRunner(AsyncDecode, LaneDecode):
             k = self.prompt_lp.wanted(st.req_id, st.params, self.vocab_size)  # host path (host_reasons)
             kw = {"return_prompt_logits": True} if k is not None else {}
             if st.images is not None:
-                from .images import chunk_inputs
                 mm = chunk_inputs(st.images, self.mesh_model.encode_images, st.num_computed, n, bucket)
                 if mm is not None:
                     kw["mm"] = mm

@@ -13,9 +13,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import __version__
 from ..errors import InvalidInput, TTBundleError
 from ..kvpool import HostFacts, host_pool
 from ..manifest import MANIFEST, METADATA
+from ..package.load import load_package
+from ..package.verify import adapter_of, verify_package as verify
 
 
 
@@ -95,7 +98,6 @@ class Package:
 def verify_package(path: str | Path, check_hashes: bool = True) -> dict:
     """Every file the manifest lists is there with its size (and sha256) and nothing else is;
     returns the manifest, raises a TTBundleError naming the first bad file."""
-    from ..package.verify import verify_package as verify
     return verify(Path(path), full=check_hashes)
 
 
@@ -110,8 +112,6 @@ def _version(v) -> tuple[int, int]:
 def check_versions(manifest: dict, where: Path) -> None:
     """A package built by a newer ttbundle (major.minor) than this one may use what this runtime
     does not know: refuse it, naming both versions."""
-    from .. import __version__
-
     built = (manifest.get("versions") or {}).get("ttbundle")
     if built is None:
         raise TTBundleError(f"{where}: manifest.json: no versions.ttbundle; rebuild the package")
@@ -126,9 +126,6 @@ def is_package(path: str | Path) -> bool:
 
 def open_package(path: str | Path, check_hashes: bool = True) -> Package:
     """Verify and open a package directory (raises TTBundleError naming what is wrong)."""
-    from ..package.load import load_package
-    from ..package.verify import adapter_of
-
     d = Path(path).absolute()
     if not d.is_dir():
         raise InvalidInput(f"{d}: not a package directory")

@@ -8,11 +8,23 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
+import psutil
 import torch
 from vllm.platforms.interface import Platform, PlatformEnum
 
+from .. import mesh as meshmod
+from ..errors import InvalidInput, TTBundleError
 from ..mesh import same_mesh
+from ..package.names import DRAFT_DIR
+from ..speculative import disagreements, recorded_config
+from . import packages, registry
+from .capabilities import model_capabilities, serving_tokens_per_step
+from .cause import record
+from .lanes import DP_KEY, LaneError, check_pool, dp_size_of, plan_lanes
+from .options import env, parse
+from .ttdevice import refuse_unlowered_vision
 
 
 logger = logging.getLogger("vllm.ttbundle.platform")
@@ -47,7 +59,6 @@ class EmulatedMeshPlatform(Platform):
 
     @classmethod
     def get_device_total_memory(cls, device_id: int = 0) -> int:
-        import psutil
         return psutil.virtual_memory().total
 
     @classmethod
@@ -106,18 +117,12 @@ class TTMeshPlatform(EmulatedMeshPlatform):
 
 
 def _fail(msg: str):
-    from .cause import record
     record(msg)  # serve's last line (cause.py)
     raise ValueError(f"ttbundle: {msg}")
 
 
 def configure(vllm_config, emulated: bool) -> None:
     """Validate a vLLM config against the package it serves and set the plugin's classes."""
-    from ..errors import TTBundleError
-    from . import registry
-    from .options import env, parse
-    from .packages import open_package
-
     try:
         opts = parse(vllm_config.additional_config)
         tenv = env()
@@ -129,7 +134,7 @@ def configure(vllm_config, emulated: bool) -> None:
         return
     verified = os.environ.get(registry.VERIFIED_ENV + "_MODEL") == str(mc.model)
     try:
-        pkg = open_package(mc.model, check_hashes=not verified)
+        pkg = packages.open_package(mc.model, check_hashes=not verified)
     except TTBundleError as e:
         _fail(f"--model {mc.model}: {e}")
     os.environ[registry.VERIFIED_ENV + "_MODEL"] = str(mc.model)  # the engine core inherits it
@@ -174,14 +179,12 @@ def configure(vllm_config, emulated: bool) -> None:
     # tokens and schedules the rest as a prefill starting mid-prompt, which the emulated mesh's
     # chunked prefill already does (tested against transformers). On the device path a prefill
     # that starts on a cached block has not been exercised, so it stays off there.
-    from .capabilities import model_capabilities
     caps = model_capabilities(pkg, device=not emulated, vocab_size=pkg.dims.vocab_size)
     # with lanes a cached block would live in one lane's KV region only: off
     cc.enable_prefix_caching = bool(cc.enable_prefix_caching) and caps["supports_prefix_caching"] \
         and lanes.lanes == 1
     chunk = bk.prefill_chunk or max(bk.prefill)
     sc.enable_chunked_prefill = True
-    from .capabilities import serving_tokens_per_step
     try:  # decode tokens per host step: scheduled as that many tokens a request
         per_step = serving_tokens_per_step(pkg, opts, not emulated, vllm_config)
     except ValueError as e:
@@ -264,8 +267,6 @@ def _configure_lanes(vllm_config, pkg, opts, emulated: bool):
     """The package's replicas over vLLM's data-parallel ranks and each engine's lanes
     (``runtime/lanes.py``); records the DP size for the engine processes. Refuses impossible
     combinations naming the numbers."""
-    from .lanes import DP_KEY, LaneError, check_pool, dp_size_of, plan_lanes
-
     pc = vllm_config.parallel_config
     dp = dp_size_of(vllm_config)
     try:
@@ -295,11 +296,6 @@ def _configure_speculative(vllm_config, pkg, emulated: bool) -> None:
     ``ngram`` runs on the emulated mesh and on a device (the verify programs lowered to ttnn);
     ``draft_model`` (the draft package inside the package, ``package.names.DRAFT_DIR``: ttbundle's
     runner runs it, ``runtime.draft``) on the emulated mesh only."""
-    from pathlib import Path
-
-    from ..package.names import DRAFT_DIR
-    from ..speculative import disagreements, recorded_config
-
     sc = vllm_config.speculative_config
     if sc is None:
         return
@@ -340,8 +336,6 @@ def _configure_images(pkg, mc, sc, emulated: bool) -> None:
     if vs is None or mm is None:
         return
     if not emulated:  # the device encodes images with the lowered vision programs, if every op is
-        from ..errors import InvalidInput
-        from .ttdevice import refuse_unlowered_vision
         try:
             refuse_unlowered_vision(pkg.loaded)
         except InvalidInput as e:
@@ -360,7 +354,6 @@ def _configure_images(pkg, mc, sc, emulated: bool) -> None:
 
 
 def _mesh_devices(name: str) -> int:
-    from .. import mesh as meshmod
     return meshmod.resolve(name).num_devices
 
 

@@ -23,6 +23,7 @@ import time
 
 import torch
 
+from ..embed import pooling_config_json
 from ..tiles import pick
 from .model_runner import TTModelRunner
 from .runner_state import Step
@@ -46,7 +47,6 @@ def serve_args(bundle, extra: list[str]) -> list[str]:
     """vLLM arguments ``ttbundle serve`` adds for an embedding package (unless ``extra`` gives them)."""
     if getattr(bundle.spec, "task", "generate") != "embed":  # the launcher's spec (before a package is opened)
         return []
-    from ..embed import pooling_config_json
     out = []
     if not any(a == "--runner" or a.startswith("--runner=") for a in extra):
         out += ["--runner", "pooling"]

@@ -24,14 +24,26 @@ full (every file's sha256) and the result recorded.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import logging
+import math
 import os
+import sys
+import types
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from .. import __version__, families
 from ..errors import Diagnostic, InvalidInput, TTBundleError
+from ..families import vision_class_of
+from ..fsutil import locked, strict_json, write_text_atomic
 from ..mesh import same_mesh
+from ..package.load import read_bundle
+from . import packages
+from .packages import MANIFEST, METADATA
 
 logger = logging.getLogger("vllm.ttbundle.registry")
 
@@ -100,10 +112,6 @@ def parse_registry_doc(text: str, where) -> tuple[list[Path], dict[str, str]]:
     whose packages are then all unregistered): a duplicate key, an unknown key, a value of another
     type is InvalidInput naming the file and the field (never a traceback, never a string read one
     character at a time)."""
-    from pydantic import BaseModel, ConfigDict, ValidationError
-
-    from ..fsutil import strict_json
-
     class Registry(BaseModel):
         model_config = ConfigDict(extra="forbid", strict=True)
         dirs: list[str] = []
@@ -138,7 +146,6 @@ def lock_file() -> Path:
 
 
 def _save(dirs: list[Path], manifests: dict[str, str]) -> None:
-    from ..fsutil import write_text_atomic
     write_text_atomic(registry_file(), json.dumps({"dirs": [str(d) for d in dirs],
                                                    "manifests": dict(sorted(manifests.items()))},
                                                   indent=2) + "\n")
@@ -149,8 +156,6 @@ def _add_dir(d: Path, good: list[Entry], bad: list[Path]) -> None:
     package in ``bad`` (refused now) and of every recorded package under ``d`` that is gone. Read,
     changed and rewritten (atomically) under the registry lock, so that registers running at once
     each see the others' directories."""
-    from ..fsutil import locked
-
     with locked(lock_file()):
         dirs, manifests = _read_registry()
         for p in bad:
@@ -166,8 +171,6 @@ def package_dirs(d: Path) -> list[Path]:
     build -o OUT`` writes ``OUT/<mesh>/<bundle>``; ``EXTRA_MODELS_DIR`` is usually
     ``OUT/<mesh>``). A folder with a ``vllm_metadata.json`` but no manifest is returned too,
     so that it is reported (it is not a ttbundle package)."""
-    from .packages import MANIFEST, METADATA
-
     def looks(p: Path) -> bool:
         return (p / MANIFEST).is_file() or (p / METADATA).is_file()
 
@@ -186,9 +189,7 @@ def package_dirs(d: Path) -> list[Path]:
 
 
 def entry_of(path: Path, check_hashes: bool = True) -> Entry:
-    from .packages import open_package
-
-    pkg = open_package(path, check_hashes)
+    pkg = packages.open_package(path, check_hashes)
     b = pkg.buckets
     return Entry(pkg.name, pkg.mesh_name, pkg.arch, pkg.path, list(b.prefill), list(b.decode),
                  pkg.bundle.spec.description, pkg.bundle.spec.hf_model or "",
@@ -206,8 +207,6 @@ def cache_file() -> Path:
 def fingerprint(pkg: Path) -> str | None:
     """sha256 over the manifest's bytes and ``(name, mode, size, mtime, ctime, inode)`` of the
     package directory and every entry under it; None when something cannot be read."""
-    from .packages import MANIFEST
-
     h = hashlib.sha256()
     try:
         with open(pkg / MANIFEST, "rb") as f:
@@ -234,7 +233,6 @@ class VerifyCache:
     """``path -> {fingerprint, entry | refused}`` for this ttbundle version (see module doc)."""
 
     def __init__(self):
-        from .. import __version__
         self.version = __version__
         self.data: dict = {}
         self.changed: dict = {}  # what this process recorded: save() merges it into the file
@@ -276,7 +274,6 @@ class VerifyCache:
         the registry lock: another process may have recorded other packages meanwhile)."""
         if not self.dirty:
             return
-        from ..fsutil import locked, write_text_atomic
         try:
             with locked(lock_file()):
                 on_disk = VerifyCache().data
@@ -450,8 +447,6 @@ def _raise_refused(name: str, mesh: str | None, refused: list[tuple[Path, str]])
 def _claimed_name(p: Path) -> tuple[str, str] | None:
     """(bundle, mesh) a refused package's manifest claims, read leniently (the package failed
     verification: this only names it in an error), or None."""
-    from .packages import MANIFEST
-
     try:
         with open(p / MANIFEST, "rb") as f:
             m = json.loads(f.read(64 << 20))
@@ -523,9 +518,6 @@ def _pil_image_processors(part) -> None:
     ``Qwen2VLImageProcessorPil``). Make each import the vision ``part`` names
     (``PIL_PROCESSORS``) give those, and the processor classes that needed torchvision only
     through them (``PROCESSOR_CLASSES``) the real class in place of the lazy placeholder."""
-    import sys
-    import types
-
     for name, (pil_name, names) in part.PIL_PROCESSORS.items():
         try:
             importlib_import(name)
@@ -548,7 +540,6 @@ def _pil_image_processors(part) -> None:
 
 
 def importlib_import(name: str):
-    import importlib
     return importlib.import_module(name)
 
 
@@ -627,7 +618,6 @@ def package_cap(model_dir) -> tuple | None:
     if key not in _CAPS:
         _CAPS[key] = None
         if (Path(model_dir) / "bundle.yaml").is_file():
-            from ..package.load import read_bundle
             b = read_bundle(model_dir)
             part = b.family.vision_part(b.arch)
             if part is not None and part.largest_image(b.vision) is not None:
@@ -663,7 +653,6 @@ def _capped(proc_cls, info_cls):
             if cap is None:
                 return size
             part, vs, most = cap
-            import math
             v = part.v
             blocks = min(part.largest_image(vs), most) // v.merge_unit
             side = math.isqrt(blocks) * v.factor  # a square image of at most that many merge blocks
@@ -698,8 +687,6 @@ def _multimodal(name: str, part, attrs: dict):
     class the vision ``part`` (a ``VisionPart`` class) names (``VLLM_PROCESSOR``):
     SupportsMultiModal's class attributes and the placeholder string (the registration of the
     processor factories happens on the class, :func:`stub_class`)."""
-    import importlib
-
     mod, proc, info, dummy = part.VLLM_PROCESSOR
     placeholder = part.PLACEHOLDER_STR
     _pil_image_processors(part)
@@ -738,7 +725,6 @@ def stub_class(arch: str):
         "embed_input_ids": _no, "forward": lambda self, input_ids, positions, **kw: _no(self),
         "compute_logits": _no, "__module__": __name__,
     }
-    from ..families import vision_class_of
 
     part = vision_class_of(arch.removeprefix("TT"))
     if part is not None:  # images preprocessed by vLLM's own processor for the HF class
@@ -769,8 +755,6 @@ def register_models() -> None:
     needs its architecture known before vLLM reads its config.json), then verify the packages of
     every search directory, warning about each one refused. Called from
     ``activation.general_plugin`` when the platform is active."""
-    from .. import families
-
     hook_name_resolution()
     for fam in families.all_families().values():
         for arch in fam.hf_architectures:

@@ -50,8 +50,12 @@ from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.interface import PauseState
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from . import packages
+from .activation import HARDWARE, active_platform
+from .capabilities import device_top_k, model_capabilities, packed_prefill, serving_tokens_per_step
 from .options import parse
 from .phases import decode_shaped, is_decode, prefill_rows
+from .sampling import host_sampled
 
 logger = logging.getLogger("vllm.ttbundle.scheduler")
 
@@ -72,17 +76,13 @@ class PhaseScheduler(Scheduler):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        from .packages import open_package
 
-        pkg = open_package(self.vllm_config.model_config.model, check_hashes=False)
+        pkg = packages.open_package(self.vllm_config.model_config.model, check_hashes=False)
         b = pkg.buckets
         opts = parse(self.vllm_config.additional_config)
-        from .activation import HARDWARE, active_platform
-        from .capabilities import packed_prefill
         device = active_platform() == HARDWARE
         self.configure(list(b.prefill), b.prefill_chunk or max(b.prefill), list(b.decode),
                        opts.max_prefill_steps_between_decodes, packed=packed_prefill(device=device))
-        from .capabilities import device_top_k, model_capabilities, serving_tokens_per_step
         k = serving_tokens_per_step(pkg, opts, device, self.vllm_config)
         caps = model_capabilities(pkg, device=device, vocab_size=pkg.dims.vocab_size)
         self.configure_tokens_per_step(k, device_top_k(caps, pkg.dims.vocab_size), caps["supports_device_seeds"])
@@ -206,7 +206,6 @@ class PhaseScheduler(Scheduler):
     def _host_sampled(self, r) -> bool:
         host = self._host_rows.get(r.request_id)
         if host is None:
-            from .sampling import host_sampled
             host = self._host_rows[r.request_id] = host_sampled(r.sampling_params, *self._device_sampling_rule)
         return host
 

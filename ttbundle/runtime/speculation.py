@@ -11,7 +11,10 @@ against vLLM's function itself (its Python body, run without numba). The accepta
 from __future__ import annotations
 
 import numpy as np
+import torch
 from numpy.lib.stride_tricks import sliding_window_view
+
+from .draft import DraftProposer
 
 
 def propose_ngram(tokens, min_n: int, max_n: int, k: int, max_model_len: int) -> list[int]:
@@ -71,7 +74,6 @@ def proposer_for(vllm_config, package=None, dtype=None, lanes: int = 1):
     if sc is None:
         return None
     if sc.method == "draft_model":
-        from .draft import DraftProposer
         return DraftProposer(package, int(sc.num_speculative_tokens), vllm_config.model_config.max_model_len,
                              dtype, lanes)
     return NgramProposer(sc, vllm_config.model_config.max_model_len)
@@ -83,8 +85,6 @@ def verify_batch(rows_per_seq: int, decode_buckets, tokens, start_pos, num_token
     ``start_pos[i] + j`` while ``j < num_tokens[i]`` (else invalid, at 0; a sequence at -1 is a
     padding row). A batch not padded to a decode bucket of ``k + 1`` rows per sequence
     (``rows_per_seq``, the package's ``serving.rows_per_seq``) is refused."""
-    import torch
-
     B, K1 = tokens.shape
     if B not in decode_buckets or K1 != rows_per_seq:
         raise ValueError(f"verify runs a batch padded to a decode bucket {list(decode_buckets)} of "

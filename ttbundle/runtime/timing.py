@@ -32,10 +32,13 @@ take no modeled time. Its weights are the double's: nothing numeric is computed 
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 import time
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from ..errors import InvalidInput
 
@@ -129,7 +132,6 @@ class TimingDevice:
 
     def _sample(self, key, inputs: dict, outs: dict, step: int, done: float) -> None:
         """Device sampling: write the deterministic ids into the trace's ``next_tokens`` output."""
-        import numpy as np
         t = outs.get("next_tokens")
         if t is None or key is None:
             for o in outs.values():
@@ -160,7 +162,6 @@ class TimingDevice:
         """Before the next trace reading ``dst`` (a decode's token input) runs, its row ``i``
         takes ``src``'s row ``rows[i]`` (``rows[i] < 0``: keep the written token). On the device:
         a gather of the previous step's sampled ids; modeled as free."""
-        import numpy as np
         self._feeds[id(dst)] = (src, np.asarray(rows, dtype=np.int64).reshape(-1))
 
     def read(self, t, blocking: bool):
@@ -195,7 +196,6 @@ class _HostRead:
         self.data, self.ready_at, self.step = data, ready_at, step
 
     def to_numpy(self):
-        import numpy as np
         return np.array(self.data[0])
 
 
@@ -275,6 +275,5 @@ class TimingTTNN:
 
 def from_env():
     """The TimingDevice ``TTBUNDLE_DEVICE_MODEL`` selects, or None."""
-    import os
     spec = os.environ.get(ENV)
     return TimingDevice(parse(spec)) if spec else None

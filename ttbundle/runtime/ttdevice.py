@@ -48,13 +48,25 @@ import logging
 import os
 import time
 from collections import deque
+from pathlib import Path
 
+import numpy as np
 import torch
 
-from ..backends.ttnn.feed import FEED_INPUT
-from .capabilities import device_seeds
+from ..backends.ttnn import device as ttdev, inputs as ttinputs, recording
+from ..backends.ttnn.feed import FEED_INPUT, feed_index
+from ..backends.ttnn.lowering import TOPK, lower_forward, static_start, unlowered_ops
+from ..backends.ttnn.model import open_model
+from ..errors import InvalidInput
+from ..families.vision_part import decode_rope
+from ..vision import vision_bucket
+from . import packages, timing
+from .capabilities import device_seeds, model_capabilities
+from .images import prompt_inputs, request_pixels
 from .interface import MeshModel
-from .sampling import DeviceSampling
+from .options import TTOptions
+from .sampling import DeviceSampling, accept
+from .speculation import verify_batch
 
 logger = logging.getLogger("vllm.ttbundle.ttdevice")
 
@@ -68,14 +80,11 @@ DEVICE = None
 def import_ttnn():
     """The ttnn module: the wheel, or the recording double under the test-only hook."""
     global RECORDER, DEVICE
-    from . import timing
     dev = timing.from_env()
     if dev is not None:  # the timing device over the recording double
-        from ..backends.ttnn import recording
         RECORDER, DEVICE = recording.Recorder(unknown_reads="zeros"), dev
         return dev.wrap(RECORDER.module())
     if os.environ.get(TEST_TTNN_ENV) == "recording":
-        from ..backends.ttnn import recording
         if RECORDER is None:
             RECORDER = recording.Recorder(unknown_reads="zeros")  # its weights are fake: reads give 0
         return RECORDER.module()
@@ -147,10 +156,6 @@ def refuse_unlowered_vision(loaded) -> None:
     vision forward that reads host-made inputs the device runner does not make
     (``backends/ttnn/device.vision_inputs``: the patches, the per-row 2-D rope and window / image
     masks of Qwen2.5-VL and Pixtral, Qwen3-VL's position interpolation)."""
-    from ..backends.ttnn.inputs import VISION_HOST_INPUTS
-    from ..backends.ttnn.lowering import lower_forward, unlowered_ops
-    from ..errors import InvalidInput
-
     bundle = loaded.bundle
     vision = sorted(b for phase, b in loaded.programs if phase == "vision")
     if not vision:
@@ -162,7 +167,7 @@ def refuse_unlowered_vision(loaded) -> None:
             raise InvalidInput(f"{loaded.dir}: programs/vision-{b}.json uses {', '.join(missing)}, which the ttnn "
                                f"lowering does not translate yet: {way_out}")
     fw = lower_forward(bundle, loaded.mesh, loaded.program_ir("vision", vision[0]), "host")
-    extra = sorted(set(fw.inputs) - set(VISION_HOST_INPUTS))
+    extra = sorted(set(fw.inputs) - set(ttinputs.VISION_HOST_INPUTS))
     if extra:
         raise InvalidInput(f"{loaded.dir}: programs/vision-{vision[0]}.json lowered reads the host-made inputs "
                            f"{', '.join(extra)}, which the TT device path does not make yet: {way_out}")
@@ -173,7 +178,6 @@ def _rope_kwargs(rope_positions, rope_deltas, start_pos, rows: int):
     position plus its ``rope_deltas``, Tenstorrent's convention; None when neither is given)."""
     if rope_positions is not None or rope_deltas is None:
         return rope_positions
-    from ..families.vision_part import decode_rope
     d = torch.as_tensor(rope_deltas, dtype=torch.long).reshape(-1)
     return decode_rope(start_pos, torch.nn.functional.pad(d, (0, rows - d.numel())))
 
@@ -229,7 +233,6 @@ class TTDeviceModel(MeshModel):
         #: the forward keys of the latest ``replays_kept`` runs, in order; ``replay_count``: all runs
         self.replays: deque[tuple] = deque(maxlen=self.replays_kept)
         self.replay_count = 0
-        from .capabilities import model_capabilities
         self.model_capabilities = model_capabilities(package, device=True)
         self._sampling_cache: dict = {}  # lane -> (DeviceSampling, rows, its host inputs) of its last decode
         self._page_cache: dict = {}  # (lane, decode key) -> (page table given, its host array)
@@ -247,14 +250,7 @@ class TTDeviceModel(MeshModel):
         """The package (``package``, else the directory vLLM was given) on ttnn mesh device
         ``mesh_device``, with ``options`` (default: Tenstorrent's, with ``optimizations``) and
         ``sample_mode`` (default: the options', else the bundle's ``sample_on_device_mode``)."""
-        from pathlib import Path
-
-        from ..backends.ttnn.model import open_model
-        from ..errors import InvalidInput
-        from .options import TTOptions
-        from .packages import open_package
-
-        package = package or open_package(Path(hf_config._name_or_path))
+        package = package or packages.open_package(Path(hf_config._name_or_path))
         options = options or TTOptions(optimizations=optimizations)
         sample_mode = sample_mode or options.sample_mode(package.serving.sample_on_device_mode)
 
@@ -305,7 +301,6 @@ class TTDeviceModel(MeshModel):
             if key is not None:
                 self.programs_run[(phase, bucket)] += 1
                 return key
-        from ..backends.ttnn.lowering import static_start
         key = (phase, bucket, mode, static_start(self.package.loaded, self.package.loaded.program_ir(phase, bucket), start))
         if key not in self.runner.forwards:
             raise ValueError(f"no {mode}-sampling forward for {phase} bucket {bucket}")
@@ -338,8 +333,6 @@ class TTDeviceModel(MeshModel):
         """``ttnn.sampling``'s inputs. Rows with top_k above TOPK or none never come here from
         ttbundle's runner (``sampling.host_reasons`` with ``max_device_top_k``); from another
         caller they are cut to TOPK candidates, as ttnn.sampling does."""
-        import numpy as np
-        from ..backends.ttnn.lowering import TOPK
         if s is None:
             return {}
         temp = np.asarray(torch.as_tensor(s.temperature, dtype=torch.float32)).reshape(-1)
@@ -374,9 +367,6 @@ class TTDeviceModel(MeshModel):
         program is enqueued with its readback right behind it (a later replay of the same trace on
         this submesh overwrites its outputs) and a handle returned for :meth:`read_prefill_output`:
         the runner enqueues every chunk of a step before reading any, so lanes prefill side by side."""
-        import numpy as np
-        from ..backends.ttnn.device import prefill_host_inputs
-
         N, S = tokens.shape
         if N != 1 or S not in self.prefill_buckets:
             raise ValueError(f"prefill runs one sequence padded to a bucket {self.prefill_buckets}, "
@@ -386,7 +376,6 @@ class TTDeviceModel(MeshModel):
         n, p0 = int(prompt_lens[0]), 0 if start_pos is None else int(start_pos[0])
         deltas = None
         if mm is None and pixel_values is not None:
-            from .images import prompt_inputs, request_pixels
             part = self.bundle.family.vision_part(self.bundle.arch)
             if part is None:
                 raise ValueError(f"pixel_values for {self.package.name}, a text-only model (no vision part)")
@@ -399,7 +388,7 @@ class TTDeviceModel(MeshModel):
                 deltas = torch.tensor([pos.delta], dtype=torch.long)
         key = self._key("prefill", S, sampling_params, p0)
         fw = self.runner.forwards[key]
-        host = prefill_host_inputs(fw, tokens[0].numpy(), n, p0, page_table[0].numpy(), self.block_size,
+        host = ttdev.prefill_host_inputs(fw, tokens[0].numpy(), n, p0, page_table[0].numpy(), self.block_size,
                                    self.package.dims.max_model_len, mm=mm,
                                    rope_positions=None if rope_positions is None else rope_positions.numpy())
         head = fw.inputs["last_rows"][0][2]
@@ -421,7 +410,6 @@ class TTDeviceModel(MeshModel):
 
     def _queued(self, pending: tuple):
         """What a :meth:`_queue_read` read back, once its event has passed (device 0's copy)."""
-        import numpy as np
         host_t, event = pending
         self.ttnn.event_synchronize(event)
         return np.asarray(self.ttnn.get_device_tensors(host_t)[0].to_numpy())
@@ -430,7 +418,6 @@ class TTDeviceModel(MeshModel):
         """A prefill chunk's result (what :meth:`prefill_forward` returns), read back: the
         sampled id [1] or the last real row's logits [1, V] (and the M-RoPE deltas where the
         call made them)."""
-        import numpy as np
         if handle.pending is not None:  # enqueued: wait for its readback's event
             data = self._queued(handle.pending)
         else:
@@ -455,16 +442,12 @@ class TTDeviceModel(MeshModel):
         metadata, as for the emulated backend; ``device.vision_inputs`` writes them), on the
         mesh (its trace replayed where ``trace_mode`` is ``all``), read back to the host for the
         prefill that merges them (as Tenstorrent's models pass vision embeddings into prefill)."""
-        import numpy as np
-        from ..backends.ttnn.device import vision_inputs
-        from ..vision import vision_bucket
-
         part = self.bundle.family.vision_part(self.bundle.arch)
         bucket, inputs = vision_bucket(part, self.vision_buckets, pixel_values, image_grid_thw)
         key = self._key("vision", bucket, None)
         fw = self.runner.forwards[key]
         patches, meta, finish = part.program_inputs(inputs, bucket, torch.float32)
-        out = self._run(key, vision_inputs(fw, patches.numpy(), meta))
+        out = self._run(key, ttdev.vision_inputs(fw, patches.numpy(), meta))
         (name,) = fw.outputs
         soft = np.asarray(self.runner.read(out[name]), dtype=np.float32)  # [1, 1, soft, hidden (x sets)]
         soft = soft.reshape(-1, soft.shape[-1])
@@ -480,22 +463,17 @@ class TTDeviceModel(MeshModel):
         row's logits come back, and with ``sampling_params`` acceptance runs on the host
         (``sampling.accept``, vLLM's rejection rule). Returns logits [B, k + 1, V] or the
         accepted tokens [B, k + 1] (-1 past each sequence's last)."""
-        import numpy as np
-        from ..backends.ttnn.device import verify_inputs, verify_rows
-        from .sampling import accept
-        from .speculation import verify_batch
-
         valid, positions, n = verify_batch(self.package.serving.rows_per_seq, self.decode_buckets, tokens, start_pos, num_tokens)
         B, K1 = tokens.shape
         key = self._key("verify", B, None)
         lane = self._lane(kv_cache)  # with lanes: the lane (submesh) these sequences run on
         runner = self.lane_runners[lane]
         fw = runner.forwards[key]
-        host = verify_inputs(fw, tokens.numpy(), torch.where(valid, positions, -1).numpy(), page_table.numpy())
+        host = ttdev.verify_inputs(fw, tokens.numpy(), torch.where(valid, positions, -1).numpy(), page_table.numpy())
         out = self._run(key, host, lane)
         V = self.vocab_size
         logits = np.asarray(runner.read(out["logits.out"])).reshape(fw.rows, -1)[:, :V]
-        logits = torch.from_numpy(np.ascontiguousarray(verify_rows(fw, logits, K1), dtype=np.float32))
+        logits = torch.from_numpy(np.ascontiguousarray(ttdev.verify_rows(fw, logits, K1), dtype=np.float32))
         if sampling_params is None:
             return logits
         return accept(logits, tokens[:, 1:], (n - 1).clamp(min=0), sampling_params)
@@ -511,8 +489,6 @@ class TTDeviceModel(MeshModel):
         ``start_pos[i] + rope_deltas[i]``; neither: the cache positions. (No ``torch.no_grad``
         here, unlike the other forwards: the step is host arrays and device calls, no torch op,
         and entering the context costs microseconds per lane per step, issue 25.)"""
-        import numpy as np
-
         B = tokens.shape[0]
         if tokens.shape[1] != 1 or B not in self.decode_buckets:
             raise ValueError(f"decode runs a batch padded to a bucket {self.decode_buckets}, "
@@ -552,9 +528,8 @@ class TTDeviceModel(MeshModel):
         host = {"tokens": toks.reshape(1, R), "positions": np.maximum(pos, 0).astype(np.uint32).reshape(1, R),
                 "cur_pos": pos.astype(np.int32), "page_table": cached_pt[1]}
         if not self._mask_free.get(key):
-            from ..backends.ttnn.device import mask_inputs  # (here: a from-import runs the import machinery each call)
             rope = _rope_kwargs(rope_positions, rope_deltas, start_pos, B)
-            masks = mask_inputs(fw, host["cur_pos"][:, None], rope_positions=None if rope is None else rope.numpy())
+            masks = ttdev.mask_inputs(fw, host["cur_pos"][:, None], rope_positions=None if rope is None else rope.numpy())
             self._mask_free[key] = not masks
             host.update(masks)
         if sampling_params is not None:  # the runner passes one object while a batch's rows stay
@@ -587,9 +562,6 @@ class TTDeviceModel(MeshModel):
         just before); otherwise its ids are read back and written with the tokens (a synchronous
         step, as without the feed). The index arrays are reused while ``rows`` is the same array,
         so an unchanged feed map is not copied again."""
-        import numpy as np
-
-        from ..backends.ttnn.feed import feed_index
         if rows is None:
             return toks, feed_index(R), False
         if runner.feed_owner.get(R) is prev_output:
@@ -607,7 +579,6 @@ class TTDeviceModel(MeshModel):
 
     def read_decode_output(self, tt_out: DecodeOutput, async_read: bool = True) -> DecodeOutput:
         """The decode's output read back to the host (token ids or logits)."""
-        import numpy as np
         if tt_out.pending is not None:  # enqueued at submit: wait for its event
             return DecodeOutput(tt_out.out, tt_out.rows, tt_out.tokens, self._queued(tt_out.pending), tt_out.runner)
         name = _output_name(tt_out.tokens)
@@ -617,7 +588,6 @@ class TTDeviceModel(MeshModel):
 
     def process_decode_output_host(self, tt_out: DecodeOutput, is_tokens: bool | None = None) -> torch.Tensor:
         """Token ids [B] (device sampling) or logits [B, V] (host sampling), B the padded batch."""
-        import numpy as np
         if tt_out.host is None:
             tt_out = self.read_decode_output(tt_out)
         B = tt_out.rows

@@ -9,15 +9,22 @@ then ``execute_model`` / ``sample_tokens`` per step.
 from __future__ import annotations
 
 import logging
+import os
+import time
 
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from .. import kvpool
+from ..backends.ttnn import kernelcache
+from . import ttdevice
+from .activation import HARDWARE, active_platform
 from .cause import recorded
+from .lanes import plan_lanes_for
 from .model_runner import TTModelRunner
 from .options import parse
 from .packages import open_package
+from .pooling import runner_class, supported_tasks
 
 logger = logging.getLogger("vllm.ttbundle.worker")
 
@@ -26,7 +33,6 @@ def emulated_threads() -> int:
     """torch threads of the emulated mesh: ``TTBUNDLE_EMULATED_THREADS``, else every core this
     process may use. (On a host busy with other work, fewer threads than free cores avoid
     OpenMP barriers waiting on descheduled threads.)"""
-    import os
     v = os.environ.get("TTBUNDLE_EMULATED_THREADS")
     if v:
         return max(1, int(v))
@@ -46,8 +52,6 @@ class TTWorker(WorkerBase):
             self._init_device()
 
     def _init_device(self):
-        from .activation import HARDWARE, active_platform
-
         self.device = torch.device("cpu")
         torch.manual_seed(self.model_config.seed or 0)
         self.package = open_package(self.model_config.model, check_hashes=False)  # verified at start
@@ -56,7 +60,6 @@ class TTWorker(WorkerBase):
             self.tt = self._open_mesh()
         else:
             torch.set_num_threads(emulated_threads())
-        from .pooling import runner_class  # task: embed -> the pooling runner
         self.model_runner = runner_class(self.package)(self.vllm_config, self.package, self.options, self.device,
                                                        tt=self.tt)
 
@@ -64,12 +67,6 @@ class TTWorker(WorkerBase):
         """The TT platform: the kernel cache the build filled (a writable copy) as TT_METAL_CACHE
         unless set, then the package's mesh opened through ttnn (``ttdevice.py``): with lanes the
         whole target, which the model cuts into the lanes' submeshes."""
-        import os
-
-        from ..backends.ttnn import kernelcache
-        from . import ttdevice
-        from .lanes import plan_lanes_for
-
         cache = kernelcache.runtime_cache_dir(self.package.path, self.package.manifest)
         if cache is not None and not os.environ.get("TT_METAL_CACHE"):
             os.environ["TT_METAL_CACHE"] = f"{cache}/"
@@ -125,14 +122,12 @@ class TTWorker(WorkerBase):
             self.model_runner.initialize_kv_cache(kv_cache_config.num_blocks)
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
-        import time
         t0 = time.perf_counter()
         with recorded():
             self.model_runner.warm_up()
         return CompilationTimes(language_model=time.perf_counter() - t0, encoder=0.0)
 
     def get_supported_tasks(self):
-        from .pooling import supported_tasks
         return supported_tasks(self.package)
 
     def execute_model(self, scheduler_output):

@@ -9,9 +9,20 @@ and the server (on the package) run the same numbers.
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import shutil
 from pathlib import Path
 
 import yaml
+
+from .. import __version__, reference, spec as specmod
+from ..build import build
+from ..manifest import MANIFEST, METADATA
+from ..package.names import module_name, safe_name
+from ..package.templates import metadata_json, render_adapter
+from ..package.verify import read_manifest
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]
 #: A chat template in the tokenizer (vLLM's chat endpoint and HF's apply_chat_template use it).
@@ -80,8 +91,6 @@ def make_source(bundle, directory: str | Path, seed: int = 0) -> Path:
     """A Hugging Face checkpoint of ``bundle``'s architecture with random weights rounded to
     bf16 (what packages store, so transformers and the package hold the same numbers), plus the
     demo tokenizer. ``config.json`` has no eos_token_id: ``generate`` runs to max_new_tokens."""
-    from .. import reference
-
     out = reference.save_random(bundle, directory, seed, eos=False)
     make_tokenizer(out, bundle.arch.vocab_size, bundle.family.vision_part(bundle.arch))
     return out
@@ -101,9 +110,6 @@ def build_package(spec_text: str, out_dir: str | Path, mesh: str, seed: int = 0,
     """Random weights for the spec's architecture, then ``ttbundle build`` for ``mesh``: the
     package directory (``out_dir/<mesh>/<name>``). The checkpoint stays in ``out_dir/src-<name>``
     (the reference for tests) and the spec in ``out_dir/<name>.yaml``."""
-    from .. import spec as specmod
-    from ..build import build
-
     out = Path(out_dir).absolute()
     out.mkdir(parents=True, exist_ok=True)
     bundle = specmod.loads(spec_text, "<spec>")
@@ -139,17 +145,6 @@ def clone_package(src: str | Path, dst: str | Path, name: str) -> Path:
     manifest lists every file with its size and sha256) for registry tests and benches. Files
     that do not depend on the name are hard links to ``src``'s (no extra disk); the spec, the
     adapter module, ``vllm_metadata.json`` and the manifest are rewritten."""
-    import hashlib
-    import json
-    import os
-    import shutil
-
-    from .. import __version__
-    from ..manifest import MANIFEST, METADATA
-    from ..package.names import module_name, safe_name
-    from ..package.templates import metadata_json, render_adapter
-    from ..package.verify import read_manifest
-
     src, dst = Path(src), Path(dst)
     m = read_manifest(src)
     mesh, arch = m["mesh"]["name"], m["arch"]

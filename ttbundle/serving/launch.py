@@ -21,8 +21,13 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import mesh as meshmod
+from .. import mesh as meshmod, spec as specmod
 from ..errors import InvalidInput
+from ..package.names import package_path
+from ..plan.sharding import target_mesh
+from ..runtime.lanes import LaneError, plan_lanes
+from ..runtime.packages import open_package
+from .serve import resolve
 
 
 @dataclass
@@ -104,20 +109,14 @@ class LaunchPlan:
 
 def _open(target: str, mesh: str | None, output: Path = Path("packages")):
     """(bundle, target Mesh, replica Mesh, package path to serve) without building anything."""
-    from ..plan.sharding import target_mesh
-
     p = Path(target)
     if p.suffix in (".yaml", ".yml") and p.is_file():
-        from .. import spec as specmod
-        from ..package.names import package_path
         bundle = specmod.load(p)
         m = mesh or bundle.spec.targets[0]
         rep = target_mesh(bundle, meshmod.spec_target(p, bundle.spec.targets, m))
         pkg = package_path(output, bundle.spec.name, rep.name)  # where `build -o OUTPUT` puts it
         return bundle, rep.whole(), rep, str(pkg)
-    from .serve import resolve
     pkg_dir = resolve(target, mesh)
-    from ..runtime.packages import open_package
     pkg = open_package(pkg_dir, check_hashes=False)
     rep = pkg.loaded.mesh
     return pkg.bundle, rep.whole(), rep, str(pkg_dir)
@@ -126,8 +125,6 @@ def _open(target: str, mesh: str | None, output: Path = Path("packages")):
 def launch_plan(target: str, mesh: str | None = None, dp: int | None = None, hosts: list | None = None,
                 port: int = 8000, rpc_port: int = 13345, extra: list | None = None,
                 output: Path = Path("packages")) -> LaunchPlan:
-    from ..runtime.lanes import LaneError, plan_lanes
-
     bundle, whole, rep, pkg = _open(target, mesh, output)
     H = whole.hosts
     names = list(hosts) if hosts else [f"host{i}" for i in range(H)]

@@ -22,7 +22,9 @@ facts).
 
 from __future__ import annotations
 
+from ..backends.ttnn.model import forward_keys
 from ..errors import InvalidInput
+from ..program import program_name
 
 
 def listed(manifest: dict) -> dict:
@@ -41,15 +43,12 @@ def listed(manifest: dict) -> dict:
 def would_compile(pkg, device: str, tt_options: dict, env: dict) -> list[str]:
     """What a start of ``pkg`` (``runtime.packages.Package``) on ``device`` with the plugin options
     ``tt_options`` (``--additional-config``'s ``tt``) would compile; [] when nothing."""
-    from ..program import program_name
-
     pre = listed(pkg.manifest)
     programs = {k: pkg.loaded.program_ir(*k) for k in pkg.loaded.programs}
     out = [f"program {program_name(p, b)}: not lowered at build (not in the manifest's precompiled.programs)"
            for p, b in programs if program_name(p, b) not in set(pre.get("programs", []))]
     if device != "tt":
         return out
-    from ..backends.ttnn.model import forward_keys
 
     rt = pkg.serving
     keys, traced = forward_keys(pkg.loaded, programs, tt_options.get("sample_on_device_mode") or

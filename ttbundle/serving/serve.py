@@ -28,9 +28,13 @@ API server shuts down with code 0 when its engine process dies) or stops answeri
 
 from __future__ import annotations
 
+import ast
+import copy
 import ctypes
 import dataclasses
+import difflib
 import errno
+import importlib.util
 import json
 import os
 import re
@@ -39,14 +43,29 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
+from .. import spec as specmod, tracebudget
+from ..build import build
+from ..check.record import passing, records
 from ..errors import DoesNotFit, InvalidInput, TTBundleError
+from ..kvpool import gib, pool_tokens
 from ..mesh import spec_target
+from ..package.names import DRAFT_DIR, has_tokenizer
+from ..runtime.activation import CHILD_SIGNALS, ENV_EMULATED, tt_hardware_missing
+from ..runtime.cause import ENV as CAUSE_ENV, read
+from ..runtime.lanes import LaneError, plan_lanes
+from ..runtime.packages import is_package, open_package
+from ..runtime.registry import find
+from ..speculative import disagreements, recorded_config
+from . import precompiled
 
 GRACE_S = 30
 HEALTH_EVERY_S = 5.0  # while serving: how often /health is asked
@@ -129,8 +148,6 @@ def _trusts_remote_code(arg: str) -> bool:
 def _config_file_trusts(extra: list[str]) -> str | None:
     """The ``--config FILE`` (vLLM's YAML of arguments) among ``extra`` that turns
     trust-remote-code on, else None (an unreadable file is left to vLLM)."""
-    import yaml
-
     for i, a in enumerate(extra):
         path = extra[i + 1] if a == "--config" and i + 1 < len(extra) else \
             a.split("=", 1)[1] if a.startswith("--config=") else None
@@ -180,9 +197,6 @@ def vllm_parser_names(flag: str) -> list[str] | None:
     ``ToolParserManager`` / ``ReasoningParserManager.list_registered()`` give), read from the
     registering dict in vLLM's source: importing vLLM takes seconds, this well under one. None
     when that dict is not found (another vLLM layout): vLLM then checks the name itself."""
-    import ast
-    import importlib.util
-
     module, name, _ = PARSER_REGISTRIES[flag]
     spec = importlib.util.find_spec("vllm")
     if spec is None or not spec.submodule_search_locations:
@@ -203,8 +217,6 @@ def check_parsers(extra: list[str]) -> None:
     """``--enable-auto-tool-choice`` needs ``--tool-call-parser``; a ``--tool-call-parser`` or
     ``--reasoning-parser`` must be one vLLM has (unless a ``--*-parser-plugin`` may register it):
     refused here, naming the closest names, rather than by vLLM's API server after its start-up."""
-    import difflib
-
     args = [a.split("=", 1)[0].replace("_", "-") + a[len(a.split("=", 1)[0]):] if a.startswith("--") else a
             for a in extra]  # vLLM reads --tool_call_parser as --tool-call-parser
     tool = _flag_value(args, "--tool-call-parser")
@@ -251,9 +263,6 @@ def speculative_args(pkg, extra: list[str]) -> list[str]:
     verify programs are built for one method and k): one that disagrees is refused naming both;
     one that agrees is passed as given. A draft (``speculative: {method: draft}``) is vLLM's
     ``draft_model`` with ``model`` the draft package inside this one."""
-    from ..package.names import DRAFT_DIR
-    from ..speculative import disagreements, recorded_config
-
     pc = recorded_config(pkg.serving, Path(pkg.path) / DRAFT_DIR)
     given = _flag_value(extra, "--speculative-config", "-sc")
     if given is None:
@@ -288,13 +297,8 @@ def resolve(target: str, mesh: str | None = None, output: Path = Path("packages"
     """The package directory for NAME (registered; ``mesh`` picks among its packages), PACKAGE
     (a directory) or SPEC (a YAML file: built for ``mesh`` into ``output`` with ``backend``
     unless its package is up to date; ``ttnn`` for a device)."""
-    from ..runtime.packages import is_package
-    from ..runtime.registry import find
-
     p = Path(target)
     if p.suffix in (".yaml", ".yml") and os.path.isfile(p):  # os.path: False on any OSError
-        from .. import spec as specmod
-        from ..build import build
 
         bundle = specmod.load(p)
         m = mesh or os.environ.get("MESH_DEVICE") or bundle.spec.targets[0]
@@ -315,8 +319,6 @@ DEVICES = ("tt", "emulated")
 def pick_device(device: str | None) -> str:
     """``--device``: ``tt`` or ``emulated``; None: ``tt`` where a device is present. ``tt`` on a
     host without one is an InvalidInput saying why (exit 2)."""
-    from ..runtime.activation import tt_hardware_missing
-
     if device is None:
         return "tt" if tt_hardware_missing() is None else "emulated"
     if device not in DEVICES:
@@ -336,9 +338,6 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     ``--data-parallel-size`` in ``extra``); ``--max-num-seqs`` is then each engine's lanes x the
     per-replica max_num_seqs. ``require_precompiled``: refuse (InvalidInput) a start that would
     compile anything (``precompiled.require``)."""
-    from ..runtime.activation import ENV_EMULATED
-    from ..runtime.lanes import LaneError, plan_lanes
-    from ..runtime.packages import open_package
     from ..runtime.pooling import serve_args
 
     pkg = open_package(package)
@@ -373,7 +372,6 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
         note = check_trace_region(pkg, cfg.get("tt") or {}, (user_cfg.get("tt") or {}).get("trace_region_size"))
         notes += [note] if note else []
     if require_precompiled:
-        from . import precompiled
         precompiled.require(pkg, device, cfg.get("tt") or {}, dict(os.environ))
     memory = emulated_memory(pkg, extra, lanes.lanes, dp) if device == "emulated" else None
     pool = ["--num-gpu-blocks-override", str(memory.blocks)] \
@@ -408,8 +406,6 @@ def check_trace_region(pkg, tt: dict, override: int | None) -> str | None:
     :class:`DoesNotFit` (exit 3) before vLLM starts, with the arithmetic: ttnn would refuse the
     first capture that overflows it. The package's own size below the need (options that trace
     more) is returned as a warning with the size to pass."""
-    from .. import tracebudget
-
     rec = pkg.loaded.manifest.get("trace_region")
     if override is not None:
         size, where = int(override), "--additional-config tt.trace_region_size"
@@ -444,9 +440,6 @@ def emulated_memory(pkg, extra: list[str], lanes: int = 1, engines: int = 1):
     the host has available (the spec's ``max_tokens_all_users``, ``--num-gpu-blocks-override``
     among the extra arguments, or ``auto``'s least: one ``max_model_len`` sequence) is
     :class:`DoesNotFit` (exit 3) with the arithmetic and what would fit."""
-    from ..kvpool import gib
-    from ..kvpool import pool_tokens
-
     override = _int_flag(extra, "--num-gpu-blocks-override")
     m = pkg.host_plan(lanes=lanes, engines=engines, override_blocks=override)
     if m.fits:
@@ -471,8 +464,6 @@ def _tokenizer_mode(pkg, extra: list[str]) -> bool:
     ``--skip-tokenizer-init``); a package without a tokenizer that did not opt out is refused
     here, before vLLM starts (vLLM would fail half a minute later instead), unless the extra
     arguments give vLLM a ``--tokenizer`` or ``--skip-tokenizer-init`` themselves."""
-    from ..package.names import has_tokenizer
-
     if pkg.bundle.spec.tokenizer is False:
         return "--skip-tokenizer-init" not in extra
     if has_tokenizer(pkg.manifest["files"]) or _flag_value(extra, "--tokenizer") is not None \
@@ -540,7 +531,6 @@ def quiet_logging_config(directory: Path) -> Path | None:
     stopped and no step-by-step log. None where the user configures vLLM's logging themselves."""
     if os.environ.get("VLLM_LOGGING_CONFIG_PATH") or os.environ.get("VLLM_CONFIGURE_LOGGING", "1") == "0":
         return None
-    import copy
 
     try:
         from vllm.logger import DEFAULT_LOGGING_CONFIG
@@ -624,8 +614,6 @@ class Output:
     KEEP = 1 << 16
 
     def __init__(self, proc: subprocess.Popen | None = None, log: Path | None = None):
-        import threading
-
         self.log, self._tail, self._threads = log, {1: b"", 2: b""}, []
         if proc is not None:
             for src, fd in ((proc.stdout, 1), (proc.stderr, 2)):
@@ -677,10 +665,6 @@ def start(plan: ServePlan, log=None) -> subprocess.Popen:
     still there 30 s after (:data:`WATCHDOG`): vLLM defers SIGTERM while it starts
     (:func:`mark_healthy` tells it). The process carries ``output`` (its :class:`Output`) and ``peak_rss`` (the most its process group
     was seen holding, :func:`group_rss`, sampled while it is waited on)."""
-    import tempfile
-
-    from ..runtime.activation import CHILD_SIGNALS
-
     env = dict(os.environ, **plan.env)
     fd, signals = tempfile.mkstemp(prefix="ttbundle-serve-", suffix=".signals")
     os.close(fd)
@@ -826,7 +810,6 @@ def killed_note(signum: int, proc: subprocess.Popen, memory=None) -> str:
     peak, ``memory``: ``kvpool.HostPlan``) and what vLLM's processes were seen holding."""
     if signum != signal.SIGKILL:
         return ""
-    from ..kvpool import gib
 
     note = "; SIGKILL is what the kernel's OOM killer sends when memory runs out (`dmesg` says whether it did)"
     if memory is not None:
@@ -932,8 +915,6 @@ def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, m
     recorded in ``cause_file`` (``runtime.cause``: an option refused, a warm-up mismatch), else
     :func:`died` (``memory``: the emulated mesh's :class:`~ttbundle.kvpool.HostPlan` for a
     SIGKILL's arithmetic)."""
-    from ..runtime.cause import read
-
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
         raise_swallowed()
@@ -1052,14 +1033,11 @@ def run(plan: ServePlan, on_ready=None, startup_timeout: float = 900, health_eve
     raises :class:`ServeFailed` when vLLM or its engine dies first (:func:`watch`). A stop before
     vLLM was healthy kills its process group: it never served, and vLLM's start-up answers SIGINT
     with a KeyboardInterrupt traceback per process and defers SIGTERM."""
-    import tempfile
-
     restore = stop_on_signals()
     proc, tmp, served = None, None, False
     try:  # a stop while vLLM is being set up (its logging configuration imports vLLM: seconds) too
         tmp = tempfile.TemporaryDirectory(prefix="ttbundle-serve-")
         quiet = quiet_logging_config(Path(tmp.name))
-        from ..runtime.cause import ENV as CAUSE_ENV
         cause_file = Path(tmp.name) / "cause"
         env = {**plan.env, CAUSE_ENV: str(cause_file)}
         if quiet is not None:
@@ -1088,9 +1066,6 @@ def require_checked(plan: ServePlan) -> dict:
     """``serve --require-checked``: the package's newest passing check record for its mesh
     (``check.record``: bound to its current manifest), else TTBundleError (exit 1) saying what
     it has and the command that makes one."""
-    from ..check.record import passing, records
-    from ..errors import TTBundleError
-
     rec = passing(plan.package, plan.mesh)
     if rec is not None:
         return rec

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ... import blockfloat
+
+
 @dataclass
 class KVCache:
     layers: list  # per layer {"k": [D, kvh, num_blocks * block, hd], "v": ...}
@@ -31,8 +34,6 @@ def kv_store(kv_dtype: str, compute: torch.dtype):
             return x.to(torch.bfloat16).to(compute)
         return compute, store_bf16
     if kv_dtype in ("bfp8", "bfp4"):
-        from ... import blockfloat
-
         def store(x: torch.Tensor) -> torch.Tensor:
             # a block-float tile shares one exponent per 16 values of a row: a token's row
             # rounds alone, so rounding the written rows is what the tile storage holds

@@ -13,6 +13,8 @@ The planner and the allocator must agree: allocation succeeds exactly when ``pla
 
 from __future__ import annotations
 
+import json
+import sys
 from dataclasses import dataclass, field
 
 from .layout import BufferSpec, tensor_buffer, ttnn_dtype, ttnn_layout
@@ -117,9 +119,6 @@ def case(name: str, plan) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Run each case of a JSON list on the mock cluster ttnn was started with (one mesh open per
     case); print one ``RESULT {json}`` line per case."""
-    import json
-    import sys
-
     import ttnn
 
     args = sys.argv[1:] if argv is None else argv

@@ -41,16 +41,18 @@ import hashlib
 import json
 import os
 import struct
+import types
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
 from ... import tensorbin
-from ...cache import code_digest, digest, module_sources
-from ...package.names import weight_file
+from ...cache import code_digest, digest, dist_version, module_sources
+from ...package.names import PackageError, weight_file
 from ...package.shards import stored_shape
 from .layout import TILE, device_shape
+from .mappers import mapper_dims
 
 FORMAT = "ttbundle.tensorbin/3"  # /2: one file per distinct shard (``stored_in``); /3: identity, file digests
 DIR = "tensorbin"
@@ -194,8 +196,6 @@ def write_caches(pkg: str | Path, plan, policy=None,
     """Write ``tensorbin/`` into package directory ``pkg`` (its ``weights/`` already written) for
     ``plan``, its index recording ``ident`` (:func:`identity`) and every file's sha256. Returns
     ``{relative path: {"sha256", "size"}}`` of every file written."""
-    from .mappers import mapper_dims
-
     pkg = Path(pkg)
     emit = progress or (lambda e: None)
     mesh = plan.mesh
@@ -253,8 +253,6 @@ def load_host_shards(ttnn, pkg: str | Path, key: str, devices: int, stored_in: l
 def check_identity(pkg: str | Path, idx: dict, expect: dict) -> None:
     """The caches are the ones ``expect`` (:func:`expected_identity`) asks for, field by field
     (:data:`CHECKED`); PackageError naming the first field that differs and both values."""
-    from ...package.names import PackageError
-
     got = idx.get("identity") or {}
     for f in CHECKED:
         if got.get(f) != expect.get(f):
@@ -270,8 +268,6 @@ def check_files(pkg: str | Path, idx: dict, verified_files: dict | None = None) 
     named). Reads every file once, unless ``verified_files`` (the manifest's ``files`` of a
     package whose every sha256 was just checked, ``LoadedPackage.verified``) vouches for it: then
     each index record must equal the manifest's, and nothing is read twice."""
-    from ...package.names import PackageError
-
     pkg = Path(pkg)
     listed = idx.get("files") or {}
     need = {cache_file(int(d), key) for key, e in idx.get("tensors", {}).items()
@@ -308,8 +304,6 @@ def check_device_arch(mesh_device, idx: dict, pkg: str | Path = "") -> None:
     (``MeshDevice.arch()``, ``Arch.WORMHOLE_B0`` / ``Arch.BLACKHOLE``): a Wormhole package on a
     Blackhole mesh of the same shape is refused before a weight loads. A device that does not
     say (a stand-in) is not checked."""
-    from ...package.names import PackageError
-
     arch = getattr(mesh_device, "arch", None)
     if not callable(arch):
         return
@@ -324,11 +318,6 @@ def check_device_arch(mesh_device, idx: dict, pkg: str | Path = "") -> None:
 def check_installed_ttnn(ttnn, idx: dict) -> None:
     """The ttnn module about to load the caches reads the file format they were written in: the
     wheel's installed version equals the identity's (a stand-in module is not the wheel)."""
-    import types
-
-    from ...cache import dist_version
-    from ...package.names import PackageError
-
     if not (isinstance(ttnn, types.ModuleType) and ttnn.__name__ == "ttnn"):
         return
     have, want = dist_version("ttnn"), (idx.get("identity") or {}).get("ttnn")
@@ -345,8 +334,6 @@ def check_index(pkg: str | Path, idx: dict, refs: dict, mesh_shape, stored_in: d
     (``stored_in``: ``PackageWeights.stored_in``, checked against the layout at load). With
     ``expect`` (:func:`expected_identity`), also the identity (:func:`check_identity`) and
     every file (:func:`check_files`). Raises PackageError naming the key and both."""
-    from ...package.names import PackageError
-
     if idx.get("format") != FORMAT:
         raise PackageError(f"{pkg}: {INDEX}: format {idx.get('format')!r}, this ttbundle reads {FORMAT}; "
                            "rebuild the package")

@@ -12,9 +12,15 @@ and outputs are never dropped by a forward.
 
 from __future__ import annotations
 
+import numpy as np
+
+from ...families.base import RopeScaling
 from .calls import Call, Forward, resolve, resolve_attr
 from .feed import FEED_INPUT, feed_index
+from .inputs import (VERIFY_PAGES, VISION_POS_INTERP, VISION_ROPE, deepstack_input, verify_pos_input,
+                     vision_mask_input)
 from .layout import ttnn_dtype, ttnn_layout
+from .lowering import mrope_position_input
 
 
 def liveness(calls: list[tuple[int | None, Call]], keep: set[str]) -> list[list[str]]:
@@ -106,8 +112,6 @@ def allocate_kv(ttnn, device, kv: dict) -> dict:
 
 def make_const(ttnn, device, c):
     """A host-made constant, replicated on every device of the mesh."""
-    import numpy as np
-
     if c.kind in ("zeros", "ones"):
         fill = 0.0 if c.kind == "zeros" else 1.0
         return ttnn.full(list(c.shape), fill, dtype=ttnn_dtype(ttnn, c.dtype), layout=ttnn_layout(ttnn, c.layout),
@@ -141,7 +145,6 @@ def _rope_table(c):
 
     from ...tables import mrope_rows, rope_cos_sin
     p = dict(c.params)
-    from ...families.base import RopeScaling
     scaling = RopeScaling.model_validate_json(p["scaling"]) if p.get("scaling") else None  # the layer's
     cos, sin = rope_cos_sin(torch.arange(c.shape[0]), p["head_dim"], p["theta"], scaling, torch.float32)
     t = cos if c.kind == "rope_cos" else sin
@@ -162,8 +165,6 @@ def mask_inputs(fw: Forward, qpos, blocks=None, rope_positions=None) -> dict:
     window, as the emulated backend's mask composes them), -1e30 elsewhere; a query at -1 (a
     padding row) sees l = 0 only. With them, the M-RoPE position inputs
     (:func:`rope_position_inputs` of ``qpos`` and ``rope_positions``)."""
-    import numpy as np
-
     out = {}
     kb = None
     for name, (shape, _, _) in fw.inputs.items():
@@ -193,9 +194,6 @@ def rope_position_inputs(fw: Forward, qpos, rope_positions=None) -> dict:
     with ``mrope_section``): ``rope_positions`` [3, rows] when given, else each row's position
     ``qpos`` in all three (a text token's M-RoPE positions); padding rows (-1, or rows past
     those ``rope_positions`` gives: a decode batch [3, B, 1] in a forward of more rows) take 0."""
-    import numpy as np
-
-    from .lowering import mrope_position_input
     names = [mrope_position_input(r) for r in range(3)]
     if names[0] not in fw.inputs:
         return {}
@@ -217,9 +215,6 @@ def vision_inputs(fw: Forward, patches, meta: dict | None) -> dict:
     (``inputs.VISION_POS_INTERP``): row r holds weight ``meta["pos_w"][r, j]`` at column
     ``meta["pos_idx"][r, j]`` of each tap j. An input the forward reads that ``meta`` does not give
     is a ValueError naming it."""
-    import numpy as np
-
-    from .inputs import VISION_POS_INTERP, VISION_ROPE, vision_mask_input
     shape = fw.inputs["patches"][0]
     out = {"patches": np.asarray(patches, dtype=np.float32).reshape(shape)}
     rows = shape[2]
@@ -255,9 +250,6 @@ def image_inputs(fw: Forward, mm: dict | None) -> dict:
     ``mm_embeds`` the soft tokens ``mm["embeds"]`` at those rows, 0 elsewhere; no ``mm``: text.
     Qwen3-VL's ``mm["embeds"]`` carry the DeepStack feature sets beside the soft tokens (hidden
     features each): set k goes to ``inputs.deepstack_input(k)`` at the same rows."""
-    import numpy as np
-
-    from .inputs import deepstack_input
     shape = fw.inputs["mm_keep"][0]
     sets: list[str] = []
     while deepstack_input(len(sets)) in fw.inputs:
@@ -284,8 +276,6 @@ def prefill_host_inputs(fw: Forward, tokens, n: int, start: int, page_table, blo
     the chunk's images (``runtime.images.chunk_inputs``; an image prefill forward only): their
     soft tokens merged, the attention mask with their image blocks. ``rope_positions`` [3, 1,
     rows]: the chunk's M-RoPE positions (an M-RoPE model; None: the cache positions)."""
-    import numpy as np
-
     rows = fw.rows
     if not 0 < n <= rows:
         raise ValueError(f"chunk of {n} tokens for a prefill bucket of {rows}")
@@ -325,8 +315,6 @@ def prefill_host_inputs(fw: Forward, tokens, n: int, start: int, page_table, blo
 def prefill_inputs(fw: Forward, tokens: list[int], block_size: int) -> dict:
     """Host inputs of a prefill forward for one sequence of ``tokens`` (at most the bucket),
     from position 0, using KV blocks 0, 1, ...; greedy sampling (k = 1)."""
-    import numpy as np
-
     blocks = fw.inputs["page_table"][0][1]
     ins = prefill_host_inputs(fw, tokens, len(tokens), 0, np.arange(blocks), block_size, blocks * block_size)
     ins.update(_greedy(fw, fw.inputs["last_rows"][0][2]))
@@ -336,8 +324,6 @@ def prefill_inputs(fw: Forward, tokens: list[int], block_size: int) -> dict:
 def decode_inputs(fw: Forward, token: int, position: int) -> dict:
     """Host inputs of a decode forward: row 0 is the sequence (blocks 0, 1, ...), the other rows
     idle (position -1: nothing written, nothing attended)."""
-    import numpy as np
-
     B = fw.rows
     blocks = fw.inputs["page_table"][0][1]
     ins = {"tokens": np.zeros((1, B), np.uint32), "positions": np.zeros((1, B), np.uint32),
@@ -360,10 +346,6 @@ def verify_inputs(fw: Forward, tokens, positions, page_table) -> dict:
     row (``page_table``, read by softcapped attention, which attends every row at once);
     ``verify_pos.<j>`` holds group ``j``'s positions and ``verify_pages`` the sequences' pages
     (``inputs.verify_pos_input``)."""
-    import numpy as np
-
-    from .inputs import VERIFY_PAGES, verify_pos_input
-
     tokens, positions = np.asarray(tokens), np.asarray(positions, np.int64)
     B, K1 = tokens.shape
     R, blocks = fw.rows, fw.inputs["page_table"][0][1]
@@ -395,7 +377,6 @@ def verify_rows(fw: Forward, out, k1: int):
 
 
 def _greedy(fw: Forward, rows: int) -> dict:
-    import numpy as np
     if "top_k" not in fw.inputs:
         return {}
     return {"top_k": np.ones((rows,), np.uint32), "top_p": np.ones((rows,), np.float32),
@@ -405,8 +386,6 @@ def _greedy(fw: Forward, rows: int) -> dict:
 def generate(runner, prompt: list[int], max_new: int, block_size: int) -> list[int]:
     """Greedy tokens after ``prompt`` for one sequence: a prefill in the smallest bucket that holds
     it, then decodes in the smallest decode bucket (row 0), each as a replayed trace."""
-    import numpy as np
-
     def device_sampled(k):  # keys (phase, bucket) or (phase, bucket, sampling, start): from 0, on device
         return len(k) == 2 or (k[2] == "device" and k[3] == 0)
     pre = min((k for k in runner.forwards if k[0] == "prefill" and k[1] >= len(prompt) and device_sampled(k)),

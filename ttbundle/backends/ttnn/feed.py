@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from .calls import Attr, Call, Forward, New, T
 
 FEED_IDS = "feed.ids"  # + ".r{rows}": one per decode row count (a gather reads the rows it was written with)
@@ -96,7 +98,6 @@ def feed_index(R: int, rows=None):
     """The ``feed_rows`` input of a decode of ``R`` rows: row ``i`` keeps its written token
     (``i``) unless ``rows[i] >= 0`` (then ``R + rows[i]``: that row of the last sampled ids).
     ``rows`` None: the identity map, one array per ``R`` (so the input is written once)."""
-    import numpy as np
     if rows is None:
         if R not in _IDENTITY:
             _IDENTITY[R] = np.arange(R, dtype=np.uint32).reshape(1, 1, 1, R)

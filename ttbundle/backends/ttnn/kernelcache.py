@@ -23,6 +23,7 @@ nothing re-plans or re-lowers. Nothing of this has run here: no machine of this 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -30,6 +31,11 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ... import mockcluster
+from ...errors import TTBundleError
+from ...package.names import PackageError
+from . import handover
 
 CACHE_DIR = "kernel_cache"
 COMPILERS = ("compiler/bin/riscv-tt-elf-g++", "compiler/bin/riscv32-tt-elf-g++")
@@ -103,7 +109,6 @@ def detect(dirs: list[Path], run=subprocess.run) -> Sfpi:
 
 def ttnn_python(env: dict | None = None) -> str | None:
     """A Python with ttnn: ``TTBUNDLE_TTNN_PYTHON``, else this one if ttnn is importable."""
-    import importlib.util
     env = os.environ if env is None else env
     if env.get(PYTHON_ENV):
         return env[PYTHON_ENV]
@@ -150,9 +155,6 @@ def fill(python: str, bundle_yaml: str, programs: dict, mesh_name: str, trace_re
     present), the mesh opened with ``trace_region_size``; the files written, as manifest records.
     The programs and the package's ``bundle.yaml`` are handed over in a directory
     (``handover.write``): the filling process lowers nothing."""
-    from ... import mockcluster
-    from . import handover
-
     dest = Path(dest).absolute()
     dest.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="ttbundle-kc-") as work:
@@ -163,7 +165,6 @@ def fill(python: str, bundle_yaml: str, programs: dict, mesh_name: str, trace_re
         r = subprocess.run([python, "-m", *PROCESS, str(handed), mesh_name,
                             str(int(trace_region_size or 0))], cwd=work, env=env, capture_output=True, text=True)
         if r.returncode != 0:
-            from ...errors import TTBundleError
             raise TTBundleError(f"filling the kernel cache failed: {(r.stderr or r.stdout)[-2000:]}")
     return digest_files(dest)
 
@@ -184,8 +185,6 @@ def runtime_cache_dir(package_dir: str | Path, manifest: dict, base: str | Path 
     placeholder, a truncated copy) is replaced by a fresh copy, checked the same way: nothing a
     miss wrote outlives the run that wrote it. A manifest without a content key is refused (no
     two packages share one directory)."""
-    from ...package.names import PackageError
-
     art = manifest.get("artifacts", {}).get("kernel_cache", {})
     if not art.get("filled"):
         return None

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from . import feed, layout
 from .calls import Attr, Call, New, W, resolve
 from .device import Executor, allocate
+from .introspect import check_call
 
 BUILD_MARKERS = ("build failed", "trisc", "brisc", "ncrisc", "erisc", "sfpi", "riscv", "jit build",
                  "Failed to generate binaries", "compile")
@@ -110,7 +111,6 @@ def check_by_signature(ttnn, ex: Executor, c: Call, layer) -> list[str]:
     """Problems with collective ``c`` that ttnn's host checks would have seen had the fabric been
     up: the call's binding to the wheel's signature, then the lowering's per-device output shape
     against the arithmetic of the collective on the input ttnn holds (empty: none)."""
-    from .introspect import check_call
     problems = check_call(ttnn, c)
     if problems:
         return problems

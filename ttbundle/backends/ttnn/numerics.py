@@ -24,10 +24,12 @@ read refuses.
 from __future__ import annotations
 
 import math
+from math import erf
 
 import numpy as np
 
 from ... import layout
+from ...blockfloat import quantize_array
 
 
 class Unknown(Exception):
@@ -59,7 +61,6 @@ def as_dtype(a: np.ndarray, dtype: str | None) -> np.ndarray:
     if dtype == "bfloat16":
         return round_bf16(a)
     if dtype in ("bfloat8_b", "bfloat4_b"):
-        from ...blockfloat import quantize_array
         a = np.asarray(a, dtype=np.float32)
         return quantize_array(a, "bfp8" if dtype == "bfloat8_b" else "bfp4").reshape(a.shape)
     raise Unknown(f"dtype {dtype} is not modeled")
@@ -150,7 +151,6 @@ def _unary(f):
 def _gelu(x, fast_and_approximate_mode=False):
     if fast_and_approximate_mode:
         return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
-    from math import erf
     return 0.5 * x * (1 + np.vectorize(erf)(x / math.sqrt(2))).astype(np.float32)
 
 

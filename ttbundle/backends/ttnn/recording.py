@@ -42,9 +42,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ... import tensorbin
+from ...blockfloat import decode_array
 from ...errors import TTBundleError
 from . import numerics
-from .calls import Attr, T
+from .cache import untilize
+from .calls import Attr, T, W
 from .introspect import Opaque
 
 TRACE_API = ("begin_trace_capture", "end_trace_capture", "execute_trace", "release_trace")
@@ -604,13 +607,9 @@ _SPECIAL = {
 
 def _load_tensorbin(path) -> np.ndarray:
     """A ``.tensorbin`` host tensor's values (bf16 / f32 / ints, TILE or ROW_MAJOR, block floats)."""
-    from ... import tensorbin
-    from .cache import untilize
-
     h, data = tensorbin.read_shard(path)
     shape = tuple(h.shape)
     if h.dtype in ("bfp8", "bfp4"):
-        from ...blockfloat import decode_array
         return decode_array(data, shape, h.dtype)
     if h.dtype == "bf16":
         bits = untilize(data, shape) if h.layout == "TILE" else np.frombuffer(data, np.uint16).reshape(shape)
@@ -630,7 +629,6 @@ def populate(executor, plan, forwards) -> None:
     """Fill ``executor``'s env with fake weights (every key the forwards' calls and setup read),
     the KV cache and the constants, each a FakeTensor whose signature carries its shape and no
     value (everything computed from them is unknown)."""
-    from .calls import W
     shapes = {t.name: t.device_shape for t in plan.tensors}
     made = {c.out for fw in forwards for _, c in fw.setup}
     for fw in forwards:

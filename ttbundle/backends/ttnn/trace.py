@@ -22,8 +22,11 @@ double in tests/test_ttnn_backend.py checks the order on this exact code.
 
 from __future__ import annotations
 
+import numpy as np
+
 from .calls import Forward
 from .device import Executor, allocate, keep_names, liveness
+from .layout import ttnn_dtype, ttnn_layout
 
 STAGES = ("new", "prepared", "warm", "captured")
 
@@ -34,7 +37,6 @@ class OrderError(RuntimeError):
 
 def _dummy(name: str, shape, dtype: str):
     """Warm-up inputs: position 0, an all-zero page table, greedy sampling (k = 1, p = 1, t = 1)."""
-    import numpy as np
     fill = 1 if name in ("top_k", "top_p", "temperature") else 0
     return np.full(shape, fill, dtype={"uint32": np.uint32, "int32": np.int32, "bf16": np.float32,
                                        "f32": np.float32}[dtype])
@@ -43,7 +45,6 @@ def _dummy(name: str, shape, dtype: str):
 def allocate_state(ttnn, device, forwards) -> dict:
     """The runner's persistent state tensors (``Forward.state``), one per name for every forward
     that declares it, zero-filled on ``device``; a name declared with two specs is refused."""
-    from .layout import ttnn_dtype, ttnn_layout
     specs: dict = {}
     for fw in forwards:
         for name, spec in fw.state.items():
@@ -109,7 +110,6 @@ class TraceRunner:
         ttnn, dev = self.ttnn, self.ex.device
         specs = self._write_specs.get(key)
         if specs is None:
-            from .layout import ttnn_dtype, ttnn_layout
             specs = self._write_specs[key] = [(n, ttnn_dtype(ttnn, d), ttnn_layout(ttnn, lay))
                                               for n, (_, d, lay) in fw.inputs.items()]
         last = self._written.setdefault(key, {})
