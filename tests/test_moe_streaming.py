@@ -114,3 +114,78 @@ def test_reference_skeleton_allocates_no_parameter(tmp_path):
     assert experts and all(p.device.type == "meta" for p in m.model.parameters())
     # the largest real tensor is smaller than one expert's matrix: buffers (rotary tables) only
     assert seen.nbytes < EXPERT * 4, seen.what
+
+
+# ---- the warm-up and both sides of check: a few experts at a time -------------------------------------
+# 32 experts of [64, 160] (hidden 64, expert width 160: a shape no other weight or activation of these
+# models has); the warm-up and check compute only the experts their tokens were routed to
+MANY = {"gpt_oss": dict(num_local_experts=32, intermediate_size=160),
+        "qwen3_moe": dict(num_experts=32, moe_intermediate_size=160),
+        "deepseek_v3": dict(n_routed_experts=32, n_group=4, moe_intermediate_size=160)}
+MANY_SCHEME = {"gpt_oss": "mxfp4", "qwen3_moe": None, "deepseek_v3": "fp8-block"}
+
+
+class Experts(TorchDispatchMode):
+    """The most experts' matrices any torch op run by this thread makes at once: a new tensor
+    (not a view of an input: a memory-mapped file viewed whole and sliced reads only the slice)
+    whose last two dims are an expert matrix's (``shapes``) counts its leading elements (a stack
+    of ``E`` experts counts ``E``), whatever its dtype."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.most, self.what = set(shapes), 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(a, torch.Tensor) and a.device.type != "meta"}
+        for t in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.dim() >= 2 \
+                    and tuple(t.shape[-2:]) in self.shapes and t.untyped_storage().data_ptr() not in ins:
+                n = t.numel() // (t.shape[-1] * t.shape[-2])
+                if n > self.most:
+                    self.most, self.what = n, (str(func), tuple(t.shape), t.dtype)
+        return out
+
+
+def _many(tmp_path, family):
+    from ttbundle import reference
+
+    b = moe_tiny(family, MANY[family], default_plan=True)
+    if MANY_SCHEME[family] is None:
+        src = reference.save_random(b, tmp_path / "ck")
+    else:
+        src = write_quantized(b, tmp_path / "ck", MANY_SCHEME[family])
+    return sourced(b, src), src
+
+
+@pytest.mark.parametrize("family", sorted(MANY))
+def test_warmup_and_check_hold_a_few_experts_at_most(tmp_path, monkeypatch, family):
+    """Issue 37: the build's warm-up, check's emulated side and its two transformers sides never
+    hold more than two experts' matrices at once (a layer has 32), and the check still passes."""
+    from ttbundle import warmup
+    from ttbundle.backends.emulated import EmulatedModel
+    from ttbundle.check import check_package
+    from ttbundle import reference
+
+    H, inter = 64, 160
+    shapes = {(H, inter), (inter, H), (H, 2 * inter), (2 * inter, H)}
+    b, src = _many(tmp_path, family)
+    sides = {"warm-up": Experts(shapes), "emulated": Experts(shapes), "transformers": Experts(shapes)}
+
+    def watch(owner, attr, mode):
+        real = getattr(owner, attr)
+
+        def watched(*a, **kw):
+            with mode:
+                return real(*a, **kw)
+        monkeypatch.setattr(owner, attr, watched)
+
+    watch(warmup, "_warm", sides["warm-up"])
+    watch(EmulatedModel, "run_layer_major", sides["emulated"])
+    watch(reference.LayerwiseModel, "run_layer", sides["transformers"])
+    res = buildmod.build(b, "N150", tmp_path / "pkg", warmup=True)
+    r = check_package(res.package, src, steps=4)
+    assert r.passed, r
+    too_many = {side: (mode.most, mode.what) for side, mode in sides.items() if not 1 <= mode.most <= 2}
+    assert not too_many, too_many

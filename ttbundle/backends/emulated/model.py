@@ -28,6 +28,7 @@ from .kernel_table import KERNELS
 from .kernels import Ctx, _writes, rms_norm, softcap
 from .lazy import LazyWeights, _packed_names
 from .meshops import MeshOps
+from .moe_kernels import ROUTE
 from .replication import Classes, Replication, Varies, drops
 from .state import KVCache, Stages, kv_store
 
@@ -382,7 +383,10 @@ class EmulatedModel:
                 y, y_v = self._once(lambda w, c, x: self._norm(x, st.w, layer, w), [acts[st.ins[0].name]],
                                     v(st.ins[0].name), ctx, layer)
             elif op is Op.MATMUL:  # each device's own rows: a Classes input as every device's copy
-                y = self._linear(_full(acts[st.ins[0].name]), st, layer)
+                if self._is_experts(st.w) and ROUTE in acts:  # only the routed (token, expert) pairs
+                    y = self._experts(_full(acts[st.ins[0].name]), st, layer, _full(acts[ROUTE]))
+                else:
+                    y = self._linear(_full(acts[st.ins[0].name]), st, layer)
                 y_v = v(st.ins[0].name) | self._varies(st.w, layer)
             elif op is Op.LOCAL:
                 fn = self.kernels.get(st.kernel)
@@ -435,8 +439,11 @@ class EmulatedModel:
     def _varies(self, name: str, layer) -> frozenset:
         """The mesh axes weight ``name`` varies over: where its held shards differ, or its spec
         splits it (a matmul's device takes its slice of the input along those)."""
-        W = self._held(name, layer)
-        group = W.group if isinstance(W, gemm.Packed) else gemm.shards_of(W)[1]
+        if self.lazy is not None and self._is_experts(name):  # an expert stack is never read whole
+            group = self.lazy.group(name, None if self.decls[name].layers is None else layer)
+        else:
+            W = self._held(name, layer)
+            group = W.group if isinstance(W, gemm.Packed) else gemm.shards_of(W)[1]
         split = frozenset(a for dim in range(len(self.refs[name].spec)) for a in self._split(name, dim))
         return self.rep.of_group(group) | split
 
@@ -562,6 +569,68 @@ class EmulatedModel:
         y = rms_norm(x if n is None else x[..., :n], w, eps, self.traits.get("norm_offset", 0.0),
                      self.traits.get("norm_weight_fp32", False))
         return y if n is None else torch.cat([y, x[..., n:]], dim=-1)
+
+    def _is_experts(self, name: str) -> bool:
+        """Whether matmul weight ``name`` is an expert stack (per device ``[E_local, K, N]``)."""
+        ref = self.refs.get(name)
+        return ref is not None and len(ref.device_shape) == 3
+
+    def _experts(self, x, st, layer, route):
+        """An expert stack's matmul on the (token, expert) pairs the router chose, as transformers'
+        experts loop over the experts hit: ``x`` [D, T, K] (every expert reads the token) or
+        [D, T, E_local, K] (each expert its own row) -> [D, T, E_local, N], zeros where ``route``
+        [D, T, E] (each device's routing weights, nonzero = chosen) leaves a pair out (the
+        Combine weights those by 0). Each local expert's matrix is taken from its distinct shard
+        once per call and dropped after its product: a lazy model reads and decodes that one
+        expert from the package (``LazyWeights.expert``), so a MoE layer holds one expert's
+        matrix at a time, never the layer's stack (issue 37)."""
+        name = st.w
+        t = self.decls[name]
+        lyr = None if t.layers is None else layer
+        x_spec = st.ins[0].spec
+        k_axes = self._split(name, len(t.dims) - 2)
+        if k_axes and not x_spec[-1]:  # a replicated contraction dim meets a split weight
+            x = self.ops.take(x, x.dim() - 1, self.ops.shard_positions(t.dims[-2], k_axes, self.policy))
+        if x.dim() == 4:
+            e_axes = self._split(name, 0)
+            if e_axes and not x_spec[0]:
+                x = self.ops.take(x, 2, self.ops.shard_positions(t.dims[0], e_axes, self.policy))
+        mine = self.units(name, 0).tolist()  # [D][E_local] global expert ids (-1: padding)
+        D, T = x.shape[:2]
+        n_local, N = self.refs[name].device_shape[0], self.refs[name].device_shape[-1]
+        if self.lazy is not None:
+            group = self.lazy.group(name, lyr)
+
+            def matrix(g, j):
+                return self.lazy.expert(name, lyr, g, j)
+        else:
+            distinct, group = gemm.shards_of(self._held(name, layer))
+
+            def matrix(g, j):
+                return distinct[g, j]
+        chosen = route != 0
+        out = x.new_zeros(D, T, n_local, N)
+        members: dict = {}
+        for d, g in enumerate(group):
+            members.setdefault(g, []).append(d)
+        for j in range(n_local):
+            for g, devs in members.items():
+                W = None
+                for d in devs:
+                    e = mine[d][j]
+                    if e < 0:
+                        continue
+                    rows = chosen[d, :, e].nonzero().flatten()
+                    if rows.numel() == 0:
+                        continue
+                    if W is None:
+                        W = matrix(g, j).to(x.dtype)
+                    xs = x[d].index_select(0, rows)
+                    if x.dim() == 4:
+                        xs = xs[:, j]
+                    out[d, rows, j] = xs @ W
+                W = None
+        return out
 
     def _linear(self, x, st, layer):
         name = st.w
