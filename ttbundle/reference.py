@@ -581,9 +581,9 @@ class _StreamedExperts:
 
         lm = self.lm
         if lm.weights is not None:
-            x = lm.weights(key)
-            if x is not None:  # stored values (bf16 exactly): the rows of this expert
-                return x[e:e + 1].to(self._torch.bfloat16)
+            x = lm.weights.expert(key, e)
+            if x is not None:  # stored values (bf16 exactly): this expert's rows
+                return x.to(self._torch.bfloat16)
         f = lm.where[key][0]
         if f is None:  # decoded / merged: only this expert's rows decoded
             return lm.ck.get_rows(key, e, e + 1)
@@ -604,7 +604,7 @@ class _StreamedExperts:
             elif x == e:  # renumbered: this expert is the one-expert module's expert 0
                 parts = k.split(".")
                 i = max(j for j, p in enumerate(parts) if p.isdigit())
-                x = lm.weights(k) if lm.weights is not None else None
+                x = lm.weights.expert(k, e) if lm.weights is not None else None
                 # stored values (bf16 exactly), or the checkpoint's tensor as its format decodes it
                 x = lm.ck.get(k) if x is None else x.to(torch.bfloat16)
                 sd[".".join(parts[:i] + ["0"] + parts[i + 1:])] = x
