@@ -208,6 +208,9 @@ class LayerwiseModel:
     safetensors through transformers' own key renamings and weight conversions (those that
     fuse MoE experts in memory), rounded to bf16 (:func:`round_to_bf16`) and freed after.
 
+    A routed-experts module is never loaded whole: :meth:`run_layer` runs its own eager forward
+    with one expert's parameters loaded at a time (:class:`_StreamedExperts`).
+
     :meth:`record` runs the model's own forward over a token sequence with every decoder layer
     replaced by a recorder of its arguments (masks of each attention type, position embeddings,
     M-RoPE positions ...), holding only the rows of the embedding the sequence uses (and the
@@ -227,7 +230,8 @@ class LayerwiseModel:
         self.kv_storage = kv_storage
         #: ``weights(key)``: the tensor to load for checkpoint ``key`` instead of the file's, or
         #: None (``check``'s expected run: the checkpoint as a package stores it); its
-        #: ``lm_head_bands()`` the LM head's bands likewise
+        #: ``lm_head_bands()`` the LM head's bands and ``expert(key, e)`` one routed expert's
+        #: part of ``key`` likewise (``check.expected.ExpectedWeights``)
         self.weights = weights
 
         # the checkpoint as its format decodes it (``formats``), LoRA ``adapters`` merged: what
