@@ -114,3 +114,148 @@ def test_reference_skeleton_allocates_no_parameter(tmp_path):
     assert experts and all(p.device.type == "meta" for p in m.model.parameters())
     # the largest real tensor is smaller than one expert's matrix: buffers (rotary tables) only
     assert seen.nbytes < EXPERT * 4, seen.what
+
+
+# ---- the warm-up and both sides of check: a few experts at a time -------------------------------------
+# 32 experts of [64, 160] (hidden 64, expert width 160: a shape no other weight or activation of these
+# models has); the warm-up and check compute only the experts their tokens were routed to
+MANY = {"gpt_oss": dict(num_local_experts=32, intermediate_size=160),
+        "qwen3_moe": dict(num_experts=32, moe_intermediate_size=160),
+        "deepseek_v3": dict(n_routed_experts=32, n_group=4, moe_intermediate_size=160)}
+MANY_SCHEME = {"gpt_oss": "mxfp4", "qwen3_moe": None, "deepseek_v3": "fp8-block"}
+
+
+class Experts(TorchDispatchMode):
+    """The most experts' matrices any torch op run by this thread makes, or any matrix product
+    reads, at once: a tensor whose last two dims are an expert matrix's (``shapes``) counts its
+    leading elements (a stack of ``E`` experts counts ``E``), whatever its dtype. An op's view of
+    its input is not counted (a memory-mapped file viewed whole and sliced reads only the slice)."""
+
+    def __init__(self, shapes):
+        super().__init__()
+        self.shapes, self.most, self.what = set(shapes), 0, None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ins = [a for a in torch.utils._pytree.tree_leaves((args, kwargs))
+               if isinstance(a, torch.Tensor) and a.device.type != "meta"]
+        ptrs = {a.untyped_storage().data_ptr() for a in ins}
+        outs = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
+                if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.untyped_storage().data_ptr() not in ptrs]
+        # what an op makes, and what a product reads (a matrix decoded outside torch: block floats)
+        for t in outs + (ins if func in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default) else []):
+            if t.dim() >= 2 and tuple(t.shape[-2:]) in self.shapes:
+                n = t.numel() // (t.shape[-1] * t.shape[-2])
+                if n > self.most:
+                    self.most, self.what = n, (str(func), tuple(t.shape), t.dtype)
+        return out
+
+
+def _many(tmp_path, family, experts="bf16"):
+    from ttbundle import reference
+
+    b = moe_tiny(family, MANY[family], default_plan=True)
+    if MANY_SCHEME[family] is None:
+        src = reference.save_random(b, tmp_path / "ck")
+    else:
+        src = write_quantized(b, tmp_path / "ck", MANY_SCHEME[family])
+    b = sourced(b, src)
+    s = b.spec
+    w = s.weights.model_copy(update={"dtypes": specmod.DtypePolicy(default="bf16", experts=experts)})
+    return dataclasses.replace(b, spec=s.model_copy(update={"weights": w})), src
+
+
+@pytest.mark.parametrize("family,mesh,experts", [
+    *((f, "N150", "bf16") for f in sorted(MANY)),
+    pytest.param("gpt_oss", "T3K", "bfp8", marks=pytest.mark.slow),
+    pytest.param("deepseek_v3", "N300", "bfp8", marks=pytest.mark.slow)])
+def test_warmup_and_check_hold_a_few_experts_at_most(tmp_path, monkeypatch, family, mesh, experts):
+    """Issue 37: the build's warm-up, check's emulated side and its two transformers sides (the
+    expected one reading block-float experts as stored: ``ExpectedWeights.expert``) never hold
+    more than two experts' matrices at once (a layer has 32), and the check still passes."""
+    from ttbundle import warmup
+    from ttbundle.backends.emulated import EmulatedModel
+    from ttbundle.check import check_package
+    from ttbundle import reference
+
+    H, inter = 64, 160
+    shapes = {(H, inter), (inter, H), (H, 2 * inter), (2 * inter, H)}
+    b, src = _many(tmp_path, family, experts)
+    sides = {"warm-up": Experts(shapes), "emulated": Experts(shapes), "transformers": Experts(shapes)}
+
+    def watch(owner, attr, mode):
+        real = getattr(owner, attr)
+
+        def watched(*a, **kw):
+            with mode:
+                return real(*a, **kw)
+        monkeypatch.setattr(owner, attr, watched)
+
+    watch(warmup, "_warm", sides["warm-up"])
+    watch(EmulatedModel, "run_layer_major", sides["emulated"])
+    watch(reference.LayerwiseModel, "run_layer", sides["transformers"])
+    res = buildmod.build(b, mesh, tmp_path / "pkg", warmup=True)
+    r = check_package(res.package, src, steps=4)
+    assert r.passed, r
+    too_many = {side: (mode.most, mode.what) for side, mode in sides.items() if not 1 <= mode.most <= 2}
+    assert not too_many, too_many
+
+
+@pytest.mark.parametrize("family,mesh", [("gpt_oss", "T3K"), ("deepseek_v3", "N150")])
+def test_expected_experts_one_at_a_time_equal_the_whole_stack(tmp_path, family, mesh):
+    """check's expected side reads a block-float expert stack one expert at a time
+    (``ExpectedWeights.expert``): each expert's values equal that expert of the whole-stack
+    computation (``ExpectedWeights(key)``, the path every other tensor takes), MXFP4 / FP8
+    decoding and bfp8 tile rounding included."""
+    from ttbundle.check.expected import ExpectedWeights
+    from ttbundle.package.load import load_package
+
+    b = _bundle(tmp_path, family, experts="bfp8")
+    res = buildmod.build(b, mesh, tmp_path / "pkg", warmup=False)
+    ew = ExpectedWeights(load_package(res.package), b.spec.weights.source)
+    keys = [k for k, jobs in ew.by_key.items() if any(ew.decls[n].group == "experts" for n, _, _ in jobs)]
+    assert keys
+    for k in keys:
+        whole = ExpectedWeights(load_package(res.package), b.spec.weights.source)(k)
+        nums = [int(p) for p in k.split(".") if p.isdigit()]
+        if len(nums) >= 2:  # a per-expert key (DeepSeek): model.layers.L.mlp.experts.E....
+            assert torch.equal(ew.expert(k, nums[-1]), whole), k
+        else:  # stacked over the experts (GPT-OSS)
+            assert whole.shape[0] == 16
+            for e in range(16):
+                assert torch.equal(ew.expert(k, e), whole[e:e + 1]), (k, e)
+
+
+@pytest.mark.parametrize("family,mesh", [("gpt_oss", "T3K"), ("qwen3_moe", "N150")])
+def test_experts_over_a_band_of_tokens_at_a_time_compute_the_same(tmp_path, monkeypatch, family, mesh):
+    """A long call's routed experts run a band of tokens at a time (their ``[D, T, E_local, N]``
+    activations over ``MOE_ACT_BYTES``: gpt-oss-120b's 1,024-token prefill held 3 GB each): the
+    warm-up's logits of every program equal those of the whole call at once."""
+    from ttbundle import warmref
+    from ttbundle.backends.emulated import model as emodel
+    from ttbundle.package.load import load_package
+    from ttbundle.warmup import stage_model
+
+    from ttbundle import reference
+
+    b = moe_tiny(family, default_plan=True)
+    src = reference.save_random(b, tmp_path / "ck")
+    b = sourced(b, src)
+    res = buildmod.build(b, mesh, tmp_path / "pkg", warmup=False)
+    pkg = load_package(res.package)
+    todo = sorted(k for k in pkg.programs if k[0] != "vision")
+    whole = warmref.run(stage_model(pkg, "float32", todo), b, todo)
+    bands = []
+    real = emodel.EmulatedModel._moe_segment
+
+    def seg(self, steps, i, acts):
+        r = real(self, steps, i, acts)
+        if r is not None:
+            bands.append(r[1])
+        return r
+    monkeypatch.setattr(emodel, "MOE_ACT_BYTES", 3 * 4 * 64 * 8)  # 3 tokens of 8 experts x 64 (T3K: 1 expert)
+    monkeypatch.setattr(emodel.EmulatedModel, "_moe_segment", seg)
+    banded = warmref.run(stage_model(pkg, "float32", todo), b, todo)
+    assert bands and max(bands) >= 3
+    for k in todo:
+        torch.testing.assert_close(banded[k][0], whole[k][0], rtol=1e-5, atol=1e-5 * float(whole[k][0].abs().max()))

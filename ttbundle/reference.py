@@ -208,6 +208,9 @@ class LayerwiseModel:
     safetensors through transformers' own key renamings and weight conversions (those that
     fuse MoE experts in memory), rounded to bf16 (:func:`round_to_bf16`) and freed after.
 
+    A routed-experts module is never loaded whole: :meth:`run_layer` runs its own eager forward
+    with one expert's parameters loaded at a time (:class:`_StreamedExperts`).
+
     :meth:`record` runs the model's own forward over a token sequence with every decoder layer
     replaced by a recorder of its arguments (masks of each attention type, position embeddings,
     M-RoPE positions ...), holding only the rows of the embedding the sequence uses (and the
@@ -227,7 +230,8 @@ class LayerwiseModel:
         self.kv_storage = kv_storage
         #: ``weights(key)``: the tensor to load for checkpoint ``key`` instead of the file's, or
         #: None (``check``'s expected run: the checkpoint as a package stores it); its
-        #: ``lm_head_bands()`` the LM head's bands likewise
+        #: ``lm_head_bands()`` the LM head's bands and ``expert(key, e)`` one routed expert's
+        #: part of ``key`` likewise (``check.expected.ExpectedWeights``)
         self.weights = weights
 
         # the checkpoint as its format decodes it (``formats``), LoRA ``adapters`` merged: what
@@ -275,18 +279,17 @@ class LayerwiseModel:
     def _keys(self, prefix: str) -> list:
         return [k for k, (_, r) in self.where.items() if r == prefix or r.startswith(prefix + ".")]
 
-    def load(self, prefix: str, keys: list | None = None) -> None:
+    def load(self, prefix: str, keys: list | None = None, exclude=frozenset()) -> None:
         """Materialize the parameters under module ``prefix`` from the checkpoint, rounded to
-        bf16: the tensors that load under it, or ``keys`` (then unchecked: the parts outside the
-        decoder, which a text-only prompt leaves on the meta device)."""
+        bf16: the tensors that load under it (less ``exclude``: streamed experts'), or ``keys``
+        (then unchecked: the parts outside the decoder, which a text-only prompt leaves on the
+        meta device)."""
         import torch
         from safetensors import safe_open
-        from transformers.core_model_loading import convert_and_load_state_dict_in_model
-        from transformers.modeling_utils import LoadStateDictConfig
 
         module = self.model.get_submodule(prefix)
         check = keys is None
-        keys = self._keys(prefix) if keys is None else keys
+        keys = [k for k in self._keys(prefix) if k not in exclude] if keys is None else keys
         handles = {}
         try:
             sd = {}
@@ -302,10 +305,7 @@ class LayerwiseModel:
                     x = self.weights(k)
                     if x is not None:  # stored values: each exactly a bf16 value
                         sd[k] = x.to(torch.bfloat16)
-            exact = all((x.dtype == torch.bfloat16) if isinstance(x, torch.Tensor) else x.get_dtype() == "BF16"
-                        for x in sd.values())  # bf16 values already
-            convert_and_load_state_dict_in_model(
-                self.model, sd, LoadStateDictConfig(dtype=None, weight_mapping=self._conversions()))
+            exact = self._convert(sd)
         finally:
             sd = None
             handles.clear()  # their mmaps go with them
@@ -316,6 +316,32 @@ class LayerwiseModel:
         if not exact:
             round_to_bf16(module)
         _apply_real(module, self.dtype, self.device)
+
+    def _convert(self, sd: dict) -> bool:
+        """``sd`` (checkpoint keys -> tensors or safetensors slices) loaded into the model through
+        transformers' own renamings and conversions; whether its values were all bf16 already."""
+        import torch
+        from transformers.core_model_loading import convert_and_load_state_dict_in_model
+        from transformers.modeling_utils import LoadStateDictConfig
+
+        exact = all((x.dtype == torch.bfloat16) if isinstance(x, torch.Tensor) else x.get_dtype() == "BF16"
+                    for x in sd.values())  # bf16 values already
+        convert_and_load_state_dict_in_model(
+            self.model, sd, LoadStateDictConfig(dtype=None, weight_mapping=self._conversions()))
+        return exact
+
+    def _expert_modules(self, prefix: str) -> list:
+        """The routed-expert modules under ``prefix`` as :class:`_StreamedExperts` (not yet
+        installed): modules with a ``num_experts`` and a 3-D parameter stacked over it (the fused
+        ``gate_up_proj`` / ``down_proj`` of every MoE family transformers writes)."""
+        out = []
+        for n, m in self.model.get_submodule(prefix).named_modules():
+            E = getattr(m, "num_experts", None)
+            ps = {pn: p for pn, p in m._parameters.items() if p is not None and p.dim() >= 1 and p.shape[0] == E}
+            if isinstance(E, int) and any(p.dim() >= 3 for p in ps.values()):
+                name = f"{prefix}.{n}" if n else prefix
+                out.append(_StreamedExperts(self, name, m, ps, self._keys(name)))
+        return out
 
     def free(self, prefix: str) -> None:
         """Back to the meta device: the memory of the module's parameters is released."""
@@ -424,7 +450,17 @@ class LayerwiseModel:
         import torch
 
         prefix = f"{self.layers_name}.{i}"
-        self.load(prefix)
+        # routed experts: one expert read, converted and held at a time (as the eager experts loop
+        # reaches it), never the layer's stack (issue 37)
+        streamed = self._expert_modules(prefix)
+        for ex in streamed:
+            ex.install()
+        try:
+            self.load(prefix, exclude={k for ex in streamed for k in ex.keys})
+        except BaseException:
+            for ex in streamed:
+                ex.remove()
+            raise
         try:
             cache = kv_cache(self.model, self.kv_storage)
             out, a = [], 0
@@ -444,6 +480,8 @@ class LayerwiseModel:
                 raise RuntimeError(f"layer {i}: the recorded calls cover {a} of {h.shape[1]} positions")
             return torch.cat(out, dim=1)
         finally:
+            for ex in streamed:
+                ex.remove()
             self.free(prefix)
 
     def head(self, h):
@@ -494,6 +532,107 @@ class LayerwiseModel:
             if cap:
                 logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+class _Rows:
+    """Stands in for a fused expert parameter ``[E, ...]`` in an experts module's eager forward,
+    which reads it as ``param[expert_idx]``: that expert's slice, loaded on demand."""
+
+    def __init__(self, owner: "_StreamedExperts", name: str):
+        self.owner, self.name = owner, name
+
+    def __getitem__(self, idx):
+        return self.owner.expert(int(idx))[self.name]
+
+
+class _StreamedExperts:
+    """A routed-experts module of one decoder layer run with its experts read one at a time:
+    its fused parameters replaced by :class:`_Rows` (the module's own forward, its router and
+    its routing unchanged), each expert's checkpoint tensors (a per-expert key, or rows of a
+    stacked one: ``Checkpoint.get_rows`` decodes MXFP4 / FP8 for those rows only) loaded through
+    transformers' own renamings and conversions into one-expert parameters, rounded as a whole
+    layer's load rounds them, and held until the forward asks for another expert."""
+
+    def __init__(self, lm: "LayerwiseModel", name: str, module, params: dict, keys: list):
+        self.lm, self.name, self.module = lm, name, module
+        self.shapes = {n: tuple(p.shape) for n, p in params.items()}
+        self.keys = list(keys)
+        self.E = module.num_experts
+        self.current, self.e = None, None
+
+    def install(self) -> None:
+        import torch
+        for n in self.shapes:
+            self.module._parameters.pop(n, None)
+            object.__setattr__(self.module, n, _Rows(self, n))
+        self._torch = torch
+
+    def remove(self) -> None:
+        import torch
+        for n, shape in self.shapes.items():
+            self.module.__dict__.pop(n, None)
+            self.module._parameters[n] = torch.nn.Parameter(torch.empty(shape, device="meta"), requires_grad=False)
+        self.current, self.e = None, None
+
+    def _expert_of(self, key: str):
+        """The expert a per-expert checkpoint key holds (its last numeric component after the
+        layer's), or None for a tensor stacked over every expert."""
+        nums = [int(p) for p in key.split(".") if p.isdigit()]
+        return nums[-1] if len(nums) >= 2 else None
+
+    def _rows(self, key: str, e: int):
+        from safetensors import safe_open
+
+        lm = self.lm
+        if lm.weights is not None:
+            x = lm.weights.expert(key, e)
+            if x is not None:  # stored values (bf16 exactly): this expert's rows
+                return x.to(self._torch.bfloat16)
+        f = lm.where[key][0]
+        if f is None:  # decoded / merged: only this expert's rows decoded
+            return lm.ck.get_rows(key, e, e + 1)
+        with safe_open(str(f), framework="pt") as h:
+            return h.get_slice(key)[e:e + 1]
+
+    def expert(self, e: int) -> dict:
+        """Expert ``e``'s parameters (each the fused parameter's slice ``[e]``)."""
+        if self.e == e:
+            return self.current
+        torch, lm = self._torch, self.lm
+        self.current = None
+        sd = {}
+        for k in self.keys:
+            x = self._expert_of(k)
+            if x is None:
+                sd[k] = self._rows(k, e)
+            elif x == e:  # renumbered: this expert is the one-expert module's expert 0
+                parts = k.split(".")
+                i = max(j for j, p in enumerate(parts) if p.isdigit())
+                x = lm.weights.expert(k, e) if lm.weights is not None else None
+                # stored values (bf16 exactly), or the checkpoint's tensor as its format decodes it
+                x = lm.ck.get(k) if x is None else x.to(torch.bfloat16)
+                sd[".".join(parts[:i] + ["0"] + parts[i + 1:])] = x
+        m = self.module
+        for n, shape in self.shapes.items():
+            m.__dict__.pop(n, None)
+            m._parameters[n] = torch.nn.Parameter(torch.empty((1, *shape[1:]), device="meta"), requires_grad=False)
+        try:
+            exact = lm._convert(sd)
+            sd = None
+            missing = [n for n in self.shapes if m._parameters[n].device.type == "meta"]
+            if missing:
+                raise InvalidInput(f"{lm.dir}: the checkpoint has no tensors for {self.name}.{missing[0]} "
+                                   f"of expert {e}")
+            if not exact:
+                round_to_bf16(m)
+            _apply_real(m, lm.dtype, lm.device)
+            self.current = {n: m._parameters[n][0] for n in self.shapes}
+        finally:
+            for n in self.shapes:
+                m._parameters.pop(n, None)
+                object.__setattr__(m, n, _Rows(self, n))
+        self.e = e
+        return self.current
 
 
 #: the key of a recorded call's DeepStack addition (``_record_deepstack``)

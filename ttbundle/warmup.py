@@ -19,7 +19,8 @@ through the embedding, layer 0, ..., the head together (``EmulatedModel.run_laye
 model that reads one tensor of one layer at a time from the package's memory-mapped files into
 its compute dtype, in bands (:func:`stage_model`), and drops them (mappings included) after each
 stage: each layer's weights are read and decoded once for all programs, and the warm-up holds
-one stage's weights, at most the largest tensor in float32, whatever the depth.
+one stage's weights, at most the largest tensor in float32, whatever the depth (a routed-expert
+stack one expert at a time: ``EmulatedModel._experts``).
 
 **Reference** (format :data:`FORMAT`, ``warmup/<phase>-<bucket>.json``, listed with its sha256 in
 the manifest): recorded in float32 only, from the stored values (bf16, or block-float tiles as

@@ -169,6 +169,41 @@ class ExpectedWeights:
             if k in self.by_key:
                 self._cache[k] = t
 
+    def expert(self, key: str, e: int):
+        """Expert ``e``'s part of checkpoint ``key`` as the package stores it (float32, the
+        checkpoint's layout: rows ``[e:e + 1]`` of a tensor stacked over the experts, or the
+        whole of a per-expert key), or None where it is stored bf16; only that expert is read,
+        decoded (``Checkpoint.get_rows``) and rounded: a routed-expert stack is never whole
+        (issue 37). Rounding is per expert matrix (a block-float tile never spans two experts),
+        cut as each device holding the expert cuts it."""
+        if key not in self.by_key:
+            return None
+        acc: dict = {}
+        for name, layer, srcs in self.by_key[key]:
+            tf = self.table[name].transform
+            decl = self.decls[name]
+
+            def one(pat, ks):
+                k = ks[e] if "{e}" in pat else ks[0]
+                x = acc.get(k)
+                if x is None:
+                    x = (self.ck.get(k)[None] if "{e}" in pat else self.ck.get_rows(k, e, e + 1)).float()
+                return x
+            parts = [one(pat, ks) for pat, ks in srcs]
+            c = transforms.apply(tf, parts, self.arch).float()  # [1, *one expert's canonical]
+            units = self.weights.units[name]
+            holders = [d for d in range(self.devices) if e in units[0][d]]
+            if len(units[0][0]) and decl.dims[0].unit != 1:
+                raise RuntimeError(f"{name}: experts in units of {decl.dims[0].unit}")
+            per = [[[0] for _ in holders]] + [[u[d] for d in holders] for u in units[1:]]
+            q = stored_values(c, per, (replace(decl.dims[0], size=1),) + tuple(decl.dims[1:]), len(holders),
+                              self.weights.dtypes[name])
+            for (pat, ks), b in zip(srcs, INVERSES[tf](q, parts)):
+                k = ks[e] if "{e}" in pat else ks[0]
+                acc[k] = b
+        stacked = any(key == ks[0] and "{e}" not in pat for _, _, srcs in self.by_key[key] for pat, ks in srcs)
+        return (acc[key] if stacked else acc[key][0]).contiguous()  # acc: [1, ...] per key
+
     #: rows of the LM head's ``[hidden, vocab]`` canonical tensor rounded at a time
     #: (:meth:`lm_head_bands`): a block-float tile row's exponents do not reach across rows, so
     #: a band of whole rows rounds as the whole tensor does (bounded memory for a 128k vocabulary)

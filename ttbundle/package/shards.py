@@ -169,6 +169,37 @@ class PackageWeights:
             _decode_into(handles[s], key, metas[s][key], out[i])
         return held_as(out.to(device), [firsts.index(s) for s in src])
 
+    def distinct(self, name: str, layer: int | None = None) -> tuple[int, ...]:
+        """Per device, the index of its shard of ``name`` (of ``layer``) among the distinct
+        stored ones (what :meth:`stack`'s ``held_as`` groups by), without reading any."""
+        handles, _ = self._open()
+        key = tensor_key(name, layer)
+        src = [self.source(d, key) for d in range(len(handles))]
+        firsts = list(dict.fromkeys(src))
+        return tuple(firsts.index(s) for s in src)
+
+    def expert(self, name: str, layer: int | None, g: int, j: int, dtype=None):
+        """Slice ``j`` along the first (expert) dim of distinct stored shard ``g`` (numbered as
+        :meth:`distinct` numbers them) of ``name``: one expert's ``[*local[1:]]`` read and
+        decoded alone (bf16 rows, or that expert's block-float tiles: ``blockfloat.row_band``),
+        never the device's expert stack (issue 37: a check holds a few experts, not a layer's)."""
+        import torch
+
+        handles, metas = self._open()
+        key = tensor_key(name, layer)
+        firsts = list(dict.fromkeys(self.source(d, key) for d in range(len(handles))))
+        s = firsts[g]
+        info = metas[s][key]
+        shape = [int(x) for x in info["shape"]]
+        sl = handles[s].get_slice(key)
+        if info.get("encoding", "bf16") == "bf16":
+            t = _decode(sl[j:j + 1], info)[0]
+        else:
+            h, w = shape[-2], shape[-1]
+            a, z = blockfloat.row_band(shape, info["encoding"], j, 0, h)
+            t = _decode(sl[a:z], {**info, "shape": [h, w]})
+        return t.to(dtype or torch.float32).contiguous()
+
     def layers_of(self, name: str) -> list:
         """``[None]`` for a global tensor, else the layer indices it has."""
         t = self.decls[name]

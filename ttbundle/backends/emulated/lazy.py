@@ -50,6 +50,16 @@ class LazyWeights:
             self.held[key] = W
         return W
 
+    def group(self, name: str, layer: int | None) -> tuple[int, ...]:
+        """Per device, the index of its distinct stored shard of ``name`` (nothing read)."""
+        return self.source.distinct(name, layer)
+
+    def expert(self, name: str, layer: int | None, g: int, j: int):
+        """Expert ``j`` (local index) of distinct shard ``g`` of an expert stack, read and decoded
+        alone into the compute dtype, not held: the caller drops it after its product, so a MoE
+        layer holds one expert's matrix at a time (``EmulatedModel._experts``)."""
+        return self.source.expert(name, layer, g, j, self._dtype).to(self._device)
+
     def release(self) -> None:
         """Drop what was read, and close the package's files, so the pages mapped for one stage
         leave the process with it."""

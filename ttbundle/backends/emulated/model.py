@@ -28,8 +28,15 @@ from .kernel_table import KERNELS
 from .kernels import Ctx, _writes, rms_norm, softcap
 from .lazy import LazyWeights, _packed_names
 from .meshops import MeshOps
+from .moe_kernels import ROUTE
 from .replication import Classes, Replication, Varies, drops
 from .state import KVCache, Stages, kv_store
+
+
+#: bytes of one routed-expert activation ``[D, T, E_local, N]`` (float32) above which a call's
+#: experts run a band of tokens at a time (``EmulatedModel._moe_segment``): a 1,024-token prefill
+#: of gpt-oss-120b's 128 experts would otherwise hold 3 GB per activation
+MOE_ACT_BYTES = 256 << 20
 
 
 class ProgramMismatch(RuntimeError):
@@ -353,76 +360,133 @@ class EmulatedModel:
         residual add whose inputs and weights are alike on several devices runs on one device of
         each class and shares the result; collectives run as written. Each activation is dropped
         right after its last read (``replication.drops``), except ``keep``."""
-        ops, rep = self.ops, self.rep
         var = {} if var is None else var
+        dead = self._dead(steps, keep)
+        result = None
+        i = 0
+        while i < len(steps):
+            seg = self._moe_segment(steps, i, acts)
+            if seg is None:
+                r = self._step(program, kind, i, steps[i], acts, layer, ctx, var, dead)
+                result = r if r is not None else result
+                i += 1
+                continue
+            # the routed experts over a long call: the steps from the first expert matmul to the
+            # Combine run on a band of tokens at a time (each token's experts are its own), so
+            # their [D, T, E_local, ...] activations stay under MOE_ACT_BYTES
+            end, band = seg
+            T = _full(acts[steps[i].ins[0].name]).shape[1]
+            outs = []
+            for t0 in range(0, T, band):
+                sub, sv = dict(acts), dict(var)
+                for name in (steps[i].ins[0].name, ROUTE):
+                    sub[name] = _full(acts[name])[:, t0:t0 + band]
+                for j in range(i, end + 1):
+                    self._step(program, kind, j, steps[j], sub, layer, ctx, sv, dead)
+                outs.append(_full(sub[steps[end].out.name]))
+                var[steps[end].out.name] = sv[steps[end].out.name]
+            acts[steps[end].out.name] = torch.cat(outs, dim=1)
+            for j in range(i, end + 1):
+                for name in dead[j]:
+                    acts.pop(name, None)
+                    var.pop(name, None)
+            i = end + 1
+        for name in keep:  # what the caller reads: every device's copy
+            if isinstance(acts.get(name), Classes):
+                acts[name] = acts[name].full()
+        return result
+
+    def _moe_segment(self, steps, i: int, acts: dict):
+        """Where step ``i`` is a routed-expert matmul on the tokens (``[D, T, K]``) whose expert
+        activations ``[D, T, E_local, N]`` would exceed :data:`MOE_ACT_BYTES`: (the index of the
+        Combine that ends its experts' steps, the tokens per band); else None."""
+        st = steps[i]
+        if st.op is not Op.MATMUL or not self._is_experts(st.w) or ROUTE not in acts:
+            return None
+        x = acts.get(st.ins[0].name)
+        if x is None or len(x.shape) != 3:
+            return None
+        end = next((j for j in range(i + 1, len(steps)) if steps[j].op is Op.COMBINE), None)
+        if end is None:
+            return None
+        D, T = x.shape[0], x.shape[1]
+        widest = max(math.prod(self.refs[s.w].device_shape[::2]) for s in steps[i:end]
+                     if s.op is Op.MATMUL and self._is_experts(s.w))  # E_local * N
+        per_token = D * widest * 4
+        if T * per_token <= MOE_ACT_BYTES or T < 2:
+            return None
+        return end, max(1, MOE_ACT_BYTES // per_token)
+
+    def _step(self, program: Program, kind: str, i: int, st, acts: dict, layer, ctx: Ctx, var: dict, dead):
+        """Step ``i`` of a layer program on ``acts`` (:meth:`_run`); the logits of a LOGITS step,
+        else None."""
+        ops, rep = self.ops, self.rep
 
         def v(name):
             return var.get(name, rep.all)
 
-        dead = self._dead(steps, keep)
         result = None
-        for i, st in enumerate(steps):
-            op = st.op
-            out = st.out.name if st.out is not None else None
-            if op is Op.ALL_REDUCE or op is Op.ALL_GATHER:
-                x = _full(acts[st.act])
-                out, y_v = st.act, rep.after_collective(v(st.act), st.axes)
-                # only the representatives' results of what the collective leaves alike (rep.spread)
-                sl = rep.reps(y_v)
-                y = (ops.all_reduce(x, st.axes, sl) if op is Op.ALL_REDUCE
-                     else ops.all_gather(x, st.axes, st.dim + 1, st.feature, self.policy, sl))
-                x = None
-                y = rep.spread(y, y_v)
-            elif op is Op.EMBEDDING:
-                y, y_v = self._embed(acts["tokens"], st.w), self._varies(st.w, None)
-                if st.out.name == "h" and self.traits.get("embed_scale"):
-                    # HF casts the normalizer to the compute dtype first
-                    scale = torch.tensor(self.traits["embed_scale"], dtype=self.dtype)
-                    y, y_v = self._once(lambda w, c, e: e * scale, [y], y_v, ctx, layer)
-            elif op is Op.RMS_NORM:
-                y, y_v = self._once(lambda w, c, x: self._norm(x, st.w, layer, w), [acts[st.ins[0].name]],
-                                    v(st.ins[0].name), ctx, layer)
-            elif op is Op.MATMUL:  # each device's own rows: a Classes input as every device's copy
+        op = st.op
+        out = st.out.name if st.out is not None else None
+        if op is Op.ALL_REDUCE or op is Op.ALL_GATHER:
+            x = _full(acts[st.act])
+            out, y_v = st.act, rep.after_collective(v(st.act), st.axes)
+            # only the representatives' results of what the collective leaves alike (rep.spread)
+            sl = rep.reps(y_v)
+            y = (ops.all_reduce(x, st.axes, sl) if op is Op.ALL_REDUCE
+                 else ops.all_gather(x, st.axes, st.dim + 1, st.feature, self.policy, sl))
+            x = None
+            y = rep.spread(y, y_v)
+        elif op is Op.EMBEDDING:
+            y, y_v = self._embed(acts["tokens"], st.w), self._varies(st.w, None)
+            if st.out.name == "h" and self.traits.get("embed_scale"):
+                # HF casts the normalizer to the compute dtype first
+                scale = torch.tensor(self.traits["embed_scale"], dtype=self.dtype)
+                y, y_v = self._once(lambda w, c, e: e * scale, [y], y_v, ctx, layer)
+        elif op is Op.RMS_NORM:
+            y, y_v = self._once(lambda w, c, x: self._norm(x, st.w, layer, w), [acts[st.ins[0].name]],
+                                v(st.ins[0].name), ctx, layer)
+        elif op is Op.MATMUL:  # each device's own rows: a Classes input as every device's copy
+            if self._is_experts(st.w) and ROUTE in acts:  # only the routed (token, expert) pairs
+                y = self._experts(_full(acts[st.ins[0].name]), st, layer, _full(acts[ROUTE]))
+            else:
                 y = self._linear(_full(acts[st.ins[0].name]), st, layer)
-                y_v = v(st.ins[0].name) | self._varies(st.w, layer)
-            elif op is Op.LOCAL:
-                fn = self.kernels.get(st.kernel)
-                if fn is None:
-                    raise ProgramMismatch(f"{program.name}: {kind} step {i}: no emulated kernel {st.kernel!r}")
-                names = [a.name for a in st.ins]
-                y, y_v = self._once(lambda w, c, *xs: fn(c, layer, *xs), [acts[n] for n in names],
-                                    frozenset().union(*(v(n) for n in names)), ctx, layer)
-            elif op is Op.RESIDUAL_ADD:
-                n = st.ins[0].name
-                out = "h"
-                y, y_v = self._once(lambda w, c, h, r: h + r, [acts["h"], acts[n]], v("h") | v(n), ctx, layer)
-            elif op is Op.LOGITS:
-                # what forward returns is device 0's: the others' copies are never read
-                x = rep.pick(acts[st.ins[0].name], slice(0, 1))
-                result = softcap(x.float(), self.traits.get("final_softcap")).to(self.dtype)
-                out = None
-            elif op is Op.COMBINE:
-                acts.update({n: _full(x) for n, x in acts.items() if isinstance(x, Classes)})
-                y, y_v = self.kernels["combine"](ctx, layer, acts[st.ins[0].name], acts), rep.all
-            else:  # pragma: no cover
-                raise ProgramMismatch(f"{program.name}: {kind} step {i}: unknown op {op}")
-            if out is not None:
-                if st.out is not None and not op.collective:
-                    want = tuple(st.out.shape[1:])
-                    if tuple(y.shape[2:]) != want:
-                        raise ProgramMismatch(f"{program.name}: {kind} step {i} ({st.kernel or op.value} -> "
-                                              f"{st.out.name}): computed per-device features {list(y.shape[2:])}, "
-                                              f"the program declares {list(want)}")
-                acts[out], var[out] = rep.share(y, y_v), y_v
-                y = None
-            for name in dead[i]:
-                acts.pop(name, None)
-                var.pop(name, None)
-            if self.observe is not None:
-                self.observe(kind, i, acts)
-        for name in keep:  # what the caller reads: every device's copy
-            if isinstance(acts.get(name), Classes):
-                acts[name] = acts[name].full()
+            y_v = v(st.ins[0].name) | self._varies(st.w, layer)
+        elif op is Op.LOCAL:
+            fn = self.kernels.get(st.kernel)
+            if fn is None:
+                raise ProgramMismatch(f"{program.name}: {kind} step {i}: no emulated kernel {st.kernel!r}")
+            names = [a.name for a in st.ins]
+            y, y_v = self._once(lambda w, c, *xs: fn(c, layer, *xs), [acts[n] for n in names],
+                                frozenset().union(*(v(n) for n in names)), ctx, layer)
+        elif op is Op.RESIDUAL_ADD:
+            n = st.ins[0].name
+            out = "h"
+            y, y_v = self._once(lambda w, c, h, r: h + r, [acts["h"], acts[n]], v("h") | v(n), ctx, layer)
+        elif op is Op.LOGITS:
+            # what forward returns is device 0's: the others' copies are never read
+            x = rep.pick(acts[st.ins[0].name], slice(0, 1))
+            result = softcap(x.float(), self.traits.get("final_softcap")).to(self.dtype)
+            out = None
+        elif op is Op.COMBINE:
+            acts.update({n: _full(x) for n, x in acts.items() if isinstance(x, Classes)})
+            y, y_v = self.kernels["combine"](ctx, layer, acts[st.ins[0].name], acts), rep.all
+        else:  # pragma: no cover
+            raise ProgramMismatch(f"{program.name}: {kind} step {i}: unknown op {op}")
+        if out is not None:
+            if st.out is not None and not op.collective:
+                want = tuple(st.out.shape[1:])
+                if tuple(y.shape[2:]) != want:
+                    raise ProgramMismatch(f"{program.name}: {kind} step {i} ({st.kernel or op.value} -> "
+                                          f"{st.out.name}): computed per-device features {list(y.shape[2:])}, "
+                                          f"the program declares {list(want)}")
+            acts[out], var[out] = rep.share(y, y_v), y_v
+            y = None
+        for name in dead[i]:
+            acts.pop(name, None)
+            var.pop(name, None)
+        if self.observe is not None:
+            self.observe(kind, i, acts)
         return result
 
     def _dead(self, steps, keep) -> list:
@@ -440,8 +504,11 @@ class EmulatedModel:
         key = (name, layer)
         got = self._varies_of.get(key)
         if got is None:
-            W = self._held(name, layer)
-            group = W.group if isinstance(W, gemm.Packed) else gemm.shards_of(W)[1]
+            if self.lazy is not None and self._is_experts(name):  # an expert stack is never read whole
+                group = self.lazy.group(name, None if self.decls[name].layers is None else layer)
+            else:
+                W = self._held(name, layer)
+                group = W.group if isinstance(W, gemm.Packed) else gemm.shards_of(W)[1]
             split = frozenset(a for dim in range(len(self.refs[name].spec)) for a in self._split(name, dim))
             got = self._varies_of[key] = self.rep.of_group(group) | split
         return got
@@ -568,6 +635,68 @@ class EmulatedModel:
         y = rms_norm(x if n is None else x[..., :n], w, eps, self.traits.get("norm_offset", 0.0),
                      self.traits.get("norm_weight_fp32", False))
         return y if n is None else torch.cat([y, x[..., n:]], dim=-1)
+
+    def _is_experts(self, name: str) -> bool:
+        """Whether matmul weight ``name`` is an expert stack (per device ``[E_local, K, N]``)."""
+        ref = self.refs.get(name)
+        return ref is not None and len(ref.device_shape) == 3
+
+    def _experts(self, x, st, layer, route):
+        """An expert stack's matmul on the (token, expert) pairs the router chose, as transformers'
+        experts loop over the experts hit: ``x`` [D, T, K] (every expert reads the token) or
+        [D, T, E_local, K] (each expert its own row) -> [D, T, E_local, N], zeros where ``route``
+        [D, T, E] (each device's routing weights, nonzero = chosen) leaves a pair out (the
+        Combine weights those by 0). Each local expert's matrix is taken from its distinct shard
+        once per call and dropped after its product: a lazy model reads and decodes that one
+        expert from the package (``LazyWeights.expert``), so a MoE layer holds one expert's
+        matrix at a time, never the layer's stack (issue 37)."""
+        name = st.w
+        t = self.decls[name]
+        lyr = None if t.layers is None else layer
+        x_spec = st.ins[0].spec
+        k_axes = self._split(name, len(t.dims) - 2)
+        if k_axes and not x_spec[-1]:  # a replicated contraction dim meets a split weight
+            x = self.ops.take(x, x.dim() - 1, self.ops.shard_positions(t.dims[-2], k_axes, self.policy))
+        if x.dim() == 4:
+            e_axes = self._split(name, 0)
+            if e_axes and not x_spec[0]:
+                x = self.ops.take(x, 2, self.ops.shard_positions(t.dims[0], e_axes, self.policy))
+        mine = self.units(name, 0).tolist()  # [D][E_local] global expert ids (-1: padding)
+        D, T = x.shape[:2]
+        n_local, N = self.refs[name].device_shape[0], self.refs[name].device_shape[-1]
+        if self.lazy is not None:
+            group = self.lazy.group(name, lyr)
+
+            def matrix(g, j):
+                return self.lazy.expert(name, lyr, g, j)
+        else:
+            distinct, group = gemm.shards_of(self._held(name, layer))
+
+            def matrix(g, j):
+                return distinct[g, j]
+        chosen = route != 0
+        out = x.new_zeros(D, T, n_local, N)
+        members: dict = {}
+        for d, g in enumerate(group):
+            members.setdefault(g, []).append(d)
+        for j in range(n_local):
+            for g, devs in members.items():
+                W = None
+                for d in devs:
+                    e = mine[d][j]
+                    if e < 0:
+                        continue
+                    rows = chosen[d, :, e].nonzero().flatten()
+                    if rows.numel() == 0:
+                        continue
+                    if W is None:
+                        W = matrix(g, j).to(x.dtype)
+                    xs = x[d].index_select(0, rows)
+                    if x.dim() == 4:
+                        xs = xs[:, j]
+                    out[d, rows, j] = xs @ W
+                W = None
+        return out
 
     def _linear(self, x, st, layer):
         name = st.w

@@ -6,9 +6,11 @@ data crossing devices); collected with it in ``kernel_table.KERNELS``. What
 differs between families is data from the family's ``traits``: ``traits["mla"]`` (latent rank,
 head dims, interleaved rope) and ``traits["moe"]`` (top-k, groups, scaling, SwiGLU clamp).
 
-Routing is dense: the router kernels return ``route`` ``[D, T, E]``, each token's weight for every
-global expert (0 for experts it does not use, float32 as HF keeps them). Every device runs its
-local experts on every token (``[D, T, E_local, ...]``) and the Combine weights them by the
+The router kernels return ``route`` ``[D, T, E]``, each token's weight for every global expert (0
+for experts it does not use, float32 as HF keeps them). The expert matmuls
+(``EmulatedModel._experts``) compute only the (token, expert) pairs ``route`` chose, one local
+expert's matrix at a time (as transformers' eager experts loop over the experts hit), into
+``[D, T, E_local, ...]`` activations that are zero elsewhere; the Combine weights them by the
 device's slice of ``route``, leaving a partial sum over the expert-parallel axes for the plan's
 all-reduce. Tensor and activation names follow ``families.moe``.
 """
