@@ -366,17 +366,22 @@ def encode_array(x, fmt: str | Format) -> np.ndarray:
     return out
 
 
-def decode_array(data, shape, fmt: str | Format) -> np.ndarray:
-    """float32 numpy array of ``shape`` from :func:`encode`'s bytes (padding dropped)."""
+def _encoded(data, shape, fmt: str | Format):
+    """(format, shape as ints, (lead, H, W), tiles ``[num_tiles, tile_bytes]``) of :func:`encode`'s
+    bytes for ``shape``; bytes of another size are refused with the arithmetic."""
     f = get_format(fmt)
     shape = tuple(int(s) for s in shape)
-    lead, h, w = _dims(shape)
     expected = encoded_bytes(shape, f)
     buf = np.frombuffer(data, np.uint8)
     if buf.size != expected:
         raise InvalidInput(f"{f.name} data for shape {list(shape)}: expected {num_tiles(shape)} tiles x "
-                         f"{f.tile_bytes} B = {expected} B, got {buf.size} B")
-    tiles = buf.reshape(-1, f.tile_bytes)
+                           f"{f.tile_bytes} B = {expected} B, got {buf.size} B")
+    return f, shape, _dims(shape), buf.reshape(-1, f.tile_bytes)
+
+
+def decode_array(data, shape, fmt: str | Format) -> np.ndarray:
+    """float32 numpy array of ``shape`` from :func:`encode`'s bytes (padding dropped)."""
+    f, shape, (lead, h, w), tiles = _encoded(data, shape, fmt)
     wp = -(-w // TILE) * TILE
     out = np.empty((lead, h, w), np.float32)
     i = 0
@@ -419,16 +424,8 @@ def decode_columns_t(tiles: np.ndarray, h: int, w: int, fmt: str | Format, c0: i
 def decode_array_t(data, shape, fmt: str | Format) -> np.ndarray:
     """:func:`decode_array` with each matrix's last two dims swapped: float32 ``[*lead, W, H]``
     (C-contiguous), the same values (:func:`decode_columns_t`)."""
-    f = get_format(fmt)
-    shape = tuple(int(s) for s in shape)
-    lead, h, w = _dims(shape)
-    expected = encoded_bytes(shape, f)
-    buf = np.frombuffer(data, np.uint8)
-    if buf.size != expected:
-        raise InvalidInput(f"{f.name} data for shape {list(shape)}: expected {num_tiles(shape)} tiles x "
-                           f"{f.tile_bytes} B = {expected} B, got {buf.size} B")
-    per = -(-h // TILE) * -(-w // TILE)
-    tiles = buf.reshape(lead, per, f.tile_bytes)
+    f, shape, (lead, h, w), tiles = _encoded(data, shape, fmt)
+    tiles = tiles.reshape(lead, -1, f.tile_bytes)
     out = np.empty((lead, w, h), np.float32)
     for b in range(lead):
         decode_columns_t(tiles[b], h, w, f, 0, -(-w // TILE), out[b])
