@@ -159,8 +159,7 @@ class PackageWeights:
         handles, metas = self._open()
         key = tensor_key(name, layer)
         shape = [int(s) for s in metas[0][key]["shape"]]
-        src = [self.source(d, key) for d in range(len(handles))]
-        firsts = list(dict.fromkeys(src))
+        src, firsts = self._stored(key)
         if nk and len(shape) == 2:
             out = torch.empty([len(firsts), shape[1], shape[0]], dtype=dtype or torch.float32).transpose(1, 2)
         else:
@@ -172,11 +171,14 @@ class PackageWeights:
     def distinct(self, name: str, layer: int | None = None) -> tuple[int, ...]:
         """Per device, the index of its shard of ``name`` (of ``layer``) among the distinct
         stored ones (what :meth:`stack`'s ``held_as`` groups by), without reading any."""
-        handles, _ = self._open()
-        key = tensor_key(name, layer)
-        src = [self.source(d, key) for d in range(len(handles))]
-        firsts = list(dict.fromkeys(src))
+        src, firsts = self._stored(tensor_key(name, layer))
         return tuple(firsts.index(s) for s in src)
+
+    def _stored(self, key: str) -> tuple[list[int], list[int]]:
+        """(per device, the file that stores its shard of ``key``; those files, each once, in
+        device order): how :meth:`stack`, :meth:`distinct` and :meth:`expert` number shards."""
+        src = [self.source(d, key) for d in range(len(self._open()[0]))]
+        return src, list(dict.fromkeys(src))
 
     def expert(self, name: str, layer: int | None, g: int, j: int, dtype=None):
         """Slice ``j`` along the first (expert) dim of distinct stored shard ``g`` (numbered as
@@ -187,8 +189,7 @@ class PackageWeights:
 
         handles, metas = self._open()
         key = tensor_key(name, layer)
-        firsts = list(dict.fromkeys(self.source(d, key) for d in range(len(handles))))
-        s = firsts[g]
+        s = self._stored(key)[1][g]
         info = metas[s][key]
         shape = [int(x) for x in info["shape"]]
         sl = handles[s].get_slice(key)
