@@ -580,6 +580,39 @@ def test_failed_build_cleans_up_and_keeps_old(tmp_path, ckpt):
     assert verify_package(out / "N150" / "tiny")["key"] == old.key
 
 
+
+def test_an_encoder_threads_failure_fails_the_build_and_keeps_the_old(tmp_path, ckpt, monkeypatch):
+    """Block-float tiles are encoded on worker threads while the next tensor is read
+    (``convert._Encoding``): an error there reaches the build (through the writer that waits for
+    the tiles), nothing half-written is left, the old package stays, and no worker outlives it."""
+    import threading
+
+    from ttbundle import blockfloat
+
+    out = tmp_path / "out"
+    spec = tmp_path / "s.yaml"
+    spec.write_text(spec_text(ckpt).replace(f"  source: {ckpt}\n",
+                                            f"  source: {ckpt}\n  dtypes: {{mlp: bfp8}}\n"))
+    old = buildmod.build(specmod.load(spec), "N150", out, warmup=False)
+    before = snapshot(out / "N150")
+    real, calls = blockfloat.encode_array, []
+
+    def failing(x, fmt):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 3:
+            raise RuntimeError("encoder on fire")
+        return real(x, fmt)
+
+    monkeypatch.setattr(blockfloat, "encode_array", failing)
+    with pytest.raises(RuntimeError, match="encoder on fire"):
+        buildmod.build(specmod.load(spec), "N150", out, force=True, warmup=False)
+    assert len(calls) >= 3 and all(n.startswith("ttbundle-encode") for n in calls), calls
+    assert snapshot(out / "N150") == before
+    assert list((out / ".ttbundle" / "tmp").iterdir()) == []
+    assert verify_package(out / "N150" / "tiny")["key"] == old.key
+    assert not [t for t in threading.enumerate() if t.name.startswith(("ttbundle-encode", "ttbundle-writer"))]
+
+
 def test_fallback_swap_without_renameat2_recovers(tmp_path, ckpt, monkeypatch):
     out = tmp_path / "out"
     spec = write_spec(tmp_path, ckpt)

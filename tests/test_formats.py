@@ -49,6 +49,28 @@ def test_mxfp4_matches_transformers():
     torch.testing.assert_close(out["m.experts.down_proj"], ref.to(torch.bfloat16), rtol=0, atol=0)
 
 
+
+def test_mxfp4_every_byte_and_scale_decodes_as_the_format_says():
+    """The table lookup (``fp._mxfp4_table``) against the formula (``mxfp4_dequant``, rounded to
+    bf16) and transformers' own conversion: every byte under every finite e8m0 scale, bands cut
+    mid-matrix (N not a multiple of ``fp.BAND``)."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    n = fp.BAND + 7
+    g = torch.Generator().manual_seed(1)
+    blocks = torch.randint(0, 256, (2, n, 4, 16), dtype=torch.uint8, generator=g)
+    blocks[0, :16, 0] = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)
+    scales = torch.randint(0, 255, (2, n, 4), dtype=torch.uint8, generator=g)  # 255 is e8m0's NaN
+    scales[1, :255, 0] = torch.arange(255, dtype=torch.int32).to(torch.uint8)
+    out = fp.mxfp4_dense(blocks, scales)
+    formula = fp.mxfp4_dequant(blocks, scales).transpose(-1, -2).to(torch.bfloat16)
+    assert torch.equal(out.view(torch.int16), formula.view(torch.int16))
+    ref = convert_moe_packed_tensors(blocks, scales).to(torch.bfloat16)
+    fin = ref.isfinite()
+    assert torch.equal(out[fin].view(torch.int16), ref[fin].view(torch.int16))
+    assert torch.equal(out.isfinite(), fin)
+
+
 # ---- FP8 ------------------------------------------------------------------------------------------------
 def test_fp8_blocks_match_transformers_dequant():
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize

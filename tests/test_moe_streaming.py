@@ -64,6 +64,8 @@ def _weights(out):
 def test_conversion_materializes_a_few_experts_at_most(tmp_path, monkeypatch, family):
     b = _bundle(tmp_path, family)
     monkeypatch.setattr(convert, "EXPERT_CHUNK_BYTES", 2 * EXPERT * 2)  # two experts a step
+    from ttbundle.formats import fp
+    fp._mxfp4_table()  # MXFP4's lookup table: 256 KiB once per process, whatever the model's size
     seen = Largest()
     real = buildmod.convert
 

@@ -70,7 +70,7 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
         if flip:
             layout[key]["transposed"] = True
     (tmp / "weights").mkdir(exist_ok=True)
-    writers, bg = [], []
+    writers, bg, enc = [], [], None
     # one torch thread: the writer and checkpoint-hash threads use the other cores, and
     # OpenMP workers competing with them make every copy slower
     import torch
@@ -95,20 +95,24 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
         nbg = max(1, min(D, WRITER_THREADS or len(os.sched_getaffinity(0))))
         bg = [_WriteBehind(cap) for _ in range(nbg)]
         pool = _BufferPool(2 * cap)
+        # block-float tiles are encoded on one thread per core while this thread reads and decodes
+        # the next tensor (chunk); a writer waits for a shard's tiles before writing them
+        enc = ThreadPoolExecutor(max(1, min(len(os.sched_getaffinity(0)), 8)), thread_name_prefix="ttbundle-encode")
         for i, (name, layer, sources) in enumerate(jobs):
             t = tp[name]
             key = tensor_key(name, layer)
             keep = bool(layout[key].get("transposed"))
             if i in streams:
-                parts = streams[i].shards(ck, a, decls[name], layer, sources, pool, keep)
+                parts = streams[i].shards(ck, a, decls[name], layer, sources, pool, keep, enc)
             else:
                 c, nread = _read_canonical(ck, transform[name], a, decls[name], layer, sources, t.dtype)
                 res.bytes_read += nread
-                parts = _device_shards(c, units[name], decls[name].dims, D, t.dtype, pool, keep_source_order=keep)
+                parts = _device_shards(c, units[name], decls[name].dims, D, t.dtype, pool, keep_source_order=keep,
+                                       encoder=enc)
                 del c
             written = 0
             for buf, devices, handle in parts:
-                n = memoryview(buf).nbytes
+                n = _nbytes(buf)
                 d = layout[key]["stored_in"][devices[0]]  # the one file that stores it
                 if d != devices[0]:
                     raise RuntimeError(f"{key}: devices {devices} hold one shard, stored_in says {d}")
@@ -127,6 +131,7 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
             _fault(f"tensor:{key}")
         for w in bg:
             w.finish()
+        enc.shutdown()
         res.timings["cpu_convert"] = round(time.thread_time() - cpu0, 3)
         res.timings["cpu_write"] = round(sum(w.cpu for w in bg), 3)
         res.timings["writer_threads"] = len(bg)
@@ -138,6 +143,8 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
     except BaseException:
         for w in bg:
             w.abort()
+        if enc is not None:
+            enc.shutdown(cancel_futures=True)
         for wr in writers:
             wr.abort()
         raise
@@ -250,10 +257,11 @@ class _Countdown:
 
 
 def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_BufferPool | None" = None,
-                   keep_source_order: bool = False):
+                   keep_source_order: bool = False, encoder=None):
     """Yield (bytes-like, [devices], pooled buffer or None) once per distinct shard: cut from the
     source view, then one copy that gathers, transposes and casts (bf16, or float32 for block
-    floats, then encoded). A pooled buffer goes back to ``pool`` once written. With
+    floats, then encoded: on ``encoder``'s threads if given, an :class:`_Encoding`). A pooled
+    buffer goes back to ``pool`` once written. With
     ``keep_source_order`` (bf16 only, see :func:`_stored_transposed`) a shard stays in the
     source's element order: a contiguous cut is yielded as a view of the source, zero copies."""
     held: dict[int, list[int]] = {}
@@ -261,12 +269,12 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
         held.setdefault(first, []).append(d)
     for first, devices in held.items():
         sig = tuple(tuple(u[first]) for u in units_per_dim)
-        buf, handle = _cut(c, sig, dims, dtype, pool, keep_source_order)
+        buf, handle = _cut(c, sig, dims, dtype, pool, keep_source_order, encoder)
         yield buf, devices, handle
         del buf, handle
 
 
-def _cut(c: _Canon, sig, dims, dtype: str, pool, keep_source_order: bool):
+def _cut(c: _Canon, sig, dims, dtype: str, pool, keep_source_order: bool, encoder=None):
     """One device shard of ``c`` (``sig``: per dim, the units it holds): (bytes-like, pooled
     buffer or None), see :func:`_device_shards`."""
     import torch
@@ -298,7 +306,7 @@ def _cut(c: _Canon, sig, dims, dtype: str, pool, keep_source_order: bool):
         return x.view(torch.uint8).numpy(), x if pool is not None else None
     shape = tuple(v.transpose(-1, -2).shape if c.swap else v.shape)
     if dtype != "bf16":
-        data = _encode_bands(v.transpose(-1, -2) if c.swap else v, pads, dtype)
+        data = _encode_bands(v.transpose(-1, -2) if c.swap else v, pads, dtype, encoder)
         return data, None
     x = pool.take(shape, host) if pool is not None else torch.empty(shape, dtype=host)
     if c.swap and v.shape[-2] > 16 * TRANSPOSE_BLOCK:
@@ -384,7 +392,7 @@ class _ExpertStream:
                                f"(experts {e0}..{e1 - 1}: {list(shape)}), the architecture says {list(decl.shape)}")
         return c
 
-    def shards(self, ck, a, decl, layer, sources, pool, keep: bool):
+    def shards(self, ck, a, decl, layer, sources, pool, keep: bool, encoder=None):
         """Yield (bytes-like, [devices], pooled buffer or None): each chunk's piece of each device
         shard, chunks in expert order."""
         import torch
@@ -405,21 +413,44 @@ class _ExpertStream:
                     base = base.narrow(0, sel[0], len(sel))
                 sub = _Canon(base, c.swap)
                 dims = (Dim(self.dims[0].name, len(sel)),) + tuple(self.dims[1:])
-                buf, handle = _cut(sub, (tuple(range(len(sel))),) + rest, dims, self.dtype, pool, keep)
-                if memoryview(buf).nbytes != self.per_expert * len(sel):
-                    raise RuntimeError(f"{decl.name}: experts {sel[0] + e0}.. cut to {memoryview(buf).nbytes} B, "
+                buf, handle = _cut(sub, (tuple(range(len(sel))),) + rest, dims, self.dtype, pool, keep, encoder)
+                if _nbytes(buf) != self.per_expert * len(sel):
+                    raise RuntimeError(f"{decl.name}: experts {sel[0] + e0}.. cut to {_nbytes(buf)} B, "
                                        f"expected {self.per_expert * len(sel)} B")
                 yield buf, devices, handle
                 del buf, handle, sub, base
             del c
 
 
-def _encode_bands(v, pads, dtype: str):
+class _Encoding:
+    """A shard's block-float tiles being encoded on an encoder's threads: ``out`` (its size known
+    up front) holds them once :meth:`result` returns; the source stays referenced until then."""
+
+    def __init__(self, out, futures):
+        self.out, self.futures = out, futures
+
+    @property
+    def nbytes(self) -> int:
+        return self.out.nbytes
+
+    def result(self):
+        for f in self.futures:
+            f.result()
+        self.futures = ()
+        return self.out
+
+
+def _nbytes(buf) -> int:
+    return buf.nbytes if isinstance(buf, _Encoding) else memoryview(buf).nbytes
+
+
+def _encode_bands(v, pads, dtype: str, encoder=None):
     """The block-float tiles of shard ``v`` (device order, any strides; ``pads``: (dim, indices)
     zeroed), encoded a band of whole tile rows at a time (copies of at most ``BAND_BYTES``, in bf16
     for a bf16 source, which blockfloat encodes from its bits, else float32), the bands on one
     thread per usable core, so a shard never exists whole in float32: tiles are row-local, so the
-    bands' tiles are the shard's (``blockfloat.row_band``)."""
+    bands' tiles are the shard's (``blockfloat.row_band``). With ``encoder`` (an executor) the bands
+    are submitted to it and an :class:`_Encoding` is returned at once."""
     import numpy as np
     import torch
 
@@ -466,6 +497,8 @@ def _encode_bands(v, pads, dtype: str):
                                f"expected {z - a} B")
         out[a:z] = enc
 
+    if encoder is not None:
+        return _Encoding(out, [encoder.submit(one, j) for j in jobs])
     n = min(len(jobs), len(os.sched_getaffinity(0)), 8)
     if n <= 1:
         for j in jobs:
@@ -517,6 +550,8 @@ class _WriteBehind:
                     return
                 targets, buf, nbytes, on_done = self.q.popleft()
             try:
+                if isinstance(buf, _Encoding):
+                    buf = buf.result()
                 for f, key in targets:
                     f.write(key, buf)
             except BaseException as e:  # surfaced to the producer on its next put / finish

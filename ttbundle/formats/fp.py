@@ -4,6 +4,8 @@ compressed-tensors' ``weight_scale``)."""
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from ..errors import InvalidInput
 from ..tiles import cdiv
 from .base import Entry, Scheme, View, bad_shape, companions, unsupported
@@ -12,6 +14,8 @@ FP8 = frozenset({"F8_E4M3", "F8_E5M2"})
 
 #: rows of one matrix decoded at a time (bounded float32 scratch on a large matrix)
 ROWS = 1024
+#: rows of an MXFP4 matrix looked up and transposed at a time (the band's bf16 stays in cache)
+BAND = 256
 
 FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
@@ -29,16 +33,37 @@ def mxfp4_dequant(blocks, scales):
     return v.flatten(-2)
 
 
+@lru_cache(maxsize=1)
+def _mxfp4_table():
+    """``[256 * 256]`` int32: for ``scale << 8 | byte``, the byte's two values (low nibble first) as
+    :func:`mxfp4_dequant` gives them, rounded to bf16, packed as two bf16 bit patterns: the table is
+    :func:`mxfp4_dequant` of every (scale, byte) pair, so the format has one definition."""
+    import torch
+
+    byte = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(1, 16, 1, 16).expand(256, 16, 1, 16)
+    scale = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(256, 1, 1).expand(256, 16, 1)
+    v = mxfp4_dequant(byte, scale).to(torch.bfloat16)  # [256 scales, 16, 32]: byte 16 r + j -> 2j, 2j+1
+    return v.reshape(256, 256, 2).contiguous().view(torch.int32).reshape(-1)
+
+
 def mxfp4_dense(blocks, scales):
     """The dense tensor of an MXFP4 pair in transformers' layout (``convert_moe_packed_tensors``):
-    [..., G*32, N] bf16, one leading index (expert) decoded at a time."""
+    [..., G*32, N] bf16, one leading index (expert) and a band of ``BAND`` rows at a time: one
+    lookup per byte in :func:`_mxfp4_table` (the bf16 pair of the byte under its block's scale),
+    then the band written transposed (the values :func:`mxfp4_dequant` gives, ~9x faster)."""
     import torch
 
     *lead, N, G, _ = blocks.shape
     out = torch.empty(*lead, G * 32, N, dtype=torch.bfloat16)
     flat_o, flat_b, flat_s = out.reshape(-1, G * 32, N), blocks.reshape(-1, N, G, 16), scales.reshape(-1, N, G)
+    table = _mxfp4_table()
     for e in range(flat_o.shape[0]):
-        flat_o[e].copy_(mxfp4_dequant(flat_b[e], flat_s[e]).transpose(0, 1))
+        for n0 in range(0, N, BAND):
+            n1 = min(N, n0 + BAND)
+            idx = flat_b[e, n0:n1].to(torch.int32)
+            idx |= flat_s[e, n0:n1].to(torch.int32).unsqueeze(-1) << 8
+            v = table.index_select(0, idx.reshape(-1)).view(torch.bfloat16).reshape(n1 - n0, G * 32)
+            flat_o[e, :, n0:n1].copy_(v.T)
     return out
 
 
@@ -99,6 +124,12 @@ def dequant_scaled(w, s, rows: int, cols: int, zero=None, g_idx=None):
         for r0 in range(0, out, step):
             r1 = min(out, r0 + step)
             x = wf[e, r0:r1].float()
+            if ze is None and g_idx is None and se.numel() > 1 and (r1 - r0) % rows == 0 and inp % cols == 0:
+                # whole blocks: the scale broadcast over each block, no expanded copy of it
+                xb = x.view((r1 - r0) // rows, rows, inp // cols, cols)
+                xb *= se[r0 // rows:r1 // rows].reshape((r1 - r0) // rows, 1, inp // cols, 1)
+                rf[e, r0:r1] = x
+                continue
 
             def expand(t):
                 if t.numel() == 1:
