@@ -181,10 +181,12 @@ class Packed:
             return distinct.expand(self.shape[0], *distinct.shape[1:])
         return distinct.index_select(0, torch.tensor(self.group, device=distinct.device))
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [D, ..., K] @ W -> [D, ..., N]``, each device's rows with its own shard."""
+    def matmul(self, x: torch.Tensor, invariant: bool | None = None) -> torch.Tensor:
+        """``x [D, ..., K] @ W -> [D, ..., N]``, each device's rows with its own shard
+        (``invariant``: :func:`batch_invariant` as the caller read it; None: read here)."""
         D, K, N = x.shape[0], x.shape[-1], self.shape[-1]
-        invariant = batch_invariant()  # read once a call (an environment read per product added up)
+        if invariant is None:
+            invariant = batch_invariant()
         if D == 1 and self.per_shard is not None:  # one device (N150): its one matrix, no grouping
             return _linear(x.reshape(-1, K), self.per_shard[0], invariant).view(*x.shape[:-1], N)
         if self.merged is not None:
@@ -260,14 +262,14 @@ def hold_one(W, dtype: torch.dtype):
     return Packed(W) if dense3 else W
 
 
-def matmul(x: torch.Tensor, W) -> torch.Tensor:
+def matmul(x: torch.Tensor, W, invariant: bool | None = None) -> torch.Tensor:
     """``x [D, T, K]`` or ``[D, T, E, K]`` times a dense weight ``[D, K, N]`` (plain, shared or
     packed): one product per distinct shard (:func:`grouped`), or one batched product where
     every device holds its own."""
     if isinstance(W, Packed):
-        return W.matmul(x)
-    if x.shape[1] == 1 and x.dim() == 3 and batch_invariant():  # one row: the several-row kernel
-        return matmul(x.expand(-1, 2, -1).contiguous(), W)[:, :1]
+        return W.matmul(x, invariant)
+    if x.shape[1] == 1 and x.dim() == 3 and (batch_invariant() if invariant is None else invariant):
+        return matmul(x.expand(-1, 2, -1).contiguous(), W, True)[:, :1]  # one row: the several-row kernel
     distinct, group = shards_of(W)
     if distinct.shape[0] != x.shape[0]:
         return grouped(x, group, distinct.shape[-1], lambda g, rows: rows @ distinct[g])

@@ -100,6 +100,10 @@ class Ctx:
     #: order) and the block size: attention gathers whole blocks; None: gather slots
     context_blocks: object = None
     block_size: int = 0
+    #: ``VLLM_BATCH_INVARIANT`` (``gemm.batch_invariant``), read once per forward: every product
+    #: and attention of it takes one path at any batch size (an environment read per product
+    #: was ~4% of a one-row step's host work)
+    invariant: bool = False
 
     def stored(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` (new cache rows, last dim = one token's row) as the cache's storage holds it."""
@@ -216,7 +220,7 @@ def _context(ctx: Ctx, cache, N: int, S: int, dtype: torch.dtype | None = None):
         bs = ctx.block_size
         runs = _runs(ctx)
         if (runs is not None and N == 1 and len(runs) == 1 and dtype == cache.dtype
-                and not gemm.batch_invariant()):
+                and not ctx.invariant):
             # one sequence whose context is one run of consecutive blocks (a one-row decode, a
             # prefill chunk): the cache's own slots, viewed, are the matmuls' operand; nothing
             # copied (the several-row path's gather is another kernel's input: its last bits

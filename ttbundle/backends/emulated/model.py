@@ -269,7 +269,8 @@ class EmulatedModel:
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, positions, valid, slots,
                   ctx_slots, kv.layers, self.dtype, units=self.units, store=self._store, blocks=blocks,
                   rope_positions=None if rope_positions is None else rope_positions.to(dev),
-                  context_blocks=ctx_blocks, block_size=bs, vision=deep, dims=self.dims)
+                  context_blocks=ctx_blocks, block_size=bs, vision=deep, dims=self.dims,
+                  invariant=gemm.batch_invariant())
         flat = tokens.reshape(-1)
         h = hv = None
         layer = 0
@@ -333,7 +334,8 @@ class EmulatedModel:
         patches = patches[None].to(self.device).expand(self.ops.D, -1, -1)
         zeros = torch.zeros(1, T, dtype=torch.long, device=self.device)
         ctx = Ctx(self.arch, self.traits, self.layer_traits, self.weight, zeros, zeros >= 0, zeros[0],
-                  zeros, [], self.dtype, units=self.units, vision=meta, dims=self.dims)
+                  zeros, [], self.dtype, units=self.units, vision=meta, dims=self.dims,
+                  invariant=gemm.batch_invariant())
         h, layer, out, var, deep = None, 0, None, {}, []
         for lp in prog.layers:
             layered = lp.kind.endswith("_layer")  # encoder layers (the others: embedding, projector)
@@ -450,7 +452,7 @@ class EmulatedModel:
             if self._is_experts(st.w) and ROUTE in acts:  # only the routed (token, expert) pairs
                 y = self._experts(_full(acts[st.ins[0].name]), st, layer, _full(acts[ROUTE]))
             else:
-                y = self._linear(_full(acts[st.ins[0].name]), st, layer)
+                y = self._linear(_full(acts[st.ins[0].name]), st, layer, ctx.invariant)
             y_v = v(st.ins[0].name) | self._varies(st.w, layer)
         elif op is Op.LOCAL:
             fn = self.kernels.get(st.kernel)
@@ -698,7 +700,7 @@ class EmulatedModel:
                 W = None
         return out
 
-    def _linear(self, x, st, layer):
+    def _linear(self, x, st, layer, invariant: bool | None = None):
         name = st.w
         W = self._held(name, layer)
         if name in self.traits.get("linear_fp32", ()):  # HF computes these in float32 (a router)
@@ -711,7 +713,7 @@ class EmulatedModel:
             pos = self.ops.shard_positions(t.dims[-2], k_axes, self.policy)
             x = self.ops.take(x, x.dim() - 1, pos)
         if W.dim() == 3:  # [D, K, N]
-            return gemm.matmul(x, W)
+            return gemm.matmul(x, W, invariant)
         # experts [D, E, K, N]
         W = gemm.dense(W)
         if x.dim() == 3:
