@@ -233,7 +233,7 @@ def smallest_mesh(spec_path: Path) -> str:
 
 
 def one_depth(work: Path, model: str, layers: int, check: bool, env: dict, mesh: str | None,
-              warmup: bool = True) -> dict:
+              warmup: bool = True, prompt_len: int | None = None) -> dict:
     src = work / f"ckpt-{model}-{layers}"
     shutil.rmtree(src, ignore_errors=True)
     t = time.monotonic()
@@ -280,7 +280,8 @@ def one_depth(work: Path, model: str, layers: int, check: bool, env: dict, mesh:
             # exit 1 (a failed verdict) keeps its report: the exit code is the last line of stdout
             with Watchdog():
                 c_wall, c_rss, c_out = measure(["sh", "-c", '"$@"; echo "$?"', "sh"] + tt + [
-                    "check", done["package"], "--steps", "2", "--json", "--no-record"], env)
+                    "check", done["package"], "--steps", "2", "--json", "--no-record"]
+                    + ([] if prompt_len is None else ["--prompt-len", str(prompt_len)]), env)
             body, _, rc = c_out.rstrip().rpartition("\n")
             if rc.strip() not in ("0", "1"):
                 raise SystemExit(f"check exited {rc.strip()}:\n{body[-2000:]}")
@@ -305,6 +306,8 @@ def main() -> None:
     ap.add_argument("--work", type=Path, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and packages")
     ap.add_argument("--json", action="store_true", help="print the figures as JSON")
+    ap.add_argument("--prompt-len", type=int, help="check's prompt tokens (default: check's own, a bit over "
+                    "one prefill chunk)")
     ap.add_argument("--limit-gib", type=int, default=LIMIT_GIB, help="kill a build or check over this RSS")
     args = ap.parse_args()
     globals()["LIMIT_GIB"] = args.limit_gib
@@ -314,7 +317,8 @@ def main() -> None:
     rows = []
     try:
         for L in sorted(args.layers):
-            rows.append(one_depth(work, args.model, L, not args.no_check, env, args.mesh, not args.no_warmup))
+            rows.append(one_depth(work, args.model, L, not args.no_check, env, args.mesh, not args.no_warmup,
+                                  args.prompt_len))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
             if not args.keep:
                 for p in (work / f"ckpt-{args.model}-{L}", work / f"out-{args.model}-{L}"):
@@ -327,7 +331,8 @@ def main() -> None:
         return
     gib = 2 ** 30
     print(f"{args.model} dims, {MODELS[args.model]} checkpoint (random values); {os.cpu_count()} CPUs")
-    print(f"build {'without' if args.no_warmup else 'with'} warm-up")
+    print(f"build {'without' if args.no_warmup else 'with'} warm-up; check prompt: "
+          f"{args.prompt_len or 'check default'} tokens")
     print("| layers | mesh | checkpoint | cp + sha256 | build | build / reference (<= 3x) | build peak RSS (<= 8 GiB) "
           "| check --steps 2 | check peak RSS | load |")
     print("|---|---|---|---|---|---|---|---|---|---|")

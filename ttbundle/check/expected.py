@@ -35,17 +35,18 @@ def stored_values(c, units_per_dim: list, dims, devices: int, encoding: str):
     exponent per 16 values of a tile row, so the cut matters) and written back."""
     import torch
 
-    out = c.clone()
-    seen = set()
-    for d in range(devices):
-        sig = tuple(tuple(u[d]) for u in units_per_dim)
-        if sig in seen:
-            continue
-        seen.add(sig)
+    sigs = list(dict.fromkeys(tuple(tuple(u[d]) for u in units_per_dim) for d in range(devices)))
+    out = None
+    for sig in sigs:
         shard = c
         for k, (us, dim) in enumerate(zip(sig, dims)):
             shard = cut(shard, k, us, dim.unit)
         q = _quantize(shard, encoding) if encoding != "bf16" else shard.to(torch.bfloat16).float()
+        if len(sigs) == 1 and shard.shape == c.shape and shard.data_ptr() == c.data_ptr() \
+                and shard.stride() == c.stride():
+            return q  # one shard, the whole tensor (a one-device mesh, a replicated tensor)
+        if out is None:
+            out = c.float().clone() if c.dtype == torch.float32 else c.float()
         _scatter(out, q, [list(u) for u in sig], dims)
     return out
 
@@ -170,12 +171,14 @@ class ExpectedWeights:
                 self._cache[k] = t
 
     def expert(self, key: str, e: int):
-        """Expert ``e``'s part of checkpoint ``key`` as the package stores it (float32, the
-        checkpoint's layout: rows ``[e:e + 1]`` of a tensor stacked over the experts, or the
+        """Expert ``e``'s part of checkpoint ``key`` as the package stores it (bf16, which holds
+        block-float values exactly; the checkpoint's layout: rows ``[e:e + 1]`` of a tensor stacked over the experts, or the
         whole of a per-expert key), or None where it is stored bf16; only that expert is read,
         decoded (``Checkpoint.get_rows``) and rounded: a routed-expert stack is never whole
         (issue 37). Rounding is per expert matrix (a block-float tile never spans two experts),
         cut as each device holding the expert cuts it."""
+        import torch
+
         if key not in self.by_key:
             return None
         acc: dict = {}
@@ -186,11 +189,11 @@ class ExpectedWeights:
             def one(pat, ks):
                 k = ks[e] if "{e}" in pat else ks[0]
                 x = acc.get(k)
-                if x is None:
-                    x = (self.ck.get(k)[None] if "{e}" in pat else self.ck.get_rows(k, e, e + 1)).float()
+                if x is None:  # as decoded (bf16 for MXFP4 / FP8): block floats round from its bits
+                    x = self.ck.get(k)[None] if "{e}" in pat else self.ck.get_rows(k, e, e + 1)
                 return x
             parts = [one(pat, ks) for pat, ks in srcs]
-            c = transforms.apply(tf, parts, self.arch).float()  # [1, *one expert's canonical]
+            c = transforms.apply(tf, parts, self.arch)  # [1, *one expert's canonical]
             units = self.weights.units[name]
             holders = [d for d in range(self.devices) if e in units[0][d]]
             if len(units[0][0]) and decl.dims[0].unit != 1:
@@ -198,6 +201,8 @@ class ExpectedWeights:
             per = [[[0] for _ in holders]] + [[u[d] for d in holders] for u in units[1:]]
             q = stored_values(c, per, (replace(decl.dims[0], size=1),) + tuple(decl.dims[1:]), len(holders),
                               self.weights.dtypes[name])
+            del c
+            q = q.to(torch.bfloat16)  # block-float values are bf16 exactly: half the bytes from here
             for (pat, ks), b in zip(srcs, INVERSES[tf](q, parts)):
                 k = ks[e] if "{e}" in pat else ks[0]
                 acc[k] = b
