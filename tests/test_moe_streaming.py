@@ -228,6 +228,29 @@ def test_expected_experts_one_at_a_time_equal_the_whole_stack(tmp_path, family, 
                 assert torch.equal(ew.expert(k, e), whole[e:e + 1]), (k, e)
 
 
+def test_one_expert_decoded_in_bands_is_that_expert_of_the_stack(tmp_path, monkeypatch):
+    """``PackageWeights.expert`` decodes a block-float expert in bands of tile rows on every core
+    (the warm-up's and check's expert reads): each expert's values are its slice of the device's
+    whole decoded shard, with bands of one tile row and with one band."""
+    from ttbundle.package import shards
+    from ttbundle.package.load import load_package
+
+    b = _bundle(tmp_path, "gpt_oss", experts="bfp8")
+    res = buildmod.build(b, "N300", tmp_path / "pkg", warmup=False)
+    pw = load_package(res.package).weights
+    names = [n for n, t in pw.decls.items() if t.group == "experts" and len(t.shape) == 3]
+    assert names
+    for band in (32 * 4 * 64, shards.BAND_BYTES):  # a tile row of the narrowest matrix; whole
+        monkeypatch.setattr(shards, "BAND_BYTES", band)
+        for name in names:
+            for layer in pw.layers_of(name):
+                per_device = pw.shards(name, layer, torch.float32)
+                for d, g in enumerate(pw.distinct(name, layer)):
+                    whole = per_device[d]
+                    for j in range(whole.shape[0]):
+                        assert torch.equal(pw.expert(name, layer, g, j), whole[j]), (name, layer, g, j, band)
+
+
 @pytest.mark.parametrize("family,mesh", [("gpt_oss", "T3K"), ("qwen3_moe", "N150")])
 def test_experts_over_a_band_of_tokens_at_a_time_compute_the_same(tmp_path, monkeypatch, family, mesh):
     """A long call's routed experts run a band of tokens at a time (their ``[D, T, E_local, N]``

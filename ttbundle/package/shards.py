@@ -197,8 +197,21 @@ class PackageWeights:
             t = _decode(sl[j:j + 1], info)[0]
         else:
             h, w = shape[-2], shape[-1]
-            a, z = blockfloat.row_band(shape, info["encoding"], j, 0, h)
-            t = _decode(sl[a:z], {**info, "shape": [h, w]})
+            enc = info["encoding"]
+            a, z = blockfloat.row_band(shape, enc, j, 0, h)
+            data = sl[a:z].numpy()
+            t = torch.empty(h, w, dtype=torch.float32)
+            out = t.numpy()
+            # bands of whole tile rows on one thread per core (tiles are row-local: the bands'
+            # values are the matrix's); an expert is what a MoE layer's warm-up and check decode
+            rows = min(BAND_BYTES // (4 * w), -(-h // len(os.sched_getaffinity(0))))
+            step = max(1, -(-rows // blockfloat.TILE)) * blockfloat.TILE
+
+            def one(r0):
+                r1 = min(h, r0 + step)
+                b0, b1 = blockfloat.row_band(shape, enc, j, r0, r1)
+                out[r0:r1] = blockfloat.decode_array(data[b0 - a:b1 - a], [r1 - r0, w], enc)
+            _parallel(one, list(range(0, h, step)))
         return t.to(dtype or torch.float32).contiguous()
 
     def layers_of(self, name: str) -> list:
