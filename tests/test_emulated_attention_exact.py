@@ -206,5 +206,5 @@ def test_rope_in_fewer_passes_is_apply_rope():
     x = torch.randn(2, 7, 3, HD, generator=g)
     cos, sin = rope_cos_sin(torch.arange(7) * 37, HD, 10000.0, None, torch.float32)
     signed = torch.cat([-sin[:, :HD // 2], sin[:, HD // 2:]], dim=-1)
-    assert torch.equal(kernels._rope(x, cos, signed), kernels.apply_rope(x, cos, sin))
-    assert torch.equal(kernels._rope(x, cos, signed), _rotate(x, cos, sin))
+    assert torch.equal(kernels._rope4(x, *kernels._rope_views(cos, signed)), kernels.apply_rope(x, cos, sin))
+    assert torch.equal(kernels._rope4(x, *kernels._rope_views(cos, signed)), _rotate(x, cos, sin))

@@ -97,7 +97,7 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
         pool = _BufferPool(2 * cap)
         # block-float tiles are encoded on one thread per core while this thread reads and decodes
         # the next tensor (chunk); a writer waits for a shard's tiles before writing them
-        enc = ThreadPoolExecutor(max(1, min(len(os.sched_getaffinity(0)), 8)), thread_name_prefix="ttbundle-encode")
+        enc = ThreadPoolExecutor(min(len(os.sched_getaffinity(0)), 8), thread_name_prefix="ttbundle-encode")
         for i, (name, layer, sources) in enumerate(jobs):
             t = tp[name]
             key = tensor_key(name, layer)
@@ -256,11 +256,11 @@ class _Countdown:
             self.fn()
 
 
-def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_BufferPool | None" = None,
-                   keep_source_order: bool = False, encoder=None):
+def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_BufferPool | None",
+                   keep_source_order: bool, encoder):
     """Yield (bytes-like, [devices], pooled buffer or None) once per distinct shard: cut from the
     source view, then one copy that gathers, transposes and casts (bf16, or float32 for block
-    floats, then encoded: on ``encoder``'s threads if given, an :class:`_Encoding`). A pooled
+    floats, then encoded on ``encoder``'s threads: an :class:`_Encoding`). A pooled
     buffer goes back to ``pool`` once written. With
     ``keep_source_order`` (bf16 only, see :func:`_stored_transposed`) a shard stays in the
     source's element order: a contiguous cut is yielded as a view of the source, zero copies."""
@@ -274,7 +274,7 @@ def _device_shards(c: _Canon, units_per_dim, dims, D: int, dtype: str, pool: "_B
         del buf, handle
 
 
-def _cut(c: _Canon, sig, dims, dtype: str, pool, keep_source_order: bool, encoder=None):
+def _cut(c: _Canon, sig, dims, dtype: str, pool, keep_source_order: bool, encoder):
     """One device shard of ``c`` (``sig``: per dim, the units it holds): (bytes-like, pooled
     buffer or None), see :func:`_device_shards`."""
     import torch
@@ -392,7 +392,7 @@ class _ExpertStream:
                                f"(experts {e0}..{e1 - 1}: {list(shape)}), the architecture says {list(decl.shape)}")
         return c
 
-    def shards(self, ck, a, decl, layer, sources, pool, keep: bool, encoder=None):
+    def shards(self, ck, a, decl, layer, sources, pool, keep: bool, encoder):
         """Yield (bytes-like, [devices], pooled buffer or None): each chunk's piece of each device
         shard, chunks in expert order."""
         import torch
@@ -444,13 +444,13 @@ def _nbytes(buf) -> int:
     return buf.nbytes if isinstance(buf, _Encoding) else memoryview(buf).nbytes
 
 
-def _encode_bands(v, pads, dtype: str, encoder=None):
+def _encode_bands(v, pads, dtype: str, encoder):
     """The block-float tiles of shard ``v`` (device order, any strides; ``pads``: (dim, indices)
     zeroed), encoded a band of whole tile rows at a time (copies of at most ``BAND_BYTES``, in bf16
-    for a bf16 source, which blockfloat encodes from its bits, else float32), the bands on one
-    thread per usable core, so a shard never exists whole in float32: tiles are row-local, so the
-    bands' tiles are the shard's (``blockfloat.row_band``). With ``encoder`` (an executor) the bands
-    are submitted to it and an :class:`_Encoding` is returned at once."""
+    for a bf16 source, which blockfloat encodes from its bits, else float32), so a shard never
+    exists whole in float32: tiles are row-local, so the
+    bands' tiles are the shard's (``blockfloat.row_band``). The bands are submitted to ``encoder``
+    (the conversion's executor, one thread per core) and an :class:`_Encoding` is returned at once."""
     import numpy as np
     import torch
 
@@ -497,17 +497,7 @@ def _encode_bands(v, pads, dtype: str, encoder=None):
                                f"expected {z - a} B")
         out[a:z] = enc
 
-    if encoder is not None:
-        return _Encoding(out, [encoder.submit(one, j) for j in jobs])
-    n = min(len(jobs), len(os.sched_getaffinity(0)), 8)
-    if n <= 1:
-        for j in jobs:
-            one(j)
-    else:
-        with ThreadPoolExecutor(n, thread_name_prefix="ttbundle-encode") as pool:
-            for _ in pool.map(one, jobs):
-                pass
-    return out
+    return _Encoding(out, [encoder.submit(one, j) for j in jobs])
 
 
 class _WriteBehind:

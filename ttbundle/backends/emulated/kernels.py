@@ -29,13 +29,6 @@ def apply_rope(x, cos, sin):
     return x * cos[None, :, None, :] + rotate_half(x) * sin[None, :, None, :]
 
 
-def _rope(x, cos, sin_signed):
-    """:func:`apply_rope`'s numbers in fewer passes: ``sin_signed`` is sin with its first half
-    negated (``(-x2) * s`` is ``x2 * (-s)`` exactly), so rotate_half's negation and concatenation
-    become two multiplies into the halves of one buffer; then ``x * cos`` plus that, as before."""
-    return _rope4(x, *_rope_views(cos, sin_signed))
-
-
 def _rope_views(cos, sin_signed):
     """The ``[1, T, 1, dim]`` broadcast views :func:`_rope4` multiplies by (made once per
     forward by :func:`_rope_signed`: a view costs a dispatch per call, 16 calls a step)."""
@@ -44,6 +37,9 @@ def _rope_views(cos, sin_signed):
 
 
 def _rope4(x, cos4, sin_lo, sin_hi):
+    """:func:`apply_rope`'s numbers in fewer passes, on :func:`_rope_views` of (cos, sin with its
+    first half negated): ``(-x2) * s`` is ``x2 * (-s)`` exactly, so rotate_half's negation and
+    concatenation become two multiplies into the halves of one buffer; then ``x * cos`` plus that."""
     half = x.shape[-1] // 2
     dtype = x.dtype if x.dtype == cos4.dtype else torch.result_type(x, cos4)
     r = torch.empty(x.shape, dtype=dtype, device=x.device)
@@ -267,7 +263,7 @@ def attention(ctx: Ctx, layer: int, q, k, v):
     soft-cap, mask, sinks, softmax, P V. What makes a decode step cheap is doing no more passes
     than that (issue 25): the cache holds its bf16 values in the compute dtype, so the context
     is gathered straight into the matmul's operand (no per-layer bf16 -> float32 conversion);
-    rope is two multiplies and an add (:func:`_rope`); the new rows go in with ``index_copy_``;
+    rope is two multiplies and an add (:func:`_rope4`); the new rows go in with ``index_copy_``;
     scale, soft-cap and the mask (inverted once per forward, :func:`_masked`) act in place on
     the matmul's result."""
     dims, lt, W = ctx.dims, ctx.layer_traits[layer], ctx.weights
