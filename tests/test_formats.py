@@ -84,6 +84,38 @@ def test_fp8_blocks_match_transformers_dequant():
     torch.testing.assert_close(out["a.weight"], ref.to(torch.bfloat16), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.int8, torch.uint8])
+def test_every_byte_decodes_as_torch_converts_it(dtype):
+    """``fp.byte_values`` (one table lookup per byte, the FP8 and integer formats' decode) against
+    torch's own conversion, every bit pattern of the dtype, NaN payloads included (bitwise), with
+    and without reused scratch buffers."""
+    every = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).reshape(16, 16)
+    ref = every.float()
+    assert torch.equal(fp.byte_values(every).view(torch.int32), ref.view(torch.int32))
+    out, index = torch.full((300,), 7.0), torch.zeros(300, dtype=torch.int32)
+    assert torch.equal(fp.byte_values(every, out=out, index=index).view(torch.int32), ref.view(torch.int32))
+    # a strided view takes torch's own conversion
+    assert torch.equal(fp.byte_values(every.t()).view(torch.int32), ref.t().view(torch.int32))
+
+
+def test_fp8_every_byte_under_block_scales_matches_transformers():
+    """Every e4m3 byte in every 128 x 128 block, several blocks of rows per ``fp.ROWS`` chunk and
+    a chunk cut mid-matrix, against transformers' FP8 dequantization (NaN where it gives NaN)."""
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    g = torch.Generator().manual_seed(2)
+    rows = fp.ROWS + 256
+    w = torch.randint(0, 256, (rows, 384), dtype=torch.uint8, generator=g)
+    w[:16, :16] = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(16, 16)
+    w = w.view(torch.float8_e4m3fn)
+    s = torch.rand(rows // 128, 3, generator=g) * 4 + 1e-3
+    ref = Fp8Dequantize(None)._dequantize_one(w, s, torch.float32).to(torch.bfloat16)
+    out = fp.dequant_scaled(w, s, 128, 128)
+    fin = ref.isfinite()
+    assert torch.equal(out.isfinite(), fin) and not bool(fin.all())
+    assert torch.equal(out[fin].view(torch.int16), ref[fin].view(torch.int16))
+
+
 def test_fp8_blocks_that_do_not_divide():
     torch.manual_seed(0)
     w = torch.randn(2, 200, 130).to(torch.float8_e4m3fn)  # [E, out, in]: blocks of 128 do not divide
