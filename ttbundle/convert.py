@@ -381,8 +381,16 @@ class _ExpertStream:
                 del ts
             else:
                 x = ck.get_rows(keys[0], e0, e1)
-            c = _Canon(transforms.apply(self.tf, [x], a))
-            shape = tuple(c.base.shape)
+            if self.tf in ("t", "id"):
+                # the experts' own tensors stacked, transposed as a view: the cut reads it
+                # transposed (a block-float shard in the encoders' band copies, on every core),
+                # where a contiguous transpose of the chunk first was half the main thread's time
+                # (DeepSeek-V3's per-expert FP8 tensors)
+                c = _Canon(x, self.tf == "t" and x.dim() >= 2)
+                shape = tuple(x.shape[:-2]) + ((x.shape[-1], x.shape[-2]) if c.swap else tuple(x.shape[-2:]))
+            else:
+                c = _Canon(transforms.apply(self.tf, [x], a))
+                shape = tuple(c.base.shape)
         self.nread += x.numel() * x.element_size()
         del x
         want = (e1 - e0,) + tuple(decl.shape[1:])
