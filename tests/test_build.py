@@ -290,6 +290,25 @@ def test_noop_rebuild_changes_no_file(tmp_path, ckpt):
     assert snapshot(out) == before  # mtimes, inodes and contents of every file and directory
 
 
+def test_a_build_asking_for_the_warmup_runs_it_after_a_no_warmup_build(tmp_path, ckpt):
+    """The package of a ``--no-warmup`` build has the same content key; a build with the warm-up
+    must not call it up to date (it would serve without references): it warms every program and
+    reuses the weights and programs; a third build is then up to date."""
+    spec = write_spec(tmp_path, ckpt)
+    out = tmp_path / "out"
+    first = buildmod.build(specmod.load(spec), "N150", out, warmup=False)
+    assert first.status == "built" and first.warmed == []
+    second = buildmod.build(specmod.load(spec), "N150", out)
+    assert second.status == "built" and second.key == first.key
+    progs = sorted(a.split(":", 1)[1] for a in second.reused if a.startswith("program:"))
+    assert progs and sorted(second.warmed) == progs and "weights" in second.reused
+    m = json.loads((Path(second.package) / "manifest.json").read_text())
+    assert all(r["ran"] for a, r in m["artifacts"].items() if a.startswith("warmup:"))
+    assert buildmod.build(specmod.load(spec), "N150", out).status == "up-to-date"
+    # and a --no-warmup build after it keeps the references (up to date, nothing dropped)
+    assert buildmod.build(specmod.load(spec), "N150", out, warmup=False).status == "up-to-date"
+
+
 def test_noop_rebuild_cli_is_fast_and_touches_nothing(tmp_path, ckpt):
     spec = write_spec(tmp_path, ckpt)
     out = tmp_path / "out"

@@ -190,7 +190,8 @@ def build(bundle, mesh: str, out_dir: str | Path, *, dry_run: bool = False, forc
         if prev is not None and inp.pending:
             _hash_sources(inp, emit)  # decide no-op vs rebuild on content, not on mtimes
         if prev is not None and not force and not inp.pending \
-                and prev.get("key") == cache.content_key(inp.fields) and _intact(pkg, prev):
+                and prev.get("key") == cache.content_key(inp.fields) and _intact(pkg, prev) \
+                and (not warmup or _warmed(prev)):
             _describe(bundle, plan, inp, prev, res)
             res.status, res.rebuilt, res.reused = "up-to-date", [], sorted(prev.get("artifacts", {}))
             res.seconds = time.monotonic() - t0
@@ -296,6 +297,13 @@ def _previous(pkg: Path) -> dict | None:
         return read_manifest(pkg)
     except PackageError:
         return None
+
+
+def _warmed(m: dict) -> bool:
+    """Whether every program of the manifest ``m`` has its warm-up reference: a package built
+    ``--no-warmup`` is not up to date for a build that asks for the warm-up (that build runs it
+    and reuses the rest)."""
+    return all(rec.get("ran") for art, rec in m.get("artifacts", {}).items() if art.startswith("warmup:"))
 
 
 def _intact(pkg: Path, m: dict) -> bool:
