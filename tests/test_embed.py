@@ -154,7 +154,8 @@ def test_embedding_without_task_embed_and_bad_pooling():
 
 
 def test_serve_arguments_and_pooler_config():
-    from ttbundle.runtime.pooling import pool, serve_args
+    from ttbundle.embed import serve_args
+    from ttbundle.runtime.pooling import pool
     import torch
 
     b = specmod.loads(spec(embedding={"pooling": "mean", "normalize": False}))

@@ -101,3 +101,17 @@ def init_task(hf_dir: Path, family: str, task: str | None) -> tuple[dict | None,
                        f"{', normalized' if found['normalize'] else ''}")
     return {"pooling": POOLING_FAMILIES[family], "normalize": True}, (
         f"--task embed: {family}'s embedding models' pooling ({POOLING_FAMILIES[family]}, normalized)")
+
+
+def serve_args(bundle, extra: list[str]) -> list[str]:
+    """vLLM arguments ``ttbundle serve`` adds for an embedding package (unless ``extra`` gives them);
+    here, beside the pooler config it writes, so that ``serve`` reads them without importing the
+    plugin (torch and vLLM: seconds before a refusal that needs neither)."""
+    if getattr(bundle.spec, "task", "generate") != "embed":  # the launcher's spec (before a package is opened)
+        return []
+    out = []
+    if not any(a == "--runner" or a.startswith("--runner=") for a in extra):
+        out += ["--runner", "pooling"]
+    if not any(a == "--pooler-config" or a.startswith("--pooler-config=") for a in extra):
+        out += ["--pooler-config", pooling_config_json(bundle.embedding)]
+    return out

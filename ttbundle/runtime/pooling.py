@@ -23,7 +23,6 @@ import time
 
 import torch
 
-from ..embed import pooling_config_json
 from ..tiles import pick
 from .model_runner import TTModelRunner
 from .runner_state import Step
@@ -41,18 +40,6 @@ def supported_tasks(package) -> tuple[str, ...]:
 
 def runner_class(package):
     return EmbedRunner if is_embed(package) else TTModelRunner
-
-
-def serve_args(bundle, extra: list[str]) -> list[str]:
-    """vLLM arguments ``ttbundle serve`` adds for an embedding package (unless ``extra`` gives them)."""
-    if getattr(bundle.spec, "task", "generate") != "embed":  # the launcher's spec (before a package is opened)
-        return []
-    out = []
-    if not any(a == "--runner" or a.startswith("--runner=") for a in extra):
-        out += ["--runner", "pooling"]
-    if not any(a == "--pooler-config" or a.startswith("--pooler-config=") for a in extra):
-        out += ["--pooler-config", pooling_config_json(bundle.embedding)]
-    return out
 
 
 def configure(pkg, vllm_config, emulated: bool, fail, scheduler: str) -> None:

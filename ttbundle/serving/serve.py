@@ -338,7 +338,7 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     ``--data-parallel-size`` in ``extra``); ``--max-num-seqs`` is then each engine's lanes x the
     per-replica max_num_seqs. ``require_precompiled``: refuse (InvalidInput) a start that would
     compile anything (``precompiled.require``)."""
-    from ..runtime.pooling import serve_args
+    from ..embed import serve_args
 
     pkg = open_package(package)
     if device == "tt" and not pkg.built_for_device:
