@@ -267,9 +267,6 @@ LAZY_OWN = {
     # the emulated backend brings torch (3-4 s): the launchers (`serve`, `launch`) and the
     # registry (`ls`, `register`) open packages and never run one
     "ttbundle/runtime/packages.py": {"ttbundle.backends.emulated"},
-    # pooling imports the model runner (torch and vLLM, ~5 s): `launch` (serve.resolve) and a
-    # `serve` refused before its plan do without them
-    "ttbundle/serving/serve.py": {"ttbundle.runtime.pooling"},
 }
 
 

@@ -55,6 +55,7 @@ import yaml
 from .. import spec as specmod, tracebudget
 from ..build import build
 from ..check.record import passing, records
+from ..embed import serve_args
 from ..errors import DoesNotFit, InvalidInput, TTBundleError
 from ..kvpool import gib, pool_tokens
 from ..mesh import spec_target
@@ -338,8 +339,6 @@ def plan_serve(package: Path, host: str = "127.0.0.1", port: int = 8000,
     ``--data-parallel-size`` in ``extra``); ``--max-num-seqs`` is then each engine's lanes x the
     per-replica max_num_seqs. ``require_precompiled``: refuse (InvalidInput) a start that would
     compile anything (``precompiled.require``)."""
-    from ..embed import serve_args
-
     pkg = open_package(package)
     if device == "tt" and not pkg.built_for_device:
         raise InvalidInput(f"{pkg.path}: built for the emulated mesh only (no tensorbin/ weight caches); "
