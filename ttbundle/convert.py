@@ -162,6 +162,20 @@ class _Canon:
     base: object
     swap: bool = False
 
+    @property
+    def shape(self) -> tuple:
+        """The canonical tensor's shape (``base``'s, its last two dims swapped when ``swap``)."""
+        shape = tuple(self.base.shape)
+        return shape[:-2] + (shape[-1], shape[-2]) if self.swap else shape
+
+    @classmethod
+    def of(cls, x, tf: str, a) -> "_Canon":
+        """``x`` under the name-table transform ``tf``: a :data:`VIEWED` one as a view (transposed
+        without a copy), any other applied (materialized)."""
+        if tf in VIEWED:
+            return cls(x, tf == "t" and x.dim() >= 2)
+        return cls(transforms.apply(tf, [x], a))
+
     def dim(self, k: int) -> int:
         """The dim of ``base`` holding canonical dim ``k``."""
         n = self.base.dim()
@@ -170,9 +184,13 @@ class _Canon:
         return k
 
 
+#: name-table transforms a canonical tensor takes as a view of its source (as is, or transposed)
+VIEWED = ("t", "id")
+
+
 def _is_view(tf: str, sources) -> bool:
     """A canonical tensor that is one checkpoint tensor as it is or transposed: read as a view."""
-    return tf in ("t", "id") and len(sources) == 1 and "{e}" not in sources[0][0]
+    return tf in VIEWED and len(sources) == 1 and "{e}" not in sources[0][0]
 
 
 def _read_canonical(ck, tf: str, a, decl, layer, sources, dtype: str):
@@ -184,13 +202,11 @@ def _read_canonical(ck, tf: str, a, decl, layer, sources, dtype: str):
     where = f"{decl.name}{'' if layer is None else f' (layer {layer})'}"
     if _is_view(tf, sources):
         x = ck.get(sources[0][1][0])
-        shape = tuple(x.shape)
-        if tf == "t" and x.dim() >= 2:
-            shape = shape[:-2] + (shape[-1], shape[-2])
-        if shape != decl.shape:
-            raise InvalidInput(f"{where}: checkpoint gives shape {list(shape)}, the architecture says "
+        c = _Canon.of(x, tf, a)
+        if c.shape != decl.shape:
+            raise InvalidInput(f"{where}: checkpoint gives shape {list(c.shape)}, the architecture says "
                                f"{list(decl.shape)}")
-        return _Canon(x, tf == "t" and x.dim() >= 2), x.numel() * x.element_size()
+        return c, x.numel() * x.element_size()
     nread, srcs = 0, []
     for pattern, keys in sources:
         ts = [ck.get(k) for k in keys]
@@ -368,29 +384,17 @@ class _ExpertStream:
         import torch
 
         pattern, keys = sources[0]
-        if _is_view(self.tf, sources):
-            x = ck.get_rows(keys[0], e0, e1)
-            c = _Canon(x, self.tf == "t" and x.dim() >= 2)
-            shape = tuple(x.shape)
-            if c.swap:
-                shape = shape[:-2] + (shape[-1], shape[-2])
+        if "{e}" in pattern:  # the experts' own tensors: a chunk of them stacked
+            ts = [ck.get(k) for k in keys[e0:e1]]
+            x = torch.stack(ts)
+            del ts
         else:
-            if "{e}" in pattern:
-                ts = [ck.get(k) for k in keys[e0:e1]]
-                x = torch.stack(ts)
-                del ts
-            else:
-                x = ck.get_rows(keys[0], e0, e1)
-            if self.tf in ("t", "id"):
-                # the experts' own tensors stacked, transposed as a view: the cut reads it
-                # transposed (a block-float shard in the encoders' band copies, on every core),
-                # where a contiguous transpose of the chunk first was half the main thread's time
-                # (DeepSeek-V3's per-expert FP8 tensors)
-                c = _Canon(x, self.tf == "t" and x.dim() >= 2)
-                shape = tuple(x.shape[:-2]) + ((x.shape[-1], x.shape[-2]) if c.swap else tuple(x.shape[-2:]))
-            else:
-                c = _Canon(transforms.apply(self.tf, [x], a))
-                shape = tuple(c.base.shape)
+            x = ck.get_rows(keys[0], e0, e1)
+        # under t / id a view, transposed without a copy: the cut reads it so (a block-float
+        # shard in the encoders' band copies, on every core), where a contiguous transpose of
+        # the chunk first was half the main thread's time (DeepSeek-V3's per-expert FP8 tensors)
+        c = _Canon.of(x, self.tf, a)
+        shape = c.shape
         self.nread += x.numel() * x.element_size()
         del x
         want = (e1 - e0,) + tuple(decl.shape[1:])

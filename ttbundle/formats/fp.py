@@ -55,6 +55,13 @@ def _byte_table(dtype):
     return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
 
 
+def one_byte(dtype) -> bool:
+    """Whether ``dtype`` is a one-byte number format :func:`byte_values` decodes by table."""
+    import torch
+
+    return dtype.itemsize == 1 and dtype != torch.bool
+
+
 def byte_values(t, out=None, index=None):
     """``t.float()`` for a contiguous tensor of a one-byte dtype, bit for bit, by one table lookup
     per byte (:func:`_byte_table`): torch's ``float8 -> float32`` conversion runs at ~190 M values/s
@@ -63,7 +70,7 @@ def byte_values(t, out=None, index=None):
     page-faults, nothing per chunk). Other dtypes: ``t.float()``."""
     import torch
 
-    if t.element_size() != 1 or t.dtype == torch.bool or not t.is_contiguous() or t.device.type != "cpu":
+    if not one_byte(t.dtype) or not t.is_contiguous() or t.device.type != "cpu":
         return t.float()
     n = t.numel()
     idx = torch.empty(n, dtype=torch.int32) if index is None else index.view(-1)[:n]
@@ -146,7 +153,7 @@ def dequant_scaled(w, s, rows: int, cols: int, zero=None, g_idx=None):
     # a multiple of rows (a chunk starts on a scale's row block), or any size under one row block
     step = max(rows, ROWS // rows * rows) if rows < out else ROWS
     scratch = None
-    if w.element_size() == 1 and w.dtype != torch.bool:  # one float32 and one index buffer for every chunk
+    if one_byte(w.dtype):  # one float32 and one index buffer for every chunk
         n = min(step, out) * inp
         scratch = {"out": torch.empty(n, dtype=torch.float32), "index": torch.empty(n, dtype=torch.int32)}
     for e in range(wf.shape[0]):
