@@ -37,7 +37,8 @@ from pathlib import Path
 from ..errors import InvalidInput
 
 from .quality import Quality, default_text, measure, targets_for
-from .verdict import EXEC_BOUNDS, HEAD_BOUNDS, MARGIN_SIGMAS, MIN_DECISIVE, STAGE_ORDER, Executor, Stage, normalised_error, pcc
+from .verdict import (EXEC_BOUNDS, HEAD_BOUNDS, MARGIN_SIGMAS, MIN_DECISIVE, STAGE_ORDER, Executor, Stage,
+                      normalised_error, pcc, router_tie)
 from .. import cache, reference, vision
 from ..build import build
 from ..package.names import has_tokenizer
@@ -291,14 +292,20 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
                                    weights=ExpectedWeights(pkg, reference_dir), adapters=adapters)
     n_layers = len(ref.layers)
     router = bundle.family.hf_router
-    routes: dict = {"hf": {}, "emu": {}}  # layer -> [set of experts per token] in sequence order
+    # layer -> [set of experts per token] in sequence order; the expected router's logits per
+    # token (a layer's, until it is judged); the positions judged apart per layer
+    routes: dict = {"hf": {}, "emu": {}, "hf_logits": {}, "apart": {}}
     hooks = []
+
+    def hf_routed(li, o):  # a transformers router's (logits, weights, indices) for its tokens
+        routes["hf"].setdefault(li, []).extend(set(r) for r in o[2].tolist())
+        routes["hf_logits"].setdefault(li, []).extend(o[0].detach().float().reshape(-1, o[0].shape[-1]).cpu())
     if router:
         for li, layer in enumerate(exp.layers):
             for m in layer.modules():
                 if type(m).__name__ == router[0]:
                     hooks.append(m.register_forward_hook(
-                        lambda m, i, o, li=li: routes["hf"].setdefault(li, []).extend(set(r) for r in o[2].tolist())))
+                        lambda m, i, o, li=li: hf_routed(li, o)))
     image_exp = []
     kw = {} if mm is None else part.reference_kwargs(seq, inputs, device)
     h_ref, ref_calls = ref.record(seq, segments, kw, images=mm is not None)
@@ -339,8 +346,9 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
 
     def local(out, emu, inp, layer, stage, flipped=frozenset()):
         """Per step: the prompt's positions together, each decode step's alone. ``flipped``: the
-        positions whose token took other experts on the two sides in this layer (bf16): judged
-        apart, against FLIP_BOUND_BF16; the rest of the step against the bound."""
+        positions whose token took other experts on the two sides in this layer (bf16: any;
+        fp32: a ``router_tie``): judged apart, against FLIP_BOUND_BF16; the rest of the step
+        against the bound."""
         for lab in dict.fromkeys(labels):
             idx = [i for i, x in enumerate(labels) if x == lab]
             a, z = idx[0], idx[-1] + 1
@@ -401,9 +409,11 @@ def check_package(pkg_dir, reference_dir, steps: int = 32, dtype: str = "fp32", 
             if router and li in routes["hf"]:
                 rows = routes["emu"].pop(li, [])
                 routes["emu"][li] = sum((r[:c.rows] for r, c in zip(rows, calls)), [])
-                if dtype == "bf16":  # in fp32 both sides route alike on the same input (tested)
-                    flipped = frozenset(p for p, (x, y) in enumerate(zip(routes["hf"][li], routes["emu"][li]))
-                                        if x != y)
+                # judged apart: in bf16 any position routed apart, in fp32 a tie (verdict.router_tie)
+                flipped = frozenset(p for p, (x, y) in enumerate(zip(routes["hf"][li], routes["emu"][li]))
+                                    if x != y and (dtype == "bf16" or router_tie(routes["hf_logits"][li][p], x, y)))
+                routes["apart"][li] = flipped
+                routes["hf_logits"].pop(li, None)
             local(out, emu, prev, li, "layer", flipped)
             t0 = time.perf_counter()
             h_ref = ref.run_layer(li, h_ref, ref_calls[li])
@@ -573,4 +583,5 @@ def _routing(routes: dict, labels: list) -> dict:
     order = {lab: i for i, lab in enumerate(dict.fromkeys(labels))}
     flips.sort(key=lambda f: (order[f[0]], f[1]))
     return {"moe_layers": moe, "choices": choices, "flipped": flipped, "flips": flips,
-            "flipped_positions": sorted(positions)}
+            "flipped_positions": sorted(positions),
+            "judged_apart": sum(len(v) for v in routes["apart"].values())}

@@ -30,13 +30,33 @@ EXEC_BOUNDS = {"fp32": 1e-3, "bf16": 0.06}
 #: the head's (the final norm and the LM head: one matmul from the same input, no residual): its
 #: own, tighter bound; the decisive margin is counted in it
 HEAD_BOUNDS = {"fp32": 1e-3, "bf16": 0.02}
-#: MoE in bf16: the positions whose token took other experts on the two sides in a layer (a
-#: router near-tie rounded apart, on the same input: another expert is another function) are
-#: judged apart in that layer's stage, against this bound; the stage's other positions, and
-#: every other stage, keep theirs. fp32 excuses nothing. A token's MoE output with one of its
-#: experts swapped is about as far from the expected one as the update is large (measured
-#: 0.7-1.0 on the tests' GPT-OSS and DeepSeek; two unrelated vectors of one size: sqrt(2))
+#: MoE: the positions whose token took other experts on the two sides in a layer (a router
+#: near-tie rounded apart, on the same input: another expert is another function) are judged
+#: apart in that layer's stage, against this bound; the stage's other positions, and every other
+#: stage, keep theirs. In bf16 every such position; in fp32 only a tie (:func:`router_tie`). A
+#: token's MoE output with one of its experts swapped is about as far from the expected one as
+#: the update is large (measured 0.7-1.0 on the tests' GPT-OSS and DeepSeek; two unrelated
+#: vectors of one size: sqrt(2))
 FLIP_BOUND_BF16 = 1.5
+#: fp32: two router logits closer than this, relative to the row's logit rms, are a tie that the
+#: summation order of a correct router GEMM decides (the same dot product summed in another
+#: order moves a logit by ~2**-24 x sqrt(K) of its scale at most: 5e-6 at K = 7,168). Measured: the
+#: tiny Qwen3 MoE of tests/test_check_qwen3_moe.py on T3K took another third-choice expert for
+#: one of 2,044 choices on an AMD EPYC host, its two logits 1.4e-6 apart (rms ~1); a bug moves
+#: logits by O(1) and is never a tie
+FP32_TIE = 2.0 ** -14
+
+
+def router_tie(logits, expected: set, emulated: set) -> bool:
+    """Whether one token's two expert choices differ only by a tie (fp32): every expert one side
+    chose and the other did not has a logit (the expected router's, ``logits`` [E]) within
+    :data:`FP32_TIE` x the row's rms of every expert the other side chose instead."""
+    a, b = sorted(expected - emulated), sorted(emulated - expected)
+    if not a or len(a) != len(b):
+        return False
+    rms = float(logits.double().pow(2).mean().sqrt())
+    gap = float((logits[a][:, None].double() - logits[b][None, :].double()).abs().max())
+    return gap <= FP32_TIE * rms
 #: a position is decisive when the expected side's top-1 logit leads its top-2 by more than this
 #: many allowed logit errors (the head's bound times the position's logit standard deviation):
 #: a prediction the executor's own allowance cannot flip (flipping it takes the two logits'
@@ -96,8 +116,9 @@ class Stage:
     err: float
     max_abs: float
     pcc: float
-    #: MoE, bf16: positions whose token took other experts on the two sides in this layer
-    #: (excluded from ``err``) and their own normalised error (at most FLIP_BOUND_BF16)
+    #: MoE: positions whose token took other experts on the two sides in this layer (bf16: any;
+    #: fp32: a :func:`router_tie`), excluded from ``err``, and their own normalised error (at
+    #: most FLIP_BOUND_BF16)
     flipped: int = 0
     flip_err: float | None = None
 
@@ -161,7 +182,7 @@ class Executor:
             if bad.err <= self.allowed(bad):
                 return (f"{bad.name} at {bad.step}: the {bad.flipped} position(s) routed to other experts "
                         f"than the expected run's have normalised error {bad.flip_err:.3g} > "
-                        f"{FLIP_BOUND_BF16:g} (bf16 routing near-ties)")
+                        f"{FLIP_BOUND_BF16:g} (router near-ties)")
             return (f"{bad.name} at {bad.step}: normalised error {bad.err:.3g} against the expected run "
                     f"(the checkpoint as this package stores it) > {self.allowed(bad):g} "
                     f"({self.dtype} compute)")
@@ -182,7 +203,8 @@ class Executor:
     def to_json(self, step_of) -> dict:
         bad = self.first_wrong()
         return {"passed": self.passed, "failure": self.failure(step_of), "dtype": self.dtype,
-                "bound": self.bound, "head_bound": HEAD_BOUNDS[self.dtype], "flip_bound": FLIP_BOUND_BF16 if self.dtype == "bf16" else None,
+                "bound": self.bound, "head_bound": HEAD_BOUNDS[self.dtype], "flip_bound": FLIP_BOUND_BF16,
+                "fp32_tie": FP32_TIE if self.dtype == "fp32" else None,
                 "metric": "normalised error (docs/check.md)",
                 "first_wrong": None if bad is None else {"step": bad.step, "stage": bad.stage,
                                                          "layer": bad.layer, "err": bad.err},
