@@ -284,3 +284,72 @@ def test_experts_over_a_band_of_tokens_at_a_time_compute_the_same(tmp_path, monk
     assert bands and max(bands) >= 3
     for k in todo:
         torch.testing.assert_close(banded[k][0], whole[k][0], rtol=1e-5, atol=1e-5 * float(whole[k][0].abs().max()))
+
+
+@pytest.mark.parametrize("family,mesh", [("gpt_oss", "T3K"), ("deepseek_v3", "N300"), ("qwen3_moe", "N150")])
+def test_layer_major_calls_decode_each_expert_once_per_stage(tmp_path, monkeypatch, family, mesh):
+    """Several calls run layer by layer on a lazy model (the warm-up's programs) decode each
+    routed expert once per stage for all of them (``expert_major``), where each call alone
+    decodes those it routes to: every program's logits are bit for bit those of the program
+    run alone, no expert of a layer is decoded twice, and fewer are decoded than by the calls
+    one at a time."""
+    from collections import Counter
+
+    from ttbundle import reference, warmref
+    from ttbundle.backends.emulated import lazy
+    from ttbundle.package.load import load_package
+    from ttbundle.warmup import stage_model
+
+    b = moe_tiny(family, MANY[family], default_plan=True)
+    b = sourced(b, reference.save_random(b, tmp_path / "ck"))
+    s = b.spec
+    w = s.weights.model_copy(update={"dtypes": specmod.DtypePolicy(default="bf16", experts="bfp8")})
+    b = dataclasses.replace(b, spec=s.model_copy(update={"weights": w}))
+    pkg = load_package(buildmod.build(b, mesh, tmp_path / "pkg", warmup=False).package)
+    todo = sorted(k for k in pkg.programs if k[0] != "vision")
+    assert len(todo) >= 3
+    decoded = Counter()
+    real = lazy.LazyWeights.expert
+
+    def counted(self, name, layer, g, j):
+        decoded[(name, layer, g, j)] += 1
+        return real(self, name, layer, g, j)
+    monkeypatch.setattr(lazy.LazyWeights, "expert", counted)
+    together = warmref.run(stage_model(pkg, "float32", todo), b, todo)
+    once = dict(decoded)
+    decoded.clear()
+    alone = {k: warmref.run(stage_model(pkg, "float32", [k]), b, [k])[k] for k in todo}
+    for k in todo:
+        assert torch.equal(together[k][0], alone[k][0]), k
+    assert once and max(once.values()) == 1, max(once.values())
+    assert sum(once.values()) < sum(decoded.values()), (sum(once.values()), sum(decoded.values()))
+
+
+def test_an_error_in_one_layer_major_call_is_raised_and_leaves_no_thread(tmp_path, monkeypatch):
+    """A call that fails after its experts ran with the others' (the Combine of the second call
+    raises) fails the whole run with that error; the other calls, parked at their experts or
+    not yet started, are unwound, and no call thread is left behind."""
+    import threading
+
+    from ttbundle import reference, warmref
+    from ttbundle.backends.emulated import kernel_table
+    from ttbundle.package.load import load_package
+    from ttbundle.warmup import stage_model
+
+    b = moe_tiny("gpt_oss", MANY["gpt_oss"], default_plan=True)
+    b = sourced(b, reference.save_random(b, tmp_path / "ck"))
+    pkg = load_package(buildmod.build(b, "N150", tmp_path / "pkg", warmup=False).package)
+    todo = sorted(k for k in pkg.programs if k[0] != "vision")
+    real = kernel_table.KERNELS["combine"]
+    calls = []
+
+    def combine(ctx, layer, *a):
+        calls.append(layer)
+        if len(calls) == 2:
+            raise RuntimeError("combine failed")
+        return real(ctx, layer, *a)
+    monkeypatch.setitem(kernel_table.KERNELS, "combine", combine)
+    with pytest.raises(RuntimeError, match="combine failed"):
+        warmref.run(stage_model(pkg, "float32", todo), b, todo)
+    assert len(calls) == 2
+    assert not [t for t in threading.enumerate() if t.name.startswith("ttbundle-call-")]

@@ -25,6 +25,7 @@ from ...program import Op, Program
 from ...vision import vision_bucket
 from . import gemm
 from .kernel_table import KERNELS
+from .expert_major import ExpertWork, Rendezvous, submit
 from .kernels import Ctx, _writes, rms_norm, softcap
 from .lazy import LazyWeights, _packed_names
 from .meshops import MeshOps
@@ -163,15 +164,20 @@ class EmulatedModel:
         embedding, then every call through layer 0, ..., then every call through the head, in the
         order given within a stage (so a later call sees the KV cache rows an earlier one wrote
         in that layer). A lazy model reads each stage's weights once and drops them after it, so
-        it holds one layer of weights at a time. ``after_stage((kind, layer))`` runs after each
+        it holds one layer of weights at a time, and decodes each routed expert once per stage
+        for all the calls (:mod:`.expert_major`). ``after_stage((kind, layer))`` runs after each
         stage (a comparison layer by layer). Returns each call's logits."""
         current = [next(c, None) for c in calls]
+        # a lazy model decodes each routed expert where a call needs it: several calls' experts
+        # run together, each expert decoded once per stage (expert_major)
+        expert_major = (self.lazy is not None and len(calls) > 1
+                        and any(self._is_experts(n) for n in self.refs))
         while current and current[0] is not None:
             stage = current[0]
             if any(st != stage for st in current):
                 raise ProgramMismatch(f"calls run layer by layer must have the same stages; at {stage} "
                                       f"the calls are at {sorted(set(map(str, current)))}")
-            current = [next(c, None) for c in calls]
+            current = (Rendezvous(calls).step() if expert_major else [next(c, None) for c in calls])
             if after_stage is not None:
                 after_stage(stage)
             self.release()
@@ -651,7 +657,8 @@ class EmulatedModel:
         Combine weights those by 0). Each local expert's matrix is taken from its distinct shard
         once per call and dropped after its product: a lazy model reads and decodes that one
         expert from the package (``LazyWeights.expert``), so a MoE layer holds one expert's
-        matrix at a time, never the layer's stack (issue 37)."""
+        matrix at a time, never the layer's stack (issue 37); several calls run layer by layer
+        decode it once for all of them (:mod:`.expert_major`)."""
         name = st.w
         t = self.decls[name]
         lyr = None if t.layers is None else layer
@@ -677,28 +684,17 @@ class EmulatedModel:
             def matrix(g, j):
                 return distinct[g, j]
         chosen = route != 0
-        out = x.new_zeros(D, T, n_local, N)
-        members: dict = {}
+        work = ExpertWork((name, lyr), matrix, x, x.new_zeros(D, T, n_local, N))
         for d, g in enumerate(group):
-            members.setdefault(g, []).append(d)
-        for j in range(n_local):
-            for g, devs in members.items():
-                W = None
-                for d in devs:
-                    e = mine[d][j]
-                    if e < 0:
-                        continue
-                    rows = chosen[d, :, e].nonzero().flatten()
-                    if rows.numel() == 0:
-                        continue
-                    if W is None:
-                        W = matrix(g, j).to(x.dtype)
-                    xs = x[d].index_select(0, rows)
-                    if x.dim() == 4:
-                        xs = xs[:, j]
-                    out[d, rows, j] = xs @ W
-                W = None
-        return out
+            for j in range(n_local):
+                e = mine[d][j]
+                if e < 0:
+                    continue
+                rows = chosen[d, :, e].nonzero().flatten()
+                if rows.numel():
+                    work.pairs.setdefault((g, j), []).append((d, rows))
+        submit(work)  # now, or with the other calls of a layer-major stage (expert_major)
+        return work.out
 
     def _linear(self, x, st, layer, invariant: bool | None = None):
         name = st.w
