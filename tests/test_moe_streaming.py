@@ -296,7 +296,7 @@ def test_layer_major_calls_decode_each_expert_once_per_stage(tmp_path, monkeypat
     from collections import Counter
 
     from ttbundle import reference, warmref
-    from ttbundle.backends.emulated import lazy
+    from ttbundle.backends.emulated import expert_major, lazy
     from ttbundle.package.load import load_package
     from ttbundle.warmup import stage_model
 
@@ -323,6 +323,14 @@ def test_layer_major_calls_decode_each_expert_once_per_stage(tmp_path, monkeypat
         assert torch.equal(together[k][0], alone[k][0]), k
     assert once and max(once.values()) == 1, max(once.values())
     assert sum(once.values()) < sum(decoded.values()), (sum(once.values()), sum(decoded.values()))
+    # calls whose parked activations exceed GROUP_BYTES run in groups of one: as alone
+    singles = dict(decoded)
+    decoded.clear()
+    monkeypatch.setattr(expert_major, "GROUP_BYTES", 1)
+    grouped = warmref.run(stage_model(pkg, "float32", todo), b, todo)
+    assert dict(decoded) == singles
+    for k in todo:
+        assert torch.equal(grouped[k][0], alone[k][0]), k
 
 
 def test_an_error_in_one_layer_major_call_is_raised_and_leaves_no_thread(tmp_path, monkeypatch):

@@ -10,10 +10,12 @@ layer's popular experts up to five times, block-float decoding being most of its
 :class:`Rendezvous` runs one stage of several calls so that each expert is decoded once for all
 of them: each call runs in its own thread, **one thread at a time, in the calls' order**, until
 it reaches an expert matmul (:func:`submit` parks it with its :class:`ExpertWork`) or the end of
-the stage; once every call is parked or done, the parked works run together (:func:`run_works`:
-each expert matrix decoded once, then its products for every work that routes a token to it),
-and the calls resume, again one at a time and in order. A call's steps run in the same order as
-before and see the same inputs (a later call still sees the KV rows an earlier call wrote in
+the stage; once every call of a group is parked or done, the parked works run together
+(:func:`run_works`: each expert matrix decoded once, then its products for every work that
+routes a token to it), and the calls resume, again one at a time and in order. Calls join a
+group only while their parked activations stay under :data:`GROUP_BYTES`; a group finishes the
+stage before the next starts. A call's steps run in the same order as before and see the same
+inputs (a later call still sees the KV rows an earlier call wrote in
 the layer: attention runs before the experts), and each product is the same ``xs @ W`` on the
 same values, so results are bit for bit those of running the calls one after another.
 """
@@ -26,6 +28,10 @@ from dataclasses import dataclass, field
 import torch
 
 _local = threading.local()
+#: the expert activations (input and output) that parked calls may hold together: calls join a
+#: group until theirs reach this (a group of one call over it: a long prefill runs alone as
+#: before), so running calls together never holds more than this beyond one call's own
+GROUP_BYTES = 256 << 20
 
 
 @dataclass
@@ -40,6 +46,11 @@ class ExpertWork:
     x: torch.Tensor  # [D, T, K] or [D, T, E_local, K]
     out: torch.Tensor  # [D, T, E_local, N]
     pairs: dict = field(default_factory=dict)  # (g, j) -> [(d, rows)]
+
+    @property
+    def nbytes(self) -> int:
+        """What the parked call holds for this work: its input and output activations."""
+        return self.x.numel() * self.x.element_size() + self.out.numel() * self.out.element_size()
 
     def product(self, g: int, j: int, W: torch.Tensor) -> None:
         W = W.to(self.x.dtype)
@@ -120,21 +131,35 @@ class Rendezvous:
                 done[i] = True
                 self._back.release()
 
+        def turn(i):  # call i runs alone to its next expert matmul or the end of the stage
+            self._turn[i].release()
+            self._back.acquire()
+            if errors[i] is not None:
+                raise errors[i]
+
         threads = [threading.Thread(target=worker, args=(i,), daemon=True, name=f"ttbundle-call-{i}")
                    for i in range(n)]
         for t in threads:
             t.start()
         try:
-            active = list(range(n))
-            while active:
-                for i in active:  # one call runs at a time, in order, to its next expert matmul
-                    self._turn[i].release()
-                    self._back.acquire()
-                    if errors[i] is not None:
-                        raise errors[i]
-                active = [i for i in active if not done[i]]
-                works = [self._parked.pop(i) for i in active]
-                run_works(works)
+            waiting = list(range(n))
+            while waiting:
+                # a group: calls started in order until their parked works hold GROUP_BYTES (a
+                # long prefill's experts: a group of one, as before); it ends the stage before
+                # the next group starts, so the calls' order is kept
+                group, held = [], 0
+                while waiting and held < GROUP_BYTES:
+                    i = waiting.pop(0)
+                    group.append(i)
+                    turn(i)
+                    if not done[i]:
+                        held += self._parked[i].nbytes
+                active = [i for i in group if not done[i]]
+                while active:
+                    run_works([self._parked.pop(i) for i in active])
+                    for i in active:
+                        turn(i)
+                    active = [i for i in active if not done[i]]
         finally:
             self._abort = True  # a no-op once every call is done
             for i in range(n):
