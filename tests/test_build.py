@@ -298,6 +298,10 @@ def test_a_build_asking_for_the_warmup_runs_it_after_a_no_warmup_build(tmp_path,
     out = tmp_path / "out"
     first = buildmod.build(specmod.load(spec), "N150", out, warmup=False)
     assert first.status == "built" and first.warmed == []
+    # `cache explain` says what that build will do: not up to date, the warm-up to run
+    ex = buildmod.explain(Path(first.package), None)
+    assert not ex["up_to_date"] and not ex["warmed"] and not any(f["changed"] for f in ex["fields"])
+    assert ex["would_rebuild"] and all(a.startswith("warmup:") for a in ex["would_rebuild"])
     second = buildmod.build(specmod.load(spec), "N150", out)
     assert second.status == "built" and second.key == first.key
     progs = sorted(a.split(":", 1)[1] for a in second.reused if a.startswith("program:"))
@@ -305,6 +309,8 @@ def test_a_build_asking_for_the_warmup_runs_it_after_a_no_warmup_build(tmp_path,
     m = json.loads((Path(second.package) / "manifest.json").read_text())
     assert all(r["ran"] for a, r in m["artifacts"].items() if a.startswith("warmup:"))
     assert buildmod.build(specmod.load(spec), "N150", out).status == "up-to-date"
+    ex = buildmod.explain(Path(second.package), None)
+    assert ex["up_to_date"] and ex["warmed"] and ex["would_rebuild"] == []
     # and a --no-warmup build after it keeps the references (up to date, nothing dropped)
     assert buildmod.build(specmod.load(spec), "N150", out, warmup=False).status == "up-to-date"
 
@@ -381,7 +387,7 @@ def test_cache_explain_names_changed_fields(tmp_path, ckpt, runner):
 
     out = tmp_path / "out"
     spec = write_spec(tmp_path, ckpt)
-    buildmod.build(specmod.load(spec), "N150", out, warmup=False)
+    buildmod.build(specmod.load(spec), "N150", out)  # warmed: what `build` leaves (a --no-warmup package is not up to date)
     pkg = out / "N150" / "tiny"
     r = runner.invoke(cli.app, ["cache", "explain", str(pkg)])
     assert r.exit_code == 0, r.output

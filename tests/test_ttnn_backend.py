@@ -460,7 +460,10 @@ def test_cache_explain_on_a_ttnn_build_reports_nothing_changed(tmp_path, ckpt):
     res = buildmod.build(specmod.load(spec), "N300", tmp_path / "out", backend="ttnn", warmup=False)
     e = buildmod.explain(res.package)
     assert [f["field"] for f in e["fields"] if f["changed"]] == []
-    assert e["up_to_date"] and e["would_rebuild"] == [] and e["current_key"] == res.key
+    assert e["current_key"] == res.key
+    # built --no-warmup: `build` (warm-up by default) would run only the warm-up
+    assert not e["up_to_date"] and not e["warmed"] and e["would_rebuild"]
+    assert all(a.startswith("warmup:") for a in e["would_rebuild"])
     spec.write_text(spec.read_text().replace("decode: [1, 8]", "decode: [1, 4, 8]"))
     e = buildmod.explain(res.package)
     # a new decode bucket is a new trace: the region the build reserves grows (tracebudget), and

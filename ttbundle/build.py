@@ -284,9 +284,13 @@ def explain(pkg: str | Path, spec_path: str | Path | None = None) -> dict:
     now = cache.artifact_keys(inp.fields, inp.traces)
     before = m.get("artifacts", {})
     redo = [a for a, k in now.items() if before.get(a, {}).get("key") != k]
+    # a --no-warmup package: a build (which warms by default) runs the warm-up (_warmed)
+    unwarmed = [a for a, r in before.items() if a.startswith("warmup:") and not r.get("ran")]
+    redo += [a for a in unwarmed if a not in redo]
     return {"package": str(pkg), "spec_file": str(spec_file), "key": m.get("key"),
             "current_key": cache.content_key(inp.fields),
-            "up_to_date": m.get("key") == cache.content_key(inp.fields),
+            "up_to_date": m.get("key") == cache.content_key(inp.fields) and not unwarmed,
+            "warmed": not unwarmed,
             "fields": rows, "would_rebuild": redo,
             "last_build": {"changed_fields": b.get("changed_fields", []), "rebuilt": b.get("rebuilt", []),
                            "reused": b.get("reused", []), "finished": b.get("finished")}}

@@ -409,7 +409,10 @@ def cache_explain(package: Path = typer.Argument(..., help="A package directory 
         if r["up_to_date"]:
             out.print("up to date: `ttbundle build` would do nothing")
         else:
-            out.print(f"changed since the build: {', '.join(f['field'] for f in r['fields'] if f['changed'])}")
+            changed = [f["field"] for f in r["fields"] if f["changed"]]
+            out.print(f"changed since the build: {', '.join(changed) or 'nothing'}")
+            if not r["warmed"]:
+                out.print("built --no-warmup: `ttbundle build` runs the warm-up (`--no-warmup` would do nothing)")
             out.print(f"a build would redo: {', '.join(r['would_rebuild']) or 'only the small files'}")
         lb = r["last_build"]
         out.print(f"last build ({lb['finished']}): rebuilt {', '.join(lb['rebuilt']) or 'nothing'}; "
