@@ -827,3 +827,37 @@ def test_ui_edit_rebuilds_nothing_and_an_encoder_edit_rebuilds_weights(tmp_path,
     enc = build_from_copy()
     assert enc["status"] == "built" and "code.convert" in enc["changed_fields"]
     assert "weights" in enc["rebuilt"] and not [a for a in enc["rebuilt"] if a.startswith("program:")]
+
+
+def test_the_encoders_hold_a_bounded_source(tmp_path):
+    """``convert._Encoder``: the reader waits while the shards queued for the encoders or being
+    encoded reference ``budget`` bytes of source (a slow encoder never lets decoded expert chunks
+    pile up behind it); one shard over the budget waits for the others and runs alone; every
+    shard's jobs run."""
+    import threading
+
+    from ttbundle import convert
+
+    enc = convert._Encoder(2, 100)
+    gate, ran = threading.Event(), []
+
+    def job(j):
+        assert gate.wait(10)
+        ran.append(j)
+    first = enc.run(job, [1, 2], 60)
+    later: list = []
+    producer = threading.Thread(target=lambda: later.extend(enc.run(job, [3], 60)))
+    producer.start()
+    producer.join(0.3)
+    assert producer.is_alive() and enc.held == 60  # 60 + 60 > 100: the reader waits
+    gate.set()
+    producer.join(10)
+    assert not producer.is_alive()
+    for f in first + later:
+        f.result(10)
+    big = enc.run(job, [4], 500)  # over the budget: alone, counted as the whole budget
+    big[0].result(10)
+    assert sorted(ran) == [1, 2, 3, 4] and enc.most <= 100
+    assert enc.run(job, [], 50) == []
+    enc.shutdown()
+    assert enc.held == 0

@@ -92,7 +92,10 @@ def test_streamed_package_is_the_whole_stack_package(tmp_path, monkeypatch, fami
         return real(self, *a, **kw)
 
     monkeypatch.setattr(convert._ExpertStream, "shards", counted)
+    # and one shard's source at a time with the encoders (convert._Encoder): the same bytes
+    monkeypatch.setattr(convert, "SOURCE_BYTES", 1)
     buildmod.build(b, mesh, tmp_path / "streamed", warmup=False)
+    monkeypatch.undo()
     assert calls and 3 in calls and max(calls) < 16  # w2 of GPT-OSS: [64, 64], 6 experts a step
     monkeypatch.setattr(convert._ExpertStream, "plan", classmethod(lambda cls, *a: None))
     buildmod.build(b, mesh, tmp_path / "whole", warmup=False)

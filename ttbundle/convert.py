@@ -97,7 +97,7 @@ def convert(bundle, plan, weights_dir: Path, tmp: Path, res, emit, files: dict) 
         pool = _BufferPool(2 * cap)
         # block-float tiles are encoded on one thread per core while this thread reads and decodes
         # the next tensor (chunk); a writer waits for a shard's tiles before writing them
-        enc = ThreadPoolExecutor(min(len(os.sched_getaffinity(0)), 8), thread_name_prefix="ttbundle-encode")
+        enc = _Encoder(min(len(os.sched_getaffinity(0)), 8), SOURCE_BYTES)
         for i, (name, layer, sources) in enumerate(jobs):
             t = tp[name]
             key = tensor_key(name, layer)
@@ -509,7 +509,55 @@ def _encode_bands(v, pads, dtype: str, encoder):
                                f"expected {z - a} B")
         out[a:z] = enc
 
-    return _Encoding(out, [encoder.submit(one, j) for j in jobs])
+    return _Encoding(out, encoder.run(one, jobs, v.numel() * v.element_size()))
+
+
+#: bytes of the sources (decoded expert chunks, float32) that shards queued for the encoders or
+#: being encoded may reference together: four canonical expert chunks' worth (two in float32)
+SOURCE_BYTES = 4 * EXPERT_CHUNK_BYTES
+
+
+class _Encoder:
+    """The encoders' threads (one per core), and a bound on the source bytes their queued and
+    running shards reference (``budget``): a shard's source lives until its last band is encoded,
+    and a reader faster than the encoders (a slow host, or a cheap FP8 decode) would otherwise
+    queue chunks up to the writers' cap, which counts *encoded* bytes (a bfp4 shard is an eighth
+    of its float32 source): DeepSeek-V3's build reached 12 GiB so on a host with a slower disk.
+    :meth:`run` blocks while the shards in flight hold ``budget`` (one larger than it waits for
+    the others to finish and then runs alone)."""
+
+    def __init__(self, threads: int, budget: int):
+        self.ex = ThreadPoolExecutor(threads, thread_name_prefix="ttbundle-encode")
+        self.budget, self.held, self.most = budget, 0, 0
+        self.cv = threading.Condition()
+
+    def run(self, fn, jobs: list, nbytes: int) -> list:
+        """Submit ``fn(job)`` for each of one shard's ``jobs`` (its source ``nbytes``) once the
+        shards in flight leave room for it; the futures."""
+        n = min(nbytes, self.budget)
+        with self.cv:
+            while self.held and self.held + n > self.budget:
+                self.cv.wait()
+            self.held += n
+            self.most = max(self.most, self.held)
+        left = [len(jobs)]
+
+        def done(_f=None):
+            with self.cv:
+                left[0] -= 1
+                if left[0] <= 0:
+                    self.held -= n
+                    self.cv.notify_all()
+        if not jobs:
+            done()
+            return []
+        futures = [self.ex.submit(fn, j) for j in jobs]
+        for f in futures:
+            f.add_done_callback(done)
+        return futures
+
+    def shutdown(self, cancel_futures: bool = False) -> None:
+        self.ex.shutdown(cancel_futures=cancel_futures)
 
 
 class _WriteBehind:
