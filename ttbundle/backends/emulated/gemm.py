@@ -38,6 +38,8 @@ from ...package.shards import SharedStack
 ENV = "TTBUNDLE_EMULATED_GEMM"
 #: vLLM's batch-invariant mode switch (``vllm.envs.VLLM_BATCH_INVARIANT``: an integer, 0 or 1)
 INVARIANT_ENV = "VLLM_BATCH_INVARIANT"
+#: rows of every product of a plain (not packed) weight in batch-invariant mode (:func:`matmul`)
+INVARIANT_ROWS = 16
 #: the row count oneDNN's reorder is told to expect (a decode bucket); any row count works
 ROWS_HINT = 16
 #: a model reading one stage at a time (``LazyWeights``) packs matmul weights up to this many
@@ -268,8 +270,15 @@ def matmul(x: torch.Tensor, W, invariant: bool | None = None) -> torch.Tensor:
     every device holds its own."""
     if isinstance(W, Packed):
         return W.matmul(x, invariant)
-    if x.shape[1] == 1 and x.dim() == 3 and (batch_invariant() if invariant is None else invariant):
-        return matmul(x.expand(-1, 2, -1).contiguous(), W, True)[:, :1]  # one row: the several-row kernel
+    if x.dim() == 3 and (batch_invariant() if invariant is None else invariant):
+        # every product the same row count (INVARIANT_ROWS, zero rows padding the last): MKL's
+        # GEMM picks its kernel and its K-blocking by the row count, and on some CPUs (an AMD
+        # EPYC here) 2 and 40 rows sum a row in other orders; at one row count a row's bits are
+        # its own, wherever it sits in the batch
+        T, B = x.shape[1], INVARIANT_ROWS
+        if T % B:
+            x = torch.cat([x, x.new_zeros(x.shape[0], B - T % B, x.shape[2])], dim=1)
+        return torch.cat([matmul(x[:, i:i + B], W, False) for i in range(0, x.shape[1], B)], dim=1)[:, :T]
     distinct, group = shards_of(W)
     if distinct.shape[0] != x.shape[0]:
         return grouped(x, group, distinct.shape[-1], lambda g, rows: rows @ distinct[g])
