@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -133,3 +134,33 @@ def test_vllms_own_error_is_serves_last_line(tmp_path):
     assert str(ei.value) == ("vLLM exited with code 1 before it was healthy; the first exception in its output: "
                              "ValidationError: 1 validation error for CacheConfig: gpu_memory_utilization: Input "
                              "should be less than or equal to 1")
+
+
+@pytest.mark.parametrize("exits_on_sigint", [True, False], ids=["stops", "ignores-sigint"])
+def test_stop_ends_vllm_when_popens_wait_lock_was_left_held(exits_on_sigint):
+    """Seen once: after Ctrl-C, `serve` hung for ever in `stop` with vLLM a zombie: CPython's
+    timed `Popen.wait` (where `watch` spends serving) takes the Popen's wait lock before its
+    `try`, so a KeyboardInterrupt landing there leaves it held, and `proc.wait()` then blocks for
+    ever. The lock is held here as that leaves it: `stop` still sees vLLM end (its SIGINT, or
+    SIGKILL after the grace), reaps it and returns its exit status."""
+    code = "import time\n" + ("" if exits_on_sigint else
+                              "import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)\n") + \
+        "print('up', flush=True)\ntime.sleep(60)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, start_new_session=True)
+    assert proc.stdout.readline() == b"up\n"
+    assert proc._waitpid_lock.acquire(False)  # left held, as the interrupted wait leaves it
+    try:
+        done: list = []
+        t = threading.Thread(target=lambda: done.append(servemod.stop(proc, grace=1.0)), daemon=True)
+        t.start()
+        t.join(servemod.REAP_S + 10)
+        assert done, "stop blocked on the held wait lock"
+        assert done[0] == (-signal.SIGINT if exits_on_sigint else -signal.SIGKILL)
+        with pytest.raises(ChildProcessError):  # reaped: no zombie left
+            os.waitpid(proc.pid, os.WNOHANG)
+    finally:
+        proc._waitpid_lock.release()
+        if proc.returncode is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        proc.stdout.close()

@@ -841,23 +841,49 @@ def died(proc: subprocess.Popen, when: str, memory=None) -> str:
     return f"vLLM exited with exit code {code} {when}"
 
 
+REAP_S = 10.0  # how long stop waits for a SIGKILLed vLLM to be reaped
+
+
+def _ended(proc: subprocess.Popen, timeout: float) -> bool:
+    """Whether ``proc`` ended within ``timeout`` seconds (reaped here: its ``returncode`` set).
+    Not ``Popen.wait``/``poll``: CPython's timed wait takes the Popen's wait lock before its
+    ``try``, so a Ctrl-C landing there (``watch`` spends serving inside ``proc.wait(every)``)
+    leaves the lock held, and every later wait blocks for ever or never sees the exit: seen once,
+    `serve` hung after Ctrl-C with vLLM a zombie."""
+    end = time.monotonic() + timeout
+    while proc.returncode is None:
+        try:
+            pid, status = os.waitpid(proc.pid, os.WNOHANG)
+        except ChildProcessError:  # reaped already (elsewhere): it has ended
+            return True
+        if pid == proc.pid:
+            proc.returncode = os.waitstatus_to_exitcode(status)
+            break
+        if time.monotonic() >= end:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def stop(proc: subprocess.Popen, grace: float = GRACE_S) -> int:
     """SIGINT to vLLM's API server (its clean shutdown: it stops its engine itself; a SIGINT to
     the whole group would kill the engine under it and log an EngineDeadError), then SIGKILL to
     the group after ``grace``; then removes the signals file :func:`start` made."""
-    if proc.poll() is None:
+    if not _ended(proc, 0):
         try:
             os.kill(proc.pid, signal.SIGINT)
         except ProcessLookupError:
             pass
         try:
-            proc.wait(grace)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt):  # a second Ctrl-C: do not wait
+            ended = _ended(proc, grace)
+        except KeyboardInterrupt:  # a second Ctrl-C: do not wait
+            ended = False
+        if not ended:
             try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-            proc.wait()
+            _ended(proc, REAP_S)
     try:  # children vLLM left behind (its engine core) go with the group
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
