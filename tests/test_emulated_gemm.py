@@ -49,7 +49,7 @@ def test_packed_matmul_of_expert_rows_and_a_strided_input():
 
 
 @needs_onednn
-@pytest.mark.parametrize("mode", ["auto", "packed"])
+@pytest.mark.parametrize("mode", ["plain", "packed"])
 def test_with_the_batch_invariant_switch_a_rows_result_does_not_depend_on_the_other_rows(monkeypatch, mode):
     # decode steps batch any sequences together; with VLLM_BATCH_INVARIANT a row's bits must not
     # change with its neighbours (by default they may: issue 38's decision)
@@ -61,15 +61,15 @@ def test_with_the_batch_invariant_switch_a_rows_result_does_not_depend_on_the_ot
     for n in (1, 5, 16):
         assert torch.equal(gemm.matmul(x[:, :n], W), full[:, :n])
     # the blocked layout and the plain one give the same bits on the invariant path
-    monkeypatch.setenv(gemm.ENV, "packed" if mode == "auto" else "auto")
+    monkeypatch.setenv(gemm.ENV, "packed" if mode == "plain" else "plain")
     assert torch.equal(gemm.matmul(x, gemm.Packed(W.dense())), full)
 
 
 @needs_onednn
-def test_by_default_one_row_is_transformers_kernel_and_several_the_blocked_layouts_bits(monkeypatch):
-    # auto: MKL's F.linear on the plain [N, K] weight for one row (transformers' decode kernel),
+def test_plain_one_row_is_transformers_kernel_and_several_the_blocked_layouts_bits(monkeypatch):
+    # plain: MKL's F.linear on the plain [N, K] weight for one row (transformers' decode kernel),
     # bit for bit; several rows: oneDNN on the plain weight, the blocked layout's bits
-    monkeypatch.delenv(gemm.ENV, raising=False)
+    monkeypatch.setenv(gemm.ENV, "plain")
     monkeypatch.delenv(gemm.INVARIANT_ENV, raising=False)
     w = torch.randn(512, 2816)
     W = gemm.Packed(w.t().contiguous()[None])
@@ -78,6 +78,33 @@ def test_by_default_one_row_is_transformers_kernel_and_several_the_blocked_layou
     monkeypatch.setenv(gemm.ENV, "packed")
     blocked = gemm.Packed(w.t().contiguous()[None])
     assert torch.equal(gemm.matmul(x, W), gemm.matmul(x, blocked))
+
+
+@needs_onednn
+@pytest.mark.parametrize("vendor, is_blocked", [("GenuineIntel", False), ("AuthenticAMD", True), ("", True)])
+def test_auto_holds_the_blocked_layout_except_on_intel(monkeypatch, vendor, is_blocked):
+    # MKL's fast kernels are Intel's: elsewhere auto takes oneDNN's blocked layout (issue 38)
+    monkeypatch.delenv(gemm.ENV, raising=False)
+    monkeypatch.setattr(gemm, "_VENDOR", [vendor])
+    assert gemm.blocked() is is_blocked
+    W = gemm.Packed(torch.randn(1, 64, 48))
+    if is_blocked:  # a list of oneDNN-blocked matrices
+        assert isinstance(W.per_shard, list) and W.per_shard[0].is_mkldnn
+    else:  # one plain [G, N, K] tensor
+        assert isinstance(W.per_shard, torch.Tensor) and not W.per_shard.is_mkldnn
+    for mode, want in (("plain", False), ("packed", True), ("torch", False)):
+        monkeypatch.setenv(gemm.ENV, mode)
+        assert gemm.blocked() is want
+
+
+def test_the_cpu_vendor_is_the_kernels_word():
+    # an independent reader: the first vendor_id line of /proc/cpuinfo (where there is one)
+    try:
+        with open("/proc/cpuinfo") as f:
+            want = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        want = ""
+    assert gemm.cpu_vendor() == want
 
 
 def test_dense_gives_back_the_exact_weight():
@@ -199,7 +226,7 @@ def test_a_block_float_matrix_is_read_straight_into_the_gemm_layout(fmt, monkeyp
     out = nk.transpose(1, 2)
     shards._decode_into(_Handle(data), "w", {"encoding": fmt, "shape": [200, 300]}, out[0])
     assert torch.equal(out[0], blockfloat.decode(data, [200, 300], fmt))
-    monkeypatch.setenv(gemm.ENV, "auto")
+    monkeypatch.setenv(gemm.ENV, "plain")
     p = gemm.Packed(out)
     assert p.per_shard.data_ptr() == nk.data_ptr()  # held as read: no transpose copy
     rows = torch.randn(1, 3, 200)

@@ -8,15 +8,20 @@ their rows at once, or once where their rows are the same bits.
 
 ``TTBUNDLE_EMULATED_GEMM`` (documented in docs/runtime.md):
 
-* ``auto`` (default, float32 on the CPU where torch has oneDNN): plain contiguous ``[N, K]``
-  matrices; one row multiplied by MKL's matrix-vector kernel (``F.linear``: transformers' own
-  one-row kernel), several rows by oneDNN's inner product (on the plain matrix the same bits as
-  on its blocked layout). On the Intel host measured in issue 38 a one-row N150 step took 0.86x
-  the blocked layout's time (interleaved, load ~8); at 32 rows oneDNN on the plain matrix took
-  1.0-1.09x the blocked layout's, MKL 1.15x (interleaved, 1 and 2 threads, load ~5).
+* ``auto`` (default, float32 on the CPU where torch has oneDNN): ``plain`` on an Intel CPU,
+  ``packed`` on any other (:func:`blocked`). MKL, torch's sgemm on x86, takes its fast kernels on
+  Intel CPUs only: on the AMD EPYC hosts measured (issue 38, 2026-12-06, 2 threads, this model's
+  57 weights) MKL's one-row kernel took 33 ms where oneDNN's blocked layout took 19 ms, and at
+  16 rows oneDNN on the plain matrix 43-45 ms where the blocked layout took 26-31 ms; on the
+  Intel host measured in issue 38 the plain matrices were the faster (below).
+* ``plain``: contiguous ``[N, K]`` matrices; one row multiplied by MKL's matrix-vector kernel
+  (``F.linear``: transformers' own one-row kernel), several rows by oneDNN's inner product (on
+  the plain matrix the same bits as on its blocked layout). On the Intel host measured in issue
+  38 a one-row N150 step took 0.86x the blocked layout's time (interleaved, load ~8); at 32 rows
+  oneDNN on the plain matrix took 1.0-1.09x the blocked layout's, MKL 1.15x (interleaved, 1 and
+  2 threads, load ~5).
 * ``packed``: the matrices reordered once into oneDNN's blocked layout (what ``torch.compile``'s
-  CPU weight prepacking does), multiplied by oneDNN's inner product: the faster one where MKL's
-  sgemm runs well below the memory bound (seen on an AMD EPYC host, sessions 5-6).
+  CPU weight prepacking does), multiplied by oneDNN's inner product at any row count.
 * ``torch``: torch's ``bmm`` on the plain ``[D, K, N]`` tensor.
 
 Batch invariance (issue 38): by default a row's last bits may depend on how many rows share its
@@ -61,11 +66,39 @@ def packs(dtype: torch.dtype, device: torch.device) -> bool:
 
 def _mode() -> str:
     mode = os.environ.get(ENV, "auto").strip().lower() or "auto"
-    if mode not in ("auto", "packed", "torch"):
-        raise InvalidInput(f"environment variable {ENV}={mode!r}: expected 'auto' (plain weights: MKL's kernel "
-                           f"for one row, oneDNN's for several), 'packed' (oneDNN's blocked weight layout) or "
-                           f"'torch' (torch's bmm); unset it for the default")
+    if mode not in ("auto", "plain", "packed", "torch"):
+        raise InvalidInput(f"environment variable {ENV}={mode!r}: expected 'auto' (the faster layout for this "
+                           f"CPU: plain on Intel, packed elsewhere), 'plain' (plain weights: MKL's kernel for one "
+                           f"row, oneDNN's for several), 'packed' (oneDNN's blocked weight layout) or 'torch' "
+                           f"(torch's bmm); unset it for the default")
     return mode
+
+
+_VENDOR: list[str] = []
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor string as the kernel reports it (``GenuineIntel``, ``AuthenticAMD``; ''
+    where /proc/cpuinfo does not say), read once per process."""
+    if not _VENDOR:
+        vendor = ""
+        try:
+            with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    if line.startswith("vendor_id"):
+                        vendor = line.partition(":")[2].strip()
+                        break
+        except OSError:
+            pass
+        _VENDOR.append(vendor)
+    return _VENDOR[0]
+
+
+def blocked() -> bool:
+    """Whether matmul weights are held in oneDNN's blocked layout: ``packed``, or ``auto`` on a
+    CPU that is not Intel's (MKL's fast kernels are Intel's only: measured, module doc)."""
+    mode = _mode()
+    return mode == "packed" or (mode == "auto" and cpu_vendor() != "GenuineIntel")
 
 
 def batch_invariant() -> bool:
@@ -217,16 +250,16 @@ class Packed:
 def _pack_shards(distinct: torch.Tensor):
     """Distinct shards ``[G, K, N]`` held per shard: plain, one ``[G, N, K]`` tensor (its slices
     are the shards' matrices, and one batched product reads them all); blocked, a list."""
-    if _mode() == "packed":
+    if blocked():
         return [_pack(s.t()) for s in distinct]
     return distinct.transpose(1, 2).contiguous()
 
 
 def _pack(w_nk: torch.Tensor):
-    """``[N, K]`` as the GEMM reads it: plain and contiguous (``auto``: what both MKL's one-row
+    """``[N, K]`` as the GEMM reads it: plain and contiguous (``plain``: what both MKL's one-row
     kernel and oneDNN's several-row kernel take as is), or reordered into oneDNN's blocked
-    layout (``packed``)."""
-    if _mode() == "packed":
+    layout (:func:`blocked`)."""
+    if blocked():
         return torch.ops.mkldnn._reorder_linear_weight(w_nk.contiguous(), ROWS_HINT)
     return w_nk.contiguous()
 
@@ -234,7 +267,7 @@ def _pack(w_nk: torch.Tensor):
 def _linear(rows: torch.Tensor, w, invariant: bool | None = None) -> torch.Tensor:
     """``rows [M, K] @ w.T`` for a weight as :func:`_pack` holds it. Several rows: oneDNN's inner
     product (on a plain weight the blocked layout's bits, and a row's bits the same at any row
-    count from 2 up, tested). One row on a plain weight (``auto``): MKL's matrix-vector kernel
+    count from 2 up, tested). One row on a plain weight (``plain``): MKL's matrix-vector kernel
     (``F.linear``, transformers' own one-row kernel), unless ``VLLM_BATCH_INVARIANT`` asks for
     one path at every batch size: then the row runs twice through the several-row kernel."""
     if rows.shape[0] == 1:
