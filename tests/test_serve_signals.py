@@ -9,12 +9,14 @@ tracebacks the parser is checked on."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -164,3 +166,41 @@ def test_stop_ends_vllm_when_popens_wait_lock_was_left_held(exits_on_sigint):
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
         proc.stdout.close()
+
+
+@pytest.mark.parametrize("code", [3, -signal.SIGKILL], ids=["exit-3", "sigkill"])
+def test_watch_and_wait_healthy_see_vllm_end_when_popens_wait_lock_was_left_held(code):
+    """The same held lock (above), met while serving: `Popen.wait` would block and `poll` never
+    see the exit, so vLLM dying would go unnoticed (`watch`) or be waited out to the start-up
+    timeout (`wait_healthy`). Both see it end within a second and say how it ended."""
+    ends = "raise SystemExit(3)" if code == 3 else "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    for which in ("watch", "wait_healthy"):
+        proc = subprocess.Popen([sys.executable, "-c", f"import time\ntime.sleep(1.0)\n{ends}\n"],
+                                start_new_session=True)
+        assert proc._waitpid_lock.acquire(False)  # left held, as an interrupted timed wait leaves it
+        port = _free_port()  # nothing answers there: health checks fail, but not failures=100 of them
+        t0 = time.monotonic()
+        try:
+            errors: list = []
+
+            def run():
+                try:
+                    if which == "watch":
+                        servemod.watch(proc, "127.0.0.1", port, every=0.2, failures=100, timeout=0.1)
+                    else:
+                        servemod.wait_healthy(proc, "127.0.0.1", port, timeout=30)
+                except BaseException as e:  # noqa: BLE001  (what it raised is the answer)
+                    errors.append(e)
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            t.join(15)
+            assert errors, f"{which} did not see vLLM end with the wait lock held"
+            assert time.monotonic() - t0 < 10
+            assert proc.returncode == code
+            msg = str(errors[0])
+            assert re.search(r"code 3\b", msg) if code == 3 else ("signal 9 (SIGKILL)" in msg), msg
+        finally:
+            proc._waitpid_lock.release()
+            if proc.returncode is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()

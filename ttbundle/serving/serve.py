@@ -847,9 +847,10 @@ REAP_S = 10.0  # how long stop waits for a SIGKILLed vLLM to be reaped
 def _ended(proc: subprocess.Popen, timeout: float) -> bool:
     """Whether ``proc`` ended within ``timeout`` seconds (reaped here: its ``returncode`` set).
     Not ``Popen.wait``/``poll``: CPython's timed wait takes the Popen's wait lock before its
-    ``try``, so a Ctrl-C landing there (``watch`` spends serving inside ``proc.wait(every)``)
+    ``try``, so a Ctrl-C landing there (a timed wait is where `serve` spent its serving before)
     leaves the lock held, and every later wait blocks for ever or never sees the exit: seen once,
-    `serve` hung after Ctrl-C with vLLM a zombie."""
+    `serve` hung after Ctrl-C with vLLM a zombie. So serve waits for vLLM here only, from start
+    to stop (``wait_healthy``, ``watch``, ``stop``)."""
     end = time.monotonic() + timeout
     while proc.returncode is None:
         try:
@@ -944,7 +945,7 @@ def wait_healthy(proc: subprocess.Popen, host: str, port: int, timeout: float, m
     while time.monotonic() - t0 < timeout:
         raise_swallowed()
         _sample(proc)
-        if proc.poll() is not None:
+        if _ended(proc, 0):  # not proc.poll(): see _ended
             cause = read(cause_file) if cause_file else None
             if cause:
                 raise TTBundleError(f"vLLM exited with code {proc.returncode} before it was healthy: {cause}")
@@ -968,20 +969,19 @@ def watch(proc: subprocess.Popen, host: str, port: int, every: float = HEALTH_EV
     missed = 0
     while True:
         _sample(proc)
-        try:
-            code = proc.wait(every)
-        except subprocess.TimeoutExpired:
+        if not _ended(proc, every):  # not proc.wait(every): see _ended
             missed = 0 if healthy(host, port, timeout) else missed + 1
             if missed >= failures:
                 eng = noted_signal(proc)
                 if eng is not None:  # its engine was ended by a signal (vLLM noted it)
                     raise ServeFailed(f"vLLM stopped answering http://{host}:{port}/health: its engine process "
                                       f"{eng[0]} was killed by signal {eng[1]} ({signal_name(eng[1])}) while "
-                                      f"serving" + killed_note(eng[1], proc, memory) + "; stopped it") from None
+                                      f"serving" + killed_note(eng[1], proc, memory) + "; stopped it")
                 raise ServeFailed(f"vLLM stopped answering http://{host}:{port}/health ({missed} checks "
                                   f"{every:g} s apart): its engine died or hangs (its log above says "
-                                  "why); stopped it") from None
+                                  "why); stopped it")
             continue
+        code = proc.returncode
         why = died(proc, "while serving", memory)
         if why.startswith("vLLM's engine"):  # a signal ended its engine: which, and for SIGKILL the memory
             raise ServeFailed(why, code if code > 0 else 1)
