@@ -142,8 +142,10 @@ def main():
     rows = [int(x) for x in args.rows.split(",")]
     prompts = torch.randint(0, 32000, (max(rows), args.prompt)).tolist()
     prompt = prompts[0]
+    from ttbundle.backends.emulated.gemm import describe as gemm_layout
     print(f"model: {n_params / 1e6:.0f}M params, fp32, device {args.device}, torch threads "
-          f"{torch.get_num_threads()}; prompt {args.prompt}, {args.tokens} new tokens, best of {args.repeats}; "
+          f"{torch.get_num_threads()}, emulated weight GEMMs {gemm_layout()}; "
+          f"prompt {args.prompt}, {args.tokens} new tokens, best of {args.repeats}; "
           f"load average {os.getloadavg()[0]:.1f} at the start")
 
     hf_tps, ref = [], None

@@ -214,6 +214,7 @@ def main():
     ps = prompts(max(a.streams, a.hf_batch), a.prompt, 32000)
 
     from ttbundle.runtime.worker import emulated_threads
+    from ttbundle.backends.emulated.gemm import describe as gemm_layout
     eng = emulated_threads()
     tries = sorted({eng, os.cpu_count() or 1})
 
@@ -264,7 +265,7 @@ def main():
     assert single["tokens"] == a.tokens and all(r["tokens"] == a.tokens for r in many), "token counts"
     wall = max(r["end"] for r in many) - min(r["start"] for r in many)
     res = {
-        "model": "bench-160m", "mesh": a.mesh, "prompt_tokens": a.prompt, "output_tokens": a.tokens,
+        "gemm": gemm_layout(), "model": "bench-160m", "mesh": a.mesh, "prompt_tokens": a.prompt, "output_tokens": a.tokens,
         "server_startup_s": round(startup, 1), "load_average_1min": [round(x, 2) for x in load],
         "engine_threads": emulated_threads(), "hf_threads": [t1, tb],
         "hf_single_tok_s": a.tokens / hf1,
@@ -295,7 +296,8 @@ def main():
         print(json.dumps(res, indent=2))
         return
     print(f"bench-160m on emulated {a.mesh}, prompt {a.prompt}, {a.tokens} output tokens, fp32, one run; "
-          f"engine {res['engine_threads']} torch thread(s), HF best of {tries} threads; load average "
+          f"engine {res['engine_threads']} torch thread(s), weight GEMMs {res['gemm']}, HF best of {tries} "
+          f"threads; load average "
           f"{res['load_average_1min'][0]:.1f} at the start, {res['load_average_1min'][-1]:.1f} after the streams")
     print(f"  HF generate batch 1            {res['hf_single_tok_s']:8.1f} tok/s")
     print(f"  HF generate batch {a.hf_batch:<2}           {res['hf_batch_tok_s']:8.1f} tok/s")

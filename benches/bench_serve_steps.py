@@ -143,7 +143,9 @@ def main():
     if a.json:
         print(json.dumps(out, indent=2))
         return
-    print(f"bench-160m, emulated N150, {threads} torch threads, prefill buckets {a.prefill_buckets}, "
+    from ttbundle.backends.emulated.gemm import describe as gemm_layout
+    print(f"bench-160m, emulated N150, {threads} torch threads, weight GEMMs {gemm_layout()}, "
+          f"prefill buckets {a.prefill_buckets}, "
           f"{len(rs)} rounds, load average {out['load_average_1min'][0]} -> {out['load_average_1min'][-1]}")
     print(f"  16-row decode step / ceiling step (bare weight matmuls): {out['decode_step_vs_ceiling_step']:.2f}x")
     print(f"  prefill of {S} x {n}-token prompts, packed vs previous: {out['prefill_packed_speedup']:.2f}x faster")

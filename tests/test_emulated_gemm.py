@@ -87,6 +87,7 @@ def test_auto_holds_the_blocked_layout_except_on_intel(monkeypatch, vendor, is_b
     monkeypatch.delenv(gemm.ENV, raising=False)
     monkeypatch.setattr(gemm, "_VENDOR", [vendor])
     assert gemm.blocked() is is_blocked
+    assert gemm.describe() == f"{'packed' if is_blocked else 'plain'} (auto, {vendor or 'vendor unknown'})"
     W = gemm.Packed(torch.randn(1, 64, 48))
     if is_blocked:  # a list of oneDNN-blocked matrices
         assert isinstance(W.per_shard, list) and W.per_shard[0].is_mkldnn

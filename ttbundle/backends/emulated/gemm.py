@@ -101,6 +101,15 @@ def blocked() -> bool:
     return mode == "packed" or (mode == "auto" and cpu_vendor() != "GenuineIntel")
 
 
+def describe() -> str:
+    """The weight GEMM's layout in a few words, for a benchmark's header: ``packed (auto, AuthenticAMD)``."""
+    mode = _mode()
+    if mode == "torch":
+        return "torch bmm"
+    got = "packed" if blocked() else "plain"
+    return f"{got} (auto, {cpu_vendor() or 'vendor unknown'})" if mode == "auto" else got
+
+
 def batch_invariant() -> bool:
     """Whether ``VLLM_BATCH_INVARIANT`` asks for batch-invariant results (read as vLLM reads it:
     an integer, nonzero = on; unset or empty = off)."""
