@@ -87,12 +87,20 @@ def test_auto_holds_the_blocked_layout_except_on_intel(monkeypatch, vendor, is_b
     monkeypatch.delenv(gemm.ENV, raising=False)
     monkeypatch.setattr(gemm, "_VENDOR", [vendor])
     assert gemm.blocked() is is_blocked
-    assert gemm.describe() == f"{'packed' if is_blocked else 'plain'} (auto, {vendor or 'vendor unknown'})"
-    W = gemm.Packed(torch.randn(1, 64, 48))
+    assert gemm.describe().startswith("packed from 1 MiB" if is_blocked else "plain")
+    assert gemm.describe().endswith(f"(auto, {vendor or 'vendor unknown'})")
+    W = gemm.Packed(torch.randn(1, 512, 512))  # 1 MiB: blocked off Intel
     if is_blocked:  # a list of oneDNN-blocked matrices
         assert isinstance(W.per_shard, list) and W.per_shard[0].is_mkldnn
     else:  # one plain [G, N, K] tensor
         assert isinstance(W.per_shard, torch.Tensor) and not W.per_shard.is_mkldnn
+    # a small matrix stays plain on any CPU (MKL's one-row call is the cheaper there), merged too
+    small = gemm.Packed(torch.randn(1, 256, 511))
+    assert isinstance(small.per_shard, torch.Tensor) and not small.per_shard.is_mkldnn
+    merged = gemm.Packed(torch.randn(2, 512, 512))
+    assert merged.merged.is_mkldnn is is_blocked
+    x = torch.randn(2, 3, 512)
+    torch.testing.assert_close(merged.matmul(x), torch.bmm(x, merged.dense()), rtol=1e-5, atol=1e-4)
     for mode, want in (("plain", False), ("packed", True), ("torch", False)):
         monkeypatch.setenv(gemm.ENV, mode)
         assert gemm.blocked() is want

@@ -9,7 +9,7 @@ their rows at once, or once where their rows are the same bits.
 ``TTBUNDLE_EMULATED_GEMM`` (documented in docs/runtime.md):
 
 * ``auto`` (default, float32 on the CPU where torch has oneDNN): ``plain`` on an Intel CPU,
-  ``packed`` on any other (:func:`blocked`). MKL, torch's sgemm on x86, takes its fast kernels on
+  ``packed`` on any other for a matrix of ``BLOCKED_MIN_BYTES`` (1 MiB) or more (:func:`blocked`). MKL, torch's sgemm on x86, takes its fast kernels on
   Intel CPUs only: on the AMD EPYC hosts measured (issue 38, 2026-12-06, 2 threads, this model's
   57 weights) MKL's one-row kernel took 33 ms where oneDNN's blocked layout took 19 ms, and at
   16 rows oneDNN on the plain matrix 43-45 ms where the blocked layout took 26-31 ms; on the
@@ -50,6 +50,10 @@ ROWS_HINT = 16
 #: a model reading one stage at a time (``LazyWeights``) packs matmul weights up to this many
 #: bytes per device shard; larger ones (a vocabulary head) stay plain (packing copies them)
 PACK_BYTES = 512 << 20
+#: ``auto`` off Intel CPUs holds a matrix blocked from this size up; a smaller one stays plain:
+#: oneDNN's call costs ~16 us where MKL's takes 4-6 us for a 64x64 or 256x256 matrix at one row,
+#: and from 512x512 (1 MiB) up the blocked layout is the faster (AMD EPYC, 2026-12-06)
+BLOCKED_MIN_BYTES = 1 << 20
 #: a weight of several distinct shards is held merged (:class:`Packed`) up to this many bytes in
 #: all: merging copies every shard at once while it packs; a larger one is packed shard by shard
 MERGE_BYTES = 512 << 20
@@ -94,11 +98,13 @@ def cpu_vendor() -> str:
     return _VENDOR[0]
 
 
-def blocked() -> bool:
-    """Whether matmul weights are held in oneDNN's blocked layout: ``packed``, or ``auto`` on a
-    CPU that is not Intel's (MKL's fast kernels are Intel's only: measured, module doc)."""
+def blocked(nbytes: int | None = None) -> bool:
+    """Whether a matmul weight of ``nbytes`` per matrix (None: a large one) is held in oneDNN's
+    blocked layout: ``packed``, or ``auto`` on a CPU that is not Intel's (MKL's fast kernels are
+    Intel's only: measured, module doc) for a matrix of at least :data:`BLOCKED_MIN_BYTES`."""
     mode = _mode()
-    return mode == "packed" or (mode == "auto" and cpu_vendor() != "GenuineIntel")
+    return mode == "packed" or (mode == "auto" and cpu_vendor() != "GenuineIntel"
+                                and (nbytes is None or nbytes >= BLOCKED_MIN_BYTES))
 
 
 def describe() -> str:
@@ -106,8 +112,11 @@ def describe() -> str:
     mode = _mode()
     if mode == "torch":
         return "torch bmm"
-    got = "packed" if blocked() else "plain"
-    return f"{got} (auto, {cpu_vendor() or 'vendor unknown'})" if mode == "auto" else got
+    if mode != "auto":
+        return mode
+    vendor = cpu_vendor() or "vendor unknown"
+    return (f"packed from {BLOCKED_MIN_BYTES >> 20} MiB a matrix, plain below (auto, {vendor})" if blocked()
+            else f"plain (auto, {vendor})")
 
 
 def batch_invariant() -> bool:
@@ -259,7 +268,7 @@ class Packed:
 def _pack_shards(distinct: torch.Tensor):
     """Distinct shards ``[G, K, N]`` held per shard: plain, one ``[G, N, K]`` tensor (its slices
     are the shards' matrices, and one batched product reads them all); blocked, a list."""
-    if blocked():
+    if blocked(distinct[0].numel() * distinct.element_size()):
         return [_pack(s.t()) for s in distinct]
     return distinct.transpose(1, 2).contiguous()
 
@@ -268,7 +277,7 @@ def _pack(w_nk: torch.Tensor):
     """``[N, K]`` as the GEMM reads it: plain and contiguous (``plain``: what both MKL's one-row
     kernel and oneDNN's several-row kernel take as is), or reordered into oneDNN's blocked
     layout (:func:`blocked`)."""
-    if blocked():
+    if blocked(w_nk.numel() * w_nk.element_size()):
         return torch.ops.mkldnn._reorder_linear_weight(w_nk.contiguous(), ROWS_HINT)
     return w_nk.contiguous()
 
