@@ -108,7 +108,8 @@ def blocked(nbytes: int | None = None) -> bool:
 
 
 def describe() -> str:
-    """The weight GEMM's layout in a few words, for a benchmark's header: ``packed (auto, AuthenticAMD)``."""
+    """The weight GEMM's layout in a few words, for a benchmark's header: ``plain (auto, GenuineIntel)``,
+    ``packed from 1 MiB a matrix, plain below (auto, AuthenticAMD)``."""
     mode = _mode()
     if mode == "torch":
         return "torch bmm"
