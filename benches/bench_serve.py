@@ -96,6 +96,32 @@ async def run_streams(url: str, model: str, batch: list[list[int]], tokens: int)
         await client.close()
 
 
+def cpu_seconds(root_pid: int) -> dict:
+    """CPU seconds (user + system) so far of this process (the client) and of every process of the
+    server's tree (``ttbundle serve``'s, vLLM's API server, its engine core), by role."""
+    import psutil
+    out = {"client": sum(psutil.Process().cpu_times()[:2])}
+    try:
+        root = psutil.Process(root_pid)
+        procs = [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            name = " ".join(p.cmdline()[:3]) + " " + p.name()
+            t = sum(p.cpu_times()[:2])
+        except psutil.NoSuchProcess:
+            continue
+        role = "engine" if "EngineCore" in name else "api server" if "vllm" in name.lower() else "other"
+        out[role] = out.get(role, 0.0) + t
+    return out
+
+
+def cpu_split(before: dict, after: dict, wall: float) -> dict:
+    """Each role's share of the machine over ``wall`` seconds, in cores (CPU seconds / wall)."""
+    return {k: (after.get(k, 0.0) - before.get(k, 0.0)) / wall for k in after}
+
+
 def pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))]
@@ -249,7 +275,9 @@ def main():
         ceilings = [(gemm_ceiling(src, a.streams, eng), gemm_ceiling(src, a.prompt, eng))]
         asyncio.run(run_streams(plan.url, plan.name, ps[:1], 4))  # first request: connections, detokenizer
         single = asyncio.run(run_streams(plan.url, plan.name, ps[:1], a.tokens))[0]
+        cpu0 = cpu_seconds(proc.pid)
         many = asyncio.run(run_streams(plan.url, plan.name, ps[:a.streams], a.tokens))
+        cpu1 = cpu_seconds(proc.pid)
         load.append(os.getloadavg()[0])
         hf_round()
         ceilings.append((gemm_ceiling(src, a.streams, eng), gemm_ceiling(src, a.prompt, eng)))
@@ -276,6 +304,8 @@ def main():
         "ttft_p50_s": statistics.median(r["ttft"] for r in many),
         "ttft_p99_s": pct([r["ttft"] for r in many], 99),
     }
+    res["cpu_cores_during_streams"] = cpu_split(cpu0, cpu1, wall)
+    res["cpu_cores_available"] = len(os.sched_getaffinity(0))
     res.update(step_split(step_log, min(r["start"] for r in many), max(r["end"] for r in many), a.streams))
     if res.get("steady_decode_tok_s"):
         res["ratio_steady_decode_vs_gemm_ceiling"] = res["steady_decode_tok_s"] / ceiling
@@ -325,6 +355,10 @@ def main():
               f"prompt tokens), decode steps at full occupancy {res['full_decode_s']:.2f} s, at partial "
               f"occupancy {res['partial_decode_s']:.2f} s ({res['partial_decode_steps']} steps), the rest "
               f"{res['other_s']:.2f} s")
+    cores = res["cpu_cores_during_streams"]
+    print(f"  CPU during the {a.streams} streams, in cores of the {res['cpu_cores_available']} here (CPU seconds / "
+          f"wall): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cores.items(), key=lambda kv: -kv[1]))
+          + f"; the ceilings had all {eng} thread(s)' cores to themselves")
     print(f"  TTFT single {res['ttft_single_s'] * 1e3:.0f} ms; {a.streams} streams p50 "
           f"{res['ttft_p50_s'] * 1e3:.0f} ms, p99 {res['ttft_p99_s'] * 1e3:.0f} ms")
     print(f"  server start to healthy (incl. warm-up of every bucket) {res['server_startup_s']:.0f} s")
