@@ -226,6 +226,34 @@ def test_decode_is_code_times_step(fmt):
     assert table[255, 1 << (w - 1)] == math.inf and math.isnan(table[255, (1 << (w - 1)) + 1])
 
 
+@pytest.mark.parametrize("fmt", FMTS)
+@pytest.mark.parametrize("chunk", [2, 256])
+def test_every_exponent_and_code_decodes_as_the_table_says(fmt, chunk, monkeypatch):
+    """Arbitrary tile bytes (every shared exponent 0..255, every code, negative zeros, face rows
+    below float32's normal range and at 255) decode, in both layouts, to ``_value_table[e, code]``
+    looked up one element at a time from the byte layout: the decoders multiply a code's magnitude
+    by its step and must fall back to the table exactly where that product is not the value."""
+    rng = np.random.default_rng(11)
+    data = bytearray(rng.integers(0, 256, 4 * bf.tile_bytes(fmt), dtype=np.uint8).tobytes())
+    for t, e in enumerate(rng.permutation(256).reshape(4, 64)):  # each exponent in one face row
+        data[t * bf.tile_bytes(fmt): t * bf.tile_bytes(fmt) + 64] = bytes(int(x) for x in e)
+    data = bytes(data)
+    table = bf._value_table(fmt)
+    expected = np.empty((64, 64), np.float32)
+    for t in range(4):
+        exps, codes = tile_fields(data, fmt, t)
+        for r in range(32):
+            for c in range(32):
+                fr, k = code_pos(r, c)
+                expected[32 * (t // 2) + r, 32 * (t % 2) + c] = table[exps[fr], codes[k]]
+    assert {int(c) for t in range(4) for c in tile_fields(data, fmt, t)[1]} == set(range(1 << (W[fmt] + 1)))
+    monkeypatch.setattr(bf, "CHUNK_TILES", chunk)
+    got = bf.decode_array(data, (64, 64), fmt)
+    assert np.array_equal(got.view(np.uint32), expected.view(np.uint32))
+    got_t = bf.decode_array_t(data, (64, 64), fmt)
+    assert np.array_equal(got_t.view(np.uint32), expected.T.copy().view(np.uint32))
+
+
 # ---- against a per-element reference written from the definition -----------------------------
 def reference_encode(a: np.ndarray, fmt: str) -> bytes:
     """Slow, literal encoder: one face row at a time, one value at a time."""

@@ -333,11 +333,47 @@ def _value_table(fmt: str) -> np.ndarray:
     return bits.astype(np.uint32).view(np.float32)
 
 
+@lru_cache(maxsize=None)
+def _steps(fmt: str) -> np.ndarray:
+    """float32 ``[256]``: the value of magnitude 1 at each shared exponent ``e``,
+    ``2**(e - 127 - (W - 1))``, where every code's value is its signed magnitude times that step
+    (``W <= e <= 254``: :func:`_value_table` agrees there, tested); 0 elsewhere (those face rows
+    are read from the table, :func:`_values_into`)."""
+    f = get_format(fmt)
+    e = np.arange(256)
+    ok = (e >= f.mantissa_bits) & (e <= 254)
+    return np.where(ok, np.ldexp(1.0, np.where(ok, e, 127) - 127 - (f.mantissa_bits - 1)), 0.0).astype(np.float32)
+
+
+def _values_into(code: np.ndarray, e: np.ndarray, f: Format, out: np.ndarray) -> None:
+    """``out`` (float32, ``code``'s shape) = the value of every code (uint8, sign-magnitude) at
+    its face row's shared exponent ``e`` (uint8, broadcast to ``code``'s shape), as
+    :func:`_value_table` gives it. Computed as the code's signed magnitude (int8) times the step
+    (:func:`_steps`): one multiply over the chunk, no per-value table lookup; the corners that
+    product does not give (a negative-zero code: -0.0; a face row whose exponent leaves float32's
+    normal range or is 255: Inf/NaN) are then read from the table, only where present."""
+    w = f.mantissa_bits
+    top = code if f.code_bits == 8 else np.left_shift(code, 8 - f.code_bits)  # the sign bit on top
+    sign = top.view(np.int8) >> np.int8(7)  # 0 or -1
+    t = np.bitwise_and(code, np.uint8((1 << w) - 1)).view(np.int8)
+    t ^= sign
+    t -= sign  # two's complement of the signed magnitude
+    np.multiply(t, _steps(f.name).take(e), out=out)
+    if top.view(np.int8).min() == -128:  # a negative zero code (ttnn's packer writes none)
+        out[code == (1 << w)] = -0.0
+    bad = (e < w) | (e == 255)
+    if bad.any():
+        where = np.broadcast_to(bad, code.shape)
+        out[where] = _value_table(f.name)[np.broadcast_to(e, code.shape)[where], code[where]]
+
+
 def _decode_rows(shared: np.ndarray, code: np.ndarray, f: Format) -> np.ndarray:
     """float32 ``[r, Wp]`` from row-layout exponents ``[r, Wp/16]`` and codes ``[r, Wp]``."""
-    idx = np.repeat(shared.astype(np.uint16) << np.uint16(f.code_bits), FACE, axis=1)
-    idx |= code
-    return _value_table(f.name).reshape(-1).take(idx)
+    r, wp = code.shape
+    out = np.empty((r, wp), np.float32)
+    _values_into(code.reshape(r, wp // FACE, FACE), shared.reshape(r, wp // FACE, 1), f,
+                 out.reshape(r, wp // FACE, FACE))
+    return out
 
 
 # ---- public API --------------------------------------------------------------------------------
@@ -405,20 +441,24 @@ def decode_columns_t(tiles: np.ndarray, h: int, w: int, fmt: str | Format, c0: i
     f = get_format(fmt)
     ht, wt = -(-h // TILE), -(-w // TILE)
     grid = tiles.reshape(ht, wt, f.tile_bytes)
-    table = _value_table(f.name).reshape(-1)
-    step = max(1, CHUNK_TILES * 4 // ht)  # tile columns per vectorized step
+    step = max(1, CHUNK_TILES // (2 * ht))  # tile columns per step: ~512 KB of float32 (L2)
     for a in range(c0, c1, step):
         z = min(c1, a + step)
-        shared, code = _unpack(np.ascontiguousarray(grid[:, a:z]).reshape(-1, f.tile_bytes), f)
-        c = code.reshape(ht, z - a, 2, 2, FACE, FACE).transpose(1, 3, 5, 0, 2, 4)  # [wt, fc, col, ht, fr, row]
-        e = shared.reshape(ht, z - a, 2, 2, FACE).transpose(1, 3, 0, 2, 4)[:, :, None]
-        idx = np.left_shift(e, np.uint16(f.code_bits), dtype=np.uint16, order="C")
-        idx = np.bitwise_or(idx, c, dtype=np.uint16, order="C").reshape((z - a) * TILE, ht * TILE)
+        if f.code_bits == 8:
+            shared, code = grid[:, a:z, :FACE_ROWS], grid[:, a:z, FACE_ROWS:]
+        else:
+            shared, code = _unpack(np.ascontiguousarray(grid[:, a:z]).reshape(-1, f.tile_bytes), f)
+        n = z - a
+        c = code.reshape(ht, n, 2, 2, FACE, FACE).transpose(1, 3, 5, 0, 2, 4)  # [wt, fc, col, ht, fr, row]
+        c = np.ascontiguousarray(c).reshape(2 * n, FACE, ht * TILE)
+        e = shared.reshape(ht, n, 2, 2, FACE).transpose(1, 3, 0, 2, 4).reshape(2 * n, 1, ht * TILE)
         r0, r1 = (a - c0) * TILE, min((z - c0) * TILE, out.shape[0])
-        if idx.shape == (r1 - r0, h):
-            table.take(idx, out=out[r0:r1])
+        if (n * TILE, ht * TILE) == (r1 - r0, h):
+            _values_into(c, e, f, out[r0:r1].reshape(c.shape))
         else:  # padding: the last tile column or tile row is partial
-            out[r0:r1] = table.take(idx[: r1 - r0, :h])
+            full = np.empty(c.shape, np.float32)
+            _values_into(c, e, f, full)
+            out[r0:r1] = full.reshape(n * TILE, ht * TILE)[: r1 - r0, :h]
 
 
 def decode_array_t(data, shape, fmt: str | Format) -> np.ndarray:
