@@ -7,7 +7,7 @@ at a time), then measures, each in its own subprocess, in the same run:
 
 * the reference: ``cp -r`` of the checkpoint + ``sha256sum`` of its files (page cache warm,
   dirty pages synced before each timed run);
-* ``ttbundle build SPEC --mesh N150`` (bfp8 weights, warm-up included): wall and peak RSS;
+* ``ttbundle build SPEC --mesh N150`` (or ``--mesh``; bfp8 weights, warm-up included): wall and peak RSS;
 * the floor of that build: encoding its bfp8 tensors alone (no I/O, no hashing, every core);
 * ``ttbundle check PACKAGE --steps 4``: wall and peak RSS, and its decoder layers' time per side
   (the emulated mesh, the expected run, the original checkpoint);
@@ -20,6 +20,7 @@ and prints, per L, the build wall over the reference (target <= 3x), the peak RS
     python benches/bench_real_size.py                      # L = 2 and 4 (~6 GB on disk at a time)
     python benches/bench_real_size.py --layers 2           # one L
     python benches/bench_real_size.py --full               # + L = 32 (writes 16 GB; a quiet host)
+    python benches/bench_real_size.py --layers 2 --mesh T3K  # built for and checked on T3K
     python benches/bench_real_size.py --no-check --json    # build only, figures as JSON
 
 The checkpoint and packages go to ``--work`` (default: a temp dir under ``$TMPDIR``) and are
@@ -181,13 +182,13 @@ def _numel(shape) -> int:
     return n
 
 
-def spec_text(src: Path, layers: int) -> str:
+def spec_text(src: Path, layers: int, mesh: str = "N150") -> str:
     dims = "\n".join(f"  {k}: {v}" for k, v in ARCH.items())
     return (f"name: bench-8b\nmodel:\n  family: llama\n  num_hidden_layers: {layers}\n{dims}\n"
             f"  rope_scaling: {ROPE}\n  tie_word_embeddings: false\n"
             f"weights:\n  source: {src}\n  dtypes: {{default: bfp8}}\ntokenizer: false\n"
             # bundles/llama-3.1-8b.yaml's buckets and runtime
-            "targets: [N150]\nbuckets: {prefill: [128, 1024, 2048, 4096], decode: [1, 8, 32], prefill_chunk: 4096}\n"
+            f"targets: [{mesh}]\nbuckets: {{prefill: [128, 1024, 2048, 4096], decode: [1, 8, 32], prefill_chunk: 4096}}\n"
             "runtime: {max_model_len: 32768, max_num_seqs: 32, kv_cache_dtype: bfp8}\n")
 
 
@@ -219,7 +220,8 @@ def measure(cmd: list[str], env=None) -> tuple[float, int, str]:
     return d["wall"], d["rss"], d["out"]
 
 
-def one_depth(work: Path, layers: int, check: bool, env: dict, prompt_len: int | None = None) -> dict:
+def one_depth(work: Path, layers: int, check: bool, env: dict, prompt_len: int | None = None,
+              mesh: str = "N150") -> dict:
     src = work / f"ckpt-{layers}"
     shutil.rmtree(src, ignore_errors=True)
     t = time.monotonic()
@@ -241,14 +243,14 @@ def one_depth(work: Path, layers: int, check: bool, env: dict, prompt_len: int |
                        cwd=ROOT, check=True)
     floor_s = float(r.stdout.split()[-1])
     spec = work / f"bench-{layers}.yaml"
-    spec.write_text(spec_text(src, layers))
+    spec.write_text(spec_text(src, layers, mesh))
     out = work / f"out-{layers}"
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run(["sync"], check=True)
     tt = [sys.executable, "-m", "ttbundle.cli"]
-    b_wall, b_rss, stdout = measure(tt + ["build", str(spec), "--mesh", "N150", "-o", str(out), "--json"], env)
+    b_wall, b_rss, stdout = measure(tt + ["build", str(spec), "--mesh", mesh, "-o", str(out), "--json"], env)
     done = [json.loads(x) for x in stdout.splitlines() if '"event": "done"' in x][-1]
-    row = {"layers": layers, "checkpoint_bytes": total, "generate_s": round(gen_s, 1), "cp_s": round(cp_s, 2),
+    row = {"layers": layers, "mesh": mesh, "checkpoint_bytes": total, "generate_s": round(gen_s, 1), "cp_s": round(cp_s, 2),
            "sha256_s": round(sha_s, 2), "reference_s": round(ref_s, 2), "build_s": round(b_wall, 1),
            "encode_floor_s": round(floor_s, 1), "floor_over_reference": round(floor_s / ref_s, 2),
            "build_rss": b_rss, "build_over_reference": round(b_wall / ref_s, 2), "timings": done["timings"]}
@@ -288,6 +290,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--layers", type=int, nargs="+", default=[2, 4], help="decoder layer counts (default 2 4)")
     ap.add_argument("--full", action="store_true", help="also 32 layers (a 16 GB checkpoint)")
+    ap.add_argument("--mesh", default="N150", help="the mesh built for and checked on (default N150; "
+                    "issue 38: emulated / original layer <= 1.0 on N150, <= 1.3 on T3K and TG)")
     ap.add_argument("--no-check", action="store_true", help="measure the build only")
     ap.add_argument("--work", type=Path, help="work directory (default: a temp dir)")
     ap.add_argument("--keep", action="store_true", help="keep checkpoints and packages")
@@ -324,7 +328,7 @@ def main() -> None:
     rows = []
     try:
         for L in depths:
-            rows.append(one_depth(work, L, not args.no_check, env, args.check_prompt_len))
+            rows.append(one_depth(work, L, not args.no_check, env, args.check_prompt_len, args.mesh))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)  # as measured, before the table
             if not args.keep:
                 for p in (work / f"ckpt-{L}", work / f"out-{L}"):
@@ -336,7 +340,7 @@ def main() -> None:
         print(json.dumps(rows, indent=1))
         return
     gib = 2 ** 30
-    print(f"Llama-3.1-8B-shaped random checkpoint (bf16), bfp8 weights on N150; {os.cpu_count()} CPUs, "
+    print(f"Llama-3.1-8B-shaped random checkpoint (bf16), bfp8 weights on {args.mesh}; {os.cpu_count()} CPUs, "
           f"Python {sys.version.split()[0]}")
     print()
     print("| layers | checkpoint | cp + sha256 (reference) | build wall | build / reference (target <= 3x) "
