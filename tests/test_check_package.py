@@ -209,3 +209,38 @@ def test_check_cli_takes_a_package_directory(tmp_path):
     (ckpt / "model.safetensors").write_bytes(b"x" * 10)
     r = runner.invoke(app, ["check", pkg])
     assert r.exit_code == 2 and "changed since the package was built" in r.output
+
+
+@pytest.mark.parametrize("mesh", ["N300", "TG"])
+def test_expected_lm_head_bands_are_the_whole_head_as_stored(mesh, monkeypatch):
+    """check's expected side rounds a block-float LM head in bands of hidden rows (bounded memory
+    at a 128k vocabulary), also where the plan splits the hidden dim over a mesh axis (TG): the
+    bands together are, bit for bit, the whole head cut and rounded as the package stores it."""
+    from ttbundle.check.expected import ExpectedWeights
+    from ttbundle.package.load import load_package
+
+    seen: dict = {}
+
+    class Done(Exception):
+        pass
+
+    def compare(pkg):
+        ew = ExpectedWeights(load_package(pkg), seen["src"])
+        dim0 = ew.decls["lm_head"].dims[0]
+        seen["split"] = any(list(u) != list(range(dim0.size)) for u in ew.weights.units["lm_head"][0])
+        monkeypatch.setattr(ExpectedWeights, "HEAD_BAND", 24)  # bands not aligned to the split
+        bands = list(ew.lm_head_bands())
+        (_, _, srcs), = [j for j in ew.jobs if j[0] == "lm_head"]
+        whole = ew._canonical_stored("lm_head", srcs)
+        seen["bands"] = [(r0, r1) for r0, r1, _ in bands]
+        seen["equal"] = torch.equal(torch.cat([rows for _, _, rows in bands]), whole)
+        plain = ew.ck.get(srcs[0][1][0]).float()  # the checkpoint's own (bf16) values
+        seen["rounded"] = not torch.equal(whole, plain.t() if plain.shape != whole.shape else plain)
+        raise Done
+
+    with pytest.raises(Done):
+        run_check(stored("llama", "bfp8"), mesh, random_weights=True,
+                  checkpoint_hook=lambda src: seen.update(src=src), package_hook=compare)
+    assert seen["split"] == (mesh == "TG")  # N300 holds every hidden row on each device
+    assert len(seen["bands"]) > 1 and seen["bands"][-1][1] == 256
+    assert seen["equal"] and seen["rounded"]

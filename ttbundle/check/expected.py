@@ -226,21 +226,20 @@ class ExpectedWeights:
         decl, units, enc = self.decls[name], self.weights.units[name], self.weights.dtypes[name]
         tf = self.table[name].transform
         hidden = decl.dims[0].length
-        whole_rows = all(list(u) == list(range(decl.dims[0].size)) for u in units[0])
-        if tf not in ("t", "id") or len(srcs) != 1 or not whole_rows:
+        if tf not in ("t", "id") or len(srcs) != 1 or decl.dims[0].unit != 1:
             return [(0, hidden, self._canonical_stored(name, srcs))]
         return self._bands(name, srcs, decl, units, enc, tf, hidden)
 
     def _bands(self, name, srcs, decl, units, enc, tf, hidden):
+        """Bands of whole hidden rows: each device's rows of a band (its own rows there, the hidden
+        dim may be split over a mesh axis as on TG; padding rows dropped: a row rounds alone) cut
+        with its own vocab columns, as :meth:`_canonical_stored` cuts the whole tensor."""
         src = self.ck.get(srcs[0][1][0])  # [vocab, hidden] ("t") or [hidden, vocab] ("id")
         for r0 in range(0, hidden, self.HEAD_BAND):
             r1 = min(hidden, r0 + self.HEAD_BAND)
             c = (src[:, r0:r1].t() if tf == "t" else src[r0:r1]).float()
-            dim0 = replace(decl.dims[0], size=r1 - r0, unit=1) if decl.dims[0].unit == 1 else None
-            if dim0 is None:  # rows in units of more than one: round the whole
-                yield 0, hidden, self._canonical_stored(name, srcs)
-                return
-            rows = [[list(range(r1 - r0))] * len(units[0]), units[1]]
+            dim0 = replace(decl.dims[0], size=r1 - r0, unit=1)
+            rows = [[[i - r0 for i in u if r0 <= i < r1] for u in units[0]], units[1]]
             yield r0, r1, stored_values(c, rows, (dim0, decl.dims[1]), self.devices, enc)
 
     def _canonical_stored(self, name, srcs):
