@@ -1,8 +1,11 @@
 """Block-float conversion speed: MB of float32 input per second (best of N runs).
 
 The figure issue 4 asks for is bfp8 encode of a 4096x4096 float32 tensor (64 MiB in). Also
-printed: bfp4 encode, decode (MB of float32 out) and quantize (encode + decode, what the emulated
-backend does), and bf16 input (what safetensors checkpoints hold; MB of bf16 in).
+printed: bfp4 encode, decode (MB of float32 out), the transposed decode (``decode_array_t``: a
+package's matrix as the emulated GEMM holds it, what check and serving read per layer) and quantize
+(encode + decode, what check's expected side does), and bf16 input (what safetensors checkpoints
+hold; MB of bf16 in). The floor printed beside the decodes: widening one byte per value to float32
+(``np.copyto``, one read and one write pass, no block-float arithmetic), which any decode costs.
 
 Run: .venv/bin/python benches/bench_blockfloat.py [--rows 4096] [--cols 4096] [--repeat 3]
 """
@@ -36,13 +39,18 @@ def main():
     x = np.random.default_rng(0).standard_normal((args.rows, args.cols)).astype(np.float32)
     mb = x.nbytes / 1e6
     print(f"input: {args.rows}x{args.cols} float32 = {mb:.1f} MB; best of {args.repeat}")
+    u8, out = np.zeros(x.shape, np.uint8), np.empty(x.shape, np.float32)
+    floor = best(lambda: np.copyto(out, u8, casting="unsafe"), args.repeat)
+    print(f"floor    {mb / floor:7.1f} MB/s   ({floor * 1e3:6.0f} ms: one byte per value widened to float32)")
     for fmt in ("bfp8", "bfp4"):
         data = bf.encode(x, fmt)
         enc = best(lambda: bf.encode(x, fmt), args.repeat)
         dec = best(lambda: bf.decode_array(data, x.shape, fmt), args.repeat)
+        dec_t = best(lambda: bf.decode_array_t(data, x.shape, fmt), args.repeat)
         qua = best(lambda: bf.quantize_array(x, fmt), args.repeat)
         print(f"{fmt} encode   {mb / enc:7.1f} MB/s   ({enc * 1e3:6.0f} ms, {len(data) / 1e6:.1f} MB out)")
         print(f"{fmt} decode   {mb / dec:7.1f} MB/s   ({dec * 1e3:6.0f} ms)")
+        print(f"{fmt} decode_t {mb / dec_t:7.1f} MB/s   ({dec_t * 1e3:6.0f} ms)")
         print(f"{fmt} quantize {mb / qua:7.1f} MB/s   ({qua * 1e3:6.0f} ms)")
     try:
         import torch

@@ -24,6 +24,8 @@ asked for. Work is chunked over rows of tiles so memory stays ~ the input + the 
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -367,13 +369,44 @@ def _values_into(code: np.ndarray, e: np.ndarray, f: Format, out: np.ndarray) ->
         out[where] = _value_table(f.name)[np.broadcast_to(e, code.shape)[where], code[where]]
 
 
-def _decode_rows(shared: np.ndarray, code: np.ndarray, f: Format) -> np.ndarray:
-    """float32 ``[r, Wp]`` from row-layout exponents ``[r, Wp/16]`` and codes ``[r, Wp]``."""
+def _decode_rows(shared: np.ndarray, code: np.ndarray, f: Format, out: np.ndarray) -> None:
+    """``out`` (float32 ``[r', w']``) = the first ``r'`` rows and ``w'`` columns of the values of
+    row-layout exponents ``[r, Wp/16]`` and codes ``[r, Wp]`` (padding dropped): decoded straight
+    into ``out`` where nothing is padding, else through one temporary."""
     r, wp = code.shape
-    out = np.empty((r, wp), np.float32)
+    whole = out if out.shape == (r, wp) and out.flags.c_contiguous else np.empty((r, wp), np.float32)
     _values_into(code.reshape(r, wp // FACE, FACE), shared.reshape(r, wp // FACE, 1), f,
-                 out.reshape(r, wp // FACE, FACE))
-    return out
+                 whole.reshape(r, wp // FACE, FACE))
+    if whole is not out:
+        out[...] = whole[: out.shape[0], : out.shape[1]]
+
+
+#: glibc's mallopt parameters (malloc.h) and the values :func:`_steady_heap` sets
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD = 32 << 20, 64 << 20
+_HEAP_SET = False
+
+
+def _steady_heap() -> None:
+    """Once per process, before encoding: keep the encoder's per-slab temporaries (a few MB each
+    step) in glibc's heap instead of mapping and unmapping them every step. glibc starts with a
+    128 KiB mmap threshold that only rises when a large enough block happens to be freed, so in a
+    process that has not done that yet each temporary is a fresh mapping, its pages faulted in
+    and zeroed every slab: ~200,000 minor faults and about half the time of encoding a 4,096 x
+    14,336 matrix (benches/bench_blockfloat.py, docs/benchmarks.md). Sets the mmap threshold to
+    32 MiB (larger blocks, tensors, are still mapped and unmapped) and the trim threshold to 64 MiB
+    (free memory above that at the heap's top goes back at once; ``package.shards.trim_heap``
+    returns the rest per layer). A no-op where the C library has no ``mallopt``."""
+    global _HEAP_SET
+    if _HEAP_SET:
+        return
+    _HEAP_SET = True
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
+        libc.mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
+    except (OSError, AttributeError):
+        pass
 
 
 # ---- public API --------------------------------------------------------------------------------
@@ -387,6 +420,7 @@ def encode(x, fmt: str | Format) -> bytes:
 def encode_array(x, fmt: str | Format) -> np.ndarray:
     """:func:`encode` as a ``uint8`` array of shape ``[num_tiles, tile_bytes]`` (no final copy)."""
     f = get_format(fmt)
+    _steady_heap()
     a, kind = _as_array(x)
     lead, h, w = _dims(a.shape)
     src = a.reshape(lead, h, w)
@@ -424,8 +458,7 @@ def decode_array(data, shape, fmt: str | Format) -> np.ndarray:
     for b, r0, r1 in _slabs(lead, h, w):
         n = (-(-(r1 - r0) // TILE)) * (wp // TILE)
         shared, code = _unpack(tiles[i: i + n], f)
-        rows = _decode_rows(_untilize_exponents(shared, wp), _untilize(code, wp), f)
-        out[b, r0:r1] = rows[: r1 - r0, :w]
+        _decode_rows(_untilize_exponents(shared, wp), _untilize(code, wp), f, out[b, r0:r1])
         i += n
     return out.reshape(shape)
 
@@ -482,6 +515,7 @@ def decode(data, shape, fmt: str | Format):
 def quantize_array(x, fmt: str | Format) -> np.ndarray:
     """``decode_array(encode(x))`` without the byte round trip: the values the device holds."""
     f = get_format(fmt)
+    _steady_heap()
     a, kind = _as_array(x)
     lead, h, w = _dims(a.shape)
     src = a.reshape(lead, h, w)
@@ -489,8 +523,7 @@ def quantize_array(x, fmt: str | Format) -> np.ndarray:
     out = np.empty((lead, h, w), np.float32)
     for b, r0, r1 in _slabs(lead, h, w):
         u = _padded_slab(src, b, r0, r1, kind, wp, native=True)
-        rows = _decode_rows(*(_encode_rows_bf16 if kind == "bf16" else _encode_rows)(u, f), f)
-        out[b, r0:r1] = rows[: r1 - r0, :w]
+        _decode_rows(*(_encode_rows_bf16 if kind == "bf16" else _encode_rows)(u, f), f, out[b, r0:r1])
     return out.reshape(a.shape)
 
 
