@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 import struct
-import sys
 
 import numpy as np
 import pytest
@@ -404,29 +403,3 @@ def test_errors():
     with pytest.raises(TypeError, match="float"):
         bf.encode(np.ones((4, 4), np.int32), "bfp8")
 
-
-_FAULTS = """
-import resource, sys
-import numpy as np
-from ttbundle import blockfloat as bf
-x = np.random.default_rng(0).standard_normal((4096, 14336)).astype(np.float32)
-bf.encode_array(x, "bfp8")
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-bf.encode_array(x, "bfp8")
-bf.quantize_array(x, "bfp8")
-print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
-"""
-
-
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and getrusage's minor faults")
-def test_encoding_does_not_fault_its_temporaries_in_every_slab():
-    """A fresh process encoding (and quantizing) a 4,096 x 14,336 matrix (an 8B model's MLP), one
-    tile row per slab, keeps the slabs' temporaries in the heap (``blockfloat._steady_heap``):
-    its second encode and a quantize fault in about a thousand pages, not the ~300,000 that
-    mapping every temporary afresh costs (glibc's starting thresholds; measured), which doubled
-    the encode's time."""
-    import subprocess
-
-    r = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, check=True)
-    faults = int(r.stdout.split()[-1])
-    assert faults < 10000, f"{faults} minor page faults: the encoder's temporaries are mapped afresh per slab"

@@ -24,8 +24,6 @@ asked for. Work is chunked over rows of tiles so memory stays ~ the input + the 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 from dataclasses import dataclass
 from functools import lru_cache
@@ -381,34 +379,6 @@ def _decode_rows(shared: np.ndarray, code: np.ndarray, f: Format, out: np.ndarra
         out[...] = whole[: out.shape[0], : out.shape[1]]
 
 
-#: glibc's mallopt parameters (malloc.h) and the values :func:`_steady_heap` sets
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-HEAP_MMAP_THRESHOLD, HEAP_TRIM_THRESHOLD = 32 << 20, 64 << 20
-_HEAP_SET = False
-
-
-def _steady_heap() -> None:
-    """Once per process, before encoding: keep the encoder's per-slab temporaries (a few MB each
-    step) in glibc's heap instead of mapping and unmapping them every step. glibc starts with a
-    128 KiB mmap threshold that only rises when a large enough block happens to be freed, so in a
-    process that has not done that yet each temporary is a fresh mapping, its pages faulted in
-    and zeroed every slab: ~200,000 minor faults and about half the time of encoding a 4,096 x
-    14,336 matrix (benches/bench_blockfloat.py, docs/benchmarks.md). Sets the mmap threshold to
-    32 MiB (larger blocks, tensors, are still mapped and unmapped) and the trim threshold to 64 MiB
-    (free memory above that at the heap's top goes back at once; ``package.shards.trim_heap``
-    returns the rest per layer). A no-op where the C library has no ``mallopt``."""
-    global _HEAP_SET
-    if _HEAP_SET:
-        return
-    _HEAP_SET = True
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(_M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD)
-        libc.mallopt(_M_TRIM_THRESHOLD, HEAP_TRIM_THRESHOLD)
-    except (OSError, AttributeError):
-        pass
-
-
 # ---- public API --------------------------------------------------------------------------------
 def encode(x, fmt: str | Format) -> bytes:
     """Block-float tiles of ``x`` (torch tensor or numpy array; float32, bf16, fp16 or fp64 [cast to
@@ -420,7 +390,6 @@ def encode(x, fmt: str | Format) -> bytes:
 def encode_array(x, fmt: str | Format) -> np.ndarray:
     """:func:`encode` as a ``uint8`` array of shape ``[num_tiles, tile_bytes]`` (no final copy)."""
     f = get_format(fmt)
-    _steady_heap()
     a, kind = _as_array(x)
     lead, h, w = _dims(a.shape)
     src = a.reshape(lead, h, w)
@@ -515,7 +484,6 @@ def decode(data, shape, fmt: str | Format):
 def quantize_array(x, fmt: str | Format) -> np.ndarray:
     """``decode_array(encode(x))`` without the byte round trip: the values the device holds."""
     f = get_format(fmt)
-    _steady_heap()
     a, kind = _as_array(x)
     lead, h, w = _dims(a.shape)
     src = a.reshape(lead, h, w)
