@@ -402,4 +402,3 @@ def test_errors():
         bf.decode_array(b"\0" * 100, (40, 70), "bfp8")
     with pytest.raises(TypeError, match="float"):
         bf.encode(np.ones((4, 4), np.int32), "bfp8")
-

@@ -455,9 +455,9 @@ def decode_columns_t(tiles: np.ndarray, h: int, w: int, fmt: str | Format, c0: i
         c = np.ascontiguousarray(c).reshape(2 * n, FACE, ht * TILE)
         e = shared.reshape(ht, n, 2, 2, FACE).transpose(1, 3, 0, 2, 4).reshape(2 * n, 1, ht * TILE)
         r0, r1 = (a - c0) * TILE, min((z - c0) * TILE, out.shape[0])
-        if (n * TILE, ht * TILE) == (r1 - r0, h):
+        if (n * TILE, ht * TILE) == (r1 - r0, h) and out.flags.c_contiguous:  # a view, written in place
             _values_into(c, e, f, out[r0:r1].reshape(c.shape))
-        else:  # padding: the last tile column or tile row is partial
+        else:  # padding (the last tile column or tile row is partial), or an ``out`` reshape would copy
             full = np.empty(c.shape, np.float32)
             _values_into(c, e, f, full)
             out[r0:r1] = full.reshape(n * TILE, ht * TILE)[: r1 - r0, :h]
